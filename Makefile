@@ -1,0 +1,34 @@
+# The README's two commands. Both create (or reuse) the environment first.
+#   make demo   the demo archive against the embedded local target (real llama-server + Gemma-3-270M)
+#   make test   the whole test suite (what .ci/run calls)
+PY      ?= python3
+VENV    ?= .venv
+STAMP   := $(VENV)/.installed
+SYSTEM_PACKAGES := cmake ninja-build g++ openssh-server sysstat chromium fonts-dejavu-core iproute2 procps
+
+.PHONY: demo test env system clean-outputs
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -e .
+	touch $(STAMP)
+
+env: $(STAMP)
+
+# Debian packages the tests need (real sshd, sysstat, headless chromium, the llama.cpp toolchain).
+# Installed only where missing; needs root (as on CI and the dev machines).
+system:
+	@missing=""; for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then echo "installing:$$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; fi
+
+demo: $(STAMP)
+	$(VENV)/bin/servelab demo
+
+test: $(STAMP) system
+	$(VENV)/bin/servelab build --tiny-only
+	$(VENV)/bin/python -m pytest -q
+
+clean-outputs:
+	rm -rf outputs

@@ -1,0 +1,229 @@
+"""``servelab`` command line: run a phase end to end, the demo archive, rendering, and help.
+
+    servelab run phase1 --target local [--run-id ID] [-p key=value ...] [--resume]
+    servelab demo [--run-id ID]
+    servelab render RUN_ID [PHASE]
+    servelab phases | targets | params PHASE
+    servelab build            # build/cache llama-server and the models
+
+Everything is validated before anything starts: an unknown phase, target or parameter is an error
+that names the closest valid one.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from servelab.params import ParamError, available_targets, coerce, load_target, notebook_param_specs, \
+    parse_overrides, resolve_phase_params
+from servelab.phase import NOTEBOOKS, available_phases, notebook_path
+from servelab.paths import project_root
+
+# phases the demo runs, in order; those without a live meaning locally read data/samples themselves
+DEMO_PHASES = ("phase0", "phase1", "phase2", "phase3", "phase5", "phase4", "phase6", "phase7", "phase8", "phase9")
+
+
+def _term_to_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def validate(phase: str, target: str, overrides: dict[str, str]) -> tuple[Path, dict[str, Any]]:
+    """Resolve and check everything a phase run needs; no side effect. Returns (notebook, parameters)."""
+    nb = notebook_path(phase)
+    load_target(target)
+    params = resolve_phase_params(nb, phase.split("_")[0], overrides=overrides)
+    params["target"] = target
+    return nb, params
+
+
+def execute_phase(phase: str, target: str, run_id: str, overrides: dict[str, str], render: bool = True,
+                  timeout_s: int | None = None) -> tuple[Path, str]:
+    """Execute the phase notebook with papermill into ``outputs/<run_id>/<phase>/notebook.ipynb`` and render
+    ``report.html``. Returns (run_dir, status)."""
+    import papermill as pm
+
+    from servelab import run as runlib
+    from servelab.report.archive import write_root_index, write_run_index
+    from servelab.report.html import render_notebook
+
+    nb, _ = validate(phase, target, overrides)
+    key = phase.split("_")[0]
+    specs = notebook_param_specs(nb)
+    params: dict[str, Any] = {k: coerce(specs[k], v, "-p") for k, v in overrides.items()}
+    params.update(run_id=run_id, target=target)
+    rdir = runlib.init_run(run_id, target)
+    out_nb = rdir / key / "notebook.ipynb"
+    out_nb.parent.mkdir(parents=True, exist_ok=True)
+    status = "success"
+    error: BaseException | None = None
+    t0 = time.monotonic()
+    try:
+        pm.execute_notebook(str(nb), str(out_nb), parameters=params, kernel_name="python3",
+                            cwd=str(project_root()), progress_bar=False, execution_timeout=timeout_s,
+                            request_save_on_cell_execute=True)
+    except KeyboardInterrupt:
+        status, error = "interrupted", None
+        runlib.update_manifest(rdir, phases={key: {"status": "interrupted", "ended": runlib.now_iso()}})
+        raise
+    except Exception as exc:  # the notebook failed: keep everything, mark the phase, still render
+        status, error = "failed", exc
+        m = runlib.read_manifest(rdir)
+        entry = {**m.get("phases", {}).get(key, {}), "status": "failed", "ended": runlib.now_iso(),
+                 "error": str(exc).splitlines()[0][:500] if str(exc) else type(exc).__name__}
+        runlib.update_manifest(rdir, phases={key: entry})
+    finally:
+        m = runlib.read_manifest(rdir)
+        entry = m.get("phases", {}).get(key, {})
+        entry["wall_s"] = round(time.monotonic() - t0, 1)
+        runlib.update_manifest(rdir, phases={key: entry})
+        if render and out_nb.exists():
+            render_notebook(out_nb, rdir / key / "report.html",
+                            {"run_id": run_id, "phase": key, "target": target, "status": entry.get("status", status),
+                             "title": f"{key} · {NOTEBOOKS[key]}"})
+        write_run_index(rdir)
+        write_root_index(rdir.parent)
+    if error is not None:
+        status = "failed"
+    return rdir, status
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from servelab.run import new_run_id, validate_run_id
+    overrides = parse_overrides(args.p or [])
+    if args.resume:
+        overrides.setdefault("resume", "true")
+    validate(args.phase, args.target, overrides)            # before any side effect
+    run_id = validate_run_id(args.run_id) if args.run_id else new_run_id(args.target)
+    rdir, status = execute_phase(args.phase, args.target, run_id, overrides, render=not args.no_render,
+                                 timeout_s=args.timeout)
+    key = args.phase.split("_")[0]
+    print(f"{key}: {status}")
+    print(rdir / key / "report.html")
+    print(rdir / "index.html")
+    return 0 if status == "success" else 1
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from servelab.run import new_run_id, validate_run_id
+    run_id = validate_run_id(args.run_id) if args.run_id else new_run_id("demo")
+    phases = [p for p in DEMO_PHASES if p in available_phases()]
+    if args.phases:
+        phases = [p for p in args.phases.split(",") if p]
+    for p in phases:
+        validate(p, args.target, {})
+    from servelab.llamacpp_build import ensure_llama_server
+    from servelab.models import resolve_model
+    t0 = time.monotonic()
+    ensure_llama_server()
+    resolve_model(load_target(args.target).model)
+    print(f"llama-server and model ready in {time.monotonic() - t0:.1f} s", flush=True)
+    failed = []
+    rdir = None
+    for p in phases:
+        t = time.monotonic()
+        rdir, status = execute_phase(p, args.target, run_id, {}, timeout_s=args.timeout)
+        print(f"{p}: {status} in {time.monotonic() - t:.1f} s", flush=True)
+        if status != "success":
+            failed.append(p)
+    assert rdir is not None
+    print(f"index: {rdir / 'index.html'}")
+    return 1 if failed else 0
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    from servelab.report.archive import write_root_index, write_run_index
+    from servelab.report.html import render_notebook
+    from servelab.run import read_manifest, run_dir
+    rdir = run_dir(args.run_id)
+    if not rdir.exists():
+        raise ParamError(f"no run directory {rdir}")
+    m = read_manifest(rdir)
+    phases = [args.phase] if args.phase else list(m.get("phases", {}))
+    for p in phases:
+        nb = Path(args.notebook) if args.notebook else rdir / p / "notebook.ipynb"
+        if nb.exists():
+            status = m.get("phases", {}).get(p, {}).get("status", "")
+            out = render_notebook(nb, rdir / p / "report.html", {"run_id": args.run_id, "phase": p,
+                                                                 "target": m.get("target", ""), "status": status,
+                                                                 "title": f"{p} · {NOTEBOOKS.get(p, p)}"})
+            print(out)
+    write_run_index(rdir)
+    write_root_index(rdir.parent)
+    print(rdir / "index.html")
+    return 0
+
+
+def cmd_params(args: argparse.Namespace) -> int:
+    nb = notebook_path(args.phase)
+    for s in notebook_param_specs(nb).values():
+        print(f"{s.name:28s} {s.type_name:6s} = {s.default!r:24s} # {s.help}")
+    return 0
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    from servelab.llamacpp_build import ensure_llama_server
+    from servelab.models import gemma_model, tiny_model
+    t0 = time.monotonic()
+    print(ensure_llama_server(), f"({time.monotonic() - t0:.1f} s)")
+    print(tiny_model())
+    if not args.tiny_only:
+        print(gemma_model())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="servelab", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run one phase end to end (papermill + HTML)")
+    r.add_argument("phase", help=f"one of: {', '.join(NOTEBOOKS)}")
+    r.add_argument("--target", default="local", help="params/targets/<name>.yaml or a path")
+    r.add_argument("--run-id", help="add this phase to an existing investigation (default: a new id)")
+    r.add_argument("-p", action="append", metavar="KEY=VALUE", help="override a phase parameter (repeatable)")
+    r.add_argument("--resume", action="store_true", help="skip cases already measured successfully")
+    r.add_argument("--no-render", action="store_true")
+    r.add_argument("--timeout", type=int, default=None, help="per-cell timeout in seconds")
+    r.set_defaults(fn=cmd_run)
+    d = sub.add_parser("demo", help="the demo archive against the embedded local target")
+    d.add_argument("--run-id")
+    d.add_argument("--target", default="local")
+    d.add_argument("--phases", help="comma-separated subset (default: every phase that exists)")
+    d.add_argument("--timeout", type=int, default=None)
+    d.set_defaults(fn=cmd_demo)
+    rn = sub.add_parser("render", help="(re)render a run's pages and indexes")
+    rn.add_argument("run_id")
+    rn.add_argument("phase", nargs="?")
+    rn.add_argument("--notebook", help="an executed notebook (e.g. from plain papermill) to render as PHASE")
+    rn.set_defaults(fn=cmd_render)
+    sub.add_parser("phases", help="list phases").set_defaults(
+        fn=lambda a: print("\n".join(f"{k}  {v}{'' if k in available_phases() else '  (not yet)'}"
+                                     for k, v in NOTEBOOKS.items())) or 0)
+    sub.add_parser("targets", help="list targets").set_defaults(fn=lambda a: print("\n".join(available_targets())) or 0)
+    pp = sub.add_parser("params", help="a phase's parameters, types and defaults")
+    pp.add_argument("phase")
+    pp.set_defaults(fn=cmd_params)
+    b = sub.add_parser("build", help="build and cache llama-server and the local models")
+    b.add_argument("--tiny-only", action="store_true")
+    b.set_defaults(fn=cmd_build)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _term_to_interrupt)
+    try:
+        return int(args.fn(args) or 0)
+    except ParamError as exc:
+        print(f"servelab: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("servelab: interrupted; everything measured so far is kept in the run directory", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""llama.cpp adapter: the embedded default target (``llama-server`` on 127.0.0.1).
+
+Endpoints (verified on llama.cpp 0.5.0 / llama-cpp-python 0.3.36): ``/health``, ``/metrics``
+(with ``--metrics``), ``/tokenize``, ``/detokenize``, ``/slots`` (with ``--slots``), ``/props``,
+``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``. No histograms in /metrics.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from servelab.engines.base import EngineAdapter, LaunchPlan
+from servelab.params import ParamError, Target
+
+
+class LlamaCppAdapter(EngineAdapter):
+    name = "llamacpp"
+    extra_launch_keys = {
+        "binary": "path of llama-server (default: built and cached by servelab)",
+        "parallel": "slots (-np): concurrent sequences; the context is split over them",
+        "threads": "CPU threads (-t)",
+        "n_gpu_layers": "-ngl",
+        "batch_size": "-b logical batch",
+        "ubatch_size": "-ub physical batch",
+    }
+    health_path = "/health"
+    metrics_path = "/metrics"
+    tokenize_path = "/tokenize"
+    flush_cache_path = None          # per-slot prompt cache; requests send cache_prompt=false instead
+    version_paths = ("/props", "/v1/models")
+    metric_names = {
+        "running": "llamacpp:requests_processing", "waiting": "llamacpp:requests_deferred",
+        "prompt_tokens_total": "llamacpp:prompt_tokens_total",
+        "cached_tokens_total": "llamacpp:prompt_tokens_cached_total",
+        "generation_tokens_total": "llamacpp:tokens_predicted_total",
+        "prompt_seconds_total": "llamacpp:prompt_seconds_total",
+        "generation_seconds_total": "llamacpp:tokens_predicted_seconds_total",
+        "decode_calls_total": "llamacpp:n_decode_total",
+        "busy_slots_per_decode": "llamacpp:n_busy_slots_per_decode",
+        "spec_drafts_total": "llamacpp:spec_decode_num_drafts_total",
+        "spec_draft_tokens_total": "llamacpp:spec_decode_num_draft_tokens_total",
+        "spec_accepted_tokens_total": "llamacpp:spec_decode_num_accepted_tokens_total",
+    }
+    log_markers = {
+        "ready": r"server is listening on",
+        "crash": r"(terminate called|Segmentation fault|GGML_ASSERT|error: )",
+        "oom": r"(failed to allocate|out of memory)",
+    }
+
+    def validate_launch(self, launch: dict[str, Any], source: str) -> None:
+        super().validate_launch(launch, source)
+        for key in ("tp", "pp", "dp", "ep"):
+            if int(launch.get(key, 1)) != 1:
+                raise ParamError(f"{source}: llama.cpp serves one process: launch.{key} must be 1")
+        if launch.get("mode", "bare") != "bare":
+            raise ParamError(f"{source}: the llamacpp engine runs bare (mode: bare)")
+
+    def launch_plans(self, target: Target, port: int, binary: str | None = None,
+                     model_path: str | None = None, draft_path: str | None = None) -> list[LaunchPlan]:
+        """The ``llama-server`` argv for the head node (llama.cpp serves from one process)."""
+        la = target.launch
+        exe = binary or la.get("binary") or "llama-server"
+        argv = [str(exe), "-m", str(model_path or target.model), "-a", target.served_model_name or "default",
+                "--host", target.api_host, "--port", str(port),
+                "-c", str(la.get("context_length", 16384)), "-np", str(la.get("parallel", 8)),
+                "-t", str(la.get("threads", 2)), "--metrics", "--slots"]
+        if la.get("n_gpu_layers") is not None:
+            argv += ["-ngl", str(la["n_gpu_layers"])]
+        if la.get("batch_size") is not None:
+            argv += ["-b", str(la["batch_size"])]
+        if la.get("ubatch_size") is not None:
+            argv += ["-ub", str(la["ubatch_size"])]
+        if la.get("prefix_cache") is False:
+            argv += ["--cache-reuse", "0"]
+        spec = la.get("spec") or {}
+        if spec:
+            argv += ["-md", str(draft_path or spec.get("draft_model")), "--draft-max",
+                     str(spec.get("num_draft_tokens", 8)), "--draft-min", str(spec.get("draft_min", 0))]
+        argv += [str(a) for a in la.get("extra_args", [])]
+        return [LaunchPlan(node=target.head.name, argv=argv, env=dict(target.env), port=port,
+                           health_path=self.health_path)]

@@ -1,0 +1,87 @@
+"""The archive: ``outputs/<run_id>/index.html`` (one investigation) and ``outputs/index.html`` (all runs).
+
+Plain static HTML, no scripts, every value escaped; works opened from disk or from any static server.
+"""
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+from typing import Any
+
+from servelab.paths import outputs_root
+from servelab.phase import NOTEBOOKS
+from servelab.run import now_iso, read_manifest
+
+CSS = """body{font-family:sans-serif;max-width:1100px;margin:20px auto;color:#222}
+table{border-collapse:collapse;width:100%;margin:8px 0}th,td{border:1px solid #ddd;padding:6px 8px;text-align:left;
+vertical-align:top}th{background:#f3f6fa}.ok{color:#2e7d32;font-weight:600}.bad{color:#c0392b;font-weight:600}
+.run{color:#b58900;font-weight:600}.samples{background:#fff4ce;padding:1px 5px;border-radius:3px;font-size:.85em}
+a{color:#2e6da4}small{color:#666}"""
+
+
+def _status_class(status: str) -> str:
+    return {"success": "ok", "failed": "bad", "running": "run"}.get(status, "")
+
+
+def _headline(h: dict[str, Any]) -> str:
+    return "<br>".join(f"{html.escape(str(k))}: <b>{html.escape(str(v))}</b>" for k, v in (h or {}).items())
+
+
+def write_run_index(run_dir: Path) -> Path:
+    """``outputs/<run_id>/index.html``: phases with status, headline numbers and links."""
+    m = read_manifest(run_dir)
+    rows = []
+    for phase in sorted(m.get("phases", {}), key=lambda p: int(p[5:]) if p[5:].isdigit() else 99):
+        e = m["phases"][phase]
+        report = run_dir / phase / "report.html"
+        link = (f'<a href="{html.escape(phase)}/report.html">{html.escape(phase)}</a>' if report.exists()
+                else html.escape(phase))
+        status = str(e.get("status", ""))
+        samples = ' <span class="samples">recorded sample data</span>' if e.get("from_samples") else ""
+        not_exec = e.get("not_executed") or []
+        rows.append(f"<tr><td>{link}<br><small>{html.escape(NOTEBOOKS.get(phase, ''))}</small></td>"
+                    f'<td class="{_status_class(status)}">{html.escape(status)}{samples}</td>'
+                    f"<td><small>{html.escape(str(e.get('started', '')))}<br>{html.escape(str(e.get('ended', '')))}"
+                    f"</small></td><td>{_headline(e.get('headline', {}))}</td>"
+                    f"<td>{html.escape(', '.join(map(str, not_exec))) or '-'}</td></tr>")
+    tool = m.get("tool", {})
+    body = (f"<h1>servelab run {html.escape(m.get('run_id', run_dir.name))}</h1>"
+            f"<p>target <b>{html.escape(str(m.get('target', '')))}</b> · created {html.escape(str(m.get('created', '')))}"
+            f" · servelab {html.escape(str(tool.get('version', '')))} @ {html.escape(str(tool.get('commit') or '-'))[:12]}"
+            f"{' (dirty)' if tool.get('dirty') else ''} · <a href='manifest.json'>manifest.json</a>"
+            f" · <a href='commands.jsonl'>commands.jsonl</a> · <a href='../index.html'>all runs</a></p>"
+            "<table><tr><th>phase</th><th>status</th><th>started / ended</th><th>headline</th>"
+            "<th>not executed</th></tr>" + "".join(rows) + "</table>"
+            f"<p><small>written {html.escape(now_iso())}</small></p>")
+    out = run_dir / "index.html"
+    out.write_text(f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>servelab "
+                   f"{html.escape(run_dir.name)}</title><style>{CSS}</style></head><body>{body}</body></html>")
+    return out
+
+
+def write_root_index(root: Path | None = None) -> Path:
+    """``outputs/index.html``: every run, newest first, with its phases and their status."""
+    root = root or outputs_root()
+    root.mkdir(parents=True, exist_ok=True)
+    runs = []
+    for d in root.iterdir():
+        if d.is_dir() and (d / "manifest.json").exists():
+            try:
+                runs.append((d, json.loads((d / "manifest.json").read_text())))
+            except json.JSONDecodeError:
+                continue
+    runs.sort(key=lambda x: x[1].get("created", ""), reverse=True)
+    rows = []
+    for d, m in runs:
+        phases = " ".join(f'<span class="{_status_class(str(e.get("status", "")))}">{html.escape(p)}</span>'
+                          for p, e in sorted(m.get("phases", {}).items()))
+        rows.append(f'<tr><td><a href="{html.escape(d.name)}/index.html">{html.escape(d.name)}</a></td>'
+                    f"<td>{html.escape(str(m.get('target', '')))}</td><td>{html.escape(str(m.get('created', '')))}</td>"
+                    f"<td>{phases}</td></tr>")
+    body = ("<h1>servelab archive</h1><table><tr><th>run</th><th>target</th><th>created</th><th>phases</th></tr>"
+            + "".join(rows) + "</table>")
+    out = root / "index.html"
+    out.write_text(f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>servelab archive</title>"
+                   f"<style>{CSS}</style></head><body>{body}</body></html>")
+    return out

@@ -1,0 +1,31 @@
+"""Render an executed phase notebook to a teaching HTML page with the servelab template (offline)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import nbformat
+
+from servelab.run import now_iso, redact_text
+
+TEMPLATES = Path(__file__).resolve().parents[1] / "templates"
+
+
+def render_notebook(executed: Path, out_html: Path, meta: dict[str, Any]) -> Path:
+    """Write ``out_html`` from the executed notebook; ``meta`` (run_id, phase, target, status, title) goes
+    to the page header. Secrets that slipped into outputs are redacted; nbconvert escapes the rest."""
+    from nbconvert import HTMLExporter
+
+    nb = nbformat.read(str(executed), as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.source = redact_text(cell.source)
+            for out in cell.get("outputs", []):
+                if "text" in out:
+                    out["text"] = redact_text(out["text"])
+    nb.metadata["servelab"] = {**meta, "rendered": now_iso()}
+    exporter = HTMLExporter(template_name="servelab", extra_template_basedirs=[str(TEMPLATES)])
+    body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": meta.get("title", executed.stem)}})
+    out_html.parent.mkdir(parents=True, exist_ok=True)
+    out_html.write_text(body, encoding="utf-8")
+    return out_html
