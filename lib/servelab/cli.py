@@ -32,13 +32,58 @@ def _term_to_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def split_overrides(phase: str, target: str, overrides: dict[str, str]) -> tuple[dict[str, str], dict[str, Any]]:
+    """``-p`` keys are phase parameters or, where the phase has no such key, launch settings of the target's
+    engine (``-p tp_size=8``). Anything else is an error naming the closest key of either kind."""
+    from servelab.engines import engine_for
+    from servelab.params import did_you_mean
+    nb = notebook_path(phase)
+    t = load_target(target)
+    phase_keys = set(notebook_param_specs(nb))
+    launch_keys = engine_for(t.engine).launch_keys()
+    phase_over, launch_over = {}, {}
+    for k, v in overrides.items():
+        if k in phase_keys:
+            phase_over[k] = v
+        elif k in launch_keys:
+            import yaml
+            launch_over[k] = yaml.safe_load(v)
+        else:
+            raise ParamError(f"unknown parameter '{k}'{did_you_mean(k, phase_keys | launch_keys)}; "
+                             f"{phase.split('_')[0]} parameters: {', '.join(sorted(phase_keys))}; "
+                             f"{t.engine} launch settings: {', '.join(sorted(launch_keys))}")
+    if launch_over:
+        from servelab.params import target_from_dict
+        import dataclasses
+        raw = dataclasses.asdict(t)
+        raw.pop("source")
+        raw["launch"] = {**raw["launch"], **launch_over}
+        target_from_dict(raw, f"{target} with -p {launch_over}")      # validates the combination
+    return phase_over, launch_over
+
+
 def validate(phase: str, target: str, overrides: dict[str, str]) -> tuple[Path, dict[str, Any]]:
     """Resolve and check everything a phase run needs; no side effect. Returns (notebook, parameters)."""
     nb = notebook_path(phase)
-    load_target(target)
-    params = resolve_phase_params(nb, phase.split("_")[0], overrides=overrides)
+    phase_over, _ = split_overrides(phase, target, overrides)
+    params = resolve_phase_params(nb, phase.split("_")[0], overrides=phase_over)
     params["target"] = target
     return nb, params
+
+
+def derived_target(rdir: Path, target: str, launch_over: dict[str, Any]) -> str:
+    """Write the target with ``-p`` launch overrides applied into the run directory; returns its path."""
+    import dataclasses
+    import yaml
+    t = load_target(target)
+    raw = dataclasses.asdict(t)
+    raw.pop("source")
+    raw["launch"] = {**raw["launch"], **launch_over}
+    raw["description"] = f"{t.description} [-p overrides: {launch_over}]"
+    out = rdir / "targets" / f"{t.name}.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return str(out)
 
 
 def execute_phase(phase: str, target: str, run_id: str, overrides: dict[str, str], render: bool = True,
@@ -52,11 +97,15 @@ def execute_phase(phase: str, target: str, run_id: str, overrides: dict[str, str
     from servelab.report.html import render_notebook
 
     nb, _ = validate(phase, target, overrides)
+    phase_over, launch_over = split_overrides(phase, target, overrides)
     key = phase.split("_")[0]
     specs = notebook_param_specs(nb)
-    params: dict[str, Any] = {k: coerce(specs[k], v, "-p") for k, v in overrides.items()}
+    params: dict[str, Any] = {k: coerce(specs[k], v, "-p") for k, v in phase_over.items()}
+    rdir = runlib.init_run(run_id, load_target(target).name)
+    if launch_over:
+        runlib.update_manifest(rdir, launch_overrides={key: launch_over})
+        target = derived_target(rdir, target, launch_over)
     params.update(run_id=run_id, target=target)
-    rdir = runlib.init_run(run_id, target)
     out_nb = rdir / key / "notebook.ipynb"
     out_nb.parent.mkdir(parents=True, exist_ok=True)
     status = "success"

@@ -234,7 +234,8 @@ class SSHHost:
         """Start in a new session on the node (``setsid``); the group id is printed back and tracked."""
         inner = self._command(argv, env, cwd)
         log = shlex.quote(str(log_path))
-        cmd = (f"mkdir -p {shlex.quote(str(Path(log_path).parent))} && "
+        # `;` not `&&`: the background job must be setsid itself (its pid = new group id), holding no channel fd
+        cmd = (f"mkdir -p {shlex.quote(str(Path(log_path).parent))}; "
                f"setsid sh -c {shlex.quote('exec ' + inner if not cwd and not env else inner)} "
                f">>{log} 2>&1 </dev/null & echo $!")
         code, out, err = self._exec(cmd, 30)

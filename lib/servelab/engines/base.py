@@ -15,10 +15,10 @@ from servelab.params import ParamError, reject_unknown
 # launch keys every engine understands (meaning documented per key)
 COMMON_LAUNCH_KEYS: dict[str, str] = {
     "mode": "bare | docker",
-    "tp": "tensor-parallel degree",
-    "pp": "pipeline-parallel degree",
-    "dp": "data-parallel degree (attention DP with dp_attention)",
-    "ep": "expert-parallel degree",
+    "tp_size": "tensor-parallel degree",
+    "pp_size": "pipeline-parallel degree",
+    "dp_size": "data-parallel degree (attention DP with dp_attention)",
+    "ep_size": "expert-parallel degree",
     "dp_attention": "SGLang attention data parallelism",
     "mem_fraction": "GPU memory fraction for weights+KV",
     "context_length": "max context length (tokens)",
@@ -37,6 +37,9 @@ COMMON_LAUNCH_KEYS: dict[str, str] = {
     "extra_args": "list of further engine arguments, passed verbatim as argv items",
     "dist_port": "port for multi-node rendezvous",
 }
+
+
+TOPOLOGY_KEYS = ("tp_size", "pp_size", "dp_size", "ep_size")
 
 
 @dataclass
@@ -73,7 +76,7 @@ class EngineAdapter:
 
     def validate_launch(self, launch: dict[str, Any], source: str) -> None:
         reject_unknown(launch or {}, self.launch_keys(), f"{source}: launch ({self.name})")
-        for key in ("tp", "pp", "dp", "ep"):
+        for key in TOPOLOGY_KEYS:
             if key in launch and (not isinstance(launch[key], int) or launch[key] < 1):
                 raise ParamError(f"{source}: launch.{key} must be a positive integer, got {launch[key]!r}")
         if launch.get("mode", "bare") not in ("bare", "docker"):
@@ -83,7 +86,8 @@ class EngineAdapter:
             raise ParamError(f"{source}: launch.mem_fraction must be in (0, 1], got {mf}")
 
     def topology(self, launch: dict[str, Any]) -> dict[str, int]:
-        return {k: int(launch.get(k, 1)) for k in ("tp", "pp", "dp", "ep")}
+        """{"tp": .., "pp": .., "dp": .., "ep": ..} from the launch settings (1 where unset)."""
+        return {k[:2]: int(launch.get(k, 1)) for k in TOPOLOGY_KEYS}
 
     def world_size(self, launch: dict[str, Any]) -> int:
         t = self.topology(launch)

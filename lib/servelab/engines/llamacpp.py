@@ -48,7 +48,7 @@ class LlamaCppAdapter(EngineAdapter):
 
     def validate_launch(self, launch: dict[str, Any], source: str) -> None:
         super().validate_launch(launch, source)
-        for key in ("tp", "pp", "dp", "ep"):
+        for key in ("tp_size", "pp_size", "dp_size", "ep_size"):
             if int(launch.get(key, 1)) != 1:
                 raise ParamError(f"{source}: llama.cpp serves one process: launch.{key} must be 1")
         if launch.get("mode", "bare") != "bare":

@@ -1,0 +1,62 @@
+"""Parameters and targets are validated before anything runs; typos name the closest key."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from servelab.params import ParamError, load_target, notebook_param_specs, parse_overrides, resolve_phase_params, \
+    target_from_dict
+from servelab.phase import notebook_path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_target_file_is_valid():
+    for p in (ROOT / "params" / "targets").glob("*.yaml"):
+        t = load_target(str(p))
+        assert t.nodes and t.head.role == "head", p
+
+
+def test_example_cluster_is_documentation_with_the_seeds_topology():
+    t = load_target("example-2node")
+    assert t.engine == "sglang" and t.launch["tp_size"] == 16 and len(t.nodes) == 2
+    assert t.gate["required_hcas"] == ["mlx5_0", "mlx5_3"]
+    assert t.env["NCCL_IB_HCA"] == "mlx5_0,mlx5_3"
+
+
+def test_unknown_target_key_names_the_closest():
+    with pytest.raises(ParamError, match="did you mean 'engine'"):
+        target_from_dict({"name": "x", "engin": "llamacpp", "model": "tiny", "engine": "llamacpp"})
+    with pytest.raises(ParamError, match="did you mean 'local'"):
+        load_target("locl")
+
+
+def test_unknown_launch_key_is_rejected_per_engine():
+    with pytest.raises(ParamError, match="did you mean 'tp_size'"):
+        target_from_dict({"name": "x", "engine": "sglang", "model": "/m", "launch": {"tp_sise": 8}})
+    with pytest.raises(ParamError, match="must be 1"):
+        target_from_dict({"name": "x", "engine": "llamacpp", "model": "tiny", "launch": {"tp_size": 2}})
+
+
+def test_phase_params_typo_and_type_errors():
+    nb = notebook_path("phase0")
+    specs = notebook_param_specs(nb)
+    assert specs["run_id"].type_name == "str" and specs["start_engine"].default is True
+    with pytest.raises(ParamError, match="did you mean 'start_engine'"):
+        resolve_phase_params(nb, "phase0", overrides={"start_engin": "false"})
+    with pytest.raises(ParamError, match="must be float"):
+        resolve_phase_params(nb, "phase0", overrides={"health_timeout_s": "soon"})
+    out = resolve_phase_params(nb, "phase0", overrides={"start_engine": "false", "health_timeout_s": "12"})
+    assert out["start_engine"] is False and out["health_timeout_s"] == 12.0
+
+
+def test_overrides_syntax():
+    assert parse_overrides(["a=1", "b=x=y"]) == {"a": "1", "b": "x=y"}
+    with pytest.raises(ParamError, match="key=value"):
+        parse_overrides(["tp16"])
+
+
+def test_unknown_phase_names_the_closest():
+    with pytest.raises(ParamError, match="did you mean 'phase1'"):
+        notebook_path("phase11")

@@ -1,0 +1,52 @@
+"""Run directory contract: manifest with schema/tool/git, commands with three labels, secrets redacted."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from servelab import run as runlib
+from servelab.report.commands import commands_html
+
+
+def test_manifest_and_commands(outputs):
+    rdir = runlib.init_run("t-1", "local")
+    m = runlib.read_manifest(rdir)
+    assert m["schema_version"] == runlib.SCHEMA_VERSION and m["tool"]["name"] == "servelab"
+    assert "commit" in m["tool"] and "dirty" in m["tool"]
+    runlib.record_command(rdir, runlib.CommandRecord("executed", ["llama-server", "--api-key", "sk-abcdefghijklmnopqrstu"],
+                                                     phase="phase0", title="start", env={"HF_TOKEN": "hf_x",
+                                                                                          "NCCL_IB_HCA": "mlx5_0"}))
+    runlib.record_command(rdir, runlib.CommandRecord("planned", ["nsys", "profile", "<b>x</b>"], phase="phase0"))
+    with pytest.raises(ValueError):
+        runlib.record_command(rdir, runlib.CommandRecord("maybe", ["x"]))
+    raw = (rdir / "commands.jsonl").read_text()
+    assert "sk-abcdefghijklmnopqrstu" not in raw and "hf_x" not in raw and "mlx5_0" in raw
+    recs = runlib.read_commands(rdir, "phase0")
+    assert [r.label for r in recs] == ["executed", "planned"]
+    page = commands_html(rdir, "phase0")
+    assert "&lt;b&gt;x&lt;/b&gt;" in page and "<b>x</b>" not in page
+    assert "PLANNED — NOT EXECUTED" in page and "servelab-cmd-executed" in page
+
+
+def test_update_manifest_redacts(outputs):
+    rdir = runlib.init_run("t-2", "local")
+    runlib.update_manifest(rdir, launch={"env": {"MY_API_KEY": "abc", "OTHER": "ghp_" + "a" * 30}})
+    text = (rdir / "manifest.json").read_text()
+    assert "abc" not in json.loads(text)["launch"]["env"]["MY_API_KEY"] and "ghp_" not in text
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--token", "s3cret", "--port", "1"], ["--token", runlib.REDACTED, "--port", "1"]),
+    (["--password=hunter2"], [f"--password={runlib.REDACTED}"]),
+    (["AWS_SECRET_ACCESS_KEY=abc", "ls"], [f"AWS_SECRET_ACCESS_KEY={runlib.REDACTED}", "ls"]),
+])
+def test_redact_argv(argv, expected):
+    assert runlib.redact_argv(argv) == expected
+
+
+def test_run_id_validation():
+    assert runlib.validate_run_id("demo-20261129-101010") == "demo-20261129-101010"
+    for bad in ("../x", "a b", "", "x/y"):
+        with pytest.raises(ValueError):
+            runlib.validate_run_id(bad)
