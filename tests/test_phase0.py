@@ -48,12 +48,14 @@ def test_cli_run_writes_the_run_directory(phase0_run):
     for f in ("phase0/notebook.ipynb", "phase0/report.html", "phase0/facts.csv", "index.html", "commands.jsonl"):
         assert (rdir / f).exists(), f
     labels = {(r.label, r.title) for r in read_commands(rdir, "phase0")}
-    assert ("executed", "start llamacpp on local") in labels and ("executed", "stop llamacpp on local") in labels
+    assert ("executed", "start llamacpp head on local") in labels and ("executed", "stop llamacpp on local") in labels
 
 
 def test_no_engine_left_running(phase0_run):
     rdir, rc, before, after = phase0_run
     assert after == before
+    m = read_manifest(rdir)
+    assert m["phases"]["phase0"]["headline"]["leftover processes"] == 0
     facts = (rdir / "phase0" / "facts.csv").read_text()
     assert "gpu_list" in facts and "not present" in facts      # a CPU host: GPU facts absent, not failed
 

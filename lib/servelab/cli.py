@@ -138,6 +138,8 @@ def execute_phase(phase: str, target: str, run_id: str, overrides: dict[str, str
         write_root_index(rdir.parent)
     if error is not None:
         status = "failed"
+    elif entry.get("status") not in (None, "success"):
+        status = str(entry["status"])        # the notebook ran, but the phase itself judged a failure
     return rdir, status
 
 

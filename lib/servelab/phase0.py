@@ -106,6 +106,27 @@ def model_facts(model_path: str, is_local: bool) -> pd.DataFrame:
     return _kv(rows, "field")
 
 
+def descendants(procs: pd.DataFrame, roots: dict[str, int]) -> pd.DataFrame:
+    """The processes we started: each node's root pid and everything below it (by ppid) — not whatever
+    else happened to start on the machine meanwhile."""
+    keep = []
+    for node, root in roots.items():
+        sub = procs[procs["node"] == node]
+        children: dict[int, list[int]] = {}
+        for pid, ppid in zip(sub["pid"], sub["ppid"]):
+            children.setdefault(int(ppid), []).append(int(pid))
+        todo, seen = [int(root)], set()
+        while todo:
+            pid = todo.pop()
+            if pid in seen:
+                continue
+            seen.add(pid)
+            todo += children.get(pid, [])
+        keep += [(node, pid) for pid in seen]
+    mask = [(n, int(p)) in set(keep) for n, p in zip(procs["node"], procs["pid"])]
+    return procs[mask].reset_index(drop=True)
+
+
 def run_phase0(ctx: PhaseContext, start_engine: bool = True, health_timeout_s: float = 900.0) -> Phase0Result:
     """Collect the Phase 0 facts on every node; start the engine, record how it runs, stop it, verify cleanup."""
     target = ctx.target
@@ -133,8 +154,7 @@ def run_phase0(ctx: PhaseContext, start_engine: bool = True, health_timeout_s: f
                             exit_code=v.exit_code, start=v.start, end=v.end)
             procs_during = pd.concat([process_snapshot(h) for h in nodes.values()], ignore_index=True)
             ports_during = pd.concat([port_snapshot(h) for h in nodes.values()], ignore_index=True)
-            procs_started = snapshot_diff(procs_before, procs_during, ["node", "pid"])
-            procs_started = procs_started[~procs_started["command"].str.startswith(("ps ", "ss "))]
+            procs_started = descendants(procs_during, {n: h.pid for n, h in srv.handles.items()})
             ports_opened = snapshot_diff(ports_before, ports_during, ["node", "port"])
             server_info = {"started": True, "base_url": srv.base_url, "ready_s": round(srv.ready_s, 3),
                            "healthy_before_stop": is_healthy(srv), "logs": srv.log_paths}

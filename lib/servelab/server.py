@@ -47,6 +47,16 @@ class RunningServer:
     def head_handle(self) -> hostlib.Handle:
         return self.handles[self.target.head.name]
 
+    def node_status(self) -> dict[str, bool]:
+        """Is each node's engine process alive?"""
+        out = {}
+        for n, h in self.handles.items():
+            try:
+                out[n] = bool(self.hosts[n].is_running(h))
+            except Exception:   # the node itself is gone
+                out[n] = False
+        return out
+
 
 def http_json(url: str, body: Any = None, method: str | None = None, timeout: float = 10.0,
               headers: dict[str, str] | None = None) -> tuple[int, Any]:
@@ -97,7 +107,12 @@ def plan_launch(target: Target, port: int | None = None) -> tuple[list[LaunchPla
         if spec.get("draft_model"):
             from servelab.models import resolve_model
             draft = str(resolve_model(spec["draft_model"]))
-        return engine.launch_plans(target, port, binary=binary, model_path=model, draft_path=draft), model
+        rpc = None
+        if len(target.nodes) > 1:
+            from servelab.llamacpp_build import rpc_server
+            rpc = target.launch.get("rpc_binary") or str(rpc_server())
+        return engine.launch_plans(target, port, binary=binary, model_path=model, draft_path=draft,
+                                   rpc_binary=rpc), model
     return engine.launch_plans(target, port), target.model
 
 
@@ -115,17 +130,57 @@ def wait_healthy(base_url: str, path: str, timeout_s: float, alive: Any = None, 
     raise ServerError(f"{base_url}{path} not healthy after {timeout_s:.0f} s (log {log_path})")
 
 
+def connect_nodes(target: Target) -> dict[str, Any]:
+    """Connect to every node first (in parallel): an unreachable node or a wrong host key is an error
+    before anything is started anywhere."""
+    results = hostlib.fan_out(target.nodes, lambda n: hostlib.connect(n)) if len(target.nodes) > 1 else \
+        {target.nodes[0].name: hostlib.connect(target.nodes[0])}
+    errors = {n: r for n, r in results.items() if isinstance(r, BaseException)}
+    if errors:
+        for r in results.values():
+            if not isinstance(r, BaseException):
+                r.close()
+        raise ServerError("cannot reach every node, nothing was started: " +
+                          "; ".join(f"{n}: {e}" for n, e in sorted(errors.items())))
+    return results
+
+
+def wait_tcp(host: str, port: int, timeout_s: float, alive: Any = None, log_path: str = "") -> float:
+    """Wait until ``host:port`` accepts a TCP connection (a worker's RPC port)."""
+    import socket
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        with socket.socket() as s:
+            s.settimeout(1.0)
+            if s.connect_ex((host, port)) == 0:
+                return time.monotonic() - t0
+        if alive is not None and not alive():
+            raise ServerError(f"worker exited before opening {host}:{port} (log {log_path})")
+        time.sleep(0.1)
+    raise ServerError(f"{host}:{port} not open after {timeout_s:.0f} s (log {log_path})")
+
+
 def start_server(target: Target, log_dir: Path, tracker: hostlib.ProcessTracker, run_dir: Path | None = None,
                  phase: str = "", health_timeout_s: float = 900.0, port: int | None = None,
                  hosts: dict[str, Any] | None = None) -> RunningServer:
-    """Launch the engine on every node of ``target`` and wait until the head answers its health probe."""
+    """Launch the engine on every node of ``target`` and wait until it is ready.
+
+    Order: connect to every node (fail before any start); start the workers; wait for those with a
+    readiness port; start the head; wait for its health probe while checking that every node's process
+    is still alive. Any failure stops everything already started (their logs are kept).
+    """
     plans, model_path = plan_launch(target, port)
     engine = engine_for(target.engine)
-    hosts = hosts or {n.name: hostlib.connect(n) for n in target.nodes}
+    hosts = hosts or connect_nodes(target)
     handles: dict[str, hostlib.Handle] = {}
     logs: dict[str, str] = {}
     started = now_iso()
-    for plan in plans:
+    head_plan = next(p for p in plans if p.role == "head")
+
+    def alive() -> bool:
+        return all(hosts[n].is_running(handles[n]) for n in handles)
+
+    def launch(plan: LaunchPlan) -> None:
         node = next(n for n in target.nodes if n.name == plan.node)
         log = (Path(node.workdir) / "logs" if node.kind == "ssh" and node.workdir else log_dir) / \
             f"{target.engine}_{plan.node}.log"
@@ -133,33 +188,47 @@ def start_server(target: Target, log_dir: Path, tracker: hostlib.ProcessTracker,
         handles[plan.node], logs[plan.node] = h, str(log)
         if run_dir is not None:
             record_command(run_dir, CommandRecord(label="executed", argv=plan.argv, phase=phase,
-                                                  title=f"start {target.engine} on {plan.node}", host=plan.node,
-                                                  env=plan.env, start=h.started, log=str(log)))
-    base_url = f"http://{target.api_host}:{plans[0].port}"
-    head = target.head.name
+                                                  title=f"start {target.engine} {plan.role} on {plan.node}",
+                                                  host=plan.node, env=plan.env, start=h.started, log=str(log)))
+
+    base_url = f"http://{target.api_host}:{head_plan.port}"
     try:
-        ready = wait_healthy(base_url, engine.health_path, health_timeout_s,
-                             alive=lambda: all(hosts[n].is_running(handles[n]) for n in handles),
-                             log_path=logs[head])
+        for plan in plans:
+            if plan.role != "head":
+                launch(plan)
+        for plan in plans:
+            if plan.ready == "tcp":
+                wait_tcp(plan.ready_host or "127.0.0.1", plan.ready_port, 120.0, alive, logs[plan.node])
+        launch(head_plan)
+        ready = wait_healthy(base_url, engine.health_path, health_timeout_s, alive=alive,
+                             log_path=logs[head_plan.node])
     except BaseException:
         tracker.stop_all()
         raise
-    return RunningServer(target, base_url, plans[0].port, plans, handles, hosts, logs, model_path, started, ready)
+    return RunningServer(target, base_url, head_plan.port, plans, handles, hosts, logs, model_path, started, ready)
 
 
 def is_healthy(srv: RunningServer, timeout: float = 5.0) -> bool:
+    """Head answers its health probe AND every node's engine process is alive."""
     status, _ = http_json(srv.base_url + srv.engine.health_path, timeout=timeout)
-    return status == 200 and all(srv.hosts[n].is_running(h) for n, h in srv.handles.items())
+    return status == 200 and all(srv.node_status().values())
 
 
 def stop_server(srv: RunningServer, tracker: hostlib.ProcessTracker, run_dir: Path | None = None,
                 phase: str = "") -> dict[str, Any]:
-    """Stop every engine process; report exit codes and whether the port was released."""
-    for h in srv.handles.values():
-        tracker.stop(h)
-    released = hostlib.wait_port_free(srv.target.api_host, srv.port, 10.0) if srv.target.is_local else None
+    """Stop every engine process (head first, then workers, in parallel); report exit codes, whether the
+    ports were released on every node, and any process still alive."""
+    head = srv.target.head.name
+    if head in srv.handles:
+        tracker.stop(srv.handles[head])
+    workers = [n for n in srv.handles if n != head]
+    if workers:
+        hostlib.fan_out([srv.hosts[n] for n in workers], lambda h: tracker.stop(srv.handles[h.name]))
+    cleanup = verify_cleanup(srv)
+    released = bool(cleanup["port_free"].all()) if len(cleanup) else None
     info = {"stopped": now_iso(), "port_released": released,
-            "exit_codes": {n: h.exit_code for n, h in srv.handles.items()}}
+            "exit_codes": {n: h.exit_code for n, h in srv.handles.items()},
+            "cleanup": cleanup.to_dict(orient="records")}
     if run_dir is not None:
         for n, h in srv.handles.items():
             record_command(run_dir, CommandRecord(label="executed", argv=["kill", "-TERM", f"-{h.pid}"], phase=phase,
@@ -176,4 +245,48 @@ def engine_info(srv: RunningServer) -> dict[str, Any]:
         status, body = http_json(srv.base_url + path, timeout=10.0)
         if status == 200:
             out[path] = body
+    return out
+
+
+def verify_cleanup(srv: RunningServer) -> "Any":
+    """Per node after stop: our process group gone, our port no longer listening, GPU memory released
+    (where nvidia-smi exists). A frame with one row per node."""
+    import pandas as pd
+    rows = []
+    for plan in srv.plans:
+        host, h = srv.hosts[plan.node], srv.handles.get(plan.node)
+        try:
+            gone = h is None or not host.is_running(h)
+            deadline = time.monotonic() + 10
+            port = plan.ready_port or plan.port
+            listening = True
+            while time.monotonic() < deadline:
+                r = host.run(["ss", "-ltnH", f"sport = :{port}"], timeout=15)
+                listening = r.ok and bool(r.stdout.strip())
+                if not listening:
+                    break
+                time.sleep(0.2)
+            smi = host.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader"],
+                           timeout=30)
+            gpu = "no GPU" if smi.exit_code != 0 else (smi.stdout.strip() or "released")
+        except Exception as exc:
+            gone, listening, gpu = False, None, f"node unreachable: {exc}"
+        rows.append({"node": plan.node, "role": plan.role, "process_gone": gone, "port": plan.ready_port or plan.port,
+                     "port_free": listening is False, "gpu_memory": gpu})
+    return pd.DataFrame(rows)
+
+
+def collect_logs(srv: RunningServer, dest: Path) -> dict[str, str]:
+    """Copy every node's engine log into ``dest/<node>.log`` (SSH get; local copy). Returns node -> path
+    or the error text, so a dead node never hides the others' logs."""
+    dest.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for node, remote in srv.log_paths.items():
+        local = dest / f"{node}.log"
+        try:
+            if str(Path(remote).resolve()) != str(local.resolve()):
+                srv.hosts[node].get(remote, local)
+            out[node] = str(local)
+        except Exception as exc:
+            out[node] = f"not collected: {exc}"
     return out

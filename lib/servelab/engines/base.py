@@ -50,6 +50,10 @@ class LaunchPlan:
     env: dict[str, str] = field(default_factory=dict)
     port: int = 0
     health_path: str = "/health"
+    role: str = "head"               # head | worker
+    ready: str = "http"              # how to know it is up: http (health path) | tcp (port open) | none
+    ready_port: int = 0              # for ready=tcp
+    ready_host: str = ""
 
     def shell(self) -> str:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())

@@ -21,6 +21,8 @@ class LlamaCppAdapter(EngineAdapter):
         "n_gpu_layers": "-ngl",
         "batch_size": "-b logical batch",
         "ubatch_size": "-ub physical batch",
+        "rpc_port": "port of ggml-rpc-server on each worker node (multi-node targets)",
+        "rpc_binary": "path of ggml-rpc-server on the nodes (default: built and cached by servelab)",
     }
     health_path = "/health"
     metrics_path = "/metrics"
@@ -55,9 +57,20 @@ class LlamaCppAdapter(EngineAdapter):
             raise ParamError(f"{source}: the llamacpp engine runs bare (mode: bare)")
 
     def launch_plans(self, target: Target, port: int, binary: str | None = None,
-                     model_path: str | None = None, draft_path: str | None = None) -> list[LaunchPlan]:
-        """The ``llama-server`` argv for the head node (llama.cpp serves from one process)."""
+                     model_path: str | None = None, draft_path: str | None = None,
+                     rpc_binary: str | None = None) -> list[LaunchPlan]:
+        """``llama-server`` on the head node; with worker nodes, llama.cpp's own multi-node backend:
+        ``ggml-rpc-server`` on every worker and ``--rpc host:port,...`` on the head, which splits the model's
+        layers over them. Workers come first in the list (they must be up before the head loads)."""
         la = target.launch
+        workers = [n for n in target.nodes if n is not target.head]
+        rpc_port = int(la.get("rpc_port", 50052))
+        plans: list[LaunchPlan] = []
+        for w in workers:
+            argv = [str(rpc_binary or la.get("rpc_binary") or "ggml-rpc-server"), "-H", w.host, "-p", str(rpc_port),
+                    "-t", str(la.get("threads", 2))]
+            plans.append(LaunchPlan(node=w.name, argv=argv, env=dict(target.env), port=rpc_port, role="worker",
+                                    ready="tcp", ready_port=rpc_port, ready_host=w.host))
         exe = binary or la.get("binary") or "llama-server"
         argv = [str(exe), "-m", str(model_path or target.model), "-a", target.served_model_name or "default",
                 "--host", target.api_host, "--port", str(port),
@@ -75,6 +88,9 @@ class LlamaCppAdapter(EngineAdapter):
         if spec:
             argv += ["-md", str(draft_path or spec.get("draft_model")), "--draft-max",
                      str(spec.get("num_draft_tokens", 8)), "--draft-min", str(spec.get("draft_min", 0))]
+        if workers:
+            argv += ["--rpc", ",".join(f"{w.host}:{rpc_port}" for w in workers)]
         argv += [str(a) for a in la.get("extra_args", [])]
-        return [LaunchPlan(node=target.head.name, argv=argv, env=dict(target.env), port=port,
-                           health_path=self.health_path)]
+        plans.append(LaunchPlan(node=target.head.name, argv=argv, env=dict(target.env), port=port,
+                                health_path=self.health_path))
+        return plans

@@ -112,7 +112,8 @@ class SGLangAdapter(EngineAdapter):
                 plan_env: dict[str, str] = {}
             else:
                 plan_env = env
-            plans.append(LaunchPlan(node=node.name, argv=argv, env=plan_env, port=port, health_path=self.health_path))
+            plans.append(LaunchPlan(node=node.name, argv=argv, env=plan_env, port=port, health_path=self.health_path,
+                                    role="head" if rank == 0 else "worker", ready="http" if rank == 0 else "none"))
         return plans
 
     def start_profile_body(self, output_dir: str, start_step: int | None = None, num_steps: int | None = 10,

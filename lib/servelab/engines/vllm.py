@@ -100,7 +100,8 @@ class VLLMAdapter(EngineAdapter):
             if la.get("mode") == "docker":
                 argv = docker_wrap(la, argv, env, port, f"servelab-vllm-{node.name}")
                 plan_env = {}
-            plans.append(LaunchPlan(node=node.name, argv=argv, env=plan_env, port=port, health_path=self.health_path))
+            plans.append(LaunchPlan(node=node.name, argv=argv, env=plan_env, port=port, health_path=self.health_path,
+                                    role="head" if rank == 0 else "worker", ready="http" if rank == 0 else "none"))
         return plans
 
     @staticmethod
