@@ -209,6 +209,19 @@ def cmd_render(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_archive(args: argparse.Namespace) -> int:
+    from servelab.report.archive import write_root_index, write_run_index, zip_run
+    from servelab.run import run_dir
+    rdir = run_dir(args.run_id)
+    if not (rdir / "manifest.json").exists():
+        raise ParamError(f"no run '{args.run_id}' under {rdir.parent}")
+    print(write_run_index(rdir))
+    write_root_index(rdir.parent)
+    if args.zip:
+        print(zip_run(rdir))
+    return 0
+
+
 def cmd_params(args: argparse.Namespace) -> int:
     nb = notebook_path(args.phase)
     for s in notebook_param_specs(nb).values():
@@ -254,6 +267,10 @@ def build_parser() -> argparse.ArgumentParser:
         fn=lambda a: print("\n".join(f"{k}  {v}{'' if k in available_phases() else '  (not yet)'}"
                                      for k, v in NOTEBOOKS.items())) or 0)
     sub.add_parser("targets", help="list targets").set_defaults(fn=lambda a: print("\n".join(available_targets())) or 0)
+    ar = sub.add_parser("archive", help="rewrite a run's index (ledger, milestones); --zip makes one bundle")
+    ar.add_argument("run_id")
+    ar.add_argument("--zip", action="store_true")
+    ar.set_defaults(fn=cmd_archive)
     pp = sub.add_parser("params", help="a phase's parameters, types and defaults")
     pp.add_argument("phase")
     pp.set_defaults(fn=cmd_params)

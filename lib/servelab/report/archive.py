@@ -46,17 +46,62 @@ def write_run_index(run_dir: Path) -> Path:
                     f"</small></td><td>{_headline(e.get('headline', {}))}</td>"
                     f"<td>{html.escape(', '.join(map(str, not_exec))) or '-'}</td></tr>")
     tool = m.get("tool", {})
+    body_ledger = _ledger_html(run_dir) + _milestones_html(run_dir)
     body = (f"<h1>servelab run {html.escape(m.get('run_id', run_dir.name))}</h1>"
             f"<p>target <b>{html.escape(str(m.get('target', '')))}</b> · created {html.escape(str(m.get('created', '')))}"
             f" · servelab {html.escape(str(tool.get('version', '')))} @ {html.escape(str(tool.get('commit') or '-'))[:12]}"
             f"{' (dirty)' if tool.get('dirty') else ''} · <a href='manifest.json'>manifest.json</a>"
             f" · <a href='commands.jsonl'>commands.jsonl</a> · <a href='../index.html'>all runs</a></p>"
             "<table><tr><th>phase</th><th>status</th><th>started / ended</th><th>headline</th>"
-            "<th>not executed</th></tr>" + "".join(rows) + "</table>"
+            "<th>not executed</th></tr>" + "".join(rows) + "</table>" + body_ledger +
             f"<p><small>written {html.escape(now_iso())}</small></p>")
     out = run_dir / "index.html"
     out.write_text(f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>servelab "
                    f"{html.escape(run_dir.name)}</title><style>{CSS}</style></head><body>{body}</body></html>")
+    return out
+
+
+STATUS_CLASS = {"supported": "bad", "refuted": "ok", "open": "", "inconclusive": "run", "contested": "run",
+                "met": "ok", "not met": "bad", "not started": "", "pass": "ok", "fail": "bad", "not measured": ""}
+
+
+def _ledger_html(run_dir: Path) -> str:
+    from servelab.report.ledger import ledger
+    df = ledger(run_dir)
+    rows = []
+    for _, r in df.iterrows():
+        ev = "<br>".join(f'<a href="{html.escape(e["link"])}">{html.escape(e["phase"])}</a>: '
+                         f'{html.escape(e["verdict"])} — {html.escape(e["summary"])}' for e in r["evidence"]) \
+            or f"<small>decided by: {html.escape(r['decided_by'])}</small>"
+        rows.append(f"<tr><td>{html.escape(r['id'])}</td><td>{html.escape(r['hypothesis'])}"
+                    f"<br><small>{html.escape(r['source'])}</small></td>"
+                    f'<td class="{STATUS_CLASS.get(r["status"], "")}">{html.escape(r["status"])}</td><td>{ev}</td></tr>')
+    return ("<h2>Investigation ledger</h2><p><small>supported = the bottleneck is real (act on it); refuted = "
+            "ruled out with evidence; open = no evidence yet.</small></p><table><tr><th>id</th><th>hypothesis</th>"
+            "<th>status</th><th>evidence</th></tr>" + "".join(rows) + "</table>")
+
+
+def _milestones_html(run_dir: Path) -> str:
+    from servelab.report.milestones import milestones
+    rows = []
+    for m in milestones(run_dir):
+        checks = "<br>".join(f'<span class="{STATUS_CLASS.get(c.status, "")}">{html.escape(c.status)}</span> '
+                             f"{html.escape(c.check)} <small>— {html.escape(c.detail)}</small>" for c in m.checks)
+        rows.append(f"<tr><td>{html.escape(m.id)}</td><td>{html.escape(m.title)}</td>"
+                    f'<td class="{STATUS_CLASS.get(m.status, "")}">{html.escape(m.status)}</td><td>{checks}</td></tr>')
+    return ("<h2>Milestones</h2><table><tr><th>id</th><th>milestone</th><th>status</th><th>checks</th></tr>"
+            + "".join(rows) + "</table>")
+
+
+def zip_run(run_dir: Path, out: Path | None = None) -> Path:
+    """One shareable bundle of a run: pages, tables, manifest, commands, logs (no caches)."""
+    import zipfile
+    write_run_index(run_dir)
+    out = out or run_dir.parent / f"{run_dir.name}.zip"
+    with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_DEFLATED) as z:
+        for f in sorted(run_dir.rglob("*")):
+            if f.is_file() and "__pycache__" not in f.parts and f.suffix != ".parquet":
+                z.write(f, Path(run_dir.name) / f.relative_to(run_dir))
     return out
 
 
