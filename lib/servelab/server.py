@@ -113,6 +113,12 @@ def plan_launch(target: Target, port: int | None = None) -> tuple[list[LaunchPla
             rpc = target.launch.get("rpc_binary") or str(rpc_server())
         return engine.launch_plans(target, port, binary=binary, model_path=model, draft_path=draft,
                                    rpc_binary=rpc), model
+    if target.engine == "vllm" and target.is_local:
+        from servelab.vllm_cpu import needs_vllm_cpu, resolve_vllm_cpu
+        if needs_vllm_cpu(target.model, target.launch):
+            import dataclasses
+            model, launch = resolve_vllm_cpu(target.model, target.launch)
+            return engine.launch_plans(dataclasses.replace(target, model=model, launch=launch), port), model
     return engine.launch_plans(target, port), target.model
 
 

@@ -36,6 +36,7 @@ COMMON_LAUNCH_KEYS: dict[str, str] = {
     "python": "python interpreter on the node (bare mode)",
     "extra_args": "list of further engine arguments, passed verbatim as argv items",
     "dist_port": "port for multi-node rendezvous",
+    "bind_host": "address the server listens on (default: 127.0.0.1 for local targets, 0.0.0.0 for clusters)",
 }
 
 
@@ -96,6 +97,11 @@ class EngineAdapter:
     def world_size(self, launch: dict[str, Any]) -> int:
         t = self.topology(launch)
         return t["tp"] * t["pp"] * (t["dp"] if not launch.get("dp_attention") else 1)
+
+    @staticmethod
+    def bind_host(target: Any) -> str:
+        """Local targets listen on loopback only; cluster heads must accept the client's connection."""
+        return str(target.launch.get("bind_host") or ("127.0.0.1" if target.is_local else "0.0.0.0"))
 
     # --- profile request bodies (engines that support it override)
     def start_profile_body(self, **kw: Any) -> dict[str, Any] | None:

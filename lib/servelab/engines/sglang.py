@@ -54,7 +54,7 @@ class SGLangAdapter(EngineAdapter):
         la = target.launch
         t = self.topology(la)
         py = la.get("python", "python3")
-        base = [py, "-m", "sglang.launch_server", "--model-path", target.model, "--host", "0.0.0.0",
+        base = [py, "-m", "sglang.launch_server", "--model-path", target.model, "--host", self.bind_host(target),
                 "--port", str(port), "--tp-size", str(t["tp"])]
         if target.served_model_name:
             base += ["--served-model-name", target.served_model_name]
@@ -119,8 +119,10 @@ class SGLangAdapter(EngineAdapter):
     def start_profile_body(self, output_dir: str, start_step: int | None = None, num_steps: int | None = 10,
                            activities: tuple[str, ...] = ("CPU", "GPU"), profile_by_stage: bool = False,
                            with_stack: bool = False, record_shapes: bool = True, profile_prefix: str | None = None,
-                           **_: Any) -> dict[str, Any]:
-        """Body of ``POST /start_profile``. ``with_stack`` defaults off: the GLM report found it pathological."""
+                           merge_profiles: bool | None = None, profile_stages: list[str] | None = None,
+                           ) -> dict[str, Any]:
+        """Body of ``POST /start_profile``. ``with_stack`` defaults off: the GLM report found it pathological.
+        ``start_step`` is an absolute forward count in SGLang (clamped to the next step), not "skip N"."""
         body: dict[str, Any] = {"output_dir": output_dir, "activities": list(activities),
                                 "profile_by_stage": profile_by_stage, "with_stack": with_stack,
                                 "record_shapes": record_shapes}
@@ -130,4 +132,8 @@ class SGLangAdapter(EngineAdapter):
             body["start_step"] = int(start_step)
         if profile_prefix:
             body["profile_prefix"] = profile_prefix
+        if merge_profiles is not None:
+            body["merge_profiles"] = bool(merge_profiles)
+        if profile_stages:
+            body["profile_stages"] = list(profile_stages)
         return body

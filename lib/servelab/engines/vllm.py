@@ -50,7 +50,7 @@ class VLLMAdapter(EngineAdapter):
         la = target.launch
         t = self.topology(la)
         py = la.get("python", "python3")
-        base = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", target.model, "--host", "0.0.0.0",
+        base = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", target.model, "--host", self.bind_host(target),
                 "--port", str(port), "--tensor-parallel-size", str(t["tp"])]
         if target.served_model_name:
             base += ["--served-model-name", target.served_model_name]
@@ -103,6 +103,13 @@ class VLLMAdapter(EngineAdapter):
             plans.append(LaunchPlan(node=node.name, argv=argv, env=plan_env, port=port, health_path=self.health_path,
                                     role="head" if rank == 0 else "worker", ready="http" if rank == 0 else "none"))
         return plans
+
+    def start_profile_body(self, profile_prefix: str | None = None, skip_steps: int = 0,
+                           num_steps: int | None = None, **_: Any) -> dict[str, Any]:
+        """vLLM (>= 0.32) ``/start_profile`` body: a per-session step window and file prefix (older releases
+        take no body). Fewer than ``skip_steps`` steps after the start → no worker trace is written."""
+        from servelab.capture import vllm_start_profile_body
+        return vllm_start_profile_body(profile_prefix, skip_steps, num_steps)
 
     @staticmethod
     def profiler_config(out_dir: str, with_stack: bool = False) -> dict[str, Any]:
