@@ -60,3 +60,11 @@ def test_overrides_syntax():
 def test_unknown_phase_names_the_closest():
     with pytest.raises(ParamError, match="did you mean 'phase1'"):
         notebook_path("phase11")
+
+
+def test_every_notebook_parameter_is_visible_to_papermill():
+    import papermill as pm
+    for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        specs = notebook_param_specs(nb)
+        assert {"run_id", "target"} <= set(specs), nb.name
+        assert set(pm.inspect_notebook(str(nb))) == set(specs), nb.name

@@ -50,3 +50,10 @@ def test_run_id_validation():
     for bad in ("../x", "a b", "", "x/y"):
         with pytest.raises(ValueError):
             runlib.validate_run_id(bad)
+
+
+@pytest.mark.parametrize("name,secret", [("HF_TOKEN", True), ("api-key", True), ("OPENAI_API_KEY", True),
+                                         ("db.password", True), ("AUTH", True), ("max_tokens", False),
+                                         ("prefill_tokens", False), ("NCCL_IB_HCA", False), ("tokenizer", False)])
+def test_secret_names(name, secret):
+    assert runlib.is_secret_name(name) is secret

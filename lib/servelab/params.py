@@ -163,6 +163,10 @@ def notebook_param_specs(notebook: Path) -> dict[str, ParamSpec]:
         raise ParamError(f"{notebook}: no cell tagged 'parameters'")
     src = "".join(cells[0]["source"])
     lines = src.splitlines()
+    for i, line in enumerate(lines, 1):
+        if line.count("=") > 1:   # papermill's own parser skips such a line: the parameter would be invisible
+            raise ParamError(f"{notebook}: parameters cell line {i} has more than one '=' (write the help "
+                             f"comment without '='): {line.strip()}")
     specs: dict[str, ParamSpec] = {}
     for stmt in ast.parse(src).body:
         if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):

@@ -30,8 +30,9 @@ RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 # ---------------------------------------------------------------- secrets
 
-SECRET_NAME_RE = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|ACCESS_?KEY|PRIVATE_?KEY|CREDENTIAL|AUTH)",
-                            re.IGNORECASE)
+# a whole word of the name (split on _ - .): HF_TOKEN, api-key, db.password — but not max_tokens or prefill_tokens
+SECRET_NAME_RE = re.compile(r"(?:^|[_\-.])(TOKEN|SECRET|PASSWORD|PASSWD|PASS|API[_\-]?KEY|ACCESS[_\-]?KEY|"
+                            r"PRIVATE[_\-]?KEY|SECRET[_\-]?KEY|CREDENTIALS?|AUTH)(?:$|[_\-.])", re.IGNORECASE)
 SECRET_VALUE_RES = [
     re.compile(r"hf_[A-Za-z0-9]{20,}"),                 # Hugging Face tokens
     re.compile(r"sk-[A-Za-z0-9_-]{16,}"),               # OpenAI-style keys
