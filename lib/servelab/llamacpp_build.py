@@ -18,11 +18,14 @@ from pathlib import Path
 from servelab.paths import cache_root
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"   # vendors llama.cpp commit 0c1e570
+BUILD_REVISION = 2                    # bump when the flags or targets change (2: + GGML_RPC, rpc-server)
+TARGETS = ("llama-server", "ggml-rpc-server")
 CMAKE_FLAGS = [
     "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF",
     "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF",
     "-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON",
+    "-DGGML_RPC=ON",   # ggml-rpc-server: llama.cpp's own multi-node backend (head llama-server --rpc workers)
 ]
 
 
@@ -31,15 +34,20 @@ class BuildError(RuntimeError):
 
 
 def binary_dir(version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
-    return cache_root() / "llama-server" / f"llama-cpp-python-{version}"
+    return cache_root() / "llama-server" / f"llama-cpp-python-{version}-r{BUILD_REVISION}"
 
 
 def cached_server(version: str = LLAMA_CPP_PYTHON_VERSION) -> Path | None:
     """The cached binary if it exists and runs; else None."""
-    exe = binary_dir(version) / "llama-server"
-    if exe.exists() and os.access(exe, os.X_OK):
-        return exe
+    d = binary_dir(version)
+    if all((d / t).exists() and os.access(d / t, os.X_OK) for t in TARGETS):
+        return d / "llama-server"
     return None
+
+
+def rpc_server(version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
+    """``rpc-server`` (built with llama-server): a worker node's process in a multi-node llama.cpp target."""
+    return ensure_llama_server(version).parent / "ggml-rpc-server"
 
 
 def missing_tools() -> list[str]:
@@ -57,7 +65,8 @@ def _run(argv: list[str], log: Path, cwd: Path | None = None) -> None:
 
 
 def ensure_llama_server(version: str = LLAMA_CPP_PYTHON_VERSION, jobs: int | None = None) -> Path:
-    """Return the cached ``llama-server`` binary, building it first if needed (locked against concurrent builds)."""
+    """Return the cached ``llama-server`` binary (``rpc-server`` beside it), building both first if needed
+    (locked against concurrent builds)."""
     exe = cached_server(version)
     if exe:
         return exe
@@ -88,9 +97,9 @@ def ensure_llama_server(version: str = LLAMA_CPP_PYTHON_VERSION, jobs: int | Non
                 raise BuildError(f"{sdists[0].name} has no vendored llama.cpp at {src}")
             build = work / "build"
             _run(["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja", *CMAKE_FLAGS], log)
-            _run(["ninja", "-C", str(build), f"-j{jobs or os.cpu_count() or 2}", "llama-server"], log)
-            built = build / "bin" / "llama-server"
-            tmp_exe = out / "llama-server.tmp"
-            shutil.copy2(built, tmp_exe)
-            os.replace(tmp_exe, out / "llama-server")
+            _run(["ninja", "-C", str(build), f"-j{jobs or os.cpu_count() or 2}", *TARGETS], log)
+            for t in TARGETS:
+                tmp_exe = out / f"{t}.tmp"
+                shutil.copy2(build / "bin" / t, tmp_exe)
+                os.replace(tmp_exe, out / t)
         return out / "llama-server"

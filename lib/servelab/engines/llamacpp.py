@@ -23,6 +23,7 @@ class LlamaCppAdapter(EngineAdapter):
         "ubatch_size": "-ub physical batch",
         "rpc_port": "port of ggml-rpc-server on each worker node (multi-node targets)",
         "rpc_binary": "path of ggml-rpc-server on the nodes (default: built and cached by servelab)",
+        "log_verbosity": "-lv N (default 4 with workers, so the log shows which device holds each buffer)",
     }
     health_path = "/health"
     metrics_path = "/metrics"
@@ -90,6 +91,8 @@ class LlamaCppAdapter(EngineAdapter):
                      str(spec.get("num_draft_tokens", 8)), "--draft-min", str(spec.get("draft_min", 0))]
         if workers:
             argv += ["--rpc", ",".join(f"{w.host}:{rpc_port}" for w in workers)]
+        if la.get("log_verbosity") is not None or workers:
+            argv += ["-lv", str(la.get("log_verbosity", 4))]
         argv += [str(a) for a in la.get("extra_args", [])]
         plans.append(LaunchPlan(node=target.head.name, argv=argv, env=dict(target.env), port=port,
                                 health_path=self.health_path))
