@@ -1,0 +1,238 @@
+"""How much does the *client* distort what it measures? servelab's client vs SGLang bench_serving 0.5.9.
+
+Target: ``../shared/tools/fast_sse_server.py`` in paced mode — every stream gets one token every ``ITL_MS`` on
+an absolute schedule and each chunk carries ``server_ts_ns`` (its wall-clock write time). The server is pinned
+to one core, the client under test to another (``taskset``), one client at a time, in the same run.
+
+Per client and concurrency (one wave of C streams × ``tokens`` chunks):
+- ITL error vs the server's schedule: ``|observed gap − ITL_MS|`` p50 / p99 / max, over every chunk gap
+  (bench_serving: its ``--output-details`` ITL lists; ours: the same gaps from the raw records);
+- achieved chunks/s = chunks received / (first send → last chunk) and the fraction of the offered rate;
+- client CPU: CPU seconds of the client process (``wait4`` rusage) minus those of an idle run (1 stream,
+  1 token) of the same client, so interpreter start-up and imports are not counted; µs per chunk (both
+  include computing their ITL lists and writing them out: bench_serving's ``--output-details``, our gaps);
+- ours only: delivery lag = receive wall time − ``server_ts_ns`` (same machine, same clock) p50/p99, and
+  server lag (``server_ts`` vs its own schedule) to show whether the *server* kept up.
+The server's own CPU time is reported too: a saturated server invalidates the comparison.
+
+    python benchmarks/bench_client_overhead.py --concurrency 256 512 --out /tmp/overhead.json
+
+Each (client, C) pair runs ``--repeats`` times, interleaved with the order alternating, and the ratios use
+the medians: a 2-core machine shared with other jobs stalls now and then (our ``server_schedule_lag_ms``
+shows when the *server* was the one stalled; the 1-minute load average is recorded per run).
+Writes a JSON result and prints the ratios (bench_serving / servelab) of p99 ITL error and CPU per chunk.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "lib"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+FAST_SSE = ROOT.parent / "shared" / "tools" / "fast_sse_server.py"
+
+
+def cpu_of(pid: int) -> float:
+    """utime + stime of a running process (s), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_child(argv: list[str], timeout_s: float = 600) -> tuple[float, str]:
+    """Run a process to completion; return (its CPU seconds from wait4 rusage, stdout)."""
+    with tempfile.TemporaryFile() as out:
+        p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+        t0 = time.monotonic()
+        while True:
+            pid, status, ru = os.wait4(p.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.monotonic() - t0 > timeout_s:
+                p.kill()
+                raise TimeoutError(f"{argv[:4]} timed out")
+            time.sleep(0.02)
+        out.seek(0)
+        text = out.read().decode(errors="replace")
+        if os.waitstatus_to_exitcode(status) != 0:
+            raise RuntimeError(f"{argv[:6]} failed:\n{text[-3000:]}")
+        return ru.ru_utime + ru.ru_stime, text
+
+
+OURS_CHILD = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from servelab.client import ClientConfig, run_requests
+from servelab.workload import build_workload
+url, c, tokens, itl_ms, out = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]), sys.argv[6]
+wl = build_workload("ovh", c, 16, tokens, list(range(1000, 1100)), seed=1)
+run = run_requests(wl.requests, ClientConfig(url, "m", engine="sglang", keep_fields=("server_ts_ns",)),
+                   concurrency=c)
+gaps, lag, srv_lag, n, last = [], [], [], 0, 0
+for r in run.records:
+    idx = [i for i, t in enumerate(r.chunk_text) if t]
+    ts = [r.chunk_ns[i] for i in idx]
+    srv = [r.chunk_extra[i].get("server_ts_ns") for i in idx]
+    n += len(ts)
+    last = max([last, *ts])
+    gaps += [(b - a) / 1e6 for a, b in zip(ts, ts[1:])]
+    lag += [(t + r.wall_offset_ns - s) / 1e6 for t, s in zip(ts, srv) if s]
+    if srv and srv[0]:
+        srv_lag += [(s - (srv[0] + i * itl_ms * 1e6)) / 1e6 for i, s in enumerate(srv)]
+first = min(r.send_ns for r in run.records)
+json.dump({"gaps": gaps, "lag": lag, "srv_lag": srv_lag, "chunks": n, "window_s": (last - first) / 1e9,
+           "completed": sum(r.ok for r in run.records)}, open(out, "w"))
+"""
+
+
+def pct(values: list[float], q: float) -> float:
+    import numpy as np
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def run_ours(url: str, c: int, tokens: int, itl_ms: float, cpu_list: str, tmp: Path) -> dict:
+    out = tmp / f"ours_{c}.json"
+    base = ["taskset", "-c", cpu_list, sys.executable, "-c", OURS_CHILD, str(ROOT / "lib"), url]
+    idle_cpu, _ = run_child(base + ["1", "1", str(itl_ms), str(tmp / "idle.json")])
+    cpu, _ = run_child(base + [str(c), str(tokens), str(itl_ms), str(out)])
+    d = json.loads(out.read_text())
+    lag, srv_lag = d["lag"], d["srv_lag"]
+    return summarize("servelab", c, tokens, itl_ms, d["gaps"], d["chunks"], d["window_s"], cpu - idle_cpu,
+                     d["completed"],
+                     extra={"delivery_lag_ms": {"p50": pct(lag, 50), "p99": pct(lag, 99), "max": max(lag, default=0)},
+                            "server_schedule_lag_ms": {"p50": pct(srv_lag, 50), "p99": pct(srv_lag, 99),
+                                                       "max": max(srv_lag, default=0)}})
+
+
+# fast_sse_server answers every unknown path with an SSE stream; bench_serving 0.5.9 ends with
+# GET /get_server_info and json() on a 200 — so that one GET gets a 404 here. Nothing measured is touched.
+BS_WRAPPER = r"""
+import runpy, sys, requests
+_get = requests.get
+def get(url, *a, **k):
+    if str(url).endswith("/get_server_info"):
+        r = requests.models.Response()
+        r.status_code = 404
+        return r
+    return _get(url, *a, **k)
+requests.get = get
+sys.argv = ["bench_serving", *sys.argv[1:]]
+runpy.run_module("sglang.bench_serving", run_name="__main__")
+"""
+
+
+def run_bench_serving(url: str, c: int, tokens: int, itl_ms: float, cpu_list: str, tmp: Path) -> dict:
+    import bench_serving_env as be
+    from servelab.models import resolve_model
+    py = be.ensure_bench_serving()
+    tok = be.ensure_gguf_tokenizer(Path(resolve_model("tiny")), tmp / "tiny-tok")
+
+    def argv(n: int, toks: int, out: Path) -> list[str]:
+        bs = be.bench_serving_argv(py, url, "m", tok, 16, toks, n, n, out,
+                                   extra=["--warmup-requests", "0", "--output-details"])
+        return ["taskset", "-c", cpu_list, "env", *[f"{k}={v}" for k, v in be.OFFLINE_ENV.items()],
+                bs[0], "-c", BS_WRAPPER, *bs[3:]]
+    idle_cpu, _ = run_child(argv(1, 1, tmp / "bs_idle.jsonl"))
+    out = tmp / f"bs_{c}.jsonl"
+    cpu, _ = run_child(argv(c, tokens, out))
+    d = json.loads(out.read_text().splitlines()[-1])
+    gaps = [g * 1000 for per_req in d["itls"] for g in per_req]
+    n_chunks = sum(len(x) + 1 for x in d["itls"])       # first chunk + one per gap
+    return summarize("sglang bench_serving 0.5.9", c, tokens, itl_ms, gaps, n_chunks, d["duration"], cpu - idle_cpu,
+                     d["completed"], extra={"reported": {k: d.get(k) for k in ("median_itl_ms", "p95_itl_ms",
+                                                                                  "p99_itl_ms", "output_throughput")}})
+
+
+def summarize(client: str, c: int, tokens: int, itl_ms: float, gaps: list[float], n_chunks: int, dur_s: float,
+              cpu_s: float, completed: int, extra: dict) -> dict:
+    err = [abs(g - itl_ms) for g in gaps]
+    offered = c * tokens / (tokens * itl_ms / 1000)
+    rate = n_chunks / dur_s if dur_s > 0 else float("nan")
+    return {"client": client, "concurrency": c, "tokens_per_stream": tokens, "completed": completed,
+            "chunks": n_chunks, "window_s": dur_s, "chunks_per_s": rate, "offered_chunks_per_s": offered,
+            "fraction_of_offered": rate / offered, "itl_error_ms": {"p50": pct(err, 50), "p99": pct(err, 99),
+                                                                     "max": max(err, default=0.0)},
+            "observed_itl_ms": {"p50": pct(gaps, 50), "p99": pct(gaps, 99)}, "client_cpu_s": cpu_s,
+            "client_cpu_us_per_chunk": 1e6 * cpu_s / n_chunks if n_chunks else None, **extra}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[256, 512])
+    ap.add_argument("--itl-ms", type=float, default=20.0)
+    ap.add_argument("--tokens", type=int, default=100)
+    ap.add_argument("--server-cpu", default="1")
+    ap.add_argument("--client-cpu", default="0")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats; ratios use the medians")
+    ap.add_argument("--out", default="bench_client_overhead.json")
+    args = ap.parse_args()
+    from servelab.hosts import free_port, wait_port_free
+    port = free_port()
+    srv = subprocess.Popen(["taskset", "-c", args.server_cpu, sys.executable, str(FAST_SSE), str(port),
+                            str(args.itl_ms)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    results = []
+    try:
+        from servelab.server import http_json
+        for _ in range(100):
+            if http_json(url + "/health", timeout=1)[0] == 200:
+                break
+            time.sleep(0.05)
+        with tempfile.TemporaryDirectory() as td:
+            tmp = Path(td)
+            for rep in range(args.repeats):
+                for c in args.concurrency:
+                    order = (run_ours, run_bench_serving) if rep % 2 == 0 else (run_bench_serving, run_ours)
+                    for fn in order:           # alternate who goes first: drift of the machine hits both
+                        s0, load0 = cpu_of(srv.pid), os.getloadavg()[0]
+                        r = fn(url, c, args.tokens, args.itl_ms, args.client_cpu, tmp)
+                        r.update(repeat=rep, server_cpu_s=cpu_of(srv.pid) - s0, loadavg_1m=[load0, os.getloadavg()[0]])
+                        results.append(r)
+                        print(json.dumps({k: r[k] for k in ("client", "concurrency", "repeat", "chunks_per_s",
+                                                            "itl_error_ms", "client_cpu_us_per_chunk")}), flush=True)
+    finally:
+        srv.terminate()
+        srv.wait(10)
+        wait_port_free("127.0.0.1", port, 5)
+    import numpy as np
+
+    def med(client_is_ours: bool, c: int, get) -> float:
+        vals = [get(r) for r in results if (r["client"] == "servelab") == client_is_ours and r["concurrency"] == c]
+        return float(np.median(vals))
+    ratios = []
+    for c in args.concurrency:
+        row = {"concurrency": c, "repeats": args.repeats}
+        for name, get in (("p99_itl_error_ms", lambda r: r["itl_error_ms"]["p99"]),
+                          ("p50_itl_error_ms", lambda r: r["itl_error_ms"]["p50"]),
+                          ("chunks_per_s", lambda r: r["chunks_per_s"]),
+                          ("client_cpu_us_per_chunk", lambda r: r["client_cpu_us_per_chunk"])):
+            row[f"servelab_median_{name}"] = med(True, c, get)
+            row[f"bench_serving_median_{name}"] = med(False, c, get)
+        row["p99_itl_error_ratio_bench_serving_over_servelab"] = \
+            row["bench_serving_median_p99_itl_error_ms"] / max(row["servelab_median_p99_itl_error_ms"], 1e-9)
+        row["cpu_per_chunk_ratio_bench_serving_over_servelab"] = \
+            row["bench_serving_median_client_cpu_us_per_chunk"] / max(row["servelab_median_client_cpu_us_per_chunk"], 1e-9)
+        row["chunks_per_s_ratio_servelab_over_bench_serving"] = \
+            row["servelab_median_chunks_per_s"] / max(row["bench_serving_median_chunks_per_s"], 1e-9)
+        ratios.append(row)
+    out = {"tool": "benchmarks/bench_client_overhead.py", "itl_ms": args.itl_ms, "tokens": args.tokens,
+           "pinning": {"server_cpu": args.server_cpu, "client_cpu": args.client_cpu}, "results": results,
+           "ratios": ratios, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "nproc": os.cpu_count()}
+    Path(args.out).write_text(json.dumps(out, indent=2))
+    for r in ratios:
+        print(f"C={r['concurrency']}: p99 ITL error bench_serving/servelab = "
+              f"{r['p99_itl_error_ratio_bench_serving_over_servelab']:.2f}x, CPU per chunk bench_serving/servelab = "
+              f"{r['cpu_per_chunk_ratio_bench_serving_over_servelab']:.2f}x, chunks/s servelab/bench_serving = "
+              f"{r['chunks_per_s_ratio_servelab_over_bench_serving']:.2f}x")
+    print(f"written {args.out}")
+
+
+if __name__ == "__main__":
+    main()

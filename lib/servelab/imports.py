@@ -1,0 +1,266 @@
+"""Peer tools' result files into one summary table, and ours out with vLLM-compatible keys.
+
+Readers key on field *presence*, not tool versions (these tools change weekly; bench_clients.md §2):
+
+- SGLang ``bench_serving`` JSONL (one object per run; ``e2e_latency``, ``total_throughput``, no ``failed``);
+- ``vllm bench serve`` JSON (``--save-result``; one object, or newline-separated with ``--append-result``;
+  ``e2el``, ``total_token_throughput``, ``p{P}_*`` for any percentile list);
+- AIPerf ``profile_export_aiperf.json`` (``{tag: {unit, avg, p50, ...}}``; its ``inter_token_latency`` is
+  vLLM's *TPOT* and its ``inter_chunk_latency`` is vLLM's ITL — mapped accordingly);
+- guidellm ``benchmarks.json`` (``benchmarks[].metrics.<name>.successful.{mean, median, percentiles}``; its
+  ``inter_token_latency_ms`` ≈ vLLM TPOT, its ``time_per_output_token_ms`` includes TTFT and is *not* TPOT;
+  its percentiles are nearest-rank, not interpolated).
+
+Every row says its ``tool`` and ``definition`` so numbers of different definitions are never silently mixed.
+Common columns are those of ``COLUMNS`` (ms, tokens, per second).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+COLUMNS = ["tool", "definition", "file", "run", "label", "concurrency", "request_rate", "duration_s", "completed",
+           "failed", "total_input_tokens", "total_output_tokens", "request_throughput", "output_throughput",
+           "total_token_throughput", "request_goodput",
+           *[f"{st}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for st in ("mean", "median", "p90", "p95", "p99")]]
+
+
+class ImportFormatError(ValueError):
+    """A result file is not one of the known formats (the message names the file and what was missing)."""
+
+
+def _num(x: Any) -> float | None:
+    if x is None or isinstance(x, bool):
+        return None
+    if isinstance(x, str):
+        if x in ("inf", "Infinity"):
+            return float("inf")
+        try:
+            return float(x)
+        except ValueError:
+            return None
+    return float(x)
+
+
+def _read_json_objects(path: Path) -> list[dict[str, Any]]:
+    """One JSON object, or newline-separated objects (sglang JSONL, vllm --append-result)."""
+    text = path.read_text()
+    try:
+        obj = json.loads(text)
+        return obj if isinstance(obj, list) else [obj]
+    except json.JSONDecodeError:
+        pass
+    out = []
+    for no, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise ImportFormatError(f"{path}:{no}: not JSON ({exc.msg})") from None
+    return out
+
+
+def detect_format(obj: dict[str, Any]) -> str:
+    """``sglang`` | ``vllm`` | ``aiperf`` | ``guidellm`` | ``servelab`` from the keys present."""
+    if "benchmarks" in obj and isinstance(obj["benchmarks"], list):
+        return "guidellm"
+    if "time_to_first_token" in obj and isinstance(obj["time_to_first_token"], dict):
+        return "aiperf"
+    if obj.get("servelab_definition"):
+        return "servelab"
+    if "mean_e2e_latency_ms" in obj or "total_throughput" in obj:
+        return "sglang"
+    if "mean_e2el_ms" in obj or "total_token_throughput" in obj:
+        return "vllm"
+    raise ImportFormatError("unknown result format: none of the keys of sglang/vllm/aiperf/guidellm present "
+                            f"(keys: {sorted(obj)[:12]}...)")
+
+
+def _row(**kw: Any) -> dict[str, Any]:
+    return {c: kw.get(c) for c in COLUMNS}
+
+
+def from_sglang(obj: dict[str, Any], file: str = "", run: int = 0) -> dict[str, Any]:
+    """One SGLang bench_serving JSONL object → a row (definition ``sglang``)."""
+    lat = {}
+    for m_ours, m_theirs in (("ttft", "ttft"), ("tpot", "tpot"), ("itl", "itl"), ("e2el", "e2e_latency")):
+        for st in ("mean", "median", "p90", "p95", "p99"):
+            lat[f"{st}_{m_ours}_ms"] = _num(obj.get(f"{st}_{m_theirs}_ms"))
+    return _row(tool="sglang bench_serving", definition="sglang", file=file, run=run, label=obj.get("tag"),
+                concurrency=_num(obj.get("max_concurrency")), request_rate=_num(obj.get("request_rate")),
+                duration_s=_num(obj.get("duration")), completed=_num(obj.get("completed")), failed=None,
+                total_input_tokens=_num(obj.get("total_input_tokens")),
+                total_output_tokens=_num(obj.get("total_output_tokens")),
+                request_throughput=_num(obj.get("request_throughput")),
+                output_throughput=_num(obj.get("output_throughput")),
+                total_token_throughput=_num(obj.get("total_throughput")), request_goodput=None, **lat)
+
+
+def from_vllm(obj: dict[str, Any], file: str = "", run: int = 0, tool: str = "vllm bench serve",
+              definition: str = "vllm") -> dict[str, Any]:
+    """One ``vllm bench serve`` result object → a row (definition ``vllm``)."""
+    lat = {}
+    for m in ("ttft", "tpot", "itl", "e2el"):
+        for st in ("mean", "median", "p90", "p95", "p99"):
+            lat[f"{st}_{m}_ms"] = _num(obj.get(f"{st}_{m}_ms"))
+    return _row(tool=tool, definition=definition, file=file, run=run, label=obj.get("label"),
+                concurrency=_num(obj.get("max_concurrency")), request_rate=_num(obj.get("request_rate")),
+                duration_s=_num(obj.get("duration")), completed=_num(obj.get("completed")),
+                failed=_num(obj.get("failed")), total_input_tokens=_num(obj.get("total_input_tokens")),
+                total_output_tokens=_num(obj.get("total_output_tokens")),
+                request_throughput=_num(obj.get("request_throughput")),
+                output_throughput=_num(obj.get("output_throughput")),
+                total_token_throughput=_num(obj.get("total_token_throughput")),
+                request_goodput=_num(obj.get("request_goodput")), **lat)
+
+
+_UNIT_TO_MS = {"ms": 1.0, "milliseconds": 1.0, "ns": 1e-6, "nanoseconds": 1e-6, "us": 1e-3, "s": 1000.0,
+               "sec": 1000.0, "seconds": 1000.0}
+
+
+def from_aiperf(obj: dict[str, Any], file: str = "") -> dict[str, Any]:
+    """AIPerf ``profile_export_aiperf.json`` → a row (definition ``aiperf``: ITL↔TPOT renamed to ours)."""
+    def metric(tag: str) -> dict[str, float | None]:
+        m = obj.get(tag)
+        if not isinstance(m, dict):
+            return {}
+        f = _UNIT_TO_MS.get(str(m.get("unit", "ms")).lower(), 1.0)
+        return {"mean": _num(m.get("avg")), "median": _num(m.get("p50")), "p90": _num(m.get("p90")),
+                "p95": _num(m.get("p95")), "p99": _num(m.get("p99")), "_f": f}
+    lat = {}
+    for ours, tag in (("ttft", "time_to_first_token"), ("tpot", "inter_token_latency"),
+                      ("itl", "inter_chunk_latency"), ("e2el", "request_latency")):
+        m = metric(tag)
+        f = m.pop("_f", 1.0)
+        for st in ("mean", "median", "p90", "p95", "p99"):
+            v = m.get(st)
+            lat[f"{st}_{ours}_ms"] = v * f if v is not None else None
+
+    def avg(tag: str) -> float | None:
+        m = obj.get(tag)
+        return _num(m.get("avg")) if isinstance(m, dict) else None
+    cfg = obj.get("input_config") or {}
+    phases = [ph for ph in (cfg.get("phases") or []) if ph.get("kind", "profiling") == "profiling"]
+    load = phases[0] if phases else (cfg.get("loadgen") or {})
+    errs = obj.get("error_summary")
+    failed = sum(int(e.get("count", 0)) for e in errs) if isinstance(errs, list) else None
+    count = avg("completed_request_count") if avg("completed_request_count") is not None else avg("request_count")
+    total_in = avg("total_isl")
+    total_out = avg("total_osl")
+    if total_in is None and avg("input_sequence_length") is not None and count is not None:
+        total_in = avg("input_sequence_length") * count
+    if total_out is None and avg("output_sequence_length") is not None and count is not None:
+        total_out = avg("output_sequence_length") * count
+    return _row(tool="aiperf", definition="aiperf", file=file, run=0, label=None,
+                concurrency=_num(load.get("concurrency")), request_rate=_num(load.get("request_rate")),
+                duration_s=avg("benchmark_duration"), completed=count, failed=failed,
+                total_input_tokens=total_in, total_output_tokens=total_out,
+                request_throughput=avg("request_throughput"), output_throughput=avg("output_token_throughput"),
+                total_token_throughput=avg("total_token_throughput"), request_goodput=avg("goodput"), **lat)
+
+
+def from_guidellm(obj: dict[str, Any], file: str = "") -> list[dict[str, Any]]:
+    """guidellm ``benchmarks.json`` → one row per benchmark (definition ``guidellm``)."""
+    rows = []
+    for i, b in enumerate(obj.get("benchmarks") or []):
+        m = b.get("metrics") or {}
+
+        def dist(name: str, scale: float = 1.0) -> dict[str, float | None]:
+            d = ((m.get(name) or {}).get("successful")) or {}
+            pct = d.get("percentiles") or {}
+            def s(v: Any) -> float | None:
+                v = _num(v)
+                return v * scale if v is not None else None
+            return {"mean": s(d.get("mean")), "median": s(d.get("median")), "p90": s(pct.get("p90")),
+                    "p95": s(pct.get("p95")), "p99": s(pct.get("p99")), "total_sum": _num(d.get("total_sum"))}
+        lat = {}
+        for ours, name, scale in (("ttft", "time_to_first_token_ms", 1.0), ("tpot", "inter_token_latency_ms", 1.0),
+                                  ("e2el", "request_latency", 1000.0)):
+            d = dist(name, scale)
+            for st in ("mean", "median", "p90", "p95", "p99"):
+                lat[f"{st}_{ours}_ms"] = d[st]
+        totals = m.get("request_totals") or {}
+        sched = b.get("scheduler_state") or {}
+        cfg = b.get("config") or {}
+        strat = cfg.get("strategy") or {}
+        dur = _num(b.get("duration"))
+        if dur is None and sched.get("end_time") is not None and sched.get("start_time") is not None:
+            dur = _num(sched["end_time"]) - _num(sched["start_time"])
+        rows.append(_row(tool="guidellm", definition="guidellm", file=file, run=i, label=strat.get("type_"),
+                         concurrency=_num(strat.get("streams") or strat.get("max_concurrency")),
+                         request_rate=_num(strat.get("rate")), duration_s=dur,
+                         completed=_num(totals.get("successful")), failed=_num(totals.get("errored")),
+                         total_input_tokens=dist("prompt_token_count")["total_sum"],
+                         total_output_tokens=dist("output_token_count")["total_sum"],
+                         request_throughput=dist("requests_per_second")["mean"],
+                         output_throughput=dist("output_tokens_per_second")["mean"],
+                         total_token_throughput=dist("tokens_per_second")["mean"], request_goodput=None, **lat))
+    return rows
+
+
+def import_file(path: str | Path) -> pd.DataFrame:
+    """Any supported result file → rows of the common table (one per run/benchmark in the file)."""
+    path = Path(path)
+    if not path.exists():
+        raise ImportFormatError(f"{path}: no such file")
+    objs = _read_json_objects(path)
+    if not objs:
+        raise ImportFormatError(f"{path}: empty")
+    rows: list[dict[str, Any]] = []
+    for i, obj in enumerate(objs):
+        if not isinstance(obj, dict):
+            raise ImportFormatError(f"{path}: object {i} is not a JSON object")
+        try:
+            kind = detect_format(obj)
+        except ImportFormatError as exc:
+            raise ImportFormatError(f"{path}: {exc}") from None
+        if kind == "sglang":
+            rows.append(from_sglang(obj, str(path), i))
+        elif kind in ("vllm", "servelab"):
+            d = obj.get("servelab_definition")
+            rows.append(from_vllm(obj, str(path), i, tool="servelab" if d else "vllm bench serve",
+                                  definition=d or "vllm"))
+        elif kind == "aiperf":
+            rows.append(from_aiperf(obj, str(path)))
+        else:
+            rows.extend(from_guidellm(obj, str(path)))
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def import_files(paths: list[str | Path]) -> pd.DataFrame:
+    """Several result files into one table."""
+    frames = [import_file(p) for p in paths]
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=COLUMNS)
+
+
+def to_vllm_keys(summary: dict[str, Any], extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Our summary (one definition) with ``vllm bench serve`` key names, plus ``servelab_definition``.
+
+    ``p{P}_{metric}_ms`` for P in 50/90/95/99, ``{mean,median,std}_{metric}_ms``; sglang-only extras
+    (``input_throughput``, ``total_throughput``) are kept too so SGLang readers find theirs.
+    """
+    out: dict[str, Any] = {"servelab_definition": summary["definition"], "endpoint_type": "openai",
+                           "backend": "servelab", "duration": summary["duration_s"], "completed": summary["completed"],
+                           "failed": summary["failed"], "total_input_tokens": summary["total_input_tokens"],
+                           "total_output_tokens": summary["total_output_tokens"],
+                           "request_throughput": summary["request_throughput"],
+                           "request_goodput": summary.get("request_goodput"),
+                           "output_throughput": summary["output_throughput"],
+                           "total_token_throughput": summary["total_token_throughput"],
+                           "input_throughput": summary["input_throughput"],
+                           "total_throughput": summary["total_token_throughput"]}
+    for m in ("ttft", "tpot", "itl", "e2el"):
+        for st in ("mean", "median", "std", "p50", "p90", "p95", "p99"):
+            out[f"{st}_{m}_ms"] = summary.get(f"{st}_{m}_ms")
+        out[f"max_{m}_ms"] = summary.get(f"max_{m}_ms")
+    out.update(extra or {})
+    return out
+
+
+def write_vllm_json(path: str | Path, summary: dict[str, Any], extra: dict[str, Any] | None = None) -> Path:
+    path = Path(path)
+    path.write_text(json.dumps(to_vllm_keys(summary, extra), indent=2, default=str))
+    return path

@@ -1,0 +1,183 @@
+"""The quick matrix and the case runner on the real llama-server: files, warm-up/flush policy, M1, resume, crash."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pandas as pd
+import pytest
+
+from servelab import cases as cs
+from servelab.client import read_records
+from servelab.mixed import m1_analysis, run_m1_case
+from servelab.params import ParamError, load_target
+from servelab.perf_map import dispatch_case
+from servelab.prometheus import named_deltas
+
+
+def test_cluster_matrix_is_the_seeds_table():
+    t = load_target("example-2node")                     # SGLang, context 131072
+    m = {c.case_id: c for c in cs.quick_matrix(t)}
+    assert list(m) == ["P1", "P2", "P3", "P4_c4", "P4_c16", "D1", "D2_c16", "D2_c32", "D2_c64", "M1_control",
+                       "M1_treatment"]
+    assert (m["P1"].input_tokens, m["P1"].output_tokens, m["P1"].concurrency) == (1024, 1, 1)
+    assert m["P2"].input_tokens == 32768 and m["P4_c16"].input_tokens == 32768
+    # 128K + 1 output token does not fit a 131072 context: clamped, and the case says why
+    assert m["P3"].input_tokens == 131071 and "clamped from 131072" in m["P3"].notes[0]
+    assert (m["D1"].input_tokens, m["D1"].output_tokens) == (1024, 1024)
+    assert [m[f"D2_c{c}"].num_prompts for c in (16, 32, 64)] == [16, 32, 64]      # quick: one wave
+    tr = m["M1_treatment"]
+    assert (tr.concurrency, tr.output_tokens, tr.inject_after_s, tr.inject_input_tokens) == (32, 1024, 10.0, 131071)
+    assert m["M1_control"].inject_input_tokens == 0
+    # warm-up policy: short prefill and decode points only
+    assert {c.case_id for c in m.values() if c.warmup} == {"P1", "D1", "D2_c16", "D2_c32", "D2_c64", "M1_control",
+                                                           "M1_treatment"}
+
+
+def test_local_matrix_fits_the_slots_and_filters():
+    t = load_target("local")                             # 32768 context over 32 slots = 1024 per request
+    ms = cs.quick_matrix(t)
+    assert all(c.input_tokens + c.output_tokens <= 1024 for c in ms)
+    assert all(c.inject_input_tokens + 1 <= 1024 for c in ms)
+    assert [c.case_id for c in cs.quick_matrix(t, ["D2", "P1"])] == ["P1", "D2_c4", "D2_c8", "D2_c16"]
+    with pytest.raises(ParamError, match="did you mean 'D1'"):
+        cs.quick_matrix(t, ["D11"])
+
+
+@pytest.fixture
+def env(tiny_server, tmp_path):
+    return cs.make_env(tiny_server, tmp_path / "run")
+
+
+def small_cases() -> list[cs.CaseSpec]:
+    return [cs.CaseSpec("P1", "P1", "prefill", 64, 1, 1, 1, True),
+            cs.CaseSpec("P2", "P2", "prefill", 512, 1, 1, 1, False),
+            cs.CaseSpec("D2_c4", "D2", "decode", 32, 40, 4, 4, True, min_window_s=10.0)]
+
+
+def test_matrix_files_policy_and_resume(env, tiny_server):
+    mr = cs.run_matrix(env, small_cases(), case_runner=dispatch_case)
+    assert [r.status for r in mr.results] == ["success"] * 3 and not mr.aborted and not mr.not_executed
+    for r in mr.results:
+        d = r.case_dir
+        meta = json.loads((d / "meta.json").read_text())
+        assert meta["status"] == "success"
+        assert meta["cache_flush"]["method"].startswith("cache_prompt=false")       # llama.cpp: no flush endpoint
+        assert (d / "requests.jsonl").stat().st_mtime_ns <= (d / "summary.json").stat().st_mtime_ns
+        recs = read_records(d / "requests.jsonl")
+        measured = [x for x in recs if x.role == "measure"]
+        assert len(measured) == r.case.num_prompts
+        assert all(x.prompt_tokens == r.case.input_tokens and x.completion_tokens == r.case.output_tokens
+                   for x in measured)
+        warm = [x for x in recs if x.role == "warmup"]
+        assert len(warm) == (1 if r.case.warmup else 0)
+        frame = pd.read_parquet(d / "server" / "metrics.parquet")
+        deltas = named_deltas(frame, tiny_server.engine.metric_names)
+        # the scraper starts after the warm-up: its delta is exactly the measured prompts
+        assert deltas["prompt_tokens_total"] == sum(x.prompt_tokens for x in measured)
+        summ = json.loads((d / "summary.json").read_text())
+        assert set(summ["pooled"]) == {"sglang", "vllm"}
+        assert summ["pooled"]["vllm"]["total_output_tokens"] == r.case.num_prompts * r.case.output_tokens
+    v = {r.case.case_id: r.verdict for r in mr.results}
+    assert v["P1"].verdict == "VALID"
+    assert v["D2_c4"].verdict == "INVALID" and "window too short" in v["D2_c4"].reasons[0]
+    csv = pd.read_csv(env.run_dir / "summary.csv")
+    assert len(csv) == 6 and set(csv["definition"]) == {"sglang", "vllm"}
+    # resume: nothing re-runs (the server sees no new prompt tokens) ...
+    before = _prompt_tokens(tiny_server)
+    again = cs.run_matrix(env, small_cases(), resume=True, case_runner=dispatch_case)
+    assert again.skipped == ["P1", "P2", "D2_c4"] and _prompt_tokens(tiny_server) == before
+    # ... unless a raw file no longer re-parses
+    (env.run_dir / "cases" / "P2" / "requests.jsonl").write_text("{broken\n")
+    third = cs.run_matrix(env, small_cases(), resume=True, case_runner=dispatch_case)
+    assert third.skipped == ["P1", "D2_c4"] and _prompt_tokens(tiny_server) == before + 512
+
+
+def _prompt_tokens(srv) -> float:
+    from servelab.prometheus import parse_text
+    from servelab.server import http_text
+    return next(s["value"] for s in parse_text(http_text(srv.base_url + "/metrics")[1])
+                if s["name"] == "llamacpp:prompt_tokens_total")
+
+
+def test_m1_injection_lands_in_the_window(env):
+    base = dict(input_tokens=32, output_tokens=1500, concurrency=2, num_prompts=2, warmup=False)
+    control = run_m1_case(env, cs.CaseSpec("M1_control", "M1", "mixed", **base))
+    treat = run_m1_case(env, cs.CaseSpec("M1_treatment", "M1", "mixed", inject_input_tokens=1000,
+                                         inject_after_s=0.3, **base))
+    assert control.status == treat.status == "success"
+    recs = read_records(treat.case_dir / "requests.jsonl")
+    inj = [r for r in recs if r.role == "inject"]
+    assert len(inj) == 1 and inj[0].prompt_tokens == 1000 and inj[0].completion_tokens == 1
+    start = min(r.scheduled_ns for r in recs if r.role == "measure")
+    assert abs((inj[0].scheduled_ns - start) / 1e9 - 0.3) < 0.001            # due exactly 0.3 s in
+    assert 0 <= (inj[0].send_ns - inj[0].scheduled_ns) / 1e9 < 1.0           # sent then (client lag recorded)
+    assert treat.summaries["vllm"]["completed"] == 2                     # the injection is not a background request
+    assert treat.extra["injection"]["vllm"][0]["input_tokens"] == 1000
+    a = m1_analysis(control, treat)
+    ab = a["ab"].set_index("metric")
+    assert ab.loc["output_throughput", "control"] > 0 and ab.loc["output_throughput", "treatment"] > 0
+    w = a["windows"].set_index(["run", "window"])["n"]
+    tl = a["timeline"]
+    t_end = a["inject_end_s"]
+    assert t_end == pytest.approx((max(inj[0].chunk_ns) - start) / 1e9)
+    for run in ("control", "treatment"):             # every ITL lands in exactly one window, split at the injection
+        t = tl[tl["run"] == run]["t_s"]
+        expect = {"before": int((t < a["inject_start_s"]).sum()),
+                  "during": int(((t >= a["inject_start_s"]) & (t <= t_end)).sum()), "after": int((t > t_end).sum())}
+        got = {k: int(w.get((run, k), 0)) for k in expect}
+        assert got == expect and sum(got.values()) == 2 * 1500
+    assert a["inject_start_s"] == pytest.approx((inj[0].send_ns - start) / 1e9)
+    assert len(a["timeline"]) == 2 * 2 * 1500          # every choices-chunk gap of every background request
+
+
+@pytest.mark.slow
+def test_engine_crash_stops_the_run_and_resume_continues(tmp_path):
+    """Kill the engine's process group while a case streams: ENGINE_CRASH, run stops, data kept, resume goes on."""
+    from servelab.hosts import ProcessTracker
+    from servelab.server import start_server, stop_server
+    target = load_target("local-tiny")
+    run_dir = tmp_path / "run"
+    cases = [cs.CaseSpec("P1", "P1", "prefill", 64, 1, 1, 1, True),
+             cs.CaseSpec("D1", "D1", "decode", 32, 2000, 2, 2, False),
+             cs.CaseSpec("D2_c2", "D2", "decode", 32, 8, 2, 2, True)]
+    with ProcessTracker() as tracker:
+        srv = start_server(target, tmp_path / "log1", tracker, health_timeout_s=60)
+        env = cs.make_env(srv, run_dir)
+
+        def kill_when_streaming() -> None:
+            # the gauge says a request is being served; 0.8 s later its tokens are streaming (~3k tok/s;
+            # 2 × 2000 tokens last > 1 s even on an idle machine)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                from servelab.prometheus import parse_text
+                from servelab.server import http_text
+                body = http_text(srv.base_url + "/metrics", timeout=2)[1]
+                if any(x["name"] == "llamacpp:requests_processing" and x["value"] >= 1 for x in parse_text(body)):
+                    break
+                time.sleep(0.01)
+            time.sleep(0.8)
+            os.killpg(srv.head_handle.pid, signal.SIGKILL)
+
+        def runner(e, case):
+            if case.case_id == "D1":
+                threading.Thread(target=kill_when_streaming, daemon=True).start()
+            return dispatch_case(e, case)
+        mr = cs.run_matrix(env, cases, case_runner=runner)
+        assert mr.aborted.startswith("ENGINE_CRASH") and mr.not_executed == ["D2_c2"]
+        meta = json.loads((run_dir / "cases" / "D1" / "meta.json").read_text())
+        assert meta["status"] == "ENGINE_CRASH" and meta["healthy_after"] is False
+        crashed = read_records(run_dir / "cases" / "D1" / "requests.jsonl")
+        assert len(crashed) == 2 and any(r.error_kind in ("connection", "stream") or not r.ok for r in crashed)
+        assert any(r.chunk_ns for r in crashed)                  # what streamed before the kill is kept
+        assert cs.case_is_done(run_dir / "cases" / "P1", 1)      # finished case intact
+        stop_server(srv, tracker)
+        srv2 = start_server(target, tmp_path / "log2", tracker, health_timeout_s=60)
+        env2 = cs.make_env(srv2, run_dir)
+        mr2 = cs.run_matrix(env2, cases, resume=True, case_runner=dispatch_case)
+        assert mr2.skipped == ["P1"] and not mr2.aborted
+        assert [r.status for r in mr2.results] == ["success"] * 3
+        stop_server(srv2, tracker)
