@@ -390,6 +390,9 @@ def run_case(env: CaseEnv, case: CaseSpec, run_fn: Callable[[CaseEnv, CaseSpec, 
         result.error = f"{result.summaries['vllm']['failed']} request(s) failed: " \
                        f"{result.summaries['vllm']['errors_by_kind']}"
     write_summary(result)
+    # the client's own measurement windows on the wall clock: Phase 2 slices telemetry to exactly these
+    meta["windows_wall_ns"] = [[r.window_start_ns + r.wall_offset_ns, r.window_end_ns + r.wall_offset_ns]
+                               for r in runs]
     meta.update(status=result.status, ended=now_iso(), error=result.error, log_events=events, healthy_after=healthy,
                 engine_log=log_path)
     write_meta(cdir, meta)

@@ -1,9 +1,12 @@
 """What the Phase 2 notebook calls: plan the collectors per node, run them around cases, and turn the
 result into the page's tables and figures (compute here, draw in ``figures``, nothing printed).
 
-On the local target the "cases" are short CPU-bound workloads on this machine (idle / one hot core /
-all cores) whose own start/end stamps are the measurement windows; the lead binds Phase 2 to the
-Phase 1 cases later. A cluster target gets its collector plan recorded as ``planned`` commands.
+``run_engine_cases`` is the real thing: it starts the target's engine and runs Phase 1 cases (long
+prefill, concurrent prefill, decode, the mixed A/B) with the collectors started on every node before each
+case and stopped after it; every sample is sliced to the client's own measurement window of that case
+(``meta.json`` ``windows_wall_ns``). ``run_local_cases`` runs synthetic CPU workloads (idle / one hot core /
+all cores) to show the collectors' own behaviour without an engine. A cluster target without a live
+session gets its collector plan recorded as ``planned`` commands.
 """
 from __future__ import annotations
 
@@ -139,6 +142,70 @@ def run_local_cases(ctx: Any, case_seconds: float = 4.0, interval_s: float = 1.0
         cases.append(load_case_telemetry(cdir, case_id, window))
     valid = [c for c in cases if c.window is not None]
     return Phase2Run(cases, plan, status_table(cases), coverage_table(valid), failures)
+
+
+ENGINE_CASES = ("P3", "P4_c4", "D2_c8", "M1_control", "M1_treatment")   # the seeds' Phase 2 replay, scaled
+
+
+def run_engine_cases(ctx: Any, case_ids: list[str] | None = None, interval_s: float = 1.0,
+                     health_timeout_s: float = 900.0) -> Phase2Run:
+    """Start the engine, and around each Phase 1 case run every collector on every node; slice to the case's
+    exact measurement window. Cases are stored as ``hw-<case>`` so they never overwrite Phase 1's."""
+    import dataclasses
+
+    from servelab.cases import EngineCrash, make_env, quick_matrix
+    from servelab.hosts import ProcessTracker
+    from servelab.perf_map import dispatch_case
+    from servelab.server import start_server, stop_server
+
+    plan = collector_plan(ctx, interval_s)
+    specs_cases = [dataclasses.replace(c, case_id=f"hw-{c.case_id}")
+                   for c in quick_matrix(ctx.target, list(case_ids or ENGINE_CASES))]
+    cases: list[CaseTelemetry] = []
+    failures: list[str] = []
+    with ProcessTracker() as tracker:
+        srv = start_server(ctx.target, ctx.phase_dir / "logs", tracker, run_dir=ctx.run_dir, phase=ctx.phase,
+                           health_timeout_s=health_timeout_s)
+        try:
+            env = make_env(srv, ctx.run_dir)
+            for case in specs_cases:
+                cdir = ctx.case_dir(case.case_id)
+                plans = [NodePlan(srv.hosts[n.name], node_specs(n, srv.handles[n.name].pid, interval_s,
+                                                                 python=sys.executable if n.kind == "local" else "python3"),
+                                  node=n.name) for n in ctx.target.nodes]
+                for p in plans:
+                    for spec in p.specs:
+                        _log(ctx, "executed", spec.argv, f"{case.case_id} {spec.name}", host=p.node, env=dict(spec.env))
+                session = None
+                try:
+                    session = start_telemetry(cdir, plans, grace_s=0.5)
+                    try:
+                        dispatch_case(env, case)
+                    finally:
+                        time.sleep(interval_s + 0.3)      # the sample that closes the window
+                        result = session.stop()
+                        failures += [f"{case.case_id}: {f}" for f in result.failures]
+                except RequiredCollectorError as exc:
+                    failures.append(f"{case.case_id}: {exc}")
+                except EngineCrash as exc:
+                    failures.append(f"{case.case_id}: {exc}")
+                    cases.append(load_case_telemetry(cdir, case.case_id, _case_window(cdir, case.case_id)))
+                    break
+                cases.append(load_case_telemetry(cdir, case.case_id, _case_window(cdir, case.case_id)))
+        finally:
+            stop_server(srv, tracker, run_dir=ctx.run_dir, phase=ctx.phase)
+    valid = [c for c in cases if c.window is not None]
+    return Phase2Run(cases, plan, status_table(cases), coverage_table(valid), failures)
+
+
+def _case_window(cdir: Path, case_id: str) -> CaseWindow | None:
+    """The client's measurement window of a case (first start to last end over its repeats), epoch ns."""
+    meta = json.loads((cdir / "meta.json").read_text()) if (cdir / "meta.json").exists() else {}
+    wins = meta.get("windows_wall_ns") or []
+    if not wins:
+        return None
+    return CaseWindow(case_id, int(min(w[0] for w in wins)), int(max(w[1] for w in wins)),
+                      f"{meta.get('case', {}).get('purpose', '')} (client window)")
 
 
 def summary(ctx: Any, run: Phase2Run, baseline: str | None = None) -> pd.DataFrame:
