@@ -4,7 +4,7 @@
 PY      ?= python3
 VENV    ?= .venv
 STAMP   := $(VENV)/.installed
-SYSTEM_PACKAGES := cmake ninja-build g++ openssh-server sysstat numactl ethtool chromium fonts-dejavu-core iproute2 procps
+SYSTEM_PACKAGES := cmake ninja-build g++ openssh-server sysstat numactl ethtool chromium fonts-dejavu-core fonts-wqy-zenhei iproute2 procps util-linux
 
 .PHONY: demo test env system clean-outputs
 

@@ -1,0 +1,116 @@
+"""Nsight Systems: the profile/stats command lines of the seeds and the CSV report importer.
+
+There is no nsys on this machine, so the CSV inputs below are written by hand from the column names
+documented in the Nsight Systems analysis guide (summarised in ../shared/research/trace_analysis.md §5);
+the kernel names are real ones from our H200 trace."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from servelab import nsys
+
+KERN_SUM = """Generating SQLite file report.sqlite from report.nsys-rep
+Processing [report.sqlite] with [/opt/nvidia/nsight-systems/reports/cuda_gpu_kern_sum.py]...
+
+Time (%),Total Time (ns),Instances,Avg (ns),Med (ns),Min (ns),Max (ns),StdDev (ns),Name
+40.5,46578000,656,71003.0,8544.0,7648,28953322,1120000.5,ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)
+17.3,31270000,120,260583.3,217238.0,130000,610000,90000.1,nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT
+10.7,19361000,288,67225.7,67163.0,66000,69000,500.2,cudnn_generated_fort_native_sdpa_sm80_flash_fprop_wmma_f16_knob_35_16x128x128
+3.0,5479000,656,8352.1,8300.0,5000,12000,700.0,"void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::BFloat16, float, true>(int, float, c10::BFloat16 const*)"
+"""
+
+API_SUM = """Time (%),Total Time (ns),Num Calls,Avg (ns),Med (ns),Min (ns),Max (ns),StdDev (ns),Name
+55.0,12000000,842,14251.8,5000.0,3000,900000,40000.0,cudaLaunchKernel
+20.0,4400000,28,157142.9,150000.0,120000,250000,30000.0,cudaGraphLaunch
+"""
+
+NVTX_SUM_US = """Time (%),Total Time (us),Instances,Avg (us),Med (us),Min (us),Max (us),StdDev (us),Style,Range
+60.0,42804.0,208,205.8,150.0,100.0,900.0,80.0,PushPop,ncclAllReduce
+40.0,28000.0,4,7000.0,7000.0,6000.0,8000.0,900.0,PushPop,prefill_step
+"""
+
+
+def test_profile_argv_matches_the_seeds():
+    argv = nsys.nsys_profile_argv(["vllm", "serve", "m", "--profiler-config.profiler", "cuda"], "/data/p/dsv4_tp16")
+    assert argv[:2] == ["nsys", "profile"]
+    for flag in ("--trace=cuda,nvtx,nccl", "--trace-fork-before-exec=true", "--cuda-graph-trace=node",
+                 "--capture-range=cudaProfilerApi", "--capture-range-end=repeat"):
+        assert flag in argv
+    assert argv[argv.index("-o") + 1] == "/data/p/dsv4_tp16"
+    assert argv[-5:] == ["vllm", "serve", "m", "--profiler-config.profiler", "cuda"]
+    three = nsys.nsys_profile_argv(["python", "-m", "sglang.launch_server"], "out-%n", repeat=3, repeat_mode="defer")
+    assert "--capture-range-end=repeat:3:defer" in three
+    assert nsys.display(three).startswith("nsys profile --trace=cuda,nvtx,nccl")
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(capture_range="bogus"), "capture_range"), (dict(repeat=0), "repeat=0"),
+    (dict(repeat_mode="later", repeat=2), "repeat_mode"), (dict(repeat_mode="defer"), "repeat=N"),
+    (dict(capture_range_end="sometimes"), "capture_range_end"), (dict(cuda_graph_trace="edge"), "cuda_graph_trace"),
+])
+def test_profile_argv_rejects_bad_options(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        nsys.nsys_profile_argv(["app"], "o", **kw)
+    with pytest.raises(ValueError, match="app_argv"):
+        nsys.nsys_profile_argv([], "o")
+
+
+def test_stats_argv():
+    argv = nsys.nsys_stats_argv("/r/run1.nsys-rep")
+    assert argv[:2] == ["nsys", "stats"] and "--format" in argv and argv[argv.index("--format") + 1] == "csv"
+    assert argv[argv.index("--output") + 1] == "/r/run1" and argv[-1] == "/r/run1.nsys-rep"
+    assert argv[argv.index("--report") + 1] == "cuda_gpu_kern_sum,cuda_api_sum,nvtx_sum"
+
+
+def test_read_kernel_summary(tmp_path: Path):
+    p = tmp_path / "run1_cuda_gpu_kern_sum.csv"
+    p.write_text(KERN_SUM)
+    df = nsys.read_stats_csv(p)
+    assert df.columns[:9] == ["time_pct", "total_time_ns", "instances", "avg_ns", "med_ns", "min_ns", "max_ns",
+                              "stddev_ns", "name"]
+    assert df["total_time_ns"].to_list() == [46578000, 31270000, 19361000, 5479000]
+    assert df["name"][3].startswith("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::BFloat16, ")
+    k = nsys.kernel_summary(df)
+    assert k["cls"].to_list() == ["communication", "gemm", "attention", "norm_rope"]
+    bd = nsys.class_breakdown(df)
+    assert bd["share_pct"].sum() == pytest.approx(100)
+    assert bd.filter(pl.col("cls") == "communication")["total_ms"][0] == pytest.approx(46.578)
+
+
+def test_read_api_and_nvtx_with_units(tmp_path: Path):
+    api = tmp_path / "r_cuda_api_sum.csv"
+    api.write_text(API_SUM)
+    a = nsys.read_stats_csv(api)
+    assert dict(zip(a["name"], a["calls"])) == {"cudaLaunchKernel": 842, "cudaGraphLaunch": 28}
+    nv = tmp_path / "r_nvtx_sum.csv"
+    nv.write_text(NVTX_SUM_US)
+    n = nsys.read_stats_csv(nv)
+    assert n["total_time_ns"].to_list() == [42_804_000, 28_000_000]      # µs → ns
+    assert n["style"].to_list() == ["PushPop", "PushPop"]
+    nccl = nsys.nccl_ranges(n)
+    assert nccl["name"].to_list() == ["ncclAllReduce"] and nccl["avg_us"][0] == pytest.approx(205.8)
+    both = nsys.read_stats_dir(tmp_path)
+    assert set(both) == {"cuda_api_sum", "nvtx_sum"}
+
+
+def test_bad_reports_name_the_file(tmp_path: Path):
+    p = tmp_path / "x_cuda_gpu_kern_sum.csv"
+    p.write_text("Time (%),Total Time (ns),Instances,Name\n1,2,3,k\n")
+    with pytest.raises(nsys.NsysReportError) as e:
+        nsys.read_stats_csv(p)
+    assert str(p) in str(e.value) and "Avg" in str(e.value)
+    q = tmp_path / "y_cuda_api_sum.csv"
+    q.write_text(API_SUM.replace("842", "lots"))
+    with pytest.raises(nsys.NsysReportError, match="non-numeric"):
+        nsys.read_stats_csv(q)
+    r = tmp_path / "z.csv"
+    r.write_text(API_SUM)
+    with pytest.raises(nsys.NsysReportError, match="unknown nsys report"):
+        nsys.read_stats_csv(r)
+    s = tmp_path / "w_nvtx_sum.csv"
+    s.write_text("just some text\n")
+    with pytest.raises(nsys.NsysReportError, match="header"):
+        nsys.read_stats_csv(s)

@@ -1,0 +1,260 @@
+"""Loader: real traces → frame, rank identity, Parquet cache, errors that name the file.
+
+Ground truth is computed here with plain json + gzip, never with the code under test."""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from servelab.trace import load as L
+from servelab.trace.load import TraceFormatError, identity_from_name, load_capture, load_trace, parse_trace
+
+H200 = ("h200x2-20261129", "traces")
+TP0 = "20261129203606-TP-0.trace.json.gz"
+TP1 = "20261129203606-TP-1.trace.json.gz"
+
+
+def _events(path: Path) -> tuple[dict, list[dict]]:
+    doc = json.loads(gzip.decompress(path.read_bytes()))
+    return doc, doc["traceEvents"]
+
+
+@pytest.fixture(scope="module")
+def h200_dir(shared_data: Path) -> Path:
+    return shared_data.joinpath(*H200)
+
+
+def test_h200_frame_matches_plain_json(h200_dir: Path, tmp_path: Path):
+    path = h200_dir / TP0
+    doc, ev = _events(path)
+    t = load_trace(path, cache_dir=tmp_path)
+    df = t.events
+    assert df.height == len(ev)
+    # category counts
+    want = Counter(e.get("cat", "") for e in ev)
+    got = dict(df.group_by("cat").len().with_columns(pl.col("cat").cast(pl.String)).iter_rows())
+    assert got == {k: v for k, v in want.items()}
+    # absolute int64 ns timestamps: base + round(ts * 1000) for every kernel
+    base = doc["baseTimeNanoseconds"]
+    kern = [e for e in ev if e.get("cat") == "kernel"]
+    want_ts = sorted(base + round(e["ts"] * 1000) for e in kern)
+    got_ts = df.filter(pl.col("cat") == "kernel")["ts_ns"].sort().to_list()
+    assert got_ts == want_ts
+    want_dur = sum(round(e["dur"] * 1000) for e in kern)
+    assert df.filter(pl.col("cat") == "kernel")["dur_ns"].sum() == want_dur
+    # collective args on NCCL kernels (eager ones carry them, graph-replayed ones do not)
+    nccl_args = [e["args"] for e in kern if "Collective name" in e["args"]]
+    got_coll = df.filter((pl.col("cat") == "kernel") & pl.col("coll").is_not_null())
+    assert got_coll.height == len(nccl_args) > 0
+    assert got_coll["in_nelems"].sum() == sum(a["In msg nelems"] for a in nccl_args)
+    assert set(got_coll["dtype"].cast(pl.String).to_list()) == {a["dtype"] for a in nccl_args}
+    assert set(got_coll["pg_ranks"].to_list()) == {a["Process Group Ranks"] for a in nccl_args}
+    # correlation and external id of kernels
+    assert sorted(df.filter(pl.col("cat") == "kernel")["correlation"].to_list()) == \
+        sorted(e["args"]["correlation"] for e in kern)
+    # string pids ("Spans", "Traces", "") kept as labels, ints elsewhere
+    str_pids = Counter(e["pid"] for e in ev if isinstance(e.get("pid"), str))
+    assert dict(Counter(df["pid_label"].drop_nulls().to_list())) == dict(str_pids)
+    # metadata and identity
+    assert t.meta["distributedInfo"]["world_size"] == 2
+    assert t.meta["baseTimeNanoseconds"] == base
+    assert t.identity.rank == 0 and t.identity.tp == 0 and t.identity.engine == "sglang"
+    assert t.meta["process_labels"]["0"] == "GPU 0"
+
+
+def test_epoch_microsecond_trace_is_exact(thirdparty: Path, tmp_path: Path):
+    """HTA sampled rank: integer epoch-µs timestamps (> 2**53 ns) must stay exact."""
+    path = thirdparty / "hta/trace_filter/sampled_rank-1.json.gz"
+    _, ev = _events(path)
+    df = load_trace(path, cache_dir=tmp_path).events
+    kern = [e for e in ev if e.get("cat") == "kernel"]
+    assert sorted(df.filter(pl.col("cat") == "kernel")["ts_ns"].to_list()) == sorted(e["ts"] * 1000 for e in kern)
+
+
+def test_capture_identity_and_cache(h200_dir: Path, tmp_path: Path):
+    cap = load_capture(h200_dir, cache_dir=tmp_path)
+    assert [t.rank for t in cap.ranks] == [0, 1]
+    ids = cap.identities()
+    assert ids["tp"].to_list() == [0, 1] and ids["profile_id"].to_list() == ["20261129203606"] * 2
+    assert not any(t.from_cache for t in cap.ranks)
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert len(files) == 2 and all(f.endswith(".parquet") for f in files)
+    again = load_capture(h200_dir, cache_dir=tmp_path)
+    assert all(t.from_cache for t in again.ranks)
+    assert again.ranks[0].events.equals(cap.ranks[0].events)
+    assert again.ranks[1].meta == cap.ranks[1].meta
+
+
+def test_cache_next_to_trace_and_invalidation(h200_dir: Path, tmp_path: Path):
+    src = tmp_path / "cap"
+    src.mkdir()
+    p = src / TP1
+    shutil.copyfile(h200_dir / TP1, p)
+    first = load_trace(p)
+    assert not first.from_cache and first.cache_path.parent == src / L.CACHE_DIRNAME
+    assert load_trace(p).from_cache
+    os.utime(p, ns=(p.stat().st_atime_ns, p.stat().st_mtime_ns + 1_000_000_000))   # touched → stale
+    assert not load_trace(p).from_cache
+
+
+def test_read_only_folder_caches_elsewhere(h200_dir: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """../shared is read-only: the cache goes to the user cache dir, never next to the trace."""
+    monkeypatch.setenv("SERVELAB_CACHE", str(tmp_path / "usercache"))
+    if h200_dir.stat().st_mode & 0o222:
+        pytest.skip("the shared trace folder is not marked read-only here")
+    t = load_trace(h200_dir / TP0)
+    assert t.cache_path is not None and str(t.cache_path).startswith(str(tmp_path / "usercache"))
+    assert not (h200_dir / L.CACHE_DIRNAME).exists()
+
+
+@pytest.mark.parametrize("name, want", [
+    ("1732000000.123-TP-3.trace.json.gz", dict(tp=3, dp=None, pp=None, ep=None, engine="sglang")),
+    ("myrun-1732000000.1-TP-2-DP-1-PP-1-EP-5.trace.json.gz", dict(tp=2, dp=1, pp=1, ep=5, engine="sglang")),
+    ("1732000000.1-TP-0-PP-1-decode.trace.json.gz", dict(tp=0, pp=1, stage="decode", engine="sglang")),
+    ("1732000000.1-TP-7-DECODE.trace.json.gz", dict(tp=7, stage="decode")),
+    ("rank3.1732000000123456789.pt.trace.json.gz", dict(rank=3, engine="vllm", profile_id="1732000000123456789")),
+    ("dp0_pp1_tp2.1732000000123.pt.trace.json.gz", dict(dp=0, pp=1, tp=2, engine="vllm")),
+    ("host.async_llm.1732000000123.pt.trace.json.gz", dict(role="frontend")),
+])
+def test_identity_from_file_names(name: str, want: dict):
+    ident = identity_from_name(name)
+    for k, v in want.items():
+        assert getattr(ident, k) == v, (k, getattr(ident, k))
+
+
+def test_vllm_folder_with_frontend(h200_dir: Path, tmp_path: Path):
+    """A vLLM-style folder: rank traces load as ranks, the async_llm frontend trace is only listed."""
+    d = tmp_path / "vllm"
+    d.mkdir()
+    shutil.copyfile(h200_dir / TP0, d / "rank0.1790000000000000001.pt.trace.json.gz")
+    shutil.copyfile(h200_dir / TP1, d / "rank1.1790000000000000002.pt.trace.json.gz")
+    (d / "api.async_llm.1790000000000000003.pt.trace.json.gz").write_bytes(gzip.compress(b'{"traceEvents": []}'))
+    cap = load_capture(d, cache=False)
+    assert [t.rank for t in cap.ranks] == [0, 1]
+    assert [f.role for f in cap.frontend] == ["frontend"]
+    assert "frontend" in cap.identities()["role"].to_list()
+
+
+def test_two_captures_in_one_folder_need_a_profile_id(h200_dir: Path, tmp_path: Path):
+    d = tmp_path / "two"
+    d.mkdir()
+    shutil.copyfile(h200_dir / TP0, d / "111-TP-0.trace.json.gz")
+    shutil.copyfile(h200_dir / TP0, d / "222-TP-0.trace.json.gz")
+    with pytest.raises(TraceFormatError, match="profile_id"):
+        load_capture(d, cache=False)
+    assert [t.path.name for t in load_capture(d, cache=False, profile_id="222").ranks] == ["222-TP-0.trace.json.gz"]
+
+
+def test_per_node_subfolders_set_the_node(h200_dir: Path, tmp_path: Path):
+    for node, f in (("nodeA", TP0), ("nodeB", TP1)):
+        (tmp_path / node).mkdir()
+        shutil.copyfile(h200_dir / f, tmp_path / node / f)
+    cap = load_capture(tmp_path, cache=False)
+    assert [t.identity.node for t in cap.ranks] == ["nodeA", "nodeB"]
+
+
+# ------------------------------------------------------------------------------------------ errors
+
+def test_truncated_gzip_names_the_file(h200_dir: Path, tmp_path: Path):
+    raw = (h200_dir / TP0).read_bytes()
+    bad = tmp_path / "cut-TP-0.trace.json.gz"
+    bad.write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(TraceFormatError) as e:
+        parse_trace(bad, workers=1)
+    assert str(bad) in str(e.value) and "gzip" in str(e.value)
+
+
+def test_truncated_json_names_the_file(h200_dir: Path, tmp_path: Path):
+    text = gzip.decompress((h200_dir / TP0).read_bytes())
+    bad = tmp_path / "halfjson.json.gz"
+    bad.write_bytes(gzip.compress(text[: len(text) // 2]))
+    with pytest.raises(TraceFormatError) as e:
+        parse_trace(bad, workers=1)
+    assert str(bad) in str(e.value) and "JSON" in str(e.value)
+
+
+def test_not_json_names_the_file(tmp_path: Path):
+    bad = tmp_path / "notes.json"
+    bad.write_text("this is a log file, not a trace\n")
+    with pytest.raises(TraceFormatError) as e:
+        load_trace(bad, cache=False)
+    assert str(bad) in str(e.value)
+
+
+def test_json_without_trace_events_names_the_file(tmp_path: Path):
+    bad = tmp_path / "config.json.gz"
+    bad.write_bytes(gzip.compress(json.dumps({"schemaVersion": 1, "model": "x"}).encode()))
+    with pytest.raises(TraceFormatError) as e:
+        load_trace(bad, cache=False)
+    assert str(bad) in str(e.value) and "traceEvents" in str(e.value)
+
+
+def test_empty_file_and_missing_folder(tmp_path: Path):
+    empty = tmp_path / "empty.json"
+    empty.write_text("   ")
+    with pytest.raises(TraceFormatError, match="empty"):
+        load_trace(empty, cache=False)
+    with pytest.raises(TraceFormatError, match="does not exist"):
+        load_capture(tmp_path / "nowhere")
+    (tmp_path / "nothing_here").mkdir()
+    with pytest.raises(TraceFormatError, match="no \\*.json"):
+        load_capture(tmp_path / "nothing_here")
+
+
+def test_lenient_path_for_odd_types(tmp_path: Path):
+    """A trace whose ids are strings does not fit the typed decoder; the lenient path still loads it."""
+    doc = {"traceEvents": [
+        {"ph": "X", "cat": "kernel", "name": "k", "pid": 0, "tid": 7, "ts": 10.5, "dur": 2.25,
+         "args": {"correlation": "12", "stream": 7, "device": 0}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 5, "tid": 5, "ts": 9.0, "dur": 1.0,
+         "args": {"correlation": 12}}]}
+    p = tmp_path / "odd.json"
+    p.write_text(json.dumps(doc))
+    df, _ = parse_trace(p, workers=1)
+    k = df.filter(pl.col("cat") == "kernel").row(0, named=True)
+    assert k["correlation"] == 12 and k["ts_ns"] == 10_500 and k["dur_ns"] == 2_250
+
+
+def test_chunked_parallel_parse_equals_serial(h200_dir: Path, monkeypatch: pytest.MonkeyPatch):
+    """The multi-process path (forced on a small file with small chunks) gives the serial frame."""
+    path = h200_dir / TP1
+    serial, meta_s = L._parse_serial(path)
+    monkeypatch.setattr(L, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(L, "CHUNK_BYTES", 3 << 20)
+    par = L._parse_parallel(path, workers=2)
+    assert par is not None, "parallel parse fell back"
+    frame, meta_p = par
+    assert frame.equals(serial)
+    assert meta_p == meta_s
+
+
+def test_merged_and_graph_capture_files_are_set_aside(h200_dir: Path, tmp_path: Path):
+    d = tmp_path / "sg"
+    (d / "graph_capture_profile").mkdir(parents=True)
+    shutil.copyfile(h200_dir / TP0, d / TP0)
+    shutil.copyfile(h200_dir / TP1, d / "graph_capture_profile" / "cuda_graph_capture-decode-TP-1.json.gz")
+    shutil.copyfile(h200_dir / TP1, d / "merged-20261129203606.trace.json.gz")
+    cap = load_capture(d, cache=False)
+    assert [t.path.name for t in cap.ranks] == [TP0]
+    assert cap.skipped == ["merged-20261129203606.trace.json.gz"]
+    only = tmp_path / "merged_only"
+    only.mkdir()
+    shutil.copyfile(h200_dir / TP1, only / "merged-1.trace.json.gz")
+    with pytest.raises(TraceFormatError, match="per-rank"):
+        load_capture(only, cache=False)
+
+
+def test_non_trace_json_in_the_folder_is_set_aside(h200_dir: Path, tmp_path: Path):
+    d = tmp_path / "case"
+    d.mkdir()
+    shutil.copyfile(h200_dir / TP0, d / TP0)
+    (d / "capture.json").write_text(json.dumps({"tp": 2, "pp": 1}))
+    cap = load_capture(d, cache=False)
+    assert [t.path.name for t in cap.ranks] == [TP0] and cap.skipped == ["capture.json"]

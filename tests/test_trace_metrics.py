@@ -1,0 +1,257 @@
+"""Timeline metrics on real traces against ground truth computed here (plain json + gzip + Python
+interval arithmetic) and against the independently computed facts in thirdparty/README.md."""
+from __future__ import annotations
+
+import gzip
+import json
+import re
+from collections import Counter
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from servelab.trace import metrics as M
+from servelab.trace.analysis import analyse
+from servelab.trace.load import load_trace
+from servelab.trace.ops import prepare_rank
+
+H200_TP0 = ("h200x2-20261129", "traces", "20261129203606-TP-0.trace.json.gz")
+
+
+def _doc(path: Path) -> dict:
+    return json.loads(gzip.decompress(path.read_bytes()))
+
+
+def _ns(us: float) -> int:
+    return round(us * 1000)
+
+
+def _union(iv: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[list[int]] = []
+    for s, e in sorted(iv):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+def _length(iv: list[tuple[int, int]]) -> int:
+    return sum(e - s for s, e in iv)
+
+
+def _intersect(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> int:
+    i = j = tot = 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        tot += max(0, hi - lo)
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return tot
+
+
+@pytest.fixture(scope="module")
+def h200_rank0(shared_data: Path, tmp_path_factory: pytest.TempPathFactory):
+    path = shared_data.joinpath(*H200_TP0)
+    trace = load_trace(path, cache_dir=tmp_path_factory.mktemp("c"))
+    return path, _doc(path), prepare_rank(trace)
+
+
+# ------------------------------------------------------------------------------- thirdparty README facts
+
+README_FACTS = [
+    # file, events, kernels, busy ms, window ms, launchers
+    ("tracelens/h100/Qwen_Qwen1.5-0.5B-Chat__1016005.json.gz", 18221, 1465, 45.433, 49.653,
+     {"cudaLaunchKernel": 860, "cudaLaunchKernelExC": 168, "cuLaunchKernel": 1, None: 436}),
+    ("tracelens/sglang_decode/sglang_Qwen3-8B_decode.json.gz", 2058, 555, 9.760, 473.741,
+     {"hipGraphLaunch": 544, "hipLaunchKernel": 10, "hipModuleLaunchKernel": 1}),
+    ("tracelens/sglang_prefilldecode/sglang_Qwen3-8B_prefilldecode.json.gz", 60315, 527, 492.769, 987.276,
+     {"hipLaunchKernel": 380, "hipExtModuleLaunchKernel": 145, "hipModuleLaunchKernel": 2}),
+    ("hta/nccl_parser_config/nccl_data.json.gz", 40573, 2700, 155.215, 660.551,
+     {"cudaLaunchKernel": 2550, "cudaLaunchKernelExC": 150}),
+    ("hta/trace_filter/sampled_rank-0.json.gz", 4855, 1154, 547.303, 1222.818, {"cudaLaunchKernel": 1154}),
+    ("hta/trace_filter/sampled_rank-1.json.gz", 4720, 1104, 575.496, 1231.182, {"cudaLaunchKernel": 1104}),
+]
+
+
+@pytest.mark.parametrize("rel, events, kernels, busy_ms, window_ms, launchers", README_FACTS,
+                         ids=[Path(f[0]).name for f in README_FACTS])
+def test_thirdparty_readme_facts(thirdparty: Path, tmp_path: Path, rel, events, kernels, busy_ms, window_ms,
+                                 launchers):
+    t = load_trace(thirdparty / rel, cache_dir=tmp_path)
+    assert t.events.height == events
+    r = prepare_rank(t)
+    k = r.ops.filter(pl.col("cat") == "kernel")
+    assert k.height == kernels
+    busy = M.device_busy(r, cats=("kernel",))
+    assert busy.height == 1
+    assert busy["busy_ms"][0] == pytest.approx(busy_ms, abs=0.0015)
+    assert busy["window_ms"][0] == pytest.approx(window_ms, abs=0.0015)
+    got = dict(Counter(k["launcher"].to_list()))
+    assert got == launchers
+
+
+def test_sglang_decode_is_one_graph_window(thirdparty: Path, tmp_path: Path):
+    """step[DECODE bs=32]: one decode window, bs parsed, 544 of its kernels from hipGraphLaunch."""
+    a = analyse(thirdparty / "tracelens/sglang_decode", cache_dir=tmp_path)
+    w = a.windows
+    assert w["name"].to_list() == ["step[DECODE bs=32]"] and w["kind"].to_list() == ["decode"]
+    assert w["bs"].to_list() == [32]
+    g = a.graph.row(0, named=True)
+    assert g["graph_ops"] == 544 and g["windows_graphed"] == 1
+    assert "hipGraphLaunch" in g["launchers"]
+
+
+def test_prefill_step_window_and_kind(thirdparty: Path, tmp_path: Path):
+    a = analyse(thirdparty / "tracelens/sglang_prefilldecode", cache_dir=tmp_path)
+    w = a.windows.row(0, named=True)
+    assert w["name"] == "step[EXTEND bs=15 toks=15360]" and w["kind"] == "prefill"
+    assert (w["bs"], w["toks"]) == (15, 15360)
+
+
+# ------------------------------------------------------------------------------- H200 against plain json
+
+def test_busy_union_matches_plain_python(h200_rank0):
+    path, doc, r = h200_rank0
+    base = doc["baseTimeNanoseconds"]
+    ops = [e for e in doc["traceEvents"] if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    iv = [(base + _ns(e["ts"]), base + _ns(e["ts"]) + _ns(e["dur"])) for e in ops]
+    want = _length(_union(iv))
+    got = M.device_busy(r)
+    assert round(got["busy_ms"][0] * 1e6) == want
+    span = max(e for _, e in iv) - min(s for s, _ in iv)
+    assert round(got["window_ms"][0] * 1e6) == span
+
+
+def test_window_spans_equal_kineto_gpu_annotations(h200_rank0):
+    """Our CPU-annotation → kernel projection reproduces Kineto's own gpu_user_annotation spans."""
+    _, doc, r = h200_rank0
+    base = doc["baseTimeNanoseconds"]
+    gua = {e["name"]: (base + _ns(e["ts"]), base + _ns(e["ts"] + e["dur"]))
+           for e in doc["traceEvents"] if e.get("cat") == "gpu_user_annotation" and not e["name"].startswith("nccl")}
+    w = r.windows
+    assert w.height == len(gua) == 41
+    for row in w.iter_rows(named=True):
+        s, e = gua[row["name"]]
+        assert abs(row["gpu_start_ns"] - s) <= 2 and abs(row["gpu_end_ns"] - e) <= 2, row["name"]
+    kinds = Counter(w["kind"].to_list())
+    assert kinds == {"prefill": 4, "decode": 24, "mixed": 13}
+
+
+def test_exposed_comm_and_gaps_match_plain_python(h200_rank0):
+    """Per window: comm union, exposed comm (comm minus compute union) and idle time, recomputed here from
+    the JSON with the window's kernels found by correlation → launch call inside the CPU annotation."""
+    _, doc, r = h200_rank0
+    ev = doc["traceEvents"]
+    base = doc["baseTimeNanoseconds"]
+    gpu = [e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    launch = {e["args"]["correlation"]: base + _ns(e["ts"]) for e in ev
+              if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    ann = [e for e in ev if e.get("cat") == "user_annotation" and not e["name"].startswith("nccl")]
+    compute = _union([(base + _ns(e["ts"]), base + _ns(e["ts"]) + _ns(e["dur"])) for e in gpu
+                      if e["cat"] == "kernel" and not e["name"].startswith("nccl")])
+    all_ops = _union([(base + _ns(e["ts"]), base + _ns(e["ts"]) + _ns(e["dur"])) for e in gpu])
+    wm = M.window_metrics(r)
+    by_name = {row["name"]: row for row in wm.iter_rows(named=True)}
+    checked = 0
+    for a in ann:
+        lo, hi = base + _ns(a["ts"]), base + _ns(a["ts"]) + _ns(a["dur"])
+        mine = [e for e in gpu if lo <= launch.get(e["args"]["correlation"], -1) < hi]
+        comm = _union([(base + _ns(e["ts"]), base + _ns(e["ts"]) + _ns(e["dur"])) for e in mine
+                       if e["name"].startswith("nccl")])
+        exposed = _length(comm) - _intersect(comm, compute)
+        s0 = min(base + _ns(e["ts"]) for e in mine)
+        s1 = max(base + _ns(e["ts"]) + _ns(e["dur"]) for e in mine)
+        busy = _intersect(all_ops, [(s0, s1)])
+        row = by_name[a["name"]]
+        assert round(row["comm_ms"] * 1e6) == _length(comm), a["name"]
+        assert round(row["exposed_comm_ms"] * 1e6) == exposed, a["name"]
+        assert round(row["busy_ms"] * 1e6) == busy, a["name"]
+        assert round(row["idle_ms"] * 1e6) == (s1 - s0) - busy, a["name"]
+        checked += 1
+    assert checked == 41
+
+
+def test_gap_categories_follow_launch_times(h200_rank0):
+    """Every gap: host_bound ⇔ the op ending it was launched (or still launching) after the GPU went idle."""
+    _, doc, r = h200_rank0
+    g = M.gap_intervals(r)
+    ops = r.ops.sort("ts_ns")
+    first_at = {row["ts_ns"]: row for row in ops.iter_rows(named=True)}
+    assert g.height > 0
+    for row in g.iter_rows(named=True):
+        nxt = first_at[row["gap_end_ns"]]
+        late = nxt["launch_ts_ns"] > row["gap_start_ns"] or (not nxt["graph"]
+                                                              and nxt["launch_end_ns"] > row["gap_start_ns"])
+        assert (row["category"] == "host_bound") == late
+    # the injected prefill chunk is partly host-bound (> 10 ms of launch wait inside it)
+    wm = M.window_metrics(r)
+    chunk = wm.filter(pl.col("name") == "mixed_prefill_chunk_8192").row(0, named=True)
+    assert chunk["host_bound_idle_ms"] > 10
+
+
+def test_graph_coverage_on_h200(h200_rank0):
+    _, doc, r = h200_rank0
+    wm = M.window_metrics(r)
+    pct = dict(zip(wm["name"].to_list(), wm["graph_op_pct"].to_list()))
+    assert all(pct[f"decode_graph_step_{i}"] == 100.0 for i in range(16))
+    assert all(pct[f"decode_eager_step_{i}"] == 0.0 for i in range(8))
+    # independent: kernels whose correlation is a cudaGraphLaunch
+    ev = doc["traceEvents"]
+    graph_corr = {e["args"]["correlation"] for e in ev if e.get("name") == "cudaGraphLaunch"}
+    n_graph = sum(1 for e in ev if e.get("cat") == "kernel" and e["args"]["correlation"] in graph_corr)
+    assert int(r.ops["graph"].sum()) == n_graph == 3584
+
+
+def test_top_kernels_and_breakdown_sum(h200_rank0):
+    _, doc, r = h200_rank0
+    top = M.top_kernels([r], top_n=3)
+    assert top.filter(pl.col("kind") == "prefill")["kernel"][0].startswith("ncclDevKernel_AllReduce")
+    bd = M.kernel_breakdown([r])
+    total = bd["total_ms"].sum()
+    ev = doc["traceEvents"]
+    want = sum(_ns(e["dur"]) for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")) / 1e6
+    assert total == pytest.approx(want, abs=1e-6)
+    for kind, g in bd.group_by("kind"):
+        assert g["share_pct"].sum() == pytest.approx(100.0)
+
+
+def test_interference_finds_the_injected_prefill(h200_rank0):
+    _, _, r = h200_rank0
+    it = M.decode_interference(r)
+    worst = it.sort("delay_ms", descending=True).row(0, named=True)
+    assert worst["name"] == "mixed_decode_step_4"
+    assert worst["prefill_windows"] == "mixed_prefill_chunk_8192"
+    w = r.windows.filter(pl.col("name").is_in(["mixed_decode_step_3", "mixed_decode_step_4"])).sort("window")
+    assert worst["interval_ms"] == pytest.approx((w["gpu_end_ns"][1] - w["gpu_end_ns"][0]) / 1e6)
+    assert worst["delay_ms"] > 10 * worst["baseline_ms"]
+
+
+def test_user_regex_windows(h200_rank0):
+    """A user window regex (only the graph decode steps) replaces the default."""
+    _, _, r0 = h200_rank0
+    r = prepare_rank(r0.trace, window_regex=r"^decode_graph_step_\d+$")
+    assert r.windows.height == 16 and set(r.windows["kind"].to_list()) == {"decode"}
+    assert int(r.ops.filter(pl.col("window").is_not_null()).height) == 16 * 128
+    with pytest.raises(ValueError, match="invalid"):
+        prepare_rank(r0.trace, window_regex="step[")
+
+
+def test_no_annotations_gives_one_whole_trace_window(thirdparty: Path, tmp_path: Path):
+    t = load_trace(thirdparty / "hta/trace_filter/sampled_rank-0.json.gz", cache_dir=tmp_path)
+    r = prepare_rank(t, window_regex=r"^no such annotation$")
+    assert not r.windows_found and r.windows["kind"].to_list() == ["all"]
+    assert r.ops["window"].null_count() == 0
+
+
+def test_comm_classification_is_broader_than_nccl():
+    from servelab.trace.taxonomy import classify_names
+    names = ["cross_device_reduce_1stage<__nv_bfloat16, 8>", "multimem_all_reduce_kernel<bf16>",
+             "deep_ep::intranode::dispatch<8>", "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
+             "ncclSymkDevKernel_AllReduce_AGxLLMC_R_sum_bf16", "allreduce_fusion_kernel_oneshot_lamport<bf16>"]
+    got = classify_names(names)
+    assert set(got["cls"].to_list()) == {"communication"}
+    assert re.search("custom", got["subclass"][0])
