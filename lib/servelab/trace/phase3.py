@@ -181,3 +181,24 @@ def headline(p: Phase3) -> dict[str, Any]:
     out["questions_answered"] = int(p.questions["answerable"].sum())
     out["actions_triggered"] = int((p.actions["status"] == "triggered").sum())
     return out
+
+
+def live_capture(ctx: Any, capture: bool, trace_dir: str) -> tuple[str, pd.DataFrame]:
+    """Capture on the target's engine when it can write traces (vLLM, SGLang) and no ``trace_dir`` was given.
+
+    Returns the folder to analyse ("" = the recorded sample) and a table of what was captured, or why not.
+    """
+    from servelab.trace.live import can_capture, capture_live
+    if trace_dir:
+        return trace_dir, pd.DataFrame([{"capture": "not run", "reason": f"analysing the given trace_dir {trace_dir}"}])
+    if not capture:
+        return "", pd.DataFrame([{"capture": "not run", "reason": "capture=False"}])
+    if not can_capture(ctx.target):
+        return "", pd.DataFrame([{"capture": "not run",
+                                  "reason": f"the {ctx.target.engine} engine has no torch profiler endpoint; "
+                                            f"use a vLLM or SGLang target (e.g. local-vllm) for a live capture"}])
+    folder, res = capture_live(ctx)
+    rows = [{"capture": res.meta.get("scenario", {}).get("name", "decode_control") if isinstance(res.meta.get("scenario"), dict)
+             else "decode_control", "node": f.node, "file": f.name, "kind": f.kind, "bytes": f.size_bytes,
+             "complete": res.wait.complete} for f in res.files]
+    return str(folder), pd.DataFrame(rows)
