@@ -1,0 +1,155 @@
+"""Exploration in JupyterLab: pick a run, a case, a rank or a time window with widgets; the same compute
+and figure functions as the rendered pages draw the result.
+
+    from servelab.explore import explorer
+    explorer()            # in a notebook cell
+
+Compute here, draw with the phases' figure functions; nothing printed. ``case_view``, ``trace_view`` and
+``list_runs`` are plain functions the widgets call, usable (and tested) without a browser.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from servelab.paths import outputs_root
+
+
+def list_runs(root: Path | None = None) -> pd.DataFrame:
+    """Runs under ``outputs/`` (newest first): run id, target, created, phases with status."""
+    root = root or outputs_root()
+    rows = []
+    for d in sorted(root.glob("*/manifest.json")) if root.exists() else []:
+        try:
+            m = json.loads(d.read_text())
+        except json.JSONDecodeError:
+            continue
+        rows.append({"run_id": d.parent.name, "target": m.get("target", ""), "created": m.get("created", ""),
+                     "phases": ", ".join(f"{p}:{e.get('status', '')}" for p, e in sorted(m.get("phases", {}).items()))})
+    return pd.DataFrame(rows, columns=["run_id", "target", "created", "phases"]).sort_values(
+        "created", ascending=False, ignore_index=True)
+
+
+def list_cases(run_dir: Path) -> list[str]:
+    """Case ids that have a summary (measured cases, Phase 1/2/7/8/9)."""
+    return sorted(p.parent.name for p in (run_dir / "cases").glob("*/summary.json"))
+
+
+def case_view(run_dir: Path, case_id: str, definition: str = "vllm") -> tuple[pd.DataFrame, Any]:
+    """One case: its percentile table (both definitions) and the per-request TTFT/E2E scatter over time."""
+    import plotly.graph_objects as go
+
+    from servelab import metrics as mx
+    from servelab.client import read_records
+    cdir = run_dir / "cases" / case_id
+    summ = json.loads((cdir / "summary.json").read_text())
+    pooled = summ.get("pooled", {})
+    rows = []
+    for d, s in pooled.items():
+        for metric in ("ttft", "tpot", "itl", "e2e"):
+            names = ("e2el", "e2e_latency", "e2e") if metric == "e2e" else (metric,)   # vllm / sglang key names
+            row = {"definition": d, "metric": metric}
+            for stat in ("mean", "p50", "p90", "p95", "p99", "max"):
+                row[stat] = next((s[f"{stat}_{n}_ms"] for n in names if f"{stat}_{n}_ms" in s), None)
+            rows.append(row)
+    table = pd.DataFrame(rows)
+    recs = [r for r in read_records(cdir / "requests.jsonl") if r.role != "warmup"]
+    fig = go.Figure()
+    if recs:
+        t0 = min(r.send_ns for r in recs)
+        per = [mx.request_metrics(r, definition) for r in recs]
+        x = [(r.send_ns - t0) / 1e9 for r in recs]
+        fig.add_scatter(x=x, y=[p.ttft_ms for p in per], mode="markers", name="TTFT (ms)")
+        fig.add_scatter(x=x, y=[p.e2el_ms for p in per], mode="markers", name="E2E (ms)")
+    fig.update_layout(title=f"{case_id}: per request, by send time ({definition} definition)",
+                      xaxis_title="send time (s from first request)", yaxis_title="ms", height=380)
+    return table, fig
+
+
+def trace_folders(run_dir: Path) -> list[Path]:
+    """Folders holding collected traces in a run (profiled cases), plus the bundled sample."""
+    from servelab.paths import samples_root
+    found = sorted({p.parent.parent for p in (run_dir / "cases").glob("*/profiles/*/*.trace.json.gz")})
+    sample = samples_root() / "h200x2" / "traces"
+    return found + ([sample] if sample.exists() else [])
+
+
+def trace_view(folder: Path, rank: int | None = None, t0_ms: float | None = None, t1_ms: float | None = None) -> Any:
+    """The Phase 3 per-rank timeline of a capture, optionally one rank and a zoomed time range."""
+    from servelab.paths import cache_root
+    from servelab.trace import figures
+    from servelab.trace.analysis import analyse
+    a = analyse(folder, cache_dir=cache_root() / "traces")
+    if rank is not None:
+        import dataclasses
+        a = dataclasses.replace(a, rops=[r for r in a.rops if r.rank == rank])
+    return figures.timeline(a, t0_ms=t0_ms, t1_ms=t1_ms)
+
+
+def explorer(root: Path | None = None) -> Any:
+    """The JupyterLab explorer: run → case table/figure, and capture → rank/time-window timeline."""
+    import ipywidgets as w
+    from IPython.display import display
+
+    runs = list_runs(root)
+    run_dd = w.Dropdown(options=list(runs["run_id"]), description="run")
+    case_dd = w.Dropdown(options=[], description="case")
+    def_dd = w.Dropdown(options=["vllm", "sglang"], description="definition")
+    trace_dd = w.Dropdown(options=[], description="capture")
+    rank_dd = w.Dropdown(options=[("all", None)], description="rank")
+    window = w.FloatRangeSlider(value=(0.0, 100.0), min=0.0, max=100.0, step=0.5, description="window %")
+    out_case, out_trace = w.Output(), w.Output()
+
+    def run_dir() -> Path:
+        return (root or outputs_root()) / str(run_dd.value)
+
+    def on_run(_: Any = None) -> None:
+        if run_dd.value is None:
+            return
+        case_dd.options = list_cases(run_dir())
+        trace_dd.options = [(str(p.relative_to(run_dir())) if run_dir() in p.parents else f"sample: {p.name}", p)
+                            for p in trace_folders(run_dir())]
+
+    def on_case(_: Any = None) -> None:
+        out_case.clear_output()
+        if case_dd.value:
+            table, fig = case_view(run_dir(), case_dd.value, def_dd.value)
+            with out_case:
+                display(table, fig)
+
+    def on_trace(_: Any = None) -> None:
+        out_trace.clear_output()
+        if trace_dd.value is None:
+            return
+        from servelab.trace.load import load_capture
+        cap = load_capture(trace_dd.value)
+        ranks = sorted({t.identity.rank for t in cap.ranks})
+        rank_dd.options = [("all", None)] + [(str(r), r) for r in ranks]
+
+    def on_draw(_: Any = None) -> None:
+        out_trace.clear_output()
+        if trace_dd.value is None:
+            return
+        lo, hi = window.value
+        fig = trace_view(trace_dd.value, rank_dd.value)
+        if fig.layout.xaxis.range is None and (lo, hi) != (0.0, 100.0):
+            xs = [x for tr in fig.data for x in (tr.x or []) if isinstance(x, (int, float))]
+            if xs:
+                span = max(xs) - min(xs)
+                fig.update_xaxes(range=[min(xs) + span * lo / 100, min(xs) + span * hi / 100])
+        with out_trace:
+            display(fig)
+
+    run_dd.observe(on_run, "value")
+    case_dd.observe(on_case, "value")
+    def_dd.observe(on_case, "value")
+    trace_dd.observe(on_trace, "value")
+    draw = w.Button(description="draw timeline")
+    draw.on_click(on_draw)
+    on_run()
+    return w.VBox([w.HTML("<b>servelab explorer</b>"), run_dd,
+                   w.HBox([case_dd, def_dd]), out_case,
+                   w.HBox([trace_dd, rank_dd]), window, draw, out_trace])
