@@ -40,6 +40,9 @@ def main() -> None:
     ap.add_argument("--decode-batch", type=int, default=32)
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--no-graph", action="store_true", help="decode eagerly (no CUDA graph)")
+    ap.add_argument("--tp-new-group", action="store_true",
+                    help="all-reduce on a new_group even with one stage (to reproduce the 2026-11-29 hang)")
     a = ap.parse_args()
 
     cuda = a.device == "cuda"
@@ -52,9 +55,9 @@ def main() -> None:
         torch.cuda.set_device(local)
     dev = torch.device("cuda", local) if cuda else torch.device("cpu")
     dt = torch.bfloat16 if cuda else torch.float32
-    # with one stage the TP group is the world group (as in the first H200 capture, which ran); a TP=2
-    # capture that all-reduced on a separate new_group inside CUDA graphs hung on 2 x H200 (2026-11-29)
-    tp_groups = [dist.new_group(list(range(s * a.tp, (s + 1) * a.tp))) for s in range(a.pp)] if a.pp > 1 else [None]
+    # with one stage the TP group is the world group; --tp-new-group forces a separate group (same behaviour)
+    tp_groups = [dist.new_group(list(range(s * a.tp, (s + 1) * a.tp))) for s in range(a.pp)] \
+        if a.pp > 1 or a.tp_new_group else [None]
     tp_group = tp_groups[stage]
     prev_rank = rank - a.tp if stage > 0 else None
     next_rank = rank + a.tp if stage < a.pp - 1 else None
@@ -127,7 +130,7 @@ def main() -> None:
     # decode: one CUDA graph per stage around its compute (send/recv stay outside the graph)
     graph = None
     static_in = dx.clone()
-    if cuda:
+    if cuda and not a.no_graph:
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
@@ -179,6 +182,12 @@ def main() -> None:
                        "ffn": a.ffn, "chunk": a.chunk, "prefill_chunks": a.prefill_chunks,
                        "decode_batch": B, "decode_steps": a.decode_steps, "dtype": str(dt),
                        "torch": torch.__version__, "cuda_graph": graph is not None}, f, indent=1)
+    if graph is not None and a.tp > 1:
+        # Seen on 2 x H200 (torch 2.11, NCCL 2.28.9, 2026-11-29): with a CUDA graph that holds TP all-reduces,
+        # the traces are written but process-group teardown never returns (with or without a new_group; an
+        # eager run with the same groups exits in 17 s). Leave without the teardown once everything is on disk.
+        torch.cuda.synchronize()
+        os._exit(0)
     dist.destroy_process_group()
 
 
