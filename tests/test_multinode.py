@@ -14,7 +14,8 @@ import pytest
 
 from servelab.hosts import ProcessTracker
 from servelab.params import target_from_dict
-from servelab.server import ServerError, collect_logs, http_json, is_healthy, start_server, stop_server
+from servelab.server import (ServerError, collect_logs, http_json, is_healthy, rank_environments, start_server,
+                             stop_server)
 
 sys.path.insert(0, str(Path(__file__).parent))
 from sshd import start_sshd  # noqa: E402
@@ -43,7 +44,7 @@ def two_node_target(a, b, known: Path, work: Path, worker_port: int | None = Non
     node = dict(kind="ssh", user="root", key_file=str(a.client_key), known_hosts=str(known))
     return target_from_dict({
         "name": "two-node-tiny", "engine": "llamacpp", "model": "tiny", "served_model_name": "tiny",
-        "api_host": "127.0.0.2", "launch": {"context_length": 4096, "parallel": 4, "threads": 1, "rpc_port": rpc_port},
+        "api_host": "127.0.0.2", "env": {"NCCL_IB_HCA": "mlx5_0,mlx5_3", "NCCL_CROSS_NIC": "0"}, "launch": {"context_length": 4096, "parallel": 4, "threads": 1, "rpc_port": rpc_port},
         "nodes": [dict(node, name="head", role="head", host="127.0.0.2", port=a.port, workdir=str(work / "head")),
                   dict(node, name="worker", role="worker", host="127.0.0.3", port=worker_port or b.port,
                        key_file=str(b.client_key), workdir=str(work / "worker"))]})
@@ -68,6 +69,9 @@ def test_two_nodes_serve_and_clean_up(nodes, tmp_path):
                                  {"prompt": "hello", "max_tokens": 12, "ignore_eos": True}, timeout=60)
         assert status == 200 and body["usage"]["completion_tokens"] == 12
         assert is_healthy(srv) and srv.node_status() == {"worker": True, "head": True}
+        seen = rank_environments(srv)          # read over SSH from /proc/<pid>/environ on each node
+        assert set(seen["node"]) == {"head", "worker"} and (seen["verdict"] == "ok").all()
+        assert set(seen["variable"]) == {"NCCL_IB_HCA", "NCCL_CROSS_NIC"}
         pids = {n: h.pid for n, h in srv.handles.items()}
         info = stop_server(srv, tracker)
     cleanup = {r["node"]: r for r in info["cleanup"]}

@@ -211,10 +211,14 @@ class SSHHost:
         return out.channel.recv_exit_status(), stdout, stderr
 
     @staticmethod
-    def _command(argv: list[str], env: dict[str, str] | None, cwd: str | None) -> str:
+    def _command(argv: list[str], env: dict[str, str] | None, cwd: str | None, exec_: bool = False) -> str:
+        """``[cd DIR &&] [exec] [env K=V ...] argv`` with every piece quoted; ``exec_`` leaves no wrapper shell
+        (the started program itself holds the process group and the environment)."""
         parts = []
         if cwd:
             parts.append(f"cd {shlex.quote(cwd)} &&")
+        if exec_:
+            parts.append("exec")
         if env:
             parts.append("env " + " ".join(shlex.quote(f"{k}={v}") for k, v in env.items()))
         parts.append(shlex.join([str(a) for a in argv]))
@@ -232,11 +236,11 @@ class SSHHost:
     def start(self, argv: list[str], log_path: str | Path, env: dict[str, str] | None = None,
               cwd: str | None = None) -> Handle:
         """Start in a new session on the node (``setsid``); the group id is printed back and tracked."""
-        inner = self._command(argv, env, cwd)
+        inner = self._command(argv, env, cwd, exec_=True)
         log = shlex.quote(str(log_path))
         # `;` not `&&`: the background job must be setsid itself (its pid = new group id), holding no channel fd
         cmd = (f"mkdir -p {shlex.quote(str(Path(log_path).parent))}; "
-               f"setsid sh -c {shlex.quote('exec ' + inner if not cwd and not env else inner)} "
+               f"setsid sh -c {shlex.quote(inner)} "
                f">>{log} 2>&1 </dev/null & echo $!")
         code, out, err = self._exec(cmd, 30)
         if code != 0 or not out.strip().isdigit():

@@ -21,7 +21,7 @@ from servelab.facts import (collect_facts, gguf_facts, nccl_env, port_snapshot, 
 from servelab.models import file_digest
 from servelab.phase import PhaseContext, log_command
 from servelab.run import redact, update_manifest, write_json_atomic
-from servelab.server import engine_info, is_healthy, plan_launch, start_server, stop_server
+from servelab.server import engine_info, is_healthy, plan_launch, rank_environments, start_server, stop_server
 
 
 @dataclass
@@ -37,6 +37,7 @@ class Phase0Result:
     processes_started: pd.DataFrame
     ports_opened: pd.DataFrame
     leftovers_after: pd.DataFrame
+    rank_env: pd.DataFrame = field(default_factory=pd.DataFrame)
     server: dict[str, Any] = field(default_factory=dict)
 
 
@@ -138,6 +139,7 @@ def run_phase0(ctx: PhaseContext, start_engine: bool = True, health_timeout_s: f
     procs_before = pd.concat([process_snapshot(h) for h in nodes.values()], ignore_index=True)
     ports_before = pd.concat([port_snapshot(h) for h in nodes.values()], ignore_index=True)
     launch_rows, info, server_info = [], {}, {"started": False}
+    rank_env = pd.DataFrame()
     procs_started = pd.DataFrame(columns=procs_before.columns)
     ports_opened = pd.DataFrame(columns=ports_before.columns)
     model_path = target.model
@@ -152,6 +154,7 @@ def run_phase0(ctx: PhaseContext, start_engine: bool = True, health_timeout_s: f
                 info["version"] = (v.stdout + v.stderr).strip()
                 log_command(ctx, "executed", [srv.plans[0].argv[0], "--version"], title="engine version",
                             exit_code=v.exit_code, start=v.start, end=v.end)
+            rank_env = rank_environments(srv)
             procs_during = pd.concat([process_snapshot(h) for h in nodes.values()], ignore_index=True)
             ports_during = pd.concat([port_snapshot(h) for h in nodes.values()], ignore_index=True)
             procs_started = descendants(procs_during, {n: h.pid for n, h in srv.handles.items()})
@@ -193,7 +196,7 @@ def run_phase0(ctx: PhaseContext, start_engine: bool = True, health_timeout_s: f
         engine=_kv(engine_rows, "field"), model=model_facts(model_path, target.is_local),
         settings=engine_settings(target.launch, target.engine, info), comm_env=nccl_env(target.env),
         processes_before=procs_before, ports_before=ports_before, processes_started=procs_started,
-        ports_opened=ports_opened, leftovers_after=leftovers, server=server_info)
+        ports_opened=ports_opened, leftovers_after=leftovers, rank_env=rank_env, server=server_info)
     write_json_atomic(ctx.phase_dir / "engine_info.json", redact(info))
     facts.to_csv(ctx.phase_dir / "facts.csv", index=False)
     result.settings.to_csv(ctx.phase_dir / "settings.csv", index=False)
@@ -202,5 +205,6 @@ def run_phase0(ctx: PhaseContext, start_engine: bool = True, health_timeout_s: f
     update_manifest(ctx.run_dir, hosts=hosts_section, security=security,
                     engine={"name": target.engine, **{k: v for k, v in engine_rows.items()}},
                     model={r["field"]: r["value"] for _, r in result.model.iterrows()},
-                    launch={"plans": launch_rows, "env": target.env, "settings": target.launch})
+                    launch={"plans": launch_rows, "env": target.env, "settings": target.launch},
+                    rank_env=rank_env.to_dict(orient="records"))
     return result

@@ -296,3 +296,49 @@ def collect_logs(srv: RunningServer, dest: Path) -> dict[str, str]:
         except Exception as exc:
             out[node] = f"not collected: {exc}"
     return out
+
+
+ENV_PREFIXES = ("NCCL_", "GLOO_", "UCX_", "NVSHMEM_", "CUDA_VISIBLE_DEVICES", "SGLANG_", "VLLM_")
+
+# Reads the environment of every process in a process group from /proc (Linux): what the engine's rank
+# processes actually saw. The group id is a positional argument ($1), never interpolated into the script.
+_GROUP_ENV_SCRIPT = ('for p in $(ps -eo pid=,pgid= | awk -v g="$1" \'$2==g {print $1}\'); do '
+                     'printf "PID %s %s\\n" "$p" "$(tr -d "\\n" < /proc/$p/comm 2>/dev/null)"; '
+                     'tr "\\0" "\\n" < /proc/$p/environ 2>/dev/null; done')
+
+
+def rank_environments(srv: RunningServer, prefixes: tuple[str, ...] = ENV_PREFIXES) -> "Any":
+    """What each engine process on each node really saw: the communication variables in its environment.
+
+    The GLM report found NCCL variables passed to ``docker -e`` lost in SGLang's worker spawn; this reads
+    ``/proc/<pid>/environ`` of every process in the engine's process group on every node (the bare engine
+    and its spawned ranks; inside a container only if the container shares the host PID namespace) and
+    compares with what the target asked for. One row per node, process and expected variable.
+    """
+    import pandas as pd
+    from servelab.run import redact_env
+    expected = {k: v for k, v in srv.target.env.items() if k.startswith(prefixes)}
+    rows = []
+    for node, h in srv.handles.items():
+        r = srv.hosts[node].run(["sh", "-c", _GROUP_ENV_SCRIPT, "servelab-env", str(h.pid)], timeout=30)
+        procs: dict[tuple[str, str], dict[str, str]] = {}
+        cur = None
+        for line in r.stdout.splitlines():
+            if line.startswith("PID "):
+                parts = line.split(" ", 2)
+                cur = (parts[1], parts[2] if len(parts) > 2 else "")
+                procs[cur] = {}
+            elif cur is not None and "=" in line:
+                k, v = line.split("=", 1)
+                if k.startswith(prefixes):
+                    procs[cur][k] = v
+        for (pid, comm), env in procs.items():
+            env = redact_env(env)
+            keys = sorted(set(expected) | set(env))
+            for k in keys or ["-"]:
+                want, got = expected.get(k), env.get(k)
+                rows.append({"node": node, "pid": int(pid), "process": comm, "variable": k,
+                             "expected": "-" if want is None else want, "seen": "-" if got is None else got,
+                             "verdict": ("ok" if want == got else "MISSING" if got is None else
+                                         "extra" if want is None else "DIFFERENT") if k != "-" else "none set"})
+    return pd.DataFrame(rows, columns=["node", "pid", "process", "variable", "expected", "seen", "verdict"])
