@@ -64,3 +64,15 @@ def test_zip_and_root_index(outputs):
     assert 'href="zipme/index.html"' in root
     assert main(["archive", "zipme", "--zip"]) == 0
     assert main(["archive", "nope"]) == 2
+
+
+def test_failed_attempts_become_lessons_at_the_end(outputs):
+    rdir = runlib.init_run("lessons", "local-tiny")
+    runlib.update_manifest(rdir, phases={"phase1": {"status": "success", "started": "t2"}},
+                           attempts=[{"phase": "phase1", "status": "failed", "started": "t1",
+                                      "error": "ENGINE_CRASH in D2_c16 <oom>", "params": {"repeats": 3}},
+                                     {"phase": "phase1", "status": "success", "started": "t2", "params": {}}])
+    page = write_run_index(rdir).read_text()
+    lessons = page.index("Lessons — failed attempts")
+    assert lessons > page.index("Milestones") and "ENGINE_CRASH in D2_c16 &lt;oom&gt;" in page[lessons:]
+    assert page[lessons:].count("<tr>") == 2             # header + the one failed attempt

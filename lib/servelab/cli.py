@@ -130,6 +130,12 @@ def execute_phase(phase: str, target: str, run_id: str, overrides: dict[str, str
         entry = m.get("phases", {}).get(key, {})
         entry["wall_s"] = round(time.monotonic() - t0, 1)
         runlib.update_manifest(rdir, phases={key: entry})
+        # every attempt is kept: the index shows the final results in its body and failed ones as lessons
+        runlib.update_manifest(rdir, attempts=[{"phase": key, "status": entry.get("status", status),
+                                                "started": entry.get("started"), "ended": entry.get("ended"),
+                                                "wall_s": entry["wall_s"], "error": entry.get("error", ""),
+                                                "not_executed": entry.get("not_executed", []),
+                                                "params": {k: v for k, v in params.items() if k != "run_id"}}])
         if render and out_nb.exists():
             render_notebook(out_nb, rdir / key / "report.html",
                             {"run_id": run_id, "phase": key, "target": target, "status": entry.get("status", status),

@@ -46,7 +46,7 @@ def write_run_index(run_dir: Path) -> Path:
                     f"</small></td><td>{_headline(e.get('headline', {}))}</td>"
                     f"<td>{html.escape(', '.join(map(str, not_exec))) or '-'}</td></tr>")
     tool = m.get("tool", {})
-    body_ledger = _ledger_html(run_dir) + _milestones_html(run_dir)
+    body_ledger = _ledger_html(run_dir) + _milestones_html(run_dir) + _lessons_html(m)
     body = (f"<h1>servelab run {html.escape(m.get('run_id', run_dir.name))}</h1>"
             f"<p>target <b>{html.escape(str(m.get('target', '')))}</b> · created {html.escape(str(m.get('created', '')))}"
             f" · servelab {html.escape(str(tool.get('version', '')))} @ {html.escape(str(tool.get('commit') or '-'))[:12]}"
@@ -91,6 +91,23 @@ def _milestones_html(run_dir: Path) -> str:
                     f'<td class="{STATUS_CLASS.get(m.status, "")}">{html.escape(m.status)}</td><td>{checks}</td></tr>')
     return ("<h2>Milestones</h2><table><tr><th>id</th><th>milestone</th><th>status</th><th>checks</th></tr>"
             + "".join(rows) + "</table>")
+
+
+def _lessons_html(m: dict[str, Any]) -> str:
+    """The seeds' archive rule: final successful experiments in the body; failed attempts compressed into a
+    lessons section at the end (phase, when, what failed, with which parameters)."""
+    failed = [a for a in m.get("attempts", []) if a.get("status") != "success"]
+    if not failed:
+        return ""
+    rows = "".join(f"<tr><td>{html.escape(str(a.get('phase', '')))}</td><td><small>{html.escape(str(a.get('started', '')))}"
+                   f"</small></td><td class='bad'>{html.escape(str(a.get('status', '')))}</td>"
+                   f"<td>{html.escape(str(a.get('error') or '-'))}"
+                   f"{'<br><small>not executed: ' + html.escape(', '.join(map(str, a.get('not_executed') or []))) + '</small>' if a.get('not_executed') else ''}"
+                   f"</td><td><small>{html.escape(json.dumps(a.get('params', {}), ensure_ascii=False)[:300])}</small></td></tr>"
+                   for a in failed)
+    return ("<h2 class='servelab-lessons'>Lessons — failed attempts (经验教训)</h2><p><small>Kept for the record; "
+            "never evidence. The body above shows each phase's latest run.</small></p><table><tr><th>phase</th>"
+            "<th>started</th><th>status</th><th>what failed</th><th>parameters</th></tr>" + rows + "</table>")
 
 
 def zip_run(run_dir: Path, out: Path | None = None) -> Path:

@@ -1,6 +1,7 @@
 """Render an executed phase notebook to a teaching HTML page with the servelab template (offline)."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +10,9 @@ import nbformat
 from servelab.run import now_iso, redact_text
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "templates"
+# plotly's notebook renderer always adds a MathJax <script src="https://cdnjs..."> to each figure; our figures use
+# no LaTeX, and a shared page must not reach the network: external scripts are dropped from outputs
+EXTERNAL_SCRIPT_RE = re.compile(r'<script[^>]*\ssrc="https?://[^"]*"[^>]*>\s*</script>', re.IGNORECASE)
 
 
 def render_notebook(executed: Path, out_html: Path, meta: dict[str, Any]) -> Path:
@@ -23,6 +27,10 @@ def render_notebook(executed: Path, out_html: Path, meta: dict[str, Any]) -> Pat
             for out in cell.get("outputs", []):
                 if "text" in out:
                     out["text"] = redact_text(out["text"])
+                data = out.get("data", {})
+                if "text/html" in data:
+                    html = "".join(data["text/html"]) if isinstance(data["text/html"], list) else data["text/html"]
+                    data["text/html"] = EXTERNAL_SCRIPT_RE.sub("", redact_text(html))
     nb.metadata["servelab"] = {**meta, "rendered": now_iso()}
     exporter = HTMLExporter(template_name="servelab", extra_template_basedirs=[str(TEMPLATES)])
     body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": meta.get("title", executed.stem)}})
