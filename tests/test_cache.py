@@ -1,0 +1,123 @@
+"""Phase 8 on the real tiny llama-server (cache_prompt on, an engine restart per point as the flush):
+the hit-rate matrix achieves 0/20/50/80 % within SG-PC's tolerance, counter deltas equal a hand computation from
+the raw ``/metrics`` snapshots and per-request usage, a deliberately bad point is REJECTED, KV usage comes from
+``/slots`` and the KV cache size from the startup log equals the model's arithmetic.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from servelab.cache import (HitPoint, judge_point, kv_usage_series, memory_breakdown, run_hit_point, tolerance)
+from servelab.launch_variants import serving, with_launch
+from servelab.params import load_target
+from servelab.workload import engine_tokenizer, token_pool
+
+ISL = 256
+
+
+def prom_value(text: str, name: str) -> float:
+    """A plain-text read of one unlabelled sample (independent of servelab.prometheus)."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise KeyError(name)
+
+
+@pytest.fixture(scope="module")
+def matrix(llama_server_binary, tmp_path_factory):
+    """The four target points plus the bad one, each on a freshly started engine (-lv 4 for its memory lines)."""
+    run_dir = tmp_path_factory.mktemp("phase8")
+    target = with_launch(load_target("local-tiny"), {"log_verbosity": 4})
+    points = [HitPoint(r, ISL, 4, 4, 2) for r in (0.0, 0.2, 0.5, 0.8)]
+    points.append(HitPoint(0.5, ISL, 4, 4, 2, cache_prompt=False, label="H8_hit50_bad"))
+    out, logs = [], []
+    for pt in points:
+        with serving(target, run_dir / "logs" / pt.case_id) as srv:
+            pool = token_pool(engine_tokenizer(srv.base_url, "llamacpp", "/tokenize"))
+            out.append(run_hit_point(srv, run_dir, pt, pool, seed=5, flush={"method": "restart"}))
+            logs.append(Path(srv.log_paths["local"]).read_text())
+    return run_dir, out, logs
+
+
+def test_matrix_hits_every_target_within_tolerance(matrix):
+    _, res, _ = matrix
+    tol = tolerance(1, ISL)
+    assert tol == pytest.approx(0.005)                       # page 1 token: 1/256 < 0.5 pp
+    for p in res[:4]:
+        row = p.row
+        assert row["verdict"] == "ACCEPTED", (p.point.case_id, row["reasons"])
+        want = round(p.point.target_rate * ISL) / ISL
+        assert row["counter_hit_rate"] == pytest.approx(want, abs=1e-12)
+        assert row["usage_hit_rate"] == pytest.approx(want, abs=1e-12)
+        assert abs(row["counter_hit_rate"] - p.point.target_rate) <= tol
+        assert row["counter_window_matches_requests"] is True
+
+
+def test_counter_deltas_equal_a_hand_computation_from_raw_snapshots(matrix):
+    run_dir, res, _ = matrix
+    for p in res:
+        srv_dir = run_dir / "cases" / p.point.case_id / "server"
+        b, a = (srv_dir / "metrics_before.prom").read_text(), (srv_dir / "metrics_after.prom").read_text()
+        name = "llamacpp:prompt_tokens_cached_total"
+        d_cached = prom_value(a, name) - prom_value(b, name)
+        d_prompt = prom_value(a, "llamacpp:prompt_tokens_total") - prom_value(b, "llamacpp:prompt_tokens_total")
+        # llama.cpp's prompt_tokens_total excludes cached tokens: the total is their sum
+        assert p.row["counter_cached_tokens"] == d_cached
+        assert p.row["counter_prompt_tokens"] == d_prompt + d_cached
+        raw = (run_dir / "cases" / p.point.case_id / "requests.jsonl").read_text()
+        recs = [json.loads(x) for x in raw.splitlines()]
+        measured = [r for r in recs if r["role"] == "measure"]
+        assert len(measured) == 8 and {r["role"] for r in recs} <= {"measure", "prewarm"}
+        usage_cached = sum(r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in measured)
+        usage_prompt = sum(r["usage"]["prompt_tokens"] for r in measured)
+        assert usage_prompt == 8 * ISL == d_prompt + d_cached   # the window holds exactly the measured requests
+        assert p.row["usage_cached_tokens"] == usage_cached == d_cached
+
+
+def test_a_deliberately_bad_point_is_rejected_and_never_a_result(matrix):
+    from servelab.cache import accepted_results, matrix_frame
+    _, res, _ = matrix
+    bad = res[4].row
+    assert bad["verdict"] == "REJECTED"
+    assert bad["counter_hit_rate"] == 0.0 and "misses the target 50%" in bad["reasons"]
+    m = matrix_frame(res)
+    assert "H8_hit50_bad" not in set(accepted_results(m)["case_id"])
+    assert set(accepted_results(m)["case_id"]) == {"H8_hit00", "H8_hit20", "H8_hit50", "H8_hit80"}
+
+
+def test_judge_point_rule():
+    tol = tolerance(16, 1024)                                 # vLLM block 16 at ISL 1024: 1.5625 pp
+    assert tol == pytest.approx(16 / 1024)
+    assert judge_point(0.5, 0.49, 0.49, tol, 8, 8)[0] == "ACCEPTED"
+    assert judge_point(0.5, 0.48, 0.49, tol, 8, 8)[0] == "REJECTED"
+    v, reasons = judge_point(0.5, 0.5, None, tol, 0, 8)
+    assert v == "REJECTED" and "second source missing" in reasons[0]
+    assert judge_point(0.2, 0.2, 0.2, tolerance(1, 100), 7, 8)[0] == "REJECTED"   # one request did not report
+
+
+def test_kv_usage_comes_from_slots_token_counts(matrix):
+    _, res, _ = matrix
+    p = res[2]
+    slots = p.slots
+    assert not slots.empty
+    last = slots[slots["ts_ns"] == slots["ts_ns"].max()]
+    held_by_hand = last["n_prompt_tokens"].sum() / last["n_ctx"].sum()
+    kv = kv_usage_series(slots, None, "llamacpp", {}, p.t0_ns, "x")
+    assert set(kv["metric"]) == {"kv_active", "kv_held"}
+    assert kv[kv["metric"] == "kv_held"]["value"].iloc[-1] == pytest.approx(held_by_hand)
+    assert ((kv["value"] >= 0) & (kv["value"] <= 1)).all()
+    # after the point, at least the four groups' slots hold a whole prompt each
+    assert last["n_prompt_tokens"].sum() >= 4 * ISL
+
+
+def test_kv_cache_size_in_the_log_equals_the_model_arithmetic(matrix):
+    _, _, logs = matrix
+    mem = memory_breakdown(logs[0], "llamacpp")
+    kv = mem[mem["component"] == "KV cache"].iloc[0]
+    # tiny model: 2 layers, 4 KV heads x 16 dims = 64 per token per layer, f16, context 65536, K and V
+    expected_mib = 2 * 65536 * 64 * 2 * 2 / 2**20
+    assert kv["mib"] == pytest.approx(expected_mib) and "2 layers" in kv["detail"]
+    assert "not exposed" in memory_breakdown("no such lines", "llamacpp")["detail"].iloc[0]
