@@ -92,12 +92,12 @@ def test_self_draft_accepts_everything_and_a_random_draft_nothing(phase9):
 
 def test_synthetic_per_position_rates_come_back(phase9):
     _, res = phase9
-    pp = res.per_position
-    syn = pp[pp["config"] == "draft=self n=2 synthetic 0.9,0.5"]
-    drafts = res.points[res.points["config"] == "draft=self n=2 synthetic 0.9,0.5"]["d_drafts"].sum()
-    assert drafts >= 60
-    m = syn.groupby("position")["acceptance"].mean()
-    assert m.loc[0] == pytest.approx(0.9, abs=0.12) and m.loc[1] == pytest.approx(0.5, abs=0.12)
+    rows = res.points[res.points["config"] == "draft=self n=2 synthetic 0.9,0.5"]
+    drafts = rows["d_drafts"].sum()
+    assert drafts >= 100
+    # pooled over both concurrencies: Σ accepted at position i / Σ verification steps (std ≈ 0.05 at 100 drafts)
+    pooled = [sum(r["per_position"][i] * r["d_drafts"] for _, r in rows.iterrows()) / drafts for i in (0, 1)]
+    assert pooled[0] == pytest.approx(0.9, abs=0.12) and pooled[1] == pytest.approx(0.5, abs=0.15)
 
 
 def test_net_gain_hand_built():

@@ -21,9 +21,10 @@ prefix is pre-warmed once, then every group sends its requests one after another
 group's next request finds its prefix in the slot its previous one used — llama.cpp keeps one prompt per slot).
 The achieved hit rate is measured twice, over the exact measurement window:
 
-- server counters — llama.cpp ``Δprompt_tokens_cached_total / (Δprompt_tokens_total + Δprompt_tokens_cached_total)``
-  (its ``prompt_tokens_total`` *excludes* cached tokens, per its own HELP text), vLLM
-  ``Δprefix_cache_hits_total / Δprefix_cache_queries_total``, SGLang ``Δcached_tokens_total / Δprompt_tokens_total``;
+- server counters — llama.cpp ``Δprompt_tokens_cached_total / (Δprompt_tokens_total +
+  Δprompt_tokens_cached_total)`` (its ``prompt_tokens_total`` *excludes* cached tokens, per its own HELP text),
+  vLLM ``Δprefix_cache_hits_total / Δprefix_cache_queries_total``, SGLang ``Δcached_tokens_total /
+  Δprompt_tokens_total``;
 - per request — ``Σ usage.prompt_tokens_details.cached_tokens / Σ usage.prompt_tokens``.
 
 A point whose achieved rate (either source) misses the target by more than ``max(0.5 pp, page_size / ISL)`` is
@@ -484,7 +485,7 @@ def record_h6(ctx: Any, res: "Phase8Result") -> pd.DataFrame:
     """Record this phase's evidence about H6 in the run's ledger; returns it as a one-row table."""
     from servelab.report.ledger import record_evidence
     verdict, summary, nums = h6_evidence(res)
-    ev = record_evidence(ctx, "H6", verdict, summary, anchor="kv-usage-over-time", numbers=nums)
+    ev = record_evidence(ctx, "H6", verdict, summary, anchor="KV-usage-over-time", numbers=nums)
     return pd.DataFrame([{"hypothesis": ev.hypothesis, "verdict": ev.verdict, "summary": ev.summary, **nums}])
 
 

@@ -1006,6 +1006,7 @@ def record_h4(ctx: Any, res: Phase7Result) -> pd.DataFrame:
     inj = res.baseline.injections if res.baseline is not None else pd.DataFrame()
     verdict, summary, nums = h4_evidence(inj)
     summary = f"{res.sweep[0].label}: {summary}"
-    ev = record_evidence(ctx, "H4", verdict, summary, anchor="verdict", numbers=nums)
+    ev = record_evidence(ctx, "H4", verdict, summary, anchor="Ranking:-least-damage-to-the-decode-SLO",
+                         numbers=nums)
     return pd.DataFrame([{"hypothesis": ev.hypothesis, "verdict": ev.verdict, "summary": ev.summary,
                           **{k: v for k, v in nums.items()}}])

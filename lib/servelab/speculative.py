@@ -452,7 +452,8 @@ def run_phase9(ctx: Any, drafts: list[str] | None = None, num_draft_tokens: int 
 
 
 def write_phase9_tables(phase_dir: Path, res: Phase9Result) -> None:
-    """``points.csv`` (every config × concurrency × repeat), ``net_gain.csv``, ``per_position.csv``, ``phase9.json``."""
+    """``points.csv`` (every config × concurrency × repeat), ``net_gain.csv``, ``per_position.csv``,
+    ``phase9.json``."""
     phase_dir.mkdir(parents=True, exist_ok=True)
     res.points.to_csv(phase_dir / "points.csv", index=False)
     res.gain.to_csv(phase_dir / "net_gain.csv", index=False)
