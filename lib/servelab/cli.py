@@ -54,12 +54,17 @@ def split_overrides(phase: str, target: str, overrides: dict[str, str]) -> tuple
                              f"{t.engine} launch settings: {', '.join(sorted(launch_keys))}")
     if launch_over:
         from servelab.params import target_from_dict
-        import dataclasses
-        raw = dataclasses.asdict(t)
-        raw.pop("source")
-        raw["launch"] = {**raw["launch"], **launch_over}
-        target_from_dict(raw, f"{target} with -p {launch_over}")      # validates the combination
+        target_from_dict(_with_launch(t, launch_over), f"{target} with -p {launch_over}")   # validates the combination
     return phase_over, launch_over
+
+
+def _with_launch(t: Any, launch_over: dict[str, Any]) -> dict[str, Any]:
+    """The target as a dict with ``launch_over`` applied to its launch settings."""
+    import dataclasses
+    raw = dataclasses.asdict(t)
+    raw.pop("source")
+    raw["launch"] = {**raw["launch"], **launch_over}
+    return raw
 
 
 def validate(phase: str, target: str, overrides: dict[str, str]) -> tuple[Path, dict[str, Any]]:
@@ -73,12 +78,9 @@ def validate(phase: str, target: str, overrides: dict[str, str]) -> tuple[Path, 
 
 def derived_target(rdir: Path, target: str, launch_over: dict[str, Any]) -> str:
     """Write the target with ``-p`` launch overrides applied into the run directory; returns its path."""
-    import dataclasses
     import yaml
     t = load_target(target)
-    raw = dataclasses.asdict(t)
-    raw.pop("source")
-    raw["launch"] = {**raw["launch"], **launch_over}
+    raw = _with_launch(t, launch_over)
     raw["description"] = f"{t.description} [-p overrides: {launch_over}]"
     out = rdir / "targets" / f"{t.name}.yaml"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -62,8 +62,9 @@ class _Clock:
         return int(dt.datetime.combine(self.date, t, tzinfo=self.tz).timestamp()) * 1_000_000_000 + HALF_SECOND_NS
 
 
-def _rows(text: str, tz: str):
-    """Yield ``(ts_ns, fields)`` for each data line, plus ``('header', fields)`` for column headers."""
+def _lines(text: str, tz: str):
+    """Yield ``(clock, parts)`` for every non-blank line other than sysstat's report header; the header sets
+    the date with which ``clock`` turns ``HH:MM:SS`` stamps into epoch ns (None before the first header)."""
     clock = None
     for line in text.splitlines():
         if not line.strip():
@@ -72,7 +73,12 @@ def _rows(text: str, tz: str):
         if hm:
             clock = _Clock(_parse_date(hm["date"]), tz)
             continue
-        parts = line.split()
+        yield clock, line.split()
+
+
+def _rows(text: str, tz: str):
+    """Yield ``(ts_ns, fields)`` for each data line, plus ``('header', fields)`` for column headers."""
+    for clock, parts in _lines(text, tz):
         if parts[0].startswith("Average"):
             continue
         if clock is None:
@@ -135,15 +141,7 @@ def parse_pidstat(text: str, node: str, interval_s: float | None = None, tz: str
     """
     header: list[str] | None = None
     recs = []
-    clock = None
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        hm = HEADER_RE.match(line)
-        if hm:
-            clock = _Clock(_parse_date(hm["date"]), tz)
-            continue
-        parts = line.split()
+    for clock, parts in _lines(text, tz):
         if parts[0] == "#":
             header = parts[1:]
             continue
