@@ -69,8 +69,8 @@ def run_child(argv: list[str], timeout_s: float = 600) -> tuple[float, str]:
 OURS_CHILD = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1])
-from servelab.client import ClientConfig, run_requests
-from servelab.workload import build_workload
+from servelab.measure.client import ClientConfig, run_requests
+from servelab.measure.workload import build_workload
 url, c, tokens, itl_ms, out = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]), sys.argv[6]
 wl = build_workload("ovh", c, 16, tokens, list(range(1000, 1100)), seed=1)
 run = run_requests(wl.requests, ClientConfig(url, "m", engine="sglang", keep_fields=("server_ts_ns",)),
@@ -130,7 +130,7 @@ runpy.run_module("sglang.bench_serving", run_name="__main__")
 
 def run_bench_serving(url: str, c: int, tokens: int, itl_ms: float, cpu_list: str, tmp: Path) -> dict:
     import bench_serving_env as be
-    from servelab.models import resolve_model
+    from servelab.target.models import resolve_model
     py = be.ensure_bench_serving()
     tok = be.ensure_gguf_tokenizer(Path(resolve_model("tiny")), tmp / "tiny-tok")
 
@@ -173,14 +173,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats; ratios use the medians")
     ap.add_argument("--out", default="bench_client_overhead.json")
     args = ap.parse_args()
-    from servelab.hosts import free_port, wait_port_free
+    from servelab.target.hosts import free_port, wait_port_free
     port = free_port()
     srv = subprocess.Popen(["taskset", "-c", args.server_cpu, sys.executable, str(FAST_SSE), str(port),
                             str(args.itl_ms)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     results = []
     try:
-        from servelab.server import http_json
+        from servelab.target.server import http_json
         for _ in range(100):
             if http_json(url + "/health", timeout=1)[0] == 200:
                 break

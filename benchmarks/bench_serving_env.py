@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
-from servelab.paths import cache_root  # noqa: E402
+from servelab.core.paths import cache_root  # noqa: E402
 
 SGLANG_VERSION = "0.5.9"
 BENCH_PACKAGES = ["aiohttp", "numpy", "pybase64", "requests", "datasets", "pillow", "tqdm", "transformers",

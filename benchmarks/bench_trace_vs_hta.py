@@ -1,4 +1,4 @@
-"""Load + analysis time and peak memory: servelab.trace vs Holistic Trace Analysis, same traces, same run.
+"""Load + analysis time and peak memory: servelab.analyse.trace vs Holistic Trace Analysis, same traces, same run.
 
     .venv/bin/python benchmarks/bench_trace_vs_hta.py [--out FILE] [--big-mb 100] [--hta-big] [--skip-big]
 
@@ -50,7 +50,7 @@ def _peak_mb() -> dict[str, float]:
 
 def worker_ours(trace_dir: str, cache_dir: str) -> dict:
     t0 = time.perf_counter()
-    from servelab.trace import analyse, evidence_actions, ten_questions
+    from servelab.analyse.trace import analyse, evidence_actions, ten_questions
     t_import = time.perf_counter() - t0
     t0 = time.perf_counter()
     a = analyse(trace_dir, cache=bool(cache_dir), cache_dir=cache_dir or None)
@@ -229,7 +229,7 @@ def main() -> int:
     finally:
         if not args.work_dir:
             shutil.rmtree(work, ignore_errors=True)
-    doc = {"benchmark": "servelab.trace vs HolisticTraceAnalysis", "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    doc = {"benchmark": "servelab.analyse.trace vs HolisticTraceAnalysis", "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
            "host": {"python": platform.python_version(), "cpus": os.cpu_count(), "machine": platform.machine(),
                     "loadavg_at_end": os.getloadavg()},
            "versions": _versions(), "results": results}

@@ -45,7 +45,7 @@ def outputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 @pytest.fixture(scope="session")
 def llama_server_binary() -> Path:
     """The real llama-server, built from the llama-cpp-python sdist (cached; ~6 min the first time)."""
-    from servelab.llamacpp_build import ensure_llama_server
+    from servelab.target.llamacpp_build import ensure_llama_server
     return ensure_llama_server()
 
 
@@ -53,11 +53,11 @@ def llama_server_binary() -> Path:
 def tiny_server(llama_server_binary: Path, tmp_path_factory: pytest.TempPathFactory):
     """A real llama-server with the tiny random model on 127.0.0.1 (32 slots), shared by a test session.
 
-    Yields a ``servelab.server.RunningServer``; ``.base_url`` is the URL, ``.target`` the local-tiny target.
+    Yields a ``servelab.target.server.RunningServer``; ``.base_url`` is the URL, ``.target`` the local-tiny target.
     """
-    from servelab.hosts import ProcessTracker
-    from servelab.params import load_target
-    from servelab.server import start_server, stop_server
+    from servelab.target.hosts import ProcessTracker
+    from servelab.target.targets import load_target
+    from servelab.target.server import start_server, stop_server
     target = load_target("local-tiny")
     logs = tmp_path_factory.mktemp("tiny-server")
     with ProcessTracker() as tracker:

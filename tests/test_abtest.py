@@ -11,12 +11,12 @@ import math
 import pandas as pd
 import pytest
 
-from servelab import ab_figures
-from servelab.abtest import (SummaryFormatError, ab_compare, classify_change, compare_cases, diff_manifests,
+from servelab.report import ab_figures
+from servelab.measure.abtest import (SummaryFormatError, ab_compare, classify_change, compare_cases, diff_manifests,
                              load_run, read_case_summaries, repeat_stats)
-from servelab.engines import engine_for
-from servelab.params import load_target
-from servelab.run import init_run, update_manifest
+from servelab.target.engines import engine_for
+from servelab.target.targets import load_target
+from servelab.core.run import init_run, update_manifest
 
 
 def make_run(run_id: str, launch_over: dict | None = None, env_over: dict | None = None,

@@ -6,10 +6,10 @@ import zipfile
 import pandas as pd
 import pytest
 
-from servelab import run as runlib
+from servelab.core import run as runlib
 from servelab.cli import main
-from servelab.phase import PhaseContext
-from servelab.params import load_target
+from servelab.phases.context import PhaseContext
+from servelab.target.targets import load_target
 from servelab.report.archive import write_root_index, write_run_index, zip_run
 from servelab.report.ledger import ledger, record_evidence
 from servelab.report.milestones import milestones

@@ -10,16 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from servelab.cache import (HitPoint, judge_point, kv_usage_series, memory_breakdown, run_hit_point, tolerance)
-from servelab.launch_variants import serving, with_launch
-from servelab.params import load_target
-from servelab.workload import engine_tokenizer, token_pool
+from servelab.phases.phase8_cache import (HitPoint, judge_point, kv_usage_series, memory_breakdown, run_hit_point, tolerance)
+from servelab.measure.launch_variants import serving, with_launch
+from servelab.target.targets import load_target
+from servelab.measure.workload import engine_tokenizer, token_pool
 
 ISL = 256
 
 
 def prom_value(text: str, name: str) -> float:
-    """A plain-text read of one unlabelled sample (independent of servelab.prometheus)."""
+    """A plain-text read of one unlabelled sample (independent of servelab.measure.engine_metrics)."""
     for line in text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])
@@ -78,7 +78,7 @@ def test_counter_deltas_equal_a_hand_computation_from_raw_snapshots(matrix):
 
 
 def test_a_deliberately_bad_point_is_rejected_and_never_a_result(matrix):
-    from servelab.cache import accepted_results, matrix_frame
+    from servelab.phases.phase8_cache import accepted_results, matrix_frame
     _, res, _ = matrix
     bad = res[4].row
     assert bad["verdict"] == "REJECTED"

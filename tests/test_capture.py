@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from servelab import capture as cap
-from servelab.hosts import LocalHost
-from servelab.params import target_from_dict
-from servelab.server import RunningServer
+from servelab.measure import capture as cap
+from servelab.target.hosts import LocalHost
+from servelab.target.targets import target_from_dict
+from servelab.target.server import RunningServer
 
 
 class RemoteLikeHost(LocalHost):

@@ -7,11 +7,11 @@ import aiohttp
 import numpy as np
 import pytest
 
-from servelab import metrics as mx
-from servelab.client import (READ_BUFSIZE_BYTES, ClientConfig, ReadLog, RequestRecord, _send, arrival_offsets_s,
+from servelab.measure import request_metrics as mx
+from servelab.measure.client import (READ_BUFSIZE_BYTES, ClientConfig, ReadLog, RequestRecord, _send, arrival_offsets_s,
                              parse_stream, read_records, run_requests, write_records)
-from servelab.hosts import free_port
-from servelab.workload import build_text_workload, build_workload, engine_tokenizer, token_pool
+from servelab.target.hosts import free_port
+from servelab.measure.workload import build_text_workload, build_workload, engine_tokenizer, token_pool
 
 
 @pytest.fixture(scope="module")

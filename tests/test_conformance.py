@@ -39,9 +39,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from servelab import metrics as mx
-from servelab.client import ClientConfig, run_requests
-from servelab.workload import build_workload, engine_tokenizer, token_pool
+from servelab.measure import request_metrics as mx
+from servelab.measure.client import ClientConfig, run_requests
+from servelab.measure.workload import build_workload, engine_tokenizer, token_pool
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -60,7 +60,7 @@ def bench(tmp_path_factory):
     be = _bench_env()
     try:
         py = be.ensure_bench_serving()
-        from servelab.models import resolve_model
+        from servelab.target.models import resolve_model
         tok = be.ensure_gguf_tokenizer(Path(resolve_model("tiny")), tmp_path_factory.mktemp("tok") / "tiny-tok")
     except Exception as exc:  # e.g. no PyPI access: this reference is optional, the library never needs it
         pytest.skip(f"SGLang bench_serving 0.5.9 venv or tokenizer could not be built: {exc}")

@@ -5,8 +5,9 @@ import json
 
 import pytest
 
-from servelab.engines import engine_for
-from servelab.params import ParamError, load_target, target_from_dict
+from servelab.target.engines import engine_for
+from servelab.core.params import ParamError
+from servelab.target.targets import load_target, target_from_dict
 
 
 def flag(argv, name):

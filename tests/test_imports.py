@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from servelab import imports as im
-from servelab import metrics as mx
-from servelab.client import RequestRecord
+from servelab.measure import peer_results as im
+from servelab.measure import request_metrics as mx
+from servelab.measure.client import RequestRecord
 
 DATA = Path(__file__).parent / "data" / "peer_results"
 

@@ -14,12 +14,13 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from servelab.abtest import ab_compare
-from servelab.interference import (InterferenceSpec, default_spec, h4_evidence, knob_sweep, rank_values,
+from servelab.measure.abtest import ab_compare
+from servelab.phases.phase7_interference import (InterferenceSpec, default_spec, h4_evidence, knob_sweep, rank_values,
                                    run_interference, run_variant, sweep_table, sweep_verdict)
-from servelab.launch_variants import check_knob_changes_command
-from servelab.params import ParamError, load_target
-from servelab.workload import engine_tokenizer, token_pool
+from servelab.measure.launch_variants import check_knob_changes_command
+from servelab.core.params import ParamError
+from servelab.target.targets import load_target
+from servelab.measure.workload import engine_tokenizer, token_pool
 
 
 def small_spec(case_id: str = "I7", n: int = 2) -> InterferenceSpec:

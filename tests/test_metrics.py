@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from servelab import metrics as mx
-from servelab.client import RequestRecord
+from servelab.measure import request_metrics as mx
+from servelab.measure.client import RequestRecord
 
 MS = 1_000_000  # ns per ms
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from servelab.hosts import ProcessTracker
-from servelab.params import target_from_dict
-from servelab.server import (ServerError, collect_logs, http_json, is_healthy, rank_environments, start_server,
+from servelab.target.hosts import ProcessTracker
+from servelab.target.targets import target_from_dict
+from servelab.target.server import (ServerError, collect_logs, http_json, is_healthy, rank_environments, start_server,
                              stop_server)
 
 sys.path.insert(0, str(Path(__file__).parent))

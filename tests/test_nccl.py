@@ -11,12 +11,12 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from servelab.hosts import LocalHost
-from servelab.nccl.gate import GateRefused, check_gate, enforce_gate, validate_gate
-from servelab.nccl.info_log import classify_transport, parse_info, transport_table
-from servelab.nccl.msgsize import from_trace, model_message_sizes, place_on_curves
-from servelab.nccl.perf_log import parse_log, parse_run, runs_frame, runs_table
-from servelab.nccl.perf_tests import launch_argv, perf_argv, run_tests
+from servelab.target.hosts import LocalHost
+from servelab.analyse.nccl.gate import GateRefused, check_gate, enforce_gate, validate_gate
+from servelab.analyse.nccl.info_log import classify_transport, parse_info, transport_table
+from servelab.analyse.nccl.msgsize import from_trace, model_message_sizes, place_on_curves
+from servelab.analyse.nccl.perf_log import parse_log, parse_run, runs_frame, runs_table
+from servelab.analyse.nccl.perf_tests import launch_argv, perf_argv, run_tests
 
 
 @pytest.fixture(scope="module")
@@ -259,7 +259,7 @@ def test_sizes_from_trace_collectives():
 
 
 def test_cli_parse_and_gate_exit_codes(h200, capsys):
-    from servelab.nccl.__main__ import main
+    from servelab.analyse.nccl.__main__ import main
     assert main(["parse", str(h200 / "nccl_tests.log")]) == 0
     assert "reduce_scatter" in capsys.readouterr().out
     assert main(["gate", "--hcas", "mlx5_0,mlx5_3", str(h200 / "nccl_info.log")]) == 3

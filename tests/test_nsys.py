@@ -10,7 +10,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from servelab import nsys
+from servelab.analyse.trace import nsys
 
 KERN_SUM = """Generating SQLite file report.sqlite from report.nsys-rep
 Processing [report.sqlite] with [/opt/nvidia/nsight-systems/reports/cuda_gpu_kern_sum.py]...

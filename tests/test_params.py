@@ -5,9 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from servelab.params import ParamError, load_target, notebook_param_specs, parse_overrides, resolve_phase_params, \
-    target_from_dict
-from servelab.phase import notebook_path
+from servelab.core.params import ParamError, notebook_param_specs, parse_overrides, resolve_phase_params
+
+from servelab.target.targets import load_target, target_from_dict
+from servelab.core.notebooks import notebook_path
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from servelab.cli import main
-from servelab.run import read_commands, read_manifest
+from servelab.core.run import read_commands, read_manifest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from browser import chromium, content_fraction, dom_text, screenshot  # noqa: E402

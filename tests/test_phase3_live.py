@@ -6,12 +6,12 @@ import json
 import pytest
 
 from servelab.cli import main
-from servelab.run import read_commands, read_manifest
+from servelab.core.run import read_commands, read_manifest
 
 
 @pytest.mark.slow
 def test_phase3_captures_and_analyses_a_live_vllm(tmp_path, monkeypatch):
-    from servelab.vllm_cpu import VLLMCPUError, ensure_vllm_cpu
+    from servelab.target.vllm_cpu import VLLMCPUError, ensure_vllm_cpu
     try:
         ensure_vllm_cpu()
     except VLLMCPUError as exc:

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from servelab.cli import main
-from servelab.run import init_run, read_commands, read_manifest, update_manifest
+from servelab.core.run import init_run, read_commands, read_manifest, update_manifest
 
 pytestmark = pytest.mark.slow
 

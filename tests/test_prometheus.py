@@ -5,11 +5,11 @@ import math
 
 import pytest
 
-from servelab.client import ClientConfig, run_requests
-from servelab.prometheus import (PrometheusParseError, Scraper, counter_deltas, gauge_series, named_deltas,
+from servelab.measure.client import ClientConfig, run_requests
+from servelab.measure.engine_metrics import (PrometheusParseError, Scraper, counter_deltas, gauge_series, named_deltas,
                                  parse_text)
-from servelab.server import http_text
-from servelab.workload import build_workload, engine_tokenizer, token_pool
+from servelab.target.server import http_text
+from servelab.measure.workload import build_workload, engine_tokenizer, token_pool
 
 
 def test_parse_real_metrics_body(tiny_server):
@@ -57,7 +57,7 @@ def test_scrape_during_load_counter_deltas_match_usage(tiny_server):
 
 
 def test_failed_scrape_is_recorded_not_zero():
-    from servelab.hosts import free_port
+    from servelab.target.hosts import free_port
     s = Scraper(f"http://127.0.0.1:{free_port()}/metrics", timeout_s=0.5)
     assert s.scrape_once() is False
     assert s.errors and s.errors[0]["status"] == 0 and s.frame().empty

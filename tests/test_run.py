@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from servelab import run as runlib
+from servelab.core import run as runlib
 from servelab.report.commands import commands_html
 
 

@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from servelab import cases as cs
-from servelab import metrics as mx
-from servelab.perf_map import dispatch_case
-from servelab.search import STOP_REASONS, SearchConfig, concurrency_search, ladder
+from servelab.measure import case as cs
+from servelab.measure import request_metrics as mx
+from servelab.phases.phase1_perf_map import dispatch_case
+from servelab.measure.search import STOP_REASONS, SearchConfig, concurrency_search, ladder
 
 
 def test_ladder_is_add_step():

@@ -15,12 +15,12 @@ from types import SimpleNamespace
 import pandas as pd
 import pytest
 
-from servelab.params import load_target
-from servelab.speculative import net_gain, run_phase9
+from servelab.target.targets import load_target
+from servelab.phases.phase9_speculative import net_gain, run_phase9
 
 
 def prom(text: str, name: str, labels: str = "") -> float:
-    """A plain-text read of one sample (independent of servelab.prometheus)."""
+    """A plain-text read of one sample (independent of servelab.measure.engine_metrics)."""
     key = name + (f"{{{labels}}}" if labels else "")
     for line in text.splitlines():
         if line.startswith(key + " "):

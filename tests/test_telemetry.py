@@ -15,18 +15,18 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from servelab.hosts import LocalHost as BaseLocalHost
-from servelab.telemetry import collectors as C
-from servelab.telemetry.frames import make_frame
-from servelab.telemetry.load import load_case_telemetry
-from servelab.telemetry.parse_dcgm import parse_dcgm_dmon
-from servelab.telemetry.parse_net import (ethtool_rates, increments, parse_ethtool_blocks, parse_ethtool_s,
+from servelab.target.hosts import LocalHost as BaseLocalHost
+from servelab.analyse.telemetry import collectors as C
+from servelab.analyse.telemetry.frames import make_frame
+from servelab.analyse.telemetry.load import load_case_telemetry
+from servelab.analyse.telemetry.parse_dcgm import parse_dcgm_dmon
+from servelab.analyse.telemetry.parse_net import (ethtool_rates, increments, parse_ethtool_blocks, parse_ethtool_s,
                                           parse_rdma_blocks, rdma_rates)
-from servelab.telemetry.parse_smi import parse_smi_csv
-from servelab.telemetry.runner import (NOT_PRESENT, OK, PROBE_FAILED, NodePlan, RequiredCollectorError,
+from servelab.analyse.telemetry.parse_smi import parse_smi_csv
+from servelab.analyse.telemetry.runner import (NOT_PRESENT, OK, PROBE_FAILED, NodePlan, RequiredCollectorError,
                                        read_statuses, start_telemetry)
-from servelab.telemetry.summary import answer_questions, compare_cases, summarize_case, write_metric_csvs
-from servelab.telemetry.windows import CaseWindow, coverage, slice_window
+from servelab.analyse.telemetry.summary import answer_questions, compare_cases, summarize_case, write_metric_csvs
+from servelab.analyse.telemetry.windows import CaseWindow, coverage, slice_window
 
 HAVE_SYSSTAT = all(shutil.which(b) for b in ("mpstat", "pidstat", "sar", "numastat"))
 needs_sysstat = pytest.mark.skipif(not HAVE_SYSSTAT, reason="Debian package sysstat (and numactl) not installed")
@@ -35,7 +35,7 @@ needs_sysstat = pytest.mark.skipif(not HAVE_SYSSTAT, reason="Debian package syss
 # ---------------------------------------------------------------- the real local host, tracking its handles
 
 class LocalHost(BaseLocalHost):
-    """servelab.hosts.LocalHost that remembers every background handle (to prove none is left running)."""
+    """servelab.target.hosts.LocalHost that remembers every background handle (to prove none is left running)."""
 
     def __init__(self):
         super().__init__("local")
@@ -289,8 +289,8 @@ def test_window_uses_interval_midpoints():
 
 
 def test_summary_head_worker_changes_and_dash(tmp_path):
-    from servelab.telemetry.load import CaseTelemetry
-    from servelab.telemetry.runner import CollectorStatus
+    from servelab.analyse.telemetry.load import CaseTelemetry
+    from servelab.analyse.telemetry.runner import CollectorStatus
     s = 10**9
     statuses = [CollectorStatus("head", "mpstat", True, OK, started=True, raw_file="head/mpstat.txt"),
                 CollectorStatus("w1", "mpstat", True, OK, started=True, raw_file="w1/mpstat.txt"),
@@ -343,7 +343,7 @@ while True:
 """)
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
-    from servelab.telemetry.smi_probe import probe
+    from servelab.analyse.telemetry.smi_probe import probe
     code, text = probe(tmp_path / "out", 1.5, 0.2)
     assert code == 0, text
     summary = pd.read_csv(tmp_path / "out" / "smi_summary.csv")
@@ -356,7 +356,7 @@ while True:
 def test_smi_probe_without_nvidia_smi_fails_closed(tmp_path, monkeypatch):
     if shutil.which("nvidia-smi"):
         pytest.skip("this machine has nvidia-smi")
-    from servelab.telemetry.smi_probe import probe
+    from servelab.analyse.telemetry.smi_probe import probe
     code, text = probe(tmp_path, 0.1, 1.0)
     assert code == 2 and "binary 'nvidia-smi' not found" in text
 
@@ -365,7 +365,7 @@ def test_recorded_device_capture_cut_to_the_workloads_own_windows(samples):
     d = samples / "h200x2-device"
     if not (d / "windows.txt").exists():
         pytest.skip("device capture not in data/samples")
-    from servelab.telemetry.phase2 import h200_sample_cases
+    from servelab.phases.phase2_hardware import h200_sample_cases
     cases = h200_sample_cases()
     assert [c.case_id for c in cases] == ["cap_tp2pp1", "cap_tp1pp2", "nccl"]
     rows = list(csv.reader((d / "smi.csv").open(), skipinitialspace=True))

@@ -7,9 +7,11 @@ import json
 import pandas as pd
 import pytest
 
-from servelab.params import ParamError, load_target
-from servelab.run import init_run, update_manifest
-from servelab.topology import (GIB, Cluster, CommInputs, Layout, MemoryInputs, active_params, cluster_from_target,
+from servelab.core.params import ParamError
+
+from servelab.target.targets import load_target
+from servelab.core.run import init_run, update_manifest
+from servelab.phases.phase4_topology import (GIB, Cluster, CommInputs, Layout, MemoryInputs, active_params, cluster_from_target,
                                comm_summary, comm_table, engine_launch_settings, feasibility, kv_bytes_per_token,
                                launch_commands, layout_problems, load_model_config, measured_comparison,
                                memory_table, memory_figure, comm_figure, model_config_from_dict, param_summary,

@@ -13,8 +13,8 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from servelab.trace import load as L
-from servelab.trace.load import TraceFormatError, identity_from_name, load_capture, load_trace, parse_trace
+from servelab.analyse.trace import load as L
+from servelab.analyse.trace.load import TraceFormatError, identity_from_name, load_capture, load_trace, parse_trace
 
 H200 = ("h200x2-20261129", "traces")
 TP0 = "20261129203606-TP-0.trace.json.gz"

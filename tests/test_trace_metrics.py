@@ -11,10 +11,10 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from servelab.trace import metrics as M
-from servelab.trace.analysis import analyse
-from servelab.trace.load import load_trace
-from servelab.trace.ops import prepare_rank
+from servelab.analyse.trace import metrics as M
+from servelab.analyse.trace.analysis import analyse
+from servelab.analyse.trace.load import load_trace
+from servelab.analyse.trace.ops import prepare_rank
 
 H200_TP0 = ("h200x2-20261129", "traces", "20261129203606-TP-0.trace.json.gz")
 
@@ -248,7 +248,7 @@ def test_no_annotations_gives_one_whole_trace_window(thirdparty: Path, tmp_path:
 
 
 def test_comm_classification_is_broader_than_nccl():
-    from servelab.trace.taxonomy import classify_names
+    from servelab.analyse.trace.taxonomy import classify_names
     names = ["cross_device_reduce_1stage<__nv_bfloat16, 8>", "multimem_all_reduce_kernel<bf16>",
              "deep_ep::intranode::dispatch<8>", "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
              "ncclSymkDevKernel_AllReduce_AGxLLMC_R_sum_bf16", "allreduce_fusion_kernel_oneshot_lamport<bf16>"]

@@ -10,9 +10,9 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from servelab.trace import nccl as N
-from servelab.trace.load import load_capture, load_trace
-from servelab.trace.ops import prepare_rank
+from servelab.analyse.trace import nccl as N
+from servelab.analyse.trace.load import load_capture, load_trace
+from servelab.analyse.trace.ops import prepare_rank
 
 
 @pytest.mark.parametrize("name, coll, dtype, algo, proto", [

@@ -12,11 +12,11 @@ from types import SimpleNamespace
 import polars as pl
 import pytest
 
-from servelab.trace import figures as F
-from servelab.trace import phase3
-from servelab.trace.actions import evidence_actions
-from servelab.trace.analysis import analyse
-from servelab.trace.questions import ten_questions
+from servelab.analyse.trace import figures as F
+from servelab.phases import phase3_timeline as phase3
+from servelab.analyse.trace.actions import evidence_actions
+from servelab.analyse.trace.analysis import analyse
+from servelab.analyse.trace.questions import ten_questions
 
 ROOT = Path(__file__).resolve().parents[1]
 

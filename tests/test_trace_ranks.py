@@ -14,9 +14,9 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from servelab.trace import ranks as R
-from servelab.trace.load import load_capture
-from servelab.trace.ops import prepare_rank
+from servelab.analyse.trace import ranks as R
+from servelab.analyse.trace.load import load_capture
+from servelab.analyse.trace.ops import prepare_rank
 
 
 @pytest.fixture(scope="module")
@@ -218,9 +218,9 @@ def test_pp2_identity_and_stage_overlap(pp2):
 
 
 def test_pp2_questions_know_about_stages(pp2):
-    from servelab.trace.actions import evidence_actions
-    from servelab.trace.analysis import analyse
-    from servelab.trace.questions import ten_questions
+    from servelab.analyse.trace.actions import evidence_actions
+    from servelab.analyse.trace.analysis import analyse
+    from servelab.analyse.trace.questions import ten_questions
     a = analyse(pp2)
     assert a.step_skew.height == 0                                   # stages are not compared with each other
     q = {r["id"]: r for r in ten_questions(a).iter_rows(named=True)}

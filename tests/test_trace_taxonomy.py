@@ -6,8 +6,8 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from servelab.trace.load import load_trace
-from servelab.trace.taxonomy import CLASSES, classify_names, default_rules, load_rules, short_name
+from servelab.analyse.trace.load import load_trace
+from servelab.analyse.trace.taxonomy import CLASSES, classify_names, default_rules, load_rules, short_name
 
 
 @pytest.mark.parametrize("name, cls, sub", [

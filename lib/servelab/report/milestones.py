@@ -12,7 +12,7 @@ from typing import Any
 
 import pandas as pd
 
-from servelab.run import read_manifest
+from servelab.core.run import read_manifest
 
 M1_CV_BOUND_PCT = 3.0          # seeds §15: key TPS coefficient of variation "尽量不超过 3%"
 M1_REPEATS = 3

@@ -1,0 +1,188 @@
+"""The seeds' evidence → root cause → next A/B table (000 §8), applied to measured trace numbers.
+
+Every row states the metric, the measured value, the threshold and a status: ``triggered``, ``not
+triggered`` or ``not evaluable`` (with the phase whose data would decide it). Thresholds are defaults a
+user may override with ``thresholds={...}``.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import polars as pl
+
+from servelab.analyse.trace.analysis import CaptureAnalysis
+
+DEFAULT_THRESHOLDS = {
+    "decode_exposed_comm_pct": 15.0,     # exposed comm / decode GPU step time
+    "host_bound_idle_pct": 10.0,         # host-bound GPU idle inside steps / step time
+    "indexer_vs_attention": 0.8,         # indexer time / the attention it serves
+    "prefill_attention_growth": 1.5,     # exponent of attention time vs prefill tokens
+    "decode_delay_factor": 2.0,          # delayed token interval / steady interval
+    "gpu_busy_low_pct": 60.0,            # decode GPU busy below this …
+    "cpu_thread_busy_pct": 90.0,         # … while the launching thread is this busy
+}
+
+
+@dataclass
+class Action:
+    evidence: str
+    metric: str
+    measured: str
+    threshold: str
+    status: str
+    likely_cause: str
+    next_ab: str
+
+
+def _sum_kind(a: CaptureAnalysis, kinds: tuple[str, ...]) -> dict:
+    s = a.summary.filter(pl.col("kind").is_in(list(kinds))) if a.summary.height else a.summary
+    if s.height == 0:
+        return {}
+    span = s["gpu_span_ms"].sum()
+    return {"span": span, "exposed": s["exposed_comm_ms"].sum(), "comm": s["comm_ms"].sum(),
+            "host": s["host_bound_idle_ms"].sum(), "busy": s["busy_ms"].sum()}
+
+
+def evidence_actions(a: CaptureAnalysis, thresholds: dict[str, float] | None = None) -> pl.DataFrame:
+    """§8 rows with measured values. Columns: evidence, metric, measured, threshold, status, likely_cause,
+    next_ab."""
+    th = {**DEFAULT_THRESHOLDS, **(thresholds or {})}
+    rows: list[Action] = []
+
+    kind = "decode" if _sum_kind(a, ("decode",)) else "mixed"
+    d = _sum_kind(a, (kind,))
+    if d and d["span"]:
+        cbc = a.comm_by_collective.filter(pl.col("kind") == kind) if a.comm_by_collective.height else None
+        tp_exp = float(cbc.filter(pl.col("collective") != "SendRecv")["exposed_ms"].sum()) if cbc is not None \
+            else d["exposed"]
+        sr_exp = float(cbc.filter(pl.col("collective") == "SendRecv")["exposed_ms"].sum()) if cbc is not None else 0.0
+        pct = 100 * tp_exp / d["span"]
+        meas = f"{pct:.1f}% (all comm {100 * d['comm'] / d['span']:.1f}%"
+        meas += f"; PP SendRecv wait {100 * sr_exp / d['span']:.1f}% not counted)" if sr_exp else ")"
+        rows.append(Action("Decode 中 NCCL 占比高，且通信未被计算覆盖 (decode comm high and not overlapped)",
+                           f"{kind} exposed TP-collective time / GPU step time", meas,
+                           f"≥ {th['decode_exposed_comm_pct']:g}%",
+                           "triggered" if pct >= th["decode_exposed_comm_pct"] else "not triggered",
+                           "TP16 通信受限 (TP communication-bound)", "TP8+PP2; NCCL topology and algorithm"))
+    else:
+        rows.append(Action("Decode 中 NCCL 占比高，且通信未被计算覆盖", "decode exposed comm / GPU step time", "-",
+                           f"≥ {th['decode_exposed_comm_pct']:g}%", "not evaluable (no decode windows)",
+                           "TP16 通信受限", "TP8+PP2; NCCL topology and algorithm"))
+
+    rows.append(Action("C=1 很慢，并发增加后 TPS 明显改善 (slow at C=1, TPS improves with concurrency)",
+                       "TPS vs concurrency", "-", "-", "not evaluable from a trace (Phase 1 concurrency search)",
+                       "MoE/权重读取 Memory-bound (memory-bound weight/MoE reads)", "Batch, MoE backend, MTP"))
+
+    worst_kind, worst_pct = None, -1.0
+    for k in ("prefill", "decode", "mixed", "all"):
+        s = _sum_kind(a, (k,))
+        if s and s["span"]:
+            p = 100 * s["host"] / s["span"]
+            if p > worst_pct:
+                worst_kind, worst_pct = k, p
+    rows.append(Action("GPU 利用率呈锯齿，Kernel 间有明显空洞 (sawtooth utilisation, holes between kernels)",
+                       "host-bound GPU idle inside steps / step time (worst window kind)",
+                       f"{worst_pct:.1f}% ({worst_kind})" if worst_kind else "-",
+                       f"≥ {th['host_bound_idle_pct']:g}%",
+                       ("triggered" if worst_pct >= th["host_bound_idle_pct"] else "not triggered") if worst_kind
+                       else "not evaluable", "CPU Scheduler 或 Launch 开销 (CPU scheduler or launch overhead)",
+                       "CUDA Graph; async (overlap) scheduling"))
+
+    sr = a.slow_rank or {}
+    if len(a.rops) < 2:
+        st, meas = "not evaluable (one rank)", "-"
+    elif a.collective_skew.height == 0 and a.step_skew.height == 0:
+        st, meas = "not evaluable (no peer ranks in the same stage)", "-"
+    else:
+        st = "triggered" if sr.get("slow_rank") is not None else "not triggered"
+        meas = sr.get("evidence", "-")
+    rows.append(Action("一个或少数 Rank 长期最慢 (one or a few ranks always slowest)", "last arrival at collectives / steps",
+                       meas, "last in ≥ 50% (≥ 2× chance) and ≥ 10 µs late", st,
+                       "Expert、NIC 或 NUMA 不均衡 (expert, NIC or NUMA imbalance)", "EPLB; CPU/NIC affinity; rank mapping"))
+
+    attn = pl.concat([r.ops.filter(pl.col("cls") == "attention").select("subclass", "dur_ns") for r in a.rops],
+                     how="vertical_relaxed") if a.rops else pl.DataFrame()
+    by = {k: v for k, v in attn.group_by("subclass").agg(pl.col("dur_ns").sum()).iter_rows()} if attn.height else {}
+    if by.get("indexer"):
+        served = by.get("sparse") or by.get("attention") or 0
+        ratio = by["indexer"] / served if served else float("inf")
+        rows.append(Action("NSA Indexer 时间接近或超过 Attention (indexer time near or above attention)",
+                           "indexer time / attention time", f"{ratio:.2f}×", f"≥ {th['indexer_vs_attention']:g}×",
+                           "triggered" if ratio >= th["indexer_vs_attention"] else "not triggered",
+                           "稀疏索引收益不足 (sparse indexing does not pay off)", "Indexer backend; top-k; fusion"))
+    else:
+        rows.append(Action("NSA Indexer 时间接近或超过 Attention", "indexer time / attention time", "-",
+                           f"≥ {th['indexer_vs_attention']:g}×", "not evaluable (no indexer kernels)",
+                           "稀疏索引收益不足", "Indexer backend; top-k; fusion"))
+
+    rows.append(_attention_growth(a, th))
+
+    rows.append(Action("KV Cache 长期接近满并发生重算 (KV cache near full, recomputation)", "KV usage, retractions", "-",
+                       "-", "not evaluable from a trace (scheduler logs / Phase 8)", "HBM 容量不足 (HBM capacity)",
+                       "FP8 KV; concurrency and context limits"))
+
+    it = a.interference
+    hit = it.filter(pl.col("prefill_between_ms") > 0) if it.height else it
+    if hit.height and hit["baseline_ms"][0]:
+        factor = float(hit["interval_ms"].max()) / float(hit["baseline_ms"][0])
+        rows.append(Action("注入长 Prefill 后 Decode TPOT 暴涨 (decode TPOT spikes after a long prefill)",
+                           "worst decode token interval / steady interval", f"{factor:.1f}×",
+                           f"≥ {th['decode_delay_factor']:g}×",
+                           "triggered" if factor >= th["decode_delay_factor"] else "not triggered",
+                           "Prefill/Decode 相互干扰 (prefill/decode interference)", "Chunked prefill size; scheduler policy"))
+    else:
+        rows.append(Action("注入长 Prefill 后 Decode TPOT 暴涨", "worst decode token interval / steady interval", "-",
+                           f"≥ {th['decode_delay_factor']:g}×", "not evaluable (no prefill between decode steps)",
+                           "Prefill/Decode 相互干扰", "Chunked prefill size; scheduler policy"))
+
+    rows.append(_host_bottleneck(a, th))
+
+    rows.append(Action("两条 Rail 流量明显不均 (traffic on the two rails clearly unbalanced)", "per-NIC bytes", "-", "-",
+                       "not evaluable from a trace (Phase 2 NIC counters)", "NIC Mapping 或 NCCL 拓扑",
+                       "HCA list; NCCL_CROSS_NIC; NUMA affinity"))
+    return pl.DataFrame([asdict(r) for r in rows])
+
+
+def _attention_growth(a: CaptureAnalysis, th: dict) -> Action:
+    base = ("长 ISL 的 Attention 时间异常增长 (attention time grows abnormally with long ISL)",
+            "attention ms vs prefill tokens (log-log slope)")
+    pts = []
+    for r in a.rops:
+        w = r.windows.filter((pl.col("phase") == "prefill") & pl.col("toks").is_not_null())
+        if w.height == 0:
+            continue
+        at = (r.ops.filter((pl.col("cls") == "attention") & pl.col("window").is_not_null())
+              .group_by("window").agg(pl.col("dur_ns").sum().alias("ns")))
+        j = w.join(at, on="window", how="inner")
+        pts += [(t, ns) for t, ns in zip(j["toks"].to_list(), j["ns"].to_list()) if t and ns]
+    sizes = sorted({t for t, _ in pts})
+    if len(sizes) < 2:
+        return Action(*base, "-", f"slope ≥ {th['prefill_attention_growth']:g}",
+                      "not evaluable (needs prefill steps of ≥ 2 token counts, e.g. an ISL sweep)",
+                      "Prefill Kernel 或 Chunking 问题", "Prefill backend; chunk size")
+    import math
+    xs = [math.log(t) for t, _ in pts]
+    ys = [math.log(ns) for _, ns in pts]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+    return Action(*base, f"{slope:.2f} over {sizes[0]}–{sizes[-1]} tokens", f"slope ≥ {th['prefill_attention_growth']:g}",
+                  "triggered" if slope >= th["prefill_attention_growth"] else "not triggered",
+                  "Prefill Kernel 或 Chunking 问题 (prefill kernel or chunking)", "Prefill backend; chunk size")
+
+
+def _host_bottleneck(a: CaptureAnalysis, th: dict) -> Action:
+    base = ("GPU 利用率低但 CPU 单核满载 (GPU under-used while one CPU core is saturated)",
+            "decode GPU busy % / launching thread busy %")
+    d = _sum_kind(a, ("decode",)) or _sum_kind(a, ("all",))
+    ct = a.cpu_threads
+    if not d or ct.height == 0:
+        return Action(*base, "-", "-", "not evaluable (no decode windows or CPU events)",
+                      "Host 端瓶颈", "Frontend, tokenizer, scheduler")
+    gpu = 100 * d["busy"] / d["span"] if d["span"] else 0.0
+    cpu = float(ct["busy_pct"].max())
+    trig = gpu < th["gpu_busy_low_pct"] and cpu >= th["cpu_thread_busy_pct"]
+    return Action(*base, f"GPU {gpu:.1f}% / CPU thread {cpu:.1f}%",
+                  f"GPU < {th['gpu_busy_low_pct']:g}% and CPU ≥ {th['cpu_thread_busy_pct']:g}%",
+                  "triggered" if trig else "not triggered", "Host 端瓶颈 (host-side bottleneck)",
+                  "Frontend, tokenizer, scheduler")

@@ -1,0 +1,198 @@
+"""Compose: load a capture, prepare every rank, compute every table once, write them for the report."""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import polars as pl
+
+from servelab.analyse.trace import metrics as M
+from servelab.analyse.trace import nccl as N
+from servelab.analyse.trace import ranks as R
+from servelab.analyse.trace.load import Capture, load_capture
+from servelab.analyse.trace.ops import RankOps, prepare_rank
+from servelab.analyse.trace.taxonomy import Rule, load_rules
+
+
+@dataclass
+class CaptureAnalysis:
+    """Every table of the Phase 3 timeline analysis for one capture (all frames are polars)."""
+    capture: Capture
+    rops: list[RankOps]
+    window_regex: str | None
+    top_n: int
+    ranks: pl.DataFrame
+    windows: pl.DataFrame
+    window_metrics: pl.DataFrame
+    summary: pl.DataFrame
+    breakdown: pl.DataFrame
+    top_kernels: pl.DataFrame
+    gaps: pl.DataFrame
+    gap_summary: pl.DataFrame
+    graph: pl.DataFrame
+    launch: pl.DataFrame
+    device_busy: pl.DataFrame
+    cpu_threads: pl.DataFrame
+    alignment: R.Alignment
+    collective_skew: pl.DataFrame
+    step_skew: pl.DataFrame
+    slow_rank: dict
+    pp: pl.DataFrame
+    pp_compute: pl.DataFrame
+    nccl: pl.DataFrame
+    interference: pl.DataFrame
+    census: pl.DataFrame = field(default_factory=pl.DataFrame)
+    comm_by_collective: pl.DataFrame = field(default_factory=pl.DataFrame)
+    timings_s: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def trace_files(self) -> list[str]:
+        return [t.path.name for t in self.capture.ranks]
+
+    def overlap_table(self) -> pl.DataFrame:
+        """Exposed communication and overlap per (rank, window kind) — the table the notebook shows."""
+        s = self.summary
+        if s.height == 0:
+            return s
+        return s.select("rank", "kind", "windows", "gpu_span_ms", "compute_ms", "comm_ms", "exposed_comm_ms",
+                        "comm_pct", "exposed_comm_pct", "overlap_pct")
+
+
+def _concat(frames: Iterable[pl.DataFrame]) -> pl.DataFrame:
+    frames = [f for f in frames if f is not None and f.height]
+    return pl.concat(frames, how="diagonal_relaxed") if frames else pl.DataFrame()
+
+
+def analyse(capture: Capture | str | Path, *, window_regex: str | None = None, top_n: int = 10,
+            extra_rules: Sequence[Rule | Sequence[str] | dict] | None = None, min_gap_us: float = 0.0,
+            cache: bool = True, cache_dir: str | Path | None = None, profile_id: str | None = None,
+            nodes: dict[str, str] | None = None, workers: int | None = None) -> CaptureAnalysis:
+    """Analyse a capture folder (or an already loaded :class:`Capture`): every table of Phase 3.
+
+    ``window_regex`` selects the step annotations (default: SGLang ``step[...]``, ``*_step_N``,
+    ``*prefill_chunk*``, ``ProfilerStep#N``); ``extra_rules`` extend the kernel taxonomy;
+    ``min_gap_us`` drops shorter idle gaps from the gap tables; ``workers`` bounds the parsing processes.
+    """
+    t = {}
+    t0 = time.perf_counter()
+    cap = capture if isinstance(capture, Capture) else load_capture(capture, cache=cache, cache_dir=cache_dir,
+                                                                    profile_id=profile_id, nodes=nodes,
+                                                                    workers=workers)
+    t["load"] = time.perf_counter() - t0
+    rules = load_rules(extra_rules)
+    t0 = time.perf_counter()
+    rops = [prepare_rank(tr, rules, window_regex) for tr in cap.ranks]
+    t["prepare"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    all_gaps = [M.gap_intervals(r) for r in rops]
+    wm = _concat(M.window_metrics(r, g) for r, g in zip(rops, all_gaps))
+    summary = M.summarise_windows(wm) if wm.height else pl.DataFrame()
+    gaps = _concat(g.filter(pl.col("gap_ns") > int(min_gap_us * 1e3)) for g in all_gaps)
+    t["timeline"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    al = R.align_ranks(rops)
+    cskew = R.collective_skew(rops, al) if len(rops) > 1 else pl.DataFrame()
+    sskew = R.step_skew(rops, al) if len(rops) > 1 else pl.DataFrame()
+    slow = R.slow_rank(cskew, sskew, len(rops)) if len(rops) > 1 else {"slow_rank": None,
+                                                                        "evidence": "one rank only"}
+    t["ranks"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    result = CaptureAnalysis(
+        capture=cap, rops=rops, window_regex=window_regex, top_n=top_n, ranks=cap.identities(),
+        windows=_concat(r.windows for r in rops), window_metrics=wm, summary=summary,
+        breakdown=M.kernel_breakdown(rops), top_kernels=M.top_kernels(rops, top_n), gaps=gaps,
+        gap_summary=M.gap_summary(gaps), graph=M.graph_coverage(rops), launch=M.launch_stats(rops),
+        device_busy=_concat(M.device_busy(r) for r in rops), cpu_threads=_concat(M.cpu_thread_busy(r) for r in rops),
+        alignment=al, collective_skew=cskew, step_skew=sskew, slow_rank=slow,
+        pp=R.pp_overlap(rops, al), pp_compute=R.pp_overlap(rops, al, compute_only=True),
+        nccl=N.forensics(rops), interference=_concat(M.decode_interference(r) for r in rops))
+    result.census = census(cap)
+    result.comm_by_collective = M.comm_by_collective(rops)
+    t["tables"] = time.perf_counter() - t0
+    result.timings_s = t
+    return result
+
+
+def census(cap: Capture) -> pl.DataFrame:
+    """Event census per rank: events and total duration (ms) per (phase type, Kineto category) — what the
+    trace holds before any interpretation (the GLM report's census)."""
+    parts = []
+    for t in cap.ranks:
+        ev = t.events
+        # counting on the categorical codes with numpy: a group_by over millions of rows costs ~10× more
+        ph = ev["ph"].to_physical().to_numpy().astype(np.int64)
+        cat = ev["cat"].to_physical().to_numpy().astype(np.int64)
+        width = int(cat.max()) + 1 if cat.size else 1
+        key = ph * width + cat
+        if key.size == 0:
+            continue
+        if int(key.max()) >= 50_000_000:      # absurd code ranges: fall back to polars
+            parts.append(ev.group_by(pl.col("ph").cast(pl.String), pl.col("cat").cast(pl.String))
+                         .agg(pl.len().cast(pl.Int64).alias("events"), (pl.col("dur_ns").sum() / 1e6).alias("total_ms"))
+                         .with_columns(pl.lit(t.rank, dtype=pl.Int64).alias("rank")))
+            continue
+        dur = ev["dur_ns"].fill_null(0).to_numpy()
+        counts = np.bincount(key)
+        ms = np.bincount(key, weights=dur) / 1e6
+        present = np.flatnonzero(counts)
+        first = np.full(counts.size, -1, dtype=np.int64)
+        first[key[::-1]] = np.arange(key.size, dtype=np.int64)[::-1]
+        rows = first[present]
+        parts.append(pl.DataFrame({"rank": np.full(present.size, t.rank, dtype=np.int64),
+                                   "ph": ev["ph"].gather(rows).cast(pl.String),
+                                   "cat": ev["cat"].gather(rows).cast(pl.String),
+                                   "events": counts[present].astype(np.int64), "total_ms": ms[present]}))
+    return _concat(parts).sort("rank", "events", descending=[False, True]).select("rank", "ph", "cat", "events",
+                                                                                     "total_ms")
+
+
+def write_tables(a: CaptureAnalysis, out_dir: str | Path, extra: dict[str, pl.DataFrame] | None = None
+                 ) -> dict[str, str]:
+    """Write the key tables as CSV (and the small ones also as JSON) into ``out_dir``; returns name → path.
+
+    Files: ranks, windows, window_metrics, summary, kernel_breakdown, top_kernels, gap_summary,
+    graph_coverage, launch, alignment, collective_skew, step_skew, pp_overlap, nccl_forensics, interference,
+    plus ``extra`` (e.g. questions, actions) and ``trace_analysis.json`` (headline numbers, slow rank,
+    alignment notes, timings)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tables = {
+        "ranks": a.ranks, "windows": a.window_metrics, "summary": a.summary, "kernel_breakdown": a.breakdown,
+        "top_kernels": a.top_kernels, "gap_summary": a.gap_summary, "graph_coverage": a.graph, "launch": a.launch,
+        "device_busy": a.device_busy, "alignment": a.alignment.table, "collective_skew": a.collective_skew,
+        "step_skew": a.step_skew, "pp_overlap": _concat([a.pp, a.pp_compute]), "nccl_forensics": a.nccl,
+        "interference": a.interference, "overlap": a.overlap_table(), "census": a.census,
+        "comm_by_collective": a.comm_by_collective,
+    }
+    tables.update(extra or {})
+    paths = {}
+    for name, df in tables.items():
+        if df is None:
+            continue
+        p = out / f"trace_{name}.csv"
+        _csv_safe(df).write_csv(p)
+        paths[name] = str(p)
+        if df.height <= 2000:
+            pj = out / f"trace_{name}.json"
+            pj.write_text(json.dumps(_csv_safe(df).to_dicts(), default=str, indent=1))
+    summary = {
+        "trace_dir": str(a.capture.trace_dir), "trace_files": a.trace_files, "ranks": len(a.rops),
+        "window_regex": a.window_regex, "slow_rank": a.slow_rank,
+        "alignment": {"ok": a.alignment.alignment_ok, "residual_us": a.alignment.residual_us,
+                      "notes": a.alignment.notes},
+        "timings_s": a.timings_s,
+    }
+    (out / "trace_analysis.json").write_text(json.dumps(summary, default=str, indent=1))
+    paths["analysis"] = str(out / "trace_analysis.json")
+    return paths
+
+
+def _csv_safe(df: pl.DataFrame) -> pl.DataFrame:
+    """Nested / object columns as text so CSV and JSON writers accept them."""
+    casts = [pl.col(c).cast(pl.String) for c, t in df.schema.items()
+             if isinstance(t, (pl.List, pl.Struct, pl.Object, pl.Categorical, pl.Enum))]
+    return df.with_columns(casts) if casts else df

@@ -1,0 +1,924 @@
+"""Kineto (PyTorch profiler) Chrome-trace JSON(.gz) per rank → one columnar polars frame.
+
+Measured choice (../shared/research/trace_analysis.md §8): ISA-L gunzip → msgspec typed decode with
+the garbage collector paused → numpy columns → polars, cached as zstd Parquet. A lenient decoder
+(plain objects) takes over when a trace uses unexpected types for the few typed fields.
+
+Frame columns (one row per trace event; nulls where the event has no such field):
+
+=============  =======  ===========================================================================
+ph, cat, name  cat      Chrome-trace phase, Kineto category (``kernel``, ``cuda_runtime``, ...), name
+pid, tid       Int64    process / thread (GPU events: pid = device, tid = stream); null if a string
+pid_label      str      the pid when it is a string (SGLang merged traces, ``Spans``)
+ts_ns, dur_ns  Int64    absolute start (``baseTimeNanoseconds`` + ts) and duration, integer ns
+device,stream  Int64    ``args.device`` / ``args.stream`` (GPU ops)
+correlation    Int64    runtime API ↔ GPU op link (``ac2g`` flow ids repeat it); ``external_id`` GPU op ↔ CPU op
+coll, dtype    cat      ``Collective name`` / ``dtype`` args (torch c10d collectives and their kernels)
+in_nelems ...  Int64    ``In msg nelems``, ``Out msg nelems``, ``Group size``, ``Seq``
+pg_name,pg_desc cat     ``Process Group Name`` / ``Process Group Description``
+pg_ranks       str      ``Process Group Ranks`` (list or string in the trace; kept as text)
+bytes          Int64    memcpy / memset bytes
+graph_id       Int64    ``graph id`` kernel arg (Kineto ≥ 2026-02, CUDA ≥ 12)
+=============  =======  ===========================================================================
+"""
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import os
+import re
+import time
+import zlib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import polars as pl
+import pyarrow.parquet as pq
+
+try:  # ISA-L gunzip is ~1.6x faster than zlib (research §8); zlib is the fallback
+    from isal import igzip as _gzip
+except ImportError:  # pragma: no cover - isal is a declared dependency of the trace analyser
+    import gzip as _gzip
+
+from servelab.core.paths import cache_root
+
+PARSER_VERSION = 1
+CACHE_DIRNAME = ".servelab_cache"
+_MISSING_INT = -(2**63)  # sentinel of absent integer fields (ids can legitimately be -1)
+_MISSING_F = float("-inf")
+
+
+class TraceFormatError(ValueError):
+    """A file that is not a readable Kineto/Chrome trace; the message names the file."""
+
+
+# ----------------------------------------------------------------------------------------- decoding
+
+class _Args(msgspec.Struct, frozen=True, gc=False):
+    # typed: present on most events; a wrong type here sends the file to the (slow) lenient decoder
+    external_id: int = msgspec.field(default=_MISSING_INT, name="External id")
+    correlation: int = _MISSING_INT
+    coll: str | None = msgspec.field(default=None, name="Collective name")
+    # untyped: rare fields whose type varies between writers (e.g. ``bytes`` as a string); checked on use
+    in_nelems: Any = msgspec.field(default=None, name="In msg nelems")
+    out_nelems: Any = msgspec.field(default=None, name="Out msg nelems")
+    group_size: Any = msgspec.field(default=None, name="Group size")
+    dtype: Any = None
+    pg_name: Any = msgspec.field(default=None, name="Process Group Name")
+    pg_desc: Any = msgspec.field(default=None, name="Process Group Description")
+    pg_ranks: Any = msgspec.field(default=None, name="Process Group Ranks")
+    seq: Any = msgspec.field(default=None, name="Seq")
+    bytes: Any = None
+    graph_id: Any = msgspec.field(default=None, name="graph id")
+    meta_name: Any = msgspec.field(default=None, name="name")      # ph "M" process/thread names
+    labels: Any = None                                              # ph "M" process_labels
+
+
+_EMPTY_ARGS = _Args()
+
+
+class _Event(msgspec.Struct, gc=False):
+    ph: str = ""
+    cat: str = ""
+    name: str = ""
+    pid: int | str = _MISSING_INT
+    tid: int | str = _MISSING_INT
+    ts: float = _MISSING_F
+    dur: float = _MISSING_F
+    id: int | str = _MISSING_INT
+    args: _Args = _EMPTY_ARGS
+
+
+class _Trace(msgspec.Struct):
+    traceEvents: list[_Event] | None = None
+    baseTimeNanoseconds: int | None = None
+    distributedInfo: Any = None
+    deviceProperties: Any = None
+    schemaVersion: Any = None
+    traceName: Any = None
+    trace_id: Any = None
+    cuda_runtime_version: Any = None
+    hip_runtime_version: Any = None
+    cuda_driver_version: Any = None
+
+
+_DECODER = msgspec.json.Decoder(_Trace)
+_LIST_DECODER = msgspec.json.Decoder(list[_Event])
+_LENIENT = msgspec.json.Decoder()
+
+_INT_ARG_FIELDS = {  # column → (args key) for the lenient path
+    "external_id": "External id", "correlation": "correlation", "in_nelems": "In msg nelems", "out_nelems": "Out msg nelems", "group_size": "Group size",
+    "seq": "Seq", "bytes": "bytes", "graph_id": "graph id",
+}
+_STR_ARG_FIELDS = {"coll": "Collective name", "dtype": "dtype", "pg_name": "Process Group Name",
+                   "pg_desc": "Process Group Description"}
+_CAT_COLUMNS = ("ph", "cat", "name", "coll", "dtype", "pg_name", "pg_desc")
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation")
+COLUMNS = ("ph", "cat", "name", "pid", "pid_label", "tid", "ts_ns", "dur_ns", "device", "stream", "correlation",
+           "external_id", "coll", "in_nelems", "out_nelems", "group_size", "dtype", "pg_name",
+           "pg_desc", "pg_ranks", "seq", "bytes", "graph_id")
+
+
+def _read_bytes(path: Path) -> bytes:
+    """The file's JSON text (gunzipped when it starts with the gzip magic)."""
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise TraceFormatError(f"{path}: cannot read trace file ({e.strerror or e})") from e
+    if raw[:2] != b"\x1f\x8b":
+        return raw
+    try:
+        return _gzip.decompress(raw)
+    except (EOFError, OSError, zlib.error, ValueError) as e:
+        msg = str(e) or type(e).__name__
+        raise TraceFormatError(f"{path}: gzip stream is truncated or corrupt ({msg})") from e
+    except Exception as e:  # isal raises its own error type on corrupt streams
+        raise TraceFormatError(f"{path}: gzip stream is truncated or corrupt ({e})") from e
+
+
+def _us_to_ns(ts_us: np.ndarray) -> np.ndarray:
+    """µs floats → int64 ns, exact for integer µs even beyond 2**53 ns (epoch-µs traces)."""
+    whole = np.floor(ts_us)
+    return whole.astype(np.int64) * 1000 + np.rint((ts_us - whole) * 1000.0).astype(np.int64)
+
+
+def _int_column(values: list, name: str) -> pl.Series:
+    """Python ints (``_MISSING_INT`` = absent) → Int64 series; strings or floats → null."""
+    try:
+        arr = np.fromiter(values, dtype=np.int64, count=len(values))
+    except (TypeError, ValueError, OverflowError):
+        arr = np.fromiter((v if v.__class__ is int else _MISSING_INT for v in values), dtype=np.int64,
+                          count=len(values))
+    s = pl.Series(name, arr)
+    missing = arr == _MISSING_INT
+    return s.set(pl.Series(missing), None) if missing.any() else s
+
+
+def _float_ns_column(values: list, name: str) -> pl.Series:
+    """µs floats (``-inf`` = absent) → Int64 ns."""
+    arr = np.fromiter(values, dtype=np.float64, count=len(values))
+    missing = ~np.isfinite(arr)
+    s = pl.Series(name, _us_to_ns(np.where(missing, 0.0, arr)))
+    return s.set(pl.Series(missing), None) if missing.any() else s
+
+
+def _str_column(values: list, name: str) -> pl.Series:
+    return pl.Series(name, values, dtype=pl.String)
+
+
+_COLL_FIELDS = ("in_nelems", "out_nelems", "group_size", "dtype", "pg_name", "pg_desc", "pg_ranks", "seq")
+
+
+def _events_to_frame(events: list[_Event], base_ns: int, categorical: bool = True
+                     ) -> tuple[pl.DataFrame, list[dict]]:
+    """Typed events → frame; also returns the ``ph == "M"`` metadata events as dicts.
+
+    Only the fields present on most events are extracted for every event (one C-level ``map`` each);
+    collective args, bytes and graph ids are gathered for the few rows that carry them.
+    """
+    from operator import attrgetter as ag
+    n = len(events)
+    cols: dict[str, pl.Series] = {
+        "ph": _str_column(list(map(ag("ph"), events)), "ph"),
+        "cat": _str_column(list(map(ag("cat"), events)), "cat"),
+        "name": _str_column(list(map(ag("name"), events)), "name"),
+    }
+    pid_raw = list(map(ag("pid"), events))
+    cols["pid"] = _int_column(pid_raw, "pid")
+    cols["tid"] = _int_column(list(map(ag("tid"), events)), "tid")
+    ts_ns = _float_ns_column(list(map(ag("ts"), events)), "ts_ns")
+    cols["ts_ns"] = ts_ns + base_ns if base_ns else ts_ns
+    cols["dur_ns"] = _float_ns_column(list(map(ag("dur"), events)), "dur_ns")
+    cols["correlation"] = _int_column(list(map(ag("args.correlation"), events)), "correlation")
+    cols["external_id"] = _int_column(list(map(ag("args.external_id"), events)), "external_id")
+    coll = pl.Series("coll", list(map(ag("args.coll"), events)), dtype=pl.String)
+    cols["coll"] = coll
+    frame = pl.DataFrame(list(cols.values()))
+
+    pid_label = _nulls("pid_label", n, pl.String)
+    str_pid_rows = frame["pid"].is_null().arg_true().to_list() if frame["pid"].null_count() else []
+    labels = [(i, pid_raw[i]) for i in str_pid_rows if isinstance(pid_raw[i], str)]
+    if labels:
+        pid_label = pid_label.scatter([i for i, _ in labels], [v for _, v in labels])
+    extra: dict[str, pl.Series] = {"pid_label": pid_label}
+    rows = coll.is_not_null().arg_true().to_list()
+    for f in _COLL_FIELDS:
+        vals = [getattr(events[i].args, f) for i in rows]
+        if f in ("dtype", "pg_name", "pg_desc"):
+            full = _nulls(f, n, pl.String)
+            vals = [v if isinstance(v, str) else None for v in vals]
+        elif f == "pg_ranks":
+            full = _nulls(f, n, pl.String)
+            vals = [_ranks_text(v) for v in vals]
+        else:
+            full = _nulls(f, n, pl.Int64)
+            vals = [v if v.__class__ is int and v != _MISSING_INT else None for v in vals]
+        extra[f] = full.scatter(rows, vals) if rows else full
+    cat = cols["cat"]
+    mem_rows = (cat.is_in(["gpu_memcpy", "gpu_memset"])).arg_true().to_list()
+    extra["bytes"] = _sparse_int(events, mem_rows, "bytes", n)
+    kern_rows = (cat == "kernel").arg_true().to_list()
+    extra["graph_id"] = _sparse_int(events, kern_rows, "graph_id", n)
+    gpu = cat.is_in(list(GPU_CATS))
+    frame = frame.with_columns(
+        *extra.values(),
+        device=pl.when(gpu).then(pl.col("pid")),
+        stream=pl.when(gpu).then(pl.col("tid")),
+    )
+    if categorical:
+        frame = frame.with_columns([pl.col(c).cast(pl.Categorical) for c in _CAT_COLUMNS])
+    meta_rows = (cols["ph"] == "M").arg_true().to_list()
+    meta = [{"name": events[i].name, "pid": events[i].pid, "tid": events[i].tid,
+             "args": {"name": events[i].args.meta_name, "labels": events[i].args.labels}} for i in meta_rows]
+    return frame.select(COLUMNS), meta
+
+
+def _nulls(name: str, n: int, dtype: pl.DataType) -> pl.Series:
+    return pl.repeat(None, n, dtype=dtype, eager=True).alias(name)
+
+
+def _sparse_int(events: list[_Event], rows: list[int], field: str, n: int) -> pl.Series:
+    full = _nulls(field, n, pl.Int64)
+    if not rows:
+        return full
+    vals = [getattr(events[i].args, field) for i in rows]
+    vals = [v if v.__class__ is int and v != _MISSING_INT else None for v in vals]
+    if all(v is None for v in vals):
+        return full
+    return full.scatter(rows, vals)
+
+
+def _ranks_text(v: Any) -> str | None:
+    if v is None:
+        return None
+    if isinstance(v, str):
+        return v
+    return json.dumps(v)
+
+
+def _lenient_frame(events: list[dict], base_ns: int) -> tuple[pl.DataFrame, list[dict]]:
+    """Slow path for traces whose fields do not fit the typed schema (e.g. string ids)."""
+    def num(v: Any) -> float:
+        try:
+            return float(v)
+        except (TypeError, ValueError):
+            return _MISSING_F
+
+    def as_int(v: Any) -> int:
+        if isinstance(v, bool):
+            return _MISSING_INT
+        if isinstance(v, int):
+            return v
+        if isinstance(v, float) and v.is_integer():
+            return int(v)
+        if isinstance(v, str) and v.strip().lstrip("-").isdigit():
+            return int(v)
+        return _MISSING_INT
+
+    typed = []
+    for e in events:
+        if not isinstance(e, dict):
+            continue
+        a = e.get("args") if isinstance(e.get("args"), dict) else {}
+        args = _Args(
+            **{k: as_int(a.get(src, _MISSING_INT)) for k, src in _INT_ARG_FIELDS.items()},
+            **{k: (str(a[src]) if a.get(src) is not None else None) for k, src in _STR_ARG_FIELDS.items()},
+            pg_ranks=a.get("Process Group Ranks"), meta_name=a.get("name"), labels=a.get("labels"))
+        pid, tid = e.get("pid", _MISSING_INT), e.get("tid", _MISSING_INT)
+        typed.append(_Event(
+            ph=str(e.get("ph", "")), cat=str(e.get("cat", "")), name=str(e.get("name", "")),
+            pid=pid if isinstance(pid, (int, str)) and not isinstance(pid, bool) else _MISSING_INT,
+            tid=tid if isinstance(tid, (int, str)) and not isinstance(tid, bool) else _MISSING_INT,
+            ts=num(e.get("ts")), dur=num(e.get("dur")),
+            id=e.get("id") if isinstance(e.get("id"), (int, str)) else _MISSING_INT, args=args))
+    return _events_to_frame(typed, base_ns)
+
+
+PARALLEL_MIN_BYTES = 96 << 20     # JSON text size from which chunked multi-process parsing pays off
+CHUNK_BYTES = 96 << 20            # JSON text per parse task (bounds each worker's Python objects)
+
+
+def default_workers() -> int:
+    """Worker processes for parsing: the CPUs this process may use, at most 8."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        n = os.cpu_count() or 1
+    return max(1, min(8, n))
+
+
+def parse_trace(path: str | Path, workers: int | None = None) -> tuple[pl.DataFrame, dict[str, Any]]:
+    """Parse one trace file (no cache). Returns (events frame, metadata dict).
+
+    Metadata: ``baseTimeNanoseconds``, ``distributedInfo``, ``deviceProperties``, versions, and
+    ``process_names`` / ``thread_names`` / ``process_labels`` from the ``ph: "M"`` events.
+    Large files (≥ ``PARALLEL_MIN_BYTES`` of JSON) are split at event boundaries and decoded by
+    ``workers`` processes (default: the usable CPUs, ≤ 8); any doubt about the split falls back to the
+    single-process decoder, which also produces the error messages.
+    Raises :class:`TraceFormatError` naming the file for truncated gzip, invalid JSON, or JSON that is
+    not a Chrome trace.
+    """
+    path = Path(path)
+    workers = default_workers() if workers is None else max(1, int(workers))
+    if workers > 1 and _json_size_hint(path) >= PARALLEL_MIN_BYTES:
+        result = _parse_parallel(path, workers)
+        if result is not None:
+            return result
+    return _parse_serial(path)
+
+
+def _spawn_pool(workers: int):
+    """A spawn-context process pool whose first worker is up, or None when this process cannot spawn.
+
+    Spawned workers re-import ``__main__``; a script without an ``if __name__ == "__main__":`` guard makes
+    that child try to spawn again, which Python refuses with RuntimeError. We re-raise it there so the
+    child stops at once, and the parent — seeing its worker die — parses serially."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    ex = None
+    try:
+        ex = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+        ex.submit(int, 0).result()
+        return ex
+    except Exception:
+        if ex is not None:
+            ex.shutdown(wait=False, cancel_futures=True)
+        if getattr(multiprocessing.current_process(), "_inheriting", False):
+            raise
+        return None
+
+
+def _json_size_hint(path: Path) -> int:
+    """Uncompressed size: the gzip ISIZE trailer (mod 4 GiB; compressed size × 10 when it wraps), else the
+    file size."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            if f.read(2) != b"\x1f\x8b":
+                return size
+            f.seek(-4, os.SEEK_END)
+            isize = int.from_bytes(f.read(4), "little")
+        return isize if isize >= size else size * 10
+    except OSError:
+        return 0
+
+
+def _parse_serial(path: Path) -> tuple[pl.DataFrame, dict[str, Any]]:
+    text = _read_bytes(path)
+    head = text[:4096].lstrip()
+    if not head:
+        raise TraceFormatError(f"{path}: file is empty")
+    gc_was = gc.isenabled()
+    gc.disable()  # msgspec allocates millions of small objects; cyclic GC passes double the time
+    try:
+        try:
+            if head[:1] == b"[":
+                trace = _Trace(traceEvents=_LIST_DECODER.decode(text))
+            else:
+                trace = _DECODER.decode(text)
+            lenient_events = None
+        except msgspec.ValidationError:
+            doc = _decode_generic(path, text)
+            lenient_events = doc.get("traceEvents") if isinstance(doc, dict) else doc
+            if not isinstance(lenient_events, list):
+                raise TraceFormatError(f"{path}: JSON has no 'traceEvents' list — not a Kineto/Chrome trace") \
+                    from None
+            trace = _Trace(**{k: doc.get(k) for k in _Trace.__struct_fields__ if k != "traceEvents"}) \
+                if isinstance(doc, dict) else _Trace()
+            if trace.baseTimeNanoseconds is not None and not isinstance(trace.baseTimeNanoseconds, int):
+                trace.baseTimeNanoseconds = None
+        except msgspec.DecodeError as e:
+            raise TraceFormatError(f"{path}: not valid JSON ({e}); truncated or not a trace file") from e
+        del text
+        if lenient_events is None and trace.traceEvents is None:
+            raise TraceFormatError(f"{path}: JSON has no 'traceEvents' list — not a Kineto/Chrome trace")
+        base_ns = int(trace.baseTimeNanoseconds or 0)
+        if lenient_events is not None:
+            frame, meta_events = _lenient_frame(lenient_events, base_ns)
+        else:
+            frame, meta_events = _events_to_frame(trace.traceEvents, base_ns)
+        trace.traceEvents = None
+    finally:
+        if gc_was:
+            gc.enable()
+    return frame, _meta_dict(trace, meta_events)
+
+
+def _meta_dict(trace: _Trace, meta_events: list[dict]) -> dict[str, Any]:
+    return {
+        "baseTimeNanoseconds": trace.baseTimeNanoseconds,
+        "distributedInfo": trace.distributedInfo if isinstance(trace.distributedInfo, dict) else None,
+        "deviceProperties": trace.deviceProperties if isinstance(trace.deviceProperties, list) else [],
+        "schemaVersion": trace.schemaVersion,
+        "traceName": trace.traceName,
+        "trace_id": trace.trace_id,
+        "cuda_runtime_version": trace.cuda_runtime_version,
+        "hip_runtime_version": trace.hip_runtime_version,
+        "cuda_driver_version": trace.cuda_driver_version,
+        **_meta_names(meta_events),
+    }
+
+
+# ------------------------------------------------------------------------------- parallel (big files)
+
+_BOUNDARY_RE = re.compile(rb"\}\s*,\s*\{")
+_SEARCH_WINDOW = 8 << 20
+
+
+def _spill_json(path: Path) -> tuple[Path, bool]:
+    """The JSON text as a file the workers can map: the trace itself, or its gunzipped copy in /dev/shm
+    (RAM-backed where available) — the caller deletes the copy."""
+    with open(path, "rb") as f:
+        gz = f.read(2) == b"\x1f\x8b"
+    if not gz:
+        return path, False
+    tmp_dir = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    import shutil
+    import tempfile
+    fd, tmp = tempfile.mkstemp(prefix="servelab-trace-", suffix=".json", dir=tmp_dir)
+    try:
+        with os.fdopen(fd, "wb") as dst, _gzip.open(path, "rb") as src:
+            shutil.copyfileobj(src, dst, 64 << 20)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return Path(tmp), True
+
+
+def _split_points(mm, a0: int, b1: int, n_chunks: int) -> list[tuple[int, int]] | None:
+    """Chunks (start, end) of the events array body (a0 = '[' position, b1 = ']' position), cut at
+    ``}, {`` separators. A cut inside a string or a nested list makes that chunk invalid JSON, which the
+    worker detects (the whole parse then falls back to the serial decoder)."""
+    body0, body1 = a0 + 1, b1
+    length = body1 - body0
+    cuts = [body0]
+    for k in range(1, n_chunks):
+        t = body0 + k * length // n_chunks
+        if t <= cuts[-1]:
+            continue
+        m = _BOUNDARY_RE.search(mm[t:min(t + _SEARCH_WINDOW, body1)])
+        if m is None:
+            return None
+        comma = t + m.start() + m.group(0).index(b",")
+        if comma <= cuts[-1]:
+            continue
+        cuts.append(comma)
+    bounds = []
+    for i, c in enumerate(cuts):
+        start = c if i == 0 else c + 1
+        end = cuts[i + 1] if i + 1 < len(cuts) else body1
+        bounds.append((start, end))
+    return bounds
+
+
+def _parse_chunk(fname: str, start: int, end: int, base_ns: int) -> tuple[pl.DataFrame, list[dict]] | None:
+    """Worker: decode one slice of the events array (None when the slice is not valid JSON)."""
+    import mmap
+    gc.disable()
+    with open(fname, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        data = b"[" + mm[start:end] + b"]"
+    try:
+        events = _LIST_DECODER.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    del data
+    return _events_to_frame(events, base_ns, categorical=True)
+
+
+def _parse_parallel(path: Path, workers: int) -> tuple[pl.DataFrame, dict[str, Any]] | None:
+    ex = _spawn_pool(workers)     # before spilling: a process that cannot spawn writes nothing
+    if ex is None:
+        return None
+    with ex:
+        return _parse_parallel_with(ex, path, workers)
+
+
+def _parse_parallel_with(ex, path: Path, workers: int) -> tuple[pl.DataFrame, dict[str, Any]] | None:
+    import mmap
+    try:
+        fname, temporary = _spill_json(path)
+    except Exception:
+        return None  # the serial path reports the gzip error with the file name
+    try:
+        with open(fname, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            key = mm.find(b'"traceEvents"', 0, 1 << 26)
+            if key < 0:
+                return None
+            a0 = mm.find(b"[", key)
+            b1 = mm.rfind(b"]")
+            trace = None
+            for _ in range(4):  # the tail may hold ']' inside strings: the metadata decode decides
+                try:
+                    trace = _DECODER.decode(mm[:a0] + b"[]" + mm[b1 + 1:])
+                    break
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    b1 = mm.rfind(b"]", a0, b1)
+                    if b1 <= a0:
+                        return None
+            if trace is None:
+                return None
+            n_chunks = max(workers, -(-(b1 - a0) // CHUNK_BYTES))
+            bounds = _split_points(mm, a0, b1, n_chunks)
+        if not bounds:
+            return None
+        base_ns = int(trace.baseTimeNanoseconds or 0)
+        try:
+            parts = list(ex.map(_parse_chunk, [str(fname)] * len(bounds), [b[0] for b in bounds],
+                                [b[1] for b in bounds], [base_ns] * len(bounds)))
+        except Exception:  # a worker died (e.g. out of memory): parse serially
+            return None
+        if any(p is None for p in parts):
+            return None
+        frame = pl.concat([p[0] for p in parts], how="vertical_relaxed", rechunk=False)
+        frame = frame.with_columns([pl.col(c).cast(pl.Categorical) for c in _CAT_COLUMNS])
+        meta_events = [m for p in parts for m in p[1]]
+        return frame, _meta_dict(trace, meta_events)
+    finally:
+        if temporary:
+            try:
+                os.unlink(fname)
+            except OSError:
+                pass
+
+
+def _decode_generic(path: Path, text: bytes) -> Any:
+    try:
+        return _LENIENT.decode(text)
+    except msgspec.DecodeError as e:
+        raise TraceFormatError(f"{path}: not valid JSON ({e}); truncated or not a trace file") from e
+
+
+def _meta_names(meta_events: list[dict]) -> dict[str, Any]:
+    procs: dict[str, str] = {}
+    labels: dict[str, str] = {}
+    threads: dict[str, str] = {}
+    for e in meta_events:
+        a = e.get("args") or {}
+        if e["name"] == "process_name" and a.get("name") is not None:
+            procs[str(e["pid"])] = str(a["name"])
+        elif e["name"] == "process_labels" and a.get("labels") is not None:
+            labels[str(e["pid"])] = str(a["labels"])
+        elif e["name"] == "thread_name" and a.get("name") is not None:
+            threads[f"{e['pid']}/{e['tid']}"] = str(a["name"])
+    return {"process_names": procs, "process_labels": labels, "thread_names": threads}
+
+
+# ------------------------------------------------------------------------------------------- identity
+
+_SGLANG_RE = re.compile(
+    r"^(?:(?P<prefix>.+)-)?(?P<profile_id>[^-]+)-TP-(?P<tp>\d+)(?:-DP-(?P<dp>\d+))?(?:-PP-(?P<pp>\d+))?"
+    r"(?:-EP-(?P<ep>\d+))?(?:-(?P<stage>[A-Za-z_]+))?\.trace\.json(?:\.gz)?$")
+_TOKEN_RE = re.compile(r"(?<![a-z])(rank|tp|pp|dp|ep)[-_]?(\d+)(?![0-9])", re.IGNORECASE)
+TRACE_SUFFIXES = (".json", ".json.gz")
+
+
+@dataclass
+class RankIdentity:
+    """Who wrote a trace file. ``rank`` is the global torch rank (``distributedInfo.rank`` when present)."""
+    file: str
+    role: str = "rank"                  # rank | frontend
+    rank: int | None = None
+    world_size: int | None = None
+    tp: int | None = None
+    dp: int | None = None
+    pp: int | None = None
+    ep: int | None = None
+    stage: str | None = None            # SGLang profile_by_stage suffix (prefill/decode) or forward mode
+    profile_id: str | None = None
+    node: str = "node0"
+    engine: str | None = None           # sglang | vllm | None
+    source: str = ""                    # which evidence gave rank/tp/pp
+
+    @property
+    def label(self) -> str:
+        parts = [f"rank{self.rank}" if self.rank is not None else Path(self.file).name]
+        for k in ("tp", "dp", "pp", "ep"):
+            v = getattr(self, k)
+            if v is not None:
+                parts.append(f"{k.upper()}{v}")
+        return " ".join(parts)
+
+
+def identity_from_name(path: str | Path) -> RankIdentity:
+    """Rank identity from a file name.
+
+    SGLang: ``[prefix-]{profile_id}-TP-{tp}[-DP-{dp}][-PP-{pp}][-EP-{ep}][-{stage}].trace.json.gz``.
+    vLLM (torch ``tensorboard_trace_handler``): ``{worker_name}.{time_ns}.pt.trace.json.gz`` whose worker name
+    holds ``rank0`` / ``dp0_pp0_tp0``; the API-server process writes an ``async_llm`` trace (role frontend).
+    """
+    name = Path(path).name
+    ident = RankIdentity(file=str(path))
+    m = _SGLANG_RE.match(name)
+    if m:
+        ident.engine = "sglang"
+        ident.profile_id = m["profile_id"] if not m["prefix"] else f"{m['prefix']}-{m['profile_id']}"
+        for k in ("tp", "dp", "pp", "ep"):
+            if m[k] is not None:
+                setattr(ident, k, int(m[k]))
+        ident.stage = m["stage"].lower() if m["stage"] else None
+        ident.source = "filename"
+        return ident
+    if "async_llm" in name:
+        ident.role, ident.engine, ident.source = "frontend", "vllm", "filename"
+        return ident
+    stem = name.split(".pt.trace")[0] if ".pt.trace" in name else name.split(".json")[0]
+    for key, val in _TOKEN_RE.findall(stem):
+        key = key.lower()
+        if key == "rank":
+            ident.rank = int(val)
+        else:
+            setattr(ident, key, int(val))
+    if ".pt.trace" in name:
+        ident.engine = "vllm" if (ident.rank is not None or ident.tp is not None) else None
+        parts = name.split(".")
+        if len(parts) > 2 and parts[1].isdigit():
+            ident.profile_id = parts[1]
+    if ident.rank is not None or ident.tp is not None:
+        ident.source = "filename"
+    return ident
+
+
+def _apply_distributed_info(ident: RankIdentity, info: dict | None) -> RankIdentity:
+    if not info:
+        return ident
+    r, w = info.get("rank"), info.get("world_size")
+    if isinstance(r, int):
+        ident.rank = r
+        ident.source = "+".join(s for s in (ident.source, "distributedInfo") if s)
+    if isinstance(w, int):
+        ident.world_size = w
+    return ident
+
+
+# --------------------------------------------------------------------------------------------- cache
+
+@dataclass
+class RankTrace:
+    """One rank's parsed trace: the event frame, the file's metadata and who wrote it."""
+    path: Path
+    identity: RankIdentity
+    events: pl.DataFrame
+    meta: dict[str, Any] = field(default_factory=dict)
+    load_s: float = 0.0
+    from_cache: bool = False
+    cache_path: Path | None = None
+
+    @property
+    def rank(self) -> int:
+        return self.identity.rank if self.identity.rank is not None else -1
+
+    @property
+    def label(self) -> str:
+        return self.identity.label
+
+
+def cache_path_for(path: Path, cache_dir: Path | None = None) -> Path:
+    """``<trace dir>/.servelab_cache/<file>.v<N>.parquet``, or under ``cache_dir`` / the user cache when the
+    trace folder is read-only (e.g. ``../shared``)."""
+    name = f"{path.name}.v{PARSER_VERSION}.parquet"
+    if cache_dir is not None:
+        digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
+        return Path(cache_dir) / f"{digest}-{name}"
+    local = path.parent / CACHE_DIRNAME
+    if _writable(path.parent) and (not local.exists() or _writable(local)):
+        return local / name
+    digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
+    return cache_root() / "traces" / f"{digest}-{name}"
+
+
+def _writable(d: Path) -> bool:
+    """Writable for us *and* not marked read-only by its mode bits (root ignores the bits, we do not: a
+    ``r-x`` shared data folder must stay untouched)."""
+    try:
+        return os.access(d, os.W_OK) and bool(d.stat().st_mode & 0o222)
+    except OSError:
+        return False
+
+
+def _stamp(path: Path) -> dict[str, str]:
+    st = path.stat()
+    return {"size": str(st.st_size), "mtime_ns": str(st.st_mtime_ns), "parser": str(PARSER_VERSION)}
+
+
+def _read_cache(cpath: Path, stamp: dict[str, str]) -> tuple[pl.DataFrame, dict] | None:
+    try:
+        pf = pq.ParquetFile(cpath)
+        md = pf.schema_arrow.metadata or {}
+        if any(md.get(f"servelab.{k}".encode()) != v.encode() for k, v in stamp.items()):
+            return None
+        meta = json.loads(md[b"servelab.meta"])
+        return pl.from_arrow(pf.read()), meta
+    except Exception:  # stale/corrupt cache → parse the trace again
+        return None
+
+
+def _write_cache(cpath: Path, frame: pl.DataFrame, meta: dict, stamp: dict[str, str]) -> bool:
+    try:
+        cpath.parent.mkdir(parents=True, exist_ok=True)
+        table = frame.to_arrow()
+        md = {f"servelab.{k}".encode(): v.encode() for k, v in stamp.items()}
+        md[b"servelab.meta"] = json.dumps(meta, default=str).encode()
+        table = table.replace_schema_metadata(md)
+        tmp = cpath.with_suffix(f".tmp{os.getpid()}")
+        pq.write_table(table, tmp, compression="zstd")
+        os.replace(tmp, cpath)
+        return True
+    except OSError:
+        return False
+
+
+def load_trace(path: str | Path, *, cache: bool = True, cache_dir: str | Path | None = None,
+               node: str | None = None, workers: int | None = None) -> RankTrace:
+    """Load one rank's trace (Parquet cache hit when size+mtime+parser version match).
+
+    The cache lives in ``.servelab_cache/`` next to the trace, or in ``cache_dir`` / the user cache
+    directory when the trace folder is not writable.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise TraceFormatError(f"{path}: no such trace file")
+    t0 = time.perf_counter()
+    stamp = _stamp(path)
+    cpath = cache_path_for(path, Path(cache_dir) if cache_dir else None) if cache else None
+    hit = _read_cache(cpath, stamp) if cpath is not None and cpath.exists() else None
+    if hit is not None:
+        frame, meta = hit
+        from_cache = True
+    else:
+        frame, meta = parse_trace(path, workers=workers)
+        from_cache = False
+        if cpath is not None and not _write_cache(cpath, frame, meta, stamp):
+            cpath = None
+    ident = _apply_distributed_info(identity_from_name(path), meta.get("distributedInfo"))
+    if node:
+        ident.node = node
+    return RankTrace(path=path, identity=ident, events=frame, meta=meta, load_s=time.perf_counter() - t0,
+                     from_cache=from_cache, cache_path=cpath)
+
+
+SKIP_DIRS = (CACHE_DIRNAME, "graph_capture_profile")   # our cache; SGLang's CUDA-graph capture traces
+
+
+_TRACE_NAME_RE = re.compile(r"\.trace\.json|-TP-\d+|rank\d+|async_llm", re.IGNORECASE)
+
+
+def looks_like_trace(path: Path, peek_bytes: int = 1 << 20) -> bool:
+    """Whether a ``*.json(.gz)`` file is a trace: a trace-like name, or ``"traceEvents"`` / a leading ``[`` in
+    its first MiB. Other JSON files in a capture folder (``capture.json``, ``summary.json``) are set aside."""
+    if _TRACE_NAME_RE.search(path.name):
+        return True
+    try:
+        if path.name.endswith(".gz"):
+            with _gzip.open(path, "rb") as f:
+                head = f.read(peek_bytes)
+        else:
+            with open(path, "rb") as f:
+                head = f.read(peek_bytes)
+    except Exception:
+        return True      # unreadable: let the loader report it with the file name
+    return b'"traceEvents"' in head or head.lstrip()[:1] == b"["
+
+
+def find_trace_files(trace_dir: str | Path) -> list[Path]:
+    """Trace files under ``trace_dir`` (recursive): ``*.json`` / ``*.json.gz``, outside our cache folder and
+    SGLang's ``graph_capture_profile/`` (capture-time traces, not serving steps)."""
+    root = Path(trace_dir)
+    if not root.is_dir():
+        raise TraceFormatError(f"{root}: trace folder does not exist")
+    out = []
+    for p in sorted(root.rglob("*")):
+        rel = p.relative_to(root).parts
+        if not p.is_file() or any(d in rel[:-1] for d in SKIP_DIRS) or p.name.startswith("."):
+            continue
+        if p.name.endswith(TRACE_SUFFIXES):
+            out.append(p)
+    return out
+
+
+def _cached(path: Path, cache: bool, cache_dir: str | Path | None) -> bool:
+    if not cache:
+        return False
+    cpath = cache_path_for(path, Path(cache_dir) if cache_dir else None)
+    return cpath.exists() and _read_cache_stamp_ok(cpath, _stamp(path))
+
+
+def _read_cache_stamp_ok(cpath: Path, stamp: dict[str, str]) -> bool:
+    try:
+        md = pq.read_schema(cpath).metadata or {}
+    except Exception:
+        return False
+    return all(md.get(f"servelab.{k}".encode()) == v.encode() for k, v in stamp.items())
+
+
+def _load_one(path: Path, cache: bool, cache_dir: str | Path | None, node: str) -> RankTrace:
+    """Worker: parse one rank single-process (the pool already uses the CPUs)."""
+    return load_trace(path, cache=cache, cache_dir=cache_dir, node=node, workers=1)
+
+
+def _load_many(todo: list[tuple[Path, str]], cache: bool, cache_dir: str | Path | None, workers: int
+               ) -> list[RankTrace]:
+    need = [p for p, _ in todo if not _cached(p, cache, cache_dir)]
+    big = sum(_json_size_hint(p) for p in need) >= PARALLEL_MIN_BYTES
+    if workers > 1 and len(need) > 1 and big:
+        ex = _spawn_pool(min(workers, len(todo)))
+        if ex is not None:
+            try:
+                with ex:
+                    futs = [ex.submit(_load_one, p, cache, cache_dir, node) for p, node in todo]
+                    return [f.result() for f in futs]
+            except TraceFormatError:
+                raise
+            except Exception:  # a worker died (e.g. out of memory): load one by one below
+                pass
+    return [load_trace(p, cache=cache, cache_dir=cache_dir, node=node, workers=workers) for p, node in todo]
+
+
+@dataclass
+class Capture:
+    """All rank traces of one capture plus the frontend traces that were set aside."""
+    trace_dir: Path
+    ranks: list[RankTrace]
+    frontend: list[RankIdentity] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+    def identities(self) -> pl.DataFrame:
+        """One row per rank: identity, events, kernels, load time and whether it came from the cache."""
+        rows = []
+        for t in self.ranks:
+            d = asdict(t.identity)
+            d["file"] = Path(d["file"]).name
+            ev = t.events
+            d.update(events=ev.height, kernels=int((ev["cat"] == "kernel").sum()),
+                     gpu=", ".join(sorted({str(p.get("name")) for p in t.meta.get("deviceProperties") or []
+                                          if isinstance(p, dict)})) or None,
+                     load_s=round(t.load_s, 3), from_cache=t.from_cache)
+            rows.append(d)
+        for f in self.frontend:
+            d = asdict(f)
+            d["file"] = Path(d["file"]).name
+            rows.append(d)
+        return pl.DataFrame(rows, infer_schema_length=None)
+
+
+def load_capture(trace_dir: str | Path, *, profile_id: str | None = None, cache: bool = True,
+                 cache_dir: str | Path | None = None, nodes: dict[str, str] | None = None,
+                 workers: int | None = None) -> Capture:
+    """Load every rank trace of a capture folder (SGLang per-rank files or vLLM ``rank*.pt.trace.json.gz``).
+
+    Frontend traces (vLLM ``async_llm``) are listed but not loaded as ranks. A folder holding several
+    SGLang captures needs ``profile_id``. Node: ``nodes[<sub-folder>]`` or the sub-folder name when
+    traces sit in per-node sub-folders, else ``node0``. Ranks are sorted by global rank.
+    When several ranks must be parsed (no cache hit) and together hold ≥ ``PARALLEL_MIN_BYTES`` of JSON,
+    they are parsed by ``workers`` processes, one rank each (default: usable CPUs, ≤ 8).
+    """
+    root = Path(trace_dir)
+    files = find_trace_files(root)
+    if not files:
+        raise TraceFormatError(f"{root}: no *.json / *.json.gz trace files in this folder")
+    idents = {p: identity_from_name(p) for p in files}
+    ids = sorted({i.profile_id for i in idents.values() if i.engine == "sglang" and i.profile_id})
+    if profile_id is None and len(ids) > 1:
+        raise TraceFormatError(f"{root}: holds {len(ids)} SGLang captures ({', '.join(ids)}); "
+                               f"pass profile_id= to choose one")
+    frontend, skipped, todo = [], [], []
+    merged = [p for p in files if p.name.startswith("merged-")]
+    if merged and len(merged) == len(files):
+        raise TraceFormatError(f"{root}: only SGLang merged traces ({', '.join(p.name for p in merged)}); they hold "
+                               "every rank in one file without clock alignment — analyse the per-rank "
+                               "*-TP-<n>*.trace.json.gz files instead")
+    for p in files:
+        ident = idents[p]
+        if p in merged or (profile_id is not None and ident.profile_id != profile_id) or not looks_like_trace(p):
+            skipped.append(p.name)
+            continue
+        rel = p.parent.relative_to(root)
+        node = str(rel) if str(rel) != "." else "node0"
+        if nodes:
+            node = nodes.get(node, nodes.get(p.name, node))
+        if ident.role == "frontend":
+            ident.node = node
+            frontend.append(ident)
+            continue
+        todo.append((p, node))
+    ranks = _load_many(todo, cache, cache_dir, default_workers() if workers is None else max(1, int(workers)))
+    if not ranks:
+        raise TraceFormatError(f"{root}: no rank traces found (frontend traces: "
+                               f"{', '.join(Path(f.file).name for f in frontend) or 'none'}; set aside: "
+                               f"{', '.join(skipped) or 'none'})")
+    for i, t in enumerate(sorted(ranks, key=lambda t: str(t.path))):
+        if t.identity.rank is None:
+            t.identity.rank = t.identity.tp if t.identity.tp is not None else i
+            t.identity.source = t.identity.source or "file order"
+    seen: dict[tuple, str] = {}
+    for t in ranks:
+        key = (t.identity.rank, t.identity.stage, t.identity.dp, t.identity.pp)
+        if key in seen:
+            raise TraceFormatError(f"{root}: {t.path.name} and {seen[key]} both claim rank {t.identity.rank}; "
+                                   f"the folder mixes captures — pass profile_id= or split the folder")
+        seen[key] = t.path.name
+    ranks.sort(key=lambda t: (t.identity.stage or "", t.rank))
+    return Capture(trace_dir=root, ranks=ranks, frontend=frontend, skipped=skipped)

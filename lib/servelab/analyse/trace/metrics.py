@@ -1,0 +1,389 @@
+"""Per-rank timeline metrics: busy union, kernel breakdown, top kernels, exposed communication, idle gaps
+(host-bound vs other) and CUDA-graph coverage — per step window and per window kind.
+
+Definitions (all times from the GPU op intervals of one device, int64 ns):
+
+- busy: length of the union of GPU op intervals (kernels + memcpy + memset) inside the window's GPU span.
+- compute: kernels whose class is not ``communication``; comm: ops of class ``communication``.
+- exposed comm: comm time (union) not covered by any compute kernel on the same device — time on the
+  critical path spent only communicating. overlap % = 1 − exposed / comm.
+- gap: a hole between consecutive busy intervals. ``host_bound`` when the op that ends the gap was not yet
+  submitted when the GPU went idle (its launch call started after the gap began, or a direct launch was
+  still in progress); ``other`` when it had been submitted earlier (stream/event dependency, peer wait);
+  ``unknown`` when the op has no matching runtime call in the trace.
+- CUDA-graph coverage: share of ops (and of op time) launched by ``cudaGraphLaunch``/``hipGraphLaunch``.
+"""
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+
+from servelab.analyse.trace import intervals as iv
+from servelab.analyse.trace.ops import SYNC_REGEX, RankOps
+from servelab.analyse.trace.taxonomy import short_name
+
+KIND_ORDER = ("prefill", "decode", "mixed", "draft", "other", "all")
+
+
+def window_metrics(rops: RankOps, gaps: pl.DataFrame | None = None) -> pl.DataFrame:
+    """One row per (window, device): GPU span, busy, comm, exposed comm, idle, host-bound idle, graph share.
+
+    Columns (ms unless named otherwise): rank, device, window, name, kind, bs, toks, gpu_span_ms, busy_ms,
+    busy_pct, compute_ms (union), comm_ms (union), exposed_comm_ms, overlap_pct, idle_ms, host_bound_idle_ms,
+    other_idle_ms, gaps, ops, graph_ops, graph_op_pct, cpu_span_ms, launch_to_gpu_ms.
+    ``gaps``: the rank's :func:`gap_intervals` (all gaps, no minimum) when already computed.
+    """
+    ops = rops.ops
+    rows = []
+    for dev, dops in ops.filter(pl.col("window").is_not_null()).group_by("device", maintain_order=True):
+        device = dev[0]
+        all_ops = ops.filter(pl.col("device") == device)
+        s_all, e_all = iv.union(all_ops["ts_ns"].to_numpy(), all_ops["end_ns"].to_numpy())
+        comp = all_ops.filter((pl.col("cat") == "kernel") & (pl.col("cls") != "communication"))
+        s_cmp, e_cmp = iv.union(comp["ts_ns"].to_numpy(), comp["end_ns"].to_numpy())
+        spans = (dops.group_by("window").agg(
+            pl.col("ts_ns").min().alias("g0"), pl.col("end_ns").max().alias("g1"), pl.len().alias("ops"),
+            pl.col("graph").sum().alias("graph_ops")).sort("window"))
+        w = spans["window"].to_numpy()
+        g0, g1 = spans["g0"].to_numpy(), spans["g1"].to_numpy()
+        busy = iv.covered_in(s_all, e_all, g0, g1)
+        compute = iv.covered_in(s_cmp, e_cmp, g0, g1)
+        comm_ops = dops.filter(pl.col("cls") == "communication")
+        cg, cs, ce = iv.union_grouped(comm_ops["window"].to_numpy(), comm_ops["ts_ns"].to_numpy(),
+                                      comm_ops["end_ns"].to_numpy())
+        pos = np.searchsorted(w, cg)
+        comm = np.bincount(pos, weights=(ce - cs), minlength=w.size) if cg.size else np.zeros(w.size)
+        exposed_seg = (ce - cs) - iv.covered_in(s_cmp, e_cmp, cs, ce)
+        exposed = np.bincount(pos, weights=exposed_seg, minlength=w.size) if cg.size else np.zeros(w.size)
+        dgaps = gap_intervals(rops, device=device) if gaps is None else gaps.filter(pl.col("device") == device)
+        inside = dgaps.filter(pl.col("window").is_not_null()).group_by("window").agg(
+            pl.col("gap_ns").sum().alias("idle_ns"),
+            pl.col("gap_ns").filter(pl.col("category") == "host_bound").sum().alias("host_ns"),
+            pl.len().alias("gaps"))
+        frame = pl.DataFrame({
+            "rank": np.full(w.size, rops.rank), "device": np.full(w.size, device), "window": w,
+            "busy_ns": busy, "compute_ns": compute, "comm_ns": comm.astype(np.int64),
+            "exposed_ns": exposed.astype(np.int64), "ops": spans["ops"].to_numpy(),
+            "graph_ops": spans["graph_ops"].to_numpy(), "span_ns": g1 - g0})
+        frame = frame.join(inside, on="window", how="left").with_columns(
+            pl.col("idle_ns").fill_null(0), pl.col("host_ns").fill_null(0), pl.col("gaps").fill_null(0))
+        rows.append(frame)
+    if not rows:
+        return pl.DataFrame()
+    df = pl.concat(rows, how="vertical_relaxed")
+    meta = rops.windows.select("window", "name", "kind", "bs", "toks", "cpu_span_ms", "launch_to_gpu_ms")
+    return (df.join(meta, on="window", how="left")
+            .with_columns(
+                (pl.col("span_ns") / 1e6).alias("gpu_span_ms"),
+                (pl.col("busy_ns") / 1e6).alias("busy_ms"),
+                (100 * pl.col("busy_ns") / pl.col("span_ns")).alias("busy_pct"),
+                (pl.col("compute_ns") / 1e6).alias("compute_ms"),
+                (pl.col("comm_ns") / 1e6).alias("comm_ms"),
+                (pl.col("exposed_ns") / 1e6).alias("exposed_comm_ms"),
+                pl.when(pl.col("comm_ns") > 0).then(100 * (1 - pl.col("exposed_ns") / pl.col("comm_ns")))
+                .alias("overlap_pct"),
+                (pl.col("idle_ns") / 1e6).alias("idle_ms"),
+                (pl.col("host_ns") / 1e6).alias("host_bound_idle_ms"),
+                ((pl.col("idle_ns") - pl.col("host_ns")) / 1e6).alias("other_idle_ms"),
+                (100 * pl.col("graph_ops") / pl.col("ops")).alias("graph_op_pct"))
+            .select("rank", "device", "window", "name", "kind", "bs", "toks", "gpu_span_ms", "busy_ms", "busy_pct",
+                    "compute_ms", "comm_ms", "exposed_comm_ms", "overlap_pct", "idle_ms", "host_bound_idle_ms",
+                    "other_idle_ms", "gaps", "ops", "graph_ops", "graph_op_pct", "cpu_span_ms", "launch_to_gpu_ms")
+            .sort("rank", "window"))
+
+
+def gap_intervals(rops: RankOps, device: int | None = None, min_gap_ns: int = 0) -> pl.DataFrame:
+    """Every idle hole between busy intervals of a device, classified.
+
+    Columns: rank, device, gap_start_ns, gap_end_ns, gap_ns, category (host_bound | other | unknown),
+    next_op (name of the op that ends the gap), launcher, after_sync (a synchronising runtime call ended
+    inside the gap), window (when the gap lies inside one window's GPU span, else null), position
+    (``in_step`` | ``between_steps`` | ``outside``).
+    """
+    ops = rops.ops if device is None else rops.ops.filter(pl.col("device") == device)
+    out = []
+    for dev, dops in ops.group_by("device", maintain_order=True):
+        dops = dops.sort("ts_ns")
+        ts = dops["ts_ns"].to_numpy()
+        s, e = iv.union(ts, dops["end_ns"].to_numpy())
+        gs, ge = iv.gaps(s, e)
+        keep = (ge - gs) > min_gap_ns
+        gs, ge = gs[keep], ge[keep]
+        nxt = np.searchsorted(ts, ge, side="left")
+        nxt = np.minimum(nxt, max(ts.size - 1, 0))
+        launch_ts = dops["launch_ts_ns"].to_numpy()[nxt] if ts.size else np.array([])
+        launch_end = dops["launch_end_ns"].to_numpy()[nxt] if ts.size else np.array([])
+        graph = dops["graph"].to_numpy()[nxt] if ts.size else np.array([], dtype=bool)
+        launch_ts = np.asarray(launch_ts, dtype=np.float64)   # nulls → nan
+        launch_end = np.asarray(launch_end, dtype=np.float64)
+        unknown = np.isnan(launch_ts)
+        host = (~unknown) & ((launch_ts > gs) | ((~graph) & (launch_end > gs)))
+        cat = np.where(unknown, "unknown", np.where(host, "host_bound", "other"))
+        sync = rops.runtime.filter(pl.col("name").str.contains(SYNC_REGEX))["end_ns"].sort().to_numpy()
+        after_sync = (np.searchsorted(sync, ge, side="left") - np.searchsorted(sync, gs, side="right")) > 0 \
+            if sync.size else np.zeros(gs.size, dtype=bool)
+        nxt_ops = dops.select(pl.col("name").alias("next_op"), "launcher")[nxt] if ts.size else \
+            pl.DataFrame(schema={"next_op": pl.String, "launcher": pl.String})
+        frame = pl.DataFrame({
+            "rank": np.full(gs.size, rops.rank, dtype=np.int64), "device": np.full(gs.size, dev[0], dtype=np.int64),
+            "gap_start_ns": gs, "gap_end_ns": ge, "gap_ns": ge - gs, "category": cat}).hstack(nxt_ops) \
+            .with_columns(pl.Series("after_sync", after_sync))
+        out.append(_place_gaps(frame, rops.windows))
+    if not out:
+        return pl.DataFrame(schema={"rank": pl.Int64, "device": pl.Int64, "gap_start_ns": pl.Int64,
+                                    "gap_end_ns": pl.Int64, "gap_ns": pl.Int64, "category": pl.String,
+                                    "next_op": pl.String, "launcher": pl.String, "after_sync": pl.Boolean,
+                                    "window": pl.Int64, "kind": pl.String, "position": pl.String})
+    return pl.concat(out, how="vertical_relaxed")
+
+
+def _place_gaps(gaps: pl.DataFrame, windows: pl.DataFrame) -> pl.DataFrame:
+    w = (windows.filter(pl.col("gpu_start_ns").is_not_null())
+         .select("window", "kind", "gpu_start_ns", "gpu_end_ns").sort("gpu_start_ns"))
+    if w.height == 0 or gaps.height == 0:
+        return gaps.with_columns(pl.lit(None, dtype=pl.Int64).alias("window"), pl.lit(None, dtype=pl.String)
+                                 .alias("kind"), pl.lit("outside").alias("position"))
+    j = (gaps.sort("gap_start_ns")
+         .join_asof(w, left_on="gap_start_ns", right_on="gpu_start_ns", strategy="backward"))
+    first, last = int(w["gpu_start_ns"].min()), int(w["gpu_end_ns"].max())
+    return (j.with_columns(
+        (pl.col("gap_end_ns") <= pl.col("gpu_end_ns")).fill_null(False).alias("_in"))
+        .with_columns(
+            pl.when(pl.col("_in")).then(pl.col("window")).alias("window"),
+            pl.when(pl.col("_in")).then(pl.col("kind")).alias("kind"),
+            pl.when(pl.col("_in")).then(pl.lit("in_step"))
+            .when((pl.col("gap_start_ns") >= first) & (pl.col("gap_end_ns") <= last)).then(pl.lit("between_steps"))
+            .otherwise(pl.lit("outside")).alias("position"))
+        .drop("_in", "gpu_start_ns", "gpu_end_ns"))
+
+
+def summarise_windows(wm: pl.DataFrame) -> pl.DataFrame:
+    """Window metrics aggregated per (rank, kind): sums of ms and the derived percentages."""
+    if wm.height == 0:
+        return wm
+    g = (wm.group_by("rank", "kind")
+         .agg(pl.len().alias("windows"), pl.col("gpu_span_ms").sum(), pl.col("busy_ms").sum(),
+              pl.col("compute_ms").sum(), pl.col("comm_ms").sum(), pl.col("exposed_comm_ms").sum(),
+              pl.col("idle_ms").sum(), pl.col("host_bound_idle_ms").sum(), pl.col("other_idle_ms").sum(),
+              pl.col("gaps").sum(), pl.col("ops").sum(), pl.col("graph_ops").sum(),
+              pl.col("gpu_span_ms").median().alias("median_step_ms")))
+    return (g.with_columns(
+        (100 * pl.col("busy_ms") / pl.col("gpu_span_ms")).alias("busy_pct"),
+        (100 * pl.col("comm_ms") / pl.col("gpu_span_ms")).alias("comm_pct"),
+        (100 * pl.col("exposed_comm_ms") / pl.col("gpu_span_ms")).alias("exposed_comm_pct"),
+        pl.when(pl.col("comm_ms") > 0).then(100 * (1 - pl.col("exposed_comm_ms") / pl.col("comm_ms")))
+        .alias("overlap_pct"),
+        (100 * pl.col("host_bound_idle_ms") / pl.col("gpu_span_ms")).alias("host_bound_idle_pct"),
+        (100 * pl.col("graph_ops") / pl.col("ops")).alias("graph_op_pct"))
+        .with_columns(pl.col("kind").replace_strict({k: i for i, k in enumerate(KIND_ORDER)}, default=99)
+                      .alias("_o"))
+        .sort("rank", "_o").drop("_o"))
+
+
+def kernel_breakdown(rops: list[RankOps]) -> pl.DataFrame:
+    """GPU op time per (window kind, class), summed over ranks: total_ms, ops, share_pct of the kind's op time."""
+    ops = pl.concat([r.ops.select("rank", "kind", "cls", "dur_ns") for r in rops], how="vertical_relaxed")
+    ops = ops.with_columns(pl.col("kind").fill_null("outside steps"))
+    g = ops.group_by("kind", "cls").agg((pl.col("dur_ns").sum() / 1e6).alias("total_ms"), pl.len().alias("ops"))
+    return (g.with_columns((100 * pl.col("total_ms") / pl.col("total_ms").sum().over("kind")).alias("share_pct"))
+            .with_columns(pl.col("kind").replace_strict({k: i for i, k in enumerate(KIND_ORDER)}, default=99)
+                          .alias("_o"))
+            .sort("_o", "total_ms", descending=[False, True]).drop("_o"))
+
+
+def top_kernels(rops: list[RankOps], top_n: int = 10, by_kind: bool = True) -> pl.DataFrame:
+    """The ``top_n`` GPU ops by total time (summed over ranks) per window kind.
+
+    Columns: kind, rank_in_kind, kernel (short name), cls, subclass, count, total_ms, avg_us, share_pct
+    (of the kind's GPU op time), ranks (how many ranks ran it), name (full)."""
+    ops = pl.concat([r.ops.select("rank", "kind", "name", "cls", "subclass", "dur_ns") for r in rops],
+                    how="vertical_relaxed").with_columns(pl.col("kind").fill_null("outside steps"))
+    keys = ["kind", "name"] if by_kind else ["name"]
+    g = (ops.group_by(*keys).agg(pl.col("cls").first(), pl.col("subclass").first(), pl.len().alias("count"),
+                                 (pl.col("dur_ns").sum() / 1e6).alias("total_ms"),
+                                 (pl.col("dur_ns").mean() / 1e3).alias("avg_us"),
+                                 pl.col("rank").n_unique().alias("ranks")))
+    part = "kind" if by_kind else None
+    if part:
+        g = g.with_columns((100 * pl.col("total_ms") / pl.col("total_ms").sum().over(part)).alias("share_pct"),
+                           pl.col("total_ms").rank("ordinal", descending=True).over(part).alias("rank_in_kind"))
+    else:
+        g = g.with_columns((100 * pl.col("total_ms") / pl.col("total_ms").sum()).alias("share_pct"),
+                           pl.col("total_ms").rank("ordinal", descending=True).alias("rank_in_kind"),
+                           pl.lit("all").alias("kind"))
+    g = g.filter(pl.col("rank_in_kind") <= top_n)
+    g = g.with_columns(pl.col("name").map_elements(short_name, return_dtype=pl.String).alias("kernel"))
+    return (g.with_columns(pl.col("kind").replace_strict({k: i for i, k in enumerate(KIND_ORDER)}, default=99)
+                           .alias("_o"))
+            .sort("_o", "rank_in_kind").drop("_o")
+            .select("kind", "rank_in_kind", "kernel", "cls", "subclass", "count", "total_ms", "avg_us", "share_pct",
+                    "ranks", "name"))
+
+
+def device_busy(rops: RankOps, cats: tuple[str, ...] = ("kernel", "gpu_memcpy", "gpu_memset")) -> pl.DataFrame:
+    """Per device of a rank: ops, busy_ms (union of op intervals of ``cats``), window_ms (first start → last
+    end), busy_pct, streams."""
+    ops = rops.ops.filter(pl.col("cat").is_in(list(cats)))
+    rows = []
+    for dev, d in ops.group_by("device", maintain_order=True):
+        s, e = iv.union(d["ts_ns"].to_numpy(), d["end_ns"].to_numpy())
+        span = int(d["end_ns"].max() - d["ts_ns"].min())
+        rows.append({"rank": rops.rank, "device": dev[0], "ops": d.height, "busy_ms": iv.total(s, e) / 1e6,
+                     "window_ms": span / 1e6, "busy_pct": 100 * iv.total(s, e) / span if span else None,
+                     "streams": d["stream"].n_unique()})
+    return pl.DataFrame(rows)
+
+
+def gap_summary(gaps: pl.DataFrame) -> pl.DataFrame:
+    """Gaps per (rank, position, kind, category): count, total_ms, p50/p95/max gap in µs (nearest-rank
+    quantiles), and how many followed a synchronising call."""
+    if gaps.height == 0:
+        return gaps
+    return (gaps.with_columns(pl.col("kind").fill_null("-"))
+            .group_by("rank", "position", "kind", "category")
+            .agg(pl.len().alias("gaps"), (pl.col("gap_ns").sum() / 1e6).alias("total_ms"),
+                 (pl.col("gap_ns").quantile(0.5, "nearest") / 1e3).alias("p50_us"),
+                 (pl.col("gap_ns").quantile(0.95, "nearest") / 1e3).alias("p95_us"),
+                 (pl.col("gap_ns").max() / 1e3).alias("max_us"),
+                 pl.col("after_sync").sum().alias("after_sync"))
+            .sort("rank", "position", "kind", "total_ms", descending=[False, False, False, True]))
+
+
+def graph_coverage(rops: list[RankOps]) -> pl.DataFrame:
+    """CUDA-graph coverage per (kind, bs): windows, windows_graphed (≥ 90 % of their ops from a graph
+    launch), ops, graph_op_pct, graph_time_pct (of op time), launchers seen."""
+    parts = []
+    for r in rops:
+        o = r.ops.filter(pl.col("window").is_not_null())
+        per_w = o.group_by("window").agg(pl.len().alias("ops"), pl.col("graph").sum().alias("graph_ops"),
+                                         pl.col("dur_ns").sum().alias("ns"),
+                                         pl.col("dur_ns").filter(pl.col("graph")).sum().alias("graph_ns"),
+                                         pl.col("launcher").drop_nulls().unique().sort().str.join(", ")
+                                         .alias("launchers"))
+        parts.append(per_w.join(r.windows.select("window", "kind", "bs"), on="window", how="left")
+                     .with_columns(pl.lit(r.rank).alias("rank")))
+    if not parts:
+        return pl.DataFrame()
+    w = pl.concat(parts, how="vertical_relaxed")
+    g = (w.group_by("kind", "bs")
+         .agg(pl.len().alias("windows"),
+              (pl.col("graph_ops") >= 0.9 * pl.col("ops")).sum().alias("windows_graphed"),
+              pl.col("ops").sum(), pl.col("graph_ops").sum(), pl.col("ns").sum(), pl.col("graph_ns").sum(),
+              pl.col("launchers").str.split(", ").list.explode(keep_nulls=False, empty_as_null=False).unique().sort()
+              .str.join(", ").alias("launchers")))
+    return (g.with_columns((100 * pl.col("graph_ops") / pl.col("ops")).alias("graph_op_pct"),
+                           (100 * pl.col("graph_ns") / pl.col("ns")).alias("graph_time_pct"))
+            .drop("ns", "graph_ns")
+            .with_columns(pl.col("kind").replace_strict({k: i for i, k in enumerate(KIND_ORDER)}, default=99)
+                          .alias("_o"))
+            .sort("_o", "bs").drop("_o"))
+
+
+def launch_stats(rops: list[RankOps]) -> pl.DataFrame:
+    """Launch → start delay (GPU op start − launch call start, µs) per (kind, launch type), for direct
+    launches and graph launches separately; nearest-rank quantiles."""
+    ops = pl.concat([r.ops.filter(pl.col("launch_ts_ns").is_not_null())
+                     .select("kind", "graph", (pl.col("ts_ns") - pl.col("launch_ts_ns")).alias("delay_ns"))
+                     for r in rops], how="vertical_relaxed")
+    if ops.height == 0:
+        return pl.DataFrame()
+    return (ops.with_columns(pl.col("kind").fill_null("outside steps"),
+                             pl.when(pl.col("graph")).then(pl.lit("graph")).otherwise(pl.lit("direct"))
+                             .alias("launch"))
+            .group_by("kind", "launch")
+            .agg(pl.len().alias("ops"), (pl.col("delay_ns").quantile(0.5, "nearest") / 1e3).alias("p50_us"),
+                 (pl.col("delay_ns").quantile(0.95, "nearest") / 1e3).alias("p95_us"),
+                 (pl.col("delay_ns").max() / 1e3).alias("max_us"))
+            .sort("kind", "launch"))
+
+
+def cpu_thread_busy(rops: RankOps) -> pl.DataFrame:
+    """Per CPU thread: union of cpu_op / runtime / python_function intervals over the captured span —
+    how busy the launching thread was (annotations excluded; without python tracing, Python time between
+    ops is not seen, so this is a lower bound)."""
+    ev = rops.trace.events.filter(pl.col("cat").is_in(["cpu_op", "cuda_runtime", "cuda_driver", "python_function"])
+                                  & pl.col("dur_ns").is_not_null() & pl.col("tid").is_not_null())
+    ops = rops.ops
+    if ev.height == 0 or ops.height == 0:
+        return pl.DataFrame()
+    t0, t1 = int(ops["ts_ns"].min()), int(ops["end_ns"].max())
+    rows = []
+    for (pid, tid), d in ev.group_by("pid", "tid", maintain_order=True):
+        s, e = iv.union(d["ts_ns"].to_numpy(), (d["ts_ns"] + d["dur_ns"]).to_numpy())
+        busy = int(iv.covered_in(s, e, np.array([t0]), np.array([t1]))[0])
+        rows.append({"rank": rops.rank, "pid": pid, "tid": tid, "events": d.height, "busy_ms": busy / 1e6,
+                     "span_ms": (t1 - t0) / 1e6, "busy_pct": 100 * busy / (t1 - t0) if t1 > t0 else None})
+    return pl.DataFrame(rows).sort("busy_ms", descending=True)
+
+
+def decode_interference(rops: RankOps) -> pl.DataFrame:
+    """How long each decode-carrying step waited on the GPU, and how much prefill work ran before it.
+
+    Steps (windows) are taken in GPU order. For every decode or mixed step: ``interval_ms`` = its GPU end −
+    the previous decode-carrying step's GPU end (the token interval as the GPU delivers it);
+    ``prefill_between_ms`` = GPU time of prefill-phase windows in between (their op time); ``baseline_ms`` =
+    median interval of decode steps with no prefill in between; ``delay_ms`` = interval − baseline;
+    ``queued_ms`` = GPU start − CPU start of the step (how long its launches waited behind earlier work);
+    ``prefill_span_ms`` = GPU wall time of those prefill windows (first op start → last op end, summed).
+    """
+    w = (rops.windows.filter(pl.col("gpu_start_ns").is_not_null()).sort("gpu_start_ns")
+         .select("window", "name", "kind", "phase", "cpu_start_ns", "gpu_start_ns", "gpu_end_ns", "gpu_op_ns"))
+    if w.height == 0 or "phase" not in w.columns:
+        return pl.DataFrame()
+    rows = []
+    prev_end = None
+    prefill_ns, prefill_span, prefill_names = 0, 0, []
+    for r in w.iter_rows(named=True):
+        if r["phase"] == "prefill":
+            prefill_ns += r["gpu_op_ns"] or 0
+            prefill_span += r["gpu_end_ns"] - r["gpu_start_ns"]
+            prefill_names.append(r["name"])
+            continue
+        if r["phase"] not in ("decode", "mixed"):
+            continue
+        if prev_end is not None:
+            rows.append({"rank": rops.rank, "window": r["window"], "name": r["name"], "phase": r["phase"],
+                         "interval_ms": (r["gpu_end_ns"] - prev_end) / 1e6,
+                         "step_ms": (r["gpu_end_ns"] - r["gpu_start_ns"]) / 1e6,
+                         "queued_ms": (r["gpu_start_ns"] - r["cpu_start_ns"]) / 1e6,
+                         "prefill_between_ms": prefill_ns / 1e6, "prefill_span_ms": prefill_span / 1e6,
+                         "prefill_windows": ", ".join(prefill_names)})
+        prev_end = r["gpu_end_ns"]
+        prefill_ns, prefill_span, prefill_names = 0, 0, []
+    if not rows:
+        return pl.DataFrame()
+    df = pl.DataFrame(rows)
+    clean = df.filter((pl.col("phase") == "decode") & (pl.col("prefill_between_ms") == 0))
+    if clean.height == 0:
+        clean = df.filter(pl.col("prefill_between_ms") == 0)
+    base = float(clean["interval_ms"].median()) if clean.height else None
+    return df.with_columns(pl.lit(base, dtype=pl.Float64).alias("baseline_ms"),
+                           (pl.col("interval_ms") - pl.lit(base, dtype=pl.Float64)).alias("delay_ms"))
+
+
+def comm_by_collective(rops: list[RankOps]) -> pl.DataFrame:
+    """Communication per (rank, window kind, collective): ops, comm_ms (union) and exposed_ms (not covered
+    by compute on the same GPU). Separates TP collectives (AllReduce, AllGather, ...) from PP SendRecv, whose
+    kernel time includes waiting for the other stage."""
+    from servelab.analyse.trace.nccl import parse_comm_name
+    rows = []
+    for r in rops:
+        comm = r.ops.filter(pl.col("cls") == "communication")
+        if comm.height == 0:
+            continue
+        coll = {n: (parse_comm_name(n)["collective"] or "other") for n in comm["name"].unique().to_list()}
+        comm = comm.with_columns(pl.col("name").replace_strict(coll, return_dtype=pl.String).alias("collective"),
+                                 pl.col("kind").fill_null("outside steps"))
+        for dev, d in comm.group_by("device", maintain_order=True):
+            dev_ops = r.ops.filter((pl.col("device") == dev[0]) & (pl.col("cat") == "kernel")
+                                   & (pl.col("cls") != "communication"))
+            cs, ce = iv.union(dev_ops["ts_ns"].to_numpy(), dev_ops["end_ns"].to_numpy())
+            for (kind, c), g in d.group_by("kind", "collective", maintain_order=True):
+                s, e = iv.union(g["ts_ns"].to_numpy(), g["end_ns"].to_numpy())
+                total = iv.total(s, e)
+                exposed = total - int(iv.covered_in(cs, ce, s, e).sum())
+                rows.append({"rank": r.rank, "kind": kind, "collective": c, "ops": g.height, "comm_ms": total / 1e6,
+                             "exposed_ms": exposed / 1e6})
+    return pl.DataFrame(rows) if rows else pl.DataFrame(schema={"rank": pl.Int64, "kind": pl.String,
+                                                                "collective": pl.String, "ops": pl.Int64,
+                                                                "comm_ms": pl.Float64, "exposed_ms": pl.Float64})

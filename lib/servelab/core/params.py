@@ -1,0 +1,147 @@
+"""Parameters: targets (where to run) and phase parameters (what to run), validated before anything starts.
+
+A phase's parameters are the typed literals of its notebook's ``parameters`` cell (papermill's own
+contract), layered as: notebook defaults < ``params/<phase>.yaml`` < ``-p key=value`` overrides.
+A target is a YAML file under ``params/targets/``. Unknown keys are errors that name the closest key.
+"""
+from __future__ import annotations
+
+import ast
+import difflib
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from servelab.core.paths import project_root
+
+
+class ParamError(ValueError):
+    """A parameter or target file is invalid; raised before any side effect."""
+
+
+def did_you_mean(name: str, known: list[str] | set[str]) -> str:
+    close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.5)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def reject_unknown(given: dict, known: set[str], where: str) -> None:
+    for key in given:
+        if key not in known:
+            raise ParamError(f"unknown key '{key}' in {where}{did_you_mean(key, known)}; "
+                             f"known keys: {', '.join(sorted(known))}")
+
+
+# ---------------------------------------------------------------- phase parameters
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    type_name: str      # str | int | float | bool | list | dict
+    default: Any
+    help: str = ""
+
+
+def notebook_param_specs(notebook: Path) -> dict[str, ParamSpec]:
+    """The names, types, defaults and help of a notebook's ``parameters`` cell.
+
+    Reads the cell's source with ``ast``: each ``name: type = literal  # help`` line is one parameter.
+    """
+    nb = json.loads(Path(notebook).read_text())
+    cells = [c for c in nb["cells"] if "parameters" in c.get("metadata", {}).get("tags", [])]
+    if not cells:
+        raise ParamError(f"{notebook}: no cell tagged 'parameters'")
+    src = "".join(cells[0]["source"])
+    lines = src.splitlines()
+    for i, line in enumerate(lines, 1):
+        if line.count("=") > 1:   # papermill's own parser skips such a line: the parameter would be invisible
+            raise ParamError(f"{notebook}: parameters cell line {i} has more than one '=' (write the help "
+                             f"comment without '='): {line.strip()}")
+    specs: dict[str, ParamSpec] = {}
+    for stmt in ast.parse(src).body:
+        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+            name, ann, value = stmt.target.id, ast.unparse(stmt.annotation), stmt.value
+        elif isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
+            name, ann, value = stmt.targets[0].id, "", stmt.value
+        else:
+            raise ParamError(f"{notebook}: the parameters cell must hold only `name: type = literal` lines")
+        default = ast.literal_eval(value) if value is not None else None
+        type_name = ann or type(default).__name__
+        line = lines[stmt.lineno - 1]
+        help_text = line.split("#", 1)[1].strip() if "#" in line else ""
+        specs[name] = ParamSpec(name, type_name.split("[")[0], default, help_text)
+    return specs
+
+
+def coerce(spec: ParamSpec, value: Any, where: str) -> Any:
+    """Convert a value (often a string from ``-p k=v``) to the parameter's declared type."""
+    t = spec.type_name
+    try:
+        if t == "bool":
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("1", "true", "yes", "on"):
+                return True
+            if str(value).lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if t == "int":
+            if isinstance(value, bool):
+                raise ValueError(value)
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError(value)
+            return int(value)
+        if t == "float":
+            return float(value)
+        if t == "str":
+            return str(value)
+        if t in ("list", "dict"):
+            if isinstance(value, str):
+                value = yaml.safe_load(value)
+            if t == "list" and isinstance(value, (str, int, float)):
+                value = [value]
+            if not isinstance(value, list if t == "list" else dict):
+                raise ValueError(value)
+            return value
+    except (ValueError, TypeError, yaml.YAMLError):
+        raise ParamError(f"{where}: '{spec.name}' must be {t}, got {value!r}") from None
+    return value
+
+
+def parse_overrides(items: list[str]) -> dict[str, str]:
+    """``["tp=16", "trace_dir=/x"]`` → dict; ``key=value`` only."""
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise ParamError(f"-p expects key=value, got '{item}'")
+        k, v = item.split("=", 1)
+        out[k.strip()] = v
+    return out
+
+
+def phase_file(phase: str) -> Path:
+    return project_root() / "params" / f"{phase}.yaml"
+
+
+def resolve_phase_params(notebook: Path, phase: str, overrides: dict[str, Any] | None = None,
+                         given: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Layer notebook defaults < ``params/<phase>.yaml`` < ``given`` (notebook namespace values that
+    differ from the defaults) < ``overrides``; every key validated and typed."""
+    specs = notebook_param_specs(notebook)
+    resolved = {name: s.default for name, s in specs.items()}
+    pf = phase_file(phase)
+    if pf.exists():
+        file_values = yaml.safe_load(pf.read_text()) or {}
+        reject_unknown(file_values, set(specs), str(pf))
+        for k, v in file_values.items():
+            resolved[k] = coerce(specs[k], v, str(pf))
+    for k, v in (given or {}).items():
+        if k in specs and v != specs[k].default:
+            resolved[k] = coerce(specs[k], v, "notebook parameters")
+    if overrides:
+        reject_unknown(overrides, set(specs), f"-p parameters of {phase}")
+        for k, v in overrides.items():
+            resolved[k] = coerce(specs[k], v, "-p")
+    return resolved

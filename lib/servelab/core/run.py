@@ -1,0 +1,239 @@
+"""Runs: ids, the run directory contract, ``manifest.json`` and ``commands.jsonl``.
+
+A run is one investigation (``outputs/<run_id>/``); each phase executed with the same id adds its
+folder. Every command is recorded with one of three labels (the seeds' rule):
+
+- ``executed``  ran in this run (host, cwd, argv, env diff, start/end, exit code, log path);
+- ``reproduce`` an equivalent command a reader can re-run;
+- ``planned``   not executed; rendered as such and never evidence.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from servelab import __version__
+from servelab.core.paths import outputs_root, project_root
+
+SCHEMA_VERSION = 1
+LABELS = ("executed", "reproduce", "planned")
+RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+# ---------------------------------------------------------------- secrets
+
+# a whole word of the name (split on _ - .): HF_TOKEN, api-key, db.password — but not max_tokens or prefill_tokens
+SECRET_NAME_RE = re.compile(r"(?:^|[_\-.])(TOKEN|SECRET|PASSWORD|PASSWD|PASS|API[_\-]?KEY|ACCESS[_\-]?KEY|"
+                            r"PRIVATE[_\-]?KEY|SECRET[_\-]?KEY|CREDENTIALS?|AUTH)(?:$|[_\-.])", re.IGNORECASE)
+SECRET_VALUE_RES = [
+    re.compile(r"hf_[A-Za-z0-9]{20,}"),                 # Hugging Face tokens
+    re.compile(r"sk-[A-Za-z0-9_-]{16,}"),               # OpenAI-style keys
+    re.compile(r"gh[pousr]_[A-Za-z0-9]{20,}"),          # GitHub tokens
+    re.compile(r"AKIA[0-9A-Z]{16}"),                    # AWS access key ids
+    re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----"),
+]
+REDACTED = "***REDACTED***"
+
+
+def is_secret_name(name: str) -> bool:
+    return bool(SECRET_NAME_RE.search(name))
+
+
+def redact_text(text: str) -> str:
+    for rx in SECRET_VALUE_RES:
+        text = rx.sub(REDACTED, text)
+    return text
+
+
+def redact_env(env: dict[str, str]) -> dict[str, str]:
+    return {k: (REDACTED if is_secret_name(k) else redact_text(str(v))) for k, v in env.items()}
+
+
+def redact_argv(argv: list[str]) -> list[str]:
+    """Hide values of ``--api-key X``, ``--token=X``, ``KEY=secret`` style arguments."""
+    out: list[str] = []
+    hide_next = False
+    for a in argv:
+        a = str(a)
+        if hide_next:
+            out.append(REDACTED)
+            hide_next = False
+            continue
+        if a.startswith("-") and is_secret_name(a.lstrip("-").split("=", 1)[0]):
+            if "=" in a:
+                out.append(a.split("=", 1)[0] + "=" + REDACTED)
+            else:
+                out.append(a)
+                hide_next = True
+            continue
+        m = re.match(r"^([A-Za-z_][A-Za-z0-9_]*)=(.*)$", a)
+        if m and is_secret_name(m.group(1)):
+            out.append(f"{m.group(1)}={REDACTED}")
+            continue
+        out.append(redact_text(a))
+    return out
+
+
+def redact(obj: Any) -> Any:
+    """Recursively redact secrets in a JSON-like object (keys that name secrets, values that look like one)."""
+    if isinstance(obj, dict):
+        return {k: (REDACTED if isinstance(k, str) and is_secret_name(k) and isinstance(v, (str, int, float))
+                    else redact(v)) for k, v in obj.items()}
+    if isinstance(obj, list):
+        if obj and all(isinstance(x, str) for x in obj):
+            return redact_argv(obj)
+        return [redact(x) for x in obj]
+    if isinstance(obj, str):
+        return redact_text(obj)
+    return obj
+
+
+# ---------------------------------------------------------------- ids and directories
+
+def now_iso() -> str:
+    return dt.datetime.now(dt.timezone.utc).astimezone().isoformat(timespec="milliseconds")
+
+
+def new_run_id(name: str = "run") -> str:
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-") or "run"
+    return f"{safe}-{dt.datetime.now():%Y%m%d-%H%M%S}"
+
+
+def validate_run_id(run_id: str) -> str:
+    if not RUN_ID_RE.match(run_id):
+        raise ValueError(f"invalid run id '{run_id}': use letters, digits, '.', '_' and '-' (max 128)")
+    return run_id
+
+
+def run_dir(run_id: str) -> Path:
+    return outputs_root() / validate_run_id(run_id)
+
+
+def git_state(root: Path | None = None) -> dict[str, Any]:
+    root = root or project_root()
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip() != ""
+        return {"commit": commit or None, "dirty": dirty if commit else None}
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+
+
+# ---------------------------------------------------------------- manifest
+
+def manifest_path(rdir: Path) -> Path:
+    return rdir / "manifest.json"
+
+
+def read_manifest(rdir: Path) -> dict[str, Any]:
+    p = manifest_path(rdir)
+    return json.loads(p.read_text()) if p.exists() else {}
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str, ensure_ascii=False))
+    os.replace(tmp, path)
+
+
+def init_run(run_id: str, target_name: str) -> Path:
+    """Create (or reopen) a run directory and its manifest header."""
+    rdir = run_dir(run_id)
+    rdir.mkdir(parents=True, exist_ok=True)
+    m = read_manifest(rdir)
+    if not m:
+        m = {
+            "schema_version": SCHEMA_VERSION,
+            "run_id": run_id,
+            "tool": {"name": "servelab", "version": __version__, **git_state()},
+            "python": sys.version.split()[0],
+            "platform": platform.platform(),
+            "created": now_iso(),
+            "target": target_name,
+            "phases": {},
+            "hosts": {},
+            "security": [],
+        }
+        write_json_atomic(manifest_path(rdir), m)
+    return rdir
+
+
+def update_manifest(rdir: Path, **sections: Any) -> dict[str, Any]:
+    """Merge top-level sections into the manifest (dicts merge one level deep); secrets redacted."""
+    m = read_manifest(rdir)
+    for key, value in sections.items():
+        value = redact(value)
+        if isinstance(value, dict) and isinstance(m.get(key), dict):
+            m[key].update(value)
+        elif isinstance(value, list) and isinstance(m.get(key), list):
+            m[key].extend(v for v in value if v not in m[key])
+        else:
+            m[key] = value
+    m["updated"] = now_iso()
+    write_json_atomic(manifest_path(rdir), m)
+    return m
+
+
+# ---------------------------------------------------------------- commands
+
+@dataclass
+class CommandRecord:
+    """One command of a phase, with its label (executed / reproduce / planned)."""
+    label: str
+    argv: list[str]
+    phase: str = ""
+    title: str = ""
+    host: str = "local"
+    cwd: str = ""
+    env: dict[str, str] = field(default_factory=dict)   # only what differs from the inherited environment
+    start: str | None = None
+    end: str | None = None
+    exit_code: int | None = None
+    log: str | None = None
+    note: str = ""
+
+    def shell(self) -> str:
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
+        cmd = shlex.join(self.argv)
+        return f"{env} {cmd}".strip()
+
+
+def record_command(rdir: Path, rec: CommandRecord) -> CommandRecord:
+    """Append a command to ``commands.jsonl`` (secrets redacted); long ones also go to ``*_cmd.txt``."""
+    if rec.label not in LABELS:
+        raise ValueError(f"command label must be one of {LABELS}, not '{rec.label}'")
+    rec.argv = redact_argv([str(a) for a in rec.argv])
+    rec.env = redact_env(rec.env)
+    rdir.mkdir(parents=True, exist_ok=True)
+    with open(rdir / "commands.jsonl", "a") as f:
+        f.write(json.dumps(asdict(rec), ensure_ascii=False) + "\n")
+    text = rec.shell()
+    if len(text) > 160 and rec.title:
+        slug = re.sub(r"[^A-Za-z0-9]+", "_", f"{rec.phase}_{rec.label}_{rec.title}").strip("_").lower()
+        (rdir / "commands").mkdir(exist_ok=True)
+        (rdir / "commands" / f"{slug}_cmd.txt").write_text(text + "\n")
+    return rec
+
+
+def read_commands(rdir: Path, phase: str | None = None) -> list[CommandRecord]:
+    p = rdir / "commands.jsonl"
+    if not p.exists():
+        return []
+    out = []
+    for line in p.read_text().splitlines():
+        if line.strip():
+            rec = CommandRecord(**json.loads(line))
+            if phase is None or rec.phase == phase:
+                out.append(rec)
+    return out

@@ -1,0 +1,500 @@
+"""The Phase 1 quick matrix (P1–P4, D1, D2, M1) and the case runner.
+
+Matrix (seeds 000 §5.1 / 004 §5.1–5.3), scaled by ``target.scale``:
+
+| case | cluster (seeds) | local (2-core CPU, llama.cpp slots) | goal |
+|---|---|---|---|
+| P1 | 1K → 1, C 1 | 64 → 1, C 1 | fixed overhead, minimum TTFT |
+| P2 | 32K → 1, C 1 | 256 → 1, C 1 | mid-length prefill |
+| P3 | 128K → 1, C 1 | 768 → 1, C 1 | long prefill, memory pressure |
+| P4 | 32K → 1, C 4 / 16 | 256 → 1, C 2 / 4 | prefill throughput, chunked prefill |
+| D1 | 1K → 1K, C 1 | 64 → 64, C 1 | single-request TPOT |
+| D2 | 1K → 1K, C 16 / 32 / 64 | 64 → 64, C 4 / 8 / 16 | decode throughput, batching |
+| M1 | decode 1K → 1K C 32 + one 128K → 1 injected 10 s in | decode 64 → 128 C 8 + one 768 → 1 at 2 s | prefill interference |
+
+9 fixed points + M1 (control, treatment, and the injected request): the seeds' "9 + 3". Lengths never exceed
+the serving capacity: an input that does not fit the per-request context (llama.cpp: context / slots) is
+clamped, and the reason is written into the case (seeds: "if 128K is not available, lower it and record why").
+
+Rules (004 §4–§5.3): one warm-up for short prefill and decode points (P1, D1, D2, M1's background), none for
+the long prefill points (P2, P3, P4, the injection); prefix cache flushed after the warm-up (llama.cpp has no
+flush endpoint: every request then sends ``cache_prompt: false``, recorded in ``meta.json``); quick runs send
+one wave (``num_prompts = C``) once, milestones 3 repeats with the CV checked (≤ 3 %); a failed case is recorded
+and the matrix continues; a server that loses health aborts the run (``ENGINE_CRASH``), keeping what was
+measured; resume skips a case only if its ``meta.json`` says success and its ``requests.jsonl`` re-parses;
+cases not executed are listed.
+
+Per case: ``cases/<case_id>/{meta.json, requests.jsonl, summary.json, server/}`` — ``requests.jsonl`` is
+written (and fsynced) before ``summary.json``.
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+import zlib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import pandas as pd
+
+from servelab.measure import request_metrics as mx
+from servelab.measure.client import ClientConfig, ClientRun, RequestRecord, read_records, run_requests, write_records
+from servelab.measure.engine_metrics import Scraper, named_deltas
+from servelab.core.run import now_iso, write_json_atomic
+from servelab.target.server import RunningServer, http_json, is_healthy
+from servelab.measure.workload import build_workload, engine_tokenizer, token_pool
+
+SUCCESS, FAILED, ENGINE_CRASH, OOM = "success", "failed", "ENGINE_CRASH", "OOM"
+LONG_PREFILL = ("P2", "P3", "P4")          # no same-shape warm-up (expensive 32K/128K points)
+
+
+class EngineCrash(RuntimeError):
+    """The engine lost health during or before a case: the run must stop."""
+
+
+@dataclass
+class CaseSpec:
+    """One point of the matrix."""
+    case_id: str                     # P1, P4_c4, D2_c16, M1_control, M1_treatment, S_c17 ...
+    scenario: str                    # P1..P4, D1, D2, M1, search
+    kind: str                        # prefill | decode | mixed
+    input_tokens: int
+    output_tokens: int
+    concurrency: int
+    num_prompts: int
+    warmup: bool
+    purpose: str = ""
+    notes: list[str] = field(default_factory=list)
+    inject_input_tokens: int = 0     # M1 treatment: the long prefill
+    inject_after_s: float = 0.0      # ... sent this long after the measurement window starts
+    min_window_s: float = 0.0        # validity: shortest acceptable window
+
+
+SCALES: dict[str, dict[str, Any]] = {
+    "cluster": {"P1": 1024, "P2": 32768, "P3": 131072, "P4": 32768, "P4_c": (4, 16), "D_in": 1024, "D_out": 1024,
+                "D2_c": (16, 32, 64), "M1_c": 32, "M1_out": 1024, "M1_inject": 131072, "M1_after_s": 10.0,
+                "min_window_s": 5.0},
+    "local": {"P1": 64, "P2": 256, "P3": 768, "P4": 256, "P4_c": (2, 4), "D_in": 64, "D_out": 64,
+              "D2_c": (4, 8, 16), "M1_c": 8, "M1_out": 128, "M1_inject": 768, "M1_after_s": 2.0,
+              "min_window_s": 0.5},
+}
+
+
+def max_request_tokens(target: Any) -> int | None:
+    """Tokens one request may hold (prompt + output): llama.cpp = context / slots, others = context length."""
+    la = target.launch or {}
+    ctx = la.get("context_length")
+    if ctx is None:
+        return None
+    if target.engine == "llamacpp":
+        return int(ctx) // int(la.get("parallel", 8))
+    return int(ctx)
+
+
+def _fit(case: CaseSpec, limit: int | None) -> CaseSpec:
+    for attr in ("input_tokens", "inject_input_tokens"):
+        out = case.output_tokens if attr == "input_tokens" else 1
+        want = getattr(case, attr)
+        if limit is not None and want and want + out > limit:
+            got = limit - out
+            setattr(case, attr, got)
+            case.notes.append(f"{attr} clamped from {want} to {got}: a request may hold {limit} tokens "
+                              f"(prompt + {out} output) on this target")
+    return case
+
+
+def quick_matrix(target: Any, cases: list[str] | None = None) -> list[CaseSpec]:
+    """The fixed quick matrix for ``target`` (scale from ``target.scale``); ``cases`` filters by id or scenario."""
+    scale = getattr(target, "scale", "local")
+    if scale not in SCALES:
+        raise ValueError(f"target.scale must be one of {sorted(SCALES)}, got {scale!r}")
+    s = SCALES[scale]
+    w = s["min_window_s"]
+    out = [CaseSpec("P1", "P1", "prefill", s["P1"], 1, 1, 1, True, "fixed overhead and minimum TTFT"),
+           CaseSpec("P2", "P2", "prefill", s["P2"], 1, 1, 1, False, "mid-length prefill"),
+           CaseSpec("P3", "P3", "prefill", s["P3"], 1, 1, 1, False, "long prefill and memory pressure")]
+    out += [CaseSpec(f"P4_c{c}", "P4", "prefill", s["P4"], 1, c, c, False, "prefill throughput (chunked prefill)",
+                     min_window_s=w) for c in s["P4_c"]]
+    out.append(CaseSpec("D1", "D1", "decode", s["D_in"], s["D_out"], 1, 1, True, "single-request TPOT"))
+    out += [CaseSpec(f"D2_c{c}", "D2", "decode", s["D_in"], s["D_out"], c, c, True, "decode throughput",
+                     min_window_s=w) for c in s["D2_c"]]
+    m1 = dict(input_tokens=s["D_in"], output_tokens=s["M1_out"], concurrency=s["M1_c"], num_prompts=s["M1_c"],
+              warmup=True, min_window_s=w)
+    out.append(CaseSpec("M1_control", "M1", "mixed", purpose="decode background without injection", **m1))
+    out.append(CaseSpec("M1_treatment", "M1", "mixed", purpose="same decode background + one long prefill",
+                        inject_input_tokens=s["M1_inject"], inject_after_s=s["M1_after_s"], **m1))
+    limit = max_request_tokens(target)
+    out = [_fit(c, limit) for c in out]
+    if cases:
+        known = {c.case_id for c in out} | {c.scenario for c in out}
+        for name in cases:
+            if name not in known:
+                from servelab.core.params import ParamError, did_you_mean
+                raise ParamError(f"unknown case '{name}'{did_you_mean(name, known)}; cases: {sorted(known)}")
+        out = [c for c in out if c.case_id in cases or c.scenario in cases]
+    return out
+
+
+# ---------------------------------------------------------------- environment of a run
+
+@dataclass
+class CaseEnv:
+    """What every case of a run shares: the server, where to write, the token pool, SLOs and policies."""
+    srv: RunningServer
+    run_dir: Path
+    pool: list[int]
+    repeats: int = 1
+    seed: int = 0
+    slo: mx.SLO = field(default_factory=mx.SLO)
+    api: str = "completions"
+    timeout_s: float = 600.0
+    scrape_interval_s: float = 0.5
+    max_cv_pct: float = 3.0
+    progress: bool = False
+    profiler_attached: bool = False
+    log_offsets: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def engine(self) -> Any:
+        return self.srv.engine
+
+    def client_config(self, case_id: str) -> ClientConfig:
+        extra: dict[str, Any] = {}
+        if self.engine.flush_cache_path is None and self.srv.target.engine == "llamacpp":
+            extra["cache_prompt"] = False
+        return ClientConfig(self.srv.base_url, self.srv.target.served_model_name or "default",
+                            engine=self.srv.target.engine, api=self.api, extra_body=extra, timeout_s=self.timeout_s,
+                            request_id_prefix=f"{self.run_dir.name}-{case_id}", progress=self.progress)
+
+
+def make_env(srv: RunningServer, run_dir: Path, **kw: Any) -> CaseEnv:
+    """A ``CaseEnv`` with the token pool taken from the engine's own tokenizer."""
+    tok = engine_tokenizer(srv.base_url, srv.target.engine, srv.engine.tokenize_path)
+    return CaseEnv(srv=srv, run_dir=Path(run_dir), pool=token_pool(tok, seed=kw.get("seed", 0)), **kw)
+
+
+def case_seed(base: int, case_id: str, repeat: int) -> int:
+    return (base * 1_000_003 + zlib.crc32(case_id.encode()) + 7919 * repeat) % (2**32)
+
+
+# ---------------------------------------------------------------- server side: flush, log, health
+
+def flush_cache(env: CaseEnv, timeout_s: float = 60.0) -> dict[str, Any]:
+    """Flush the prefix cache the engine's way; say exactly what was done (never silently nothing)."""
+    path = env.engine.flush_cache_path
+    if path is None:
+        return {"method": "cache_prompt=false on every request", "flushed": False,
+                "reason": f"{env.srv.target.engine} has no cache flush endpoint; its per-slot prompt cache is "
+                          "bypassed per request instead"}
+    deadline = time.monotonic() + timeout_s
+    status, body = 0, None
+    while time.monotonic() < deadline:
+        status, body = http_json(env.srv.base_url + path, {}, timeout=timeout_s)
+        if status == 200:
+            return {"method": f"POST {path}", "flushed": True, "status": status}
+        if status != 400:          # SGLang answers 400 while requests are still running: wait for idle
+            break
+        time.sleep(0.5)
+    return {"method": f"POST {path}", "flushed": False, "status": status, "reason": str(body)[:300]}
+
+
+def head_log(env: CaseEnv) -> tuple[str, str]:
+    head = env.srv.target.head.name
+    return head, env.srv.log_paths.get(head, "")
+
+
+def read_log_since(env: CaseEnv, offset: int) -> tuple[str, int]:
+    """The head engine log from byte ``offset``; returns (text, new offset). Empty if unreadable."""
+    head, path = head_log(env)
+    if not path:
+        return "", offset
+    try:
+        data = env.srv.hosts[head].read_file(path)
+    except Exception:
+        return "", offset
+    return data[offset:].decode(errors="replace"), len(data)
+
+
+def log_events(text: str, markers: dict[str, str], keys: tuple[str, ...] = ("oom", "crash")) -> dict[str, list[str]]:
+    """Lines of ``text`` that match the adapter's log markers (``oom``, ``crash`` ...), at most 20 per key."""
+    out: dict[str, list[str]] = {}
+    for k in keys:
+        rx = markers.get(k)
+        if not rx:
+            continue
+        pat = re.compile(rx)
+        hits = [ln for ln in text.splitlines() if pat.search(ln)]
+        if hits:
+            out[k] = hits[:20]
+    return out
+
+
+# ---------------------------------------------------------------- result and files
+
+@dataclass
+class CaseResult:
+    case: CaseSpec
+    status: str                           # success | failed | ENGINE_CRASH | OOM | skipped
+    case_dir: Path
+    summaries: dict[str, dict[str, Any]] = field(default_factory=dict)   # definition → pooled summary
+    repeat_summaries: list[dict[str, dict[str, Any]]] = field(default_factory=list)
+    cv: dict[str, Any] = field(default_factory=dict)
+    verdict: mx.Verdict = field(default_factory=lambda: mx.Verdict("INVALID", ["not run"]))
+    error: str = ""
+    log_events: dict[str, list[str]] = field(default_factory=dict)
+    server_deltas: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def row(self, definition: str) -> dict[str, Any]:
+        s = self.summaries.get(definition, {})
+        keep = ("completed", "failed", "timeouts", "duration_s", "total_input_tokens", "total_output_tokens",
+                "request_throughput", "input_throughput", "output_throughput", "total_token_throughput",
+                "request_goodput", *[f"{st}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el")
+                                     for st in ("mean", "p50", "p95", "p99", "max")], "median_tok_per_s_per_user")
+        return {"case_id": self.case.case_id, "scenario": self.case.scenario, "kind": self.case.kind,
+                "input_len": self.case.input_tokens, "output_len": self.case.output_tokens,
+                "concurrency": self.case.concurrency, "num_prompts": self.case.num_prompts,
+                "repeats": len(self.repeat_summaries), "status": self.status, "definition": definition,
+                "validity": self.verdict.verdict, "validity_reasons": "; ".join(self.verdict.reasons),
+                "cv_output_throughput_pct": (self.cv.get("output_throughput") or {}).get("cv_pct"),
+                **{k: s.get(k) for k in keep}}
+
+
+def write_meta(case_dir: Path, meta: dict[str, Any]) -> None:
+    write_json_atomic(case_dir / "meta.json", meta)
+
+
+def case_is_done(case_dir: Path, expected_measured: int | None = None) -> bool:
+    """Resume rule: ``meta.json`` says success and ``requests.jsonl`` re-parses (with the expected count)."""
+    try:
+        meta = json.loads((case_dir / "meta.json").read_text())
+        if meta.get("status") != SUCCESS:
+            return False
+        recs = read_records(case_dir / "requests.jsonl")
+    except (OSError, ValueError):
+        return False
+    n = sum(r.role == "measure" for r in recs)
+    want = expected_measured if expected_measured is not None else meta.get("expected_measured")
+    return bool(recs) and (want is None or n == want)
+
+
+def load_case_result(case: CaseSpec, case_dir: Path) -> CaseResult:
+    """A finished case read back from disk (for resume and for the notebook)."""
+    summ = json.loads((case_dir / "summary.json").read_text())
+    meta = json.loads((case_dir / "meta.json").read_text())
+    v = summ.get("validity", {})
+    return CaseResult(case, meta.get("status", "unknown"), case_dir, summ.get("pooled", {}),
+                      summ.get("repeats", []), summ.get("cv", {}), mx.Verdict(v.get("verdict", "INVALID"),
+                                                                                 v.get("reasons", [])),
+                      meta.get("error", ""), meta.get("log_events", {}), summ.get("server_deltas", {}),
+                      summ.get("extra", {}))
+
+
+# ---------------------------------------------------------------- running one case
+
+def _warmup(env: CaseEnv, case: CaseSpec, cfg: ClientConfig) -> list[RequestRecord]:
+    wl = build_workload(f"{case.case_id}-warmup", 1, case.input_tokens, min(case.output_tokens, 16), env.pool,
+                        seed=case_seed(env.seed, case.case_id + "/warmup", 0), role="warmup", start_index=10**6)
+    run = run_requests(wl.requests, cfg, concurrency=1)
+    return run.records
+
+
+def run_case(env: CaseEnv, case: CaseSpec, run_fn: Callable[[CaseEnv, CaseSpec, ClientConfig, int], ClientRun]
+             | None = None) -> CaseResult:
+    """Run one case: health check, warm-up, flush, repeats (raw records first), summaries, verdict, files.
+
+    Raises ``EngineCrash`` (after writing everything measured) when the engine is unhealthy afterwards.
+    ``run_fn(env, case, cfg, repeat) -> ClientRun`` replaces the default closed-loop wave (used by M1).
+    """
+    cdir = env.run_dir / "cases" / case.case_id
+    (cdir / "server").mkdir(parents=True, exist_ok=True)
+    for stale in ("summary.json", "requests.jsonl"):
+        (cdir / stale).unlink(missing_ok=True)
+    expected = case.num_prompts * env.repeats
+    meta: dict[str, Any] = {"case": asdict(case), "status": "running", "started": now_iso(), "repeats": env.repeats,
+                            "expected_measured": expected, "engine": env.srv.target.engine,
+                            "base_url": env.srv.base_url, "api": env.api, "seed": env.seed,
+                            "profiler_attached": env.profiler_attached}
+    write_meta(cdir, meta)
+    if not is_healthy(env.srv):
+        meta.update(status=ENGINE_CRASH, ended=now_iso(), error="engine unhealthy before the case started")
+        write_meta(cdir, meta)
+        raise EngineCrash(f"{case.case_id}: engine unhealthy before the case started")
+    cfg = env.client_config(case.case_id)
+    _, log_path = head_log(env)
+    _, log_off = read_log_since(env, 0)
+    scraper = Scraper(env.srv.base_url + env.engine.metrics_path, interval_s=env.scrape_interval_s, timeout_s=5.0)
+    records: list[RequestRecord] = []
+    runs: list[ClientRun] = []
+    error = ""
+    try:
+        if case.warmup:
+            wrecs = _warmup(env, case, cfg)
+            records += wrecs
+            meta["warmup"] = {"requests": len(wrecs), "ok": all(r.ok for r in wrecs),
+                              "shape": [case.input_tokens, min(case.output_tokens, 16)]}
+        else:
+            meta["warmup"] = {"requests": 0, "reason": "no same-shape warm-up for long prefill points (seeds §4)"}
+        meta["cache_flush"] = flush_cache(env)
+        scraper.start()
+        for rep in range(env.repeats):
+            if run_fn is not None:
+                run = run_fn(env, case, cfg, rep)
+            else:
+                wl = build_workload(case.case_id, case.num_prompts, case.input_tokens, case.output_tokens, env.pool,
+                                    seed=case_seed(env.seed, case.case_id, rep))
+                run = run_requests(wl.requests, cfg, concurrency=case.concurrency, repeat=rep)
+            runs.append(run)
+            records += run.records
+            if rep + 1 < env.repeats and env.engine.flush_cache_path:
+                flush_cache(env)
+    except Exception as exc:  # recorded; the health check below decides whether the run goes on
+        error = f"{type(exc).__name__}: {exc}"
+    finally:
+        frame = scraper.stop() if scraper.running else scraper.frame()
+    # raw data first
+    write_records(cdir / "requests.jsonl", records)
+    if not frame.empty:
+        frame.to_parquet(cdir / "server" / "metrics.parquet")
+    write_json_atomic(cdir / "server" / "scrape_errors.json", scraper.errors)
+    log_text, _ = read_log_since(env, log_off)
+    (cdir / "server" / "engine_log_excerpt.txt").write_text(log_text[-200_000:])
+    events = log_events(log_text, env.engine.log_markers)
+    healthy = is_healthy(env.srv)
+    result = CaseResult(case, SUCCESS, cdir, error=error, log_events=events)
+    result.server_deltas = named_deltas(frame, env.engine.metric_names) if not frame.empty else {}
+    if runs:
+        rep_summ = [mx.both_definitions(r.records, measured_window_s(r), env.slo, r.window_start_ns) for r in runs]
+        pooled_dur = sum(measured_window_s(r) for r in runs)
+        measured = [x for r in runs for x in r.records]
+        result.repeat_summaries = rep_summ
+        result.summaries = mx.both_definitions(measured, pooled_dur, env.slo)
+        result.cv = mx.cv_across_repeats([s["vllm"] for s in rep_summ]) if len(runs) > 1 else {}
+        rules = mx.ValidityRules(min_completed=case.num_prompts * len(runs), min_window_s=case.min_window_s,
+                                 max_cv_pct=env.max_cv_pct if len(runs) >= 3 else None)
+        result.verdict = mx.validity(result.summaries["vllm"], rules, env.profiler_attached, result.cv)
+        result.extra["client_cpu_s"] = sum(r.client_cpu_s for r in runs)
+    if "oom" in events:
+        result.status = OOM
+    elif not healthy:
+        result.status = ENGINE_CRASH
+    elif error or not runs or result.summaries["vllm"]["failed"]:
+        result.status = FAILED
+    if result.status != SUCCESS and result.verdict.verdict == "VALID":
+        result.verdict = mx.Verdict("INVALID", [f"case status {result.status}"])
+    if error and not result.error:
+        result.error = error
+    if not error and result.status == FAILED and runs:
+        result.error = f"{result.summaries['vllm']['failed']} request(s) failed: " \
+                       f"{result.summaries['vllm']['errors_by_kind']}"
+    write_summary(result)
+    # the client's own measurement windows on the wall clock: Phase 2 slices telemetry to exactly these
+    meta["windows_wall_ns"] = [[r.window_start_ns + r.wall_offset_ns, r.window_end_ns + r.wall_offset_ns]
+                               for r in runs]
+    meta.update(status=result.status, ended=now_iso(), error=result.error, log_events=events, healthy_after=healthy,
+                engine_log=log_path)
+    write_meta(cdir, meta)
+    if result.status == ENGINE_CRASH:
+        raise EngineCrash(f"{case.case_id}: engine lost health ({result.error or 'health probe failed'})")
+    return result
+
+
+def measured_window_s(run: ClientRun) -> float:
+    """The measurement window of a wave: its start to the end of its last *measured* request.
+
+    Equal to the client window without injections; with one (M1) the injected request's tail is excluded,
+    so the background's throughput is not diluted by time in which it was already done.
+    """
+    ends = [r.end_ns for r in run.records if r.role == "measure" and r.end_ns]
+    end = max(ends) if ends else run.window_end_ns
+    return max(end - run.window_start_ns, 1) / 1e9
+
+
+def write_summary(result: CaseResult) -> None:
+    out = {"case": asdict(result.case), "status": result.status, "pooled": result.summaries,
+           "repeats": result.repeat_summaries, "cv": result.cv,
+           "validity": {"verdict": result.verdict.verdict, "reasons": result.verdict.reasons},
+           "server_deltas": result.server_deltas, "log_events": result.log_events, "extra": result.extra,
+           "definitions": list(mx.DEFINITIONS), "percentile_method": mx.PERCENTILE_METHOD}
+    write_json_atomic(result.case_dir / "summary.json", out)
+    if result.summaries:
+        from servelab.measure.peer_results import to_vllm_keys
+        # the same numbers under vllm bench serve's keys, one object per definition (like --append-result)
+        lines = [json.dumps(to_vllm_keys(result.summaries[d], {"label": result.case.case_id,
+                                                               "max_concurrency": result.case.concurrency}),
+                            default=str) for d in mx.DEFINITIONS if d in result.summaries]
+        (result.case_dir / "summary_vllm_keys.jsonl").write_text("\n".join(lines) + "\n")
+
+
+# ---------------------------------------------------------------- the matrix
+
+@dataclass
+class MatrixResult:
+    results: list[CaseResult]
+    skipped: list[str]                    # resumed: already done
+    not_executed: list[str]               # aborted before they ran
+    aborted: str = ""                     # why the run stopped early ("" = it did not)
+    restarts: list[dict[str, Any]] = field(default_factory=list)
+
+    def frame(self, definition: str | None = None) -> pd.DataFrame:
+        defs = [definition] if definition else list(mx.DEFINITIONS)
+        return pd.DataFrame([r.row(d) for r in self.results for d in defs])
+
+
+def run_matrix(env: CaseEnv, cases: list[CaseSpec], resume: bool = False,
+               case_runner: Callable[[CaseEnv, CaseSpec], CaseResult] | None = None,
+               on_oom: Callable[[CaseEnv, CaseResult], CaseEnv] | None = None) -> MatrixResult:
+    """Run ``cases`` in order. A failed case is recorded and the matrix goes on; ENGINE_CRASH stops it.
+
+    ``resume``: a case whose dir passes ``case_is_done`` is loaded, not re-run. ``on_oom(env, result)``
+    must restart the engine and return the new env (seeds §16: never measure on after an OOM without a
+    restart); without it an OOM stops the run. Writes ``summary.csv`` over all cases.
+    """
+    runner = case_runner or run_case
+    results: list[CaseResult] = []
+    skipped: list[str] = []
+    aborted = ""
+    restarts: list[dict[str, Any]] = []
+    done_ids: list[str] = []
+    for case in cases:
+        cdir = env.run_dir / "cases" / case.case_id
+        if resume and case_is_done(cdir, case.num_prompts * env.repeats):
+            results.append(load_case_result(case, cdir))
+            results[-1].status = SUCCESS
+            skipped.append(case.case_id)
+            done_ids.append(case.case_id)
+            continue
+        try:
+            res = runner(env, case)
+        except EngineCrash as exc:
+            aborted = f"{ENGINE_CRASH}: {exc}"
+            if (cdir / "summary.json").exists():
+                results.append(load_case_result(case, cdir))
+            done_ids.append(case.case_id)
+            break
+        except KeyboardInterrupt:
+            # the user stopped the run (seeds 004 §5.3): keep what was measured, list what was not executed
+            aborted = f"STOPPED_BY_USER during {case.case_id}"
+            break
+        results.append(res)
+        done_ids.append(case.case_id)
+        if res.status == OOM:
+            if on_oom is None:
+                aborted = f"{OOM}: {case.case_id} (no restart hook; seeds §16 forbid measuring on after an OOM)"
+                break
+            env = on_oom(env, res)
+            restarts.append({"after": case.case_id, "reason": OOM, "when": now_iso()})
+    not_executed = [c.case_id for c in cases if c.case_id not in done_ids]
+    mr = MatrixResult(results, skipped, not_executed, aborted, restarts)
+    write_summary_csv(env.run_dir, mr)
+    return mr
+
+
+def write_summary_csv(run_dir: Path, mr: MatrixResult) -> Path:
+    """``<run>/summary.csv``: one row per case × definition (both definitions, each row says which)."""
+    path = Path(run_dir) / "summary.csv"
+    df = mr.frame()
+    df.to_csv(path, index=False)
+    return path

@@ -1,0 +1,490 @@
+"""Streaming benchmark client (asyncio + aiohttp) that keeps every chunk's arrival time.
+
+What it measures, per request (all times ``time.perf_counter_ns()``; wall-clock ns derived from one
+(perf, wall) anchor pair taken at the start of the run, so both clocks agree exactly):
+
+- ``scheduled_ns``  when the request was due (open loop: its arrival time; closed loop: when a worker freed);
+- ``dispatch_ns``   when it got a concurrency slot (open loop with a cap: ``dispatch - scheduled`` is the
+                    client queue time, i.e. the coordinated-omission part a capped client hides);
+- ``send_ns``       just before the HTTP POST; ``headers_ns`` when the response headers arrived;
+- per SSE event: arrival time, text delta, whether it had a non-empty ``choices`` list, the server's token
+  delta where the server gives one (SGLang ``meta_info``, vLLM continuous usage), finish reason;
+- ``usage`` (prompt, completion, cached tokens) wherever it comes (the last choices chunk on llama.cpp
+  completions, a separate ``choices: []`` chunk on vLLM/chat), ``[DONE]`` time (missing ``[DONE]`` is
+  recorded, not an error), HTTP status, error and its kind (http | timeout | connection | stream).
+
+Hot path: a read of the socket costs one ``perf_counter_ns()`` and one list append — SSE parsing happens
+after the run, so parsing never delays the timestamps of other streams. One shared session, unlimited
+connector, one connection per request, ``read_bufsize`` 16 MiB (a 64 KiB buffer makes a 128K prompt client-bound).
+Every request carries ``X-Request-ID`` for correlation with server logs.
+"""
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Awaitable, Callable, TypeVar
+
+import numpy as np
+
+from servelab.measure.workload import RequestSpec, request_body
+
+READ_BUFSIZE_BYTES = 16 * 1024 * 1024
+API_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "generate": "/generate"}
+T = TypeVar("T")
+
+
+@dataclass
+class ClientConfig:
+    """Where and how to send: base URL, API (completions | chat | generate), model name, engine, extras."""
+    base_url: str
+    model: str
+    engine: str = "llamacpp"
+    api: str = "completions"
+    extra_body: dict[str, Any] = field(default_factory=dict)
+    timeout_s: float = 600.0
+    request_id_prefix: str = "servelab"
+    progress: bool = False
+    keep_fields: tuple[str, ...] = ()        # top-level event fields kept per chunk (e.g. a server timestamp)
+    tcp_quickack: bool = True                # ACK every read at once (see _quickack)
+
+    @property
+    def url(self) -> str:
+        if self.api not in API_PATHS:
+            raise ValueError(f"unknown api '{self.api}'; one of {sorted(API_PATHS)}")
+        return self.base_url.rstrip("/") + API_PATHS[self.api]
+
+
+@dataclass
+class RequestRecord:
+    """The raw record of one request (what ``requests.jsonl`` holds, one per line)."""
+    request_id: str
+    index: int
+    role: str
+    expected_input_tokens: int
+    requested_output_tokens: int
+    api: str = "completions"
+    repeat: int = 0
+    group: int | None = None
+    scheduled_ns: int = 0
+    dispatch_ns: int = 0
+    send_ns: int = 0
+    headers_ns: int | None = None
+    end_ns: int = 0                          # stream closed (or error raised)
+    wall_offset_ns: int = 0                  # wall_ns = perf_ns + wall_offset_ns
+    http_status: int | None = None
+    error: str = ""
+    error_kind: str = ""                     # "" | http | timeout | connection | stream
+    chunk_ns: list[int] = field(default_factory=list)
+    chunk_text: list[str] = field(default_factory=list)
+    chunk_choices: list[bool] = field(default_factory=list)   # the event had a non-empty choices list
+    chunk_tokens: list[int | None] = field(default_factory=list)  # server token delta, None = not given
+    done_ns: int | None = None               # "data: [DONE]" arrival; None = missing
+    usage_ns: int | None = None              # arrival of the event that carried usage
+    usage: dict[str, Any] = field(default_factory=dict)
+    prompt_tokens: int | None = None         # from usage / meta_info
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    finish_reason: str | None = None
+    chunk_extra: list[dict[str, Any]] = field(default_factory=list)  # ClientConfig.keep_fields per chunk
+
+    @property
+    def ok(self) -> bool:
+        return self.http_status == 200 and not self.error_kind
+
+    @property
+    def chunk_wall_ns(self) -> list[int]:
+        return [t + self.wall_offset_ns for t in self.chunk_ns]
+
+    @property
+    def send_wall_ns(self) -> int:
+        return self.send_ns + self.wall_offset_ns
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["chunk_wall_ns"] = self.chunk_wall_ns
+        d["send_wall_ns"] = self.send_wall_ns
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "RequestRecord":
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+@dataclass
+class ClientRun:
+    """One execution of the client: its records and the measurement window (perf_counter ns)."""
+    records: list[RequestRecord]
+    window_start_ns: int
+    window_end_ns: int
+    wall_offset_ns: int
+    mode: str                                # closed | poisson | constant
+    concurrency: int | None
+    rate_rps: float | None
+    client_cpu_s: float = 0.0                # process CPU time spent during the window
+
+    @property
+    def duration_s(self) -> float:
+        return (self.window_end_ns - self.window_start_ns) / 1e9
+
+
+# ---------------------------------------------------------------- SSE parsing (after the run)
+
+class ReadLog:
+    """Raw socket reads of one response: arrival times and bytes in two flat lists.
+
+    Two lists of ints/bytes rather than a list of tuples: neither ints nor bytes are tracked by Python's
+    cyclic GC, so the hot path allocates nothing that makes the collector run (measured: tuples per read
+    triggered collections that stalled a 512-stream run by tens of ms). Iterating yields (ns, bytes).
+    """
+    __slots__ = ("ts", "data")
+
+    def __init__(self) -> None:
+        self.ts: list[int] = []
+        self.data: list[bytes] = []
+
+    def append(self, item: tuple[int, bytes]) -> None:
+        self.ts.append(item[0])
+        self.data.append(item[1])
+
+    def __iter__(self) -> Any:
+        return iter(zip(self.ts, self.data))
+
+    def __len__(self) -> int:
+        return len(self.ts)
+
+    def __getitem__(self, i: int) -> tuple[int, bytes]:
+        return self.ts[i], self.data[i]
+
+
+def split_events(reads: Any) -> list[tuple[int, bytes]]:
+    """Socket reads → (arrival ns, payload) per ``data:`` line; a line's time is the read that completed it."""
+    events: list[tuple[int, bytes]] = []
+    pending = b""
+    for t, data in reads:
+        buf = pending + data
+        lines = buf.split(b"\n")
+        pending = lines.pop()
+        for line in lines:
+            line = line.strip()
+            if line.startswith(b"data:"):
+                events.append((t, line[5:].strip()))
+    if pending.strip().startswith(b"data:"):
+        events.append((reads[-1][0], pending.strip()[5:].strip()))
+    return events
+
+
+def parse_stream(rec: RequestRecord, reads: Any, api: str, keep: tuple[str, ...] = ()) -> None:
+    """Fill a record's chunk lists, usage, finish reason and stream errors from its raw reads."""
+    prev_text, prev_tokens = "", 0
+    for t, payload in split_events(reads):
+        if payload == b"[DONE]":
+            rec.done_ns = t
+            continue
+        try:
+            data = json.loads(payload)
+        except json.JSONDecodeError:
+            rec.error_kind, rec.error = "stream", f"undecodable SSE event: {payload[:200]!r}"
+            continue
+        if not isinstance(data, dict):
+            continue
+        if "error" in data and not data.get("choices"):
+            rec.error_kind, rec.error = "stream", json.dumps(data["error"])[:500]
+            continue
+        tokens: int | None = None
+        if api == "generate":
+            full = data.get("text") or ""
+            text, prev_text = full[len(prev_text):], full
+            meta = data.get("meta_info") or {}
+            if meta.get("completion_tokens") is not None:
+                tokens = int(meta["completion_tokens"]) - prev_tokens
+                prev_tokens = int(meta["completion_tokens"])
+            fr = meta.get("finish_reason")
+            if fr:
+                rec.finish_reason = fr.get("type") if isinstance(fr, dict) else str(fr)
+            rec.prompt_tokens = meta.get("prompt_tokens", rec.prompt_tokens)
+            rec.completion_tokens = meta.get("completion_tokens", rec.completion_tokens)
+            rec.cached_tokens = meta.get("cached_tokens", rec.cached_tokens)
+            has_choices = True
+        else:
+            choices = data.get("choices")
+            has_choices = bool(choices)
+            text = ""
+            if has_choices:
+                c = choices[0]
+                if api == "chat":
+                    delta = c.get("delta") or {}
+                    text = delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning") or ""
+                else:
+                    text = c.get("text") or ""
+                if c.get("finish_reason"):
+                    rec.finish_reason = c["finish_reason"]
+            usage = data.get("usage")
+            if usage:
+                if has_choices and usage.get("completion_tokens") is not None:
+                    # continuous usage (vLLM continuous_usage_stats): a per-chunk token delta
+                    tokens = int(usage["completion_tokens"]) - prev_tokens
+                    prev_tokens = int(usage["completion_tokens"])
+                rec.usage, rec.usage_ns = usage, t
+                rec.prompt_tokens = usage.get("prompt_tokens", rec.prompt_tokens)
+                rec.completion_tokens = usage.get("completion_tokens", rec.completion_tokens)
+                details = usage.get("prompt_tokens_details") or {}
+                if details.get("cached_tokens") is not None:
+                    rec.cached_tokens = details["cached_tokens"]
+        rec.chunk_ns.append(t)
+        rec.chunk_text.append(text)
+        rec.chunk_choices.append(has_choices)
+        rec.chunk_tokens.append(tokens)
+        if keep:
+            rec.chunk_extra.append({k: data.get(k) for k in keep})
+    # a continuous-usage delta only means something if every choices chunk had one
+    if any(tok is None for tok, ch in zip(rec.chunk_tokens, rec.chunk_choices) if ch):
+        rec.chunk_tokens = [None] * len(rec.chunk_tokens)
+
+
+# ---------------------------------------------------------------- sending
+
+def _quickack(resp: Any) -> Any:
+    """A function that re-arms TCP_QUICKACK on the response's socket (Linux), or None.
+
+    A server that writes small SSE chunks without TCP_NODELAY (llama.cpp's cpp-httplib) has each write held
+    by Nagle until the previous segment is ACKed, and Linux delays ACKs up to 200 ms: measured here, a
+    64-token prompt on the tiny model got its first chunk after ~280 ms instead of ~3 ms. Quick-ACKing
+    every read removes that client-side artifact; the flag is one-shot, so it is set again after each read
+    (one cheap setsockopt). Servers with TCP_NODELAY (uvicorn: SGLang, vLLM) are unaffected.
+    """
+    import socket
+    if not hasattr(socket, "TCP_QUICKACK"):
+        return None
+    try:
+        sock = resp.connection.transport.get_extra_info("socket")
+    except AttributeError:
+        return None
+    if sock is None:
+        return None
+
+    def arm() -> None:
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
+        except OSError:
+            pass
+    return arm
+
+
+async def _send(session: Any, spec: RequestSpec, cfg: ClientConfig, rec: RequestRecord, reads: ReadLog) -> None:
+    import aiohttp
+    body = json.dumps(request_body(spec, cfg.engine, cfg.api, cfg.model, cfg.extra_body)).encode()
+    headers = {"Content-Type": "application/json", "X-Request-ID": rec.request_id}
+    pc = time.perf_counter_ns
+    rec.send_ns = pc()
+    try:
+        async with session.post(cfg.url, data=body, headers=headers,
+                                timeout=aiohttp.ClientTimeout(total=cfg.timeout_s)) as resp:
+            rec.headers_ns = pc()
+            rec.http_status = resp.status
+            if resp.status != 200:
+                rec.error_kind = "http"
+                rec.error = f"HTTP {resp.status}: {(await resp.text())[:500]}"
+            else:
+                arm = _quickack(resp) if cfg.tcp_quickack else None
+                ts_append, data_append = reads.ts.append, reads.data.append
+                if arm is None:
+                    async for data in resp.content.iter_any():
+                        ts_append(pc())
+                        data_append(data)
+                else:
+                    arm()
+                    async for data in resp.content.iter_any():
+                        ts_append(pc())
+                        data_append(data)
+                        arm()
+    except asyncio.TimeoutError:
+        rec.error_kind, rec.error = "timeout", f"no complete response within {cfg.timeout_s} s"
+    except (aiohttp.ClientError, OSError) as exc:
+        rec.error_kind, rec.error = "connection", f"{type(exc).__name__}: {exc}"[:500]
+    rec.end_ns = pc()
+
+
+def _new_record(spec: RequestSpec, cfg: ClientConfig, repeat: int, wall_offset_ns: int) -> RequestRecord:
+    return RequestRecord(request_id=f"{cfg.request_id_prefix}-{spec.role}-{repeat}-{spec.index}", index=spec.index,
+                         role=spec.role, expected_input_tokens=spec.input_tokens,
+                         requested_output_tokens=spec.output_tokens, api=cfg.api, repeat=repeat, group=spec.group,
+                         wall_offset_ns=wall_offset_ns)
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc="requests", leave=False)
+
+
+def arrival_offsets_s(n: int, rate_rps: float, kind: str, seed: int) -> np.ndarray:
+    """Open-loop arrival times (s from the window start): Poisson (exponential gaps) or constant."""
+    if rate_rps <= 0:
+        raise ValueError(f"rate_rps must be > 0, got {rate_rps}")
+    if kind == "poisson":
+        gaps = np.random.default_rng(seed).exponential(1.0 / rate_rps, size=n)
+        return np.concatenate([[0.0], np.cumsum(gaps[:-1])]) if n else np.zeros(0)
+    if kind == "constant":
+        return np.arange(n) / rate_rps
+    raise ValueError(f"arrival kind must be 'poisson' or 'constant', not '{kind}'")
+
+
+async def run_async(specs: list[RequestSpec], cfg: ClientConfig, concurrency: int | None = None,
+                    rate_rps: float | None = None, arrival: str = "poisson", seed: int = 0, repeat: int = 0,
+                    injections: list[tuple[float, RequestSpec]] | None = None,
+                    on_window_start: Callable[[], None] | None = None) -> ClientRun:
+    """Send ``specs`` and return their records.
+
+    - closed loop (``rate_rps`` None): ``concurrency`` workers, each sends its next request when the
+      previous one finished (``concurrency`` None = all at once);
+    - open loop: arrivals at ``rate_rps`` (``arrival`` poisson | constant, seeded), optionally capped at
+      ``concurrency`` in flight; the wait for a slot is recorded (``dispatch_ns - scheduled_ns``).
+    ``injections``: (seconds after the window start, spec) sent on schedule outside the cap (Mixed A/B).
+    """
+    import aiohttp
+    wall_offset = time.time_ns() - time.perf_counter_ns()
+    n = len(specs)
+    records = [_new_record(s, cfg, repeat, wall_offset) for s in specs]
+    inj = [(off, s, _new_record(s, cfg, repeat, wall_offset)) for off, s in (injections or [])]
+    reads: dict[int, ReadLog] = {id(r): ReadLog() for r in records + [r for _, _, r in inj]}
+    bar = _progress(n + len(inj), cfg.progress)
+    # force_close: llama-server (cpp-httplib) may close a kept-alive connection after a streamed response,
+    # and a POST written into a closed socket fails ("Can not write request body"); one connection per
+    # request (as SGLang bench_serving, which opens a session per request) costs ~0.1 ms on loopback.
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, ttl_dns_cache=300, force_close=True)
+    pc = time.perf_counter_ns
+    async with aiohttp.ClientSession(connector=connector, read_bufsize=READ_BUFSIZE_BYTES,
+                                     timeout=aiohttp.ClientTimeout(total=None)) as session:
+
+        async def one(spec: RequestSpec, rec: RequestRecord) -> None:
+            await _send(session, spec, cfg, rec, reads[id(rec)])
+            if bar is not None:
+                bar.update(1)
+
+        async def injected(off_s: float, spec: RequestSpec, rec: RequestRecord, t0: int) -> None:
+            rec.scheduled_ns = t0 + int(off_s * 1e9)
+            await asyncio.sleep(max(0.0, (rec.scheduled_ns - pc()) / 1e9))
+            rec.dispatch_ns = pc()
+            await one(spec, rec)
+
+        # no cyclic-GC pauses inside the window (restored below); the hot path allocates no tracked objects
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            cpu0 = time.process_time()
+            t0 = pc()
+            if on_window_start is not None:
+                on_window_start()
+            inj_tasks = [asyncio.create_task(injected(o, s, r, t0)) for o, s, r in inj]
+            if rate_rps is None:
+                workers = min(concurrency or n, n) if n else 0
+                next_i = 0
+
+                async def worker() -> None:
+                    nonlocal next_i
+                    while next_i < n:
+                        i = next_i
+                        next_i += 1
+                        rec = records[i]
+                        rec.scheduled_ns = rec.dispatch_ns = pc()
+                        await one(specs[i], rec)
+
+                await asyncio.gather(*(worker() for _ in range(workers)))
+            else:
+                offsets = arrival_offsets_s(n, rate_rps, arrival, seed)
+                sem = asyncio.Semaphore(concurrency) if concurrency else None
+                tasks = []
+
+                async def capped(spec: RequestSpec, rec: RequestRecord) -> None:
+                    try:
+                        await one(spec, rec)
+                    finally:
+                        if sem is not None:
+                            sem.release()
+
+                for i in range(n):
+                    rec = records[i]
+                    rec.scheduled_ns = t0 + int(offsets[i] * 1e9)
+                    delay = (rec.scheduled_ns - pc()) / 1e9
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    if sem is not None:
+                        await sem.acquire()
+                    rec.dispatch_ns = pc()
+                    tasks.append(asyncio.create_task(capped(specs[i], rec)))
+                await asyncio.gather(*tasks)
+            await asyncio.gather(*inj_tasks)
+            t1 = pc()
+            cpu1 = time.process_time()
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+    if bar is not None:
+        bar.close()
+    all_records = records + [r for _, _, r in inj]
+    for rec in all_records:
+        parse_stream(rec, reads[id(rec)], cfg.api, cfg.keep_fields)
+        if rec.http_status == 200 and not rec.error_kind and not rec.chunk_ns:
+            rec.error_kind, rec.error = "stream", "HTTP 200 but no SSE event"
+    mode = "closed" if rate_rps is None else arrival
+    return ClientRun(all_records, t0, t1, wall_offset, mode, concurrency, rate_rps, cpu1 - cpu0)
+
+
+def run_sync(coro_fn: Callable[[], Awaitable[T]]) -> T:
+    """Run a coroutine to completion from sync code, also inside Jupyter (whose loop is already running)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro_fn())
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = asyncio.run(coro_fn())
+        except BaseException as exc:  # re-raised in the caller's thread
+            box["error"] = exc
+
+    th = threading.Thread(target=target, name="servelab-client")
+    th.start()
+    th.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def run_requests(specs: list[RequestSpec], cfg: ClientConfig, **kw: Any) -> ClientRun:
+    """Synchronous wrapper of ``run_async`` (same arguments)."""
+    return run_sync(lambda: run_async(specs, cfg, **kw))
+
+
+def write_records(path: Any, records: list[RequestRecord], mode: str = "w") -> None:
+    """Write records as JSON lines (flushed and fsynced: raw data first, summaries after)."""
+    import os
+    with open(path, mode) as f:
+        for rec in records:
+            f.write(json.dumps(rec.to_json(), ensure_ascii=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_records(path: Any) -> list[RequestRecord]:
+    """Read ``requests.jsonl``; raises ``ValueError`` naming the file and line on a bad line."""
+    out = []
+    with open(path) as f:
+        for no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                out.append(RequestRecord.from_json(json.loads(line)))
+            except (json.JSONDecodeError, TypeError) as exc:
+                raise ValueError(f"{path}:{no}: not a request record ({exc})") from None
+    return out

@@ -1,0 +1,222 @@
+"""One engine per launch variant: a target with changed launch settings, served, snapshotted and recorded.
+
+Phases 7–9 restart the engine for every value of a setting (a scheduler knob, a prefix-cache point, a draft
+model). This module holds what they share:
+
+- :func:`with_launch` — the target with some ``launch`` keys changed (``None`` removes a key), validated by the
+  engine adapter exactly as a target file would be;
+- :func:`launch_argv` — the head node's command for a target, so a sweep can refuse a setting the engine
+  ignores (the same argv for two values means the knob does not exist on this engine);
+- :func:`serving` — start the engine inside a ``ProcessTracker`` and always stop it;
+- :func:`metrics_snapshot` / :func:`snapshot_deltas` — the raw ``/metrics`` text at one instant and the counter
+  deltas between two snapshots (the exact measurement window, never a running average);
+- :func:`server_cpu_s` — CPU seconds the local engine process has used (``/proc/<pid>/stat``), for the CPU
+  utilisation of a window; ``None`` on remote nodes;
+- :func:`write_run_record` — a run-like folder (``manifest.json`` + ``summary.csv``) per variant, which
+  :func:`servelab.measure.abtest.ab_compare` reads like any run, so the one-variable A/B rules apply to sweeps too.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import pandas as pd
+
+from servelab.core.params import ParamError
+
+from servelab.target.spec import Target
+
+from servelab.target.targets import target_from_dict
+from servelab.measure.engine_metrics import counter_deltas, parse_text
+from servelab.core.run import now_iso, write_json_atomic
+from servelab.target.server import RunningServer, http_text
+
+
+def with_launch(target: Target, changes: dict[str, Any], name_suffix: str = "") -> Target:
+    """``target`` with ``launch`` keys changed (a value ``None`` removes the key); validated by the adapter."""
+    raw = dataclasses.asdict(target)
+    source = raw.pop("source")
+    launch = copy.deepcopy(raw.get("launch") or {})
+    for k, v in changes.items():
+        if v is None:
+            launch.pop(k, None)
+        else:
+            launch[k] = v
+    raw["launch"] = launch
+    if name_suffix:
+        raw["description"] = f"{target.description} [{name_suffix}]"
+    return target_from_dict(raw, f"{source} with launch {changes}")
+
+
+def launch_argv(target: Target) -> list[str]:
+    """The head node's engine command for ``target`` (builds/caches local artifacts, starts nothing)."""
+    from servelab.target.server import plan_launch
+    plans, _ = plan_launch(target, port=target.port or 1)
+    return next(p for p in plans if p.role == "head").argv
+
+
+def check_knob_changes_command(target: Target, knob: str, values: list[Any]) -> None:
+    """Raise ``ParamError`` unless every value of ``knob`` gives a different engine command.
+
+    Guards a sweep against a setting the engine adapter accepts but never passes to the engine (e.g.
+    ``chunked_prefill_size`` on llama.cpp, whose per-iteration token budget is ``batch_size``).
+    """
+    if knob not in _launch_keys(target):
+        from servelab.core.params import did_you_mean
+        keys = _launch_keys(target)
+        raise ParamError(f"'{knob}' is not a launch setting of {target.engine}{did_you_mean(knob, keys)}; "
+                         f"settings: {', '.join(sorted(keys))}")
+    if len(values) < 2:
+        raise ParamError(f"a sweep of '{knob}' needs at least two values, got {values!r}")
+    if len(set(map(repr, values))) != len(values):
+        raise ParamError(f"sweep values of '{knob}' repeat: {values!r}")
+    seen: dict[str, Any] = {}
+    for v in values:
+        argv = " ".join(launch_argv(with_launch(target, {knob: v})))
+        if argv in seen:
+            raise ParamError(f"{target.engine} ignores launch.{knob}: {knob}={seen[argv]!r} and {knob}={v!r} give the "
+                             f"same command ({argv[:200]}) — this engine has no such knob")
+        seen[argv] = v
+
+
+def _launch_keys(target: Target) -> set[str]:
+    from servelab.target.engines import engine_for
+    return engine_for(target.engine).launch_keys()
+
+
+@contextlib.contextmanager
+def serving(target: Target, log_dir: Path, run_dir: Path | None = None, phase: str = "",
+            health_timeout_s: float = 300.0) -> Iterator[RunningServer]:
+    """Start ``target``'s engine (commands recorded as executed when ``run_dir`` is given); always stop it."""
+    from servelab.target.hosts import ProcessTracker
+    from servelab.target.server import start_server, stop_server
+    with ProcessTracker() as tracker:
+        srv = start_server(target, Path(log_dir), tracker, run_dir=run_dir, phase=phase,
+                           health_timeout_s=health_timeout_s)
+        try:
+            yield srv
+        finally:
+            stop_server(srv, tracker, run_dir, phase)
+
+
+# ---------------------------------------------------------------- /metrics snapshots
+
+@dataclass
+class Snapshot:
+    """The raw ``/metrics`` body at one instant (``perf_counter_ns`` and wall ns), or the failure."""
+    ts_ns: int
+    wall_ns: int
+    status: int
+    text: str
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200
+
+    def frame(self) -> pd.DataFrame:
+        """Rows like :class:`servelab.measure.engine_metrics.Scraper` keeps (``ts_ns, wall_ns, name, labels, value, type``)."""
+        from servelab.measure.engine_metrics import label_key
+        if not self.ok:
+            return pd.DataFrame(columns=["ts_ns", "wall_ns", "name", "labels", "value", "type"])
+        return pd.DataFrame([{"ts_ns": self.ts_ns, "wall_ns": self.wall_ns, "name": s["name"],
+                              "labels": label_key(s["labels"]), "value": s["value"], "type": s["type"]}
+                             for s in parse_text(self.text)],
+                            columns=["ts_ns", "wall_ns", "name", "labels", "value", "type"])
+
+
+def metrics_snapshot(srv: RunningServer, timeout_s: float = 10.0) -> Snapshot:
+    """One ``GET /metrics`` of the head node (raw text kept: tests recompute deltas from it by hand)."""
+    t, wall = time.perf_counter_ns(), time.time_ns()
+    status, text = http_text(srv.base_url + srv.engine.metrics_path, timeout=timeout_s)
+    return Snapshot(t, wall, status, text)
+
+
+def snapshot_deltas(before: Snapshot, after: Snapshot) -> pd.DataFrame:
+    """Counter deltas (``name, labels, first, last, delta, reset``) from ``before`` to ``after``.
+
+    Raises ``ValueError`` when either scrape failed: a missing counter is never a zero.
+    """
+    for which, s in (("before", before), ("after", after)):
+        if not s.ok:
+            raise ValueError(f"/metrics snapshot {which} the window failed (HTTP {s.status}): no counter deltas")
+    return counter_deltas(pd.concat([before.frame(), after.frame()], ignore_index=True))
+
+
+def delta_of(deltas: pd.DataFrame, series: str, labels: str | None = None) -> float | None:
+    """The delta of one counter series (summed over label sets unless ``labels`` is given); None if absent."""
+    if deltas.empty:
+        return None
+    sel = deltas[deltas["name"].isin([series, series + "_total"])]
+    if labels is not None:
+        sel = sel[sel["labels"] == labels]
+    return float(sel["delta"].sum()) if not sel.empty else None
+
+
+def write_snapshots(case_dir: Path, before: Snapshot, after: Snapshot) -> None:
+    """Keep both raw bodies under ``server/`` (``metrics_before.prom``, ``metrics_after.prom`` + times)."""
+    d = Path(case_dir) / "server"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "metrics_before.prom").write_text(before.text)
+    (d / "metrics_after.prom").write_text(after.text)
+    write_json_atomic(d / "metrics_snapshots.json", {
+        "before": {"ts_ns": before.ts_ns, "wall_ns": before.wall_ns, "status": before.status},
+        "after": {"ts_ns": after.ts_ns, "wall_ns": after.wall_ns, "status": after.status},
+        "window_s": (after.ts_ns - before.ts_ns) / 1e9})
+
+
+# ---------------------------------------------------------------- server CPU time
+
+def server_cpu_s(srv: RunningServer) -> float | None:
+    """User + system CPU seconds used so far by the head engine process (local nodes only), else None."""
+    if not srv.target.head.kind == "local":
+        return None
+    try:
+        pid = srv.head_handle.pid
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        ticks = os.sysconf("SC_CLK_TCK")
+        return (int(fields[11]) + int(fields[12])) / ticks
+    except (OSError, ValueError, IndexError, KeyError, AttributeError):
+        return None
+
+
+def log_reproduce(ctx: Any, phase_key: str) -> None:
+    """Record how to re-run this phase (label ``reproduce``) in the run's command log."""
+    from servelab.core.run import CommandRecord, record_command
+    target = (getattr(ctx, "params", None) or {}).get("target") or ctx.target.name
+    run_id = getattr(ctx, "run_id", "") or Path(ctx.run_dir).name
+    record_command(Path(ctx.run_dir), CommandRecord(
+        label="reproduce", argv=["servelab", "run", phase_key, "--target", str(target), "--run-id", run_id],
+        phase=getattr(ctx, "phase", phase_key), title=f"re-run {phase_key}"))
+
+
+# ---------------------------------------------------------------- run-like records for abtest
+
+def write_run_record(record_dir: Path, run_id: str, target: Target, srv: RunningServer | None,
+                     summary_rows: list[dict[str, Any]], parent_manifest: dict[str, Any] | None = None,
+                     extra: dict[str, Any] | None = None) -> Path:
+    """A folder that :func:`servelab.measure.abtest.load_run` reads as a run: ``manifest.json`` (tool, engine, model,
+    launch plans/env/settings as Phase 0 records them) and ``summary.csv`` (one row per case × repeat)."""
+    record_dir = Path(record_dir)
+    record_dir.mkdir(parents=True, exist_ok=True)
+    parent = parent_manifest or {}
+    plans = []
+    if srv is not None:
+        for p in srv.plans:
+            plans.append({"node": p.node, "command": p.shell(), "port": p.port,
+                          "log": srv.log_paths.get(p.node, "")})
+    manifest = {"schema_version": parent.get("schema_version", 1), "run_id": run_id,
+                "tool": parent.get("tool", {}), "python": parent.get("python"), "platform": parent.get("platform"),
+                "created": now_iso(), "target": target.name, "parent_run": parent.get("run_id"),
+                "engine": {"name": target.engine}, "model": {"model": target.model,
+                                                             "path": srv.model_path if srv else ""},
+                "launch": {"plans": plans, "env": dict(target.env), "settings": copy.deepcopy(target.launch)},
+                **(extra or {})}
+    write_json_atomic(record_dir / "manifest.json", manifest)
+    pd.DataFrame(summary_rows).to_csv(record_dir / "summary.csv", index=False)
+    return record_dir

@@ -1,0 +1,335 @@
+"""Request-level serving metrics from raw client records, under two named definitions.
+
+``sglang`` — SGLang ``bench_serving`` (0.5.9, OpenAI backends; ``../shared/research/bench_clients.md`` §1):
+  TTFT  first chunk with **non-empty text** − send (0 if none, as bench_serving does);
+  ITL   gaps between consecutive non-empty-text chunks (first excluded), one value per chunk; on the native
+        ``/generate`` API the gap is split evenly over the chunk's completion-token delta (0-token chunks skipped);
+  E2E   last SSE line received (incl. the usage chunk and ``[DONE]``) − send: the stream tail is included;
+  output tokens  server ``completion_tokens``, falling back to the **requested** length if the server sent none;
+  input tokens   the workload's (dataset) prompt length.
+``vllm`` — ``vllm bench serve`` (``vllm/benchmarks/lib/endpoint_request_func.py``):
+  TTFT  first chunk with a non-empty ``choices`` list (its text may be empty) − send; no such chunk = failed;
+  ITL   gaps between consecutive choices chunks, one per chunk, never split per token;
+  E2E   last choices chunk − send (the trailing usage chunk and ``[DONE]`` excluded);
+  output tokens  server ``completion_tokens`` (vLLM would re-tokenize the text when absent; we count the
+        non-empty text chunks instead and say so in ``output_tokens_source``);
+  input tokens   server ``prompt_tokens`` when present (server truth), else the workload's.
+Both: TPOT = (E2E − TTFT)/(output tokens − 1) for requests with more than one output token; throughput =
+totals / measurement window. Goodput follows vLLM: a request is good iff every given SLO holds
+(``value <= slo``), requests with ≤ 1 output token count TPOT 0; ``request_goodput`` = good / window.
+Extra, definition-independent: ``itl_per_token`` (each text-chunk gap split over its token delta — from the
+server where given, else 1 when chunks == tokens), client queue time and E2E including it.
+
+Percentiles: ``numpy.percentile`` with linear interpolation (numpy's default, as both tools); std with
+ddof=0 as both tools; the coefficient of variation across repeats uses the sample std (ddof=1).
+All durations in ms unless the name says otherwise.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import numpy as np
+import pandas as pd
+
+from servelab.measure.client import RequestRecord
+
+DEFINITIONS = ("sglang", "vllm")
+PERCENTILES = (50, 90, 95, 99)
+PERCENTILE_METHOD = "numpy.percentile, linear interpolation"
+LATENCY_METRICS = ("ttft", "tpot", "itl", "itl_per_token", "e2el", "queue_time", "e2el_incl_queue")
+
+
+def _check_definition(definition: str) -> None:
+    if definition not in DEFINITIONS:
+        raise ValueError(f"unknown metric definition '{definition}'; one of {DEFINITIONS}")
+
+
+@dataclass
+class RequestMetrics:
+    """One request's metrics under one definition (ms; ITL lists in ms)."""
+    request_id: str
+    index: int
+    role: str
+    repeat: int
+    success: bool
+    timeout: bool
+    error_kind: str
+    ttft_ms: float | None
+    tpot_ms: float | None
+    e2el_ms: float | None
+    itl_ms: list[float]
+    itl_per_token_ms: list[float] | None
+    input_tokens: int
+    output_tokens: int
+    output_tokens_source: str          # usage | requested | chunks
+    expected_input_tokens: int
+    requested_output_tokens: int
+    server_prompt_tokens: int | None
+    server_completion_tokens: int | None
+    cached_tokens: int | None
+    n_chunks: int                      # chunks counted by this definition
+    queue_time_ms: float
+    start_ms: float                    # send time relative to the window start
+    done_seen: bool
+
+
+def _ms(ns: float) -> float:
+    return ns / 1e6
+
+
+def request_metrics(rec: RequestRecord, definition: str, window_start_ns: int = 0) -> RequestMetrics:
+    """The metrics of one raw record under ``definition`` (``sglang`` | ``vllm``)."""
+    _check_definition(definition)
+    ok = rec.ok
+    text_idx = [i for i, t in enumerate(rec.chunk_text) if t]
+    choice_idx = [i for i, c in enumerate(rec.chunk_choices) if c]
+    ttft = tpot = e2e = None
+    itl: list[float] = []
+    if definition == "sglang":
+        success = ok
+        sel = text_idx
+        if success:
+            ttft = _ms(rec.chunk_ns[sel[0]] - rec.send_ns) if sel else 0.0
+            last = max([*rec.chunk_ns, rec.done_ns or 0]) if (rec.chunk_ns or rec.done_ns) else rec.end_ns
+            e2e = _ms(last - rec.send_ns)
+        if rec.completion_tokens is not None:
+            out, out_src = int(rec.completion_tokens), "usage"
+        else:
+            out, out_src = rec.requested_output_tokens, "requested"
+        inp = rec.expected_input_tokens
+        gaps = [_ms(rec.chunk_ns[b] - rec.chunk_ns[a]) for a, b in zip(sel, sel[1:])]
+        if rec.api == "generate" and success:
+            for k, g in zip(sel[1:], gaps):
+                d = rec.chunk_tokens[k]
+                d = 1 if d is None else d
+                if d > 0:
+                    itl.extend([g / d] * d)
+        else:
+            itl = gaps
+    else:
+        success = ok and bool(choice_idx)
+        sel = choice_idx
+        if success:
+            ttft = _ms(rec.chunk_ns[sel[0]] - rec.send_ns)
+            e2e = _ms(rec.chunk_ns[sel[-1]] - rec.send_ns)
+            itl = [_ms(rec.chunk_ns[b] - rec.chunk_ns[a]) for a, b in zip(sel, sel[1:])]
+        if rec.completion_tokens is not None:
+            out, out_src = int(rec.completion_tokens), "usage"
+        else:
+            out, out_src = len(text_idx), "chunks"
+        inp = int(rec.prompt_tokens) if rec.prompt_tokens is not None else rec.expected_input_tokens
+    if success and out > 1 and ttft is not None and e2e is not None:
+        tpot = (e2e - ttft) / (out - 1)
+    return RequestMetrics(
+        request_id=rec.request_id, index=rec.index, role=rec.role, repeat=rec.repeat, success=success,
+        timeout=rec.error_kind == "timeout", error_kind=rec.error_kind if rec.error_kind else
+        ("" if success else "no_chunk"), ttft_ms=ttft, tpot_ms=tpot, e2el_ms=e2e, itl_ms=itl if success else [],
+        itl_per_token_ms=per_token_itl(rec) if success else None, input_tokens=inp, output_tokens=out,
+        output_tokens_source=out_src, expected_input_tokens=rec.expected_input_tokens,
+        requested_output_tokens=rec.requested_output_tokens, server_prompt_tokens=rec.prompt_tokens,
+        server_completion_tokens=rec.completion_tokens, cached_tokens=rec.cached_tokens, n_chunks=len(sel),
+        queue_time_ms=_ms(rec.dispatch_ns - rec.scheduled_ns) if rec.scheduled_ns else 0.0,
+        start_ms=_ms(rec.send_ns - window_start_ns) if window_start_ns else 0.0, done_seen=rec.done_ns is not None)
+
+
+def per_token_itl(rec: RequestRecord) -> list[float] | None:
+    """Text-chunk gaps split over each chunk's token delta (ms); None when the deltas are unknown.
+
+    Deltas come from the server (SGLang ``meta_info``, vLLM continuous usage); without them every
+    text chunk counts one token only if the number of text chunks equals ``completion_tokens``.
+    """
+    idx = [i for i, t in enumerate(rec.chunk_text) if t]
+    if len(idx) < 2:
+        return [] if idx else None
+    deltas = [rec.chunk_tokens[i] for i in idx]
+    if any(d is None for d in deltas):
+        if rec.completion_tokens is None or len(idx) != rec.completion_tokens:
+            return None
+        deltas = [1] * len(idx)
+    out: list[float] = []
+    for a, b, d in zip(idx, idx[1:], deltas[1:]):
+        if d and d > 0:
+            out.extend([_ms(rec.chunk_ns[b] - rec.chunk_ns[a]) / d] * int(d))
+    return out
+
+
+def request_frame(records: Iterable[RequestRecord], definition: str, window_start_ns: int = 0) -> pd.DataFrame:
+    """One row per request under ``definition`` (ITL lists summarised as their count and mean)."""
+    rows = []
+    for rec in records:
+        m = request_metrics(rec, definition, window_start_ns)
+        d = {k: v for k, v in m.__dict__.items() if k not in ("itl_ms", "itl_per_token_ms")}
+        d["n_itl"] = len(m.itl_ms)
+        d["mean_itl_ms"] = float(np.mean(m.itl_ms)) if m.itl_ms else None
+        d["definition"] = definition
+        rows.append(d)
+    return pd.DataFrame(rows)
+
+
+def stats(values: list[float] | np.ndarray, prefix: str, unit: str = "ms") -> dict[str, float | None]:
+    """mean, median, std (ddof 0), p50/p90/p95/p99 (numpy linear), min, max of ``values``; None if empty."""
+    arr = np.asarray(values, dtype=float)
+    keys = ["mean", "median", "std", *[f"p{p}" for p in PERCENTILES], "min", "max"]
+    if arr.size == 0:
+        return {f"{k}_{prefix}_{unit}": None for k in keys}
+    pct = np.percentile(arr, PERCENTILES)
+    vals = [arr.mean(), np.median(arr), arr.std(), *pct, arr.min(), arr.max()]
+    return {f"{k}_{prefix}_{unit}": float(v) for k, v in zip(keys, vals)}
+
+
+@dataclass
+class SLO:
+    """Service-level objectives in ms (None = not set). A request is good iff every set one holds."""
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2el_ms: float | None = None
+
+    def is_set(self) -> bool:
+        return any(v is not None for v in (self.ttft_ms, self.tpot_ms, self.e2el_ms))
+
+    def good(self, m: RequestMetrics) -> bool:
+        if not m.success:
+            return False
+        tpot = m.tpot_ms if m.output_tokens > 1 and m.tpot_ms is not None else 0.0
+        checks = [(self.ttft_ms, m.ttft_ms), (self.tpot_ms, tpot), (self.e2el_ms, m.e2el_ms)]
+        return all(slo is None or (v is not None and v <= slo) for slo, v in checks)
+
+
+def summarize(records: list[RequestRecord], duration_s: float, definition: str, slo: SLO | None = None,
+              window_start_ns: int = 0, roles: tuple[str, ...] = ("measure",)) -> dict[str, Any]:
+    """Aggregate metrics of the records whose role is in ``roles`` over a window of ``duration_s`` seconds."""
+    _check_definition(definition)
+    if duration_s <= 0:
+        raise ValueError(f"duration_s must be > 0, got {duration_s}")
+    ms = [request_metrics(r, definition, window_start_ns) for r in records if r.role in roles]
+    good = [m for m in ms if m.success]
+    total_in = sum(m.input_tokens for m in good)
+    total_out = sum(m.output_tokens for m in good)
+    out: dict[str, Any] = {
+        "definition": definition, "percentile_method": PERCENTILE_METHOD, "duration_s": duration_s,
+        "num_requests": len(ms), "completed": len(good), "failed": len(ms) - len(good),
+        "timeouts": sum(m.timeout for m in ms),
+        "errors_by_kind": pd.Series([m.error_kind for m in ms if not m.success], dtype=object).value_counts().to_dict(),
+        "total_input_tokens": total_in, "total_output_tokens": total_out,
+        "total_cached_tokens": sum(m.cached_tokens or 0 for m in good),
+        "request_throughput": len(good) / duration_s, "input_throughput": total_in / duration_s,
+        "output_throughput": total_out / duration_s, "total_token_throughput": (total_in + total_out) / duration_s,
+        "output_tokens_sources": pd.Series([m.output_tokens_source for m in good], dtype=object)
+        .value_counts().to_dict(),
+        "missing_done": sum(not m.done_seen for m in good),
+    }
+    out.update(stats([m.ttft_ms for m in good if m.ttft_ms is not None], "ttft"))
+    out.update(stats([m.tpot_ms for m in good if m.tpot_ms is not None], "tpot"))
+    out.update(stats([x for m in good for x in m.itl_ms], "itl"))
+    per_tok = [m.itl_per_token_ms for m in good]
+    out.update(stats([x for p in per_tok if p for x in p], "itl_per_token"))
+    out["itl_per_token_available"] = bool(good) and all(p is not None for p in per_tok)
+    out.update(stats([m.e2el_ms for m in good if m.e2el_ms is not None], "e2el"))
+    out.update(stats([m.queue_time_ms for m in ms], "queue_time"))
+    out.update(stats([m.e2el_ms + m.queue_time_ms for m in good if m.e2el_ms is not None], "e2el_incl_queue"))
+    # per-user decode speed (InferenceX "interactivity"): 1000 / TPOT
+    out["median_tok_per_s_per_user"] = (1000.0 / out["median_tpot_ms"]) if out["median_tpot_ms"] else None
+    if slo is not None and slo.is_set():
+        n_good = sum(slo.good(m) for m in ms)
+        out["slo"] = slo.__dict__
+        out["good_requests"] = n_good
+        out["request_goodput"] = n_good / duration_s
+        out["goodput_fraction"] = n_good / len(ms) if ms else None
+    else:
+        out["slo"], out["good_requests"], out["request_goodput"], out["goodput_fraction"] = None, None, None, None
+    out["token_check"] = token_check(records, roles)
+    return out
+
+
+def token_check(records: list[RequestRecord], roles: tuple[str, ...] = ("measure",)) -> dict[str, Any]:
+    """Achieved vs requested tokens per request (server ``usage`` vs the workload); mismatches listed."""
+    rows = []
+    for r in records:
+        if r.role not in roles or not r.ok:
+            continue
+        in_ok = r.prompt_tokens is not None and int(r.prompt_tokens) == r.expected_input_tokens
+        out_ok = r.completion_tokens is not None and int(r.completion_tokens) == r.requested_output_tokens
+        if not (in_ok and out_ok):
+            rows.append({"request_id": r.request_id, "expected_input": r.expected_input_tokens,
+                         "server_input": r.prompt_tokens, "requested_output": r.requested_output_tokens,
+                         "server_output": r.completion_tokens})
+    checked = sum(1 for r in records if r.role in roles and r.ok)
+    return {"checked": checked, "mismatches": len(rows), "examples": rows[:20],
+            "exact": checked > 0 and not rows}
+
+
+def cv_across_repeats(summaries: list[dict[str, Any]],
+                      keys: tuple[str, ...] = ("output_throughput", "total_token_throughput", "request_throughput",
+                                               "median_ttft_ms", "median_tpot_ms", "p95_ttft_ms", "p95_tpot_ms",
+                                               "median_e2el_ms")) -> dict[str, dict[str, float | None]]:
+    """Mean, sample std (ddof=1) and CV % of each key across repeat summaries (None with < 2 repeats)."""
+    out: dict[str, dict[str, float | None]] = {}
+    for k in keys:
+        vals = np.array([s[k] for s in summaries if s.get(k) is not None], dtype=float)
+        if vals.size < 2:
+            out[k] = {"mean": float(vals.mean()) if vals.size else None, "std": None, "cv_pct": None, "n": int(vals.size)}
+            continue
+        mean, std = float(vals.mean()), float(vals.std(ddof=1))
+        out[k] = {"mean": mean, "std": std, "cv_pct": 100.0 * std / mean if mean else None, "n": int(vals.size)}
+    return out
+
+
+@dataclass
+class ValidityRules:
+    """When a case result may be presented as a result (MLPerf-loadgen spirit)."""
+    min_completed: int = 1
+    min_window_s: float = 0.0
+    require_exact_tokens: bool = True
+    max_error_rate: float = 0.0
+    max_cv_pct: float | None = None          # milestone bound (seeds: 3 %), checked with >= 2 repeats
+    cv_key: str = "output_throughput"
+
+
+@dataclass
+class Verdict:
+    verdict: str                              # VALID | INVALID
+    reasons: list[str] = field(default_factory=list)
+
+
+def validity(summary: dict[str, Any], rules: ValidityRules, profiler_attached: bool = False,
+             cv: dict[str, dict[str, float | None]] | None = None) -> Verdict:
+    """VALID, or INVALID with every reason found (short window, too few requests, token mismatch, errors,
+    timeouts, profiler attached, CV over the bound)."""
+    reasons = []
+    if summary["completed"] < rules.min_completed:
+        reasons.append(f"too few completed requests: {summary['completed']} < {rules.min_completed}")
+    if summary["duration_s"] < rules.min_window_s:
+        reasons.append(f"measurement window too short: {summary['duration_s']:.3f} s < {rules.min_window_s} s")
+    n = summary["num_requests"]
+    if n and summary["failed"] / n > rules.max_error_rate:
+        reasons.append(f"errors: {summary['failed']} of {n} requests failed {summary['errors_by_kind']}")
+    if summary["timeouts"]:
+        reasons.append(f"timeouts: {summary['timeouts']}")
+    tc = summary.get("token_check") or {}
+    if rules.require_exact_tokens and tc.get("mismatches"):
+        reasons.append(f"achieved tokens off target in {tc['mismatches']} of {tc['checked']} requests")
+    if profiler_attached:
+        reasons.append("a profiler was attached (never compare with clean runs)")
+    if rules.max_cv_pct is not None and cv:
+        c = (cv.get(rules.cv_key) or {}).get("cv_pct")
+        if c is not None and c > rules.max_cv_pct:
+            reasons.append(f"CV of {rules.cv_key} across repeats {c:.1f} % > {rules.max_cv_pct} %")
+    return Verdict("INVALID" if reasons else "VALID", reasons)
+
+
+def both_definitions(records: list[RequestRecord], duration_s: float, slo: SLO | None = None,
+                     window_start_ns: int = 0, roles: tuple[str, ...] = ("measure",)) -> dict[str, dict[str, Any]]:
+    """``{"sglang": summary, "vllm": summary}`` of the same records."""
+    return {d: summarize(records, duration_s, d, slo, window_start_ns, roles) for d in DEFINITIONS}
+
+
+def side_by_side(summaries: dict[str, dict[str, Any]],
+                 keys: tuple[str, ...] = ("completed", "failed", "total_input_tokens", "total_output_tokens",
+                                          "request_throughput", "output_throughput", "total_token_throughput",
+                                          "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
+                                          "median_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "median_itl_ms",
+                                          "p99_itl_ms", "mean_e2el_ms", "median_e2el_ms", "p99_e2el_ms")
+                 ) -> pd.DataFrame:
+    """A metric × definition table (rows: metric; columns: ``sglang``, ``vllm``)."""
+    return pd.DataFrame({d: [s.get(k) for k in keys] for d, s in summaries.items()}, index=list(keys))

@@ -1,0 +1,190 @@
+"""Concurrency search (seeds 000 §5.2): C = 1, then add ``step`` (16 on the cluster) with regression fallback.
+
+Each point is a case (``cases/search_c<C>/``) of ``waves × C`` requests at concurrency C, with the warm-up /
+flush policy of decode points. After every point the stop conditions are checked from evidence, in order:
+
+- ``OOM``               the engine log matched the adapter's ``oom`` marker during the point;
+- ``ENGINE_CRASH``      the engine failed its health probe (process gone or /health not 200);
+- ``TTFT_SLO_EXCEEDED`` P``slo_percentile`` TTFT > the TTFT SLO (when ``stop_on_slo``);
+- ``TPOT_SLO_EXCEEDED`` P``slo_percentile`` TPOT > the TPOT SLO (when ``stop_on_slo``);
+- ``TPS_REGRESSION``    output TPS fell more than ``regression_pct`` below the best so far — first the
+                        midpoint between the best C and this C is probed once (the fallback), then stop;
+- ``TPS_SATURATED``     output TPS grew less than ``saturation_gain_pct`` over the previous point;
+- ``MAX_CONCURRENCY_REACHED`` the next C would exceed ``max_concurrency``.
+
+Three different answers (never one number): max successful C (every request succeeded), max-TPS C (highest
+output TPS among successful, valid points), max-under-SLO C (largest successful C whose P``slo_percentile``
+TTFT and TPOT meet the SLOs; None when no SLO is set). The SLO frontier table has throughput vs per-user
+tok/s (1000 / median TPOT) and TTFT/TPOT percentiles for every point.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import pandas as pd
+
+from servelab.measure import request_metrics as mx
+from servelab.measure.case import (ENGINE_CRASH, OOM, SUCCESS, CaseEnv, CaseResult, CaseSpec, EngineCrash, run_case)
+
+STOP_REASONS = ("OOM", "ENGINE_CRASH", "TTFT_SLO_EXCEEDED", "TPOT_SLO_EXCEEDED", "TPS_SATURATED", "TPS_REGRESSION",
+                "MAX_CONCURRENCY_REACHED")
+
+
+@dataclass
+class SearchConfig:
+    """Shape of the search points and its stop thresholds."""
+    input_tokens: int
+    output_tokens: int
+    step: int = 16
+    max_concurrency: int = 256
+    waves: int = 1                      # requests per point = waves × C
+    saturation_gain_pct: float = 5.0
+    regression_pct: float = 10.0
+    slo_percentile: int = 95
+    stop_on_slo: bool = True
+    definition: str = "vllm"
+    min_window_s: float = 0.0
+
+
+@dataclass
+class SearchPoint:
+    concurrency: int
+    case_id: str
+    status: str
+    output_tps: float | None
+    total_tps: float | None
+    ttft_ms: dict[str, float | None]
+    tpot_ms: dict[str, float | None]
+    tok_per_s_per_user: float | None
+    meets_slo: bool | None
+    verdict: str
+    reasons: list[str] = field(default_factory=list)
+    role: str = "ladder"                # ladder | fallback
+
+
+@dataclass
+class SearchResult:
+    points: list[SearchPoint]
+    stop_reason: str
+    stop_detail: str
+    max_successful_concurrency: int | None
+    max_tps_concurrency: int | None
+    max_under_slo_concurrency: int | None
+    slo: dict[str, Any]
+    definition: str
+
+    def frontier(self) -> pd.DataFrame:
+        """The SLO frontier: one row per point, sorted by concurrency."""
+        rows = []
+        for p in sorted(self.points, key=lambda p: p.concurrency):
+            rows.append({"concurrency": p.concurrency, "status": p.status, "validity": p.verdict,
+                         "output_tps": p.output_tps, "total_tps": p.total_tps,
+                         "tok_per_s_per_user": p.tok_per_s_per_user,
+                         **{f"{k}_ttft_ms": v for k, v in p.ttft_ms.items()},
+                         **{f"{k}_tpot_ms": v for k, v in p.tpot_ms.items()},
+                         "meets_slo": p.meets_slo, "role": p.role, "case_id": p.case_id})
+        return pd.DataFrame(rows)
+
+    def answers(self) -> pd.DataFrame:
+        return pd.DataFrame([
+            {"answer": "max successful concurrency", "concurrency": self.max_successful_concurrency},
+            {"answer": "max-TPS concurrency", "concurrency": self.max_tps_concurrency},
+            {"answer": "max concurrency under SLO", "concurrency": self.max_under_slo_concurrency},
+            {"answer": "stop reason", "concurrency": None, "detail": f"{self.stop_reason}: {self.stop_detail}"}])
+
+
+def ladder(step: int, max_concurrency: int) -> list[int]:
+    """1, step, 2·step, ... ≤ max (the seeds' 1, 16, 32, 48, ...)."""
+    out = [1]
+    c = step
+    while c <= max_concurrency:
+        if c > 1:
+            out.append(c)
+        c += step
+    return out
+
+
+def point_from_result(res: CaseResult, cfg: SearchConfig, slo: mx.SLO, role: str = "ladder") -> SearchPoint:
+    s = res.summaries.get(cfg.definition, {})
+    q = f"p{cfg.slo_percentile}"
+    ttft = {k: s.get(f"{k}_ttft_ms") for k in ("p50", "p95", "p99")}
+    tpot = {k: s.get(f"{k}_tpot_ms") for k in ("p50", "p95", "p99")}
+    meets = None
+    if slo.is_set() and res.status == SUCCESS:
+        meets = all(lim is None or (v is not None and v <= lim)
+                    for lim, v in ((slo.ttft_ms, s.get(f"{q}_ttft_ms")), (slo.tpot_ms, s.get(f"{q}_tpot_ms")),
+                                   (slo.e2el_ms, s.get(f"{q}_e2el_ms"))))
+    return SearchPoint(res.case.concurrency, res.case.case_id, res.status, s.get("output_throughput"),
+                       s.get("total_token_throughput"), ttft, tpot, s.get("median_tok_per_s_per_user"), meets,
+                       res.verdict.verdict, list(res.verdict.reasons), role)
+
+
+def search_case(cfg: SearchConfig, c: int) -> CaseSpec:
+    return CaseSpec(f"search_c{c}", "search", "decode", cfg.input_tokens, cfg.output_tokens, c, cfg.waves * c, True,
+                    "concurrency search point", min_window_s=cfg.min_window_s if c > 1 else 0.0)
+
+
+def concurrency_search(env: CaseEnv, cfg: SearchConfig,
+                       runner: Callable[[CaseEnv, CaseSpec], CaseResult] | None = None) -> SearchResult:
+    """Run the ladder until a stop condition fires; see the module docstring for the rules."""
+    run = runner or run_case
+    slo = env.slo
+    points: list[SearchPoint] = []
+    stop, detail = "MAX_CONCURRENCY_REACHED", f"reached {cfg.max_concurrency}"
+    q = f"p{cfg.slo_percentile}"
+
+    def do(c: int, role: str) -> SearchPoint | str:
+        try:
+            res = run(env, search_case(cfg, c))
+        except EngineCrash as exc:
+            points.append(SearchPoint(c, f"search_c{c}", ENGINE_CRASH, None, None, {}, {}, None, None, "INVALID",
+                                      [str(exc)], role))
+            return f"{ENGINE_CRASH}|{exc}"
+        p = point_from_result(res, cfg, slo, role)
+        points.append(p)
+        if res.status == OOM:
+            return f"{OOM}|C={c}: {res.log_events.get('oom', [''])[0][:200]}"
+        return p
+
+    for c in ladder(cfg.step, cfg.max_concurrency):
+        got = do(c, "ladder")
+        if isinstance(got, str):
+            stop, detail = got.split("|", 1)
+            break
+        p = got
+        s_ok = [x for x in points if x.status == SUCCESS and x.output_tps is not None and x.role == "ladder"]
+        if cfg.stop_on_slo and slo.ttft_ms is not None and p.ttft_ms.get(q) is not None and p.ttft_ms[q] > slo.ttft_ms:
+            stop, detail = "TTFT_SLO_EXCEEDED", f"C={c}: {q} TTFT {p.ttft_ms[q]:.1f} ms > {slo.ttft_ms} ms"
+            break
+        if cfg.stop_on_slo and slo.tpot_ms is not None and p.tpot_ms.get(q) is not None and p.tpot_ms[q] > slo.tpot_ms:
+            stop, detail = "TPOT_SLO_EXCEEDED", f"C={c}: {q} TPOT {p.tpot_ms[q]:.2f} ms > {slo.tpot_ms} ms"
+            break
+        prev = [x for x in s_ok if x is not p]
+        if prev and p.output_tps is not None:
+            best = max(prev, key=lambda x: x.output_tps or 0)
+            if p.output_tps < best.output_tps * (1 - cfg.regression_pct / 100):
+                mid = (best.concurrency + c) // 2
+                tested = {x.concurrency for x in points}
+                if mid not in tested and best.concurrency < mid < c:
+                    got_mid = do(mid, "fallback")
+                    if isinstance(got_mid, str):
+                        stop, detail = got_mid.split("|", 1)
+                        break
+                stop, detail = "TPS_REGRESSION", (f"C={c}: output TPS {p.output_tps:.1f} < best {best.output_tps:.1f}"
+                                                  f" at C={best.concurrency} by > {cfg.regression_pct}%"
+                                                  f"; fallback probed C={mid}")
+                break
+            last = prev[-1]
+            if last.output_tps and p.output_tps < last.output_tps * (1 + cfg.saturation_gain_pct / 100):
+                stop, detail = "TPS_SATURATED", (f"C={c}: output TPS {p.output_tps:.1f} gained < "
+                                                 f"{cfg.saturation_gain_pct}% over {last.output_tps:.1f} at "
+                                                 f"C={last.concurrency}")
+                break
+    ok = [x for x in points if x.status == SUCCESS]
+    valid_ok = [x for x in ok if x.verdict == "VALID"] or ok
+    max_succ = max((x.concurrency for x in ok), default=None)
+    max_tps = max(valid_ok, key=lambda x: x.output_tps or 0).concurrency if valid_ok else None
+    under = [x.concurrency for x in ok if x.meets_slo]
+    max_slo = max(under, default=None) if slo.is_set() else None
+    return SearchResult(points, stop, detail, max_succ, max_tps, max_slo, slo.__dict__, cfg.definition)

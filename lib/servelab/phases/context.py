@@ -1,0 +1,93 @@
+"""The one call a phase notebook makes after its parameters cell, and the one it makes at the end.
+
+    ctx = open_phase("phase0_manifest", globals())
+    ...
+    finish_phase(ctx, headline={...})
+
+``open_phase`` reads the parameter names from the notebook's own ``parameters`` cell, takes their
+values from the namespace (papermill has injected its overrides there), layers ``params/<phase>.yaml``,
+validates everything, resolves the target, and opens ``outputs/<run_id>/<phase>/``. The same call
+serves the CLI, plain papermill and JupyterLab.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from servelab.core import run as runlib
+from servelab.core.notebooks import notebook_path
+from servelab.core.params import notebook_param_specs, resolve_phase_params
+from servelab.target.spec import Target
+from servelab.target.targets import load_target
+
+
+@dataclass
+class PhaseContext:
+    """Everything a phase notebook needs: resolved params, target, and where to write."""
+    phase: str
+    run_id: str
+    run_dir: Path
+    phase_dir: Path
+    params: dict[str, Any]
+    target: Target
+    started: str
+    from_samples: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    def case_dir(self, case_id: str) -> Path:
+        d = self.run_dir / "cases" / case_id
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+
+def open_phase(notebook_name: str, namespace: dict[str, Any]) -> PhaseContext:
+    """Validate parameters, resolve the target and open the run directory (no other side effect)."""
+    import plotly.io as pio
+    # papermill + nbconvert can only render this mimetype pair offline (plotly.js inlined once)
+    pio.renderers.default = "plotly_mimetype+notebook"
+    import pandas as pd
+    pd.set_option("display.max_colwidth", 160)
+    pd.set_option("display.max_rows", 200)
+    phase = notebook_name.split("_")[0]
+    nb = notebook_path(phase)
+    specs = notebook_param_specs(nb)
+    given = {k: namespace[k] for k in specs if k in namespace}
+    params = resolve_phase_params(nb, phase, given=given)
+    target = load_target(params.get("target") or "local")
+    run_id = params.get("run_id") or os.environ.get("SERVELAB_RUN_ID") or runlib.new_run_id(target.name)
+    rdir = runlib.init_run(run_id, target.name)
+    pdir = rdir / phase
+    pdir.mkdir(parents=True, exist_ok=True)
+    started = runlib.now_iso()
+    params = {**params, "run_id": run_id}
+    runlib.update_manifest(rdir, phases={phase: {"status": "running", "started": started, "params": params,
+                                                 "notebook": nb.name}})
+    runlib.write_json_atomic(pdir / "params.json", runlib.redact(params))
+    return PhaseContext(phase=phase, run_id=run_id, run_dir=rdir, phase_dir=pdir, params=params,
+                        target=target, started=started)
+
+
+def log_command(ctx: PhaseContext, label: str, argv: list[str], title: str = "", **kw: Any) -> runlib.CommandRecord:
+    """Record a command of this phase (``executed`` / ``reproduce`` / ``planned``)."""
+    return runlib.record_command(ctx.run_dir, runlib.CommandRecord(label=label, argv=list(argv), phase=ctx.phase,
+                                                                   title=title, **kw))
+
+
+def finish_phase(ctx: PhaseContext, status: str = "success", headline: dict[str, Any] | None = None,
+                 not_executed: list[str] | None = None) -> dict[str, Any]:
+    """Close the phase in the manifest: status, end time, headline numbers, what was not executed."""
+    entry = {"status": status, "ended": runlib.now_iso(), "headline": headline or {},
+             "from_samples": ctx.from_samples, "not_executed": not_executed or [], "notes": ctx.notes}
+    m = runlib.read_manifest(ctx.run_dir)
+    merged = {**m.get("phases", {}).get(ctx.phase, {}), **entry}
+    runlib.update_manifest(ctx.run_dir, phases={ctx.phase: merged})
+    runlib.write_json_atomic(ctx.phase_dir / "phase.json", runlib.redact(merged))
+    return merged
+
+
+def load_phase_json(run_dir: Path, phase: str) -> dict[str, Any]:
+    p = run_dir / phase / "phase.json"
+    return json.loads(p.read_text()) if p.exists() else {}

@@ -1,0 +1,210 @@
+"""Phase 0 — freeze the environment: what exactly is running, on every node, before and after.
+
+``run_phase0`` does the whole phase inside one ``ProcessTracker`` (the engine is always stopped, even
+on failure or Ctrl-C) and returns the tables the notebook shows. Raw probe outputs are written under
+``<run>/phase0/raw/<node>/`` and the facts into ``manifest.json`` (hosts, engine, model).
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from servelab.target import hosts as hostlib
+from servelab.target.engines import engine_for
+from servelab.target.facts import (collect_facts, gguf_facts, nccl_env, port_snapshot, process_snapshot,
+                            snapshot_diff)
+from servelab.target.models import file_digest
+from servelab.phases.context import PhaseContext, log_command
+from servelab.core.run import redact, update_manifest, write_json_atomic
+from servelab.target.server import engine_info, is_healthy, plan_launch, rank_environments, start_server, stop_server
+
+
+@dataclass
+class Phase0Result:
+    facts: pd.DataFrame
+    launch: pd.DataFrame
+    engine: pd.DataFrame
+    model: pd.DataFrame
+    settings: pd.DataFrame
+    comm_env: pd.DataFrame
+    processes_before: pd.DataFrame
+    ports_before: pd.DataFrame
+    processes_started: pd.DataFrame
+    ports_opened: pd.DataFrame
+    leftovers_after: pd.DataFrame
+    rank_env: pd.DataFrame = field(default_factory=pd.DataFrame)
+    server: dict[str, Any] = field(default_factory=dict)
+
+
+def _kv(rows: dict[str, Any], key: str = "item") -> pd.DataFrame:
+    return pd.DataFrame([{key: k, "value": "-" if v is None or v == "" else str(v)} for k, v in rows.items()])
+
+
+def engine_settings(target_launch: dict[str, Any], engine: str, info: dict[str, Any]) -> pd.DataFrame:
+    """The seeds' Phase 0 settings list: configured value and, where the engine reports it, the live value."""
+    adapter = engine_for(engine)
+    topo = adapter.topology(target_launch)
+    props = info.get("/props", {}) if isinstance(info.get("/props"), dict) else {}
+    sinfo = info.get("/server_info", {}) if isinstance(info.get("/server_info"), dict) else {}
+    models = info.get("/v1/models", {}) if isinstance(info.get("/v1/models"), dict) else {}
+    meta = (models.get("data") or [{}])[0].get("meta", {}) if models.get("data") else {}
+    spec = target_launch.get("spec") or {}
+    rows = [
+        ("topology TP/PP/DP/EP", f"{topo['tp']}/{topo['pp']}/{topo['dp']}/{topo['ep']}",
+         f"{sinfo.get('tp_size', '-')}/{sinfo.get('pp_size', '-')}/{sinfo.get('dp_size', '-')}/{sinfo.get('ep_size', '-')}"
+         if sinfo else ("1/1/1/1 (single process)" if engine == "llamacpp" else "-")),
+        ("attention backend", target_launch.get("attention_backend"), sinfo.get("attention_backend")),
+        ("MoE runner / all-to-all backend", f"{target_launch.get('moe_runner_backend', '-')} / "
+                                            f"{target_launch.get('moe_a2a_backend', '-')}", sinfo.get("moe_runner_backend")),
+        ("GPU memory fraction", target_launch.get("mem_fraction"), sinfo.get("mem_fraction_static")),
+        ("context limit (tokens)", target_launch.get("context_length"),
+         sinfo.get("context_length") or (meta.get("n_ctx") and f"{meta.get('n_ctx')} per slot")),
+        ("active request limit", target_launch.get("max_running_requests") or target_launch.get("parallel"),
+         sinfo.get("max_running_requests") or props.get("total_slots")),
+        ("KV cache dtype", target_launch.get("kv_cache_dtype", "auto"), sinfo.get("kv_cache_dtype")),
+        ("CUDA graph", target_launch.get("cuda_graph", "engine default"),
+         ("not applicable (CPU)" if engine == "llamacpp" else sinfo.get("disable_cuda_graph") is False if sinfo else None)),
+        ("chunked prefill size", target_launch.get("chunked_prefill_size", "engine default"),
+         sinfo.get("chunked_prefill_size") or (f"batch {target_launch.get('batch_size', 2048)}" if engine == "llamacpp" else None)),
+        ("prefix cache", target_launch.get("prefix_cache", "engine default"),
+         ("per-slot prompt cache" if engine == "llamacpp" else
+          (not sinfo.get("disable_radix_cache")) if sinfo else None)),
+        ("speculative decoding", spec.get("algorithm", "off") if spec else "off",
+         sinfo.get("speculative_algorithm") if sinfo else None),
+        ("build / version", "-", props.get("build_info") or sinfo.get("version")),
+    ]
+    return pd.DataFrame([{"setting": s, "configured": "-" if c is None else str(c), "live": "-" if v is None else str(v)}
+                         for s, c, v in rows])
+
+
+def model_facts(model_path: str, is_local: bool) -> pd.DataFrame:
+    """Model file, size, sha256 and configuration (GGUF metadata or HF config.json)."""
+    p = Path(model_path)
+    rows: dict[str, Any] = {"path": model_path}
+    if is_local and p.is_file():
+        t0 = time.monotonic()
+        rows["size_bytes"] = p.stat().st_size
+        rows["sha256"] = file_digest(p)
+        rows["checksum_s"] = round(time.monotonic() - t0, 2)
+        if p.suffix == ".gguf":
+            for k, v in gguf_facts(p).items():
+                if any(s in k for s in ("architecture", "name", "context_length", "embedding_length", "block_count",
+                                        "head_count", "feed_forward_length", "file_type", "vocab_size", "expert",
+                                        "tensor_count", "quantization")):
+                    rows[k] = v
+    elif is_local and p.is_dir() and (p / "config.json").exists():
+        cfg = json.loads((p / "config.json").read_text())
+        rows.update({f"config.{k}": v for k, v in cfg.items() if not isinstance(v, (dict, list))})
+        for w in sorted(p.glob("*.safetensors"))[:64]:
+            rows[f"weights.{w.name}.size"] = w.stat().st_size
+    else:
+        rows["note"] = "model lives on the nodes; checksums are taken there (see raw/<node>/model_sha256.txt)"
+    return _kv(rows, "field")
+
+
+def descendants(procs: pd.DataFrame, roots: dict[str, int]) -> pd.DataFrame:
+    """The processes we started: each node's root pid and everything below it (by ppid) — not whatever
+    else happened to start on the machine meanwhile."""
+    keep = []
+    for node, root in roots.items():
+        sub = procs[procs["node"] == node]
+        children: dict[int, list[int]] = {}
+        for pid, ppid in zip(sub["pid"], sub["ppid"]):
+            children.setdefault(int(ppid), []).append(int(pid))
+        todo, seen = [int(root)], set()
+        while todo:
+            pid = todo.pop()
+            if pid in seen:
+                continue
+            seen.add(pid)
+            todo += children.get(pid, [])
+        keep += [(node, pid) for pid in seen]
+    mask = [(n, int(p)) in set(keep) for n, p in zip(procs["node"], procs["pid"])]
+    return procs[mask].reset_index(drop=True)
+
+
+def run_phase0(ctx: PhaseContext, start_engine: bool = True, health_timeout_s: float = 900.0) -> Phase0Result:
+    """Collect the Phase 0 facts on every node; start the engine, record how it runs, stop it, verify cleanup."""
+    target = ctx.target
+    raw = ctx.phase_dir / "raw"
+    nodes = {n.name: hostlib.connect(n) for n in target.nodes}
+    security = [{"node": h.name, "accepted_new_host_key": k} for h in nodes.values()
+                for k in getattr(h, "accepted_keys", [])]
+    facts = pd.concat([collect_facts(h, raw_dir=raw / name) for name, h in nodes.items()], ignore_index=True)
+    procs_before = pd.concat([process_snapshot(h) for h in nodes.values()], ignore_index=True)
+    ports_before = pd.concat([port_snapshot(h) for h in nodes.values()], ignore_index=True)
+    launch_rows, info, server_info = [], {}, {"started": False}
+    rank_env = pd.DataFrame()
+    procs_started = pd.DataFrame(columns=procs_before.columns)
+    ports_opened = pd.DataFrame(columns=ports_before.columns)
+    model_path = target.model
+    with hostlib.ProcessTracker() as tracker:
+        if start_engine:
+            srv = start_server(target, ctx.phase_dir / "logs", tracker, run_dir=ctx.run_dir, phase=ctx.phase,
+                               health_timeout_s=health_timeout_s, hosts=nodes)
+            model_path = srv.model_path
+            info = engine_info(srv)
+            if target.engine == "llamacpp":
+                v = nodes[target.head.name].run([srv.plans[0].argv[0], "--version"], timeout=30)
+                info["version"] = (v.stdout + v.stderr).strip()
+                log_command(ctx, "executed", [srv.plans[0].argv[0], "--version"], title="engine version",
+                            exit_code=v.exit_code, start=v.start, end=v.end)
+            rank_env = rank_environments(srv)
+            procs_during = pd.concat([process_snapshot(h) for h in nodes.values()], ignore_index=True)
+            ports_during = pd.concat([port_snapshot(h) for h in nodes.values()], ignore_index=True)
+            procs_started = descendants(procs_during, {n: h.pid for n, h in srv.handles.items()})
+            ports_opened = snapshot_diff(ports_before, ports_during, ["node", "port"])
+            server_info = {"started": True, "base_url": srv.base_url, "ready_s": round(srv.ready_s, 3),
+                           "healthy_before_stop": is_healthy(srv), "logs": srv.log_paths}
+            launch_rows = [{"node": p.node, "command": p.shell(), "port": p.port, "log": srv.log_paths[p.node]}
+                           for p in srv.plans]
+            server_info.update(stop_server(srv, tracker, run_dir=ctx.run_dir, phase=ctx.phase))
+        else:
+            plans, model_path = plan_launch(target)
+            for p in plans:
+                log_command(ctx, "planned", p.argv, title=f"start {target.engine} on {p.node}", host=p.node,
+                            env=p.env)
+                launch_rows.append({"node": p.node, "command": p.shell(), "port": p.port, "log": "-"})
+    procs_after = pd.concat([process_snapshot(h) for h in nodes.values()], ignore_index=True)
+    leftovers = snapshot_diff(procs_before, procs_after, ["node", "pid"])
+    started_pids = set(zip(procs_started["node"], procs_started["pid"]))
+    leftovers = leftovers[[(n, p) in started_pids for n, p in zip(leftovers["node"], leftovers["pid"])]]
+    for h in nodes.values():
+        h.close()
+
+    engine_rows = {"engine": target.engine}
+    if "version" in info:
+        engine_rows["version"] = info["version"].splitlines()[0] if info["version"] else "-"
+    props = info.get("/props") if isinstance(info.get("/props"), dict) else {}
+    for k in ("build_info", "model_alias", "model_ftype", "total_slots", "bos_token", "eos_token"):
+        if props.get(k) is not None:
+            engine_rows[k] = props[k]
+    if props.get("chat_template") is not None:
+        engine_rows["chat_template"] = "present" if props["chat_template"] else "none (ChatML fallback)"
+    sinfo = info.get("/server_info") if isinstance(info.get("/server_info"), dict) else {}
+    for k in ("version", "model_path", "tp_size", "pp_size", "dp_size", "ep_size"):
+        if sinfo.get(k) is not None:
+            engine_rows[f"server_info.{k}"] = sinfo[k]
+
+    result = Phase0Result(
+        facts=facts, launch=pd.DataFrame(launch_rows, columns=["node", "command", "port", "log"]),
+        engine=_kv(engine_rows, "field"), model=model_facts(model_path, target.is_local),
+        settings=engine_settings(target.launch, target.engine, info), comm_env=nccl_env(target.env),
+        processes_before=procs_before, ports_before=ports_before, processes_started=procs_started,
+        ports_opened=ports_opened, leftovers_after=leftovers, rank_env=rank_env, server=server_info)
+    write_json_atomic(ctx.phase_dir / "engine_info.json", redact(info))
+    facts.to_csv(ctx.phase_dir / "facts.csv", index=False)
+    result.settings.to_csv(ctx.phase_dir / "settings.csv", index=False)
+    result.model.to_csv(ctx.phase_dir / "model.csv", index=False)
+    hosts_section = {n: {r["fact"]: r["value"] for _, r in facts[facts["node"] == n].iterrows()} for n in nodes}
+    update_manifest(ctx.run_dir, hosts=hosts_section, security=security,
+                    engine={"name": target.engine, **{k: v for k, v in engine_rows.items()}},
+                    model={r["field"]: r["value"] for _, r in result.model.iterrows()},
+                    launch={"plans": launch_rows, "env": target.env, "settings": target.launch},
+                    rank_env=rank_env.to_dict(orient="records"))
+    return result

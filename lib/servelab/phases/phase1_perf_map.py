@@ -1,0 +1,223 @@
+"""Phase 1 end to end: start the engine, run the quick matrix (+ M1 A/B, + optional concurrency search), stop.
+
+``run_phase1(ctx)`` is the one call of the notebook: the server is started inside a ``ProcessTracker`` and
+stopped in ``finally`` — whatever fails, nothing is left running. An OOM restarts the engine before anything
+else is measured (seeds §16) and the restart is recorded; ENGINE_CRASH stops the run and lists the cases not
+executed. Everything goes to ``<run>/cases/<case_id>/`` (raw records, summaries, server metrics),
+``<run>/summary.csv`` and ``<run>/phase1/`` (matrix, search, frontier, M1 tables).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from servelab.measure import request_metrics as mx
+from servelab.measure.case import (SCALES, CaseEnv, CaseResult, CaseSpec, MatrixResult, load_case_result, make_env,
+                            quick_matrix, run_case, run_matrix)
+from servelab.measure.mixed import m1_analysis, run_m1_case
+from servelab.core.run import write_json_atomic
+from servelab.measure.search import SearchConfig, SearchResult, concurrency_search
+
+
+@dataclass
+class Phase1Result:
+    """What the notebook shows."""
+    matrix: MatrixResult
+    definition: str
+    search: SearchResult | None = None
+    m1: dict[str, Any] | None = None
+    restarts: list[dict[str, Any]] = field(default_factory=list)
+    server: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def aborted(self) -> str:
+        return self.matrix.aborted
+
+    @property
+    def not_executed(self) -> list[str]:
+        return self.matrix.not_executed
+
+    def summary(self, definition: str | None = None) -> pd.DataFrame:
+        return self.matrix.frame(definition or self.definition)
+
+    def headline(self) -> dict[str, Any]:
+        df = self.summary()
+        out: dict[str, Any] = {"cases": len(self.matrix.results), "definition": self.definition,
+                               "valid": int((df["validity"] == "VALID").sum()) if not df.empty else 0,
+                               "not_executed": len(self.not_executed), "aborted": self.aborted or None}
+        for cid, key in (("P1", "p50_ttft_ms"), ("D1", "p50_tpot_ms")):
+            row = df[df["case_id"] == cid]
+            if not row.empty:
+                out[f"{cid}_{key}"] = row.iloc[0][key]
+        d2 = df[df["scenario"] == "D2"]
+        if not d2.empty:
+            out["D2_max_output_tps"] = float(d2["output_throughput"].max())
+        if self.search is not None:
+            out.update(search_stop=self.search.stop_reason, max_successful_c=self.search.max_successful_concurrency,
+                       max_tps_c=self.search.max_tps_concurrency, max_under_slo_c=self.search.max_under_slo_concurrency)
+        if self.m1 is not None:
+            ab = self.m1["ab"].set_index("metric")
+            out["M1_output_tps_change_pct"] = ab.loc["output_throughput", "change_pct"]
+            out["M1_p95_tpot_change_pct"] = ab.loc["p95_tpot_ms", "change_pct"]
+        return out
+
+
+def dispatch_case(env: CaseEnv, case: CaseSpec) -> CaseResult:
+    """M1 cases need the injection wave; every other case is a plain closed-loop wave."""
+    return run_m1_case(env, case) if case.scenario == "M1" else run_case(env, case)
+
+
+def percentile_table(result: CaseResult) -> pd.DataFrame:
+    """P50/P90/P95/P99/mean/max of TTFT, TPOT, ITL, E2E for one case, both definitions side by side (ms)."""
+    rows = []
+    for d, s in result.summaries.items():
+        for m in ("ttft", "tpot", "itl", "itl_per_token", "e2el"):
+            rows.append({"definition": d, "metric": m, **{st: s.get(f"{st}_{m}_ms")
+                                                         for st in ("mean", "p50", "p90", "p95", "p99", "max")}})
+    return pd.DataFrame(rows)
+
+
+def search_config(target: Any, params: dict[str, Any], cases: list[CaseSpec]) -> SearchConfig:
+    scale = SCALES[getattr(target, "scale", "local")]
+    step = int(params.get("search_step") or (16 if target.scale == "cluster" else 4))
+    return SearchConfig(input_tokens=scale["D_in"], output_tokens=scale["D_out"], step=step,
+                        max_concurrency=int(params.get("search_max_concurrency") or 64),
+                        definition=params.get("definition", "vllm"), min_window_s=scale["min_window_s"])
+
+
+def run_phase1(ctx: Any, health_timeout_s: float = 900.0) -> Phase1Result:
+    """Start the engine, run the matrix (and the search), stop the engine; write the phase tables."""
+    from servelab.target.hosts import ProcessTracker
+    from servelab.phases.context import log_command
+    from servelab.target.server import engine_info, start_server, stop_server
+
+    p = ctx.params
+    definition = p.get("definition", "vllm")
+    if definition not in mx.DEFINITIONS:
+        from servelab.core.params import ParamError
+        raise ParamError(f"definition must be one of {mx.DEFINITIONS}, got {definition!r}")
+    if p.get("matrix", "quick") != "quick":
+        from servelab.core.params import ParamError
+        raise ParamError(f"matrix: only 'quick' exists (got {p.get('matrix')!r})")
+    cases = quick_matrix(ctx.target, list(p.get("cases") or []))
+    slo = mx.SLO(ttft_ms=p.get("slo_ttft_ms") or None, tpot_ms=p.get("slo_tpot_ms") or None)
+    env_kw = dict(repeats=int(p.get("repeats", 1)), seed=int(p.get("seed", 0)), slo=slo,
+                  progress=bool(p.get("progress", False)))
+    log_dir = ctx.phase_dir / "server"
+    restarts: list[dict[str, Any]] = []
+    with ProcessTracker() as tracker:
+        holder: dict[str, Any] = {"srv": start_server(ctx.target, log_dir, tracker, run_dir=ctx.run_dir,
+                                                      phase=ctx.phase, health_timeout_s=health_timeout_s)}
+        try:
+            server = {"base_url": holder["srv"].base_url, "info": engine_info(holder["srv"]),
+                      "model_path": holder["srv"].model_path, "ready_s": holder["srv"].ready_s}
+            env = make_env(holder["srv"], ctx.run_dir, **env_kw)
+
+            def on_oom(old: CaseEnv, res: CaseResult) -> CaseEnv:
+                stop_server(old.srv, tracker, ctx.run_dir, ctx.phase)
+                holder["srv"] = start_server(ctx.target, log_dir, tracker, run_dir=ctx.run_dir, phase=ctx.phase,
+                                             health_timeout_s=health_timeout_s)
+                restarts.append({"after": res.case.case_id, "reason": "OOM"})
+                ctx.notes.append(f"engine restarted after OOM in {res.case.case_id} (seeds §16)")
+                return make_env(holder["srv"], ctx.run_dir, **env_kw)
+
+            log_command(ctx, "reproduce", ["servelab", "run", "phase1", "--target", ctx.target.name, "--run-id",
+                                           ctx.run_id, "-p", f"repeats={env.repeats}", "-p", "resume=true"],
+                        title="re-run / resume this phase")
+            matrix = run_matrix(env, cases, resume=bool(p.get("resume", False)), case_runner=dispatch_case,
+                                on_oom=on_oom)
+            env = env if not restarts else make_env(holder["srv"], ctx.run_dir, **env_kw)
+            search = None
+            if p.get("search") and not matrix.aborted:
+                search = concurrency_search(env, search_config(ctx.target, p, cases), runner=dispatch_case)
+        finally:
+            stop_server(holder["srv"], tracker, ctx.run_dir, ctx.phase)
+    m1 = None
+    by_id = {r.case.case_id: r for r in matrix.results}
+    if "M1_control" in by_id and "M1_treatment" in by_id and by_id["M1_treatment"].summaries:
+        m1 = m1_analysis(by_id["M1_control"], by_id["M1_treatment"], definition)
+    res = Phase1Result(matrix, definition, search, m1, restarts + matrix.restarts, server)
+    write_phase_tables(ctx.phase_dir, res)
+    return res
+
+
+def write_phase_tables(phase_dir: Path, res: Phase1Result) -> None:
+    """``matrix.csv`` (both definitions), ``search.json`` + ``frontier.csv``, ``m1_*.csv``, ``phase1.json``."""
+    phase_dir.mkdir(parents=True, exist_ok=True)
+    res.matrix.frame().to_csv(phase_dir / "matrix.csv", index=False)
+    if res.search is not None:
+        write_json_atomic(phase_dir / "search.json", {
+            "stop_reason": res.search.stop_reason, "stop_detail": res.search.stop_detail,
+            "max_successful_concurrency": res.search.max_successful_concurrency,
+            "max_tps_concurrency": res.search.max_tps_concurrency,
+            "max_under_slo_concurrency": res.search.max_under_slo_concurrency, "slo": res.search.slo,
+            "definition": res.search.definition, "points": [asdict(x) for x in res.search.points]})
+        res.search.frontier().to_csv(phase_dir / "frontier.csv", index=False)
+    if res.m1 is not None:
+        res.m1["ab"].to_csv(phase_dir / "m1_ab.csv", index=False)
+        res.m1["windows"].to_csv(phase_dir / "m1_windows.csv", index=False)
+    write_json_atomic(phase_dir / "phase1.json", {"headline": res.headline(), "aborted": res.aborted,
+                                                  "not_executed": res.not_executed, "restarts": res.restarts,
+                                                  "skipped_on_resume": res.matrix.skipped, "server": res.server})
+
+
+def load_case(run_dir: Path, case: CaseSpec) -> CaseResult:
+    return load_case_result(case, Path(run_dir) / "cases" / case.case_id)
+
+
+# ---------------------------------------------------------------- what the notebook shows (None-safe)
+
+def case_result(res: Phase1Result, case_id: str) -> CaseResult | None:
+    return next((r for r in res.matrix.results if r.case.case_id == case_id), None)
+
+
+def definitions_table(res: Phase1Result, case_id: str = "D1") -> pd.DataFrame:
+    """One case's percentiles under both definitions (falls back to the first case that ran)."""
+    r = case_result(res, case_id) or (res.matrix.results[0] if res.matrix.results else None)
+    if r is None or not r.summaries:
+        return pd.DataFrame({"note": [f"case {case_id} has no result"]})
+    return percentile_table(r).assign(case_id=r.case.case_id)
+
+
+def search_table(res: Phase1Result) -> pd.DataFrame:
+    """The three concurrency answers and the stop reason (or why the search did not run)."""
+    if res.search is None:
+        why = "aborted run" if res.aborted else "search=False"
+        return pd.DataFrame({"answer": ["search not run"], "detail": [why]})
+    return res.search.answers()
+
+
+def frontier_figure(res: Phase1Result) -> Any:
+    from servelab.report import perf_figures as pf
+    if res.search is None:
+        return pf.slo_frontier(pd.DataFrame(), None, res.definition)
+    return pf.slo_frontier(res.search.frontier(), res.search.slo, res.definition)
+
+
+def m1_tables(res: Phase1Result) -> pd.DataFrame:
+    """M1 control vs treatment (and the per-window ITL stats below it)."""
+    if res.m1 is None:
+        return pd.DataFrame({"note": ["M1 did not run (or failed): no A/B"]})
+    return pd.concat([res.m1["ab"].assign(table="A/B"), res.m1["windows"].assign(table="ITL windows")],
+                     ignore_index=True)
+
+
+def m1_figure(res: Phase1Result) -> Any:
+    from servelab.report import perf_figures as pf
+    import plotly.graph_objects as go
+    if res.m1 is None:
+        return go.Figure().update_layout(title="M1 did not run: no ITL timeline")
+    return pf.itl_timeline(res.m1)
+
+
+def run_status(res: Phase1Result) -> pd.DataFrame:
+    """Per case: status, verdict, reasons; then the cases not executed and why the run stopped."""
+    rows = [{"case_id": r.case.case_id, "status": r.status, "validity": r.verdict.verdict,
+             "reasons": "; ".join(r.verdict.reasons), "notes": "; ".join(r.case.notes),
+             "resumed": r.case.case_id in res.matrix.skipped} for r in res.matrix.results]
+    rows += [{"case_id": c, "status": "NOT EXECUTED", "validity": "-", "reasons": res.aborted or "",
+              "notes": "", "resumed": False} for c in res.not_executed]
+    return pd.DataFrame(rows)

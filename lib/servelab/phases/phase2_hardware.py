@@ -1,0 +1,320 @@
+"""What the Phase 2 notebook calls: plan the collectors per node, run them around cases, and turn the
+result into the page's tables and figures (compute here, draw in ``figures``, nothing printed).
+
+``run_engine_cases`` is the real thing: it starts the target's engine and runs Phase 1 cases (long
+prefill, concurrent prefill, decode, the mixed A/B) with the collectors started on every node before each
+case and stopped after it; every sample is sliced to the client's own measurement window of that case
+(``meta.json`` ``windows_wall_ns``). ``run_local_cases`` runs synthetic CPU workloads (idle / one hot core /
+all cores) to show the collectors' own behaviour without an engine. A cluster target without a live
+session gets its collector plan recorded as ``planned`` commands.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from servelab.target.hosts import connect
+from servelab.core.paths import samples_root
+from servelab.analyse.telemetry import collectors as C
+from servelab.analyse.telemetry.collectors import display_argv
+from servelab.analyse.telemetry.figures import timeseries_figure
+from servelab.analyse.telemetry.frames import nan_to_dash
+from servelab.analyse.telemetry.load import CaseTelemetry, load_case_telemetry
+from servelab.analyse.telemetry.parse_smi import parse_smi_csv
+from servelab.analyse.telemetry.runner import (NOT_CONFIGURED, OK, CollectorStatus, NodePlan, RequiredCollectorError,
+                                       start_telemetry)
+from servelab.analyse.telemetry.summary import (CATALOG, answer_questions, compare_cases, coverage_table, status_table,
+                                        summarize_case, write_metric_csvs)
+from servelab.analyse.telemetry.windows import CaseWindow
+
+WORKLOAD = (
+    "import hashlib, json, sys, threading, time\n"
+    "pre, busy, threads, out = float(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]), sys.argv[4]\n"
+    "time.sleep(pre)\n"
+    "buf = b'x' * (1 << 20)\n"
+    "start = time.time_ns(); end = start + int(busy * 1e9)\n"
+    "def spin():\n"
+    "    while time.time_ns() < end:\n"
+    "        hashlib.sha256(buf).digest()\n"
+    "ts = [threading.Thread(target=spin) for _ in range(threads)]\n"
+    "[t.start() for t in ts]\n"
+    "time.sleep(max(0.0, (end - time.time_ns()) / 1e9)) if not ts else [t.join() for t in ts]\n"
+    "stop = time.time_ns()\n"
+    "open(out + '.tmp', 'w').write(json.dumps({'start_ns': start, 'end_ns': stop, 'threads': threads}))\n"
+    "import os; os.replace(out + '.tmp', out)\n"
+    "time.sleep(120)\n"
+)
+LOCAL_CASES = [("idle", 0), ("one_hot_core", 1), ("all_cores", 0)]   # all_cores → os.cpu_count() threads
+FIGURE_METRICS = ["cpu_busy_pct", "hottest_core_busy_pct", "proc_cpu_pct", "util_gpu_pct", "rdma_tx_gbps"]
+
+
+@dataclass
+class Phase2Run:
+    """The cases measured in this phase and the tables the page shows."""
+    cases: list[CaseTelemetry]
+    plan: pd.DataFrame
+    statuses: pd.DataFrame
+    coverage: pd.DataFrame
+    failures: list[str] = field(default_factory=list)
+
+
+def node_specs(node: Any, pid: int | None, interval_s: float = 1.0, python: str = "python3") -> list[C.CollectorSpec]:
+    """The seeds' collector set for one target node (GPU, rail and HCA collectors required when the
+    node declares GPUs/netdevs/HCAs)."""
+    return C.default_collectors(pid=pid, netdevs=list(getattr(node, "netdevs", []) or []) or None,
+                                hcas=list(getattr(node, "hcas", []) or []) or None, gpus=int(getattr(node, "gpus", 0)),
+                                interval_s=interval_s, python=python)
+
+
+def collector_plan(ctx: Any, interval_s: float = 1.0) -> pd.DataFrame:
+    """Per node: every collector, required or optional, and its command (engine pid shown as <pid>)."""
+    rows = []
+    for node in ctx.target.nodes:
+        for s in node_specs(node, 999999, interval_s):
+            rows.append({"node": node.name, "role": node.role, "collector": s.name,
+                         "required": "required" if s.required else "optional", "what": s.description,
+                         "command": " ".join(display_argv(s.argv)).replace("999999", "<pid>")})
+    return pd.DataFrame(rows)
+
+
+def _log(ctx: Any, label: str, argv: list[str], title: str, **kw: Any) -> None:
+    from servelab.phases.context import log_command
+    log_command(ctx, label, display_argv(argv), title=title, **kw)
+
+
+def run_local_cases(ctx: Any, case_seconds: float = 4.0, interval_s: float = 1.0) -> Phase2Run:
+    """Run the collectors around three short real workloads on this machine (idle, one hot core, all
+    cores). Each workload stamps its own busy window (the client's clock); telemetry starts before and
+    stops after it. Collectors that fail closed are reported in ``failures`` (the case is kept, marked)."""
+    plan = collector_plan(ctx, interval_s)
+    if not ctx.target.is_local:
+        for r in plan.itertuples():
+            _log(ctx, "planned", r.command.split(), f"telemetry {r.node} {r.collector}",
+                 note="bound to Phase 1 cases on cluster targets")
+        return Phase2Run([], plan, pd.DataFrame(), pd.DataFrame(),
+                         ["cluster target: collectors are planned here and run around the Phase 1 cases"])
+    node = ctx.target.nodes[0]
+    host = connect(node)
+    cases, failures = [], []
+    for name, threads in LOCAL_CASES:
+        threads = (os.cpu_count() or 1) if name == "all_cores" else threads
+        case_id = f"phase2_{name}"
+        cdir = ctx.case_dir(case_id)
+        stamp = cdir / "telemetry" / "client_window.json"
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        if stamp.exists():
+            stamp.unlink()
+        wl = [sys.executable, "-c", WORKLOAD, "2.0", str(case_seconds), str(threads), str(stamp)]
+        child = subprocess.Popen(wl, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        started = time.time()
+        specs = node_specs(node, child.pid, interval_s, python=sys.executable)
+        session = None
+        try:
+            session = start_telemetry(cdir, [NodePlan(host, specs, node=node.name)], grace_s=0.5)
+            while not stamp.exists() and child.poll() is None and time.time() - started < case_seconds + 30:
+                time.sleep(0.1)
+            time.sleep(interval_s + 0.3)          # let the sample that closes the window be written
+            result = session.stop()
+            failures += [f"{case_id}: {f}" for f in result.failures]
+        except RequiredCollectorError as exc:
+            failures.append(f"{case_id}: {exc}")
+        finally:
+            child.kill()
+            child.wait()
+        _log(ctx, "executed", wl[:2] + ["<cpu workload>"] + wl[3:], f"{case_id} workload", host=node.name,
+             start=time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)), exit_code=0)
+        for s in specs:
+            _log(ctx, "executed", s.argv, f"{case_id} {s.name}", host=node.name, env=dict(s.env))
+        window = None
+        if stamp.exists():
+            w = json.loads(stamp.read_text())
+            window = CaseWindow(case_id, int(w["start_ns"]), int(w["end_ns"]), f"{threads} busy thread(s)")
+        else:
+            failures.append(f"{case_id}: the workload wrote no window stamps")
+        cases.append(load_case_telemetry(cdir, case_id, window))
+    valid = [c for c in cases if c.window is not None]
+    return Phase2Run(cases, plan, status_table(cases), coverage_table(valid), failures)
+
+
+ENGINE_CASES = ("P3", "P4_c4", "D2_c8", "M1_control", "M1_treatment")   # the seeds' Phase 2 replay, scaled
+
+
+def run_engine_cases(ctx: Any, case_ids: list[str] | None = None, interval_s: float = 1.0,
+                     health_timeout_s: float = 900.0) -> Phase2Run:
+    """Start the engine, and around each Phase 1 case run every collector on every node; slice to the case's
+    exact measurement window. Cases are stored as ``hw-<case>`` so they never overwrite Phase 1's."""
+    import dataclasses
+
+    from servelab.measure.case import EngineCrash, make_env, quick_matrix
+    from servelab.target.hosts import ProcessTracker
+    from servelab.phases.phase1_perf_map import dispatch_case
+    from servelab.target.server import start_server, stop_server
+
+    plan = collector_plan(ctx, interval_s)
+    specs_cases = [dataclasses.replace(c, case_id=f"hw-{c.case_id}")
+                   for c in quick_matrix(ctx.target, list(case_ids or ENGINE_CASES))]
+    cases: list[CaseTelemetry] = []
+    failures: list[str] = []
+    with ProcessTracker() as tracker:
+        srv = start_server(ctx.target, ctx.phase_dir / "logs", tracker, run_dir=ctx.run_dir, phase=ctx.phase,
+                           health_timeout_s=health_timeout_s)
+        try:
+            env = make_env(srv, ctx.run_dir)
+            for case in specs_cases:
+                cdir = ctx.case_dir(case.case_id)
+                plans = [NodePlan(srv.hosts[n.name], node_specs(n, srv.handles[n.name].pid, interval_s,
+                                                                 python=sys.executable if n.kind == "local" else "python3"),
+                                  node=n.name) for n in ctx.target.nodes]
+                for p in plans:
+                    for spec in p.specs:
+                        _log(ctx, "executed", spec.argv, f"{case.case_id} {spec.name}", host=p.node, env=dict(spec.env))
+                session = None
+                try:
+                    session = start_telemetry(cdir, plans, grace_s=0.5)
+                    try:
+                        dispatch_case(env, case)
+                    finally:
+                        time.sleep(interval_s + 0.3)      # the sample that closes the window
+                        result = session.stop()
+                        failures += [f"{case.case_id}: {f}" for f in result.failures]
+                except RequiredCollectorError as exc:
+                    failures.append(f"{case.case_id}: {exc}")
+                except EngineCrash as exc:
+                    failures.append(f"{case.case_id}: {exc}")
+                    cases.append(load_case_telemetry(cdir, case.case_id, _case_window(cdir, case.case_id)))
+                    break
+                cases.append(load_case_telemetry(cdir, case.case_id, _case_window(cdir, case.case_id)))
+        finally:
+            stop_server(srv, tracker, run_dir=ctx.run_dir, phase=ctx.phase)
+    valid = [c for c in cases if c.window is not None]
+    return Phase2Run(cases, plan, status_table(cases), coverage_table(valid), failures)
+
+
+def _case_window(cdir: Path, case_id: str) -> CaseWindow | None:
+    """The client's measurement window of a case (first start to last end over its repeats), epoch ns."""
+    meta = json.loads((cdir / "meta.json").read_text()) if (cdir / "meta.json").exists() else {}
+    wins = meta.get("windows_wall_ns") or []
+    if not wins:
+        return None
+    return CaseWindow(case_id, int(min(w[0] for w in wins)), int(max(w[1] for w in wins)),
+                      f"{meta.get('case', {}).get('purpose', '')} (client window)")
+
+
+def summary(ctx: Any, run: Phase2Run, baseline: str | None = None) -> pd.DataFrame:
+    """Per-case per-metric summary with between-case changes; writes ``case_<metric>_summary.csv`` and
+    ``telemetry_summary.csv`` into the phase folder; returns it with ``-`` for missing values."""
+    cases = [c for c in run.cases if c.window is not None]
+    if not cases:
+        return pd.DataFrame()
+    roles = {n.name: n.role for n in ctx.target.nodes}
+    table = compare_cases(pd.concat([summarize_case(c, roles) for c in cases], ignore_index=True), baseline)
+    write_metric_csvs(table, Path(ctx.phase_dir))
+    return nan_to_dash(table)
+
+
+def headline_metrics(table: pd.DataFrame, metrics: list[str] | None = None) -> pd.DataFrame:
+    """The summary narrowed to a few metrics, one row per (metric, case), for reading on the page."""
+    metrics = metrics or ["cpu_busy_pct", "hottest_core_busy_pct", "proc_cpu_pct", "hottest_thread_cpu_pct",
+                          "util_gpu_pct", "dcgm_sm_active_pct", "rdma_tx_gbps", "net_tx_gbps"]
+    if table.empty:
+        return table
+    cols = ["metric", "case", "head_status", "head_n", "head_mean", "head_p95", "head_max", "head_mean_change_pct"]
+    t = table[table.metric.isin(metrics)][cols]
+    return t.sort_values(["metric", "case"], key=lambda s: s.map({m: i for i, m in enumerate(metrics)})
+                         if s.name == "metric" else s).reset_index(drop=True)
+
+
+def questions(run: Phase2Run, ctx: Any | None = None) -> pd.DataFrame:
+    """The seeds' questions for every case (hot core, machine saturation, NUMA, rails, errors, GPU
+    throttling, memory headroom) with the evidence and the collector status behind each answer."""
+    netdevs = [d for n in ctx.target.nodes for d in n.netdevs] if ctx is not None else None
+    frames = [answer_questions(c, netdevs) for c in run.cases if c.window is not None]
+    out = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    if ctx is not None and not out.empty:
+        out.to_csv(Path(ctx.phase_dir) / "phase2_questions.csv", index=False)
+    return out
+
+
+def figure(run: Phase2Run, metrics: list[str] | None = None):
+    """Time series of the headline metrics, every case window shaded."""
+    frames = [c.samples for c in run.cases if not c.samples.empty]
+    samples = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["metric"])
+    return timeseries_figure(samples, [c.window for c in run.cases if c.window], metrics or FIGURE_METRICS)
+
+
+def read_windows_txt(path: Path) -> list[CaseWindow]:
+    """``<name> start|end <epoch seconds>`` lines (the device capture's ``windows.txt``) → windows."""
+    starts: dict[str, int] = {}
+    out = []
+    for line in Path(path).read_text().splitlines():
+        parts = line.split()
+        if len(parts) != 3 or parts[1] not in ("start", "end"):
+            continue
+        ns = int(round(float(parts[2]) * 1e9))
+        if parts[1] == "start":
+            starts[parts[0]] = ns
+        elif parts[0] in starts:
+            out.append(CaseWindow(parts[0], starts.pop(parts[0]), ns, "recorded workload window"))
+    return out
+
+
+def h200_sample_cases() -> list[CaseTelemetry]:
+    """Recorded 2 x H200 nvidia-smi captures as cases. ``data/samples/h200x2-device`` has the
+    workloads' own start/end stamps (``windows.txt``): one case per workload. Without it, the older
+    ``data/samples/h200x2/smi.csv`` is one case spanning the whole capture (no stamps were recorded)."""
+    dev = samples_root() / "h200x2-device"
+    if (dev / "smi.csv").exists() and (dev / "windows.txt").exists():
+        samples = parse_smi_csv((dev / "smi.csv").read_text(), "h200x2")
+        raw = "data/samples/h200x2-device/smi.csv"
+        windows = read_windows_txt(dev / "windows.txt")
+    else:
+        path = samples_root() / "h200x2" / "smi.csv"
+        if not path.exists():
+            raise FileNotFoundError(f"sample capture missing: {path}")
+        samples = parse_smi_csv(path.read_text(), "h200x2")
+        raw = "data/samples/h200x2/smi.csv"
+        windows = [CaseWindow("h200x2_nccl_tests", int(samples.ts_ns.min()), int(samples.ts_ns.max()),
+                              "whole capture (nccl-tests running)")]
+    st = [CollectorStatus("h200x2", "nvidia-smi", False, OK, "recorded sample", "smi", raw, started=True,
+                          interval_s=0.2)]
+    return [CaseTelemetry(w.case_id, w, samples, pd.DataFrame(), st) for w in windows]
+
+
+def sample_summary(ctx: Any, cases: list[CaseTelemetry]) -> pd.DataFrame:
+    """Per-case GPU summary of the recorded capture with the change against the first case (written to
+    ``h200x2_smi_summary.csv``)."""
+    cat = {"nvidia-smi": CATALOG["nvidia-smi"]}
+    table = compare_cases(pd.concat([summarize_case(c, catalog=cat) for c in cases], ignore_index=True))
+    table = table.drop(columns=[c for c in table.columns if c.startswith("worker_")])
+    table.to_csv(Path(ctx.phase_dir) / "h200x2_smi_summary.csv", index=False)
+    return nan_to_dash(table)
+
+
+def sample_figure(cases: list[CaseTelemetry]):
+    return timeseries_figure(cases[0].samples, [c.window for c in cases],
+                             ["util_gpu_pct", "util_mem_pct", "power_w", "sm_clock_mhz", "mem_used_mib"],
+                             title="Recorded 2 x H200 nvidia-smi capture (200 ms samples, workload windows shaded)")
+
+
+def headline(run: Phase2Run, table: pd.DataFrame) -> dict[str, Any]:
+    """A few numbers for the run manifest: cases, failures, hottest core P95 per case."""
+    out: dict[str, Any] = {"cases": len(run.cases), "telemetry_failures": len(run.failures)}
+    if not table.empty:
+        hot = table[table.metric == "hottest_core_busy_pct"]
+        for r in hot.itertuples():
+            out[f"{r.case}_hottest_core_p95_pct"] = r.head_p95 if r.head_p95 == "-" else round(float(r.head_p95), 1)
+    missing = sorted({s.collector for c in run.cases for s in c.statuses if s.status not in (OK,)})
+    out["collectors_not_ok"] = ", ".join(missing) or "none"
+    return out
+
+
+__all__ = ["Phase2Run", "collector_plan", "run_local_cases", "summary", "headline_metrics", "questions", "figure",
+           "h200_sample_cases", "read_windows_txt", "sample_summary", "sample_figure", "headline", "NOT_CONFIGURED"]

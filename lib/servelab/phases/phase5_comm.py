@@ -1,0 +1,121 @@
+"""What the Phase 5 notebook calls: load nccl-tests and NCCL INFO logs (recorded samples or a run's
+own), place the model's message sizes on the curves, and judge the target's transport gate.
+Every table it returns is also written into the phase folder."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from servelab.analyse.nccl.gate import GateVerdict, check_gate, verdict_table
+from servelab.analyse.nccl.info_log import NcclInfo, parse_info, parse_info_files, transport_table
+from servelab.analyse.nccl.msgsize import model_message_sizes, place_on_curves
+from servelab.analyse.nccl.perf_log import NcclTestRun, parse_file, runs_frame, runs_table
+from servelab.core.paths import samples_root
+
+SEEDS_GATE = {"required_hcas": ["mlx5_0", "mlx5_3"], "require": ["NET/IB", "GDRDMA"]}
+
+
+@dataclass
+class Phase5Data:
+    """Parsed logs and the tables derived from them."""
+    runs: list[NcclTestRun]
+    curves: pd.DataFrame
+    table: pd.DataFrame
+    info: NcclInfo | None
+    transports: pd.DataFrame
+    tuning: pd.DataFrame
+    sources: list[str] = field(default_factory=list)
+
+
+def sample_paths() -> tuple[Path, Path]:
+    d = samples_root() / "h200x2"
+    return d / "nccl_tests.log", d / "nccl_info.log"
+
+
+def load_logs(ctx: Any, tests_logs: list[str] | None = None, info_logs: list[str] | None = None,
+              label: str = "") -> Phase5Data:
+    """Parse nccl-tests logs and INFO logs (default: the recorded 2 × H200 samples; then
+    ``ctx.from_samples`` is set). Writes ``nccl_tests.csv``, ``nccl_runs.csv``, ``nccl_transports.csv``
+    and ``nccl_tuning.csv`` into the phase folder."""
+    default_tests, default_info = sample_paths()
+    if not tests_logs:
+        tests_logs, ctx.from_samples = [str(default_tests)], True
+    if info_logs is None or info_logs == []:
+        info_logs = [str(default_info)] if ctx.from_samples else []
+    runs = [r for p in tests_logs for r in parse_file(Path(p))]
+    curves = runs_frame(runs, label or ("H200 x2 (recorded)" if ctx.from_samples else ctx.run_id))
+    table = runs_table(runs)
+    info = parse_info_files([Path(p) for p in info_logs]) if info_logs else None
+    transports = transport_table(info) if info else pd.DataFrame()
+    tuning = info.tuning if info else pd.DataFrame()
+    out = Path(ctx.phase_dir)
+    curves.to_csv(out / "nccl_tests.csv", index=False)
+    table.to_csv(out / "nccl_runs.csv", index=False)
+    transports.to_csv(out / "nccl_transports.csv", index=False)
+    tuning.to_csv(out / "nccl_tuning.csv", index=False)
+    return Phase5Data(runs, curves, table, info, transports, tuning, list(tests_logs) + list(info_logs))
+
+
+def info_summary(data: Phase5Data) -> pd.DataFrame:
+    """NCCL version, nodes, network module, NET devices, GDR state and NCCL_* settings from the INFO log."""
+    i = data.info
+    if i is None:
+        return pd.DataFrame([{"item": "INFO log", "value": "-", "note": "no NCCL_DEBUG=INFO log given"}])
+    nets = ", ".join(f"{r.kind}[{r.index}] {r.name}" + (f":{r.port}/{r.link}" if r.kind == "IB" else "")
+                     for r in i.net_devices.itertuples()) or "none"
+    gdr = ", ".join(f"{r.hca} {'enabled' if r.enabled else 'disabled'} ({r.transport})" for r in i.gdr.itertuples())
+    rows = [("NCCL version", i.version or "-"), ("nodes (nNodes)", i.nnodes if i.nnodes is not None else "-"),
+            ("ranks", len(i.ranks) or "-"), ("network module", ", ".join(sorted(set(i.network.values()))) or "-"),
+            ("NET devices", nets), ("GPU Direct RDMA", gdr or "-"),
+            ("NCCL_* from the log", ", ".join(f"{k}={v}" for k, v in i.env.items()) or "none printed"),
+            ("notes", " / ".join(i.notes) or "-"), ("warnings", " / ".join(i.warnings[:5]) or "none")]
+    return pd.DataFrame(rows, columns=["item", "value"])
+
+
+def messages(ctx: Any, data: Phase5Data, hidden_size: int, dtype_bytes: int, tp: int, num_layers: int,
+             decode_batch: int, prefill_tokens: int, vocab_size: int = 0, ep: int = 1, top_k: int = 0,
+             trace_collectives: pd.DataFrame | None = None) -> pd.DataFrame:
+    """The model's collective sizes (decode and prefill steps, or measured trace sizes) placed on the
+    measured curves; written to ``model_messages.csv``."""
+    sizes = model_message_sizes(hidden_size, dtype_bytes, {f"decode C={decode_batch}": decode_batch,
+                                                           f"prefill {prefill_tokens} tok": prefill_tokens},
+                                tp, num_layers, vocab_size or None, {f"decode C={decode_batch}": decode_batch,
+                                                                     f"prefill {prefill_tokens} tok": 1}, ep, top_k)
+    if trace_collectives is not None and not trace_collectives.empty:
+        from servelab.analyse.nccl.msgsize import from_trace
+        sizes = pd.concat([sizes, from_trace(trace_collectives)], ignore_index=True)
+    placed = place_on_curves(sizes, data.curves) if not data.curves.empty else sizes
+    placed.to_csv(Path(ctx.phase_dir) / "model_messages.csv", index=False)
+    return placed
+
+
+def gate_for_target(ctx: Any, data: Phase5Data) -> GateVerdict:
+    """The target's own gate (``gate:`` in its YAML) against the INFO log; written to ``gate.json``."""
+    info = data.info if data.info is not None else parse_info("")
+    v = check_gate(ctx.target.gate, info)
+    (Path(ctx.phase_dir) / "gate.json").write_text(json.dumps(
+        {"target": ctx.target.name, "gate": ctx.target.gate, "verdict": v.verdict, "passed": v.passed,
+         "message": v.message, "reasons": v.reasons, "sources": data.sources}, indent=2))
+    return v
+
+
+def seeds_gate_on_log(data: Phase5Data) -> pd.DataFrame:
+    """What the seeds' gate (mlx5_0 + mlx5_3 with NET/IB + GDRDMA) says about this log — for a
+    single-node log it must refuse, and the message says what was found instead."""
+    if data.info is None:
+        return pd.DataFrame([{"item": "verdict", "value": "-"}, {"item": "message", "value": "no INFO log given"}])
+    return verdict_table(check_gate(SEEDS_GATE, data.info))
+
+
+def headline(data: Phase5Data, verdict: GateVerdict) -> dict[str, Any]:
+    t = data.table
+    out: dict[str, Any] = {"gate": verdict.verdict, "runs_ok": int((t.status == "ok").sum()) if not t.empty else 0,
+                           "runs_not_ok": int((t.status != "ok").sum()) if not t.empty else 0}
+    for r in t.itertuples():
+        out[f"{r.collective}_peak_busbw_gbps"] = r.peak_busbw_gbps
+        out[f"{r.collective}_small_msg_time_us"] = r.small_msg_time_us
+    return out

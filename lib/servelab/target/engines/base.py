@@ -1,0 +1,128 @@
+"""What every engine adapter knows: launch settings, launch command, endpoints, metric names, log markers.
+
+Launch settings live in a target's ``launch:`` mapping. Keys common to all engines are validated
+here; each adapter adds its own. Commands are argv lists, never shell strings.
+"""
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass, field
+from typing import Any
+
+from servelab.core.params import ParamError, reject_unknown
+
+# launch keys every engine understands (meaning documented per key)
+COMMON_LAUNCH_KEYS: dict[str, str] = {
+    "mode": "bare | docker",
+    "tp_size": "tensor-parallel degree",
+    "pp_size": "pipeline-parallel degree",
+    "dp_size": "data-parallel degree (attention DP with dp_attention)",
+    "ep_size": "expert-parallel degree",
+    "dp_attention": "SGLang attention data parallelism",
+    "mem_fraction": "GPU memory fraction for weights+KV",
+    "context_length": "max context length (tokens)",
+    "chunked_prefill_size": "prefill chunk size (tokens)",
+    "max_prefill_tokens": "max prefill tokens per batch",
+    "max_running_requests": "max concurrently running requests",
+    "cuda_graph": "CUDA graphs on/off",
+    "cuda_graph_max_bs": "largest captured CUDA-graph batch",
+    "kv_cache_dtype": "KV cache dtype (auto, fp8_e4m3...)",
+    "prefix_cache": "prefix/radix cache on/off",
+    "spec": "speculative decoding: {algorithm, draft_model, num_steps, topk, num_draft_tokens}",
+    "profiler_dir": "where the engine's torch profiler writes traces",
+    "nvtx_markers": "layer-wise NVTX markers (profiling runs only)",
+    "docker": "{image, name, devices, shm_size, extra_args} for mode=docker",
+    "python": "python interpreter on the node (bare mode)",
+    "extra_args": "list of further engine arguments, passed verbatim as argv items",
+    "dist_port": "port for multi-node rendezvous",
+    "bind_host": "address the server listens on (default: 127.0.0.1 for local targets, 0.0.0.0 for clusters)",
+}
+
+
+TOPOLOGY_KEYS = ("tp_size", "pp_size", "dp_size", "ep_size")
+
+
+@dataclass
+class LaunchPlan:
+    """One node's engine process: argv, environment, and how to reach it."""
+    node: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    port: int = 0
+    health_path: str = "/health"
+    role: str = "head"               # head | worker
+    ready: str = "http"              # how to know it is up: http (health path) | tcp (port open) | none
+    ready_port: int = 0              # for ready=tcp
+    ready_host: str = ""
+
+    def shell(self) -> str:
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
+        return f"{env} {shlex.join(self.argv)}".strip()
+
+
+class EngineAdapter:
+    """Base adapter. Subclasses fill the names and the launch builder."""
+
+    name = "base"
+    extra_launch_keys: dict[str, str] = {}
+    health_path = "/health"
+    metrics_path = "/metrics"
+    tokenize_path = "/tokenize"
+    flush_cache_path: str | None = None
+    start_profile_path: str | None = None
+    stop_profile_path: str | None = None
+    version_paths: tuple[str, ...] = ()
+    metric_names: dict[str, str] = {}      # our name -> engine's Prometheus series name
+    log_markers: dict[str, str] = {}       # event -> regex over the server log
+
+    def launch_keys(self) -> set[str]:
+        return set(COMMON_LAUNCH_KEYS) | set(self.extra_launch_keys)
+
+    def validate_launch(self, launch: dict[str, Any], source: str) -> None:
+        reject_unknown(launch or {}, self.launch_keys(), f"{source}: launch ({self.name})")
+        for key in TOPOLOGY_KEYS:
+            if key in launch and (not isinstance(launch[key], int) or launch[key] < 1):
+                raise ParamError(f"{source}: launch.{key} must be a positive integer, got {launch[key]!r}")
+        if launch.get("mode", "bare") not in ("bare", "docker"):
+            raise ParamError(f"{source}: launch.mode must be 'bare' or 'docker'")
+        mf = launch.get("mem_fraction")
+        if mf is not None and not (0 < float(mf) <= 1):
+            raise ParamError(f"{source}: launch.mem_fraction must be in (0, 1], got {mf}")
+
+    def topology(self, launch: dict[str, Any]) -> dict[str, int]:
+        """{"tp": .., "pp": .., "dp": .., "ep": ..} from the launch settings (1 where unset)."""
+        return {k[:2]: int(launch.get(k, 1)) for k in TOPOLOGY_KEYS}
+
+    def world_size(self, launch: dict[str, Any]) -> int:
+        t = self.topology(launch)
+        return t["tp"] * t["pp"] * (t["dp"] if not launch.get("dp_attention") else 1)
+
+    @staticmethod
+    def bind_host(target: Any) -> str:
+        """Local targets listen on loopback only; cluster heads must accept the client's connection."""
+        return str(target.launch.get("bind_host") or ("127.0.0.1" if target.is_local else "0.0.0.0"))
+
+    # --- profile request bodies (engines that support it override)
+    def start_profile_body(self, **kw: Any) -> dict[str, Any] | None:
+        return None
+
+
+def docker_wrap(launch: dict[str, Any], argv: list[str], env: dict[str, str], port: int, name: str) -> list[str]:
+    """``docker run`` around an engine argv: host network, GPUs, IPC, the required devices, env by -e."""
+    d = launch.get("docker") or {}
+    if not d.get("image"):
+        raise ParamError("launch.mode=docker needs launch.docker.image")
+    out = ["docker", "run", "--rm", "--name", d.get("name", name), "--gpus", "all", "--network", "host",
+           "--ipc", "host", "--shm-size", str(d.get("shm_size", "32g"))]
+    for dev in d.get("devices", []):
+        out += ["--device", str(dev)]
+    for k, v in env.items():
+        out += ["-e", f"{k}={v}"]
+    out += [str(a) for a in d.get("extra_args", [])]
+    out += [d["image"], *argv]
+    return out
+
+
+def json_arg(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"))

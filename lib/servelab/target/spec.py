@@ -1,0 +1,61 @@
+"""Targets: where a phase runs (engine, model, launch settings, nodes), read from ``params/targets/*.yaml``.
+
+A target is validated as a whole when it is read, the engine's launch settings by the engine's own adapter,
+so a typo in a target file fails before anything starts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from servelab.core.params import ParamError, did_you_mean, reject_unknown
+from servelab.core.paths import project_root
+
+
+@dataclass
+class Node:
+    """One machine of a target. ``kind`` is ``local`` or ``ssh``."""
+    name: str
+    kind: str = "local"
+    role: str = "head"               # head | worker
+    host: str = "127.0.0.1"
+    port: int = 22
+    user: str = ""
+    key_file: str = ""
+    known_hosts: str = ""            # default: ~/.ssh/known_hosts
+    accept_new_host_key: bool = False  # explicit opt-in; recorded in the manifest
+    gpus: int = 0
+    netdevs: list[str] = field(default_factory=list)
+    hcas: list[str] = field(default_factory=list)
+    workdir: str = ""
+
+
+@dataclass
+class Target:
+    """Where a phase runs: the engine, its model, its launch settings and its nodes."""
+    name: str
+    engine: str                       # llamacpp | sglang | vllm
+    model: str                        # model key (gemma3-270m, tiny) or a path on the nodes
+    description: str = ""
+    served_model_name: str = ""
+    api_host: str = "127.0.0.1"       # address the client uses to reach the head node's server
+    port: int = 0                     # 0 = pick a free port (local targets)
+    launch: dict[str, Any] = field(default_factory=dict)   # engine settings, see engines/*
+    env: dict[str, str] = field(default_factory=dict)      # passed to the engine processes (NCCL_*...)
+    nodes: list[Node] = field(default_factory=list)
+    gate: dict[str, Any] = field(default_factory=dict)     # transport gate (Phase 5); empty = none
+    preflight: dict[str, Any] = field(default_factory=dict)
+    scale: str = "local"              # case length scale: local | cluster
+    source: str = ""                  # the file it was read from
+
+    @property
+    def head(self) -> Node:
+        heads = [n for n in self.nodes if n.role == "head"]
+        return heads[0] if heads else self.nodes[0]
+
+    @property
+    def is_local(self) -> bool:
+        return all(n.kind == "local" for n in self.nodes)
