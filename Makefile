@@ -23,7 +23,7 @@ system:
 	if [ -n "$$missing" ]; then echo "installing:$$missing"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; fi
 
-demo: $(STAMP)
+demo: $(STAMP) system
 	$(VENV)/bin/servelab demo
 
 test: $(STAMP) system

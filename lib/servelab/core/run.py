@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from servelab import __version__
+from servelab.core.params import ParamError
 from servelab.core.paths import outputs_root, project_root
 
 SCHEMA_VERSION = 1
@@ -109,7 +110,7 @@ def new_run_id(name: str = "run") -> str:
 
 def validate_run_id(run_id: str) -> str:
     if not RUN_ID_RE.match(run_id):
-        raise ValueError(f"invalid run id '{run_id}': use letters, digits, '.', '_' and '-' (max 128)")
+        raise ParamError(f"invalid run id '{run_id}': use letters, digits, '.', '_' and '-' (max 128)")
     return run_id
 
 

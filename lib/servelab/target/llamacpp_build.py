@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 from pathlib import Path
+from typing import Callable
 
 from servelab.core.paths import cache_root
 
@@ -57,19 +60,34 @@ def missing_tools() -> list[str]:
     return [t for t in ("cmake", "ninja", "c++", "cc") if shutil.which(t) is None]
 
 
-def _run(argv: list[str], log: Path, cwd: Path | None = None) -> None:
+NINJA_STEP = re.compile(rb"^\[(\d+)/(\d+)\]")
+
+
+def _run(argv: list[str], log: Path, cwd: Path | None = None,
+         on_step: Callable[[int, int], None] | None = None) -> None:
+    """Run one build step, its output appended to ``log``; ``on_step(done, total)`` follows ninja's ``[k/N]``."""
     with open(log, "ab") as f:
         f.write(("\n$ " + " ".join(argv) + "\n").encode())
         f.flush()
-        p = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, cwd=cwd)
+        p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=cwd)
+        assert p.stdout is not None
+        for line in p.stdout:
+            f.write(line)
+            m = NINJA_STEP.match(line)
+            if m and on_step:
+                on_step(int(m.group(1)), int(m.group(2)))
+        p.wait()
     if p.returncode != 0:
         tail = log.read_text(errors="replace")[-3000:]
         raise BuildError(f"building llama-server failed at: {' '.join(argv)}\n(log {log})\n{tail}")
 
 
-def ensure_llama_server(version: str = LLAMA_CPP_PYTHON_VERSION, jobs: int | None = None) -> Path:
+def ensure_llama_server(version: str = LLAMA_CPP_PYTHON_VERSION, jobs: int | None = None,
+                        progress: Callable[[str], None] | None = None) -> Path:
     """Return the cached ``llama-server`` binary (``rpc-server`` beside it), building both first if needed
-    (locked against concurrent builds)."""
+    (locked against concurrent builds). ``progress`` receives one line per build step and about every 10 %
+    of the compilation (step, elapsed time)."""
+    say = progress or (lambda _line: None)
     exe = cached_server(version)
     if exe:
         return exe
@@ -86,8 +104,11 @@ def ensure_llama_server(version: str = LLAMA_CPP_PYTHON_VERSION, jobs: int | Non
             return exe
         log = out / "build.log"
         log.write_text("")
+        t0 = time.monotonic()
+        say(f"building llama-server {version} (about 6 minutes on 2 cores the first time; log {log})")
         with tempfile.TemporaryDirectory(prefix="servelab-llamacpp-") as tmp:
             work = Path(tmp)
+            say("  1/3 downloading the llama-cpp-python sdist (vendors llama.cpp)")
             _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", str(work),
                   f"llama-cpp-python=={version}"], log)
             sdists = list(work.glob("llama_cpp_python-*.tar.gz"))
@@ -99,10 +120,19 @@ def ensure_llama_server(version: str = LLAMA_CPP_PYTHON_VERSION, jobs: int | Non
             if not (src / "CMakeLists.txt").exists():
                 raise BuildError(f"{sdists[0].name} has no vendored llama.cpp at {src}")
             build = work / "build"
+            say(f"  2/3 configuring with cmake ({time.monotonic() - t0:.0f} s)")
             _run(["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja", *CMAKE_FLAGS], log)
-            _run(["ninja", "-C", str(build), f"-j{jobs or os.cpu_count() or 2}", *TARGETS], log)
+            shown = [-1]
+
+            def step(done: int, total: int) -> None:
+                tenth = done * 10 // max(total, 1)
+                if tenth > shown[0]:
+                    shown[0] = tenth
+                    say(f"  3/3 compiling: {done}/{total} ({time.monotonic() - t0:.0f} s elapsed)")
+            _run(["ninja", "-C", str(build), f"-j{jobs or os.cpu_count() or 2}", *TARGETS], log, on_step=step)
             for t in TARGETS:
                 tmp_exe = out / f"{t}.tmp"
                 shutil.copy2(build / "bin" / t, tmp_exe)
                 os.replace(tmp_exe, out / t)
+        say(f"llama-server built in {time.monotonic() - t0:.0f} s, cached at {out}")
         return out / "llama-server"

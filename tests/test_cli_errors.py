@@ -1,0 +1,62 @@
+"""What a user sees when something is wrong: one line on the terminal, in the manifest and at the top of the
+page — never a bare traceback."""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def servelab(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "SERVELAB_OUTPUTS": str(tmp_path / "outputs")}
+    return subprocess.run([sys.executable, "-m", "servelab.cli", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_a_bad_run_id_is_one_line_and_nothing_is_written(tmp_path: Path) -> None:
+    res = servelab("run", "phase0", "--target", "local-tiny", "--run-id", "../../x", tmp_path=tmp_path)
+    assert res.returncode == 2
+    assert "Traceback" not in res.stderr
+    assert res.stderr.strip().splitlines() == ["servelab: error: invalid run id '../../x': use letters, digits, "
+                                               "'.', '_' and '-' (max 128)"]
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_an_unknown_phase_is_one_line(tmp_path: Path) -> None:
+    res = servelab("run", "phase11", "--target", "local-tiny", tmp_path=tmp_path)
+    assert res.returncode == 2
+    assert len(res.stderr.strip().splitlines()) == 1 and "unknown phase 'phase11'" in res.stderr
+    assert not (tmp_path / "outputs").exists()
+
+
+@pytest.mark.slow
+def test_a_truncated_trace_fails_the_phase_with_one_line_everywhere(tmp_path: Path) -> None:
+    """A real trace cut in the middle of its gzip stream: the terminal, the manifest and the page's top say
+    why in one line; the traceback is folded on the page."""
+    src = next((ROOT / "data" / "samples" / "h200x2" / "traces").glob("*-TP-0.trace.json.gz"))
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    (traces / src.name).write_bytes(src.read_bytes()[: src.stat().st_size // 2])
+    with pytest.raises(Exception):
+        gzip.decompress((traces / src.name).read_bytes())        # really truncated
+    res = servelab("run", "phase3", "--target", "local-tiny", "--run-id", "cut", "-p", f"trace_dir={traces}",
+                   tmp_path=tmp_path)
+    assert res.returncode == 1
+    line = res.stdout.splitlines()[0]
+    assert line.startswith("phase3: failed — TraceFormatError: ") and "truncated" in line
+    assert "Traceback" not in res.stdout + res.stderr
+    manifest = json.loads((tmp_path / "outputs" / "cut" / "manifest.json").read_text())
+    error = manifest["phases"]["phase3"]["error"]
+    assert line.endswith(error) and "\n" not in error
+    page = (tmp_path / "outputs" / "cut" / "phase3" / "report.html").read_text()
+    box = page.index('class="servelab-failed"')
+    assert box < page.index("Phase 3")                              # the reason comes before the content
+    assert "gzip stream is truncated" in page[box:box + 600]
+    assert '<details class="servelab-traceback">' in page
