@@ -249,6 +249,16 @@ def cmd_render(args: argparse.Namespace) -> int:
     phases = [args.phase] if args.phase else list(m.get("phases", {}))
     for p in phases:
         nb = Path(args.notebook) if args.notebook else rdir / p / "notebook.ipynb"
+        recorded = m.get("phases", {}).get(p, {}).get("executed_notebook")
+        if not args.notebook and recorded and Path(recorded).exists() and (
+                not nb.exists() or Path(recorded).stat().st_mtime > nb.stat().st_mtime):
+            # run with plain papermill: keep the executed copy with the run, then render it
+            import shutil
+            nb.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(recorded, nb)
+        if not nb.exists():
+            _say(f"{p}: no executed notebook (expected {nb}); run the phase with `servelab run` or pass --notebook")
+            continue
         if nb.exists():
             entry = m.get("phases", {}).get(p, {})
             status = entry.get("status", "")

@@ -43,6 +43,31 @@ class PhaseContext:
         return d
 
 
+def papermill_output(pid: int | None = None) -> Path | None:
+    """Where plain ``papermill IN OUT ...`` writes this executed notebook: read from the command line of the
+    kernel's parent process (the papermill CLI) with papermill's own argument parser. ``None`` when the kernel
+    was not started by the papermill CLI (``servelab run``, JupyterLab, the Python API) or OUT is not a file."""
+    ppid = os.getppid() if pid is None else pid
+    try:
+        argv = [a.decode(errors="replace") for a in Path(f"/proc/{ppid}/cmdline").read_bytes().split(b"\0") if a]
+        cwd = Path(os.readlink(f"/proc/{ppid}/cwd"))
+    except OSError:
+        return None
+    start = next((i + 1 for i, a in enumerate(argv) if Path(a).name == "papermill"), None)
+    if start is None:
+        return None
+    try:
+        from papermill.cli import papermill as papermill_cli
+        ctx = papermill_cli.make_context("papermill", argv[start:], resilient_parsing=True)
+    except Exception:          # not papermill's own arguments after all
+        return None
+    out = ctx.params.get("output_path")
+    if not out or out == "-" or "://" in str(out):
+        return None
+    path = Path(out)
+    return path if path.is_absolute() else (cwd / path).resolve()
+
+
 def open_phase(notebook_name: str, namespace: dict[str, Any]) -> PhaseContext:
     """Validate parameters, resolve the target and open the run directory (no other side effect)."""
     import plotly.io as pio
@@ -63,8 +88,11 @@ def open_phase(notebook_name: str, namespace: dict[str, Any]) -> PhaseContext:
     pdir.mkdir(parents=True, exist_ok=True)
     started = runlib.now_iso()
     params = {**params, "run_id": run_id}
-    runlib.update_manifest(rdir, phases={phase: {"status": "running", "started": started, "params": params,
-                                                 "notebook": nb.name}})
+    entry = {"status": "running", "started": started, "params": params, "notebook": nb.name}
+    executed = papermill_output()
+    if executed is not None:       # plain papermill: `servelab render RUN_ID` finds the page's notebook here
+        entry["executed_notebook"] = str(executed)
+    runlib.update_manifest(rdir, phases={phase: entry})
     runlib.write_json_atomic(pdir / "params.json", runlib.redact(params))
     return PhaseContext(phase=phase, run_id=run_id, run_dir=rdir, phase_dir=pdir, params=params,
                         target=target, started=started)
