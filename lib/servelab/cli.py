@@ -143,6 +143,7 @@ def execute_phase(phase: str, target: str, run_id: str, overrides: dict[str, str
     status = "success"
     error: BaseException | None = None
     t0 = time.monotonic()
+    started = runlib.now_iso()
     try:
         pm.execute_notebook(str(nb), str(out_nb), parameters=params, kernel_name="python3",
                             cwd=str(project_root()), progress_bar=False, execution_timeout=timeout_s,
@@ -158,6 +159,8 @@ def execute_phase(phase: str, target: str, run_id: str, overrides: dict[str, str
                  "error": failure_reason(exc)}
         runlib.update_manifest(rdir, phases={key: entry})
     finally:
+        record_phase_commands(rdir, key, nb, out_nb, params, overrides, target, started,
+                              0 if status == "success" else 1)
         m = runlib.read_manifest(rdir)
         entry = m.get("phases", {}).get(key, {})
         entry["wall_s"] = round(time.monotonic() - t0, 1)
@@ -179,6 +182,25 @@ def execute_phase(phase: str, target: str, run_id: str, overrides: dict[str, str
     elif entry.get("status") not in (None, "success"):
         status = str(entry["status"])        # the notebook ran, but the phase itself judged a failure
     return rdir, status
+
+
+def record_phase_commands(rdir: Path, key: str, nb: Path, out_nb: Path, params: dict[str, Any],
+                          overrides: dict[str, str], target: str, started: str, exit_code: int) -> None:
+    """Every phase page shows how the phase itself ran: the papermill execution (``executed``) and the one
+    ``servelab run`` line that repeats it into the same run (``reproduce``)."""
+    from servelab.core import run as runlib
+    argv = ["papermill", str(nb.relative_to(project_root()) if nb.is_relative_to(project_root()) else nb),
+            str(out_nb)]
+    for k, v in params.items():
+        argv += ["-p", k, str(v)]
+    runlib.record_command(rdir, runlib.CommandRecord(
+        label="executed", argv=argv, phase=key, title=f"execute the {key} notebook", cwd=str(project_root()),
+        start=started, end=runlib.now_iso(), exit_code=exit_code))
+    again = ["servelab", "run", key, "--target", str(params.get("target", target)), "--run-id", rdir.name]
+    for k, v in overrides.items():
+        again += ["-p", f"{k}={v}"]
+    runlib.record_command(rdir, runlib.CommandRecord(label="reproduce", argv=again, phase=key,
+                                                     title=f"run {key} again into this run"))
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -17,9 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
+
 from servelab.core import run as runlib
 from servelab.core.notebooks import notebook_path
 from servelab.core.params import notebook_param_specs, resolve_phase_params
+from servelab.report.findings import format_value
+from servelab.report.tables import register_table_display
 from servelab.target.spec import Target
 from servelab.target.targets import load_target
 
@@ -36,6 +40,11 @@ class PhaseContext:
     started: str
     from_samples: bool = False
     notes: list[str] = field(default_factory=list)
+
+    def params_table(self) -> pd.DataFrame:
+        """The resolved parameters as a two-column table (for the page; no Python reprs)."""
+        return pd.DataFrame([{"parameter": k, "value": format_value(v) if v not in ("", [], {}) else "(default)"}
+                             for k, v in self.params.items()])
 
     def case_dir(self, case_id: str) -> Path:
         d = self.run_dir / "cases" / case_id
@@ -76,6 +85,7 @@ def open_phase(notebook_name: str, namespace: dict[str, Any]) -> PhaseContext:
     import pandas as pd
     pd.set_option("display.max_colwidth", 160)
     pd.set_option("display.max_rows", 200)
+    register_table_display()       # every table on the page: units in headers, precision, no index, CSV link
     phase = notebook_name.split("_")[0]
     nb = notebook_path(phase)
     specs = notebook_param_specs(nb)
@@ -105,9 +115,10 @@ def log_command(ctx: PhaseContext, label: str, argv: list[str], title: str = "",
 
 
 def finish_phase(ctx: PhaseContext, status: str = "success", headline: dict[str, Any] | None = None,
-                 not_executed: list[str] | None = None) -> dict[str, Any]:
-    """Close the phase in the manifest: status, end time, headline numbers, what was not executed."""
-    entry = {"status": status, "ended": runlib.now_iso(), "headline": headline or {},
+                 not_executed: list[str] | None = None, findings: list[str] | None = None) -> dict[str, Any]:
+    """Close the phase in the manifest: status, end time, headline numbers, the findings in sentences (they
+    open the page), what was not executed."""
+    entry = {"status": status, "ended": runlib.now_iso(), "headline": headline or {}, "findings": findings or [],
              "from_samples": ctx.from_samples, "not_executed": not_executed or [], "notes": ctx.notes}
     m = runlib.read_manifest(ctx.run_dir)
     merged = {**m.get("phases", {}).get(ctx.phase, {}), **entry}

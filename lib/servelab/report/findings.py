@@ -1,0 +1,98 @@
+"""The findings box that opens every phase page: what the phase found, in sentences and headline numbers.
+
+A phase closes with ``finish_phase(ctx, headline={...}, findings=[...])``; the page renders both at its top,
+so a reader gets the answer before the method. Headline keys carry their unit as a suffix
+(``p95_tpot_ms``, ``busy_pct``, ``busbw_gbps``); the box turns them into labelled values with the unit in
+words and sensible precision. Everything is escaped.
+"""
+from __future__ import annotations
+
+import html
+import math
+from typing import Any
+
+# key suffix → unit shown (longest suffixes first)
+UNITS: tuple[tuple[str, str], ...] = (
+    ("_tok_s", "tok/s"), ("_tps", "tok/s"), ("_rps", "req/s"), ("_gbps", "GB/s"), ("_gib", "GiB"), ("_mib", "MiB"),
+    ("_mb", "MB"), ("_gb", "GB"), ("_pct", "%"), ("_ms", "ms"), ("_us", "µs"), ("_ns", "ns"), ("_s", "s"),
+)
+WORDS = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2e": "E2E", "tps": "TPS", "kv": "KV", "slo": "SLO",
+         "nccl": "NCCL", "gpu": "GPU", "cpu": "CPU", "p50": "P50", "p90": "P90", "p95": "P95", "p99": "P99",
+         "cv": "CV", "pp": "PP", "tp": "TP", "ab": "A/B", "id": "id", "busbw": "bus bandwidth", "comm": "comm"}
+
+
+def split_unit(key: str) -> tuple[str, str]:
+    """``P1_p50_ttft_ms`` → (``P1 P50 TTFT``, ``ms``)."""
+    unit = ""
+    base = key
+    for suffix, u in UNITS:
+        if key.lower().endswith(suffix) and len(key) > len(suffix):
+            base, unit = key[: -len(suffix)], u
+            break
+    words = [WORDS.get(w.lower(), w) for w in base.split("_") if w]
+    return " ".join(words), unit
+
+
+def format_value(value: Any) -> str:
+    """Numbers to 3–4 significant digits, no Python reprs (None → —, bools → yes/no, lists joined)."""
+    if value is None:
+        return "—"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "—"
+        a = abs(value)
+        if a == 0:
+            return "0"
+        if a >= 1000:
+            return f"{value:,.0f}"
+        if a >= 100:
+            return f"{value:.1f}"
+        if a >= 1:
+            return f"{value:.2f}"
+        return f"{value:.3g}"
+    if hasattr(value, "item"):              # numpy scalars
+        return format_value(value.item())
+    if isinstance(value, (list, tuple)):
+        return ", ".join(format_value(v) for v in value) or "—"
+    if isinstance(value, dict):
+        return "; ".join(f"{k}: {format_value(v)}" for k, v in value.items()) or "—"
+    return str(value)
+
+
+def headline_rows(headline: dict[str, Any]) -> list[tuple[str, str]]:
+    rows = []
+    for key, value in headline.items():
+        label, unit = split_unit(str(key))
+        text = format_value(value)
+        rows.append((label, f"{text} {unit}".strip() if text != "—" and unit else text))
+    return rows
+
+
+def findings_html(phase_entry: dict[str, Any]) -> str:
+    """The box: the phase's finding sentences, then its headline numbers (labels and units in words)."""
+    sentences = [s for s in phase_entry.get("findings") or [] if str(s).strip()]
+    rows = headline_rows(phase_entry.get("headline") or {})
+    if not sentences and not rows:
+        return ""
+    parts = ['<section class="servelab-findings" aria-label="findings"><h2>Findings</h2>']
+    if phase_entry.get("from_samples"):
+        parts.append("<p><b>From recorded sample data</b>, not measured in this run.</p>")
+    if sentences:
+        parts.append("<ul>" + "".join(f"<li>{html.escape(str(s))}</li>" for s in sentences) + "</ul>")
+    if rows:
+        cells = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in rows)
+        parts.append(f'<table class="servelab-headline">{cells}</table>')
+    if phase_entry.get("not_executed"):
+        parts.append("<p>Not executed: " + html.escape(", ".join(map(str, phase_entry["not_executed"]))) + "</p>")
+    parts.append("</section>")
+    return "".join(parts)
+
+
+def headline_table(headline: dict[str, Any]) -> Any:
+    """The headline as a two-column table for a notebook cell (what the findings box shows)."""
+    import pandas as pd
+    return pd.DataFrame(headline_rows(headline), columns=["headline", "value"])
