@@ -6,8 +6,6 @@ import json
 import re
 from pathlib import Path
 
-import pytest
-
 from servelab.report.html import docs_html_links, publish_docs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,9 +86,3 @@ def test_rendered_pages_reach_the_documents_from_a_run_directory(tmp_path: Path)
 
 def test_no_docs_folder_publishes_nothing(tmp_path: Path):
     assert publish_docs(tmp_path / "run", docs_dir=tmp_path / "absent") == []
-
-
-@pytest.mark.parametrize("doc", ["architecture", "method", "metrics"])
-def test_documents_speak_in_the_products_own_words(doc: str):
-    text = (DOCS / f"{doc}.md").read_text(encoding="utf-8")
-    assert not re.search(r"\.\./shared|seeds|GLM report|the plan\b", text, re.IGNORECASE)
