@@ -12,16 +12,17 @@ SHARED = Path(os.environ.get("SERVELAB_SHARED", ROOT.parent / "shared"))
 
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
-    """``../shared/data`` (our own H200 capture and third-party traces); skipped where absent."""
+    """The shared data folder (``$SERVELAB_SHARED/data``, by default ``shared/data`` beside the checkout): our own
+    H200 capture and third-party traces; skipped where absent."""
     d = SHARED / "data"
     if not d.is_dir():
-        pytest.skip(f"shared data folder {d} is absent (tests read real fixtures from ../shared/data)")
+        pytest.skip(f"shared data folder {d} is absent (tests read real fixtures from it; set SERVELAB_SHARED)")
     return d
 
 
 @pytest.fixture(scope="session")
 def thirdparty(shared_data: Path) -> Path:
-    """``../shared/data/thirdparty``: real traces of public projects, read in place, never copied."""
+    """``<shared data>/thirdparty``: real traces of public projects, read in place, never copied."""
     d = shared_data / "thirdparty"
     if not d.is_dir():
         pytest.skip(f"third-party trace folder {d} is absent")

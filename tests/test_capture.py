@@ -1,6 +1,6 @@
-"""Phase 3 capture without a GPU engine: the seeds' scenarios, trace names, and the SGLang path end to end
-against a small HTTP stand-in that writes our real H200 SGLang-named traces (TP-0, TP-1) slowly, on two
-"nodes" — one local, one reached through the remote code path (find / gzip -t / get).
+"""Phase 3 capture without a GPU engine: the capture scenarios (docs/method.md#capture-scenarios), trace names,
+and the SGLang path end to end against a small HTTP stand-in that writes our real H200 SGLang-named traces
+(TP-0, TP-1) slowly, on two "nodes" — one local, one reached through the remote code path (find / gzip -t / get).
 
 The vLLM path runs against a real vLLM in tests/test_vllm_cpu.py.
 """
@@ -30,9 +30,9 @@ class RemoteLikeHost(LocalHost):
 
 # ---------------------------------------------------------------- scenarios
 
-def test_seeds_scenarios_match_the_seeds_table():
+def test_capture_scenarios_match_the_method_table():
     dc, mx, lp = cap.seeds_scenarios("cluster", decode_case="D2-c32", mixed_case="M1-treatment", prefill_case="P3")
-    # seeds 000 §7.3: decode control 1K->1K C=32, skip 2, capture 16
+    # docs/method.md#capture-scenarios: decode control 1K->1K C=32, skip 2, capture 16
     assert (dc.name, dc.case_id, dc.isl_tokens, dc.osl_tokens, dc.concurrency, dc.skip_steps, dc.num_steps,
             dc.trigger) == ("decode_control", "D2-c32", 1024, 1024, 32, 2, 16, "decode_active")
     # mixed treatment: same background, 2 pure decode steps, then 128K->1 injected, 32 steps in all

@@ -19,7 +19,7 @@ from servelab.phases.phase1_perf_map import dispatch_case
 from servelab.measure.engine_metrics import named_deltas
 
 
-def test_cluster_matrix_is_the_seeds_table():
+def test_cluster_matrix_is_the_method_table():
     t = load_target("example-2node")                     # SGLang, context 131072
     m = {c.case_id: c for c in cs.quick_matrix(t)}
     assert list(m) == ["P1", "P2", "P3", "P4_c4", "P4_c16", "D1", "D2_c16", "D2_c32", "D2_c64", "M1_control",

@@ -114,18 +114,18 @@ def test_classify_transport_strings():
 
 # ---------------------------------------------------------------- the gate
 
-SEEDS_GATE = {"required_hcas": ["mlx5_0", "mlx5_3"], "require": ["NET/IB", "GDRDMA"]}
+TWO_RAIL_GATE = {"required_hcas": ["mlx5_0", "mlx5_3"], "require": ["NET/IB", "GDRDMA"]}
 
 
 def test_gate_refuses_the_real_single_node_log_and_says_what_it_found(h200):
     info = parse_info((h200 / "nccl_info.log").read_text())
-    v = check_gate(SEEDS_GATE, info)
+    v = check_gate(TWO_RAIL_GATE, info)
     assert not v.passed and v.verdict == "REFUSED"
     assert "no NET channel in any rank (only P2P/direct ×48)" in v.message
     assert "NET/IB : No device found." in v.message and "network module loaded: Socket" in v.message
     assert "rank 0 (vm, cudaDev 0): P2P/direct ×24" in v.message and "rank 1 (vm, cudaDev 1)" in v.message
     with pytest.raises(GateRefused, match="REFUSED"):
-        enforce_gate(SEEDS_GATE, info)
+        enforce_gate(TWO_RAIL_GATE, info)
     none = check_gate({}, info)
     assert none.passed and not none.configured and none.verdict == "no gate configured"
 
@@ -157,22 +157,22 @@ def _multinode_log(gdr: bool = True, hcas_b: tuple[str, ...] = ("mlx5_0", "mlx5_
 
 
 def test_gate_passes_and_refuses_constructed_multinode_logs():
-    ok = check_gate(SEEDS_GATE, parse_info(_multinode_log()))
+    ok = check_gate(TWO_RAIL_GATE, parse_info(_multinode_log()))
     assert ok.passed and ok.message.startswith("PASS") and "4 rank(s) on 2 host(s)" in ok.message
     t = ok.per_rank.set_index("rank")
     assert t.loc[2, "hcas"] == "mlx5_0" and t.loc[3, "hcas"] == "mlx5_3" and (t.gdrdma_connections == 2).all()
 
-    nogdr = check_gate(SEEDS_GATE, parse_info(_multinode_log(gdr=False)))
+    nogdr = check_gate(TWO_RAIL_GATE, parse_info(_multinode_log(gdr=False)))
     assert not nogdr.passed and "8 of 8 NET/IB channel(s) lack GDRDMA" in nogdr.message
     assert check_gate({"require": ["NET/IB"]}, parse_info(_multinode_log(gdr=False))).passed
 
-    one_rail = check_gate(SEEDS_GATE, parse_info(_multinode_log(hcas_b=("mlx5_0",))))
+    one_rail = check_gate(TWO_RAIL_GATE, parse_info(_multinode_log(hcas_b=("mlx5_0",))))
     assert not one_rail.passed and "host nodeB uses mlx5_0 on NET/IB, missing required mlx5_3" in one_rail.message
 
-    sock = check_gate(SEEDS_GATE, parse_info(_multinode_log(socket=True)))
+    sock = check_gate(TWO_RAIL_GATE, parse_info(_multinode_log(socket=True)))
     assert not sock.passed and "use NET/Socket instead of NET/IB" in sock.message
 
-    missing = check_gate(SEEDS_GATE, parse_info(_multinode_log(ranks=(0, 1, 2))))
+    missing = check_gate(TWO_RAIL_GATE, parse_info(_multinode_log(ranks=(0, 1, 2))))
     assert not missing.passed and "no INFO lines for rank(s) 3 of 4" in missing.message
 
 
@@ -281,5 +281,5 @@ def test_device_run_logs_8k_to_64m(samples):
     info = parse_info((d / "nccl_info_g2.log").read_text())
     text = (d / "nccl_info_g2.log").read_text()
     assert len(info.channels) == len(re.findall(r"NCCL INFO Channel \d+/\d+ : .* via ", text))
-    v = check_gate(SEEDS_GATE, info)
+    v = check_gate(TWO_RAIL_GATE, info)
     assert not v.passed and "no NET channel in any rank" in v.message

@@ -1,7 +1,7 @@
-"""Nsight Systems: the profile/stats command lines of the seeds and the CSV report importer.
+"""Nsight Systems: the profile/stats command lines (docs/method.md#capture-scenarios) and the CSV report importer.
 
 There is no nsys on this machine, so the CSV inputs below are written by hand from the column names
-documented in the Nsight Systems analysis guide (summarised in ../shared/research/trace_analysis.md §5);
+documented in the Nsight Systems analysis guide (the ``nsys stats`` reports);
 the kernel names are real ones from our H200 trace."""
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ NVTX_SUM_US = """Time (%),Total Time (us),Instances,Avg (us),Med (us),Min (us),M
 """
 
 
-def test_profile_argv_matches_the_seeds():
+def test_profile_argv_matches_the_method():
     argv = nsys.nsys_profile_argv(["vllm", "serve", "m", "--profiler-config.profiler", "cuda"], "/data/p/dsv4_tp16")
     assert argv[:2] == ["nsys", "profile"]
     for flag in ("--trace=cuda,nvtx,nccl", "--trace-fork-before-exec=true", "--cuda-graph-trace=node",

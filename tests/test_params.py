@@ -19,7 +19,7 @@ def test_every_target_file_is_valid():
         assert t.nodes and t.head.role == "head", p
 
 
-def test_example_cluster_is_documentation_with_the_seeds_topology():
+def test_example_cluster_is_documentation_with_the_reference_topology():
     t = load_target("example-2node")
     assert t.engine == "sglang" and t.launch["tp_size"] == 16 and len(t.nodes) == 2
     assert t.gate["required_hcas"] == ["mlx5_0", "mlx5_3"]

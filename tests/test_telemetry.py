@@ -318,7 +318,7 @@ def test_summary_head_worker_changes_and_dash(tmp_path):
 
 def test_smi_probe_end_to_end_with_a_stand_in_nvidia_smi(tmp_path, monkeypatch, shared_data):
     """A stand-in ``nvidia-smi`` on PATH replays recorded H200 rows with fresh UTC stamps; the probe must
-    pass it exactly the seeds' field list and summarise what it printed."""
+    pass it exactly ``collectors.SMI_FIELDS`` and summarise what it printed."""
     rows = (shared_data / "h200x2-20261129" / "smi.csv").read_text().splitlines()[200:260]
     fake = tmp_path / "bin" / "nvidia-smi"
     fake.parent.mkdir()

@@ -59,7 +59,7 @@ def test_gqa_kv_bytes_by_hand():
 
 
 def test_tp16_and_tp8pp2_hold_w_over_16_each():
-    """Seeds §9.2: TP16 keeps W/16 per GPU; TP8+PP2 keeps (W/2)/8 = W/16. Exact for the sharded weights."""
+    """Layout B (docs/method.md#topology): TP16 keeps W/16 per GPU; TP8+PP2 keeps (W/2)/8 = W/16. Exact for the sharded weights."""
     cfg = model_config_from_dict({**TOY, "hidden_size": 128, "num_attention_heads": 16, "num_key_value_heads": 16,
                                   "num_hidden_layers": 8, "intermediate_size": 256, "vocab_size": 4096})
     W = param_summary(cfg).set_index("component").loc["total", "params"] * 2
@@ -106,7 +106,7 @@ def test_hf_config_json_and_bad_configs(tmp_path):
         load_model_config("deepseek-v9")
 
 
-def test_feasibility_verdicts_for_the_seeds_cluster():
+def test_feasibility_verdicts_for_the_reference_cluster():
     ds = load_model_config("deepseek-v3")
     cl = cluster_from_target(load_target("example-2node"))
     assert (cl.nodes, cl.gpus_per_node) == (2, 8)

@@ -105,7 +105,7 @@ def test_cache_next_to_trace_and_invalidation(h200_dir: Path, tmp_path: Path):
 
 
 def test_read_only_folder_caches_elsewhere(h200_dir: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
-    """../shared is read-only: the cache goes to the user cache dir, never next to the trace."""
+    """The shared data folder is read-only: the cache goes to the user cache dir, never next to the trace."""
     monkeypatch.setenv("SERVELAB_CACHE", str(tmp_path / "usercache"))
     if h200_dir.stat().st_mode & 0o222:
         pytest.skip("the shared trace folder is not marked read-only here")

@@ -1,7 +1,7 @@
 """Runs: ids, the run directory contract, ``manifest.json`` and ``commands.jsonl``.
 
 A run is one investigation (``outputs/<run_id>/``); each phase executed with the same id adds its
-folder. Every command is recorded with one of three labels (the seeds' rule):
+folder. Every command is recorded with one of three labels (``docs/method.md#commands``):
 
 - ``executed``  ran in this run (host, cwd, argv, env diff, start/end, exit code, log path);
 - ``reproduce`` an equivalent command a reader can re-run;

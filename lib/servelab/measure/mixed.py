@@ -1,6 +1,6 @@
 """M1, the mixed A/B: a decode background at fixed concurrency, with and without one injected long prefill.
 
-Protocol (seeds 004 §5.2): run the finite decode background (control); run the same background again
+Protocol (``docs/method.md#mixed-ab``): run the finite decode background (control); run the same background again
 (new prompts of the same shape, so no prefix-cache reuse) and, ``inject_after_s`` after its measurement
 window starts, send one long prefill (ISL → 1, C 1, no warm-up) outside the concurrency cap (treatment).
 Compare control vs treatment on the background's output TPS and P95 TTFT / TPOT / E2E, and look at the ITL of

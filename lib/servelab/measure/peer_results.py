@@ -1,6 +1,6 @@
 """Peer tools' result files into one summary table, and ours out with vLLM-compatible keys.
 
-Readers key on field *presence*, not tool versions (these tools change weekly; bench_clients.md §2):
+Readers key on field *presence*, not tool versions (these tools change weekly):
 
 - SGLang ``bench_serving`` JSONL (one object per run; ``e2e_latency``, ``total_throughput``, no ``failed``);
 - ``vllm bench serve`` JSON (``--save-result``; one object, or newline-separated with ``--append-result``;

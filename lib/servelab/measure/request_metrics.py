@@ -1,6 +1,6 @@
 """Request-level serving metrics from raw client records, under two named definitions.
 
-``sglang`` — SGLang ``bench_serving`` (0.5.9, OpenAI backends; ``../shared/research/bench_clients.md`` §1):
+``sglang`` — SGLang ``bench_serving`` (0.5.9, OpenAI backends; ``docs/metrics.md#definitions``):
   TTFT  first chunk with **non-empty text** − send (0 if none, as bench_serving does);
   ITL   gaps between consecutive non-empty-text chunks (first excluded), one value per chunk; on the native
         ``/generate`` API the gap is split evenly over the chunk's completion-token delta (0-token chunks skipped);
@@ -282,7 +282,7 @@ class ValidityRules:
     min_window_s: float = 0.0
     require_exact_tokens: bool = True
     max_error_rate: float = 0.0
-    max_cv_pct: float | None = None          # milestone bound (seeds: 3 %), checked with >= 2 repeats
+    max_cv_pct: float | None = None          # milestone bound (3 %, docs/method.md#repeats), checked with >= 2 repeats
     cv_key: str = "output_throughput"
 
 

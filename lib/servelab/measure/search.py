@@ -1,4 +1,4 @@
-"""Concurrency search (seeds 000 §5.2): C = 1, then add ``step`` (16 on the cluster) with regression fallback.
+"""Concurrency search (``docs/method.md#search``): C = 1, then add ``step`` (16 on the cluster) with regression fallback.
 
 Each point is a case (``cases/search_c<C>/``) of ``waves × C`` requests at concurrency C, with the warm-up /
 flush policy of decode points. After every point the stop conditions are checked from evidence, in order:
@@ -95,7 +95,7 @@ class SearchResult:
 
 
 def ladder(step: int, max_concurrency: int) -> list[int]:
-    """1, step, 2·step, ... ≤ max (the seeds' 1, 16, 32, 48, ...)."""
+    """1, step, 2·step, ... ≤ max (on the cluster: 1, 16, 32, 48, ...)."""
     out = [1]
     c = step
     while c <= max_concurrency:

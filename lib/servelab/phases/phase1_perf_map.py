@@ -2,7 +2,7 @@
 
 ``run_phase1(ctx)`` is the one call of the notebook: the server is started inside a ``ProcessTracker`` and
 stopped in ``finally`` — whatever fails, nothing is left running. An OOM restarts the engine before anything
-else is measured (seeds §16) and the restart is recorded; ENGINE_CRASH stops the run and lists the cases not
+else is measured (``docs/method.md#oom-restart``) and the restart is recorded; ENGINE_CRASH stops the run and lists the cases not
 executed. Everything goes to ``<run>/cases/<case_id>/`` (raw records, summaries, server metrics),
 ``<run>/summary.csv`` and ``<run>/phase1/`` (matrix, search, frontier, M1 tables).
 """
@@ -121,7 +121,7 @@ def run_phase1(ctx: Any, health_timeout_s: float = 900.0) -> Phase1Result:
                 holder["srv"] = start_server(ctx.target, log_dir, tracker, run_dir=ctx.run_dir, phase=ctx.phase,
                                              health_timeout_s=health_timeout_s)
                 restarts.append({"after": res.case.case_id, "reason": "OOM"})
-                ctx.notes.append(f"engine restarted after OOM in {res.case.case_id} (seeds §16)")
+                ctx.notes.append(f"engine restarted after OOM in {res.case.case_id} (never measure on after an OOM)")
                 return make_env(holder["srv"], ctx.run_dir, **env_kw)
 
             log_command(ctx, "reproduce", ["servelab", "run", "phase1", "--target", ctx.target.name, "--run-id",

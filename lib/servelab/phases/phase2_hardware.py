@@ -67,7 +67,7 @@ class Phase2Run:
 
 
 def node_specs(node: Any, pid: int | None, interval_s: float = 1.0, python: str = "python3") -> list[C.CollectorSpec]:
-    """The seeds' collector set for one target node (GPU, rail and HCA collectors required when the
+    """The collector set (``docs/method.md#telemetry``) for one target node (GPU, rail and HCA collectors required when the
     node declares GPUs/netdevs/HCAs)."""
     return C.default_collectors(pid=pid, netdevs=list(getattr(node, "netdevs", []) or []) or None,
                                 hcas=list(getattr(node, "hcas", []) or []) or None, gpus=int(getattr(node, "gpus", 0)),
@@ -144,7 +144,7 @@ def run_local_cases(ctx: Any, case_seconds: float = 4.0, interval_s: float = 1.0
     return Phase2Run(cases, plan, status_table(cases), coverage_table(valid), failures)
 
 
-ENGINE_CASES = ("P3", "P4_c4", "D2_c8", "M1_control", "M1_treatment")   # the seeds' Phase 2 replay, scaled
+ENGINE_CASES = ("P3", "P4_c4", "D2_c8", "M1_control", "M1_treatment")   # the Phase 2 replay (docs/method.md#phase2), scaled
 
 
 def run_engine_cases(ctx: Any, case_ids: list[str] | None = None, interval_s: float = 1.0,
@@ -233,7 +233,7 @@ def headline_metrics(table: pd.DataFrame, metrics: list[str] | None = None) -> p
 
 
 def questions(run: Phase2Run, ctx: Any | None = None) -> pd.DataFrame:
-    """The seeds' questions for every case (hot core, machine saturation, NUMA, rails, errors, GPU
+    """The telemetry questions (``docs/method.md#telemetry-questions``) for every case (hot core, machine saturation, NUMA, rails, errors, GPU
     throttling, memory headroom) with the evidence and the collector status behind each answer."""
     netdevs = [d for n in ctx.target.nodes for d in n.netdevs] if ctx is not None else None
     frames = [answer_questions(c, netdevs) for c in run.cases if c.window is not None]

@@ -16,7 +16,7 @@ from servelab.analyse.nccl.msgsize import model_message_sizes, place_on_curves
 from servelab.analyse.nccl.perf_log import NcclTestRun, parse_file, runs_frame, runs_table
 from servelab.core.paths import samples_root
 
-SEEDS_GATE = {"required_hcas": ["mlx5_0", "mlx5_3"], "require": ["NET/IB", "GDRDMA"]}
+TWO_RAIL_GATE = {"required_hcas": ["mlx5_0", "mlx5_3"], "require": ["NET/IB", "GDRDMA"]}
 
 
 @dataclass
@@ -103,12 +103,13 @@ def gate_for_target(ctx: Any, data: Phase5Data) -> GateVerdict:
     return v
 
 
-def seeds_gate_on_log(data: Phase5Data) -> pd.DataFrame:
-    """What the seeds' gate (mlx5_0 + mlx5_3 with NET/IB + GDRDMA) says about this log — for a
+def two_rail_gate_on_log(data: Phase5Data) -> pd.DataFrame:
+    """What the reference two-rail gate (mlx5_0 + mlx5_3 with NET/IB + GDRDMA, ``docs/method.md#transport-gate``)
+    says about this log — for a
     single-node log it must refuse, and the message says what was found instead."""
     if data.info is None:
         return pd.DataFrame([{"item": "verdict", "value": "-"}, {"item": "message", "value": "no INFO log given"}])
-    return verdict_table(check_gate(SEEDS_GATE, data.info))
+    return verdict_table(check_gate(TWO_RAIL_GATE, data.info))
 
 
 def headline(data: Phase5Data, verdict: GateVerdict) -> dict[str, Any]:

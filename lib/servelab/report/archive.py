@@ -94,7 +94,7 @@ def _milestones_html(run_dir: Path) -> str:
 
 
 def _lessons_html(m: dict[str, Any]) -> str:
-    """The seeds' archive rule: final successful experiments in the body; failed attempts compressed into a
+    """The archive rule (``docs/method.md#archive``): final successful experiments in the body; failed attempts compressed into a
     lessons section at the end (phase, when, what failed, with which parameters)."""
     failed = [a for a in m.get("attempts", []) if a.get("status") != "success"]
     if not failed:

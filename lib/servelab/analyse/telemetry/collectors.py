@@ -5,7 +5,7 @@ host and stops it after. Every argv is a list (``shlex.join`` only for display).
 nvidia-smi get ``TZ=UTC LC_ALL=C S_TIME_FORMAT=ISO`` so that their wall-clock stamps parse without
 guessing the node's time zone or locale.
 
-The field lists and commands follow the seeds (Phase 2 §6.1–6.3 of both plan files):
+The field lists and commands (``docs/method.md#telemetry``):
 
 - nvidia-smi query loop: ``index,timestamp,utilization.gpu,utilization.memory,memory.used,memory.total,
   power.draw,temperature.gpu,clocks.sm,clocks.mem,pstate`` as ``csv,noheader,nounits``, 1 s default;
@@ -106,7 +106,7 @@ def sampler_argv(config: dict[str, Any], python: str = "python3") -> list[str]:
 
 
 def nvidia_smi(interval_s: float = 1.0, required: bool = False) -> CollectorSpec:
-    """The seeds' nvidia-smi query loop (``-lms`` so sub-second intervals work too)."""
+    """The Phase 2 nvidia-smi query loop (``-lms`` so sub-second intervals work too)."""
     ms = int(round(interval_s * 1000))
     if ms < 100:
         raise ValueError(f"nvidia-smi interval must be ≥ 0.1 s, got {interval_s}")
@@ -209,11 +209,11 @@ def default_collectors(pid: int | None = None, netdevs: list[str] | None = None,
                        gpus: int = 0, required: list[str] | None = None, interval_s: float = 1.0,
                        slow_interval_s: float = 5.0, perf: bool = False,
                        python: str = "python3") -> list[CollectorSpec]:
-    """The seeds' collector set for one node.
+    """The collector set for one node (``docs/method.md#telemetry``).
 
     ``required`` names the collectors that fail a case when missing (default: the sysstat ones, plus
-    nvidia-smi and DCGM when the node declares GPUs, plus ethtool/RDMA when it declares netdevs/HCAs —
-    the seeds' final code made DCGM and both rails mandatory).
+    nvidia-smi and DCGM when the node declares GPUs, plus ethtool/RDMA when it declares netdevs/HCAs — a
+    silent collector hides a problem, so DCGM and every declared rail are mandatory).
     """
     if required is None:
         required = ["mpstat", "sar-net"] + (["pidstat"] if pid else [])

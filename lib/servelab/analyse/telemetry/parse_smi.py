@@ -1,6 +1,6 @@
-"""nvidia-smi ``--query-gpu=<seeds' fields> --format=csv[,noheader][,nounits]`` → tidy samples.
+"""nvidia-smi ``--query-gpu=<collectors.SMI_FIELDS> --format=csv[,noheader][,nounits]`` → tidy samples.
 
-Columns, in the seeds' order: index, timestamp, utilization.gpu [%], utilization.memory [%],
+Columns, in the order of ``collectors.SMI_FIELDS``: index, timestamp, utilization.gpu [%], utilization.memory [%],
 memory.used [MiB], memory.total [MiB], power.draw [W], temperature.gpu [C], clocks.sm [MHz],
 clocks.mem [MHz], pstate. ``utilization.gpu`` is the fraction of time any kernel ran (not SM
 occupancy); ``utilization.memory`` the fraction of time the memory controller was busy. Timestamps

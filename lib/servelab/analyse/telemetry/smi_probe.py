@@ -1,8 +1,8 @@
-"""Record the seeds' nvidia-smi query loop for a while and summarise it (a shell one-liner entry).
+"""Record the Phase 2 nvidia-smi query loop for a while and summarise it (a shell one-liner entry).
 
     PYTHONPATH=lib python3 -m servelab.analyse.telemetry.smi_probe --seconds 20 --interval 0.2 --out /tmp/smi
 
-writes ``<out>/telemetry/local/nvidia_smi.csv`` (raw, exactly the seeds' field list),
+writes ``<out>/telemetry/local/nvidia_smi.csv`` (raw, exactly the ``collectors.SMI_FIELDS`` list),
 ``nvidia-smi.status.json`` and ``clock.json`` next to it, and — when pandas is importable —
 ``<out>/smi_summary.csv`` (per GPU and metric: samples, mean, P95, max), which it also prints.
 Collection itself needs only the standard library, so it runs on a bare GPU machine; parse the raw

@@ -1,7 +1,7 @@
-"""Per-case, per-metric summaries inside the measurement window, between-case changes, and the seeds'
-Phase 2 questions answered from the data.
+"""Per-case, per-metric summaries inside the measurement window, between-case changes, and the
+Phase 2 questions answered from the data (``docs/method.md#telemetry-questions``).
 
-Seeds' rules (plan §6.3): one ``case_<metric>_summary.csv`` per metric; each row lists the raw files,
+Rules (``docs/metrics.md#telemetry-summaries``): one ``case_<metric>_summary.csv`` per metric; each row lists the raw files,
 the valid sample count, head and worker values, Mean/P95/Max, and the change between cases. Missing
 data is ``-`` together with the collector's status — never 0.
 
@@ -138,7 +138,7 @@ def _fmt(x: float, unit: str = "", digits: int = 1) -> str:
 
 
 def answer_questions(case: CaseTelemetry, netdevs: list[str] | None = None) -> pd.DataFrame:
-    """The seeds' Phase 2 questions for one case, answered from the samples inside its window.
+    """The Phase 2 questions for one case (``docs/method.md#telemetry-questions``), answered from the samples inside its window.
 
     Columns: case, question, answer (``yes``/``no``/``-``), evidence, source status. ``-`` means the
     data to answer is missing; the status column says which collector and why.

@@ -1,13 +1,13 @@
 """Trace analysis: Kineto per-rank traces → columnar frames → timeline metrics, cross-rank alignment,
-NCCL forensics, the seeds' ten questions and the evidence → action table.
+NCCL forensics, the ten timeline questions and the evidence → action table (``docs/method.md#phase3``).
 
     from servelab.analyse.trace import analyse, ten_questions, evidence_actions
     a = analyse("path/to/capture")          # a folder of per-rank *.trace.json.gz (SGLang / vLLM)
     a.summary, a.top_kernels, a.gap_summary, a.nccl, a.step_skew ...
 
 Modules: load (parse + Parquet cache + rank identity), taxonomy (kernel classes), windows (step windows),
-ops (per-rank GPU op table), metrics, ranks (alignment, skew, PP), nccl (forensics), questions, actions,
-figures, analysis (compose), phase3 (what the notebook calls).
+ops (per-rank GPU op table), metrics, ranks (alignment, skew, PP), nccl (forensics), nsys (Nsight Systems),
+questions, actions, figures, analysis (compose). The Phase 3 notebook calls ``servelab.phases.phase3_timeline``.
 """
 from servelab.analyse.trace.actions import evidence_actions
 from servelab.analyse.trace.analysis import CaptureAnalysis, analyse, write_tables

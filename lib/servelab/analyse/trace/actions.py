@@ -1,4 +1,5 @@
-"""The seeds' evidence → root cause → next A/B table (000 §8), applied to measured trace numbers.
+"""The evidence → likely cause → next A/B table (``docs/method.md#evidence-actions``), applied to measured
+trace numbers.
 
 Every row states the metric, the measured value, the threshold and a status: ``triggered``, ``not
 triggered`` or ``not evaluable`` (with the phase whose data would decide it). Thresholds are defaults a
@@ -44,7 +45,7 @@ def _sum_kind(a: CaptureAnalysis, kinds: tuple[str, ...]) -> dict:
 
 
 def evidence_actions(a: CaptureAnalysis, thresholds: dict[str, float] | None = None) -> pl.DataFrame:
-    """§8 rows with measured values. Columns: evidence, metric, measured, threshold, status, likely_cause,
+    """The table's rows with measured values. Columns: evidence, metric, measured, threshold, status, likely_cause,
     next_ab."""
     th = {**DEFAULT_THRESHOLDS, **(thresholds or {})}
     rows: list[Action] = []

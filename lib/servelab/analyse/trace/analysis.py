@@ -119,7 +119,7 @@ def analyse(capture: Capture | str | Path, *, window_regex: str | None = None, t
 
 def census(cap: Capture) -> pl.DataFrame:
     """Event census per rank: events and total duration (ms) per (phase type, Kineto category) — what the
-    trace holds before any interpretation (the GLM report's census)."""
+    trace holds before any interpretation (a census: read it before trusting any derived number)."""
     parts = []
     for t in cap.ranks:
         ev = t.events

@@ -1,6 +1,6 @@
 """Kineto (PyTorch profiler) Chrome-trace JSON(.gz) per rank → one columnar polars frame.
 
-Measured choice (../shared/research/trace_analysis.md §8): ISA-L gunzip → msgspec typed decode with
+Measured choice (the fastest of the decoders we compared): ISA-L gunzip → msgspec typed decode with
 the garbage collector paused → numpy columns → polars, cached as zstd Parquet. A lenient decoder
 (plain objects) takes over when a trace uses unexpected types for the few typed fields.
 
@@ -39,7 +39,7 @@ import numpy as np
 import polars as pl
 import pyarrow.parquet as pq
 
-try:  # ISA-L gunzip is ~1.6x faster than zlib (research §8); zlib is the fallback
+try:  # ISA-L gunzip is ~1.6x faster than zlib (measured); zlib is the fallback
     from isal import igzip as _gzip
 except ImportError:  # pragma: no cover - isal is a declared dependency of the trace analyser
     import gzip as _gzip
@@ -678,7 +678,7 @@ class RankTrace:
 
 def cache_path_for(path: Path, cache_dir: Path | None = None) -> Path:
     """``<trace dir>/.servelab_cache/<file>.v<N>.parquet``, or under ``cache_dir`` / the user cache when the
-    trace folder is read-only (e.g. ``../shared``)."""
+    trace folder is read-only (e.g. a shared data folder)."""
     name = f"{path.name}.v{PARSER_VERSION}.parquet"
     if cache_dir is not None:
         digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]

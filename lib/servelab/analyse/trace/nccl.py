@@ -2,7 +2,7 @@
 and algbw/busbw (nccl-tests definitions) where the trace carries message sizes.
 
 Kernel names tell the *specialised* kernel (``ncclDevKernel_AllReduce_Sum_bf16_RING_LL``), not the runtime
-algorithm/protocol (NCCL ≥ 2.19; ../shared/research/trace_analysis.md §4) — the ``name_algo``/``name_proto``
+algorithm/protocol (NCCL ≥ 2.19; ``docs/metrics.md#nccl-forensics``) — the ``name_algo``/``name_proto``
 columns are reported as such. Sizes exist only for torch c10d collectives (``In msg nelems`` args);
 SGLang/vLLM pynccl and custom all-reduce kernels, and kernels replayed from CUDA graphs, carry none.
 """

@@ -1,8 +1,7 @@
-"""Nsight Systems: the ``nsys profile`` / ``nsys stats`` command lines the seeds prescribe, and an importer of
+"""Nsight Systems: the ``nsys profile`` / ``nsys stats`` command lines of ``docs/method.md#capture-scenarios``, and an importer of
 ``nsys stats --format csv`` reports.
 
-Column names follow the Nsight Systems analysis guide as summarised in
-../shared/research/trace_analysis.md §5 (``cuda_gpu_kern_sum``: ``Time (%),Total Time (ns),Instances,Avg (ns),
+Column names follow the Nsight Systems analysis guide (``nsys stats`` report names; ``cuda_gpu_kern_sum``: ``Time (%),Total Time (ns),Instances,Avg (ns),
 Med (ns),Min (ns),Max (ns),StdDev (ns),Name``; ``cuda_api_sum`` the same with ``Num Calls``; ``nvtx_sum`` with
 ``Style,Range``; ...). Times are ns unless the report was written with ``--timeunit``; the importer
 converts the unit found in the header to ns.
@@ -34,9 +33,9 @@ def nsys_profile_argv(app_argv: Sequence[str], output: str, *, trace: Sequence[s
                       capture_range: str | None = "cudaProfilerApi", capture_range_end: str | None = "repeat",
                       repeat: int | None = None, repeat_mode: str | None = None, sample: str | None = None,
                       force_overwrite: bool = True, nsys: str = "nsys", extra: Sequence[str] = ()) -> list[str]:
-    """``nsys profile`` argv wrapping ``app_argv`` (seeds §7.2/§7.3).
+    """``nsys profile`` argv wrapping ``app_argv`` (``docs/method.md#capture-scenarios``).
 
-    ``capture_range_end="repeat"`` with ``repeat=3`` and ``repeat_mode="defer"`` gives the seeds'
+    ``capture_range_end="repeat"`` with ``repeat=3`` and ``repeat_mode="defer"`` gives
     ``--capture-range-end=repeat:3:defer`` (three capture ranges in one model load; results written at
     exit). ``output`` may contain nsys placeholders such as ``%n`` (range number) or ``%h`` (host).
     """

@@ -1,4 +1,5 @@
-"""The ten questions a Phase 3 timeline must answer (seeds 000 §7.4), answered from one capture.
+"""The ten questions a Phase 3 timeline must answer (``docs/method.md#timeline-questions``), answered from
+one capture.
 
 Each answer carries the numbers it rests on and the trace files they come from, or says "not answerable
 from this capture" and why (e.g. no MoE kernels → Q8).
@@ -286,7 +287,7 @@ def _no_gpu(a: CaptureAnalysis) -> list[Answer]:
 
 
 def ten_questions(a: CaptureAnalysis) -> pl.DataFrame:
-    """The seeds' ten questions as a table: id, question, answerable, answer, evidence, source (trace files)."""
+    """The ten questions as a table: id, question, answerable, answer, evidence, source (trace files)."""
     if sum(r.ops.height for r in a.rops) == 0:
         rows = [asdict(x) for x in _no_gpu(a)]
     else:

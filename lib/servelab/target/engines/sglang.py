@@ -121,7 +121,8 @@ class SGLangAdapter(EngineAdapter):
                            with_stack: bool = False, record_shapes: bool = True, profile_prefix: str | None = None,
                            merge_profiles: bool | None = None, profile_stages: list[str] | None = None,
                            ) -> dict[str, Any]:
-        """Body of ``POST /start_profile``. ``with_stack`` defaults off: the GLM report found it pathological.
+        """Body of ``POST /start_profile``. ``with_stack`` defaults off: it was pathological on a production
+        build (``docs/method.md#profiling-lessons``).
         ``start_step`` is an absolute forward count in SGLang (clamped to the next step), not "skip N"."""
         body: dict[str, Any] = {"output_dir": output_dir, "activities": list(activities),
                                 "profile_by_stage": profile_by_stage, "with_stack": with_stack,

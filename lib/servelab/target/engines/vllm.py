@@ -127,5 +127,5 @@ class VLLMAdapter(EngineAdapter):
 
     @staticmethod
     def profiler_config(out_dir: str, with_stack: bool = False) -> dict[str, Any]:
-        """``--profiler-config`` for torch traces; ``with_stack`` off by default (GLM report lesson)."""
+        """``--profiler-config`` for torch traces; ``with_stack`` off by default (``docs/method.md#profiling-lessons``)."""
         return {"profiler": "torch", "torch_profiler_dir": out_dir, "torch_profiler_with_stack": with_stack}
