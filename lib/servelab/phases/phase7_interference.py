@@ -46,11 +46,11 @@ import numpy as np
 import pandas as pd
 
 from servelab.measure import request_metrics as mx
-from servelab.phases.phase8_cache import SlotsPoller, has_slots_endpoint
 from servelab.measure.case import CaseEnv, case_seed, flush_cache, max_request_tokens
 from servelab.measure.client import ClientConfig, RequestRecord, run_async, run_sync, write_records
 from servelab.measure.launch_variants import (delta_of, metrics_snapshot, server_cpu_s, snapshot_deltas, write_run_record,
                                       write_snapshots)
+from servelab.measure.slots import SlotsPoller, has_slots_endpoint
 from servelab.core.run import now_iso, write_json_atomic
 from servelab.target.server import RunningServer, is_healthy
 from servelab.measure.workload import RequestSpec, build_workload

@@ -3,7 +3,7 @@
 **KV usage over time.** vLLM (``vllm:kv_cache_usage_perc``) and SGLang (``sglang:token_usage``) expose a KV
 gauge, scraped from ``/metrics`` during every point. llama.cpp has no KV gauge: its ``/slots`` endpoint gives,
 per slot, ``n_ctx`` and the tokens the slot's KV holds (``n_prompt_tokens`` = prompt + generated so far, also
-for an idle slot that keeps its last prompt for reuse). :class:`SlotsPoller` samples it; *active* usage counts
+for an idle slot that keeps its last prompt for reuse). :class:`servelab.measure.slots.SlotsPoller` samples it; *active* usage counts
 the processing slots, *held* usage every slot (idle slots keep their cached prompt). Both are token counts over
 the slots' capacity, not allocator bytes — the page says so.
 
@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import math
 import re
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -47,8 +46,9 @@ import pandas as pd
 from servelab.measure import request_metrics as mx
 from servelab.measure.client import ClientConfig, ClientRun, RequestRecord, run_async, run_sync, write_records
 from servelab.measure.launch_variants import Snapshot, delta_of, metrics_snapshot, snapshot_deltas, write_snapshots
+from servelab.measure.slots import SlotsPoller, has_slots_endpoint
 from servelab.core.run import now_iso, write_json_atomic
-from servelab.target.server import RunningServer, http_json
+from servelab.target.server import RunningServer
 from servelab.measure.workload import RequestSpec, build_workload
 
 TARGET_RATES = (0.0, 0.2, 0.5, 0.8)
@@ -56,69 +56,6 @@ PURPOSES = {0.0: "pure compute baseline", 0.2: "low-reuse traffic", 0.5: "medium
             0.8: "agent / coding, high reuse"}
 MIN_TOLERANCE = 0.005                  # 0.5 percentage points (SG-PC)
 DEFAULT_PAGE_TOKENS = {"llamacpp": 1, "vllm": 16, "sglang": 1}
-
-
-# ---------------------------------------------------------------- llama.cpp /slots sampling
-
-@dataclass
-class SlotsPoller:
-    """Poll llama.cpp ``GET /slots`` every ``interval_s`` in a thread; one row per slot and sample.
-
-    Columns: ``ts_ns`` (perf_counter), ``slot``, ``n_ctx``, ``is_processing``, ``id_task``, ``n_prompt_tokens``
-    (tokens the slot's KV holds: prompt + generated so far), ``n_prompt_tokens_processed``,
-    ``n_prompt_tokens_cache``, ``n_decoded``, ``n_predict``. A failed poll is a row in ``errors``, never a zero.
-    """
-    base_url: str
-    interval_s: float = 0.1
-    timeout_s: float = 2.0
-    rows: list[dict[str, Any]] = field(default_factory=list)
-    errors: list[dict[str, Any]] = field(default_factory=list)
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _thread: threading.Thread | None = None
-
-    def poll_once(self) -> bool:
-        t = time.perf_counter_ns()
-        status, body = http_json(self.base_url + "/slots", timeout=self.timeout_s)
-        if status != 200 or not isinstance(body, list):
-            self.errors.append({"ts_ns": t, "status": status, "error": str(body)[:200]})
-            return False
-        for s in body:
-            nt = (s.get("next_token") or [{}])[0] if isinstance(s.get("next_token"), list) else {}
-            self.rows.append({"ts_ns": t, "slot": s.get("id"), "n_ctx": s.get("n_ctx"),
-                              "is_processing": bool(s.get("is_processing")), "id_task": s.get("id_task"),
-                              "n_prompt_tokens": s.get("n_prompt_tokens", 0),
-                              "n_prompt_tokens_processed": s.get("n_prompt_tokens_processed"),
-                              "n_prompt_tokens_cache": s.get("n_prompt_tokens_cache"),
-                              "n_decoded": nt.get("n_decoded"),
-                              "n_predict": (s.get("params") or {}).get("n_predict")})
-        return True
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            t0 = time.monotonic()
-            self.poll_once()
-            self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - t0)))
-
-    def start(self) -> "SlotsPoller":
-        self._thread = threading.Thread(target=self._loop, name="servelab-slots-poller", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> pd.DataFrame:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(self.timeout_s + self.interval_s + 1)
-        self.poll_once()
-        return self.frame()
-
-    def frame(self) -> pd.DataFrame:
-        cols = ["ts_ns", "slot", "n_ctx", "is_processing", "id_task", "n_prompt_tokens", "n_prompt_tokens_processed",
-                "n_prompt_tokens_cache", "n_decoded", "n_predict"]
-        return pd.DataFrame(self.rows, columns=cols)
-
-
-def has_slots_endpoint(srv: RunningServer) -> bool:
-    return srv.target.engine == "llamacpp"
 
 
 # ---------------------------------------------------------------- KV usage over time

@@ -73,6 +73,7 @@ class EngineAdapter:
     start_profile_path: str | None = None
     stop_profile_path: str | None = None
     version_paths: tuple[str, ...] = ()
+    slots_path: str | None = None          # per-slot state (prompt progress, KV tokens held), polled while a case runs
     metric_names: dict[str, str] = {}      # our name -> engine's Prometheus series name
     log_markers: dict[str, str] = {}       # event -> regex over the server log
 

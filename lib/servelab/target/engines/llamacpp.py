@@ -31,6 +31,7 @@ class LlamaCppAdapter(EngineAdapter):
     tokenize_path = "/tokenize"
     flush_cache_path = None          # per-slot prompt cache; requests send cache_prompt=false instead
     version_paths = ("/props", "/v1/models")
+    slots_path = "/slots"            # served with --slots (always passed below)
     metric_names = {
         "running": "llamacpp:requests_processing", "waiting": "llamacpp:requests_deferred",
         "prompt_tokens_total": "llamacpp:prompt_tokens_total",
