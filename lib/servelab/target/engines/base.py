@@ -104,6 +104,12 @@ class EngineAdapter:
         """Local targets listen on loopback only; cluster heads must accept the client's connection."""
         return str(target.launch.get("bind_host") or ("127.0.0.1" if target.is_local else "0.0.0.0"))
 
+    def layout_launch_settings(self, layout: Any) -> dict[str, Any]:
+        """The ``launch:`` keys that express a parallel layout (``tp, pp, dp, ep, dp_attention`` as in
+        :class:`servelab.analyse.topology.Layout`). Default: SGLang's notation, attention DP inside the TP group."""
+        return {"tp_size": layout.tp, "pp_size": layout.pp, "dp_size": layout.dp, "ep_size": layout.ep,
+                "dp_attention": bool(layout.dp_attention)}
+
     # --- profile request bodies (engines that support it override)
     def start_profile_body(self, **kw: Any) -> dict[str, Any] | None:
         return None

@@ -119,6 +119,12 @@ class VLLMAdapter(EngineAdapter):
                                     role="head" if rank == 0 else "worker", ready="http" if rank == 0 else "none"))
         return plans
 
+    def layout_launch_settings(self, layout: Any) -> dict[str, Any]:
+        """vLLM has no attention DP inside a TP group: a ``TPn+DPd`` layout with DP attention runs as ``tp = n/d``
+        × ``dp = d`` replicas (experts still over ``ep``)."""
+        tp = layout.attn_tp if layout.dp_attention else layout.tp
+        return {"tp_size": tp, "pp_size": layout.pp, "dp_size": layout.dp, "ep_size": layout.ep, "dp_attention": False}
+
     def start_profile_body(self, profile_prefix: str | None = None, skip_steps: int = 0,
                            num_steps: int | None = None, **_: Any) -> dict[str, Any]:
         """vLLM (>= 0.32) ``/start_profile`` body: a per-session step window and file prefix (older releases
