@@ -110,6 +110,12 @@ class EngineAdapter:
         return {"tp_size": layout.tp, "pp_size": layout.pp, "dp_size": layout.dp, "ep_size": layout.ep,
                 "dp_attention": bool(layout.dp_attention)}
 
+    def one_batch_bench_argv(self, target: Any, batch_size: int = 1, input_len: int = 1024,
+                             output_len: int = 8) -> list[str]:
+        """The engine's own single-batch benchmark of the target's model (the small reproduction ``ncu`` wraps),
+        keeping the target's TP/PP so the kernels see the service's shapes."""
+        raise ParamError(f"{self.name}: no single-batch benchmark is known for this engine")
+
     # --- profile request bodies (engines that support it override)
     def start_profile_body(self, **kw: Any) -> dict[str, Any] | None:
         return None

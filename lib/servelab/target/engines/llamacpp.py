@@ -99,3 +99,10 @@ class LlamaCppAdapter(EngineAdapter):
         plans.append(LaunchPlan(node=target.head.name, argv=argv, env=dict(target.env), port=port,
                                 health_path=self.health_path))
         return plans
+
+    def one_batch_bench_argv(self, target: Any, batch_size: int = 1, input_len: int = 1024,
+                             output_len: int = 8) -> list[str]:
+        """``llama-bench``: one prompt of ``input_len`` and ``output_len`` generated tokens, one repetition."""
+        model = getattr(target, "model", "MODEL")
+        return ["llama-bench", "-m", model, "-p", str(input_len), "-n", str(output_len), "-b", str(max(batch_size, 1)),
+                "-r", "1"]

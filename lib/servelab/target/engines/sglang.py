@@ -116,6 +116,19 @@ class SGLangAdapter(EngineAdapter):
                                     role="head" if rank == 0 else "worker", ready="http" if rank == 0 else "none"))
         return plans
 
+    def one_batch_bench_argv(self, target: Any, batch_size: int = 1, input_len: int = 1024,
+                             output_len: int = 8) -> list[str]:
+        """``sglang.bench_one_batch``: no server, one static batch."""
+        la = dict(getattr(target, "launch", {}) or {})
+        model = getattr(target, "model", "MODEL")
+        tp = int(la.get("tp_size", 1))
+        argv = [la.get("python", "python3"), "-m", "sglang.bench_one_batch", "--model-path", model,
+                "--batch-size", str(batch_size), "--input-len", str(input_len), "--output-len", str(output_len),
+                "--tp-size", str(tp)]
+        if la.get("trust_remote_code"):
+            argv.append("--trust-remote-code")
+        return argv
+
     def start_profile_body(self, output_dir: str, start_step: int | None = None, num_steps: int | None = 10,
                            activities: tuple[str, ...] = ("CPU", "GPU"), profile_by_stage: bool = False,
                            with_stack: bool = False, record_shapes: bool = True, profile_prefix: str | None = None,

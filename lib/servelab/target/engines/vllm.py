@@ -125,6 +125,19 @@ class VLLMAdapter(EngineAdapter):
         tp = layout.attn_tp if layout.dp_attention else layout.tp
         return {"tp_size": tp, "pp_size": layout.pp, "dp_size": layout.dp, "ep_size": layout.ep, "dp_attention": False}
 
+    def one_batch_bench_argv(self, target: Any, batch_size: int = 1, input_len: int = 1024,
+                             output_len: int = 8) -> list[str]:
+        """``vllm bench latency`` (module entry point: the CPU build has no ``vllm`` console script)."""
+        la = dict(getattr(target, "launch", {}) or {})
+        model = getattr(target, "model", "MODEL")
+        tp, pp = int(la.get("tp_size", 1)), int(la.get("pp_size", 1))
+        argv = [la.get("python", "python3"), "-m", "vllm.entrypoints.cli.main", "bench", "latency", "--model", model,
+                "--batch-size", str(batch_size), "--input-len", str(input_len), "--output-len", str(output_len),
+                "--tensor-parallel-size", str(tp), "--num-iters-warmup", "1", "--num-iters", "1"]
+        if pp > 1:
+            argv += ["--pipeline-parallel-size", str(pp)]
+        return argv
+
     def start_profile_body(self, profile_prefix: str | None = None, skip_steps: int = 0,
                            num_steps: int | None = None, **_: Any) -> dict[str, Any]:
         """vLLM (>= 0.32) ``/start_profile`` body: a per-session step window and file prefix (older releases
