@@ -76,6 +76,10 @@ class EngineAdapter:
     slots_path: str | None = None          # per-slot state (prompt progress, KV tokens held), polled while a case runs
     metric_names: dict[str, str] = {}      # our name -> engine's Prometheus series name
     log_markers: dict[str, str] = {}       # event -> regex over the server log
+    # Phase 7: the one-variable sweep that means something on this engine (first value = its default = the
+    # baseline), and a second setting changed on purpose to show how a two-variable A/B is flagged
+    interference_sweep: tuple[str, tuple[Any, ...]] = ("", ())
+    confound_setting: dict[str, Any] = {}
 
     def launch_keys(self) -> set[str]:
         return set(COMMON_LAUNCH_KEYS) | set(self.extra_launch_keys)

@@ -45,6 +45,9 @@ class LlamaCppAdapter(EngineAdapter):
         "spec_draft_tokens_total": "llamacpp:spec_decode_num_draft_tokens_total",
         "spec_accepted_tokens_total": "llamacpp:spec_decode_num_accepted_tokens_total",
     }
+    # -b: the per-iteration token budget decode tokens fill first and prompt chunks share
+    interference_sweep = ("batch_size", (2048, 32))
+    confound_setting = {"ubatch_size": 8}
     log_markers = {
         "ready": r"server is listening on",
         "crash": r"(terminate called|Segmentation fault|GGML_ASSERT|error: )",

@@ -35,6 +35,8 @@ class SGLangAdapter(EngineAdapter):
         "itl_seconds": "sglang:inter_token_latency_seconds", "e2e_seconds": "sglang:e2e_request_latency_seconds",
         "queue_seconds": "sglang:queue_time_seconds", "is_cuda_graph": "sglang:is_cuda_graph",
     }
+    interference_sweep = ("chunked_prefill_size", (8192, 4096, 2048))
+    confound_setting = {"cuda_graph_max_bs": 8}
     log_markers = {
         "ready": r"The server is fired up and ready to roll",
         "prefill_batch": r"Prefill batch\..*#new-seq: (?P<new_seq>\d+), #new-token: (?P<new_token>\d+), "

@@ -52,6 +52,8 @@ class VLLMAdapter(EngineAdapter):
         "ttft_seconds": "vllm:time_to_first_token_seconds", "itl_seconds": "vllm:inter_token_latency_seconds",
         "e2e_seconds": "vllm:e2e_request_latency_seconds", "queue_seconds": "vllm:request_queue_time_seconds",
     }
+    interference_sweep = ("max_num_batched_tokens", (8192, 4096, 2048))
+    confound_setting = {"max_running_requests": 8}
     log_markers = {
         "ready": r"Application startup complete",
         "stats": r"Avg prompt throughput: (?P<prompt_tps>[\d.]+) tokens/s, Avg generation throughput: "
