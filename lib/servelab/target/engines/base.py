@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import shlex
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from servelab.core.params import ParamError, reject_unknown
 
@@ -80,6 +80,13 @@ class EngineAdapter:
     # baseline), and a second setting changed on purpose to show how a two-variable A/B is flagged
     interference_sweep: tuple[str, tuple[Any, ...]] = ("", ())
     confound_setting: dict[str, Any] = {}
+    # Phase 8: prefix-cache granularity when launch.page_size is unset; the request-body flag that turns prefix
+    # reuse off for one request (None = no such switch); startup-log lines of the memory breakdown as
+    # (component, regex) and where the engine prints them
+    default_page_tokens: int = 1
+    request_cache_switch: str | None = None
+    memory_log_patterns: tuple[tuple[str, str], ...] = ()
+    memory_log_note: str = ""
 
     def launch_keys(self) -> set[str]:
         return set(COMMON_LAUNCH_KEYS) | set(self.extra_launch_keys)
@@ -113,6 +120,17 @@ class EngineAdapter:
         :class:`servelab.analyse.topology.Layout`). Default: SGLang's notation, attention DP inside the TP group."""
         return {"tp_size": layout.tp, "pp_size": layout.pp, "dp_size": layout.dp, "ep_size": layout.ep,
                 "dp_attention": bool(layout.dp_attention)}
+
+    def prefix_cache_counts(self, delta: Callable[[str], float | None]) -> tuple[float | None, float | None, str]:
+        """(cached tokens, prompt tokens, formula) of a measurement window from counter deltas; ``delta(key)``
+        is the delta of ``metric_names[key]``. Default (SGLang): Δcached_tokens / Δprompt_tokens."""
+        return delta("cached_tokens_total"), delta("prompt_tokens_total"), "Δcached_tokens / Δprompt_tokens"
+
+    def cache_study_launch_changes(self, launch: dict[str, Any], swa_full: bool = True
+                                   ) -> tuple[dict[str, Any], list[str]]:
+        """Launch changes the prefix-cache phase needs on this engine (memory lines in the log, reusable prefixes),
+        with a note per change for the page. Default: none."""
+        return {}, []
 
     def one_batch_bench_argv(self, target: Any, batch_size: int = 1, input_len: int = 1024,
                              output_len: int = 8) -> list[str]:

@@ -6,7 +6,7 @@ Endpoints (verified on llama.cpp 0.5.0 / llama-cpp-python 0.3.36): ``/health``, 
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from servelab.target.engines.base import EngineAdapter, LaunchPlan
 from servelab.core.params import ParamError
@@ -48,6 +48,21 @@ class LlamaCppAdapter(EngineAdapter):
     # -b: the per-iteration token budget decode tokens fill first and prompt chunks share
     interference_sweep = ("batch_size", (2048, 32))
     confound_setting = {"ubatch_size": 8}
+    request_cache_switch = "cache_prompt"
+    # printed at -lv 4; group names are what the memory breakdown reads
+    memory_log_patterns = (
+        ("breakdown (model + context + compute)",
+         r"memory_breakdown_print: \|\s+-\s+(?P<dev>\S+)\s+\|\s+(?P<total>\d+) = +(?P<model>\d+) \+ +"
+         r"(?P<context>\d+) \+ +(?P<compute>\d+)"),
+        ("model buffer", r"load_tensors:\s+(?P<dev>\S+) model buffer size = +(?P<mib>[\d.]+) MiB"),
+        ("KV cache", r"llama_kv_cache: size = +(?P<mib>[\d.]+) MiB \( *(?P<cells>\d+) cells, +(?P<layers>\d+) "
+                     r"layers, +(?P<seqs>[\d/]+) seqs\), K \((?P<kdt>\w+)\): +(?P<k>[\d.]+) MiB, "
+                     r"V \((?P<vdt>\w+)\): +(?P<v>[\d.]+) MiB"),
+        ("output buffer", r"llama_context: +(?P<dev>\S+) +output buffer size = +(?P<mib>[\d.]+) MiB"),
+        ("compute buffer", r"(?:sched_reserve|llama_context): +(?P<dev>\S+) compute buffer size = +"
+                           r"(?P<mib>[\d.]+) MiB"),
+    )
+    memory_log_note = "llama.cpp prints it at -lv 4"
     log_markers = {
         "ready": r"server is listening on",
         "crash": r"(terminate called|Segmentation fault|GGML_ASSERT|error: )",
@@ -61,6 +76,27 @@ class LlamaCppAdapter(EngineAdapter):
                 raise ParamError(f"{source}: llama.cpp serves one process: launch.{key} must be 1")
         if launch.get("mode", "bare") != "bare":
             raise ParamError(f"{source}: the llamacpp engine runs bare (mode: bare)")
+
+    def prefix_cache_counts(self, delta: Callable[[str], float | None]) -> tuple[float | None, float | None, str]:
+        """llama.cpp's ``prompt_tokens_total`` excludes cached tokens (its own HELP text): the prompt total is
+        their sum."""
+        cached, computed = delta("cached_tokens_total"), delta("prompt_tokens_total")
+        total = cached + computed if cached is not None and computed is not None else None
+        return cached, total, "Δprompt_tokens_cached / (Δprompt_tokens + Δprompt_tokens_cached)"
+
+    def cache_study_launch_changes(self, launch: dict[str, Any], swa_full: bool = True
+                                   ) -> tuple[dict[str, Any], list[str]]:
+        """``-lv 4`` so the memory breakdown is printed; ``--swa-full`` so a sliding-window model can reuse a
+        shared prefix token by token."""
+        changes: dict[str, Any] = {"log_verbosity": 4}
+        notes = ["llama.cpp runs at -lv 4 here so that its memory breakdown is printed"]
+        if swa_full:
+            changes["extra_args"] = [*(launch.get("extra_args") or []), "--swa-full"]
+            notes.append("--swa-full: a sliding-window model (Gemma 3) keeps a full-size SWA cache, so a shared "
+                         "prefix is reusable token by token; without it llama.cpp restores SWA state only from its "
+                         "last context checkpoint (a few tokens short of the prefix) and every point misses its "
+                         "target (no effect on models without sliding-window attention)")
+        return changes, notes
 
     def launch_plans(self, target: Target, port: int, binary: str | None = None,
                      model_path: str | None = None, draft_path: str | None = None,

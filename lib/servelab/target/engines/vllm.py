@@ -5,7 +5,7 @@ Flag names are those of current vLLM releases (``vllm serve --help``). The CPU b
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from servelab.target.engines.base import EngineAdapter, LaunchPlan, docker_wrap, json_arg
 from servelab.target.spec import Target
@@ -54,6 +54,7 @@ class VLLMAdapter(EngineAdapter):
     }
     interference_sweep = ("max_num_batched_tokens", (8192, 4096, 2048))
     confound_setting = {"max_running_requests": 8}
+    default_page_tokens = 16                     # KV block size
     log_markers = {
         "ready": r"Application startup complete",
         "stats": r"Avg prompt throughput: (?P<prompt_tps>[\d.]+) tokens/s, Avg generation throughput: "
@@ -62,6 +63,11 @@ class VLLMAdapter(EngineAdapter):
         "oom": r"(CUDA out of memory|OutOfMemoryError|out of memory)",
         "crash": r"(Traceback \(most recent call last\)|EngineDeadError|Engine core .* died)",
     }
+
+    def prefix_cache_counts(self, delta: Callable[[str], float | None]) -> tuple[float | None, float | None, str]:
+        """vLLM counts prefix-cache queries and hits in tokens."""
+        return (delta("prefix_cache_hits_total"), delta("prefix_cache_queries_total"),
+                "Δprefix_cache_hits / Δprefix_cache_queries")
 
     def launch_plans(self, target: Target, port: int) -> list[LaunchPlan]:
         la = target.launch
