@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import shlex
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from servelab.core.params import ParamError, reject_unknown
 
@@ -87,6 +87,8 @@ class EngineAdapter:
     request_cache_switch: str | None = None
     memory_log_patterns: tuple[tuple[str, str], ...] = ()
     memory_log_note: str = ""
+    # Phase 9: the per-position accepted-draft-tokens series where ``metric_names`` has none
+    spec_per_position_series: str = ""
 
     def launch_keys(self) -> set[str]:
         return set(COMMON_LAUNCH_KEYS) | set(self.extra_launch_keys)
@@ -131,6 +133,13 @@ class EngineAdapter:
         """Launch changes the prefix-cache phase needs on this engine (memory lines in the log, reusable prefixes),
         with a note per change for the page. Default: none."""
         return {}, []
+
+    def spec_launch_changes(self, target: Any, draft: str | None, num_draft_tokens: int, draft_min: int = 0,
+                            synth_rates: Sequence[float] = ()) -> dict[str, Any]:
+        """Launch settings that serve ``target`` with draft-model speculative decoding (``draft`` a draft key) or
+        without it (``draft`` None), for Phase 9's on/off comparison. Only llama.cpp's are built here."""
+        raise ParamError(f"phase 9 runs speculative decoding on llama.cpp; for {self.name} set launch.spec on "
+                         "two targets and compare their runs with servelab.measure.abtest")
 
     def one_batch_bench_argv(self, target: Any, batch_size: int = 1, input_len: int = 1024,
                              output_len: int = 8) -> list[str]:

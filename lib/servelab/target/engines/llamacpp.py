@@ -6,7 +6,7 @@ Endpoints (verified on llama.cpp 0.5.0 / llama-cpp-python 0.3.36): ``/health``, 
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from servelab.target.engines.base import EngineAdapter, LaunchPlan
 from servelab.core.params import ParamError
@@ -63,10 +63,14 @@ class LlamaCppAdapter(EngineAdapter):
                            r"(?P<mib>[\d.]+) MiB"),
     )
     memory_log_note = "llama.cpp prints it at -lv 4"
+    spec_per_position_series = "llamacpp:spec_decode_num_accepted_tokens_per_pos_total"   # label position="i"
     log_markers = {
         "ready": r"server is listening on",
         "crash": r"(terminate called|Segmentation fault|GGML_ASSERT|error: )",
         "oom": r"(failed to allocate|out of memory)",
+        # one line per request that used a draft, written when the request ends
+        "draft_acceptance": r"draft acceptance = +(?P<rate>[\d.]+) \( *(?P<acc>\d+) accepted / +(?P<gen>\d+) "
+                            r"generated\)",
     }
 
     def validate_launch(self, launch: dict[str, Any], source: str) -> None:
@@ -97,6 +101,20 @@ class LlamaCppAdapter(EngineAdapter):
                          "last context checkpoint (a few tokens short of the prefix) and every point misses its "
                          "target (no effect on models without sliding-window attention)")
         return changes, notes
+
+    def spec_launch_changes(self, target: Any, draft: str | None, num_draft_tokens: int, draft_min: int = 0,
+                            synth_rates: Sequence[float] = ()) -> dict[str, Any]:
+        """Extra argv items, not ``launch.spec`` (``launch_plans`` emits ``--draft-max``, which this llama.cpp
+        removed): ``-md <draft.gguf> --spec-type draft-simple --spec-draft-n-max N --spec-draft-n-min M`` and,
+        with ``synth_rates``, ``--spec-synth-rates`` (benchmarking-only synthetic per-position acceptance)."""
+        base = [str(a) for a in (target.launch.get("extra_args") or [])]
+        if draft is None:
+            return {"extra_args": base or None}
+        args = ["-md", draft_model_path(draft, target), "--spec-type", "draft-simple",
+                "--spec-draft-n-max", str(num_draft_tokens), "--spec-draft-n-min", str(draft_min)]
+        if synth_rates:
+            args += ["--spec-synth-rates", ",".join(f"{r:g}" for r in synth_rates)]
+        return {"extra_args": base + args}
 
     def launch_plans(self, target: Target, port: int, binary: str | None = None,
                      model_path: str | None = None, draft_path: str | None = None,
@@ -145,3 +163,24 @@ class LlamaCppAdapter(EngineAdapter):
         model = getattr(target, "model", "MODEL")
         return ["llama-bench", "-m", model, "-p", str(input_len), "-n", str(output_len), "-b", str(max(batch_size, 1)),
                 "-r", "1"]
+
+
+def draft_model_path(draft: str, target: Any) -> str:
+    """The GGUF of a draft key: ``self`` = the target's model, ``random:<seed>`` = a tiny random model with the
+    tiny model's vocabulary (generated once into the model cache), else a path."""
+    from pathlib import Path
+
+    from servelab.target.models import models_dir, resolve_model, write_tiny_gguf
+    if draft == "self":
+        return str(resolve_model(target.model))
+    if draft.startswith("random:"):
+        if target.model != "tiny":
+            raise ParamError(f"draft '{draft}': a random draft shares only the tiny model's vocabulary "
+                             f"(target model is {target.model!r})")
+        seed = int(draft.split(":", 1)[1])
+        p = models_dir() / f"tiny-random-llama-seed{seed}.gguf"
+        return str(p if p.exists() else write_tiny_gguf(p, seed=seed))
+    p = Path(draft).expanduser()
+    if not p.exists():
+        raise ParamError(f"draft model '{draft}' is neither 'self', 'random:<seed>' nor an existing file")
+    return str(p)
