@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from servelab.phases.phase8_cache import (HitPoint, judge_point, kv_usage_series, memory_breakdown, run_hit_point, tolerance)
+from servelab.analyse.prefix_cache import HitPoint, judge_point, kv_usage_series, memory_breakdown, tolerance
+from servelab.phases.phase8_cache import run_hit_point
 from servelab.measure.launch_variants import serving, with_launch
 from servelab.target.targets import load_target
 from servelab.measure.workload import engine_tokenizer, token_pool
@@ -78,7 +79,7 @@ def test_counter_deltas_equal_a_hand_computation_from_raw_snapshots(matrix):
 
 
 def test_a_deliberately_bad_point_is_rejected_and_never_a_result(matrix):
-    from servelab.phases.phase8_cache import accepted_results, matrix_frame
+    from servelab.analyse.prefix_cache import accepted_results, matrix_frame
     _, res, _ = matrix
     bad = res[4].row
     assert bad["verdict"] == "REJECTED"

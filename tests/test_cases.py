@@ -15,7 +15,7 @@ from servelab.measure.client import read_records
 from servelab.measure.mixed import m1_analysis, run_m1_case
 from servelab.core.params import ParamError
 from servelab.target.targets import load_target
-from servelab.phases.phase1_perf_map import dispatch_case
+from servelab.measure.matrix import dispatch_case
 from servelab.measure.engine_metrics import named_deltas
 
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from servelab.target.engines import engine_for
+from servelab.target.engines import ADAPTERS, engine_for
 from servelab.core.params import ParamError
 from servelab.target.targets import load_target, target_from_dict
 
@@ -90,3 +90,13 @@ def test_bad_launch_settings_are_rejected():
         target_from_dict({**base, "launch": {"mem_fraction": 1.5}})
     with pytest.raises(ParamError, match="docker.image"):
         engine_for("sglang").launch_plans(target_from_dict({**base, "launch": {"mode": "docker"}}), 1)
+
+
+def test_what_the_phases_ask_each_adapter_names_its_own_launch_settings():
+    """Phase 7's default sweep and confounding setting are launch settings the engine knows (else the sweep
+    would be refused before it starts)."""
+    for name in ADAPTERS:
+        a = engine_for(name)
+        knob, values = a.interference_sweep
+        assert knob in a.launch_keys() and len(values) >= 2, name
+        assert a.confound_setting and set(a.confound_setting) <= a.launch_keys() - {knob}, name

@@ -15,8 +15,8 @@ import pandas as pd
 import pytest
 
 from servelab.measure.abtest import ab_compare
-from servelab.phases.phase7_interference import (InterferenceSpec, default_spec, h4_evidence, knob_sweep, rank_values,
-                                   run_interference, run_variant, sweep_table, sweep_verdict)
+from servelab.analyse.interference import InterferenceSpec, h4_evidence, rank_values, sweep_table, sweep_verdict
+from servelab.phases.phase7_interference import default_spec, knob_sweep, run_interference, run_variant
 from servelab.measure.launch_variants import check_knob_changes_command
 from servelab.core.params import ParamError
 from servelab.target.targets import load_target

@@ -16,10 +16,11 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from servelab.phases.phase6_kernels import (KernelTableError, NcuFormatError, NcuSpec, default_repro_argv, derived_metrics,
-                              function_base, kernel_table_from_trace, ncu_command, ncu_import_command, peaks_table,
-                              planned_ncu_commands, rank_kernels, read_ncu_csv, roofline, roofline_figure,
-                              stall_reasons, suspect_of, to_base_unit, top_kernels, top_kernels_figure)
+from servelab.analyse.kernels import (KernelTableError, NcuFormatError, NcuSpec, default_repro_argv, derived_metrics,
+                                      function_base, kernel_table_from_trace, ncu_command, ncu_import_command,
+                                      peaks_table, planned_ncu_commands, rank_kernels, read_ncu_csv, roofline,
+                                      roofline_figure, stall_reasons, suspect_of, to_base_unit, top_kernels,
+                                      top_kernels_figure)
 from servelab.target.targets import load_target
 
 NCU = Path(__file__).resolve().parents[1] / "data" / "samples" / "ncu"

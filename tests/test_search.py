@@ -7,7 +7,7 @@ import pytest
 
 from servelab.measure import case as cs
 from servelab.measure import request_metrics as mx
-from servelab.phases.phase1_perf_map import dispatch_case
+from servelab.measure.matrix import dispatch_case
 from servelab.measure.search import STOP_REASONS, SearchConfig, concurrency_search, ladder
 
 

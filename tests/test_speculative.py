@@ -16,7 +16,8 @@ import pandas as pd
 import pytest
 
 from servelab.target.targets import load_target
-from servelab.phases.phase9_speculative import net_gain, run_phase9
+from servelab.analyse.speculative import net_gain
+from servelab.phases.phase9_speculative import run_phase9
 
 
 def prom(text: str, name: str, labels: str = "") -> float:

@@ -11,11 +11,11 @@ from servelab.core.params import ParamError
 
 from servelab.target.targets import load_target
 from servelab.core.run import init_run, update_manifest
-from servelab.phases.phase4_topology import (GIB, Cluster, CommInputs, Layout, MemoryInputs, active_params, cluster_from_target,
-                               comm_summary, comm_table, engine_launch_settings, feasibility, kv_bytes_per_token,
-                               launch_commands, layout_problems, load_model_config, measured_comparison,
-                               memory_table, memory_figure, comm_figure, model_config_from_dict, param_summary,
-                               parse_layout, pp_partition, seed_layouts, stage_weights_bytes)
+from servelab.analyse.topology import (GIB, Cluster, CommInputs, Layout, MemoryInputs, active_params, cluster_from_target,
+                                       comm_summary, comm_table, engine_launch_settings, feasibility, kv_bytes_per_token,
+                                       launch_commands, layout_problems, load_model_config, measured_comparison,
+                                       memory_table, memory_figure, comm_figure, model_config_from_dict, param_summary,
+                                       parse_layout, pp_partition, seed_layouts, stage_weights_bytes)
 
 # dense GQA toy: hidden 64, 4 layers, 8 heads of 8, 2 KV heads, MLP 128, vocab 1000, untied, bf16
 TOY = {"name": "toy", "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,

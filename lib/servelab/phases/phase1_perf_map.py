@@ -16,8 +16,9 @@ import pandas as pd
 
 from servelab.measure import request_metrics as mx
 from servelab.measure.case import (SCALES, CaseEnv, CaseResult, CaseSpec, MatrixResult, load_case_result, make_env,
-                            quick_matrix, run_case, run_matrix)
-from servelab.measure.mixed import m1_analysis, run_m1_case
+                            quick_matrix, run_matrix)
+from servelab.measure.matrix import dispatch_case
+from servelab.measure.mixed import m1_analysis
 from servelab.core.run import write_json_atomic
 from servelab.measure.search import SearchConfig, SearchResult, concurrency_search
 
@@ -63,11 +64,6 @@ class Phase1Result:
             out["M1_output_tps_change_pct"] = ab.loc["output_throughput", "change_pct"]
             out["M1_p95_tpot_change_pct"] = ab.loc["p95_tpot_ms", "change_pct"]
         return out
-
-
-def dispatch_case(env: CaseEnv, case: CaseSpec) -> CaseResult:
-    """M1 cases need the injection wave; every other case is a plain closed-loop wave."""
-    return run_m1_case(env, case) if case.scenario == "M1" else run_case(env, case)
 
 
 def percentile_table(result: CaseResult) -> pd.DataFrame:

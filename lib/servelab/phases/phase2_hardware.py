@@ -155,7 +155,7 @@ def run_engine_cases(ctx: Any, case_ids: list[str] | None = None, interval_s: fl
 
     from servelab.measure.case import EngineCrash, make_env, quick_matrix
     from servelab.target.hosts import ProcessTracker
-    from servelab.phases.phase1_perf_map import dispatch_case
+    from servelab.measure.matrix import dispatch_case
     from servelab.target.server import start_server, stop_server
 
     plan = collector_plan(ctx, interval_s)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import shlex
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from servelab.core.params import ParamError, reject_unknown
 
@@ -73,8 +73,22 @@ class EngineAdapter:
     start_profile_path: str | None = None
     stop_profile_path: str | None = None
     version_paths: tuple[str, ...] = ()
+    slots_path: str | None = None          # per-slot state (prompt progress, KV tokens held), polled while a case runs
     metric_names: dict[str, str] = {}      # our name -> engine's Prometheus series name
     log_markers: dict[str, str] = {}       # event -> regex over the server log
+    # Phase 7: the one-variable sweep that means something on this engine (first value = its default = the
+    # baseline), and a second setting changed on purpose to show how a two-variable A/B is flagged
+    interference_sweep: tuple[str, tuple[Any, ...]] = ("", ())
+    confound_setting: dict[str, Any] = {}
+    # Phase 8: prefix-cache granularity when launch.page_size is unset; the request-body flag that turns prefix
+    # reuse off for one request (None = no such switch); startup-log lines of the memory breakdown as
+    # (component, regex) and where the engine prints them
+    default_page_tokens: int = 1
+    request_cache_switch: str | None = None
+    memory_log_patterns: tuple[tuple[str, str], ...] = ()
+    memory_log_note: str = ""
+    # Phase 9: the per-position accepted-draft-tokens series where ``metric_names`` has none
+    spec_per_position_series: str = ""
 
     def launch_keys(self) -> set[str]:
         return set(COMMON_LAUNCH_KEYS) | set(self.extra_launch_keys)
@@ -102,6 +116,36 @@ class EngineAdapter:
     def bind_host(target: Any) -> str:
         """Local targets listen on loopback only; cluster heads must accept the client's connection."""
         return str(target.launch.get("bind_host") or ("127.0.0.1" if target.is_local else "0.0.0.0"))
+
+    def layout_launch_settings(self, layout: Any) -> dict[str, Any]:
+        """The ``launch:`` keys that express a parallel layout (``tp, pp, dp, ep, dp_attention`` as in
+        :class:`servelab.analyse.topology.Layout`). Default: SGLang's notation, attention DP inside the TP group."""
+        return {"tp_size": layout.tp, "pp_size": layout.pp, "dp_size": layout.dp, "ep_size": layout.ep,
+                "dp_attention": bool(layout.dp_attention)}
+
+    def prefix_cache_counts(self, delta: Callable[[str], float | None]) -> tuple[float | None, float | None, str]:
+        """(cached tokens, prompt tokens, formula) of a measurement window from counter deltas; ``delta(key)``
+        is the delta of ``metric_names[key]``. Default (SGLang): Δcached_tokens / Δprompt_tokens."""
+        return delta("cached_tokens_total"), delta("prompt_tokens_total"), "Δcached_tokens / Δprompt_tokens"
+
+    def cache_study_launch_changes(self, launch: dict[str, Any], swa_full: bool = True
+                                   ) -> tuple[dict[str, Any], list[str]]:
+        """Launch changes the prefix-cache phase needs on this engine (memory lines in the log, reusable prefixes),
+        with a note per change for the page. Default: none."""
+        return {}, []
+
+    def spec_launch_changes(self, target: Any, draft: str | None, num_draft_tokens: int, draft_min: int = 0,
+                            synth_rates: Sequence[float] = ()) -> dict[str, Any]:
+        """Launch settings that serve ``target`` with draft-model speculative decoding (``draft`` a draft key) or
+        without it (``draft`` None), for Phase 9's on/off comparison. Only llama.cpp's are built here."""
+        raise ParamError(f"phase 9 runs speculative decoding on llama.cpp; for {self.name} set launch.spec on "
+                         "two targets and compare their runs with servelab.measure.abtest")
+
+    def one_batch_bench_argv(self, target: Any, batch_size: int = 1, input_len: int = 1024,
+                             output_len: int = 8) -> list[str]:
+        """The engine's own single-batch benchmark of the target's model (the small reproduction ``ncu`` wraps),
+        keeping the target's TP/PP so the kernels see the service's shapes."""
+        raise ParamError(f"{self.name}: no single-batch benchmark is known for this engine")
 
     # --- profile request bodies (engines that support it override)
     def start_profile_body(self, **kw: Any) -> dict[str, Any] | None:

@@ -6,7 +6,7 @@ Endpoints (verified on llama.cpp 0.5.0 / llama-cpp-python 0.3.36): ``/health``, 
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from servelab.target.engines.base import EngineAdapter, LaunchPlan
 from servelab.core.params import ParamError
@@ -31,6 +31,7 @@ class LlamaCppAdapter(EngineAdapter):
     tokenize_path = "/tokenize"
     flush_cache_path = None          # per-slot prompt cache; requests send cache_prompt=false instead
     version_paths = ("/props", "/v1/models")
+    slots_path = "/slots"            # served with --slots (always passed below)
     metric_names = {
         "running": "llamacpp:requests_processing", "waiting": "llamacpp:requests_deferred",
         "prompt_tokens_total": "llamacpp:prompt_tokens_total",
@@ -44,10 +45,32 @@ class LlamaCppAdapter(EngineAdapter):
         "spec_draft_tokens_total": "llamacpp:spec_decode_num_draft_tokens_total",
         "spec_accepted_tokens_total": "llamacpp:spec_decode_num_accepted_tokens_total",
     }
+    # -b: the per-iteration token budget decode tokens fill first and prompt chunks share
+    interference_sweep = ("batch_size", (2048, 32))
+    confound_setting = {"ubatch_size": 8}
+    request_cache_switch = "cache_prompt"
+    # printed at -lv 4; group names are what the memory breakdown reads
+    memory_log_patterns = (
+        ("breakdown (model + context + compute)",
+         r"memory_breakdown_print: \|\s+-\s+(?P<dev>\S+)\s+\|\s+(?P<total>\d+) = +(?P<model>\d+) \+ +"
+         r"(?P<context>\d+) \+ +(?P<compute>\d+)"),
+        ("model buffer", r"load_tensors:\s+(?P<dev>\S+) model buffer size = +(?P<mib>[\d.]+) MiB"),
+        ("KV cache", r"llama_kv_cache: size = +(?P<mib>[\d.]+) MiB \( *(?P<cells>\d+) cells, +(?P<layers>\d+) "
+                     r"layers, +(?P<seqs>[\d/]+) seqs\), K \((?P<kdt>\w+)\): +(?P<k>[\d.]+) MiB, "
+                     r"V \((?P<vdt>\w+)\): +(?P<v>[\d.]+) MiB"),
+        ("output buffer", r"llama_context: +(?P<dev>\S+) +output buffer size = +(?P<mib>[\d.]+) MiB"),
+        ("compute buffer", r"(?:sched_reserve|llama_context): +(?P<dev>\S+) compute buffer size = +"
+                           r"(?P<mib>[\d.]+) MiB"),
+    )
+    memory_log_note = "llama.cpp prints it at -lv 4"
+    spec_per_position_series = "llamacpp:spec_decode_num_accepted_tokens_per_pos_total"   # label position="i"
     log_markers = {
         "ready": r"server is listening on",
         "crash": r"(terminate called|Segmentation fault|GGML_ASSERT|error: )",
         "oom": r"(failed to allocate|out of memory)",
+        # one line per request that used a draft, written when the request ends
+        "draft_acceptance": r"draft acceptance = +(?P<rate>[\d.]+) \( *(?P<acc>\d+) accepted / +(?P<gen>\d+) "
+                            r"generated\)",
     }
 
     def validate_launch(self, launch: dict[str, Any], source: str) -> None:
@@ -57,6 +80,41 @@ class LlamaCppAdapter(EngineAdapter):
                 raise ParamError(f"{source}: llama.cpp serves one process: launch.{key} must be 1")
         if launch.get("mode", "bare") != "bare":
             raise ParamError(f"{source}: the llamacpp engine runs bare (mode: bare)")
+
+    def prefix_cache_counts(self, delta: Callable[[str], float | None]) -> tuple[float | None, float | None, str]:
+        """llama.cpp's ``prompt_tokens_total`` excludes cached tokens (its own HELP text): the prompt total is
+        their sum."""
+        cached, computed = delta("cached_tokens_total"), delta("prompt_tokens_total")
+        total = cached + computed if cached is not None and computed is not None else None
+        return cached, total, "Δprompt_tokens_cached / (Δprompt_tokens + Δprompt_tokens_cached)"
+
+    def cache_study_launch_changes(self, launch: dict[str, Any], swa_full: bool = True
+                                   ) -> tuple[dict[str, Any], list[str]]:
+        """``-lv 4`` so the memory breakdown is printed; ``--swa-full`` so a sliding-window model can reuse a
+        shared prefix token by token."""
+        changes: dict[str, Any] = {"log_verbosity": 4}
+        notes = ["llama.cpp runs at -lv 4 here so that its memory breakdown is printed"]
+        if swa_full:
+            changes["extra_args"] = [*(launch.get("extra_args") or []), "--swa-full"]
+            notes.append("--swa-full: a sliding-window model (Gemma 3) keeps a full-size SWA cache, so a shared "
+                         "prefix is reusable token by token; without it llama.cpp restores SWA state only from its "
+                         "last context checkpoint (a few tokens short of the prefix) and every point misses its "
+                         "target (no effect on models without sliding-window attention)")
+        return changes, notes
+
+    def spec_launch_changes(self, target: Any, draft: str | None, num_draft_tokens: int, draft_min: int = 0,
+                            synth_rates: Sequence[float] = ()) -> dict[str, Any]:
+        """Extra argv items, not ``launch.spec`` (``launch_plans`` emits ``--draft-max``, which this llama.cpp
+        removed): ``-md <draft.gguf> --spec-type draft-simple --spec-draft-n-max N --spec-draft-n-min M`` and,
+        with ``synth_rates``, ``--spec-synth-rates`` (benchmarking-only synthetic per-position acceptance)."""
+        base = [str(a) for a in (target.launch.get("extra_args") or [])]
+        if draft is None:
+            return {"extra_args": base or None}
+        args = ["-md", draft_model_path(draft, target), "--spec-type", "draft-simple",
+                "--spec-draft-n-max", str(num_draft_tokens), "--spec-draft-n-min", str(draft_min)]
+        if synth_rates:
+            args += ["--spec-synth-rates", ",".join(f"{r:g}" for r in synth_rates)]
+        return {"extra_args": base + args}
 
     def launch_plans(self, target: Target, port: int, binary: str | None = None,
                      model_path: str | None = None, draft_path: str | None = None,
@@ -98,3 +156,31 @@ class LlamaCppAdapter(EngineAdapter):
         plans.append(LaunchPlan(node=target.head.name, argv=argv, env=dict(target.env), port=port,
                                 health_path=self.health_path))
         return plans
+
+    def one_batch_bench_argv(self, target: Any, batch_size: int = 1, input_len: int = 1024,
+                             output_len: int = 8) -> list[str]:
+        """``llama-bench``: one prompt of ``input_len`` and ``output_len`` generated tokens, one repetition."""
+        model = getattr(target, "model", "MODEL")
+        return ["llama-bench", "-m", model, "-p", str(input_len), "-n", str(output_len), "-b", str(max(batch_size, 1)),
+                "-r", "1"]
+
+
+def draft_model_path(draft: str, target: Any) -> str:
+    """The GGUF of a draft key: ``self`` = the target's model, ``random:<seed>`` = a tiny random model with the
+    tiny model's vocabulary (generated once into the model cache), else a path."""
+    from pathlib import Path
+
+    from servelab.target.models import models_dir, resolve_model, write_tiny_gguf
+    if draft == "self":
+        return str(resolve_model(target.model))
+    if draft.startswith("random:"):
+        if target.model != "tiny":
+            raise ParamError(f"draft '{draft}': a random draft shares only the tiny model's vocabulary "
+                             f"(target model is {target.model!r})")
+        seed = int(draft.split(":", 1)[1])
+        p = models_dir() / f"tiny-random-llama-seed{seed}.gguf"
+        return str(p if p.exists() else write_tiny_gguf(p, seed=seed))
+    p = Path(draft).expanduser()
+    if not p.exists():
+        raise ParamError(f"draft model '{draft}' is neither 'self', 'random:<seed>' nor an existing file")
+    return str(p)

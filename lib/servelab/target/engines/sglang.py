@@ -35,6 +35,8 @@ class SGLangAdapter(EngineAdapter):
         "itl_seconds": "sglang:inter_token_latency_seconds", "e2e_seconds": "sglang:e2e_request_latency_seconds",
         "queue_seconds": "sglang:queue_time_seconds", "is_cuda_graph": "sglang:is_cuda_graph",
     }
+    interference_sweep = ("chunked_prefill_size", (8192, 4096, 2048))
+    confound_setting = {"cuda_graph_max_bs": 8}
     log_markers = {
         "ready": r"The server is fired up and ready to roll",
         "prefill_batch": r"Prefill batch\..*#new-seq: (?P<new_seq>\d+), #new-token: (?P<new_token>\d+), "
@@ -115,6 +117,19 @@ class SGLangAdapter(EngineAdapter):
             plans.append(LaunchPlan(node=node.name, argv=argv, env=plan_env, port=port, health_path=self.health_path,
                                     role="head" if rank == 0 else "worker", ready="http" if rank == 0 else "none"))
         return plans
+
+    def one_batch_bench_argv(self, target: Any, batch_size: int = 1, input_len: int = 1024,
+                             output_len: int = 8) -> list[str]:
+        """``sglang.bench_one_batch``: no server, one static batch."""
+        la = dict(getattr(target, "launch", {}) or {})
+        model = getattr(target, "model", "MODEL")
+        tp = int(la.get("tp_size", 1))
+        argv = [la.get("python", "python3"), "-m", "sglang.bench_one_batch", "--model-path", model,
+                "--batch-size", str(batch_size), "--input-len", str(input_len), "--output-len", str(output_len),
+                "--tp-size", str(tp)]
+        if la.get("trust_remote_code"):
+            argv.append("--trust-remote-code")
+        return argv
 
     def start_profile_body(self, output_dir: str, start_step: int | None = None, num_steps: int | None = 10,
                            activities: tuple[str, ...] = ("CPU", "GPU"), profile_by_stage: bool = False,

@@ -5,7 +5,7 @@ Flag names are those of current vLLM releases (``vllm serve --help``). The CPU b
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from servelab.target.engines.base import EngineAdapter, LaunchPlan, docker_wrap, json_arg
 from servelab.target.spec import Target
@@ -52,6 +52,9 @@ class VLLMAdapter(EngineAdapter):
         "ttft_seconds": "vllm:time_to_first_token_seconds", "itl_seconds": "vllm:inter_token_latency_seconds",
         "e2e_seconds": "vllm:e2e_request_latency_seconds", "queue_seconds": "vllm:request_queue_time_seconds",
     }
+    interference_sweep = ("max_num_batched_tokens", (8192, 4096, 2048))
+    confound_setting = {"max_running_requests": 8}
+    default_page_tokens = 16                     # KV block size
     log_markers = {
         "ready": r"Application startup complete",
         "stats": r"Avg prompt throughput: (?P<prompt_tps>[\d.]+) tokens/s, Avg generation throughput: "
@@ -60,6 +63,11 @@ class VLLMAdapter(EngineAdapter):
         "oom": r"(CUDA out of memory|OutOfMemoryError|out of memory)",
         "crash": r"(Traceback \(most recent call last\)|EngineDeadError|Engine core .* died)",
     }
+
+    def prefix_cache_counts(self, delta: Callable[[str], float | None]) -> tuple[float | None, float | None, str]:
+        """vLLM counts prefix-cache queries and hits in tokens."""
+        return (delta("prefix_cache_hits_total"), delta("prefix_cache_queries_total"),
+                "Δprefix_cache_hits / Δprefix_cache_queries")
 
     def launch_plans(self, target: Target, port: int) -> list[LaunchPlan]:
         la = target.launch
@@ -118,6 +126,25 @@ class VLLMAdapter(EngineAdapter):
             plans.append(LaunchPlan(node=node.name, argv=argv, env=plan_env, port=port, health_path=self.health_path,
                                     role="head" if rank == 0 else "worker", ready="http" if rank == 0 else "none"))
         return plans
+
+    def layout_launch_settings(self, layout: Any) -> dict[str, Any]:
+        """vLLM has no attention DP inside a TP group: a ``TPn+DPd`` layout with DP attention runs as ``tp = n/d``
+        × ``dp = d`` replicas (experts still over ``ep``)."""
+        tp = layout.attn_tp if layout.dp_attention else layout.tp
+        return {"tp_size": tp, "pp_size": layout.pp, "dp_size": layout.dp, "ep_size": layout.ep, "dp_attention": False}
+
+    def one_batch_bench_argv(self, target: Any, batch_size: int = 1, input_len: int = 1024,
+                             output_len: int = 8) -> list[str]:
+        """``vllm bench latency`` (module entry point: the CPU build has no ``vllm`` console script)."""
+        la = dict(getattr(target, "launch", {}) or {})
+        model = getattr(target, "model", "MODEL")
+        tp, pp = int(la.get("tp_size", 1)), int(la.get("pp_size", 1))
+        argv = [la.get("python", "python3"), "-m", "vllm.entrypoints.cli.main", "bench", "latency", "--model", model,
+                "--batch-size", str(batch_size), "--input-len", str(input_len), "--output-len", str(output_len),
+                "--tensor-parallel-size", str(tp), "--num-iters-warmup", "1", "--num-iters", "1"]
+        if pp > 1:
+            argv += ["--pipeline-parallel-size", str(pp)]
+        return argv
 
     def start_profile_body(self, profile_prefix: str | None = None, skip_steps: int = 0,
                            num_steps: int | None = None, **_: Any) -> dict[str, Any]:

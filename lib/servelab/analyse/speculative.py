@@ -1,0 +1,233 @@
+"""Speculative decoding, computed from what a point recorded: acceptance from counter deltas over the exact
+measurement window, the window checks, target forwards and CPU use, the net gain against speculation off, the
+per-position acceptance, and their figures.
+
+**Acceptance** (never a running average such as SGLang's ``avg_spec_accept_length``):
+
+- acceptance rate = Δaccepted_tokens / Δdraft_tokens;
+- mean acceptance length = 1 + Δaccepted_tokens / Δdrafts (verification steps);
+- per-position acceptance = Δaccepted_per_pos[i] / Δdrafts.
+
+llama.cpp adds a request's speculative stats to its counters when the request ends, so the window must hold
+whole requests; it is checked: Δ``tokens_predicted_total`` must equal the measured requests' completion
+tokens, and the counters must equal the per-request ``draft acceptance = … (a accepted / g generated)`` lines
+of the engine log in the same window.
+
+**Overhead and net gain** are measured against the same cases with speculation off (same engine build, same
+settings otherwise): output TPS and TPOT per concurrency; the mean wall time per target forward
+(window / Δ``n_decode_total``: a llama.cpp target ``llama_decode`` call, which holds the verification batch) and
+the tokens each target forward yields; the draft overhead per target step = step time with speculation − step
+time without; the engine's CPU utilisation over the window (``/proc``: an engine waiting on its own threads or
+on the client is idle CPU — the local stand-in for the GPU-timeline bubbles of Phase 3).
+
+The points themselves are run by Phase 9 (``phase9_speculative``).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+
+from servelab.measure import request_metrics as mx
+from servelab.measure.client import RequestRecord
+from servelab.measure.launch_variants import Snapshot, delta_of, snapshot_deltas
+from servelab.target.engines import engine_for
+from servelab.target.server import RunningServer
+
+
+@dataclass
+class SpecConfig:
+    """One speculative setting. ``draft`` None = speculation off (the baseline)."""
+    label: str
+    draft: str | None = None            # "self" | "random:<seed>" (tiny only) | a GGUF path
+    num_draft_tokens: int = 3
+    draft_min: int = 0
+    synth_rates: list[float] = field(default_factory=list)   # llama.cpp --spec-synth-rates (benchmarking only)
+
+    @property
+    def enabled(self) -> bool:
+        return self.draft is not None
+
+
+# ---------------------------------------------------------------- acceptance from counter deltas
+
+def acceptance(deltas: pd.DataFrame, metric_names: dict[str, str], engine: str) -> dict[str, Any]:
+    """Acceptance rate, mean acceptance length and per-position acceptance from counter deltas."""
+    drafts = delta_of(deltas, metric_names.get("spec_drafts_total", ""))
+    draft_tokens = delta_of(deltas, metric_names.get("spec_draft_tokens_total", ""))
+    accepted = delta_of(deltas, metric_names.get("spec_accepted_tokens_total", ""))
+    out: dict[str, Any] = {"d_drafts": drafts, "d_draft_tokens": draft_tokens, "d_accepted": accepted,
+                           "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
+                           "mean_accept_length": 1 + accepted / drafts if drafts else None}
+    series = metric_names.get("spec_accepted_per_pos_total") or engine_for(engine).spec_per_position_series
+    per_pos = {}
+    if series and not deltas.empty and drafts:
+        sel = deltas[deltas["name"] == series]
+        for _, r in sel.iterrows():
+            m = re.search(r"position=(\d+)", r["labels"])
+            if m:
+                per_pos[int(m.group(1))] = r["delta"] / drafts
+    out["per_position"] = [per_pos[i] for i in sorted(per_pos)]
+    return out
+
+
+def log_acceptance(log_text: str, pattern: str) -> dict[str, int]:
+    """Σ accepted and Σ generated draft tokens from the engine's per-request acceptance log lines (``pattern``:
+    the adapter's ``log_markers["draft_acceptance"]``, groups ``acc`` and ``gen``; llama.cpp's
+    ``draft acceptance = … (a accepted / g generated)``)."""
+    acc = gen = n = 0
+    for m in re.finditer(pattern, log_text):
+        acc += int(m.group("acc"))
+        gen += int(m.group("gen"))
+        n += 1
+    return {"log_requests": n, "log_accepted": acc, "log_generated": gen}
+
+
+# ---------------------------------------------------------------- one point's row
+
+def spec_row(srv: RunningServer, cfg: SpecConfig, concurrency: int, repeat: int, records: list[RequestRecord],
+             run: Any, before: Snapshot, after: Snapshot, cpu0: float | None, cpu1: float | None, log_text: str,
+             definition: str, error: str) -> dict[str, Any]:
+    """One row: acceptance (deltas), checks, latency/throughput, target forwards, CPU use, validity."""
+    names = srv.engine.metric_names
+    measured = [r for r in records if r.role == "measure"]
+    row: dict[str, Any] = {"config": cfg.label, "speculative": cfg.enabled, "draft": cfg.draft or "-",
+                           "num_draft_tokens": cfg.num_draft_tokens if cfg.enabled else 0,
+                           "concurrency": concurrency, "repeat": repeat}
+    reasons = [f"error: {error}"] if error else []
+    window_s = (after.ts_ns - before.ts_ns) / 1e9
+    row["window_s"] = window_s
+    try:
+        deltas = snapshot_deltas(before, after)
+    except ValueError as exc:
+        deltas = pd.DataFrame()
+        reasons.append(str(exc))
+    acc = acceptance(deltas, names, srv.target.engine) if not deltas.empty else {}
+    row.update({k: v for k, v in acc.items() if k != "per_position"})
+    row["per_position"] = acc.get("per_position", [])
+    gen = delta_of(deltas, names.get("generation_tokens_total", "")) if not deltas.empty else None
+    fwd = delta_of(deltas, names.get("decode_calls_total", "")) if not deltas.empty else None
+    want = sum(int(r.completion_tokens or 0) for r in measured if r.ok)
+    row["d_generated"] = gen
+    row["window_matches_requests"] = (gen is not None and int(gen) == want)
+    if gen is not None and int(gen) != want:
+        reasons.append(f"counter window holds {gen:.0f} generated tokens, the measured requests {want}: "
+                       "the window is not exact")
+    accept_re = srv.engine.log_markers.get("draft_acceptance")
+    if accept_re and cfg.enabled:
+        la = log_acceptance(log_text, accept_re)
+        row.update(la)
+        row["log_matches_counters"] = (acc.get("d_accepted") is not None and la["log_requests"] > 0
+                                       and la["log_accepted"] == int(acc["d_accepted"])
+                                       and la["log_generated"] == int(acc["d_draft_tokens"] or 0))
+        if not acc.get("d_drafts"):
+            reasons.append("speculation on but no draft was verified in the window (counters did not move)")
+    row["target_forwards"] = fwd
+    row["target_forwards_per_s"] = fwd / window_s if fwd else None
+    row["tokens_per_target_forward"] = gen / fwd if gen and fwd else None
+    row["step_ms"] = 1e3 * window_s / fwd if fwd else None
+    if cpu0 is not None and cpu1 is not None:
+        threads = int(srv.target.launch.get("threads") or 1)
+        util = (cpu1 - cpu0) / max(window_s, 1e-9)
+        row["server_cpu_util_cores"] = util
+        row["server_cpu_idle_pct"] = max(0.0, 100.0 * (1 - util / threads))
+    if run is not None and measured:
+        s = mx.summarize(measured, max(run.duration_s, 1e-9), definition)
+        row.update({"completed": s["completed"], "failed": s["failed"], "output_throughput": s["output_throughput"],
+                    "p50_tpot_ms": s["p50_tpot_ms"], "p95_tpot_ms": s["p95_tpot_ms"], "p50_ttft_ms": s["p50_ttft_ms"],
+                    "p50_e2el_ms": s["p50_e2el_ms"], "duration_s": run.duration_s})
+        if s["failed"]:
+            reasons.append(f"{s['failed']} request(s) failed: {s['errors_by_kind']}")
+        if s["token_check"]["mismatches"] and not cfg.synth_rates:
+            reasons.append(f"achieved tokens off target in {s['token_check']['mismatches']} request(s)")
+    row["validity"] = "INVALID" if reasons else "VALID"
+    row["reasons"] = "; ".join(reasons)
+    row["definition"] = definition
+    return row
+
+
+# ---------------------------------------------------------------- net gain vs the baseline
+
+def net_gain(points: pd.DataFrame) -> pd.DataFrame:
+    """Per speculative config and concurrency, against ``off`` at the same concurrency (means over repeats):
+    output-TPS gain, TPOT change, draft overhead per target step, acceptance — never acceptance alone."""
+    if points.empty:
+        return pd.DataFrame()
+    ok = points[points["validity"] == "VALID"]
+    keys = ["output_throughput", "p50_tpot_ms", "p95_tpot_ms", "step_ms", "tokens_per_target_forward",
+            "acceptance_rate", "mean_accept_length", "server_cpu_idle_pct"]
+    mean = ok.groupby(["config", "concurrency"], sort=False)[[k for k in keys if k in ok.columns]].mean()
+    rows = []
+    for (config, c), r in mean.iterrows():
+        if config == "off" or ("off", c) not in mean.index:
+            continue
+        b = mean.loc[("off", c)]
+        reps = ok[(ok["config"] == config) & (ok["concurrency"] == c)]
+        breps = ok[(ok["config"] == "off") & (ok["concurrency"] == c)]
+        gain = 100.0 * (r["output_throughput"] / b["output_throughput"] - 1) if b["output_throughput"] else None
+        spread = None
+        if len(reps) > 1 and len(breps) > 1:
+            spread = (f"spec {reps['output_throughput'].min():.3g}–{reps['output_throughput'].max():.3g}, "
+                      f"off {breps['output_throughput'].min():.3g}–{breps['output_throughput'].max():.3g}")
+        rows.append({"config": config, "concurrency": c, "acceptance_rate": r.get("acceptance_rate"),
+                     "mean_accept_length": r.get("mean_accept_length"),
+                     "output_tps_off": b["output_throughput"], "output_tps_spec": r["output_throughput"],
+                     "net_gain_pct": gain,
+                     "p50_tpot_off_ms": b["p50_tpot_ms"], "p50_tpot_spec_ms": r["p50_tpot_ms"],
+                     "step_ms_off": b.get("step_ms"), "step_ms_spec": r.get("step_ms"),
+                     "draft_overhead_ms_per_step": (r.get("step_ms") - b.get("step_ms"))
+                     if r.get("step_ms") is not None and b.get("step_ms") is not None else None,
+                     "tokens_per_target_forward_off": b.get("tokens_per_target_forward"),
+                     "tokens_per_target_forward_spec": r.get("tokens_per_target_forward"),
+                     "cpu_idle_pct_off": b.get("server_cpu_idle_pct"),
+                     "cpu_idle_pct_spec": r.get("server_cpu_idle_pct"),
+                     "repeats": int(len(reps)), "repeat_range": spread,
+                     "verdict": "gain" if gain is not None and gain > 0 else "loss"})
+    return pd.DataFrame(rows)
+
+
+def per_position_frame(points: pd.DataFrame) -> pd.DataFrame:
+    """Per config, concurrency and draft position: Δaccepted_pos / Δdrafts (long format)."""
+    rows = []
+    for _, r in points[points["speculative"]].iterrows():
+        for i, v in enumerate(r.get("per_position") or []):
+            rows.append({"config": r["config"], "concurrency": r["concurrency"], "repeat": r["repeat"],
+                         "position": i, "acceptance": v})
+    return pd.DataFrame(rows, columns=["config", "concurrency", "repeat", "position", "acceptance"])
+
+
+# ---------------------------------------------------------------- figures
+
+def gain_figure(gain: pd.DataFrame):
+    """Net output-TPS gain per concurrency for each config, acceptance written on the bars."""
+    import plotly.graph_objects as go
+    fig = go.Figure()
+    if gain.empty:
+        return fig.update_layout(title="no speculative config measured against the baseline")
+    for config, g in gain.groupby("config", sort=False):
+        fig.add_trace(go.Bar(x=[f"C={c}" for c in g["concurrency"]], y=g["net_gain_pct"], name=str(config),
+                             text=[f"acc {a:.0%}, len {l:.2f}" if a is not None and not pd.isna(a) else "no drafts"
+                                   for a, l in zip(g["acceptance_rate"], g["mean_accept_length"])],
+                             textposition="outside"))
+    fig.add_hline(y=0, line_color="#7f8c8d")
+    fig.update_layout(barmode="group", title="Net output-throughput gain vs speculation off, per concurrency "
+                      "(acceptance alone says nothing about it)", yaxis_title="Δ output TPS (%)",
+                      template="plotly_white")
+    return fig
+
+
+def per_position_figure(per_pos: pd.DataFrame):
+    """Acceptance per draft position (Δaccepted_pos / Δdrafts) per config and concurrency."""
+    import plotly.graph_objects as go
+    fig = go.Figure()
+    if per_pos.empty:
+        return fig.update_layout(title="per-position acceptance: not exposed or no drafts")
+    m = per_pos.groupby(["config", "concurrency", "position"], sort=False)["acceptance"].mean().reset_index()
+    for (config, c), g in m.groupby(["config", "concurrency"], sort=False):
+        fig.add_trace(go.Scatter(x=g["position"], y=g["acceptance"], mode="lines+markers", name=f"{config} C={c}"))
+    fig.update_layout(title="Per-position acceptance (counter deltas over the measurement window)",
+                      xaxis_title="draft position", yaxis_title="accepted / verification steps",
+                      yaxis_range=[0, 1.05], template="plotly_white")
+    return fig
