@@ -68,8 +68,13 @@ class CaseSummary:
     percentile_method: str = mx.PERCENTILE_METHOD
 
     def to_json(self) -> dict[str, Any]:
+        """The ``summary.json`` object: ``repeat_of`` defaults to ``case_id``; a repeat is valid only when it says
+        so (default yes) and the case is VALID."""
         out = asdict(self)
         out["repeat_of"] = self.repeat_of or self.case_id
+        ok = self.verdict.get("status") == VALID
+        out["repeats"] = [{"repeat": int(r.get("repeat", i)), "valid": bool(r.get("valid", True)) and ok,
+                           "metrics": r.get("metrics") or {}} for i, r in enumerate(self.repeats)]
         return {k: out[k] for k in REQUIRED}
 
 
@@ -232,9 +237,6 @@ class CaseFolder:
         summary.case_id, summary.phase, summary.kind = self.case_id, self.phase, self.kind
         summary.started = summary.started or self.started
         summary.ended = summary.ended or now_iso()
-        ok = summary.verdict.get("status") == VALID
-        summary.repeats = [{"repeat": int(r.get("repeat", i)), "valid": bool(r.get("valid", True)) and ok,
-                            "metrics": r.get("metrics") or {}} for i, r in enumerate(summary.repeats)]
         obj = json.loads(json.dumps(summary.to_json(), default=_json_default, ensure_ascii=False))
         validate_summary(obj, self.dir / "summary.json")
         write_json_atomic(self.dir / "summary.json", obj)
