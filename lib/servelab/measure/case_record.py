@@ -31,6 +31,7 @@ import pandas as pd
 
 from servelab.core.run import now_iso, write_json_atomic
 from servelab.measure import request_metrics as mx
+from servelab.measure.client import write_records
 
 SCHEMA_VERSION = 1
 VALID, INVALID = "VALID", "INVALID"
@@ -209,7 +210,6 @@ class CaseFolder:
 
     def write_requests(self, records: Sequence[Any]) -> Path:
         """The raw records (fsynced): always before the summary."""
-        from servelab.measure.client import write_records
         path = self.dir / "requests.jsonl"
         write_records(path, list(records))
         self._raw_written = True
@@ -223,7 +223,6 @@ class CaseFolder:
         if scrape_errors is not None:
             write_json_atomic(self.dir / "server" / "scrape_errors.json", scrape_errors)
         if before is not None and after is not None:
-            from servelab.measure.launch_variants import write_snapshots
             write_snapshots(self.dir, before, after)
 
     def write_log_excerpt(self, text: str, limit: int = 200_000) -> None:
@@ -245,6 +244,20 @@ class CaseFolder:
     def finish(self, status: str, error: str = "", **meta: Any) -> None:
         """``meta.json`` closed: final status, end time, error (empty when none)."""
         self.save_meta(status=status, ended=now_iso(), error=error, **meta)
+
+
+def write_snapshots(case_dir: Path, before: Any, after: Any) -> None:
+    """Both raw ``/metrics`` bodies of a window under ``server/`` (``metrics_before.prom``, ``metrics_after.prom``)
+    and their times (``metrics_snapshots.json``); ``before`` / ``after`` are
+    ``servelab.measure.launch_variants.Snapshot`` objects."""
+    d = Path(case_dir) / "server"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "metrics_before.prom").write_text(before.text)
+    (d / "metrics_after.prom").write_text(after.text)
+    write_json_atomic(d / "metrics_snapshots.json", {
+        "before": {"ts_ns": before.ts_ns, "wall_ns": before.wall_ns, "status": before.status},
+        "after": {"ts_ns": after.ts_ns, "wall_ns": after.wall_ns, "status": after.status},
+        "window_s": (after.ts_ns - before.ts_ns) / 1e9})
 
 
 def _json_default(o: Any) -> Any:

@@ -33,6 +33,7 @@ from servelab.core.params import ParamError
 from servelab.target.spec import Target
 
 from servelab.target.targets import target_from_dict
+from servelab.measure.case_record import repeat_frame, write_case_index
 from servelab.measure.engine_metrics import counter_deltas, parse_text
 from servelab.core.run import now_iso, write_json_atomic
 from servelab.target.server import RunningServer, http_text
@@ -158,18 +159,6 @@ def delta_of(deltas: pd.DataFrame, series: str, labels: str | None = None) -> fl
     return float(sel["delta"].sum()) if not sel.empty else None
 
 
-def write_snapshots(case_dir: Path, before: Snapshot, after: Snapshot) -> None:
-    """Keep both raw bodies under ``server/`` (``metrics_before.prom``, ``metrics_after.prom`` + times)."""
-    d = Path(case_dir) / "server"
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "metrics_before.prom").write_text(before.text)
-    (d / "metrics_after.prom").write_text(after.text)
-    write_json_atomic(d / "metrics_snapshots.json", {
-        "before": {"ts_ns": before.ts_ns, "wall_ns": before.wall_ns, "status": before.status},
-        "after": {"ts_ns": after.ts_ns, "wall_ns": after.wall_ns, "status": after.status},
-        "window_s": (after.ts_ns - before.ts_ns) / 1e9})
-
-
 # ---------------------------------------------------------------- server CPU time
 
 def server_cpu_s(srv: RunningServer) -> float | None:
@@ -204,7 +193,6 @@ def write_run_record(record_dir: Path, run_id: str, target: Target, srv: Running
     launch plans/env/settings as Phase 0 records them), ``cases.json`` (each ``(case id, case folder, reason)`` of
     ``cases``: the case's ``summary.json`` entered under the case id it is compared as, or — folder None — the
     reason it did not run) and ``summary.csv`` (one row per case × repeat, read from those summaries, for people)."""
-    from servelab.measure.case_record import repeat_frame, write_case_index
     record_dir = Path(record_dir)
     record_dir.mkdir(parents=True, exist_ok=True)
     parent = parent_manifest or {}

@@ -437,7 +437,7 @@ class InterferenceResult:
     settings: dict[str, Any] = field(default_factory=dict)
 
     def summary_rows(self) -> list[dict[str, Any]]:
-        """One row per injection for ``summary.csv`` of a run-like record (repeat = injection)."""
+        """One row per injection: the repeats of the case summary (repeat = injection), what the A/B compares."""
         rows = []
         for _, r in self.injections.iterrows():
             rows.append({"case_id": self.spec.case_id, "repeat": int(r["injection"]),
