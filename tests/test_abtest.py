@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+from pathlib import Path
 
-import pandas as pd
 import pytest
 
 from servelab.report import ab_figures
@@ -18,11 +19,14 @@ from servelab.target.engines import engine_for
 from servelab.target.targets import load_target
 from servelab.core.run import init_run, update_manifest
 
+sys.path.insert(0, str(Path(__file__).parent))
+from casefiles import write_cases  # noqa: E402
+
 
 def make_run(run_id: str, launch_over: dict | None = None, env_over: dict | None = None,
              summary: list[dict] | None = None) -> "Path":
     """A run directory as Phase 0 + Phase 1 leave it: manifest (engine, model, launch plans/env/settings, hosts,
-    phase params) and a per-repeat summary.csv."""
+    phase params) and its case folders (one summary.json per case, one entry per repeat)."""
     t = load_target("example-2node")
     launch = {**t.launch, **(launch_over or {})}
     env = {**t.env, **(env_over or {})}
@@ -38,7 +42,7 @@ def make_run(run_id: str, launch_over: dict | None = None, env_over: dict | None
                     phases={"phase1": {"status": "success", "params": {"run_id": run_id, "target": "example-2node",
                                                                         "repeats": 3}}})
     if summary is not None:
-        pd.DataFrame(summary).to_csv(rdir / "summary.csv", index=False)
+        write_cases(rdir, summary)
     return rdir
 
 
@@ -134,31 +138,34 @@ def test_compare_cases_marks_invalid_and_latency_regressions(outputs):
     assert len(fig.data) >= 3
 
 
-def test_summary_reader_accepts_missing_columns_and_says_so(outputs, tmp_path):
+def test_summary_reader_accepts_missing_metrics_and_says_so(outputs, tmp_path):
     d = tmp_path / "r1"
-    d.mkdir()
-    pd.DataFrame({"case_id": ["P1", "P1"], "repeat": [0, 1], "output_tps": [3.0, 4.0]}).to_csv(d / "summary.csv", index=False)
+    write_cases(d, [{"case_id": "P1", "repeat": 0, "output_tps": 3.0}, {"case_id": "P1", "repeat": 1, "output_tps": 4.0}])
     s = read_case_summaries(d)
     assert s.missing == ["p95_ttft_ms", "p95_tpot_ms", "p95_e2e_ms"]
-    assert any("validity unknown" in n for n in s.notes)
-    assert s.frame["output_tps"].tolist() == [3.0, 4.0]
-    pd.DataFrame({"case": ["P1"], "output_tps": [1.0]}).to_csv(d / "summary.csv", index=False)
-    with pytest.raises(SummaryFormatError, match=r"summary.csv: no 'case_id' column"):
+    assert any("metrics not in this run's summaries" in n for n in s.notes)
+    assert s.frame["output_tps"].tolist() == [3.0, 4.0] and s.frame["valid"].all()
+    # a summary that does not follow the case schema is refused by name, never half-read
+    bad = d / "cases" / "P1" / "summary.json"
+    bad.write_text(json.dumps({"repeats": [], "pooled": {}}))
+    with pytest.raises(SummaryFormatError, match=r"P1/summary.json: not a servelab case summary.*missing key"):
         read_case_summaries(d)
-    with pytest.raises(SummaryFormatError, match="no summary.csv"):
+    with pytest.raises(SummaryFormatError, match="no case summaries"):
         read_case_summaries(tmp_path)
 
 
-def test_phase1_layout_reads_repeats_from_case_summary_json(tmp_path):
-    """The Phase 1 writer: summary.csv per case × definition (pooled), repeats in cases/<id>/summary.json."""
+def test_phase1_summaries_give_one_row_per_repeat_in_the_chosen_definition(tmp_path):
+    """Phase 1's case summary: pooled metrics per definition, one entry per repeat; the reader takes the
+    repeats in the asked definition, under our metric names (output_throughput → output_tps, p95_e2el_ms →
+    p95_e2e_ms), valid from the case verdict."""
+    from servelab.measure.case_record import CaseFolder, CaseSummary, verdict
     d = tmp_path / "p1"
-    (d / "cases" / "D1").mkdir(parents=True)
-    pooled = [{"case_id": "D1", "definition": dfn, "validity": "VALID", "output_throughput": 101.0,
-               "p95_ttft_ms": 20.0, "p95_tpot_ms": 5.0, "p95_e2el_ms": 900.0} for dfn in ("sglang", "vllm")]
-    pd.DataFrame(pooled).to_csv(d / "summary.csv", index=False)
+    folder = CaseFolder(d, "D1", "phase1", "decode")
+    folder.write_requests([])
     reps = [{dfn: {"output_throughput": v + (0.5 if dfn == "vllm" else 0), "p95_ttft_ms": 20.0, "p95_tpot_ms": 5.0,
                    "p95_e2el_ms": 900.0} for dfn in ("sglang", "vllm")} for v in (100.0, 101.0, 102.0)]
-    (d / "cases" / "D1" / "summary.json").write_text(json.dumps({"repeats": reps, "pooled": {}}))
+    folder.write_summary(CaseSummary("D1", "phase1", "decode", "success", verdict("VALID"), "vllm", reps[0],
+                                     [{"repeat": i, "metrics": r} for i, r in enumerate(reps)]))
     s = read_case_summaries(d)
     assert s.frame["output_tps"].tolist() == [100.0, 101.0, 102.0]
     assert s.frame["p95_e2e_ms"].tolist() == [900.0] * 3 and s.frame["valid"].all()

@@ -1,7 +1,9 @@
 """The archive: run index with the hypotheses ledger and milestones, the root index, the zip bundle."""
 from __future__ import annotations
 
+import sys
 import zipfile
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -13,6 +15,9 @@ from servelab.target.targets import load_target
 from servelab.report.archive import write_root_index, write_run_index, zip_run
 from servelab.report.ledger import ledger, record_evidence
 from servelab.report.milestones import milestones
+
+sys.path.insert(0, str(Path(__file__).parent))
+from casefiles import write_cases  # noqa: E402
 
 
 def ctx_for(rdir, phase="phase3"):
@@ -41,16 +46,37 @@ def test_ledger_statuses(outputs):
 
 
 def test_m1_needs_three_repeats_and_low_cv(outputs):
+    """M1 from case summaries: repeats counted per case, CV across the repeats (not across definitions)."""
     rdir = runlib.init_run("m1", "local-tiny")
     rows = [("P1", r, 100.0 + r) for r in range(3)] + [("D1", r, v) for r, v in enumerate((100, 120, 80))] + \
         [("D2", 0, 50.0)]
-    pd.DataFrame(rows, columns=["case_id", "repeat", "output_throughput"]).to_csv(rdir / "summary.csv", index=False)
+    write_cases(rdir, [{"case_id": c, "repeat": r, "output_throughput": v} for c, r, v in rows])
     m = milestones(rdir)[0]
     checks = {c.check.split(" (")[0]: c for c in m.checks}
     assert checks["3 repeats per matrix point"].status == "fail" and "D2 (1)" in checks["3 repeats per matrix point"].detail
     cv = next(c for c in m.checks if c.check.startswith("key TPS CV"))
-    assert cv.status == "fail" and "D1 20.0%" in cv.detail        # std(100,120,80)=20 over mean 100
+    # std(100,120,80) = 20 over mean 100; P1: std 1 over mean 101
+    assert cv.status == "fail" and "D1 20.00% (output_throughput, n=3)" in cv.detail
+    assert "P1 0.99% (output_throughput, n=3)" in cv.detail and "D2" not in cv.detail
+    assert checks["every quick-matrix point measured"].status == "not measured"     # P2, P3 ... never ran
     assert m.status == "not met"
+    page = write_run_index(rdir).read_text()
+    assert "Measured cases" in page and "D1 20.00%" in page
+
+
+def test_m2_and_m4_read_what_the_phases_write(outputs):
+    rdir = runlib.init_run("m24", "local-tiny")
+    (rdir / "phase3").mkdir()
+    pd.DataFrame({"rank": [0, 0, 1], "window": [0, 1, 0], "kind": ["prefill", "decode", "prefill"]}).to_csv(
+        rdir / "phase3" / "trace_windows.csv", index=False)
+    runlib.update_manifest(rdir, phases={"phase3": {"status": "success", "from_samples": False}})
+    m2 = {c.check: c for c in milestones(rdir)[1].checks}
+    assert m2["prefill profile analysed"].status == "pass" and "2 prefill windows" in m2["prefill profile analysed"].detail
+    assert m2["mixed profile analysed"].status == "not measured"
+    runlib.update_manifest(rdir, phases={"phase3": {"status": "success", "from_samples": True}})
+    assert "recorded sample" in {c.check: c for c in milestones(rdir)[1].checks}["decode profile analysed"].detail
+    m4 = milestones(rdir)[3]
+    assert m4.status == "not started" and "no A/B recorded" in m4.checks[0].detail
 
 
 def test_zip_and_root_index(outputs):
@@ -76,3 +102,26 @@ def test_failed_attempts_become_lessons_at_the_end(outputs):
     lessons = page.index("Lessons — failed attempts")
     assert lessons > page.index("Milestones") and "ENGINE_CRASH in D2_c16 &lt;oom&gt;" in page[lessons:]
     assert page[lessons:].count("<tr>") == 2             # header + the one failed attempt
+
+
+@pytest.mark.slow
+def test_m1_on_a_real_phase1_run_reports_the_cv_across_three_repeats(outputs, llama_server_binary):
+    """Phase 1 for real (tiny llama-server, two points, repeats=3): the archive's M1 counts 3 repeats per point
+    and reports each point's CV across those repeats, recomputed here from the summaries' repeat entries."""
+    from servelab.measure.case_record import read_summaries
+    assert main(["run", "phase1", "--target", "local-tiny", "--run-id", "m1-real", "-p", 'cases=["P1","D1"]',
+                 "-p", "repeats=3", "-p", "search=false", "--no-render"]) == 0
+    rdir = outputs / "m1-real"
+    sums = {s["case_id"]: s for s in read_summaries(rdir, "phase1")}
+    assert set(sums) == {"P1", "D1"} and all(len(s["repeats"]) == 3 for s in sums.values())
+    m = milestones(rdir)[0]
+    checks = {c.check: c for c in m.checks}
+    assert checks["3 repeats per matrix point"].status == "pass"
+    cv = checks["key TPS CV across repeats ≤ 3.0%"]
+    assert cv.status in ("pass", "fail")                      # measured either way; the shared CPU decides which
+    for cid, key in (("P1", "input_throughput"), ("D1", "output_throughput")):
+        vals = pd.Series([r["metrics"]["vllm"][key] for r in sums[cid]["repeats"]])
+        expect = 100 * vals.std(ddof=1) / vals.mean()
+        assert f"{cid} {expect:.2f}% ({key}, n=3)" in cv.detail
+    page = write_run_index(rdir).read_text()
+    assert "key TPS CV across repeats" in page and "n=3" in page

@@ -89,6 +89,19 @@ def test_a_deliberately_bad_point_is_rejected_and_never_a_result(matrix):
     assert set(accepted_results(m)["case_id"]) == {"H8_hit00", "H8_hit20", "H8_hit50", "H8_hit80"}
 
 
+def test_every_point_summary_follows_the_case_schema(matrix):
+    """ACCEPTED is the summary's VALID, REJECTED its INVALID with the same reasons; one place for the verdict."""
+    from servelab.measure.case_record import SCHEMA_VERSION, validate_summary
+    run_dir, res, _ = matrix
+    for p in res:
+        s = validate_summary(json.loads((run_dir / "cases" / p.point.case_id / "summary.json").read_text()))
+        assert (s["schema_version"], s["phase"], s["kind"]) == (SCHEMA_VERSION, "phase8", "prefix_cache")
+        assert s["verdict"]["status"] == ("VALID" if p.row["verdict"] == "ACCEPTED" else "INVALID")
+        assert "; ".join(s["verdict"]["reasons"]) == p.row["reasons"]
+        assert "verdict" not in s["details"]["row"] and s["counts"]["measure"] == 8
+        assert s["metrics"]["vllm"]["p50_ttft_ms"] == pytest.approx(p.row["p50_ttft_ms"])
+
+
 def test_judge_point_rule():
     tol = tolerance(16, 1024)                                 # vLLM block 16 at ISL 1024: 1.5625 pp
     assert tol == pytest.approx(16 / 1024)

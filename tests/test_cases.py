@@ -11,6 +11,7 @@ import pandas as pd
 import pytest
 
 from servelab.measure import case as cs
+from servelab.measure.case_record import SCHEMA_VERSION, validate_summary
 from servelab.measure.client import read_records
 from servelab.measure.mixed import m1_analysis, run_m1_case
 from servelab.core.params import ParamError
@@ -79,9 +80,11 @@ def test_matrix_files_policy_and_resume(env, tiny_server):
         deltas = named_deltas(frame, tiny_server.engine.metric_names)
         # the scraper starts after the warm-up: its delta is exactly the measured prompts
         assert deltas["prompt_tokens_total"] == sum(x.prompt_tokens for x in measured)
-        summ = json.loads((d / "summary.json").read_text())
-        assert set(summ["pooled"]) == {"sglang", "vllm"}
-        assert summ["pooled"]["vllm"]["total_output_tokens"] == r.case.num_prompts * r.case.output_tokens
+        summ = validate_summary(json.loads((d / "summary.json").read_text()))
+        assert (summ["schema_version"], summ["phase"], summ["case_id"]) == (SCHEMA_VERSION, "phase1", r.case.case_id)
+        assert set(summ["metrics"]) == {"sglang", "vllm"} and len(summ["repeats"]) == 1
+        assert summ["metrics"]["vllm"]["total_output_tokens"] == r.case.num_prompts * r.case.output_tokens
+        assert summ["verdict"]["status"] == r.verdict.verdict and summ["counts"]["measured"] == r.case.num_prompts
     v = {r.case.case_id: r.verdict for r in mr.results}
     assert v["P1"].verdict == "VALID"
     assert v["D2_c4"].verdict == "INVALID" and "window too short" in v["D2_c4"].reasons[0]
@@ -118,6 +121,8 @@ def test_m1_injection_lands_in_the_window(env):
     assert 0 <= (inj[0].send_ns - inj[0].scheduled_ns) / 1e9 < 1.0           # sent then (client lag recorded)
     assert treat.summaries["vllm"]["completed"] == 2                     # the injection is not a background request
     assert treat.extra["injection"]["vllm"][0]["input_tokens"] == 1000
+    summ = validate_summary(json.loads((treat.case_dir / "summary.json").read_text()))
+    assert summ["kind"] == "mixed" and summ["details"]["extra"]["injection"]["vllm"][0]["input_tokens"] == 1000
     a = m1_analysis(control, treat)
     ab = a["ab"].set_index("metric")
     assert ab.loc["output_throughput", "control"] > 0 and ab.loc["output_throughput", "treatment"] > 0

@@ -17,6 +17,7 @@ import pytest
 from servelab.measure.abtest import ab_compare
 from servelab.analyse.interference import InterferenceSpec, h4_evidence, rank_values, sweep_table, sweep_verdict
 from servelab.phases.phase7_interference import default_spec, knob_sweep, run_interference, run_variant
+from servelab.measure.case_record import SCHEMA_VERSION, validate_summary
 from servelab.measure.launch_variants import check_knob_changes_command
 from servelab.core.params import ParamError
 from servelab.target.targets import load_target
@@ -49,6 +50,11 @@ def test_injection_windows_match_a_hand_computation(tiny_server, tmp_path):
     for f in ("requests.jsonl", "server/metrics_before.prom", "server/metrics_after.prom", "windows.csv",
               "injections.csv", "summary.json", "meta.json"):
         assert (cdir / f).is_file(), f
+    summ = validate_summary(json.loads((cdir / "summary.json").read_text()))
+    assert (summ["schema_version"], summ["phase"], summ["kind"]) == (SCHEMA_VERSION, "phase7", "interference")
+    assert summ["verdict"]["status"] == res.verdict.verdict and len(summ["repeats"]) == 2       # one per injection
+    assert [r["metrics"]["vllm"]["p95_tpot_ms"] for r in summ["repeats"]] == pytest.approx(
+        list(res.injections["p95_tpot_during_ms"]), nan_ok=True)
     recs = raw_records(cdir)
     inj = sorted((r for r in recs if r["role"] == "inject"), key=lambda r: r["send_ns"])
     bg = [r for r in recs if r["role"] == "background" and r["http_status"] == 200 and not r["error_kind"]]
@@ -118,6 +124,11 @@ def test_sweep_records_are_one_variable_and_a_confounded_pair_is_flagged(llama_s
         m = json.loads((p.record_dir / "manifest.json").read_text())
         assert m["launch"]["settings"]["batch_size"] == p.value
         assert f"-b {p.value}" in m["launch"]["plans"][0]["command"]
+        # the record names its case's summary.json, entered as I7 on every side of the A/B
+        index = json.loads((p.record_dir / "cases.json").read_text())["cases"]
+        assert [e["case_id"] for e in index] == ["I7"]
+        summ = validate_summary(json.loads((p.record_dir / index[0]["summary"]).read_text()))
+        assert summ["case_id"] == f"I7_batch_size={p.value}" and summ["repeat_of"] == "I7"
         s = pd.read_csv(p.record_dir / "summary.csv")
         assert list(s["case_id"]) == ["I7"] and list(s["repeat"]) == [0]
     ab = ab_compare([p.record_dir for p in points], "batch_size")

@@ -4,6 +4,8 @@ comparison and its confound-free A/B, the ncu import from the shipped H200 captu
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -11,15 +13,17 @@ import pytest
 from servelab.cli import main
 from servelab.core.run import init_run, read_commands, read_manifest, update_manifest
 
+sys.path.insert(0, str(Path(__file__).parent))
+from casefiles import write_cases  # noqa: E402
+
 pytestmark = pytest.mark.slow
 
 
 def _measured(run_id: str, settings: dict, tps: list[float]) -> None:
     rdir = init_run(run_id, "example-2node")
     update_manifest(rdir, launch={"settings": settings, "env": {}, "plans": []})
-    pd.DataFrame([{"case_id": "D1", "repeat": i, "output_tps": v, "p95_ttft_ms": 100.0, "p95_tpot_ms": 20.0,
-                   "p95_e2e_ms": 3000.0, "valid": True} for i, v in enumerate(tps)]).to_csv(rdir / "summary.csv",
-                                                                                          index=False)
+    write_cases(rdir, [{"case_id": "D1", "repeat": i, "output_tps": v, "p95_ttft_ms": 100.0, "p95_tpot_ms": 20.0,
+                        "p95_e2e_ms": 3000.0, "valid": True} for i, v in enumerate(tps)])
 
 
 def test_phase4_local_with_measured_runs(tmp_path, monkeypatch):

@@ -57,6 +57,29 @@ def test_every_config_and_concurrency_ran(phase9):
         (c, k) for c in p["config"].unique() if c != "off" for k in (1, 3)}
 
 
+def test_every_point_summary_follows_the_case_schema_and_feeds_the_ab(phase9):
+    """One summary per point and repeat, in the case schema, the row's verdict as the summary's; each config's
+    run-like record lists its points under S9_c<C>, so the A/B reads the same case on every side."""
+    import json
+
+    from servelab.measure.abtest import read_case_summaries
+    from servelab.measure.case_record import SCHEMA_VERSION, read_summaries
+    d, res = phase9
+    sums = {s["case_id"]: s for s in read_summaries(d)}
+    assert len(sums) == len(res.points)
+    for r in res.points.itertuples():
+        s = sums[r.case_id]
+        assert (s["schema_version"], s["phase"], s["kind"]) == (SCHEMA_VERSION, "phase9", "speculative")
+        assert s["verdict"]["status"] == r.validity and s["repeats"][0]["repeat"] == r.repeat
+        assert s["repeat_of"] == r.case_id.rsplit("_r", 1)[0]
+        assert s["metrics"]["vllm"]["output_throughput"] == pytest.approx(r.output_throughput)
+    for rec in sorted((d / "phase9" / "ab").iterdir()):
+        index = json.loads((rec / "cases.json").read_text())["cases"]
+        assert {e["case_id"] for e in index} == {"S9_c1", "S9_c3"} and all(e["summary"] for e in index)
+        frame = read_case_summaries(rec, "vllm").frame
+        assert set(frame["case_id"]) == {"S9_c1", "S9_c3"} and frame["output_tps"].notna().all()
+
+
 def test_acceptance_equals_a_hand_computation_from_raw_snapshots(phase9):
     d, res = phase9
     spec = res.points[res.points["speculative"].astype(bool)]

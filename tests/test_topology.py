@@ -3,8 +3,9 @@ launch commands from the real engine adapters, and the measured comparison on re
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
-import pandas as pd
 import pytest
 
 from servelab.core.params import ParamError
@@ -16,6 +17,9 @@ from servelab.analyse.topology import (GIB, Cluster, CommInputs, Layout, MemoryI
                                        launch_commands, layout_problems, load_model_config, measured_comparison,
                                        memory_table, memory_figure, comm_figure, model_config_from_dict, param_summary,
                                        parse_layout, pp_partition, seed_layouts, stage_weights_bytes)
+
+sys.path.insert(0, str(Path(__file__).parent))
+from casefiles import write_cases  # noqa: E402
 
 # dense GQA toy: hidden 64, 4 layers, 8 heads of 8, 2 KV heads, MLP 128, vocab 1000, untied, bf16
 TOY = {"name": "toy", "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
@@ -194,7 +198,7 @@ def _run(run_id: str, settings: dict, tps: dict[str, list[float]], tpot: float =
     update_manifest(rdir, launch={"settings": settings, "env": env or {}, "plans": []})
     rows = [{"case_id": c, "repeat": i, "output_tps": v, "p95_ttft_ms": 300.0, "p95_tpot_ms": tpot,
              "p95_e2e_ms": 9000.0, "valid": True} for c, vals in tps.items() for i, v in enumerate(vals)]
-    pd.DataFrame(rows).to_csv(rdir / "summary.csv", index=False)
+    write_cases(rdir, rows)
     return rdir
 
 

@@ -44,9 +44,9 @@ def case_view(run_dir: Path, case_id: str, definition: str = "vllm") -> tuple[pd
 
     from servelab.measure import request_metrics as mx
     from servelab.measure.client import read_records
+    from servelab.measure.case_record import read_summary
     cdir = run_dir / "cases" / case_id
-    summ = json.loads((cdir / "summary.json").read_text())
-    pooled = summ.get("pooled", {})
+    pooled = read_summary(cdir / "summary.json")["metrics"]
     rows = []
     for d, s in pooled.items():
         for metric in ("ttft", "tpot", "itl", "e2e"):

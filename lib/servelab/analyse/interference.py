@@ -331,6 +331,7 @@ class InterferenceResult:
         return rows
 
 
+
 @dataclass
 class SweepPoint:
     knob: str

@@ -25,10 +25,10 @@ Noise rule (:func:`compare_cases`): per case and metric, mean / min / max / CV (
 is ``better`` or ``worse`` according to the metric's direction. Fewer than two repeats on a side: ``no repeats``
 (uncertainty unknown). A case invalid on either side: ``invalid`` — nothing invalid is a result.
 
-Case summaries come from ``<run>/summary.csv``. Two layouts are read: one row per case × repeat (columns
-``case_id, repeat, output_tps, p95_ttft_ms, p95_tpot_ms, p95_e2e_ms, valid``), or the Phase 1 writer's one row
-per case × definition (``output_throughput``, ``p95_e2el_ms``, ``validity``) whose repeats are then read from
-``cases/<case_id>/summary.json`` (``repeats[i][definition]``). Missing metric columns are reported, not fatal.
+Case summaries come from the run's ``cases/<case_id>/summary.json`` (the case schema of
+:mod:`servelab.measure.case_record`, one row per repeat), or — for a run-like record of a launch variant — from the
+summaries its ``cases.json`` lists, under the case id they are compared as. A case is valid when its verdict is
+VALID (and, where a phase judges repeats one by one, the repeat is). Missing metrics are reported, not fatal.
 
 Notebook cell pattern for any phase that compares runs (parameters ``ab_runs: list``, ``ab_variable: str``,
 ``ab_why: str``, ``ab_profile_change: str``, ``ab_risk: str``, ``ab_keep: str``, ``ab_accepted: list``)::
@@ -55,10 +55,11 @@ import numpy as np
 import pandas as pd
 
 from servelab.core.run import read_manifest, run_dir
+from servelab.measure.case_record import SummarySchemaError, repeat_frame, summary_paths
 
 # metric → True when higher is better
 METRICS: dict[str, bool] = {"output_tps": True, "p95_ttft_ms": False, "p95_tpot_ms": False, "p95_e2e_ms": False}
-# column aliases accepted in summary.csv / summary.json (theirs → ours)
+# metric names in case summaries → ours
 ALIASES: dict[str, str] = {"output_throughput": "output_tps", "p95_e2el_ms": "p95_e2e_ms", "e2e_p95_ms": "p95_e2e_ms",
                            "ttft_p95_ms": "p95_ttft_ms", "tpot_p95_ms": "p95_tpot_ms"}
 VOLATILE_PATTERNS = (r"^run_id$", r"created$", r"updated$", r"started$", r"ended$", r"\.log$", r"\.headline\.",
@@ -69,7 +70,7 @@ NOT_ANSWERED = "not answered"
 
 
 class SummaryFormatError(ValueError):
-    """A run's summary.csv cannot be read as case summaries (names the file and what is missing)."""
+    """A run's case summaries cannot be read (names the folder or file and what is wrong)."""
 
 
 # ---------------------------------------------------------------- runs
@@ -207,81 +208,28 @@ class CaseSummaries:
     notes: list[str] = field(default_factory=list)
 
 
-def _valid_from(v: Any) -> bool | None:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return None
-    if isinstance(v, (bool, np.bool_)):
-        return bool(v)
-    s = str(v).strip().lower()
-    if s in ("valid", "true", "1", "yes"):
-        return True
-    if s in ("invalid", "false", "0", "no"):
-        return False
-    return None
-
-
 def read_case_summaries(rdir: str | Path, definition: str = "sglang", metrics: Sequence[str] = tuple(METRICS),
                         label: str = "") -> CaseSummaries:
-    """Per-repeat case metrics of a run directory (see the module docstring for the accepted layouts)."""
+    """Per-repeat case metrics of a run directory or run-like record, from its case summaries (the case schema,
+    :mod:`servelab.measure.case_record`): one row per repeat, ``valid`` from the case verdict (and the repeat's own
+    flag), metrics in ``definition`` where the case has it."""
     rdir = Path(rdir)
-    path = rdir / "summary.csv"
-    if not path.is_file():
-        raise SummaryFormatError(f"{path}: no summary.csv in this run (Phase 1 or a phase with cases writes it)")
+    if not summary_paths(rdir):
+        raise SummaryFormatError(f"{rdir}: no case summaries in this run (cases/<case>/summary.json, or a record's "
+                                 "cases.json; Phases 1, 2, 7, 8 and 9 write them)")
     try:
-        raw = pd.read_csv(path)
-    except (pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
-        raise SummaryFormatError(f"{path}: not a readable CSV ({exc})") from exc
-    raw = raw.rename(columns={k: v for k, v in ALIASES.items() if k in raw.columns and v not in raw.columns})
-    if "case_id" not in raw.columns:
-        raise SummaryFormatError(f"{path}: no 'case_id' column; columns are {list(raw.columns)}. Expected at least "
-                                 f"case_id and one of {list(metrics)}")
-    notes: list[str] = []
-    if "definition" in raw.columns:
-        defs = sorted(raw["definition"].dropna().unique())
-        if definition in defs:
-            raw = raw[raw["definition"] == definition]
-        elif defs:
-            notes.append(f"definition '{definition}' absent; using '{defs[0]}'")
-            definition = defs[0]
-            raw = raw[raw["definition"] == definition]
-    if "valid" not in raw.columns and "validity" in raw.columns:
-        raw["valid"] = raw["validity"]
-    rows: list[dict[str, Any]] = []
-    if "repeat" in raw.columns:
-        for _, r in raw.iterrows():
-            rows.append({"case_id": str(r["case_id"]), "repeat": int(r["repeat"]),
-                         **{m: r.get(m) for m in metrics if m in raw.columns}, "valid": _valid_from(r.get("valid"))})
-        source = f"{path} (one row per repeat)"
-    else:
-        source = f"{path} + cases/<case>/summary.json repeats ({definition})"
-        for _, r in raw.iterrows():
-            cid = str(r["case_id"])
-            sj = rdir / "cases" / cid / "summary.json"
-            reps = []
-            if sj.is_file():
-                doc = json.loads(sj.read_text())
-                for rep in doc.get("repeats") or []:
-                    s = rep.get(definition) if isinstance(rep, dict) and definition in rep else rep
-                    if isinstance(s, dict):
-                        reps.append({ALIASES.get(k, k): v for k, v in s.items()})
-            if reps:
-                for i, s in enumerate(reps):
-                    rows.append({"case_id": cid, "repeat": i, **{m: s.get(m) for m in metrics},
-                                 "valid": _valid_from(r.get("valid"))})
-            else:
-                notes.append(f"{cid}: no per-repeat data (cases/{cid}/summary.json); the pooled row is one repeat")
-                rows.append({"case_id": cid, "repeat": 0, **{m: r.get(m) for m in metrics if m in raw.columns},
-                             "valid": _valid_from(r.get("valid"))})
-    frame = pd.DataFrame(rows)
+        frame, notes = repeat_frame(rdir, definition, tuple(metrics), ALIASES)
+    except SummarySchemaError as exc:
+        raise SummaryFormatError(str(exc)) from exc
+    frame = frame.drop(columns=["case_dir", "phase", "kind"])
     missing = [m for m in metrics if m not in frame.columns or frame[m].isna().all()]
     for m in missing:
         frame[m] = np.nan
-    if "valid" not in raw.columns:
-        notes.append("no validity column: validity unknown")
     frame.insert(0, "run", label or rdir.name)
     if missing:
         notes.append(f"metrics not in this run's summaries: {', '.join(missing)}")
-    return CaseSummaries(frame[["run", "case_id", "repeat", *metrics, "valid"]], source, missing, notes)
+    return CaseSummaries(frame[["run", "case_id", "repeat", *metrics, "valid"]],
+                         f"{rdir} case summaries ({definition})", missing, notes)
 
 
 def repeat_stats(values: Iterable[float]) -> dict[str, float]:

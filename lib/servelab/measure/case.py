@@ -24,8 +24,9 @@ and the matrix continues; a server that loses health aborts the run (``ENGINE_CR
 measured; resume skips a case only if its ``meta.json`` says success and its ``requests.jsonl`` re-parses;
 cases not executed are listed.
 
-Per case: ``cases/<case_id>/{meta.json, requests.jsonl, summary.json, server/}`` — ``requests.jsonl`` is
-written (and fsynced) before ``summary.json``.
+Per case: ``cases/<case_id>/{meta.json, requests.jsonl, server/, summary_vllm_keys.jsonl, summary.json}``, written
+through :class:`servelab.measure.case_record.CaseFolder` (the one case contract of every phase: ``requests.jsonl``
+fsynced before ``summary.json``, the summary in the versioned case schema, see ``docs/case.md``).
 """
 from __future__ import annotations
 
@@ -40,9 +41,10 @@ from typing import Any, Callable
 import pandas as pd
 
 from servelab.measure import request_metrics as mx
-from servelab.measure.client import ClientConfig, ClientRun, RequestRecord, read_records, run_requests, write_records
+from servelab.measure.case_record import CaseFolder, CaseSummary, read_summary, request_counts, verdict_of
+from servelab.measure.client import ClientConfig, ClientRun, RequestRecord, read_records, run_requests
 from servelab.measure.engine_metrics import Scraper, named_deltas
-from servelab.core.run import now_iso, write_json_atomic
+from servelab.core.run import now_iso
 from servelab.target.server import RunningServer, http_json, is_healthy
 from servelab.measure.workload import build_workload, engine_tokenizer, token_pool
 
@@ -155,6 +157,7 @@ class CaseEnv:
     progress: bool = False
     profiler_attached: bool = False
     log_offsets: dict[str, int] = field(default_factory=dict)
+    phase: str = "phase1"            # the phase whose cases these are (written into every summary.json)
 
     @property
     def engine(self) -> Any:
@@ -262,10 +265,6 @@ class CaseResult:
                 **{k: s.get(k) for k in keep}}
 
 
-def write_meta(case_dir: Path, meta: dict[str, Any]) -> None:
-    write_json_atomic(case_dir / "meta.json", meta)
-
-
 def case_is_done(case_dir: Path, expected_measured: int | None = None) -> bool:
     """Resume rule: ``meta.json`` says success and ``requests.jsonl`` re-parses (with the expected count)."""
     try:
@@ -282,14 +281,14 @@ def case_is_done(case_dir: Path, expected_measured: int | None = None) -> bool:
 
 def load_case_result(case: CaseSpec, case_dir: Path) -> CaseResult:
     """A finished case read back from disk (for resume and for the notebook)."""
-    summ = json.loads((case_dir / "summary.json").read_text())
+    summ = read_summary(case_dir / "summary.json")
     meta = json.loads((case_dir / "meta.json").read_text())
-    v = summ.get("validity", {})
-    return CaseResult(case, meta.get("status", "unknown"), case_dir, summ.get("pooled", {}),
-                      summ.get("repeats", []), summ.get("cv", {}), mx.Verdict(v.get("verdict", "INVALID"),
-                                                                                 v.get("reasons", [])),
-                      meta.get("error", ""), meta.get("log_events", {}), summ.get("server_deltas", {}),
-                      summ.get("extra", {}))
+    d = summ["details"]
+    v = summ["verdict"]
+    return CaseResult(case, meta.get("status", "unknown"), case_dir, summ["metrics"],
+                      [r["metrics"] for r in summ["repeats"]], d.get("cv", {}), mx.Verdict(v["status"], v["reasons"]),
+                      meta.get("error", ""), meta.get("log_events", {}), d.get("server_deltas", {}),
+                      d.get("extra", {}))
 
 
 # ---------------------------------------------------------------- running one case
@@ -302,25 +301,21 @@ def _warmup(env: CaseEnv, case: CaseSpec, cfg: ClientConfig) -> list[RequestReco
 
 
 def run_case(env: CaseEnv, case: CaseSpec, run_fn: Callable[[CaseEnv, CaseSpec, ClientConfig, int], ClientRun]
-             | None = None) -> CaseResult:
+             | None = None, extra_fn: Callable[[list[RequestRecord]], dict[str, Any]] | None = None) -> CaseResult:
     """Run one case: health check, warm-up, flush, repeats (raw records first), summaries, verdict, files.
 
     Raises ``EngineCrash`` (after writing everything measured) when the engine is unhealthy afterwards.
-    ``run_fn(env, case, cfg, repeat) -> ClientRun`` replaces the default closed-loop wave (used by M1).
+    ``run_fn(env, case, cfg, repeat) -> ClientRun`` replaces the default closed-loop wave (used by M1);
+    ``extra_fn(records)`` adds entries to ``CaseResult.extra`` before the summary is written (M1's injection).
+    The folder is written through :class:`servelab.measure.case_record.CaseFolder`.
     """
-    cdir = env.run_dir / "cases" / case.case_id
-    (cdir / "server").mkdir(parents=True, exist_ok=True)
-    for stale in ("summary.json", "requests.jsonl"):
-        (cdir / stale).unlink(missing_ok=True)
     expected = case.num_prompts * env.repeats
-    meta: dict[str, Any] = {"case": asdict(case), "status": "running", "started": now_iso(), "repeats": env.repeats,
-                            "expected_measured": expected, "engine": env.srv.target.engine,
-                            "base_url": env.srv.base_url, "api": env.api, "seed": env.seed,
-                            "profiler_attached": env.profiler_attached}
-    write_meta(cdir, meta)
+    folder = CaseFolder(env.run_dir, case.case_id, env.phase, case_kind(case), {
+        "case": asdict(case), "repeats": env.repeats, "expected_measured": expected, "engine": env.srv.target.engine,
+        "base_url": env.srv.base_url, "api": env.api, "seed": env.seed, "profiler_attached": env.profiler_attached})
+    cdir, meta = folder.dir, folder.meta
     if not is_healthy(env.srv):
-        meta.update(status=ENGINE_CRASH, ended=now_iso(), error="engine unhealthy before the case started")
-        write_meta(cdir, meta)
+        folder.finish(ENGINE_CRASH, "engine unhealthy before the case started")
         raise EngineCrash(f"{case.case_id}: engine unhealthy before the case started")
     cfg = env.client_config(case.case_id)
     _, log_path = head_log(env)
@@ -355,12 +350,10 @@ def run_case(env: CaseEnv, case: CaseSpec, run_fn: Callable[[CaseEnv, CaseSpec, 
     finally:
         frame = scraper.stop() if scraper.running else scraper.frame()
     # raw data first
-    write_records(cdir / "requests.jsonl", records)
-    if not frame.empty:
-        frame.to_parquet(cdir / "server" / "metrics.parquet")
-    write_json_atomic(cdir / "server" / "scrape_errors.json", scraper.errors)
+    folder.write_requests(records)
+    folder.write_metrics(frame, scrape_errors=scraper.errors)
     log_text, _ = read_log_since(env, log_off)
-    (cdir / "server" / "engine_log_excerpt.txt").write_text(log_text[-200_000:])
+    folder.write_log_excerpt(log_text)
     events = log_events(log_text, env.engine.log_markers)
     healthy = is_healthy(env.srv)
     result = CaseResult(case, SUCCESS, cdir, error=error, log_events=events)
@@ -376,6 +369,8 @@ def run_case(env: CaseEnv, case: CaseSpec, run_fn: Callable[[CaseEnv, CaseSpec, 
                                  max_cv_pct=env.max_cv_pct if len(runs) >= 3 else None)
         result.verdict = mx.validity(result.summaries["vllm"], rules, env.profiler_attached, result.cv)
         result.extra["client_cpu_s"] = sum(r.client_cpu_s for r in runs)
+        if extra_fn is not None:
+            result.extra.update(extra_fn(records))
     if "oom" in events:
         result.status = OOM
     elif not healthy:
@@ -389,16 +384,19 @@ def run_case(env: CaseEnv, case: CaseSpec, run_fn: Callable[[CaseEnv, CaseSpec, 
     if not error and result.status == FAILED and runs:
         result.error = f"{result.summaries['vllm']['failed']} request(s) failed: " \
                        f"{result.summaries['vllm']['errors_by_kind']}"
-    write_summary(result)
+    write_summary(result, folder, records)
     # the client's own measurement windows on the wall clock: Phase 2 slices telemetry to exactly these
     meta["windows_wall_ns"] = [[r.window_start_ns + r.wall_offset_ns, r.window_end_ns + r.wall_offset_ns]
                                for r in runs]
-    meta.update(status=result.status, ended=now_iso(), error=result.error, log_events=events, healthy_after=healthy,
-                engine_log=log_path)
-    write_meta(cdir, meta)
+    folder.finish(result.status, result.error, log_events=events, healthy_after=healthy, engine_log=log_path)
     if result.status == ENGINE_CRASH:
         raise EngineCrash(f"{case.case_id}: engine lost health ({result.error or 'health probe failed'})")
     return result
+
+
+def case_kind(case: CaseSpec) -> str:
+    """The summary's ``kind``: prefill | decode | mixed for matrix points, ``search`` for search points."""
+    return "search" if case.scenario == "search" else case.kind
 
 
 def measured_window_s(run: ClientRun) -> float:
@@ -412,13 +410,9 @@ def measured_window_s(run: ClientRun) -> float:
     return max(end - run.window_start_ns, 1) / 1e9
 
 
-def write_summary(result: CaseResult) -> None:
-    out = {"case": asdict(result.case), "status": result.status, "pooled": result.summaries,
-           "repeats": result.repeat_summaries, "cv": result.cv,
-           "validity": {"verdict": result.verdict.verdict, "reasons": result.verdict.reasons},
-           "server_deltas": result.server_deltas, "log_events": result.log_events, "extra": result.extra,
-           "definitions": list(mx.DEFINITIONS), "percentile_method": mx.PERCENTILE_METHOD}
-    write_json_atomic(result.case_dir / "summary.json", out)
+def write_summary(result: CaseResult, folder: CaseFolder, records: list[RequestRecord]) -> dict[str, Any]:
+    """The case's ``summary.json`` (the case schema: pooled metrics per definition, one entry per repeat, the
+    verdict) and, beside it, ``summary_vllm_keys.jsonl`` (the same numbers under ``vllm bench serve``'s keys)."""
     if result.summaries:
         from servelab.measure.peer_results import to_vllm_keys
         # the same numbers under vllm bench serve's keys, one object per definition (like --append-result)
@@ -426,6 +420,14 @@ def write_summary(result: CaseResult) -> None:
                                                                "max_concurrency": result.case.concurrency}),
                             default=str) for d in mx.DEFINITIONS if d in result.summaries]
         (result.case_dir / "summary_vllm_keys.jsonl").write_text("\n".join(lines) + "\n")
+    summary = CaseSummary(
+        case_id=result.case.case_id, phase=folder.phase, kind=folder.kind, status=result.status,
+        verdict=verdict_of(result.verdict), definition="vllm", metrics=result.summaries,
+        repeats=[{"repeat": i, "metrics": s} for i, s in enumerate(result.repeat_summaries)],
+        counts=request_counts(records, ("measure",)),
+        details={"case": asdict(result.case), "cv": result.cv, "server_deltas": result.server_deltas,
+                 "log_events": result.log_events, "extra": result.extra, "error": result.error})
+    return folder.write_summary(summary)
 
 
 # ---------------------------------------------------------------- the matrix

@@ -12,7 +12,7 @@ model). This module holds what they share:
   deltas between two snapshots (the exact measurement window, never a running average);
 - :func:`server_cpu_s` — CPU seconds the local engine process has used (``/proc/<pid>/stat``), for the CPU
   utilisation of a window; ``None`` on remote nodes;
-- :func:`write_run_record` — a run-like folder (``manifest.json`` + ``summary.csv``) per variant, which
+- :func:`write_run_record` — a run-like folder (``manifest.json`` + ``cases.json``) per variant, which
   :func:`servelab.measure.abtest.ab_compare` reads like any run, so the one-variable A/B rules apply to sweeps too.
 """
 from __future__ import annotations
@@ -33,6 +33,7 @@ from servelab.core.params import ParamError
 from servelab.target.spec import Target
 
 from servelab.target.targets import target_from_dict
+from servelab.measure.case_record import repeat_frame, write_case_index
 from servelab.measure.engine_metrics import counter_deltas, parse_text
 from servelab.core.run import now_iso, write_json_atomic
 from servelab.target.server import RunningServer, http_text
@@ -158,18 +159,6 @@ def delta_of(deltas: pd.DataFrame, series: str, labels: str | None = None) -> fl
     return float(sel["delta"].sum()) if not sel.empty else None
 
 
-def write_snapshots(case_dir: Path, before: Snapshot, after: Snapshot) -> None:
-    """Keep both raw bodies under ``server/`` (``metrics_before.prom``, ``metrics_after.prom`` + times)."""
-    d = Path(case_dir) / "server"
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "metrics_before.prom").write_text(before.text)
-    (d / "metrics_after.prom").write_text(after.text)
-    write_json_atomic(d / "metrics_snapshots.json", {
-        "before": {"ts_ns": before.ts_ns, "wall_ns": before.wall_ns, "status": before.status},
-        "after": {"ts_ns": after.ts_ns, "wall_ns": after.wall_ns, "status": after.status},
-        "window_s": (after.ts_ns - before.ts_ns) / 1e9})
-
-
 # ---------------------------------------------------------------- server CPU time
 
 def server_cpu_s(srv: RunningServer) -> float | None:
@@ -198,10 +187,12 @@ def log_reproduce(ctx: Any, phase_key: str) -> None:
 # ---------------------------------------------------------------- run-like records for abtest
 
 def write_run_record(record_dir: Path, run_id: str, target: Target, srv: RunningServer | None,
-                     summary_rows: list[dict[str, Any]], parent_manifest: dict[str, Any] | None = None,
+                     cases: list[tuple[str, Path | None, str]], parent_manifest: dict[str, Any] | None = None,
                      extra: dict[str, Any] | None = None) -> Path:
     """A folder that :func:`servelab.measure.abtest.load_run` reads as a run: ``manifest.json`` (tool, engine, model,
-    launch plans/env/settings as Phase 0 records them) and ``summary.csv`` (one row per case × repeat)."""
+    launch plans/env/settings as Phase 0 records them), ``cases.json`` (each ``(case id, case folder, reason)`` of
+    ``cases``: the case's ``summary.json`` entered under the case id it is compared as, or — folder None — the
+    reason it did not run) and ``summary.csv`` (one row per case × repeat, read from those summaries, for people)."""
     record_dir = Path(record_dir)
     record_dir.mkdir(parents=True, exist_ok=True)
     parent = parent_manifest or {}
@@ -218,5 +209,7 @@ def write_run_record(record_dir: Path, run_id: str, target: Target, srv: Running
                 "launch": {"plans": plans, "env": dict(target.env), "settings": copy.deepcopy(target.launch)},
                 **(extra or {})}
     write_json_atomic(record_dir / "manifest.json", manifest)
-    pd.DataFrame(summary_rows).to_csv(record_dir / "summary.csv", index=False)
+    write_case_index(record_dir, cases)
+    frame, _ = repeat_frame(record_dir)
+    frame.to_csv(record_dir / "summary.csv", index=False)
     return record_dir

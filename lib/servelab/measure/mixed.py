@@ -38,15 +38,10 @@ def m1_run_fn(env: CaseEnv, case: CaseSpec, cfg: ClientConfig, repeat: int) -> C
 
 def run_m1_case(env: CaseEnv, case: CaseSpec) -> CaseResult:
     """``run_case`` with the M1 wave; the treatment also gets its injection's own metrics in ``extra``."""
-    res = run_case(env, case, run_fn=m1_run_fn)
-    if case.inject_input_tokens and res.summaries:
-        from servelab.measure.client import read_records
-        recs = read_records(res.case_dir / "requests.jsonl")
-        inj = [r for r in recs if r.role == "inject"]
-        res.extra["injection"] = {d: [mx.request_metrics(r, d).__dict__ for r in inj] for d in mx.DEFINITIONS}
-        from servelab.measure.case import write_summary
-        write_summary(res)
-    return res
+    def injection(records: list[RequestRecord]) -> dict[str, Any]:
+        inj = [r for r in records if r.role == "inject"]
+        return {"injection": {d: [mx.request_metrics(r, d).__dict__ for r in inj] for d in mx.DEFINITIONS}}
+    return run_case(env, case, run_fn=m1_run_fn, extra_fn=injection if case.inject_input_tokens else None)
 
 
 def injection_window_ns(records: list[RequestRecord]) -> tuple[int, int] | None:

@@ -167,7 +167,7 @@ def run_engine_cases(ctx: Any, case_ids: list[str] | None = None, interval_s: fl
         srv = start_server(ctx.target, ctx.phase_dir / "logs", tracker, run_dir=ctx.run_dir, phase=ctx.phase,
                            health_timeout_s=health_timeout_s)
         try:
-            env = make_env(srv, ctx.run_dir)
+            env = make_env(srv, ctx.run_dir, phase=ctx.phase)
             for case in specs_cases:
                 cdir = ctx.case_dir(case.case_id)
                 plans = [NodePlan(srv.hosts[n.name], node_specs(n, srv.handles[n.name].pid, interval_s,

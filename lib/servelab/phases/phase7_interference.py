@@ -15,7 +15,7 @@ of the streams' first requests to the stop. Lengths scale with ``target.scale``.
 share: the analogue of SGLang's ``chunked_prefill_size`` — ``ubatch_size``, ``parallel``; SGLang
 ``chunked_prefill_size``, ``max_prefill_tokens``, ``max_running_requests``). A setting the engine ignores
 (same command for two values) is refused before anything starts. Each value is written as a run-like record
-(``manifest.json`` + ``summary.csv``, one row per injection = repeat) and compared with
+(``manifest.json`` + ``cases.json`` naming the case's ``summary.json``, one repeat per injection) and compared with
 :func:`servelab.measure.abtest.ab_compare` with the knob as the declared variable. The verdict ranks values by the
 least damage to the decode SLO (mean P95 TPOT increase during injection, in ms), never by prefill TPS. Each
 engine's default sweep and confounding setting come from its adapter (``interference_sweep``,
@@ -41,11 +41,10 @@ from servelab.analyse.interference import (InterferenceResult, InterferenceSpec,
                                            sweep_table, sweep_verdict, timeline_figure, token_chunk_ns, window_table)
 from servelab.measure import request_metrics as mx
 from servelab.measure.case import CaseEnv, case_seed, flush_cache, max_request_tokens
-from servelab.measure.client import ClientConfig, RequestRecord, run_async, run_sync, write_records
-from servelab.measure.launch_variants import (delta_of, metrics_snapshot, server_cpu_s, snapshot_deltas, write_run_record,
-                                      write_snapshots)
+from servelab.measure.client import ClientConfig, RequestRecord, run_async, run_sync
+from servelab.measure.launch_variants import (delta_of, metrics_snapshot, server_cpu_s, snapshot_deltas, write_run_record)
 from servelab.measure.slots import SlotsPoller, has_slots_endpoint
-from servelab.core.run import now_iso, write_json_atomic
+from servelab.core.run import write_json_atomic
 from servelab.target.server import RunningServer, is_healthy
 from servelab.measure.workload import RequestSpec, build_workload
 from servelab.target.engines import engine_for
@@ -151,25 +150,24 @@ async def _wave(bg: list[RequestSpec], inj: list[RequestSpec], cfg: ClientConfig
 
 
 def run_interference(srv: RunningServer, run_dir: Path, spec: InterferenceSpec, pool: list[int], seed: int = 0,
-                     definition: str = "vllm", poll_interval_s: float = 0.0) -> InterferenceResult:
+                     definition: str = "vllm", poll_interval_s: float = 0.0, phase: str = "phase7",
+                     repeat_of: str = "") -> InterferenceResult:
     """Warm up, plan, run the background streams with their injections; raw data first, then the tables.
 
     Files: ``cases/<case_id>/{meta.json, requests.jsonl, server/{metrics.parquet, slots.parquet,
-    metrics_{before,after}.prom, engine_log_excerpt.txt}, windows.csv, injections.csv, summary.json}``.
+    metrics_{before,after}.prom, engine_log_excerpt.txt}, windows.csv, injections.csv, summary.json}``, written
+    through the case contract (:class:`servelab.measure.case_record.CaseFolder`): one repeat per injection.
+    ``repeat_of``: the case this one is a variant of (a sweep value runs ``I7`` as ``I7_<label>``).
     """
     from servelab.measure.case import read_log_since
+    from servelab.measure.case_record import CaseFolder
     from servelab.measure.engine_metrics import Scraper, gauge_series
-    cdir = Path(run_dir) / "cases" / spec.case_id
-    (cdir / "server").mkdir(parents=True, exist_ok=True)
-    for stale in ("summary.json", "requests.jsonl"):
-        (cdir / stale).unlink(missing_ok=True)
-    meta: dict[str, Any] = {"spec": asdict(spec), "status": "running", "started": now_iso(),
-                            "engine": srv.target.engine, "base_url": srv.base_url,
-                            "launch": srv.target.launch, "definition": definition}
-    write_json_atomic(cdir / "meta.json", meta)
+    folder = CaseFolder(run_dir, spec.case_id, phase, "interference", {
+        "spec": asdict(spec), "engine": srv.target.engine, "base_url": srv.base_url, "launch": srv.target.launch,
+        "definition": definition})
+    cdir, meta = folder.dir, folder.meta
     if not is_healthy(srv):
-        meta.update(status="ENGINE_CRASH", ended=now_iso(), error="engine unhealthy before the case")
-        write_json_atomic(cdir / "meta.json", meta)
+        folder.finish("ENGINE_CRASH", "engine unhealthy before the case")
         raise RuntimeError(f"{spec.case_id}: engine unhealthy before the case")
     env = CaseEnv(srv=srv, run_dir=Path(run_dir), pool=pool, seed=seed)
     cfg = env.client_config(spec.case_id)
@@ -220,15 +218,13 @@ def run_interference(srv: RunningServer, run_dir: Path, spec: InterferenceSpec, 
     cpu1 = server_cpu_s(srv)
     records = list(wrun.records) + bg_recs + inj_recs
     # raw data first
-    write_records(cdir / "requests.jsonl", records)
-    write_snapshots(cdir, before, after)
+    folder.write_requests(records)
+    folder.write_metrics(scrape, before, after)
     write_json_atomic(cdir / "server" / "marks.json", asdict(marks))
-    if not scrape.empty:
-        scrape.to_parquet(cdir / "server" / "metrics.parquet")
     if not slots.empty:
         slots.to_parquet(cdir / "server" / "slots.parquet")
     log_text, _ = read_log_since(env, log_off)
-    (cdir / "server" / "engine_log_excerpt.txt").write_text(log_text[-200_000:])
+    folder.write_log_excerpt(log_text)
     t0 = marks.t0_ns or (records[0].send_ns if records else 0)
     names = srv.engine.metric_names
     gaps = background_gaps(records)
@@ -279,14 +275,29 @@ def run_interference(srv: RunningServer, run_dir: Path, spec: InterferenceSpec, 
     injections.to_csv(cdir / "injections.csv", index=False)
     if not chunks.empty:
         chunks.to_csv(cdir / "prefill_chunks.csv", index=False)
-    write_json_atomic(cdir / "summary.json", {
-        "spec": asdict(spec), "schedule_plan": asdict(plan), "window_s": window_s, "schedule": schedule,
-        "marks": asdict(marks), "validity": {"verdict": verdict.verdict, "reasons": verdict.reasons},
-        "background": background, "injections": injections.to_dict(orient="records"), "server_deltas": server,
-        "definition": definition, "percentile_method": mx.PERCENTILE_METHOD})
-    meta.update(status="success" if not error else "failed", ended=now_iso(), error=error, verdict=verdict.verdict)
-    write_json_atomic(cdir / "meta.json", meta)
+    status = "success" if not error else "failed"
+    if status != "success" and verdict.verdict == "VALID":
+        res.verdict = mx.Verdict("INVALID", [f"case status {status}"])
+    folder.write_summary(interference_summary(res, status, definition, records, repeat_of))
+    folder.finish(status, error)
     return res
+
+
+def interference_summary(res: InterferenceResult, status: str, definition: str, records: list[RequestRecord],
+                         repeat_of: str = "") -> Any:
+    """The case summary of an interference case: the background's metrics pooled, one repeat per injection
+    (the during-window numbers the A/B compares), the schedule, windows and damage in ``details``."""
+    from servelab.measure.case_record import CaseSummary, request_counts, verdict_of
+    repeats = [{"repeat": r["repeat"], "valid": bool(r["valid"]),
+                "metrics": {definition: {k: v for k, v in r.items() if k not in ("case_id", "repeat", "valid")}}}
+               for r in res.summary_rows()]
+    return CaseSummary(
+        case_id=res.spec.case_id, phase="", kind="interference", status=status, verdict=verdict_of(res.verdict),
+        definition=definition, metrics={definition: res.background} if res.background else {}, repeats=repeats,
+        counts=request_counts(records, ("background",)), repeat_of=repeat_of,
+        details={"spec": asdict(res.spec), "schedule_plan": asdict(res.schedule_plan), "window_s": res.window_s,
+                 "schedule": res.schedule, "marks": asdict(res.marks),
+                 "injections": res.injections.to_dict(orient="records"), "server_deltas": res.server})
 
 
 # ---------------------------------------------------------------- the knob sweep
@@ -308,13 +319,13 @@ def run_variant(target: Any, changes: dict[str, Any], spec: InterferenceSpec, ru
         with serving(t, log_dir, run_dir, phase, health_timeout_s) as srv:
             srv_ref = srv
             pool = token_pool(engine_tokenizer(srv.base_url, srv.target.engine, srv.engine.tokenize_path), seed=seed)
-            res = run_interference(srv, run_dir, case, pool, seed, definition)
+            res = run_interference(srv, run_dir, case, pool, seed, definition, phase=phase or "phase7",
+                                   repeat_of=spec.case_id)
     except Exception as exc:  # a value that cannot serve is recorded, the sweep goes on
         error = f"{type(exc).__name__}: {exc}"
-    rows = res.summary_rows() if res is not None else [{"case_id": spec.case_id, "repeat": 0, "valid": False}]
-    for r in rows:
-        r["case_id"] = spec.case_id          # the same case on every side of the A/B
-    write_run_record(rec_dir, f"{(parent_manifest or {}).get('run_id', 'run')}-{label}", t, srv_ref, rows,
+    # the same case id on every side of the A/B; a value that did not run is listed with its reason
+    cases = [(spec.case_id, res.case_dir if res is not None else None, error)]
+    write_run_record(rec_dir, f"{(parent_manifest or {}).get('run_id', 'run')}-{label}", t, srv_ref, cases,
                      parent_manifest)
     write_json_atomic(rec_dir / "variant.json", {"label": label, "changes": changes, "error": error,
                                                  "case_dir": str(res.case_dir) if res is not None else None})

@@ -28,10 +28,10 @@ import pandas as pd
 from servelab.analyse.prefix_cache import (TARGET_RATES, HitPoint, PointResult, h6_evidence, kv_usage_series,
                                            matrix_frame, memory_breakdown, point_row)
 from servelab.measure import request_metrics as mx
-from servelab.measure.client import ClientConfig, ClientRun, RequestRecord, run_async, run_sync, write_records
-from servelab.measure.launch_variants import metrics_snapshot, write_snapshots
+from servelab.measure.client import ClientConfig, ClientRun, RequestRecord, run_async, run_sync
+from servelab.measure.launch_variants import metrics_snapshot
 from servelab.measure.slots import SlotsPoller, has_slots_endpoint
-from servelab.core.run import now_iso, write_json_atomic
+from servelab.core.run import write_json_atomic
 from servelab.target.engines import engine_for
 from servelab.target.server import RunningServer
 from servelab.measure.workload import RequestSpec, build_workload
@@ -54,29 +54,26 @@ def run_streams(streams: list[list[RequestSpec]], cfg: ClientConfig) -> ClientRu
 
 def run_hit_point(srv: RunningServer, run_dir: Path, point: HitPoint, pool: list[int], seed: int = 0,
                   definition: str = "vllm", flush: dict[str, Any] | None = None,
-                  poll_interval_s: float = 0.1) -> PointResult:
+                  poll_interval_s: float = 0.1, phase: str = "phase8") -> PointResult:
     """Run one hit-rate point on a freshly flushed engine: pre-warm, measure, judge; raw data written first.
 
     Files: ``cases/<case_id>/{meta.json, requests.jsonl, server/metrics_{before,after}.prom, server/slots.parquet,
-    server/metrics.parquet, summary.json}``.
+    server/metrics.parquet, summary.json}``, written through the case contract
+    (:class:`servelab.measure.case_record.CaseFolder`); ACCEPTED is the summary's VALID, REJECTED its INVALID.
     """
     from servelab.measure.case import case_seed
+    from servelab.measure.case_record import CaseFolder
     from servelab.measure.engine_metrics import Scraper
-    cdir = Path(run_dir) / "cases" / point.case_id
-    (cdir / "server").mkdir(parents=True, exist_ok=True)
-    for stale in ("summary.json", "requests.jsonl"):
-        (cdir / stale).unlink(missing_ok=True)
     engine = srv.target.engine
     n = point.groups * point.requests_per_group
     groups = point.groups if point.prefix_tokens else 0
     wl = build_workload(point.case_id, n, point.input_tokens, point.output_tokens, pool,
                         seed=case_seed(seed, point.case_id, 0), prefix_groups=groups,
                         target_prefix_hit_rate=point.target_rate if groups else 0.0)
-    meta: dict[str, Any] = {"point": asdict(point), "case_id": point.case_id, "status": "running",
-                            "started": now_iso(), "engine": engine, "base_url": srv.base_url,
-                            "prefix_tokens": point.prefix_tokens, "workload_notes": wl.notes,
-                            "flush": flush or {}, "definition": definition}
-    write_json_atomic(cdir / "meta.json", meta)
+    folder = CaseFolder(run_dir, point.case_id, phase, "prefix_cache", {
+        "point": asdict(point), "engine": engine, "base_url": srv.base_url, "prefix_tokens": point.prefix_tokens,
+        "workload_notes": wl.notes, "flush": flush or {}, "definition": definition})
+    cdir = folder.dir
     # group g's requests in order (request i belongs to group i % G)
     streams = [[r for r in wl.requests if (r.index % point.groups) == g] for g in range(point.groups)]
     extra: dict[str, Any] = {}
@@ -112,20 +109,33 @@ def run_hit_point(srv: RunningServer, run_dir: Path, point: HitPoint, pool: list
         slots = poller.stop() if poller is not None else pd.DataFrame()
         scrape = scraper.stop()
     # raw data first
-    write_records(cdir / "requests.jsonl", records)
-    if before is not None and after is not None:
-        write_snapshots(cdir, before, after)
+    folder.write_requests(records)
+    folder.write_metrics(scrape, before, after)
     if not slots.empty:
         slots.to_parquet(cdir / "server" / "slots.parquet")
-    if not scrape.empty:
-        scrape.to_parquet(cdir / "server" / "metrics.parquet")
     row = point_row(point, srv, records, run, before, after, definition, error)
-    write_json_atomic(cdir / "summary.json", {"point": asdict(point), "row": row,
-                                              "definition": definition,
-                                              "percentile_method": mx.PERCENTILE_METHOD})
-    meta.update(status="success" if not error else "failed", ended=now_iso(), error=error, verdict=row["verdict"])
-    write_json_atomic(cdir / "meta.json", meta)
+    status = "success" if not error else "failed"
+    folder.write_summary(hit_point_summary(point, row, records, run, status, definition))
+    folder.finish(status, error)
     return PointResult(point, cdir, row, records, slots, scrape, t0, flush or {})
+
+
+def hit_point_summary(point: HitPoint, row: dict[str, Any], records: list[RequestRecord], run: ClientRun | None,
+                      status: str, definition: str) -> Any:
+    """The case summary of a hit-rate point: the verdict (ACCEPTED → VALID, REJECTED → INVALID, with the
+    row's reasons), the measured requests' metrics as the one repeat, the matrix row in ``details``."""
+    from servelab.measure.case_record import INVALID, VALID, CaseSummary, request_counts, verdict
+    measured = [r for r in records if r.role == "measure"]
+    pooled = {definition: mx.summarize(measured, max(run.duration_s, 1e-9), definition)} if run and measured else {}
+    reasons = [x for x in str(row.get("reasons") or "").split("; ") if x]
+    ok = row.get("verdict") == "ACCEPTED" and status == "success"
+    if not ok and not reasons:
+        reasons = [f"case status {status}"]
+    return CaseSummary(
+        case_id=point.case_id, phase="", kind="prefix_cache", status=status,
+        verdict=verdict(VALID if ok else INVALID, [] if ok else reasons), definition=definition, metrics=pooled,
+        repeats=[{"repeat": 0, "metrics": pooled}] if pooled else [], counts=request_counts(records),
+        details={"point": asdict(point), "row": {k: v for k, v in row.items() if k not in ("verdict", "reasons")}})
 
 
 # ---------------------------------------------------------------- Phase 8 end to end

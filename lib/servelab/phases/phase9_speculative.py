@@ -29,9 +29,9 @@ import pandas as pd
 from servelab.analyse.speculative import SpecConfig, net_gain, per_position_frame, spec_row
 from servelab.measure import request_metrics as mx
 from servelab.measure.case import CaseEnv, case_seed, flush_cache, max_request_tokens, read_log_since
-from servelab.measure.client import RequestRecord, run_requests, write_records
-from servelab.measure.launch_variants import Snapshot, metrics_snapshot, server_cpu_s, write_run_record, write_snapshots
-from servelab.core.run import now_iso, write_json_atomic
+from servelab.measure.client import RequestRecord, run_requests
+from servelab.measure.launch_variants import Snapshot, metrics_snapshot, server_cpu_s, write_run_record
+from servelab.core.run import write_json_atomic
 from servelab.target.engines import engine_for
 from servelab.target.server import RunningServer, is_healthy
 from servelab.measure.workload import build_workload
@@ -81,28 +81,28 @@ class SpecPoint:
 
 def run_spec_point(srv: RunningServer, run_dir: Path, cfg: SpecConfig, concurrency: int, input_tokens: int,
                    output_tokens: int, pool: list[int], seed: int = 0, repeat: int = 0, definition: str = "vllm",
-                   case_id: str = "") -> SpecPoint:
+                   case_id: str = "", phase: str = "phase9") -> SpecPoint:
     """Warm-up, flush, snapshot, ``concurrency`` decode requests, snapshot; raw data first, then the row.
 
     The measured requests use the same seed in every config, so speculation on and off decode the same prompts.
+    Written through the case contract (:class:`servelab.measure.case_record.CaseFolder`): one folder per
+    repeat, ``repeat_of`` = the config at this concurrency (``S9_<config>_c<C>``).
     """
+    from servelab.measure.case_record import CaseFolder
     cid = case_id or f"S9_{_slug(cfg.label)}_c{concurrency}_r{repeat}"
-    cdir = Path(run_dir) / "cases" / cid
-    (cdir / "server").mkdir(parents=True, exist_ok=True)
-    for stale in ("summary.json", "requests.jsonl"):
-        (cdir / stale).unlink(missing_ok=True)
-    meta: dict[str, Any] = {"case_id": cid, "config": asdict(cfg), "concurrency": concurrency, "repeat": repeat,
-                            "status": "running", "started": now_iso(), "engine": srv.target.engine,
-                            "launch": srv.target.launch, "definition": definition}
-    write_json_atomic(cdir / "meta.json", meta)
+    folder = CaseFolder(run_dir, cid, phase, "speculative", {
+        "config": asdict(cfg), "concurrency": concurrency, "repeat": repeat, "engine": srv.target.engine,
+        "launch": srv.target.launch, "definition": definition})
+    cdir = folder.dir
     if not is_healthy(srv):
+        folder.finish("ENGINE_CRASH", "engine unhealthy before the case")
         raise RuntimeError(f"{cid}: engine unhealthy before the case")
     env = CaseEnv(srv=srv, run_dir=Path(run_dir), pool=pool, seed=seed)
     ccfg = env.client_config(cid)
     wl_w = build_workload(cid + "-warmup", 1, input_tokens, min(output_tokens, 8), pool,
                           seed=case_seed(seed, f"S9-warmup-c{concurrency}", repeat), role="warmup", start_index=10**6)
     records = list(run_requests(wl_w.requests, ccfg, concurrency=1).records)
-    meta["cache_flush"] = flush_cache(env)
+    folder.meta["cache_flush"] = flush_cache(env)
     # the same prompts for every config (seed independent of the config)
     wl = build_workload(cid, concurrency, input_tokens, output_tokens, pool,
                         seed=case_seed(seed, f"S9-c{concurrency}", repeat))
@@ -120,16 +120,40 @@ def run_spec_point(srv: RunningServer, run_dir: Path, cfg: SpecConfig, concurren
     cpu1 = server_cpu_s(srv)
     settled_log_offset(env)                      # the last requests' lines are written
     log_text, _ = read_log_since(env, log_off)
-    write_records(cdir / "requests.jsonl", records)
-    write_snapshots(cdir, before, after)
-    (cdir / "server" / "engine_log_excerpt.txt").write_text(log_text[-200_000:])
+    folder.write_requests(records)
+    folder.write_metrics(before=before, after=after)
+    folder.write_log_excerpt(log_text)
     row = spec_row(srv, cfg, concurrency, repeat, records, run, before, after, cpu0, cpu1, log_text, definition, error)
     row["case_id"] = cid
-    write_json_atomic(cdir / "summary.json", {"row": row, "config": asdict(cfg), "definition": definition,
-                                              "percentile_method": mx.PERCENTILE_METHOD})
-    meta.update(status="success" if not error else "failed", ended=now_iso(), error=error, verdict=row["validity"])
-    write_json_atomic(cdir / "meta.json", meta)
+    status = "success" if not error else "failed"
+    repeat_of = case_id or f"S9_{_slug(cfg.label)}_c{concurrency}"
+    folder.write_summary(spec_point_summary(cfg, row, records, run, status, definition, repeat, repeat_of))
+    folder.finish(status, error)
     return SpecPoint(cfg, concurrency, repeat, cdir, row, records, before, after)
+
+
+def spec_point_summary(cfg: SpecConfig, row: dict[str, Any], records: list[RequestRecord], run: Any, status: str,
+                       definition: str, repeat: int, repeat_of: str) -> Any:
+    """The case summary of a speculative point: the row's verdict, the measured requests' metrics (with the
+    acceptance numbers beside them) as repeat ``repeat`` of ``repeat_of``, the row in ``details``."""
+    from servelab.measure.case_record import INVALID, VALID, CaseSummary, request_counts, verdict
+    measured = [r for r in records if r.role == "measure"]
+    pooled = {definition: mx.summarize(measured, max(run.duration_s, 1e-9), definition)} if run and measured else {}
+    reasons = [x for x in str(row.get("reasons") or "").split("; ") if x]
+    ok = row.get("validity") == "VALID" and status == "success"
+    if not ok and not reasons:
+        reasons = [f"case status {status}"]
+    rep = {definition: {**pooled[definition], **{k: row.get(k) for k in ACCEPTANCE_KEYS}}} if pooled else {}
+    return CaseSummary(
+        case_id=row["case_id"], phase="", kind="speculative", status=status,
+        verdict=verdict(VALID if ok else INVALID, [] if ok else reasons), definition=definition, metrics=pooled,
+        repeats=[{"repeat": repeat, "metrics": rep}] if rep else [], counts=request_counts(records),
+        repeat_of=repeat_of, details={"config": asdict(cfg),
+                                      "row": {k: v for k, v in row.items() if k not in ("validity", "reasons")}})
+
+
+ACCEPTANCE_KEYS = ("acceptance_rate", "mean_accept_length", "tokens_per_target_forward", "step_ms",
+                   "server_cpu_idle_pct")
 
 
 def settled_log_offset(env: CaseEnv, quiet_s: float = 0.1, timeout_s: float = 2.0) -> int:
@@ -222,17 +246,17 @@ def run_phase9(ctx: Any, drafts: list[str] | None = None, num_draft_tokens: int 
                                   seed=seed)
                 for c in cs:
                     for rep in range(max(1, int(repeats))):
-                        p = run_spec_point(srv, ctx.run_dir, cfg, c, isl, osl, pool, seed, rep, definition)
+                        p = run_spec_point(srv, ctx.run_dir, cfg, c, isl, osl, pool, seed, rep, definition,
+                                           phase=getattr(ctx, "phase", "phase9"))
                         cfg_rows.append(p.row)
         except Exception as exc:  # a config that cannot serve is recorded; the others go on
             errors[cfg.label] = f"{type(exc).__name__}: {exc}"
         rows += cfg_rows
-        summary = [{"case_id": f"S9_c{r['concurrency']}", "repeat": r["repeat"],
-                    "output_tps": r.get("output_throughput"), "p95_tpot_ms": r.get("p95_tpot_ms"),
-                    "p95_ttft_ms": None, "p95_e2e_ms": None, "valid": r["validity"] == "VALID"} for r in cfg_rows]
+        # every point enters the A/B as S9_c<C> (the same case on every side), its repeats from its summaries
+        cases = [(f"S9_c{r['concurrency']}", ctx.run_dir / "cases" / r["case_id"], "") for r in cfg_rows]
         rec = write_run_record(ctx.phase_dir / "ab" / _slug(cfg.label),
                                f"{parent.get('run_id', 'run')}-{_slug(cfg.label)}", t, srv_ref,
-                               summary or [{"case_id": "S9", "repeat": 0, "valid": False}], parent)
+                               cases or [("S9", None, errors.get(cfg.label, "no point ran"))], parent)
         records.append(rec)
     points = pd.DataFrame(rows)
     if points.empty:

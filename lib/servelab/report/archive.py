@@ -46,7 +46,7 @@ def write_run_index(run_dir: Path) -> Path:
                     f"</small></td><td>{_headline(e.get('headline', {}))}</td>"
                     f"<td>{html.escape(', '.join(map(str, not_exec))) or '-'}</td></tr>")
     tool = m.get("tool", {})
-    body_ledger = _ledger_html(run_dir) + _milestones_html(run_dir) + _lessons_html(m)
+    body_ledger = _cases_html(run_dir) + _ledger_html(run_dir) + _milestones_html(run_dir) + _lessons_html(m)
     body = (f"<h1>servelab run {html.escape(m.get('run_id', run_dir.name))}</h1>"
             f"<p>target <b>{html.escape(str(m.get('target', '')))}</b> · created {html.escape(str(m.get('created', '')))}"
             f" · servelab {html.escape(str(tool.get('version', '')))} @ {html.escape(str(tool.get('commit') or '-'))[:12]}"
@@ -79,6 +79,35 @@ def _ledger_html(run_dir: Path) -> str:
     return ("<h2>Investigation ledger</h2><p><small>supported = the bottleneck is real (act on it); refuted = "
             "ruled out with evidence; open = no evidence yet.</small></p><table><tr><th>id</th><th>hypothesis</th>"
             "<th>status</th><th>evidence</th></tr>" + "".join(rows) + "</table>")
+
+
+def _cases_html(run_dir: Path) -> str:
+    """Measured cases per phase from their summaries: how many, how many VALID, the INVALID ones with their first
+    reason, the schema version; summaries that do not follow the case schema are listed as such."""
+    from servelab.measure.case_record import read_summaries
+    errors: list[str] = []
+    sums = read_summaries(run_dir, errors=errors)
+    if not sums and not errors:
+        return ""
+    by_phase: dict[str, list[dict[str, Any]]] = {}
+    for s in sums:
+        by_phase.setdefault(s["phase"], []).append(s)
+    rows = []
+    for phase in sorted(by_phase, key=lambda p: int(p[5:]) if p[5:].isdigit() else 99):
+        ss = by_phase[phase]
+        bad = [s for s in ss if s["verdict"]["status"] != "VALID"]
+        versions = ", ".join(sorted({str(s["schema_version"]) for s in ss}))
+        listed = "<br>".join(f"{html.escape(s['case_id'])}: {html.escape('; '.join(s['verdict']['reasons'][:1]))}"
+                             for s in bad[:8]) + (" …" if len(bad) > 8 else "")
+        rows.append(f"<tr><td>{html.escape(phase)}</td><td>{len(ss)}</td><td class='ok'>{len(ss) - len(bad)}</td>"
+                    f"<td class='{'bad' if bad else ''}'>{len(bad)}</td><td><small>{listed or '-'}</small></td>"
+                    f"<td>{html.escape(versions)}</td></tr>")
+    for e in errors[:8]:
+        rows.append(f"<tr><td colspan='6' class='bad'><small>{html.escape(e)}</small></td></tr>")
+    return ("<h2>Measured cases</h2><p><small>From each case's <code>cases/&lt;case&gt;/summary.json</code>; a case "
+            "is a result only when its verdict is VALID.</small></p><table><tr><th>phase</th><th>cases</th>"
+            "<th>VALID</th><th>INVALID</th><th>INVALID cases (first reason)</th><th>summary schema</th></tr>"
+            + "".join(rows) + "</table>")
 
 
 def _milestones_html(run_dir: Path) -> str:

@@ -1,0 +1,96 @@
+"""The architecture, checked: the import contracts hold, a contract broken on purpose is caught, lint is
+clean, engine knowledge stays in the engine adapters and the product points at nothing outside itself."""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def lint_imports(cwd: Path, pythonpath: Path | None = None) -> subprocess.CompletedProcess:
+    exe = BIN / "lint-imports"
+    if not exe.exists():
+        pytest.skip("lint-imports is not installed in this environment (make test installs it)")
+    env = {"PATH": f"{BIN}:/usr/bin:/bin", "HOME": str(Path.home())}
+    if pythonpath:
+        env["PYTHONPATH"] = str(pythonpath)
+    return subprocess.run([str(exe), "--no-cache"], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_import_contracts_hold() -> None:
+    res = lint_imports(ROOT)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
+    assert "BROKEN" not in res.stdout
+    assert res.stdout.count("KEPT") >= 4
+
+
+@pytest.fixture()
+def tree_copy(tmp_path: Path) -> Path:
+    """A copy of the package and the contracts, to break on purpose."""
+    shutil.copytree(ROOT / "lib" / "servelab", tmp_path / "servelab",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    return tmp_path
+
+
+def test_an_import_cycle_added_on_purpose_is_caught(tree_copy: Path) -> None:
+    # run -> paths exists; paths -> run closes a loop inside servelab.core
+    with open(tree_copy / "servelab" / "core" / "paths.py", "a") as f:
+        f.write("\nfrom servelab.core import run as _loop  # noqa: E402,F401\n")
+    res = lint_imports(tree_copy, pythonpath=tree_copy)
+    assert res.returncode != 0
+    assert "No cycles are allowed in servelab.core" in res.stdout
+
+
+def test_an_upward_import_is_caught(tree_copy: Path) -> None:
+    # the request metrics (measure) reaching up into a phase module
+    with open(tree_copy / "servelab" / "measure" / "request_metrics.py", "a") as f:
+        f.write("\nfrom servelab.phases import context as _up  # noqa: E402,F401\n")
+    res = lint_imports(tree_copy, pythonpath=tree_copy)
+    assert res.returncode != 0
+    assert "servelab.measure is not allowed to import servelab.phases" in res.stdout
+
+
+def test_a_phase_importing_another_phase_is_caught(tree_copy: Path) -> None:
+    with open(tree_copy / "servelab" / "phases" / "phase8_cache.py", "a") as f:
+        f.write("\nfrom servelab.phases import phase1_perf_map as _other  # noqa: E402,F401\n")
+    res = lint_imports(tree_copy, pythonpath=tree_copy)
+    assert res.returncode != 0
+    assert "phase8_cache is not allowed to import" in res.stdout
+
+
+def test_ruff_is_clean() -> None:
+    exe = BIN / "ruff"
+    if not exe.exists():
+        pytest.skip("ruff is not installed in this environment (make test installs it)")
+    res = subprocess.run([str(exe), "check", "lib", "tests", "benchmarks"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:]
+
+
+ENGINE_BRANCH = re.compile(r"""engine ?[!=]= ?["']|engine in [({\[]""")
+
+
+def test_engine_branches_live_only_in_the_engine_adapters() -> None:
+    lib = ROOT / "lib" / "servelab"
+    found = [f"{p.relative_to(ROOT)}:{i}" for p in lib.rglob("*.py") if "engines" not in p.relative_to(lib).parts
+             for i, line in enumerate(p.read_text().splitlines(), 1) if ENGINE_BRANCH.search(line)]
+    assert found == []
+
+
+OUTSIDE = re.compile(r"\.\./shared|seeds §|seeds'|the seeds\b|GLM report")
+
+
+def test_the_product_points_at_nothing_outside_itself() -> None:
+    paths = [ROOT / "README.md", *(ROOT / "lib").rglob("*.py"), *(ROOT / "lib").rglob("*.json"),
+             *(ROOT / "lib").rglob("*.yaml"), *(ROOT / "notebooks").glob("*.ipynb"), *(ROOT / "docs").rglob("*.md")]
+    found = [f"{p.relative_to(ROOT)}:{i}" for p in paths if "egg-info" not in str(p)
+             for i, line in enumerate(p.read_text().splitlines(), 1) if OUTSIDE.search(line)]
+    assert found == []
