@@ -71,8 +71,8 @@ BUSY = ("import hashlib,sys,threading,time\n"
 
 # ---------------------------------------------------------------- nvidia-smi (real H200 capture)
 
-def test_smi_real_capture_matches_plain_csv_reading(shared_data):
-    path = shared_data / "h200x2-20261129" / "smi.csv"
+def test_smi_real_capture_matches_plain_csv_reading(h200x2):
+    path = h200x2 / "smi.csv"
     df = parse_smi_csv(path.read_text(), "h200")
     rows = list(csv.reader(path.open(), skipinitialspace=True))
     assert df.attrs["bad_lines"] == 0
@@ -316,10 +316,10 @@ def test_summary_head_worker_changes_and_dash(tmp_path):
     assert len(lines) == 3 and lines[1].count(",-") >= 6 and NOT_PRESENT in lines[1]
 
 
-def test_smi_probe_end_to_end_with_a_stand_in_nvidia_smi(tmp_path, monkeypatch, shared_data):
+def test_smi_probe_end_to_end_with_a_stand_in_nvidia_smi(tmp_path, monkeypatch, h200x2):
     """A stand-in ``nvidia-smi`` on PATH replays recorded H200 rows with fresh UTC stamps; the probe must
     pass it exactly the seeds' field list and summarise what it printed."""
-    rows = (shared_data / "h200x2-20261129" / "smi.csv").read_text().splitlines()[200:260]
+    rows = (h200x2 / "smi.csv").read_text().splitlines()[200:260]
     fake = tmp_path / "bin" / "nvidia-smi"
     fake.parent.mkdir()
     fake.write_text(f"""#!{sys.executable}
