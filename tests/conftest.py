@@ -48,6 +48,18 @@ def read_only_copy(src: Path) -> Path:
     return d
 
 
+# fixtures that build or start the real engine: a test that uses one, directly or through another fixture, costs
+# seconds to minutes and is ``slow`` even where its file forgot the marker (``pytest -m "not slow"`` stays quick)
+ENGINE_FIXTURES = frozenset({"llama_server_binary", "tiny_server"})
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())) and item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def h200x2() -> Path:
     """Our own 2 x H200 capture shipped in ``data/samples/h200x2`` (torch-profiler traces, nccl-tests logs,

@@ -104,6 +104,7 @@ def test_smi_header_units_and_na_values_are_missing_not_zero():
 # ---------------------------------------------------------------- real sysstat around a real workload
 
 @needs_sysstat
+@pytest.mark.slow                     # real sysstat collectors around a 7 s workload
 def test_real_collectors_around_a_cpu_bound_process(tmp_path):
     host = LocalHost()
     spawn = time.time()
