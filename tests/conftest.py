@@ -1,38 +1,88 @@
-"""Shared fixtures: where the real data lives, and the real servers the integration tests start."""
+"""Shared fixtures: the data the tests read, and the real servers the integration tests start.
+
+Our own captures ship with the repository (``data/samples``); only third-party traces of public projects live
+outside it and are read in place (``thirdparty``), their tests skipped where that folder is absent."""
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("SERVELAB_SHARED", ROOT.parent / "shared"))
+SAMPLES = ROOT / "data" / "samples"
+CACHE_DIRNAME = ".servelab_cache"        # servelab.analyse.trace.load.CACHE_DIRNAME
+# the one place outside the repository that tests read: third-party traces, never copied into it
+THIRDPARTY = Path(os.environ.get("SERVELAB_SHARED", ROOT.parent / "shared")) / "data" / "thirdparty"
 
 
-@pytest.fixture(scope="session")
-def shared_data() -> Path:
-    """The shared data folder (``$SERVELAB_SHARED/data``, by default ``shared/data`` beside the checkout): our own
-    H200 capture and third-party traces; skipped where absent."""
-    d = SHARED / "data"
-    if not d.is_dir():
-        pytest.skip(f"shared data folder {d} is absent (tests read real fixtures from it; set SERVELAB_SHARED)")
+def _digest(d: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(p for p in d.rglob("*") if p.is_file() and CACHE_DIRNAME not in p.parts):
+        h.update(str(f.relative_to(d)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
+def read_only_copy(src: Path) -> Path:
+    """``src`` copied once into a read-only folder under the system temp dir, reused while its content is the
+    same: code that caches next to a trace caches elsewhere (never inside the repository), and the folder keeps
+    one path so that cache is reused by the next session."""
+    d = Path(tempfile.gettempdir()) / f"servelab-tests-{_digest(src)[:16]}" / src.name
+    if d.is_dir():
+        return d
+    d.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{src.name}-", dir=d.parent))
+    shutil.copytree(src, tmp / src.name, ignore=shutil.ignore_patterns(CACHE_DIRNAME))
+    folders = [tmp / src.name, *(q for q in (tmp / src.name).rglob("*") if q.is_dir())]
+    for q in folders:
+        q.chmod(0o555)
+    try:
+        os.rename(tmp / src.name, d)               # atomic: a concurrent session may have made it first
+    except OSError:
+        for q in folders:
+            q.chmod(0o755)
+    shutil.rmtree(tmp, ignore_errors=True)
     return d
 
 
+# fixtures that build or start the real engine: a test that uses one, directly or through another fixture, costs
+# seconds to minutes and is ``slow`` even where its file forgot the marker (``pytest -m "not slow"`` stays quick)
+ENGINE_FIXTURES = frozenset({"llama_server_binary", "tiny_server"})
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())) and item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
-def thirdparty(shared_data: Path) -> Path:
-    """``<shared data>/thirdparty``: real traces of public projects, read in place, never copied."""
-    d = shared_data / "thirdparty"
-    if not d.is_dir():
-        pytest.skip(f"third-party trace folder {d} is absent")
-    return d
+def h200x2() -> Path:
+    """Our own 2 x H200 capture shipped in ``data/samples/h200x2`` (torch-profiler traces, nccl-tests logs,
+    nvidia-smi CSV), read through a read-only copy so that no trace cache is written into the repository."""
+    src = SAMPLES / "h200x2"
+    assert (src / "traces").is_dir(), f"{src} is part of the repository and must be present"
+    return read_only_copy(src)
+
+
+@pytest.fixture(scope="session")
+def thirdparty() -> Path:
+    """Real traces of public projects (HTA, TraceLens), read in place from ``$SERVELAB_SHARED/data/thirdparty``
+    (default ``../shared/data/thirdparty``), never copied into the repository."""
+    if not THIRDPARTY.is_dir():
+        pytest.skip(f"third-party traces absent: {THIRDPARTY} "
+                    "(set SERVELAB_SHARED to the folder that holds data/thirdparty)")
+    return THIRDPARTY
 
 
 @pytest.fixture(scope="session")
 def samples() -> Path:
     """``data/samples``: the small real data shipped with the project."""
-    return ROOT / "data" / "samples"
+    return SAMPLES
 
 
 @pytest.fixture

@@ -43,6 +43,7 @@ def matrix(llama_server_binary, tmp_path_factory):
     return run_dir, out, logs
 
 
+@pytest.mark.slow
 def test_matrix_hits_every_target_within_tolerance(matrix):
     _, res, _ = matrix
     tol = tolerance(1, ISL)
@@ -57,6 +58,7 @@ def test_matrix_hits_every_target_within_tolerance(matrix):
         assert row["counter_window_matches_requests"] is True
 
 
+@pytest.mark.slow
 def test_counter_deltas_equal_a_hand_computation_from_raw_snapshots(matrix):
     run_dir, res, _ = matrix
     for p in res:
@@ -78,6 +80,7 @@ def test_counter_deltas_equal_a_hand_computation_from_raw_snapshots(matrix):
         assert p.row["usage_cached_tokens"] == usage_cached == d_cached
 
 
+@pytest.mark.slow
 def test_a_deliberately_bad_point_is_rejected_and_never_a_result(matrix):
     from servelab.analyse.prefix_cache import accepted_results, matrix_frame
     _, res, _ = matrix
@@ -112,6 +115,7 @@ def test_judge_point_rule():
     assert judge_point(0.2, 0.2, 0.2, tolerance(1, 100), 7, 8)[0] == "REJECTED"   # one request did not report
 
 
+@pytest.mark.slow
 def test_kv_usage_comes_from_slots_token_counts(matrix):
     _, res, _ = matrix
     p = res[2]
@@ -127,6 +131,7 @@ def test_kv_usage_comes_from_slots_token_counts(matrix):
     assert last["n_prompt_tokens"].sum() >= 4 * ISL
 
 
+@pytest.mark.slow
 def test_kv_cache_size_in_the_log_equals_the_model_arithmetic(matrix):
     _, _, logs = matrix
     mem = memory_breakdown(logs[0], "llamacpp")

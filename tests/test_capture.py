@@ -122,8 +122,8 @@ class _StubSGLang(BaseHTTPRequestHandler):
 
 
 @pytest.fixture
-def sglang_stub(shared_data: Path, tmp_path: Path):
-    traces = shared_data / "h200x2-20261129" / "traces"
+def sglang_stub(h200x2: Path, tmp_path: Path):
+    traces = h200x2 / "traces"
     real = {0: traces / "20261129203606-TP-0.trace.json.gz", 1: traces / "20261129203606-TP-1.trace.json.gz"}
     worker_dir = tmp_path / "node1-profiles"
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), _StubSGLang)

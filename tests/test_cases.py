@@ -60,6 +60,7 @@ def small_cases() -> list[cs.CaseSpec]:
             cs.CaseSpec("D2_c4", "D2", "decode", 32, 40, 4, 4, True, min_window_s=10.0)]
 
 
+@pytest.mark.slow
 def test_matrix_files_policy_and_resume(env, tiny_server):
     mr = cs.run_matrix(env, small_cases(), case_runner=dispatch_case)
     assert [r.status for r in mr.results] == ["success"] * 3 and not mr.aborted and not mr.not_executed
@@ -107,6 +108,7 @@ def _prompt_tokens(srv) -> float:
                 if s["name"] == "llamacpp:prompt_tokens_total")
 
 
+@pytest.mark.slow
 def test_m1_injection_lands_in_the_window(env):
     base = dict(input_tokens=32, output_tokens=1500, concurrency=2, num_prompts=2, warmup=False)
     control = run_m1_case(env, cs.CaseSpec("M1_control", "M1", "mixed", **base))

@@ -13,6 +13,8 @@ from servelab.measure.client import (READ_BUFSIZE_BYTES, ClientConfig, ReadLog, 
 from servelab.target.hosts import free_port
 from servelab.measure.workload import build_text_workload, build_workload, engine_tokenizer, token_pool
 
+pytestmark = pytest.mark.slow            # every test here starts a real engine
+
 
 @pytest.fixture(scope="module")
 def tok(tiny_server):

@@ -3,12 +3,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from servelab.cli import main
 from servelab.explore import case_view, explorer, list_cases, list_runs, trace_folders, trace_view
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_explorer_over_a_real_phase1_run(outputs, llama_server_binary):
     assert main(["run", "phase1", "--target", "local-tiny", "--run-id", "ex", "-p", 'cases=["P1","D1"]',
                  "-p", "search=false", "--no-render"]) == 0

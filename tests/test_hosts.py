@@ -51,6 +51,7 @@ def test_local_run_argv_is_not_a_shell(tmp_path):
     assert h.run(["sleep", "5"], timeout=0.5).exit_code == 124
 
 
+@pytest.mark.slow                     # waits out the 10 s SIGTERM grace by design
 def test_local_start_stop_kills_the_whole_group(tmp_path):
     h = LocalHost()
     # a parent that spawns a child which ignores SIGTERM: both must be gone after stop()
@@ -110,6 +111,7 @@ def test_child_dies_with_a_killed_parent(tmp_path):
     assert not pid_alive(pid)
 
 
+@pytest.mark.slow
 def test_ssh_run_start_stop_and_files(sshd, tmp_path):
     h = ssh_host(sshd)
     try:
@@ -132,6 +134,7 @@ def test_ssh_run_start_stop_and_files(sshd, tmp_path):
         h.close()
 
 
+@pytest.mark.slow
 def test_ssh_wrong_host_key_is_refused(sshd, tmp_path):
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "other")], check=True)
     other = (tmp_path / "other.pub").read_text().split()
@@ -141,6 +144,7 @@ def test_ssh_wrong_host_key_is_refused(sshd, tmp_path):
         ssh_host(sshd, known_hosts=str(bad))
 
 
+@pytest.mark.slow
 def test_ssh_unknown_host_key_refused_unless_accepted_explicitly(sshd, tmp_path):
     empty = tmp_path / "empty_known_hosts"
     empty.write_text("")
@@ -162,6 +166,7 @@ def test_ssh_unreachable_is_a_clear_error():
         SSHHost("gone", "127.0.0.1", port=1, key_file="/nonexistent", connect_timeout=2)
 
 
+@pytest.mark.slow
 def test_fan_out_returns_every_result_and_error(sshd):
     hosts = [LocalHost("a"), LocalHost("b")]
     out = fan_out(hosts, lambda h: h.run(["echo", h.name]).stdout.strip())

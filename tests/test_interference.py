@@ -42,6 +42,7 @@ def token_times(r: dict) -> list[int]:
     return t
 
 
+@pytest.mark.slow
 def test_injection_windows_match_a_hand_computation(tiny_server, tmp_path):
     pool = token_pool(engine_tokenizer(tiny_server.base_url, "llamacpp", "/tokenize"))
     res = run_interference(tiny_server, tmp_path, small_spec(), pool, seed=3)
@@ -112,6 +113,7 @@ def test_a_knob_the_engine_ignores_is_refused_before_anything_starts():
     check_knob_changes_command(t, "batch_size", [2048, 32])          # -b is passed: accepted
 
 
+@pytest.mark.slow
 def test_sweep_records_are_one_variable_and_a_confounded_pair_is_flagged(llama_server_binary, tmp_path):
     target = load_target("local-tiny")
     spec = small_spec(n=1)

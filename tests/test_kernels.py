@@ -266,8 +266,8 @@ def _independent_window_totals(path: Path) -> dict[str, int]:
     return out
 
 
-def test_kernel_table_from_real_traces(shared_data):
-    for path in (shared_data / "h200x2-20261129" / "traces" / "20261129203606-TP-0.trace.json.gz",
+def test_kernel_table_from_real_traces(h200x2):
+    for path in (h200x2 / "traces" / "20261129203606-TP-0.trace.json.gz",
                  NCU.parent / "h200x2-pp2" / "traces" / "20261129215256-TP-0-PP-0.trace.json.gz"):
         if not path.is_file():
             continue

@@ -26,6 +26,7 @@ def test_build_names_missing_tools(monkeypatch, tmp_path):
                 / "llama-server").exists()
 
 
+@pytest.mark.slow
 def test_health_tokenize_and_exact_lengths(tiny_server):
     base = tiny_server.base_url
     assert http_json(base + "/health")[0] == 200
@@ -41,6 +42,7 @@ def test_health_tokenize_and_exact_lengths(tiny_server):
         assert body["choices"][0]["finish_reason"] == "length"
 
 
+@pytest.mark.slow
 def test_streaming_one_chunk_per_token(tiny_server):
     req = urllib.request.Request(tiny_server.base_url + "/v1/completions", method="POST",
                                  headers={"Content-Type": "application/json"},
@@ -59,6 +61,7 @@ def test_streaming_one_chunk_per_token(tiny_server):
     assert len(chunks) == 20 and usage["completion_tokens"] == 20 and usage["prompt_tokens"] == 4
 
 
+@pytest.mark.slow
 def test_metrics_and_slots(tiny_server):
     status, text = http_text(tiny_server.base_url + "/metrics")
     assert status == 200

@@ -20,6 +20,8 @@ from servelab.target.server import (ServerError, collect_logs, http_json, is_hea
 sys.path.insert(0, str(Path(__file__).parent))
 from sshd import start_sshd  # noqa: E402
 
+pytestmark = pytest.mark.slow            # every test here starts a real engine (and sshd)
+
 
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory, llama_server_binary):

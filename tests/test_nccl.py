@@ -20,8 +20,8 @@ from servelab.analyse.nccl.perf_tests import launch_argv, perf_argv, run_tests
 
 
 @pytest.fixture(scope="module")
-def h200(shared_data) -> Path:
-    return shared_data / "h200x2-20261129"
+def h200(h200x2) -> Path:
+    return h200x2
 
 
 def _rows_of(text: str, marker: str) -> list[list[str]]:

@@ -37,6 +37,7 @@ def phase0_run(tmp_path_factory, llama_server_binary):
     return out / "p0-cli", rc, before, after
 
 
+@pytest.mark.slow
 def test_cli_run_writes_the_run_directory(phase0_run):
     rdir, rc, before, after = phase0_run
     assert rc == 0
@@ -51,6 +52,7 @@ def test_cli_run_writes_the_run_directory(phase0_run):
     assert ("executed", "start llamacpp head on local") in labels and ("executed", "stop llamacpp on local") in labels
 
 
+@pytest.mark.slow
 def test_no_engine_left_running(phase0_run):
     rdir, rc, before, after = phase0_run
     start = next(r for r in read_commands(rdir, "phase0") if r.title.startswith("start llamacpp"))
@@ -63,6 +65,7 @@ def test_no_engine_left_running(phase0_run):
     assert "gpu_list" in facts and "not present" in facts      # a CPU host: GPU facts absent, not failed
 
 
+@pytest.mark.slow
 def test_rendered_page_in_a_browser(phase0_run):
     if not chromium():
         pytest.skip("chromium not installed (Debian package chromium; `make system` installs it)")
@@ -80,6 +83,7 @@ def test_rendered_page_in_a_browser(phase0_run):
     assert 'href="phase0/report.html"' in (rdir / "index.html").read_text()
 
 
+@pytest.mark.slow
 def test_plain_papermill_writes_into_the_same_contract(tmp_path):
     env = {**os.environ, "SERVELAB_OUTPUTS": str(tmp_path / "out")}
     p = subprocess.run([str(VENV_BIN / "papermill"), str(ROOT / "notebooks" / "phase0_manifest.ipynb"),
@@ -113,6 +117,7 @@ def test_launch_setting_typo_names_the_closest(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_launch_override_is_applied_and_recorded(tmp_path, monkeypatch):
     monkeypatch.setenv("SERVELAB_OUTPUTS", str(tmp_path / "out"))
     assert main(["run", "phase0", "--target", "local-tiny", "--run-id", "ovr", "-p", "parallel=4",

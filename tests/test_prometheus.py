@@ -12,6 +12,7 @@ from servelab.target.server import http_text
 from servelab.measure.workload import build_workload, engine_tokenizer, token_pool
 
 
+@pytest.mark.slow
 def test_parse_real_metrics_body(tiny_server):
     status, text = http_text(tiny_server.base_url + "/metrics")
     assert status == 200
@@ -36,6 +37,7 @@ def test_parse_labels_escapes_and_errors():
         parse_text("ok 1\nthis is not a sample\n")
 
 
+@pytest.mark.slow
 def test_scrape_during_load_counter_deltas_match_usage(tiny_server):
     tok = engine_tokenizer(tiny_server.base_url, "llamacpp", tiny_server.engine.tokenize_path)
     wl = build_workload("m", 12, 100, 300, token_pool(tok), seed=11)

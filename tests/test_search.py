@@ -91,6 +91,7 @@ def test_crash_oom_and_max_reached():
     assert set(STOP_REASONS) >= {p for p in ("OOM", "ENGINE_CRASH", "MAX_CONCURRENCY_REACHED")}
 
 
+@pytest.mark.slow
 def test_real_search_on_tiny_server(tiny_server, tmp_path):
     env = cs.make_env(tiny_server, tmp_path / "run", slo=mx.SLO(ttft_ms=10_000, tpot_ms=1_000))
     res = concurrency_search(env, SearchConfig(32, 24, step=4, max_concurrency=8, saturation_gain_pct=-1000,

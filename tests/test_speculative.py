@@ -44,6 +44,7 @@ def phase9(llama_server_binary, tmp_path_factory):
     return d, res
 
 
+@pytest.mark.slow
 def test_every_config_and_concurrency_ran(phase9):
     _, res = phase9
     assert not res.errors, res.errors
@@ -80,6 +81,7 @@ def test_every_point_summary_follows_the_case_schema_and_feeds_the_ab(phase9):
         assert set(frame["case_id"]) == {"S9_c1", "S9_c3"} and frame["output_tps"].notna().all()
 
 
+@pytest.mark.slow
 def test_acceptance_equals_a_hand_computation_from_raw_snapshots(phase9):
     d, res = phase9
     spec = res.points[res.points["speculative"].astype(bool)]
@@ -101,6 +103,7 @@ def test_acceptance_equals_a_hand_computation_from_raw_snapshots(phase9):
         assert row["log_matches_counters"] is True           # the engine log's per-request lines agree
 
 
+@pytest.mark.slow
 def test_self_draft_accepts_everything_and_a_random_draft_nothing(phase9):
     _, res = phase9
     p = res.points
@@ -114,6 +117,7 @@ def test_self_draft_accepts_everything_and_a_random_draft_nothing(phase9):
     assert (off["d_drafts"] == 0).all()
 
 
+@pytest.mark.slow
 def test_synthetic_per_position_rates_come_back(phase9):
     _, res = phase9
     rows = res.points[res.points["config"] == "draft=self n=2 synthetic 0.9,0.5"]

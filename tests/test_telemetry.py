@@ -71,8 +71,8 @@ BUSY = ("import hashlib,sys,threading,time\n"
 
 # ---------------------------------------------------------------- nvidia-smi (real H200 capture)
 
-def test_smi_real_capture_matches_plain_csv_reading(shared_data):
-    path = shared_data / "h200x2-20261129" / "smi.csv"
+def test_smi_real_capture_matches_plain_csv_reading(h200x2):
+    path = h200x2 / "smi.csv"
     df = parse_smi_csv(path.read_text(), "h200")
     rows = list(csv.reader(path.open(), skipinitialspace=True))
     assert df.attrs["bad_lines"] == 0
@@ -104,6 +104,7 @@ def test_smi_header_units_and_na_values_are_missing_not_zero():
 # ---------------------------------------------------------------- real sysstat around a real workload
 
 @needs_sysstat
+@pytest.mark.slow                     # real sysstat collectors around a 7 s workload
 def test_real_collectors_around_a_cpu_bound_process(tmp_path):
     host = LocalHost()
     spawn = time.time()
@@ -316,10 +317,10 @@ def test_summary_head_worker_changes_and_dash(tmp_path):
     assert len(lines) == 3 and lines[1].count(",-") >= 6 and NOT_PRESENT in lines[1]
 
 
-def test_smi_probe_end_to_end_with_a_stand_in_nvidia_smi(tmp_path, monkeypatch, shared_data):
+def test_smi_probe_end_to_end_with_a_stand_in_nvidia_smi(tmp_path, monkeypatch, h200x2):
     """A stand-in ``nvidia-smi`` on PATH replays recorded H200 rows with fresh UTC stamps; the probe must
     pass it exactly ``collectors.SMI_FIELDS`` and summarise what it printed."""
-    rows = (shared_data / "h200x2-20261129" / "smi.csv").read_text().splitlines()[200:260]
+    rows = (h200x2 / "smi.csv").read_text().splitlines()[200:260]
     fake = tmp_path / "bin" / "nvidia-smi"
     fake.parent.mkdir()
     fake.write_text(f"""#!{sys.executable}

@@ -16,7 +16,6 @@ import pytest
 from servelab.analyse.trace import load as L
 from servelab.analyse.trace.load import TraceFormatError, identity_from_name, load_capture, load_trace, parse_trace
 
-H200 = ("h200x2-20261129", "traces")
 TP0 = "20261129203606-TP-0.trace.json.gz"
 TP1 = "20261129203606-TP-1.trace.json.gz"
 
@@ -27,8 +26,8 @@ def _events(path: Path) -> tuple[dict, list[dict]]:
 
 
 @pytest.fixture(scope="module")
-def h200_dir(shared_data: Path) -> Path:
-    return shared_data.joinpath(*H200)
+def h200_dir(h200x2: Path) -> Path:
+    return h200x2 / "traces"
 
 
 def test_h200_frame_matches_plain_json(h200_dir: Path, tmp_path: Path):
@@ -105,7 +104,7 @@ def test_cache_next_to_trace_and_invalidation(h200_dir: Path, tmp_path: Path):
 
 
 def test_read_only_folder_caches_elsewhere(h200_dir: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
-    """The shared data folder is read-only: the cache goes to the user cache dir, never next to the trace."""
+    """A read-only trace folder: the cache goes to the user cache dir, never next to the trace."""
     monkeypatch.setenv("SERVELAB_CACHE", str(tmp_path / "usercache"))
     if h200_dir.stat().st_mode & 0o222:
         pytest.skip("the shared trace folder is not marked read-only here")

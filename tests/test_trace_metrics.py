@@ -16,7 +16,7 @@ from servelab.analyse.trace.analysis import analyse
 from servelab.analyse.trace.load import load_trace
 from servelab.analyse.trace.ops import prepare_rank
 
-H200_TP0 = ("h200x2-20261129", "traces", "20261129203606-TP-0.trace.json.gz")
+H200_TP0 = ("traces", "20261129203606-TP-0.trace.json.gz")
 
 
 def _doc(path: Path) -> dict:
@@ -54,8 +54,8 @@ def _intersect(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> int:
 
 
 @pytest.fixture(scope="module")
-def h200_rank0(shared_data: Path, tmp_path_factory: pytest.TempPathFactory):
-    path = shared_data.joinpath(*H200_TP0)
+def h200_rank0(h200x2: Path, tmp_path_factory: pytest.TempPathFactory):
+    path = h200x2.joinpath(*H200_TP0)
     trace = load_trace(path, cache_dir=tmp_path_factory.mktemp("c"))
     return path, _doc(path), prepare_rank(trace)
 

@@ -47,8 +47,8 @@ def test_busbw_factors_are_nccl_tests():
     assert N.message_bytes("AllReduce", 1024, 1024, 4) == 4096
 
 
-def test_h200_forensics_against_json(shared_data: Path, tmp_path: Path):
-    cap = load_capture(shared_data / "h200x2-20261129" / "traces", cache_dir=tmp_path)
+def test_h200_forensics_against_json(h200x2: Path, tmp_path: Path):
+    cap = load_capture(h200x2 / "traces", cache_dir=tmp_path)
     rops = [prepare_rank(t) for t in cap.ranks]
     f = N.forensics(rops)
     # ground truth: eager NCCL kernels with args, both ranks, grouped by message size

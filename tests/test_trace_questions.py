@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def h200(shared_data: Path, tmp_path_factory: pytest.TempPathFactory):
-    return analyse(shared_data / "h200x2-20261129" / "traces", cache_dir=tmp_path_factory.mktemp("c"))
+def h200(h200x2: Path, tmp_path_factory: pytest.TempPathFactory):
+    return analyse(h200x2 / "traces", cache_dir=tmp_path_factory.mktemp("c"))
 
 
 def _q(df: pl.DataFrame, qid: str) -> dict:
@@ -88,10 +88,10 @@ def test_figures(h200):
     assert {t.name for t in F.gaps_bar(h200.gap_summary).data} <= {"host_bound", "other", "unknown"}
 
 
-def test_phase3_writes_tables(shared_data: Path, tmp_path: Path):
+def test_phase3_writes_tables(h200x2: Path, tmp_path: Path):
     ctx = SimpleNamespace(phase_dir=tmp_path / "phase3", from_samples=False)
     ctx.phase_dir.mkdir()
-    p = phase3.run_analysis(ctx, str(shared_data / "h200x2-20261129" / "traces"))
+    p = phase3.run_analysis(ctx, str(h200x2 / "traces"))
     q = json.loads((ctx.phase_dir / "trace_questions.json").read_text())
     assert [r["id"] for r in q] == [f"Q{i}" for i in range(1, 11)]
     summary = pl.read_csv(ctx.phase_dir / "trace_summary.csv")
@@ -138,11 +138,11 @@ def test_phase3_notebook_runs(outputs: Path, tmp_path: Path):
     shutil.rmtree(tmp_path / "cache", ignore_errors=True)
 
 
-def test_cpu_only_capture_is_explained(shared_data: Path, tmp_path: Path):
+def test_cpu_only_capture_is_explained(h200x2: Path, tmp_path: Path):
     """A CPU-only trace (vLLM on CPU writes these): every question says why it cannot be answered, the
     action table evaluates nothing, and the figures still build."""
     import gzip
-    doc = json.loads(gzip.decompress((shared_data / "h200x2-20261129/traces/20261129203606-TP-0.trace.json.gz")
+    doc = json.loads(gzip.decompress((h200x2 / "traces/20261129203606-TP-0.trace.json.gz")
                                      .read_bytes()))
     doc["traceEvents"] = [e for e in doc["traceEvents"]
                           if e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation")]

@@ -20,8 +20,8 @@ from servelab.analyse.trace.ops import prepare_rank
 
 
 @pytest.fixture(scope="module")
-def h200(shared_data: Path, tmp_path_factory: pytest.TempPathFactory):
-    d = shared_data / "h200x2-20261129" / "traces"
+def h200(h200x2: Path, tmp_path_factory: pytest.TempPathFactory):
+    d = h200x2 / "traces"
     return load_capture(d, cache_dir=tmp_path_factory.mktemp("c"))
 
 
@@ -76,11 +76,11 @@ def test_unmatched_noise_is_flagged(h200):
     assert not al.alignment_ok and any("unreliable" in n for n in al.notes)
 
 
-def test_step_skew_matches_plain_json(shared_data: Path, h200):
+def test_step_skew_matches_plain_json(h200x2: Path, h200):
     """End skew per step = |GPU end of rank 0 − rank 1| from Kineto's gpu_user_annotation spans."""
     ends = []
     for f in ("20261129203606-TP-0.trace.json.gz", "20261129203606-TP-1.trace.json.gz"):
-        doc = json.loads(gzip.decompress((shared_data / "h200x2-20261129/traces" / f).read_bytes()))
+        doc = json.loads(gzip.decompress((h200x2 / "traces" / f).read_bytes()))
         b = doc["baseTimeNanoseconds"]
         ends.append({e["name"]: b + round((e["ts"] + e["dur"]) * 1000) for e in doc["traceEvents"]
                      if e.get("cat") == "gpu_user_annotation" and not e["name"].startswith("nccl")})
@@ -109,7 +109,7 @@ def test_no_fixed_slow_rank_on_h200_but_an_injected_one_is_found(h200):
     assert verdict["slow_rank"] == 1 and "arrives last" in verdict["evidence"]
 
 
-def test_pp_both_stages_busy_matches_interval_arithmetic(shared_data: Path, h200):
+def test_pp_both_stages_busy_matches_interval_arithmetic(h200x2: Path, h200):
     """Label the two ranks as PP stages 0 and 1 and check both-busy / bubble against a plain-Python
     computation over the common wall window."""
     staged = [dataclasses.replace(t, identity=dataclasses.replace(t.identity, tp=0, pp=i))
@@ -118,7 +118,7 @@ def test_pp_both_stages_busy_matches_interval_arithmetic(shared_data: Path, h200
     pp = R.pp_overlap(rops, R.align_ranks(rops))
     unions, lo, hi = [], [], []
     for f in ("20261129203606-TP-0.trace.json.gz", "20261129203606-TP-1.trace.json.gz"):
-        doc = json.loads(gzip.decompress((shared_data / "h200x2-20261129/traces" / f).read_bytes()))
+        doc = json.loads(gzip.decompress((h200x2 / "traces" / f).read_bytes()))
         b = doc["baseTimeNanoseconds"]
         iv = sorted((b + round(e["ts"] * 1000), b + round(e["ts"] * 1000) + round(e["dur"] * 1000))
                     for e in doc["traceEvents"] if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))

@@ -58,8 +58,8 @@ def test_every_rule_class_is_known():
     assert {r.cls for r in default_rules()} <= set(CLASSES)
 
 
-def test_real_traces_nccl_kernels_are_communication(thirdparty: Path, shared_data: Path, tmp_path: Path):
-    paths = [shared_data / "h200x2-20261129/traces/20261129203606-TP-0.trace.json.gz",
+def test_real_traces_nccl_kernels_are_communication(thirdparty: Path, h200x2: Path, tmp_path: Path):
+    paths = [h200x2 / "traces/20261129203606-TP-0.trace.json.gz",
              thirdparty / "hta/nccl_parser_config/nccl_data.json.gz",
              thirdparty / "hta/trace_filter/sampled_rank-0.json.gz"]
     for p in paths:

@@ -20,6 +20,7 @@ def pool(tok):
     return token_pool(tok)
 
 
+@pytest.mark.slow
 def test_pool_holds_only_ordinary_tokens(pool, tiny_server):
     # tiny vocab: 0-2 special, 3-258 byte tokens, 259-353 printable ASCII; random words are letters/digits/space
     assert pool and min(pool) >= 259 and max(pool) <= 353
@@ -28,6 +29,7 @@ def test_pool_holds_only_ordinary_tokens(pool, tiny_server):
                                                           "0123456789 ")
 
 
+@pytest.mark.slow
 def test_id_prompts_are_exact_unique_and_seeded(pool, tiny_server):
     wl = build_workload("w", 12, 50, 7, pool, seed=3)
     ids = [r.prompt_ids for r in wl.requests]
@@ -43,6 +45,7 @@ def test_id_prompts_are_exact_unique_and_seeded(pool, tiny_server):
     assert [r.completion_tokens for r in run.records] == [7] * 12
 
 
+@pytest.mark.slow
 def test_exact_text_is_verified_by_the_engine(tok, tiny_server):
     rng = np.random.default_rng(0)
     for n in (5, 37, 200):
@@ -54,6 +57,7 @@ def test_exact_text_is_verified_by_the_engine(tok, tiny_server):
     assert [r.prompt_tokens for r in run.records] == [40, 40, 40]   # server usage, BOS included
 
 
+@pytest.mark.slow
 def test_shared_prefix_groups(pool):
     wl = build_workload("g", 6, 40, 1, pool, seed=5, prefix_groups=2, target_prefix_hit_rate=0.5)
     reqs = wl.requests

@@ -1,4 +1,4 @@
-# Small reproduction for Phase 6: one transformer layer of the H200 toy (../shared/data/h200x2-20261129/tp_toy.py,
+# Small reproduction for Phase 6: one transformer layer of the H200 toy (data/samples/h200x2/tp_toy.py,
 # rank-local shapes of its TP=2 run: hidden 4096, 16 heads x 128, FFN 7168) in bf16 on one GPU, random weights.
 # Warm-up first; only the profiled layer runs between cudaProfilerStart/Stop, so `ncu --profile-from-start off`
 # captures exactly one prefill layer (4096 tokens) and one decode layer (batch 32, 1024 cached tokens).
