@@ -699,6 +699,25 @@ class RankTrace:
     load_s: float = 0.0
     from_cache: bool = False
     cache_path: Path | None = None
+    n_events: int | None = None          # set when the event frame was released (streaming analysis)
+    n_kernels: int | None = None
+
+    def release_events(self) -> None:
+        """Drop the event frame (keeping its row and kernel counts): multi-rank analysis streams rank by rank
+        and keeps only the per-rank tables; :meth:`reload_events` reads it back from the Parquet cache."""
+        if self.n_events is None:
+            self.n_events = self.events.height
+            self.n_kernels = int((self.events["cat"] == "kernel").sum())
+        self.events = self.events.clear()
+
+    def reload_events(self, columns: list[str] | None = None) -> pl.DataFrame:
+        """The event frame (only ``columns`` when given): in memory, else from the Parquet cache, else parsed."""
+        if self.n_events is None:
+            return self.events if columns is None else self.events.select(columns)
+        if self.cache_path is not None and Path(self.cache_path).exists():
+            return pl.read_parquet(self.cache_path, columns=columns)
+        frame = parse_trace(self.path)[0]
+        return frame if columns is None else frame.select(columns)
 
     @property
     def rank(self) -> int:
@@ -852,8 +871,8 @@ def _load_one(path: Path, cache: bool, cache_dir: str | Path | None, node: str) 
     return load_trace(path, cache=cache, cache_dir=cache_dir, node=node, workers=1)
 
 
-def _load_many(todo: list[tuple[Path, str]], cache: bool, cache_dir: str | Path | None, workers: int
-               ) -> list[RankTrace]:
+def _load_many(todo: list[tuple[Path, str]], cache: bool, cache_dir: str | Path | None, workers: int,
+               done=None) -> list[RankTrace]:
     """Ranks in order. Big ranks (≥ ``PARALLEL_MIN_BYTES`` of JSON each) are parsed one after another, each
     chunked over one shared pool of ``workers`` processes (memory: one rank's frame plus a few slices at a
     time); several smaller ranks are parsed one rank per worker process."""
@@ -863,8 +882,8 @@ def _load_many(todo: list[tuple[Path, str]], cache: bool, cache_dir: str | Path 
         ex = _spawn_pool(workers)
         if ex is not None:
             with ex:
-                return [load_trace(p, cache=cache, cache_dir=cache_dir, node=node, workers=workers, executor=ex)
-                        for p, node in todo]
+                return [done(load_trace(p, cache=cache, cache_dir=cache_dir, node=node, workers=workers,
+                                        executor=ex)) for p, node in todo]
     big = sum(sizes.values()) >= PARALLEL_MIN_BYTES
     if workers > 1 and len(need) > 1 and big:
         ex = _spawn_pool(min(workers, len(todo)))
@@ -872,12 +891,12 @@ def _load_many(todo: list[tuple[Path, str]], cache: bool, cache_dir: str | Path 
             try:
                 with ex:
                     futs = [ex.submit(_load_one, p, cache, cache_dir, node) for p, node in todo]
-                    return [f.result() for f in futs]
+                    return [done(f.result()) for f in futs]
             except TraceFormatError:
                 raise
             except Exception:  # a worker died (e.g. out of memory): load one by one below
                 pass
-    return [load_trace(p, cache=cache, cache_dir=cache_dir, node=node, workers=workers) for p, node in todo]
+    return [done(load_trace(p, cache=cache, cache_dir=cache_dir, node=node, workers=workers)) for p, node in todo]
 
 
 @dataclass
@@ -895,7 +914,8 @@ class Capture:
             d = asdict(t.identity)
             d["file"] = Path(d["file"]).name
             ev = t.events
-            d.update(events=ev.height, kernels=int((ev["cat"] == "kernel").sum()),
+            d.update(events=ev.height if t.n_events is None else t.n_events,
+                     kernels=int((ev["cat"] == "kernel").sum()) if t.n_kernels is None else t.n_kernels,
                      gpu=", ".join(sorted({str(p.get("name")) for p in t.meta.get("deviceProperties") or []
                                           if isinstance(p, dict)})) or None,
                      load_s=round(t.load_s, 3), from_cache=t.from_cache)
@@ -909,14 +929,16 @@ class Capture:
 
 def load_capture(trace_dir: str | Path, *, profile_id: str | None = None, cache: bool = True,
                  cache_dir: str | Path | None = None, nodes: dict[str, str] | None = None,
-                 workers: int | None = None) -> Capture:
+                 workers: int | None = None, on_rank=None) -> Capture:
     """Load every rank trace of a capture folder (SGLang per-rank files or vLLM ``rank*.pt.trace.json.gz``).
 
     Frontend traces (vLLM ``async_llm``) are listed but not loaded as ranks. A folder holding several
     SGLang captures needs ``profile_id``. Node: ``nodes[<sub-folder>]`` or the sub-folder name when
     traces sit in per-node sub-folders, else ``node0``. Ranks are sorted by global rank.
     When several ranks must be parsed (no cache hit) and together hold ≥ ``PARALLEL_MIN_BYTES`` of JSON,
-    they are parsed by ``workers`` processes, one rank each (default: usable CPUs, ≤ 8).
+    they are parsed by ``workers`` processes, one rank each (default: usable CPUs, ≤ 8); big ranks are parsed
+    one after another, each chunked over the same processes. ``on_rank(trace)`` is called on each rank as soon
+    as it is loaded (rank identity settled) — streaming analysis prepares it there and releases its events.
     """
     root = Path(trace_dir)
     files = find_trace_files(root)
@@ -947,15 +969,21 @@ def load_capture(trace_dir: str | Path, *, profile_id: str | None = None, cache:
             frontend.append(ident)
             continue
         todo.append((p, node))
-    ranks = _load_many(todo, cache, cache_dir, default_workers() if workers is None else max(1, int(workers)))
+    order = {p: i for i, p in enumerate(sorted((p for p, _ in todo), key=str))}
+
+    def done(t: RankTrace) -> RankTrace:
+        if t.identity.rank is None:
+            t.identity.rank = t.identity.tp if t.identity.tp is not None else order[t.path]
+            t.identity.source = t.identity.source or "file order"
+        if on_rank is not None:
+            on_rank(t)
+        return t
+
+    ranks = _load_many(todo, cache, cache_dir, default_workers() if workers is None else max(1, int(workers)), done)
     if not ranks:
         raise TraceFormatError(f"{root}: no rank traces found (frontend traces: "
                                f"{', '.join(Path(f.file).name for f in frontend) or 'none'}; set aside: "
                                f"{', '.join(skipped) or 'none'})")
-    for i, t in enumerate(sorted(ranks, key=lambda t: str(t.path))):
-        if t.identity.rank is None:
-            t.identity.rank = t.identity.tp if t.identity.tp is not None else i
-            t.identity.source = t.identity.source or "file order"
     seen: dict[tuple, str] = {}
     for t in ranks:
         key = (t.identity.rank, t.identity.stage, t.identity.dp, t.identity.pp)
