@@ -70,22 +70,40 @@ def _concat(frames: Iterable[pl.DataFrame]) -> pl.DataFrame:
 def analyse(capture: Capture | str | Path, *, window_regex: str | None = None, top_n: int = 10,
             extra_rules: Sequence[Rule | Sequence[str] | dict] | None = None, min_gap_us: float = 0.0,
             cache: bool = True, cache_dir: str | Path | None = None, profile_id: str | None = None,
-            nodes: dict[str, str] | None = None, workers: int | None = None) -> CaptureAnalysis:
+            nodes: dict[str, str] | None = None, workers: int | None = None,
+            keep_events: bool = True) -> CaptureAnalysis:
     """Analyse a capture folder (or an already loaded :class:`Capture`): every table of Phase 3.
 
     ``window_regex`` selects the step annotations (default: SGLang ``step[...]``, ``*_step_N``,
     ``*prefill_chunk*``, ``ProfilerStep#N``); ``extra_rules`` extend the kernel taxonomy;
     ``min_gap_us`` drops shorter idle gaps from the gap tables; ``workers`` bounds the parsing processes.
+
+    ``keep_events=False`` streams a capture folder rank by rank: each rank is parsed (into its Parquet cache),
+    prepared, its event-level tables (CPU threads, census) computed, and its event frame released before the
+    next rank is parsed; the cross-rank steps then work on the per-rank op / window / runtime tables only.
+    ``RankTrace.reload_events()`` reads a released frame back from the cache.
     """
     t = {}
+    rules = load_rules(extra_rules)
+    prepared: dict[int, RankOps] = {}
+    per_rank: dict[int, tuple[pl.DataFrame, pl.DataFrame]] = {}
+
+    def on_rank(tr) -> None:       # streaming: prepare now, keep the event-level tables, drop the events
+        r = prepare_rank(tr, rules, window_regex)
+        per_rank[id(tr)] = (M.cpu_thread_busy(r), _census_rank(tr))
+        tr.release_events()
+        prepared[id(tr)] = r
+
+    stream = not keep_events and not isinstance(capture, Capture)
     t0 = time.perf_counter()
     cap = capture if isinstance(capture, Capture) else load_capture(capture, cache=cache, cache_dir=cache_dir,
                                                                     profile_id=profile_id, nodes=nodes,
-                                                                    workers=workers)
+                                                                    workers=workers,
+                                                                    on_rank=on_rank if stream else None)
     t["load"] = time.perf_counter() - t0
-    rules = load_rules(extra_rules)
     t0 = time.perf_counter()
-    rops = [prepare_rank(tr, rules, window_regex) for tr in cap.ranks]
+    rops = [prepared.pop(id(tr)) if id(tr) in prepared else prepare_rank(tr, rules, window_regex)
+            for tr in cap.ranks]
     t["prepare"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     all_gaps = [M.gap_intervals(r) for r in rops]
@@ -106,48 +124,52 @@ def analyse(capture: Capture | str | Path, *, window_regex: str | None = None, t
         windows=_concat(r.windows for r in rops), window_metrics=wm, summary=summary,
         breakdown=M.kernel_breakdown(rops), top_kernels=M.top_kernels(rops, top_n), gaps=gaps,
         gap_summary=M.gap_summary(gaps), graph=M.graph_coverage(rops), launch=M.launch_stats(rops),
-        device_busy=_concat(M.device_busy(r) for r in rops), cpu_threads=_concat(M.cpu_thread_busy(r) for r in rops),
+        device_busy=_concat(M.device_busy(r) for r in rops), cpu_threads=_concat(per_rank[id(r.trace)][0] if id(r.trace) in per_rank
+                                                   else M.cpu_thread_busy(r) for r in rops),
         alignment=al, collective_skew=cskew, step_skew=sskew, slow_rank=slow,
         pp=R.pp_overlap(rops, al), pp_compute=R.pp_overlap(rops, al, compute_only=True),
         nccl=N.forensics(rops), interference=_concat(M.decode_interference(r) for r in rops))
-    result.census = census(cap)
+    result.census = census(cap, {k: v[1] for k, v in per_rank.items()})
     result.comm_by_collective = M.comm_by_collective(rops)
     t["tables"] = time.perf_counter() - t0
     result.timings_s = t
     return result
 
 
-def census(cap: Capture) -> pl.DataFrame:
+def census(cap: Capture, done: dict[int, pl.DataFrame] | None = None) -> pl.DataFrame:
     """Event census per rank: events and total duration (ms) per (phase type, Kineto category) — what the
-    trace holds before any interpretation (a census: read it before trusting any derived number)."""
-    parts = []
-    for t in cap.ranks:
-        ev = t.events
-        # counting on the categorical codes with numpy: a group_by over millions of rows costs ~10× more
-        ph = ev["ph"].to_physical().to_numpy().astype(np.int64)
-        cat = ev["cat"].to_physical().to_numpy().astype(np.int64)
-        width = int(cat.max()) + 1 if cat.size else 1
-        key = ph * width + cat
-        if key.size == 0:
-            continue
-        if int(key.max()) >= 50_000_000:      # absurd code ranges: fall back to polars
-            parts.append(ev.group_by(pl.col("ph").cast(pl.String), pl.col("cat").cast(pl.String))
-                         .agg(pl.len().cast(pl.Int64).alias("events"), (pl.col("dur_ns").sum() / 1e6).alias("total_ms"))
-                         .with_columns(pl.lit(t.rank, dtype=pl.Int64).alias("rank")))
-            continue
-        dur = ev["dur_ns"].fill_null(0).to_numpy()
-        counts = np.bincount(key)
-        ms = np.bincount(key, weights=dur) / 1e6
-        present = np.flatnonzero(counts)
-        first = np.full(counts.size, -1, dtype=np.int64)
-        first[key[::-1]] = np.arange(key.size, dtype=np.int64)[::-1]
-        rows = first[present]
-        parts.append(pl.DataFrame({"rank": np.full(present.size, t.rank, dtype=np.int64),
-                                   "ph": ev["ph"].gather(rows).cast(pl.String),
-                                   "cat": ev["cat"].gather(rows).cast(pl.String),
-                                   "events": counts[present].astype(np.int64), "total_ms": ms[present]}))
+    trace holds before any interpretation (a census: read it before trusting any derived number). ``done``: ranks already counted while
+    streaming (keyed by ``id(trace)``)."""
+    done = done or {}
+    parts = [done[id(t)] if id(t) in done else _census_rank(t) for t in cap.ranks]
     return _concat(parts).sort("rank", "events", descending=[False, True]).select("rank", "ph", "cat", "events",
                                                                                      "total_ms")
+
+
+def _census_rank(t) -> pl.DataFrame | None:
+    ev = t.events
+    # counting on the categorical codes with numpy: a group_by over millions of rows costs ~10× more
+    ph = ev["ph"].to_physical().to_numpy().astype(np.int64)
+    cat = ev["cat"].to_physical().to_numpy().astype(np.int64)
+    width = int(cat.max()) + 1 if cat.size else 1
+    key = ph * width + cat
+    if key.size == 0:
+        return None
+    if int(key.max()) >= 50_000_000:      # absurd code ranges: fall back to polars
+        return (ev.group_by(pl.col("ph").cast(pl.String), pl.col("cat").cast(pl.String))
+                .agg(pl.len().cast(pl.Int64).alias("events"), (pl.col("dur_ns").sum() / 1e6).alias("total_ms"))
+                .with_columns(pl.lit(t.rank, dtype=pl.Int64).alias("rank")))
+    dur = ev["dur_ns"].fill_null(0).to_numpy()
+    counts = np.bincount(key)
+    ms = np.bincount(key, weights=dur) / 1e6
+    present = np.flatnonzero(counts)
+    first = np.full(counts.size, -1, dtype=np.int64)
+    first[key[::-1]] = np.arange(key.size, dtype=np.int64)[::-1]
+    rows = first[present]
+    return pl.DataFrame({"rank": np.full(present.size, t.rank, dtype=np.int64),
+                         "ph": ev["ph"].gather(rows).cast(pl.String),
+                         "cat": ev["cat"].gather(rows).cast(pl.String),
+                         "events": counts[present].astype(np.int64), "total_ms": ms[present]})
 
 
 def write_tables(a: CaptureAnalysis, out_dir: str | Path, extra: dict[str, pl.DataFrame] | None = None

@@ -298,8 +298,8 @@ def _lenient_frame(events: list[dict], base_ns: int) -> tuple[pl.DataFrame, list
     return _events_to_frame(typed, base_ns)
 
 
-PARALLEL_MIN_BYTES = 96 << 20     # JSON text size from which chunked multi-process parsing pays off
-CHUNK_BYTES = 96 << 20            # JSON text per parse task (bounds each worker's Python objects)
+PARALLEL_MIN_BYTES = 64 << 20     # JSON text size from which the chunked streaming parse is used
+CHUNK_BYTES = 24 << 20            # JSON text per decode task (bounds each process's Python objects)
 
 
 def default_workers() -> int:
@@ -311,21 +311,23 @@ def default_workers() -> int:
     return max(1, min(8, n))
 
 
-def parse_trace(path: str | Path, workers: int | None = None) -> tuple[pl.DataFrame, dict[str, Any]]:
+def parse_trace(path: str | Path, workers: int | None = None, executor=None) -> tuple[pl.DataFrame, dict[str, Any]]:
     """Parse one trace file (no cache). Returns (events frame, metadata dict).
 
     Metadata: ``baseTimeNanoseconds``, ``distributedInfo``, ``deviceProperties``, versions, and
     ``process_names`` / ``thread_names`` / ``process_labels`` from the ``ph: "M"`` events.
-    Large files (≥ ``PARALLEL_MIN_BYTES`` of JSON) are split at event boundaries and decoded by
-    ``workers`` processes (default: the usable CPUs, ≤ 8); any doubt about the split falls back to the
-    single-process decoder, which also produces the error messages.
+    Large files (≥ ``PARALLEL_MIN_BYTES`` of JSON) are gunzipped as a stream, cut at event boundaries into
+    ``CHUNK_BYTES`` slices and decoded by ``workers`` processes (default: the usable CPUs, ≤ 8; in this
+    process when 1; ``executor``: a process pool to reuse across files), so the whole text and all its Python
+    objects never exist at once; any doubt about a cut falls back to the single-process decoder, which also
+    produces the error messages.
     Raises :class:`TraceFormatError` naming the file for truncated gzip, invalid JSON, or JSON that is
     not a Chrome trace.
     """
     path = Path(path)
     workers = default_workers() if workers is None else max(1, int(workers))
-    if workers > 1 and _json_size_hint(path) >= PARALLEL_MIN_BYTES:
-        result = _parse_parallel(path, workers)
+    if _json_size_hint(path) >= PARALLEL_MIN_BYTES:
+        result = _parse_parallel(path, workers, executor)
         if result is not None:
             return result
     return _parse_serial(path)
@@ -423,126 +425,157 @@ def _meta_dict(trace: _Trace, meta_events: list[dict]) -> dict[str, Any]:
     }
 
 
-# ------------------------------------------------------------------------------- parallel (big files)
+# ------------------------------------------------------------------------------- chunked (big files)
+#
+# Big traces are never held whole: the JSON text is gunzipped as a stream, cut into ``CHUNK_BYTES`` slices of
+# the ``traceEvents`` array at ``}, {`` separators, and each slice is decoded (typed msgspec) into columns,
+# by ``workers`` processes (or in this process when workers == 1). Only one slice of Python objects per
+# process exists at a time, so memory stays near the final frame plus a few slices; the main process only
+# gunzips and cuts, overlapping with the decoders. A cut that falls inside a string or nested list leaves a
+# slice that is not valid JSON — detected by the decoder, and the whole file then goes to the serial path.
 
 _BOUNDARY_RE = re.compile(rb"\}\s*,\s*\{")
-_SEARCH_WINDOW = 8 << 20
+_SEARCH_WINDOW = 1 << 20
+_HEAD_LIMIT = 64 << 20           # the "traceEvents" key must start within this much text
 
 
-def _spill_json(path: Path) -> tuple[Path, bool]:
-    """The JSON text as a file the workers can map: the trace itself, or its gunzipped copy in /dev/shm
-    (RAM-backed where available) — the caller deletes the copy."""
+def _open_text(path: Path):
     with open(path, "rb") as f:
         gz = f.read(2) == b"\x1f\x8b"
-    if not gz:
-        return path, False
-    tmp_dir = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    import shutil
-    import tempfile
-    fd, tmp = tempfile.mkstemp(prefix="servelab-trace-", suffix=".json", dir=tmp_dir)
-    try:
-        with os.fdopen(fd, "wb") as dst, _gzip.open(path, "rb") as src:
-            shutil.copyfileobj(src, dst, 64 << 20)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    return Path(tmp), True
+    return _gzip.open(path, "rb") if gz else open(path, "rb")
 
 
-def _split_points(mm, a0: int, b1: int, n_chunks: int) -> list[tuple[int, int]] | None:
-    """Chunks (start, end) of the events array body (a0 = '[' position, b1 = ']' position), cut at
-    ``}, {`` separators. A cut inside a string or a nested list makes that chunk invalid JSON, which the
-    worker detects (the whole parse then falls back to the serial decoder)."""
-    body0, body1 = a0 + 1, b1
-    length = body1 - body0
-    cuts = [body0]
-    for k in range(1, n_chunks):
-        t = body0 + k * length // n_chunks
-        if t <= cuts[-1]:
-            continue
-        m = _BOUNDARY_RE.search(mm[t:min(t + _SEARCH_WINDOW, body1)])
-        if m is None:
+def _last_boundary(buf: bytearray) -> int | None:
+    """Offset of the comma of the last ``}, {`` separator in ``buf`` (None when there is none)."""
+    n = len(buf)
+    window = _SEARCH_WINDOW
+    while True:
+        lo = max(0, n - window)
+        last = None
+        for last in _BOUNDARY_RE.finditer(buf, lo):
+            pass
+        if last is not None:
+            return last.start() + last.group(0).index(b",")
+        if lo == 0:
             return None
-        comma = t + m.start() + m.group(0).index(b",")
-        if comma <= cuts[-1]:
-            continue
-        cuts.append(comma)
-    bounds = []
-    for i, c in enumerate(cuts):
-        start = c if i == 0 else c + 1
-        end = cuts[i + 1] if i + 1 < len(cuts) else body1
-        bounds.append((start, end))
-    return bounds
+        window *= 8
 
 
-def _parse_chunk(fname: str, start: int, end: int, base_ns: int) -> tuple[pl.DataFrame, list[dict]] | None:
-    """Worker: decode one slice of the events array (None when the slice is not valid JSON)."""
-    import mmap
+def _stream_events(path: Path, chunk_bytes: int, submit) -> tuple[bytes, bytes] | None:
+    """Stream the JSON text, hand ``b"[" + events + b"]"`` slices to ``submit`` in order; returns the text
+    before the events array (``header``, up to its ``[``) and the rest after the last slice (``rest``: the
+    last events, the closing ``]`` and what follows). None when the layout is not the expected one."""
+    with _open_text(path) as f:
+        buf = bytearray()
+        while True:
+            block = f.read(chunk_bytes)
+            buf += block
+            key = buf.find(b'"traceEvents"')
+            a0 = buf.find(b"[", key) if key >= 0 else -1
+            if a0 >= 0:
+                break
+            if not block or len(buf) > _HEAD_LIMIT:
+                return None
+        header = bytes(buf[:a0])
+        del buf[:a0 + 1]
+        while True:
+            if len(buf) >= chunk_bytes:
+                cut = _last_boundary(buf)
+                if cut is not None:
+                    submit(b"[" + buf[:cut] + b"]")
+                    del buf[:cut + 1]
+            block = f.read(chunk_bytes)
+            if not block:
+                break
+            buf += block
+    return header, bytes(buf)
+
+
+def _decode_chunk(data: bytes) -> tuple[pl.DataFrame, list[dict]] | None:
+    """Worker: one ``[...]`` slice of events → (frame without ``baseTimeNanoseconds``, metadata events);
+    None when the slice is not valid JSON or needs the lenient decoder."""
+    gc_was = gc.isenabled()
     gc.disable()
-    with open(fname, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        data = b"[" + mm[start:end] + b"]"
     try:
-        events = _LIST_DECODER.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return None
-    del data
-    return _events_to_frame(events, base_ns, categorical=True)
-
-
-def _parse_parallel(path: Path, workers: int) -> tuple[pl.DataFrame, dict[str, Any]] | None:
-    ex = _spawn_pool(workers)     # before spilling: a process that cannot spawn writes nothing
-    if ex is None:
-        return None
-    with ex:
-        return _parse_parallel_with(ex, path, workers)
-
-
-def _parse_parallel_with(ex, path: Path, workers: int) -> tuple[pl.DataFrame, dict[str, Any]] | None:
-    import mmap
-    try:
-        fname, temporary = _spill_json(path)
-    except Exception:
-        return None  # the serial path reports the gzip error with the file name
-    try:
-        with open(fname, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            key = mm.find(b'"traceEvents"', 0, 1 << 26)
-            if key < 0:
-                return None
-            a0 = mm.find(b"[", key)
-            b1 = mm.rfind(b"]")
-            trace = None
-            for _ in range(4):  # the tail may hold ']' inside strings: the metadata decode decides
-                try:
-                    trace = _DECODER.decode(mm[:a0] + b"[]" + mm[b1 + 1:])
-                    break
-                except (msgspec.DecodeError, msgspec.ValidationError):
-                    b1 = mm.rfind(b"]", a0, b1)
-                    if b1 <= a0:
-                        return None
-            if trace is None:
-                return None
-            n_chunks = max(workers, -(-(b1 - a0) // CHUNK_BYTES))
-            bounds = _split_points(mm, a0, b1, n_chunks)
-        if not bounds:
-            return None
-        base_ns = int(trace.baseTimeNanoseconds or 0)
         try:
-            parts = list(ex.map(_parse_chunk, [str(fname)] * len(bounds), [b[0] for b in bounds],
-                                [b[1] for b in bounds], [base_ns] * len(bounds)))
-        except Exception:  # a worker died (e.g. out of memory): parse serially
+            events = _LIST_DECODER.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError):
             return None
-        if any(p is None for p in parts):
-            return None
-        frame = pl.concat([p[0] for p in parts], how="vertical_relaxed", rechunk=False)
-        frame = frame.with_columns([pl.col(c).cast(pl.Categorical) for c in _CAT_COLUMNS])
-        meta_events = [m for p in parts for m in p[1]]
-        return frame, _meta_dict(trace, meta_events)
+        del data
+        return _events_to_frame(events, 0, categorical=True)
     finally:
-        if temporary:
+        if gc_was:
+            gc.enable()
+
+
+def _parse_parallel(path: Path, workers: int, executor=None) -> tuple[pl.DataFrame, dict[str, Any]] | None:
+    """Chunked streaming parse (see above) with ``workers`` decoding processes (``executor`` when given, a
+    spawn pool otherwise; in-process when workers == 1 or no process can be spawned). None → use the serial
+    path (which also produces the error messages)."""
+    if executor is not None or workers <= 1:
+        return _parse_chunked_with(executor, path, workers)
+    ex = _spawn_pool(workers)
+    if ex is None:
+        return _parse_chunked_with(None, path, 1)
+    with ex:
+        return _parse_chunked_with(ex, path, workers)
+
+
+def _parse_chunked_with(ex, path: Path, workers: int) -> tuple[pl.DataFrame, dict[str, Any]] | None:
+    from collections import deque
+    parts: list = []
+    pending: deque = deque()
+    in_flight = max(1, workers) + 1
+
+    def submit(data: bytes) -> None:
+        if ex is None:
+            parts.append(_decode_chunk(data))
+            return
+        pending.append(ex.submit(_decode_chunk, data))
+        while len(pending) > in_flight:
+            parts.append(pending.popleft().result())
+
+    try:
+        got = _stream_events(path, CHUNK_BYTES, submit)
+        if got is None:
+            return None
+        header, rest = got
+        b1 = rest.rfind(b"]")
+        trace = None
+        for _ in range(4):  # the tail may hold ']' inside strings: the metadata decode decides
+            if b1 < 0:
+                return None
             try:
-                os.unlink(fname)
-            except OSError:
-                pass
+                trace = _DECODER.decode(header + b"[]" + rest[b1 + 1:])
+                break
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                b1 = rest.rfind(b"]", 0, b1)
+        if trace is None:
+            return None
+        if rest[:b1].strip():
+            submit(b"[" + rest[:b1] + b"]")
+        del rest
+        while pending:
+            parts.append(pending.popleft().result())
+    except TraceFormatError:
+        raise
+    except Exception:  # corrupt gzip, a worker died (e.g. out of memory): the serial path decides
+        return None
+    finally:
+        for fut in pending:
+            fut.cancel()
+    if any(p is None for p in parts):
+        return None
+    base_ns = int(trace.baseTimeNanoseconds or 0)
+    if parts:
+        frame = pl.concat([p[0] for p in parts], how="vertical_relaxed", rechunk=True)
+    else:
+        frame, _ = _events_to_frame([], 0)
+    if base_ns:
+        frame = frame.with_columns(pl.col("ts_ns") + base_ns)
+    frame = frame.with_columns([pl.col(c).cast(pl.Categorical) for c in _CAT_COLUMNS])
+    meta_events = [m for p in parts for m in p[1]]
+    return frame, _meta_dict(trace, meta_events)
 
 
 def _decode_generic(path: Path, text: bytes) -> Any:
@@ -666,6 +699,25 @@ class RankTrace:
     load_s: float = 0.0
     from_cache: bool = False
     cache_path: Path | None = None
+    n_events: int | None = None          # set when the event frame was released (streaming analysis)
+    n_kernels: int | None = None
+
+    def release_events(self) -> None:
+        """Drop the event frame (keeping its row and kernel counts): multi-rank analysis streams rank by rank
+        and keeps only the per-rank tables; :meth:`reload_events` reads it back from the Parquet cache."""
+        if self.n_events is None:
+            self.n_events = self.events.height
+            self.n_kernels = int((self.events["cat"] == "kernel").sum())
+        self.events = self.events.clear()
+
+    def reload_events(self, columns: list[str] | None = None) -> pl.DataFrame:
+        """The event frame (only ``columns`` when given): in memory, else from the Parquet cache, else parsed."""
+        if self.n_events is None:
+            return self.events if columns is None else self.events.select(columns)
+        if self.cache_path is not None and Path(self.cache_path).exists():
+            return pl.read_parquet(self.cache_path, columns=columns)
+        frame = parse_trace(self.path)[0]
+        return frame if columns is None else frame.select(columns)
 
     @property
     def rank(self) -> int:
@@ -732,7 +784,7 @@ def _write_cache(cpath: Path, frame: pl.DataFrame, meta: dict, stamp: dict[str, 
 
 
 def load_trace(path: str | Path, *, cache: bool = True, cache_dir: str | Path | None = None,
-               node: str | None = None, workers: int | None = None) -> RankTrace:
+               node: str | None = None, workers: int | None = None, executor=None) -> RankTrace:
     """Load one rank's trace (Parquet cache hit when size+mtime+parser version match).
 
     The cache lives in ``.servelab_cache/`` next to the trace, or in ``cache_dir`` / the user cache
@@ -749,7 +801,7 @@ def load_trace(path: str | Path, *, cache: bool = True, cache_dir: str | Path | 
         frame, meta = hit
         from_cache = True
     else:
-        frame, meta = parse_trace(path, workers=workers)
+        frame, meta = parse_trace(path, workers=workers, executor=executor)
         from_cache = False
         if cpath is not None and not _write_cache(cpath, frame, meta, stamp):
             cpath = None
@@ -819,22 +871,32 @@ def _load_one(path: Path, cache: bool, cache_dir: str | Path | None, node: str) 
     return load_trace(path, cache=cache, cache_dir=cache_dir, node=node, workers=1)
 
 
-def _load_many(todo: list[tuple[Path, str]], cache: bool, cache_dir: str | Path | None, workers: int
-               ) -> list[RankTrace]:
+def _load_many(todo: list[tuple[Path, str]], cache: bool, cache_dir: str | Path | None, workers: int,
+               done=None) -> list[RankTrace]:
+    """Ranks in order. Big ranks (≥ ``PARALLEL_MIN_BYTES`` of JSON each) are parsed one after another, each
+    chunked over one shared pool of ``workers`` processes (memory: one rank's frame plus a few slices at a
+    time); several smaller ranks are parsed one rank per worker process."""
     need = [p for p, _ in todo if not _cached(p, cache, cache_dir)]
-    big = sum(_json_size_hint(p) for p in need) >= PARALLEL_MIN_BYTES
+    sizes = {p: _json_size_hint(p) for p in need}
+    if workers > 1 and need and max(sizes.values()) >= PARALLEL_MIN_BYTES:
+        ex = _spawn_pool(workers)
+        if ex is not None:
+            with ex:
+                return [done(load_trace(p, cache=cache, cache_dir=cache_dir, node=node, workers=workers,
+                                        executor=ex)) for p, node in todo]
+    big = sum(sizes.values()) >= PARALLEL_MIN_BYTES
     if workers > 1 and len(need) > 1 and big:
         ex = _spawn_pool(min(workers, len(todo)))
         if ex is not None:
             try:
                 with ex:
                     futs = [ex.submit(_load_one, p, cache, cache_dir, node) for p, node in todo]
-                    return [f.result() for f in futs]
+                    return [done(f.result()) for f in futs]
             except TraceFormatError:
                 raise
             except Exception:  # a worker died (e.g. out of memory): load one by one below
                 pass
-    return [load_trace(p, cache=cache, cache_dir=cache_dir, node=node, workers=workers) for p, node in todo]
+    return [done(load_trace(p, cache=cache, cache_dir=cache_dir, node=node, workers=workers)) for p, node in todo]
 
 
 @dataclass
@@ -852,7 +914,8 @@ class Capture:
             d = asdict(t.identity)
             d["file"] = Path(d["file"]).name
             ev = t.events
-            d.update(events=ev.height, kernels=int((ev["cat"] == "kernel").sum()),
+            d.update(events=ev.height if t.n_events is None else t.n_events,
+                     kernels=int((ev["cat"] == "kernel").sum()) if t.n_kernels is None else t.n_kernels,
                      gpu=", ".join(sorted({str(p.get("name")) for p in t.meta.get("deviceProperties") or []
                                           if isinstance(p, dict)})) or None,
                      load_s=round(t.load_s, 3), from_cache=t.from_cache)
@@ -866,14 +929,16 @@ class Capture:
 
 def load_capture(trace_dir: str | Path, *, profile_id: str | None = None, cache: bool = True,
                  cache_dir: str | Path | None = None, nodes: dict[str, str] | None = None,
-                 workers: int | None = None) -> Capture:
+                 workers: int | None = None, on_rank=None) -> Capture:
     """Load every rank trace of a capture folder (SGLang per-rank files or vLLM ``rank*.pt.trace.json.gz``).
 
     Frontend traces (vLLM ``async_llm``) are listed but not loaded as ranks. A folder holding several
     SGLang captures needs ``profile_id``. Node: ``nodes[<sub-folder>]`` or the sub-folder name when
     traces sit in per-node sub-folders, else ``node0``. Ranks are sorted by global rank.
     When several ranks must be parsed (no cache hit) and together hold ≥ ``PARALLEL_MIN_BYTES`` of JSON,
-    they are parsed by ``workers`` processes, one rank each (default: usable CPUs, ≤ 8).
+    they are parsed by ``workers`` processes, one rank each (default: usable CPUs, ≤ 8); big ranks are parsed
+    one after another, each chunked over the same processes. ``on_rank(trace)`` is called on each rank as soon
+    as it is loaded (rank identity settled) — streaming analysis prepares it there and releases its events.
     """
     root = Path(trace_dir)
     files = find_trace_files(root)
@@ -904,15 +969,21 @@ def load_capture(trace_dir: str | Path, *, profile_id: str | None = None, cache:
             frontend.append(ident)
             continue
         todo.append((p, node))
-    ranks = _load_many(todo, cache, cache_dir, default_workers() if workers is None else max(1, int(workers)))
+    order = {p: i for i, p in enumerate(sorted((p for p, _ in todo), key=str))}
+
+    def done(t: RankTrace) -> RankTrace:
+        if t.identity.rank is None:
+            t.identity.rank = t.identity.tp if t.identity.tp is not None else order[t.path]
+            t.identity.source = t.identity.source or "file order"
+        if on_rank is not None:
+            on_rank(t)
+        return t
+
+    ranks = _load_many(todo, cache, cache_dir, default_workers() if workers is None else max(1, int(workers)), done)
     if not ranks:
         raise TraceFormatError(f"{root}: no rank traces found (frontend traces: "
                                f"{', '.join(Path(f.file).name for f in frontend) or 'none'}; set aside: "
                                f"{', '.join(skipped) or 'none'})")
-    for i, t in enumerate(sorted(ranks, key=lambda t: str(t.path))):
-        if t.identity.rank is None:
-            t.identity.rank = t.identity.tp if t.identity.tp is not None else i
-            t.identity.source = t.identity.source or "file order"
     seen: dict[tuple, str] = {}
     for t in ranks:
         key = (t.identity.rank, t.identity.stage, t.identity.dp, t.identity.pp)
