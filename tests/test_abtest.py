@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from servelab.report import ab_figures
+from servelab.report.ab_figures import ab_banner
 from servelab.measure.abtest import (SummaryFormatError, ab_compare, classify_change, compare_cases, diff_manifests,
                              load_run, read_case_summaries, repeat_stats)
 from servelab.target.engines import engine_for
@@ -73,7 +74,7 @@ def test_one_variable_ab_is_clean(outputs):
     assert q.iloc[1] == "not answered" and q.iloc[4] == "not answered" and q.iloc[6] == "not answered"
     d1 = ab.comparison[(ab.comparison["case_id"] == "D1") & (ab.comparison["metric"] == "output_tps")].iloc[0]
     assert d1["verdict"] == "better" and d1["delta_pct"] == pytest.approx(10.0)
-    assert "One-variable A/B" in ab.banner().data
+    assert "One-variable A/B" in ab_banner(ab).data
 
 
 def test_confounded_ab_is_flagged_loudly(outputs):
@@ -87,7 +88,7 @@ def test_confounded_ab_is_flagged_loudly(outputs):
     cmd = ab.differences[ab.differences["key"].str.endswith(".command")]
     assert set(cmd["status"]) == {"confound"} and cmd["note"].str.contains("kv_cache_dtype").all()
     assert ab.confounded
-    html = ab.banner().data
+    html = ab_banner(ab).data
     assert "CONFOUNDED A/B" in html and "launch.env.NCCL_ALGO" in html
     q = ab.questions
     assert q.iloc[2]["answer"].startswith("CONFOUNDED")

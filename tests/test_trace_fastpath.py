@@ -19,11 +19,11 @@ from servelab.analyse.trace import load as L
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _real_traces(shared: Path | None) -> list[Path]:
+def _real_traces(thirdparty: Path | None) -> list[Path]:
+    """Our own captures (in the repository) and, where present, the third-party traces read in place."""
     files = sorted(ROOT.glob("data/samples/*/traces/*.trace.json.gz"))
-    if shared is not None:
-        files += sorted((shared / "h200x2-20261129" / "traces").glob("*.trace.json.gz"))
-        files += sorted(p for p in (shared / "thirdparty").rglob("*.json.gz"))
+    if thirdparty is not None:
+        files += sorted(p for p in thirdparty.rglob("*.json.gz"))
     return files
 
 
@@ -62,10 +62,10 @@ def _reference(path: Path) -> pl.DataFrame:
 @pytest.fixture(scope="module")
 def traces(request) -> list[Path]:
     try:
-        shared = request.getfixturevalue("shared_data")
+        third = request.getfixturevalue("thirdparty")
     except pytest.skip.Exception:
-        shared = None
-    files = _real_traces(shared)
+        third = None
+    files = _real_traces(third)
     if not files:
         pytest.skip("no real traces")
     return files

@@ -37,7 +37,7 @@ Notebook cell pattern for any phase that compares runs (parameters ``ab_runs: li
     from servelab.report import ab_figures
     ab = ab_compare(ctx.params["ab_runs"], ctx.params["ab_variable"], answers=answers_from_params(ctx.params),
                     accepted=ctx.params["ab_accepted"])
-    ab.banner()                      # cell 1: red banner when confounded, green otherwise
+    ab_figures.ab_banner(ab)         # cell 1: red banner when confounded, green otherwise
     ab.differences                   # cell 2: every manifest difference with its status
     ab_figures.delta_figure(ab.comparison)   # cell 3: Δ% per case and metric with the noise band
     ab.questions                     # cell 4: the seven questions
@@ -401,19 +401,20 @@ class ABResult:
         flags = [bool((r.manifest.get("launch") or {}).get("settings", {}).get("profiler_dir")) for r in self.runs]
         return len(set(flags)) > 1
 
-    def banner(self):
-        """A loud banner: red when confounded (or profiled vs clean), green when only the variable changed."""
-        from servelab.report.banner import banner
+    def verdict_notice(self) -> tuple[str, str, str]:
+        """(kind, title, text) of the notice an A/B page opens with: a warning when confounded (or profiled vs
+        clean), information when only the variable changed. Drawn by ``servelab.report.ab_figures.ab_banner``."""
         if self.confounded or self.profiled_vs_clean:
             keys = ", ".join(self.confounds["key"].head(10))
             extra = " A profiled run is compared with a clean run." if self.profiled_vs_clean else ""
-            return banner(f"Declared variable: {', '.join(self.variable) or '(none)'}. "
-                          f"{len(self.confounds)} other difference(s) changed too: {keys}"
-                          f"{' …' if len(self.confounds) > 10 else ''}.{extra} No conclusion about the variable "
-                          f"can be drawn from this comparison.", "warning", "CONFOUNDED A/B — more than one variable changed")
-        return banner(f"Only the declared variable changed ({', '.join(self.variable)}); "
-                      f"{int((self.differences['status'] == 'volatile').sum()) if not self.differences.empty else 0} "
-                      f"volatile snapshot differences listed for completeness.", "info", "One-variable A/B")
+            return ("warning", "CONFOUNDED A/B — more than one variable changed",
+                    f"Declared variable: {', '.join(self.variable) or '(none)'}. "
+                    f"{len(self.confounds)} other difference(s) changed too: {keys}"
+                    f"{' …' if len(self.confounds) > 10 else ''}.{extra} No conclusion about the variable "
+                    f"can be drawn from this comparison.")
+        volatile = int((self.differences["status"] == "volatile").sum()) if not self.differences.empty else 0
+        return ("info", "One-variable A/B", f"Only the declared variable changed ({', '.join(self.variable)}); "
+                f"{volatile} volatile snapshot differences listed for completeness.")
 
 
 def ab_compare(runs: Sequence[str | Path | RunRef], variable: str | Sequence[str] = "",

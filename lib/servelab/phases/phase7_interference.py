@@ -522,7 +522,8 @@ def ab_banner(res: Phase7Result, confounded: bool = False):
     if ab is None:
         return banner("not run" + ("" if not confounded else ": confound_setting is empty"), "info",
                       "Confounded A/B demonstration" if confounded else "A/B")
-    return ab.banner()
+    from servelab.report.ab_figures import ab_banner
+    return ab_banner(ab)
 
 
 def ab_differences(res: Phase7Result, confounded: bool = False) -> pd.DataFrame:

@@ -2,6 +2,8 @@
 repeats themselves, so a reader sees the spread behind every mean."""
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
@@ -54,3 +56,11 @@ def repeats_figure(repeats: pd.DataFrame, metric: str = "output_tps") -> go.Figu
                              pointpos=0))
     fig.update_layout(boxmode="group", title=f"{metric}: every repeat per case and run", yaxis_title=metric, height=420)
     return fig
+
+
+def ab_banner(ab: Any) -> Any:
+    """The notice an A/B page opens with (red when confounded, green when only the variable changed), from
+    :meth:`servelab.measure.abtest.ABResult.verdict_notice`."""
+    from servelab.report.banner import banner
+    kind, title, text = ab.verdict_notice()
+    return banner(text, kind, title)
