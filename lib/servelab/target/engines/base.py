@@ -1,5 +1,5 @@
 """What every engine adapter knows: launch settings, launch command, endpoints, request bodies, metric names,
-log markers.
+log markers and profiler requests.
 
 Launch settings live in a target's ``launch:`` mapping. Keys common to all engines are validated
 here; each adapter adds its own. Commands are argv lists, never shell strings. Code outside
@@ -62,6 +62,21 @@ class LaunchPlan:
     def shell(self) -> str:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
         return f"{env} {shlex.join(self.argv)}".strip()
+
+
+@dataclass
+class ProfileRequest:
+    """How to start the engine's profiler for one capture: the engine-side trace folder (the same path on every
+    node), the ``POST /start_profile`` body, whether the engine stops by itself after the requested steps,
+    and notes on how the request differs from what was asked."""
+    folder: str
+    body: dict[str, Any] | None
+    auto_stop: bool
+    notes: list[str] = field(default_factory=list)
+
+
+class ProfileError(ValueError):
+    """A profiler request this engine cannot honour as asked (the message says what to change)."""
 
 
 class EngineAdapter:
@@ -133,8 +148,27 @@ class EngineAdapter:
         """Completion body fields that force exactly ``output_tokens`` tokens."""
         return {"max_tokens": output_tokens, "ignore_eos": True}
 
-    # --- profile request bodies (engines that support it override)
+    # --- profiler (engines that support it override)
+    @property
+    def can_profile(self) -> bool:
+        """Whether the engine has a torch profiler endpoint (``start_profile_path``)."""
+        return self.start_profile_path is not None
+
     def start_profile_body(self, **kw: Any) -> dict[str, Any] | None:
+        return None
+
+    def profile_request(self, launch: dict[str, Any], out_dir: str | None, *, case_dir_name: str, prefix: str,
+                        skip_steps: int, num_steps: int, **opts: Any) -> ProfileRequest:
+        """The profiler request for one capture of ``num_steps`` steps after ``skip_steps``, files named with
+        ``prefix``; ``out_dir`` is the asked engine-side folder (default: ``launch.profiler_dir`` or a
+        ``case_dir_name`` folder under it). Raises ``ProfileError`` when the engine cannot do it."""
+        raise ProfileError(f"engine '{self.name}' has no profiler endpoint")
+
+    # --- trace files the profiler writes
+    def profile_file(self, file_name: str) -> dict[str, Any] | None:
+        """What a file in the engine's profiler folder is, from its name: ``kind`` (worker | frontend | merged |
+        memory | table) and, for worker traces, ``rank_key`` plus the parallel ranks the name carries.
+        None: not a file this engine names."""
         return None
 
 

@@ -4,10 +4,19 @@ Flag names are those of current SGLang releases (``python3 -m sglang.launch_serv
 """
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Any
 
-from servelab.target.engines.base import EngineAdapter, LaunchPlan, docker_wrap
+from servelab.target.engines.base import EngineAdapter, LaunchPlan, ProfileError, ProfileRequest, docker_wrap
 from servelab.target.spec import Target
+
+# trace files of SGLang's profiler: ``[prefix-]{profile_id}-TP-{tp}[-DP-{dp}][-PP-{pp}][-EP-{ep}][-{stage}]
+# .trace.json.gz`` per rank, ``merged-….trace.json.gz`` (every rank in one file), ``…-TP-{tp}-memory….pickle``
+_RANK_FILE = re.compile(r"-TP-(?P<tp>\d+)(?:-DP-(?P<dp>\d+))?(?:-PP-(?P<pp>\d+))?(?:-EP-(?P<ep>\d+))?"
+                        r"(?:-(?P<stage>[A-Za-z0-9_.]+))?\.trace\.json(?:\.gz)?$")
+_MEMORY_FILE = re.compile(r"-TP-(?P<tp>\d+)-memory.*\.pickle$")
+_MERGED_FILE = re.compile(r"^merged-.*\.trace\.json(?:\.gz)?$")
 
 
 class SGLangAdapter(EngineAdapter):
@@ -137,3 +146,39 @@ class SGLangAdapter(EngineAdapter):
         if profile_stages:
             body["profile_stages"] = list(profile_stages)
         return body
+
+    def profile_request(self, launch: dict[str, Any], out_dir: str | None, *, case_dir_name: str, prefix: str,
+                        skip_steps: int, num_steps: int, **opts: Any) -> ProfileRequest:
+        """SGLang writes where the body's ``output_dir`` says: ``out_dir``, else ``<launch.profiler_dir>/
+        <case_dir_name>``. With ``num_steps`` it stops by itself. ``start_step`` is an absolute forward count,
+        so a skip of ``skip_steps`` is the caller's to apply by triggering later (said in the notes)."""
+        base = out_dir or (str(Path(launch["profiler_dir"]) / case_dir_name) if launch.get("profiler_dir") else None)
+        if not base:
+            raise ProfileError("SGLang needs an output folder: pass out_dir or set launch.profiler_dir")
+        folder = str(base)
+        notes = []
+        kw = {"num_steps": num_steps, "profile_prefix": prefix, **opts}
+        if skip_steps and "start_step" not in opts:
+            notes.append(f"SGLang start_step is an absolute forward count; the scenario's skip of "
+                         f"{skip_steps} steps is applied by triggering later, not by start_step")
+        body = self.start_profile_body(output_dir=folder, **kw)
+        return ProfileRequest(folder, body, bool(body.get("num_steps")), notes)
+
+    def profile_file(self, file_name: str) -> dict[str, Any] | None:
+        """``merged-….trace.json.gz`` → merged; ``…-TP-<n>-memory….pickle`` → memory; a per-rank trace → worker
+        with ``rank_key`` ``TP-<n>[-DP-<n>][-PP-<n>][-EP-<n>]`` (and ``stage`` for profile_by_stage files)."""
+        if _MERGED_FILE.search(file_name):
+            return {"kind": "merged"}
+        m = _MEMORY_FILE.search(file_name)
+        if m:
+            return {"kind": "memory", "engine": self.name, "tp": int(m.group("tp"))}
+        m = _RANK_FILE.search(file_name)
+        if not m:
+            return None
+        ids: dict[str, Any] = {k: int(v) for k, v in m.groupdict().items() if v is not None and k != "stage"}
+        key = "-".join(f"{k.upper()}-{ids[k]}" for k in ("tp", "dp", "pp", "ep") if k in ids)
+        out = {"kind": "worker", "engine": self.name, "rank_key": key, **ids}
+        if m.group("stage"):
+            out["stage"] = m.group("stage")
+        return out
+
