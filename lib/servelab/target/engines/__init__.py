@@ -37,5 +37,25 @@ def profile_file(file_name: str) -> dict[str, Any]:
     return {"kind": "other"}
 
 
+def trace_identity(file_name: str) -> dict[str, Any] | None:
+    """The rank identity a trace file name carries by the first engine whose naming rules it follows
+    (``EngineAdapter.trace_identity``); None when it follows none."""
+    for engine in all_engines():
+        out = engine.trace_identity(file_name)
+        if out is not None:
+            return out
+    return None
+
+
+def trace_name_hints() -> tuple[str, ...]:
+    """Every engine's regexes that mark a file name as a trace."""
+    return tuple(h for e in all_engines() for h in e.trace_name_hints)
+
+
+def trace_skip_dirs() -> tuple[str, ...]:
+    """Every engine's trace sub-folders that hold no serving-step traces."""
+    return tuple(d for e in all_engines() for d in e.trace_skip_dirs)
+
+
 __all__ = ["EngineAdapter", "LaunchPlan", "ProfileError", "ProfileRequest", "engine_for", "all_engines", "ADAPTERS",
-           "profile_file"]
+           "profile_file", "trace_identity", "trace_name_hints", "trace_skip_dirs"]

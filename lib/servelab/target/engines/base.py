@@ -1,5 +1,5 @@
 """What every engine adapter knows: launch settings, launch command, endpoints, request bodies, metric names,
-log markers and profiler requests.
+log markers, profiler requests and the names of the trace files the engine writes.
 
 Launch settings live in a target's ``launch:`` mapping. Keys common to all engines are validated
 here; each adapter adds its own. Commands are argv lists, never shell strings. Code outside
@@ -9,6 +9,7 @@ engine's name.
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,6 +80,15 @@ class ProfileError(ValueError):
     """A profiler request this engine cannot honour as asked (the message says what to change)."""
 
 
+# rank / tp / pp / dp / ep followed by a number in a file name ("rank3", "tp_2", "dp-0"); not inside a word
+NAME_RANK_TOKEN = re.compile(r"(?<![a-z])(rank|tp|pp|dp|ep)[-_]?(\d+)(?![0-9])", re.IGNORECASE)
+
+
+def name_rank_tokens(stem: str) -> dict[str, int]:
+    """``{"rank": .., "tp": .., ...}`` from the parallel-rank tokens of a file name stem (later ones win)."""
+    return {key.lower(): int(val) for key, val in NAME_RANK_TOKEN.findall(stem)}
+
+
 class EngineAdapter:
     """Base adapter. Subclasses fill the names and the launch builder."""
 
@@ -93,6 +103,10 @@ class EngineAdapter:
     version_paths: tuple[str, ...] = ()
     metric_names: dict[str, str] = {}      # our name -> engine's Prometheus series name
     log_markers: dict[str, str] = {}       # event -> regex over the server log
+    # trace files the engine's profiler writes (see trace_identity / profile_file)
+    trace_name_hints: tuple[str, ...] = ()      # regexes: a file name matching one is a trace of this engine
+    trace_skip_dirs: tuple[str, ...] = ()       # sub-folders of a trace folder that hold no serving-step traces
+    trace_profile_id_shared = False             # every rank's file of one capture carries the same profile id
 
     def launch_keys(self) -> set[str]:
         return set(COMMON_LAUNCH_KEYS) | set(self.extra_launch_keys)
@@ -169,6 +183,12 @@ class EngineAdapter:
         """What a file in the engine's profiler folder is, from its name: ``kind`` (worker | frontend | merged |
         memory | table) and, for worker traces, ``rank_key`` plus the parallel ranks the name carries.
         None: not a file this engine names."""
+        return None
+
+    def trace_identity(self, file_name: str) -> dict[str, Any] | None:
+        """The rank identity a trace file's name carries under this engine's naming rules (fields of
+        ``analyse.trace.load.RankIdentity``: engine, role, rank, tp, dp, pp, ep, stage, profile_id, source).
+        None: the name does not follow this engine's rules."""
         return None
 
 

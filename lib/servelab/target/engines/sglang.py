@@ -13,10 +13,14 @@ from servelab.target.spec import Target
 
 # trace files of SGLang's profiler: ``[prefix-]{profile_id}-TP-{tp}[-DP-{dp}][-PP-{pp}][-EP-{ep}][-{stage}]
 # .trace.json.gz`` per rank, ``merged-….trace.json.gz`` (every rank in one file), ``…-TP-{tp}-memory….pickle``
+_RANK_NAME = re.compile(
+    r"^(?:(?P<prefix>.+)-)?(?P<profile_id>[^-]+)-TP-(?P<tp>\d+)(?:-DP-(?P<dp>\d+))?(?:-PP-(?P<pp>\d+))?"
+    r"(?:-EP-(?P<ep>\d+))?(?:-(?P<stage>[A-Za-z_]+))?\.trace\.json(?:\.gz)?$")
 _RANK_FILE = re.compile(r"-TP-(?P<tp>\d+)(?:-DP-(?P<dp>\d+))?(?:-PP-(?P<pp>\d+))?(?:-EP-(?P<ep>\d+))?"
                         r"(?:-(?P<stage>[A-Za-z0-9_.]+))?\.trace\.json(?:\.gz)?$")
 _MEMORY_FILE = re.compile(r"-TP-(?P<tp>\d+)-memory.*\.pickle$")
 _MERGED_FILE = re.compile(r"^merged-.*\.trace\.json(?:\.gz)?$")
+MERGED_PREFIX = "merged-"
 
 
 class SGLangAdapter(EngineAdapter):
@@ -57,6 +61,10 @@ class SGLangAdapter(EngineAdapter):
         "oom": r"(CUDA out of memory|OutOfMemoryError|out of memory)",
         "crash": r"(Traceback \(most recent call last\)|Received sigquit|SIGKILL|Child process unexpectedly failed)",
     }
+
+    trace_name_hints = (r"-TP-\d+",)
+    trace_skip_dirs = ("graph_capture_profile",)      # CUDA-graph capture traces, not serving steps
+    trace_profile_id_shared = True
 
     def launch_plans(self, target: Target, port: int) -> list[LaunchPlan]:
         """One plan per node: the same server argv plus ``--nnodes/--node-rank/--dist-init-addr``."""
@@ -182,3 +190,16 @@ class SGLangAdapter(EngineAdapter):
             out["stage"] = m.group("stage")
         return out
 
+    def trace_identity(self, file_name: str) -> dict[str, Any] | None:
+        """A per-rank trace: profile id (with its prefix), tp/dp/pp/ep and the profile_by_stage stage (lower
+        case); a merged trace: role ``merged`` (every rank in one file, no clock alignment)."""
+        if file_name.startswith(MERGED_PREFIX):
+            return {"role": "merged"}
+        m = _RANK_NAME.match(file_name)
+        if not m:
+            return None
+        out: dict[str, Any] = {k: int(m[k]) for k in ("tp", "dp", "pp", "ep") if m[k] is not None}
+        out.update(engine=self.name, source="filename",
+                   profile_id=m["profile_id"] if not m["prefix"] else f"{m['prefix']}-{m['profile_id']}",
+                   stage=m["stage"].lower() if m["stage"] else None)
+        return out

