@@ -12,7 +12,9 @@ from servelab.target.engines.base import EngineAdapter, LaunchPlan, ProfileError
 from servelab.target.spec import Target
 
 # trace files of SGLang's profiler: ``[prefix-]{profile_id}-TP-{tp}[-DP-{dp}][-PP-{pp}][-EP-{ep}][-{stage}]
-# .trace.json.gz`` per rank, ``merged-….trace.json.gz`` (every rank in one file), ``…-TP-{tp}-memory….pickle``
+# .trace.json.gz`` per rank, ``merged-….trace.json.gz`` (every rank in one file), ``…-TP-{tp}-memory….pickle``.
+# _RANK_NAME (trace_identity, for the analyser) reads the profile id too; _RANK_FILE (profile_file, for
+# collecting a capture) needs only the ranks and takes any suffix of letters, digits, '_' or '.' as the stage.
 _RANK_NAME = re.compile(
     r"^(?:(?P<prefix>.+)-)?(?P<profile_id>[^-]+)-TP-(?P<tp>\d+)(?:-DP-(?P<dp>\d+))?(?:-PP-(?P<pp>\d+))?"
     r"(?:-EP-(?P<ep>\d+))?(?:-(?P<stage>[A-Za-z_]+))?\.trace\.json(?:\.gz)?$")
