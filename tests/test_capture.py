@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from servelab.measure import capture as cap
+from servelab.target.engines.vllm import vllm_start_profile_body
 from servelab.target.hosts import LocalHost
 from servelab.target.targets import target_from_dict
 from servelab.target.server import RunningServer
@@ -261,9 +262,9 @@ def test_refusals_name_the_problem(tmp_path: Path):
 
 
 def test_vllm_body_is_the_step_window():
-    assert cap.vllm_start_profile_body("D2.decode_control", 2, 16) == {
+    assert vllm_start_profile_body("D2.decode_control", 2, 16) == {
         "profile_prefix": "D2.decode_control", "delay_iterations": 2, "max_iterations": 16}
-    assert cap.vllm_start_profile_body(None, 0, None) == {}
+    assert vllm_start_profile_body(None, 0, None) == {}
 
 
 def test_clean_case_is_not_profiled(tmp_path: Path):

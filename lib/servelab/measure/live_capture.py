@@ -16,14 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from servelab.measure.capture import CaptureResult, ProfileScenario, capture, seeds_scenarios
+from servelab.target.engines import engine_for
 from servelab.target.hosts import ProcessTracker
 from servelab.target.server import RunningServer, start_server, stop_server
 
-PROFILING_ENGINES = ("vllm", "sglang")
-
 
 def can_capture(target: Any) -> bool:
-    return target.engine in PROFILING_ENGINES
+    return engine_for(target.engine).can_profile
 
 
 def _stream(srv: RunningServer, prompt: list[int], max_tokens: int, on_first: Any = None) -> int | BaseException:
@@ -47,6 +46,11 @@ def _stream(srv: RunningServer, prompt: list[int], max_tokens: int, on_first: An
         return exc
 
 
+def _worker_trace_written(srv: RunningServer, trace_dir: Path, prefix: str) -> bool:
+    """Whether a worker trace of this session (file name starting with ``prefix``) is in ``trace_dir``."""
+    return any((srv.engine.profile_file(p.name) or {}).get("kind") == "worker" for p in trace_dir.glob(f"{prefix}*"))
+
+
 def decode_drive(srv: RunningServer, scenario: ProfileScenario, trace_dir: Path, prefix: str,
                  keep_alive_s: float = 120.0) -> Any:
     """The decode-control drive: C streams; once every stream has its first token (decode active) call
@@ -66,7 +70,7 @@ def decode_drive(srv: RunningServer, scenario: ProfileScenario, trace_dir: Path,
         barrier.wait(300)
         start()
         deadline = time.monotonic() + keep_alive_s
-        while not list(trace_dir.glob(f"{prefix}*rank*.trace.json.gz")) and time.monotonic() < deadline:
+        while not _worker_trace_written(srv, trace_dir, prefix) and time.monotonic() < deadline:
             for k, t in enumerate(threads):
                 if not t.is_alive():
                     threads[k] = threading.Thread(target=one, args=(1000 + len(results) + k, False), daemon=True)

@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from servelab.target.engines import engine_for
 from servelab.target.server import http_json
 
 TokenizeFn = Callable[[str, bool], list[int]]
@@ -75,16 +76,16 @@ class Workload:
 # ---------------------------------------------------------------- engine tokenize endpoints
 
 def tokenize_body(engine: str, text: str, add_special: bool) -> dict[str, Any]:
-    """The body of the engine's tokenize endpoint (llama.cpp ``content``; vLLM/SGLang ``prompt``)."""
-    if engine == "llamacpp":
-        return {"content": text, "add_special": add_special}
-    return {"prompt": text, "add_special_tokens": add_special}
+    """The body of the engine's tokenize endpoint (``EngineAdapter.tokenize_body``)."""
+    return engine_for(engine).tokenize_body(text, add_special)
 
 
 def engine_tokenizer(base_url: str, engine: str, tokenize_path: str, timeout_s: float = 60.0) -> TokenizeFn:
     """A ``tokenize(text, add_special) -> ids`` function backed by the running engine."""
+    adapter = engine_for(engine)
+
     def tokenize(text: str, add_special: bool) -> list[int]:
-        status, body = http_json(base_url + tokenize_path, tokenize_body(engine, text, add_special),
+        status, body = http_json(base_url + tokenize_path, adapter.tokenize_body(text, add_special),
                                  timeout=timeout_s)
         if status != 200 or not isinstance(body, dict) or "tokens" not in body:
             raise WorkloadError(f"{base_url}{tokenize_path}: tokenize failed (HTTP {status}): {str(body)[:200]}")
@@ -241,10 +242,8 @@ def build_text_workload(name: str, n: int, input_tokens: int, output_tokens: int
 # ---------------------------------------------------------------- request bodies
 
 def output_control(engine: str, output_tokens: int) -> dict[str, Any]:
-    """Body fields that force exactly ``output_tokens`` tokens on ``engine``."""
-    if engine == "vllm":
-        return {"max_tokens": output_tokens, "min_tokens": output_tokens}
-    return {"max_tokens": output_tokens, "ignore_eos": True}
+    """Body fields that force exactly ``output_tokens`` tokens on ``engine`` (``EngineAdapter.output_control``)."""
+    return engine_for(engine).output_control(output_tokens)
 
 
 def request_body(spec: RequestSpec, engine: str, api: str, model: str, extra: dict[str, Any] | None = None

@@ -54,10 +54,11 @@ def engine_settings(target_launch: dict[str, Any], engine: str, info: dict[str, 
     models = info.get("/v1/models", {}) if isinstance(info.get("/v1/models"), dict) else {}
     meta = (models.get("data") or [{}])[0].get("meta", {}) if models.get("data") else {}
     spec = target_launch.get("spec") or {}
+    implied = adapter.implied_settings(target_launch)     # what the engine's nature fixes, where nothing reports it
     rows = [
         ("topology TP/PP/DP/EP", f"{topo['tp']}/{topo['pp']}/{topo['dp']}/{topo['ep']}",
          f"{sinfo.get('tp_size', '-')}/{sinfo.get('pp_size', '-')}/{sinfo.get('dp_size', '-')}/{sinfo.get('ep_size', '-')}"
-         if sinfo else ("1/1/1/1 (single process)" if engine == "llamacpp" else "-")),
+         if sinfo else implied.get("topology", "-")),
         ("attention backend", target_launch.get("attention_backend"), sinfo.get("attention_backend")),
         ("MoE runner / all-to-all backend", f"{target_launch.get('moe_runner_backend', '-')} / "
                                             f"{target_launch.get('moe_a2a_backend', '-')}", sinfo.get("moe_runner_backend")),
@@ -68,12 +69,12 @@ def engine_settings(target_launch: dict[str, Any], engine: str, info: dict[str, 
          sinfo.get("max_running_requests") or props.get("total_slots")),
         ("KV cache dtype", target_launch.get("kv_cache_dtype", "auto"), sinfo.get("kv_cache_dtype")),
         ("CUDA graph", target_launch.get("cuda_graph", "engine default"),
-         ("not applicable (CPU)" if engine == "llamacpp" else sinfo.get("disable_cuda_graph") is False if sinfo else None)),
+         implied["cuda_graph"] if "cuda_graph" in implied else sinfo.get("disable_cuda_graph") is False if sinfo else None),
         ("chunked prefill size", target_launch.get("chunked_prefill_size", "engine default"),
-         sinfo.get("chunked_prefill_size") or (f"batch {target_launch.get('batch_size', 2048)}" if engine == "llamacpp" else None)),
+         sinfo.get("chunked_prefill_size") or implied.get("chunked_prefill")),
         ("prefix cache", target_launch.get("prefix_cache", "engine default"),
-         ("per-slot prompt cache" if engine == "llamacpp" else
-          (not sinfo.get("disable_radix_cache")) if sinfo else None)),
+         implied["prefix_cache"] if "prefix_cache" in implied else
+         (not sinfo.get("disable_radix_cache")) if sinfo else None),
         ("speculative decoding", spec.get("algorithm", "off") if spec else "off",
          sinfo.get("speculative_algorithm") if sinfo else None),
         ("build / version", "-", props.get("build_info") or sinfo.get("version")),
@@ -149,10 +150,11 @@ def run_phase0(ctx: PhaseContext, start_engine: bool = True, health_timeout_s: f
                                health_timeout_s=health_timeout_s, hosts=nodes)
             model_path = srv.model_path
             info = engine_info(srv)
-            if target.engine == "llamacpp":
-                v = nodes[target.head.name].run([srv.plans[0].argv[0], "--version"], timeout=30)
+            version_cmd = srv.engine.version_command(srv.plans[0].argv)
+            if version_cmd:
+                v = nodes[target.head.name].run(version_cmd, timeout=30)
                 info["version"] = (v.stdout + v.stderr).strip()
-                log_command(ctx, "executed", [srv.plans[0].argv[0], "--version"], title="engine version",
+                log_command(ctx, "executed", version_cmd, title="engine version",
                             exit_code=v.exit_code, start=v.start, end=v.end)
             rank_env = rank_environments(srv)
             procs_during = pd.concat([process_snapshot(h) for h in nodes.values()], ignore_index=True)

@@ -88,38 +88,10 @@ def http_text(url: str, timeout: float = 10.0) -> tuple[int, str]:
         return 0, ""
 
 
-def resolve_local_artifacts(target: Target) -> tuple[str, str]:
-    """For llama.cpp targets: (binary, model path), building/assembling them if needed."""
-    from servelab.target.llamacpp_build import ensure_llama_server
-    from servelab.target.models import resolve_model
-    binary = target.launch.get("binary") or str(ensure_llama_server())
-    return binary, str(resolve_model(target.model))
-
-
 def plan_launch(target: Target, port: int | None = None) -> tuple[list[LaunchPlan], str]:
-    """The per-node launch plans (no side effect besides building/caching local artifacts)."""
-    engine = engine_for(target.engine)
+    """The per-node launch plans and the model path (no side effect besides building/caching local artifacts)."""
     port = port or target.port or hostlib.free_port(target.api_host)
-    if target.engine == "llamacpp":
-        binary, model = resolve_local_artifacts(target)
-        draft = None
-        spec = target.launch.get("spec") or {}
-        if spec.get("draft_model"):
-            from servelab.target.models import resolve_model
-            draft = str(resolve_model(spec["draft_model"]))
-        rpc = None
-        if len(target.nodes) > 1:
-            from servelab.target.llamacpp_build import rpc_server
-            rpc = target.launch.get("rpc_binary") or str(rpc_server())
-        return engine.launch_plans(target, port, binary=binary, model_path=model, draft_path=draft,
-                                   rpc_binary=rpc), model
-    if target.engine == "vllm" and target.is_local:
-        from servelab.target.vllm_cpu import needs_vllm_cpu, resolve_vllm_cpu
-        if needs_vllm_cpu(target.model, target.launch):
-            import dataclasses
-            model, launch = resolve_vllm_cpu(target.model, target.launch)
-            return engine.launch_plans(dataclasses.replace(target, model=model, launch=launch), port), model
-    return engine.launch_plans(target, port), target.model
+    return engine_for(target.engine).resolve_launch(target, port)
 
 
 def wait_healthy(base_url: str, path: str, timeout_s: float, alive: Any = None, log_path: str = "") -> float:

@@ -5,14 +5,10 @@ so a typo in a target file fails before anything starts.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
 
-from servelab.core.params import ParamError, did_you_mean, reject_unknown
-from servelab.core.paths import project_root
 
 
 @dataclass

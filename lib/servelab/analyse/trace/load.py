@@ -45,6 +45,8 @@ except ImportError:  # pragma: no cover - isal is a declared dependency of the t
     import gzip as _gzip
 
 from servelab.core.paths import cache_root
+from servelab.target.engines import engine_for, trace_identity, trace_name_hints, trace_skip_dirs
+from servelab.target.engines.base import name_rank_tokens
 
 PARSER_VERSION = 1
 CACHE_DIRNAME = ".servelab_cache"
@@ -602,10 +604,6 @@ def _meta_names(meta_events: list[dict]) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------- identity
 
-_SGLANG_RE = re.compile(
-    r"^(?:(?P<prefix>.+)-)?(?P<profile_id>[^-]+)-TP-(?P<tp>\d+)(?:-DP-(?P<dp>\d+))?(?:-PP-(?P<pp>\d+))?"
-    r"(?:-EP-(?P<ep>\d+))?(?:-(?P<stage>[A-Za-z_]+))?\.trace\.json(?:\.gz)?$")
-_TOKEN_RE = re.compile(r"(?<![a-z])(rank|tp|pp|dp|ep)[-_]?(\d+)(?![0-9])", re.IGNORECASE)
 TRACE_SUFFIXES = (".json", ".json.gz")
 
 
@@ -613,7 +611,7 @@ TRACE_SUFFIXES = (".json", ".json.gz")
 class RankIdentity:
     """Who wrote a trace file. ``rank`` is the global torch rank (``distributedInfo.rank`` when present)."""
     file: str
-    role: str = "rank"                  # rank | frontend
+    role: str = "rank"                  # rank | frontend | merged
     rank: int | None = None
     world_size: int | None = None
     tp: int | None = None
@@ -623,7 +621,7 @@ class RankIdentity:
     stage: str | None = None            # SGLang profile_by_stage suffix (prefill/decode) or forward mode
     profile_id: str | None = None
     node: str = "node0"
-    engine: str | None = None           # sglang | vllm | None
+    engine: str | None = None           # the engine whose naming rules the file follows, or None
     source: str = ""                    # which evidence gave rank/tp/pp
 
     @property
@@ -639,34 +637,23 @@ class RankIdentity:
 def identity_from_name(path: str | Path) -> RankIdentity:
     """Rank identity from a file name.
 
-    SGLang: ``[prefix-]{profile_id}-TP-{tp}[-DP-{dp}][-PP-{pp}][-EP-{ep}][-{stage}].trace.json.gz``.
-    vLLM (torch ``tensorboard_trace_handler``): ``{worker_name}.{time_ns}.pt.trace.json.gz`` whose worker name
-    holds ``rank0`` / ``dp0_pp0_tp0``; the API-server process writes an ``async_llm`` trace (role frontend).
+    Names an engine writes follow its adapter's rules (``EngineAdapter.trace_identity``): SGLang
+    ``[prefix-]{profile_id}-TP-{tp}[-DP-{dp}][-PP-{pp}][-EP-{ep}][-{stage}].trace.json.gz``; vLLM (torch
+    ``tensorboard_trace_handler``) ``{worker_name}.{time_ns}.pt.trace.json.gz`` whose worker name holds ``rank0`` /
+    ``dp0_pp0_tp0``, and the API-server process's ``async_llm`` trace (role frontend). Other names: the
+    ``rank``/``tp``/``pp``/``dp``/``ep`` tokens they hold, and the timestamp of a torch ``.pt.trace`` name.
     """
     name = Path(path).name
     ident = RankIdentity(file=str(path))
-    m = _SGLANG_RE.match(name)
-    if m:
-        ident.engine = "sglang"
-        ident.profile_id = m["profile_id"] if not m["prefix"] else f"{m['prefix']}-{m['profile_id']}"
-        for k in ("tp", "dp", "pp", "ep"):
-            if m[k] is not None:
-                setattr(ident, k, int(m[k]))
-        ident.stage = m["stage"].lower() if m["stage"] else None
-        ident.source = "filename"
-        return ident
-    if "async_llm" in name:
-        ident.role, ident.engine, ident.source = "frontend", "vllm", "filename"
+    fields = trace_identity(name)
+    if fields is not None:
+        for key, val in fields.items():
+            setattr(ident, key, val)
         return ident
     stem = name.split(".pt.trace")[0] if ".pt.trace" in name else name.split(".json")[0]
-    for key, val in _TOKEN_RE.findall(stem):
-        key = key.lower()
-        if key == "rank":
-            ident.rank = int(val)
-        else:
-            setattr(ident, key, int(val))
+    for key, val in name_rank_tokens(stem).items():
+        setattr(ident, key, val)
     if ".pt.trace" in name:
-        ident.engine = "vllm" if (ident.rank is not None or ident.tp is not None) else None
         parts = name.split(".")
         if len(parts) > 2 and parts[1].isdigit():
             ident.profile_id = parts[1]
@@ -812,10 +799,10 @@ def load_trace(path: str | Path, *, cache: bool = True, cache_dir: str | Path | 
                      from_cache=from_cache, cache_path=cpath)
 
 
-SKIP_DIRS = (CACHE_DIRNAME, "graph_capture_profile")   # our cache; SGLang's CUDA-graph capture traces
+SKIP_DIRS = (CACHE_DIRNAME, *trace_skip_dirs())   # our cache; engines' folders of non-serving traces
 
 
-_TRACE_NAME_RE = re.compile(r"\.trace\.json|-TP-\d+|rank\d+|async_llm", re.IGNORECASE)
+_TRACE_NAME_RE = re.compile("|".join((r"\.trace\.json", r"rank\d+", *trace_name_hints())), re.IGNORECASE)
 
 
 def looks_like_trace(path: Path, peek_bytes: int = 1 << 20) -> bool:
@@ -836,8 +823,8 @@ def looks_like_trace(path: Path, peek_bytes: int = 1 << 20) -> bool:
 
 
 def find_trace_files(trace_dir: str | Path) -> list[Path]:
-    """Trace files under ``trace_dir`` (recursive): ``*.json`` / ``*.json.gz``, outside our cache folder and
-    SGLang's ``graph_capture_profile/`` (capture-time traces, not serving steps)."""
+    """Trace files under ``trace_dir`` (recursive): ``*.json`` / ``*.json.gz``, outside ``SKIP_DIRS`` (our cache
+    folder and the engines' folders of capture-time traces, e.g. SGLang's ``graph_capture_profile/``)."""
     root = Path(trace_dir)
     if not root.is_dir():
         raise TraceFormatError(f"{root}: trace folder does not exist")
@@ -945,12 +932,13 @@ def load_capture(trace_dir: str | Path, *, profile_id: str | None = None, cache:
     if not files:
         raise TraceFormatError(f"{root}: no *.json / *.json.gz trace files in this folder")
     idents = {p: identity_from_name(p) for p in files}
-    ids = sorted({i.profile_id for i in idents.values() if i.engine == "sglang" and i.profile_id})
+    ids = sorted({i.profile_id for i in idents.values()
+                  if i.engine and i.profile_id and engine_for(i.engine).trace_profile_id_shared})
     if profile_id is None and len(ids) > 1:
         raise TraceFormatError(f"{root}: holds {len(ids)} SGLang captures ({', '.join(ids)}); "
                                f"pass profile_id= to choose one")
     frontend, skipped, todo = [], [], []
-    merged = [p for p in files if p.name.startswith("merged-")]
+    merged = [p for p in files if idents[p].role == "merged"]
     if merged and len(merged) == len(files):
         raise TraceFormatError(f"{root}: only SGLang merged traces ({', '.join(p.name for p in merged)}); they hold "
                                "every rank in one file without clock alignment — analyse the per-rank "

@@ -1,11 +1,15 @@
-"""What every engine adapter knows: launch settings, launch command, endpoints, metric names, log markers.
+"""What every engine adapter knows: launch settings, launch command, endpoints, request bodies, metric names,
+log markers, profiler requests and the names of the trace files the engine writes.
 
 Launch settings live in a target's ``launch:`` mapping. Keys common to all engines are validated
-here; each adapter adds its own. Commands are argv lists, never shell strings.
+here; each adapter adds its own. Commands are argv lists, never shell strings. Code outside
+``engines/`` asks the adapter (``engine_for(target.engine)`` / ``srv.engine``) rather than testing an
+engine's name.
 """
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -61,6 +65,30 @@ class LaunchPlan:
         return f"{env} {shlex.join(self.argv)}".strip()
 
 
+@dataclass
+class ProfileRequest:
+    """How to start the engine's profiler for one capture: the engine-side trace folder (the same path on every
+    node), the ``POST /start_profile`` body, whether the engine stops by itself after the requested steps,
+    and notes on how the request differs from what was asked."""
+    folder: str
+    body: dict[str, Any] | None
+    auto_stop: bool
+    notes: list[str] = field(default_factory=list)
+
+
+class ProfileError(ValueError):
+    """A profiler request this engine cannot honour as asked (the message says what to change)."""
+
+
+# rank / tp / pp / dp / ep followed by a number in a file name ("rank3", "tp_2", "dp-0"); not inside a word
+NAME_RANK_TOKEN = re.compile(r"(?<![a-z])(rank|tp|pp|dp|ep)[-_]?(\d+)(?![0-9])", re.IGNORECASE)
+
+
+def name_rank_tokens(stem: str) -> dict[str, int]:
+    """``{"rank": .., "tp": .., ...}`` from the parallel-rank tokens of a file name stem (later ones win)."""
+    return {key.lower(): int(val) for key, val in NAME_RANK_TOKEN.findall(stem)}
+
+
 class EngineAdapter:
     """Base adapter. Subclasses fill the names and the launch builder."""
 
@@ -89,6 +117,10 @@ class EngineAdapter:
     memory_log_note: str = ""
     # Phase 9: the per-position accepted-draft-tokens series where ``metric_names`` has none
     spec_per_position_series: str = ""
+    # trace files the engine's profiler writes (see trace_identity / profile_file)
+    trace_name_hints: tuple[str, ...] = ()      # regexes: a file name matching one is a trace of this engine
+    trace_skip_dirs: tuple[str, ...] = ()       # sub-folders of a trace folder that hold no serving-step traces
+    trace_profile_id_shared = False             # every rank's file of one capture carries the same profile id
 
     def launch_keys(self) -> set[str]:
         return set(COMMON_LAUNCH_KEYS) | set(self.extra_launch_keys)
@@ -147,8 +179,60 @@ class EngineAdapter:
         keeping the target's TP/PP so the kernels see the service's shapes."""
         raise ParamError(f"{self.name}: no single-batch benchmark is known for this engine")
 
-    # --- profile request bodies (engines that support it override)
+    def resolve_launch(self, target: Any, port: int) -> tuple[list[LaunchPlan], str]:
+        """(per-node launch plans, model path the engine loads). Engines whose local runs need artifacts
+        (a built binary, an assembled model, a CPU build) resolve them here."""
+        return self.launch_plans(target, port), target.model
+
+    def launch_plans(self, target: Any, port: int) -> list[LaunchPlan]:
+        raise NotImplementedError
+
+    def version_command(self, argv: list[str]) -> list[str] | None:
+        """The command that prints the engine's build/version, given a launch argv (its executable first);
+        None where the version comes from an HTTP endpoint (``version_paths``) only."""
+        return None
+
+    def implied_settings(self, launch: dict[str, Any]) -> dict[str, str]:
+        """Live values of Phase 0 settings that follow from the engine itself when it has no server-info
+        endpoint to report them. Keys: ``topology``, ``cuda_graph``, ``chunked_prefill``, ``prefix_cache``."""
+        return {}
+
+    # --- request bodies
+    def tokenize_body(self, text: str, add_special: bool) -> dict[str, Any]:
+        """The body of the engine's tokenize endpoint (``tokenize_path``)."""
+        return {"prompt": text, "add_special_tokens": add_special}
+
+    def output_control(self, output_tokens: int) -> dict[str, Any]:
+        """Completion body fields that force exactly ``output_tokens`` tokens."""
+        return {"max_tokens": output_tokens, "ignore_eos": True}
+
+    # --- profiler (engines that support it override)
+    @property
+    def can_profile(self) -> bool:
+        """Whether the engine has a torch profiler endpoint (``start_profile_path``)."""
+        return self.start_profile_path is not None
+
     def start_profile_body(self, **kw: Any) -> dict[str, Any] | None:
+        return None
+
+    def profile_request(self, launch: dict[str, Any], out_dir: str | None, *, case_dir_name: str, prefix: str,
+                        skip_steps: int, num_steps: int, **opts: Any) -> ProfileRequest:
+        """The profiler request for one capture of ``num_steps`` steps after ``skip_steps``, files named with
+        ``prefix``; ``out_dir`` is the asked engine-side folder (default: ``launch.profiler_dir`` or a
+        ``case_dir_name`` folder under it). Raises ``ProfileError`` when the engine cannot do it."""
+        raise ProfileError(f"engine '{self.name}' has no profiler endpoint")
+
+    # --- trace files the profiler writes
+    def profile_file(self, file_name: str) -> dict[str, Any] | None:
+        """What a file in the engine's profiler folder is, from its name: ``kind`` (worker | frontend | merged |
+        memory | table) and, for worker traces, ``rank_key`` plus the parallel ranks the name carries.
+        None: not a file this engine names."""
+        return None
+
+    def trace_identity(self, file_name: str) -> dict[str, Any] | None:
+        """The rank identity a trace file's name carries under this engine's naming rules (fields of
+        ``analyse.trace.load.RankIdentity``: engine, role, rank, tp, dp, pp, ep, stage, profile_id, source).
+        None: the name does not follow this engine's rules."""
         return None
 
 

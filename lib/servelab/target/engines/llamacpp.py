@@ -13,6 +13,14 @@ from servelab.core.params import ParamError
 from servelab.target.spec import Target
 
 
+def resolve_local_artifacts(target: Target) -> tuple[str, str]:
+    """(llama-server binary, model path), building/assembling them if needed."""
+    from servelab.target.llamacpp_build import ensure_llama_server
+    from servelab.target.models import resolve_model
+    binary = target.launch.get("binary") or str(ensure_llama_server())
+    return binary, str(resolve_model(target.model))
+
+
 class LlamaCppAdapter(EngineAdapter):
     name = "llamacpp"
     extra_launch_keys = {
@@ -72,6 +80,37 @@ class LlamaCppAdapter(EngineAdapter):
         "draft_acceptance": r"draft acceptance = +(?P<rate>[\d.]+) \( *(?P<acc>\d+) accepted / +(?P<gen>\d+) "
                             r"generated\)",
     }
+
+    def resolve_launch(self, target: Target, port: int) -> tuple[list[LaunchPlan], str]:
+        """Plans with the local artifacts resolved: ``llama-server`` (built and cached unless ``launch.binary``),
+        the model file, the draft model of ``launch.spec`` and, with worker nodes, ``ggml-rpc-server``."""
+        binary, model = resolve_local_artifacts(target)
+        draft = None
+        spec = target.launch.get("spec") or {}
+        if spec.get("draft_model"):
+            from servelab.target.models import resolve_model
+            draft = str(resolve_model(spec["draft_model"]))
+        rpc = None
+        if len(target.nodes) > 1:
+            from servelab.target.llamacpp_build import rpc_server
+            rpc = target.launch.get("rpc_binary") or str(rpc_server())
+        return self.launch_plans(target, port, binary=binary, model_path=model, draft_path=draft,
+                                 rpc_binary=rpc), model
+
+    def version_command(self, argv: list[str]) -> list[str] | None:
+        """``llama-server --version`` (build number and commit; /props has only the build string)."""
+        return [argv[0], "--version"]
+
+    def implied_settings(self, launch: dict[str, Any]) -> dict[str, str]:
+        """One CPU process: no parallel topology and no CUDA graphs; prefill goes in logical batches of
+        ``-b`` tokens; the prompt cache is per slot."""
+        return {"topology": "1/1/1/1 (single process)", "cuda_graph": "not applicable (CPU)",
+                "chunked_prefill": f"batch {launch.get('batch_size', 2048)}",
+                "prefix_cache": "per-slot prompt cache"}
+
+    def tokenize_body(self, text: str, add_special: bool) -> dict[str, Any]:
+        """llama.cpp's ``/tokenize`` takes ``content`` (vLLM/SGLang: ``prompt``)."""
+        return {"content": text, "add_special": add_special}
 
     def validate_launch(self, launch: dict[str, Any], source: str) -> None:
         super().validate_launch(launch, source)

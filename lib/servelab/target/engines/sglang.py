@@ -4,10 +4,25 @@ Flag names are those of current SGLang releases (``python3 -m sglang.launch_serv
 """
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Any
 
-from servelab.target.engines.base import EngineAdapter, LaunchPlan, docker_wrap
+from servelab.target.engines.base import EngineAdapter, LaunchPlan, ProfileError, ProfileRequest, docker_wrap
 from servelab.target.spec import Target
+
+# trace files of SGLang's profiler: ``[prefix-]{profile_id}-TP-{tp}[-DP-{dp}][-PP-{pp}][-EP-{ep}][-{stage}]
+# .trace.json.gz`` per rank, ``merged-….trace.json.gz`` (every rank in one file), ``…-TP-{tp}-memory….pickle``.
+# _RANK_NAME (trace_identity, for the analyser) reads the profile id too; _RANK_FILE (profile_file, for
+# collecting a capture) needs only the ranks and takes any suffix of letters, digits, '_' or '.' as the stage.
+_RANK_NAME = re.compile(
+    r"^(?:(?P<prefix>.+)-)?(?P<profile_id>[^-]+)-TP-(?P<tp>\d+)(?:-DP-(?P<dp>\d+))?(?:-PP-(?P<pp>\d+))?"
+    r"(?:-EP-(?P<ep>\d+))?(?:-(?P<stage>[A-Za-z_]+))?\.trace\.json(?:\.gz)?$")
+_RANK_FILE = re.compile(r"-TP-(?P<tp>\d+)(?:-DP-(?P<dp>\d+))?(?:-PP-(?P<pp>\d+))?(?:-EP-(?P<ep>\d+))?"
+                        r"(?:-(?P<stage>[A-Za-z0-9_.]+))?\.trace\.json(?:\.gz)?$")
+_MEMORY_FILE = re.compile(r"-TP-(?P<tp>\d+)-memory.*\.pickle$")
+_MERGED_FILE = re.compile(r"^merged-.*\.trace\.json(?:\.gz)?$")
+MERGED_PREFIX = "merged-"
 
 
 class SGLangAdapter(EngineAdapter):
@@ -50,6 +65,10 @@ class SGLangAdapter(EngineAdapter):
         "oom": r"(CUDA out of memory|OutOfMemoryError|out of memory)",
         "crash": r"(Traceback \(most recent call last\)|Received sigquit|SIGKILL|Child process unexpectedly failed)",
     }
+
+    trace_name_hints = (r"-TP-\d+",)
+    trace_skip_dirs = ("graph_capture_profile",)      # CUDA-graph capture traces, not serving steps
+    trace_profile_id_shared = True
 
     def launch_plans(self, target: Target, port: int) -> list[LaunchPlan]:
         """One plan per node: the same server argv plus ``--nnodes/--node-rank/--dist-init-addr``."""
@@ -153,3 +172,52 @@ class SGLangAdapter(EngineAdapter):
         if profile_stages:
             body["profile_stages"] = list(profile_stages)
         return body
+
+    def profile_request(self, launch: dict[str, Any], out_dir: str | None, *, case_dir_name: str, prefix: str,
+                        skip_steps: int, num_steps: int, **opts: Any) -> ProfileRequest:
+        """SGLang writes where the body's ``output_dir`` says: ``out_dir``, else ``<launch.profiler_dir>/
+        <case_dir_name>``. With ``num_steps`` it stops by itself. ``start_step`` is an absolute forward count,
+        so a skip of ``skip_steps`` is the caller's to apply by triggering later (said in the notes)."""
+        base = out_dir or (str(Path(launch["profiler_dir"]) / case_dir_name) if launch.get("profiler_dir") else None)
+        if not base:
+            raise ProfileError("SGLang needs an output folder: pass out_dir or set launch.profiler_dir")
+        folder = str(base)
+        notes = []
+        kw = {"num_steps": num_steps, "profile_prefix": prefix, **opts}
+        if skip_steps and "start_step" not in opts:
+            notes.append(f"SGLang start_step is an absolute forward count; the scenario's skip of "
+                         f"{skip_steps} steps is applied by triggering later, not by start_step")
+        body = self.start_profile_body(output_dir=folder, **kw)
+        return ProfileRequest(folder, body, bool(body.get("num_steps")), notes)
+
+    def profile_file(self, file_name: str) -> dict[str, Any] | None:
+        """``merged-….trace.json.gz`` → merged; ``…-TP-<n>-memory….pickle`` → memory; a per-rank trace → worker
+        with ``rank_key`` ``TP-<n>[-DP-<n>][-PP-<n>][-EP-<n>]`` (and ``stage`` for profile_by_stage files)."""
+        if _MERGED_FILE.search(file_name):
+            return {"kind": "merged"}
+        m = _MEMORY_FILE.search(file_name)
+        if m:
+            return {"kind": "memory", "engine": self.name, "tp": int(m.group("tp"))}
+        m = _RANK_FILE.search(file_name)
+        if not m:
+            return None
+        ids: dict[str, Any] = {k: int(v) for k, v in m.groupdict().items() if v is not None and k != "stage"}
+        key = "-".join(f"{k.upper()}-{ids[k]}" for k in ("tp", "dp", "pp", "ep") if k in ids)
+        out = {"kind": "worker", "engine": self.name, "rank_key": key, **ids}
+        if m.group("stage"):
+            out["stage"] = m.group("stage")
+        return out
+
+    def trace_identity(self, file_name: str) -> dict[str, Any] | None:
+        """A per-rank trace: profile id (with its prefix), tp/dp/pp/ep and the profile_by_stage stage (lower
+        case); a merged trace: role ``merged`` (every rank in one file, no clock alignment)."""
+        if file_name.startswith(MERGED_PREFIX):
+            return {"role": "merged"}
+        m = _RANK_NAME.match(file_name)
+        if not m:
+            return None
+        out: dict[str, Any] = {k: int(m[k]) for k in ("tp", "dp", "pp", "ep") if m[k] is not None}
+        out.update(engine=self.name, source="filename",
+                   profile_id=m["profile_id"] if not m["prefix"] else f"{m['prefix']}-{m['profile_id']}",
+                   stage=m["stage"].lower() if m["stage"] else None)
+        return out

