@@ -6,7 +6,7 @@ VENV    ?= .venv
 STAMP   := $(VENV)/.installed
 SYSTEM_PACKAGES := cmake ninja-build g++ openssh-server sysstat numactl ethtool chromium fonts-dejavu-core fonts-wqy-zenhei iproute2 procps util-linux
 
-.PHONY: demo test env system clean-outputs
+.PHONY: demo test lint env system clean-outputs
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -26,9 +26,14 @@ system:
 demo: $(STAMP) system
 	$(VENV)/bin/servelab demo
 
-test: $(STAMP) system
+test: $(STAMP) system lint
 	$(VENV)/bin/servelab build --tiny-only
 	$(VENV)/bin/python -m pytest -q
+
+# The architecture and the code style, checked: import contracts (pyproject [tool.importlinter]) and ruff.
+lint: $(STAMP)
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/ruff check lib tests benchmarks
 
 clean-outputs:
 	rm -rf outputs

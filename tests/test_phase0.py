@@ -1,7 +1,6 @@
 """Phase 0 end to end, three equal ways (CLI, plain papermill, the library), rendered and seen in a browser."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys

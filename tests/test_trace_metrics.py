@@ -215,7 +215,7 @@ def test_top_kernels_and_breakdown_sum(h200_rank0):
     ev = doc["traceEvents"]
     want = sum(_ns(e["dur"]) for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")) / 1e6
     assert total == pytest.approx(want, abs=1e-6)
-    for kind, g in bd.group_by("kind"):
+    for _kind, g in bd.group_by("kind"):
         assert g["share_pct"].sum() == pytest.approx(100.0)
 
 

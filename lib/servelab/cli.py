@@ -12,7 +12,6 @@ that names the closest valid one.
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 import time

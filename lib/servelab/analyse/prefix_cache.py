@@ -4,7 +4,8 @@ accept / reject rule, KV usage over time, the memory breakdown of the startup lo
 **KV usage over time.** vLLM (``vllm:kv_cache_usage_perc``) and SGLang (``sglang:token_usage``) expose a KV
 gauge, scraped from ``/metrics`` during every point. llama.cpp has no KV gauge: its ``/slots`` endpoint gives,
 per slot, ``n_ctx`` and the tokens the slot's KV holds (``n_prompt_tokens`` = prompt + generated so far, also
-for an idle slot that keeps its last prompt for reuse). :class:`servelab.measure.slots.SlotsPoller` samples it; *active* usage counts
+for an idle slot that keeps its last prompt for reuse). :class:`servelab.measure.slots.SlotsPoller` samples it;
+*active* usage counts
 the processing slots, *held* usage every slot (idle slots keep their cached prompt). Both are token counts over
 the slots' capacity, not allocator bytes — the page says so.
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import ast
 import difflib
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 

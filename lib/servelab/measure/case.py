@@ -85,14 +85,9 @@ SCALES: dict[str, dict[str, Any]] = {
 
 
 def max_request_tokens(target: Any) -> int | None:
-    """Tokens one request may hold (prompt + output): llama.cpp = context / slots, others = context length."""
-    la = target.launch or {}
-    ctx = la.get("context_length")
-    if ctx is None:
-        return None
-    if target.engine == "llamacpp":
-        return int(ctx) // int(la.get("parallel", 8))
-    return int(ctx)
+    """Tokens one request may hold (prompt + output), as the target's engine counts them."""
+    from servelab.target.engines import engine_for
+    return engine_for(target.engine).max_request_tokens(target.launch or {})
 
 
 def _fit(case: CaseSpec, limit: int | None) -> CaseSpec:
@@ -165,8 +160,8 @@ class CaseEnv:
 
     def client_config(self, case_id: str) -> ClientConfig:
         extra: dict[str, Any] = {}
-        if self.engine.flush_cache_path is None and self.srv.target.engine == "llamacpp":
-            extra["cache_prompt"] = False
+        if self.engine.flush_cache_path is None and self.engine.request_cache_switch:
+            extra[self.engine.request_cache_switch] = False    # no flush endpoint: no reuse, request by request
         return ClientConfig(self.srv.base_url, self.srv.target.served_model_name or "default",
                             engine=self.srv.target.engine, api=self.api, extra_body=extra, timeout_s=self.timeout_s,
                             request_id_prefix=f"{self.run_dir.name}-{case_id}", progress=self.progress)

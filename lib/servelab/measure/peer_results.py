@@ -168,7 +168,7 @@ def from_guidellm(obj: dict[str, Any], file: str = "") -> list[dict[str, Any]]:
     for i, b in enumerate(obj.get("benchmarks") or []):
         m = b.get("metrics") or {}
 
-        def dist(name: str, scale: float = 1.0) -> dict[str, float | None]:
+        def dist(name: str, scale: float = 1.0, m: dict[str, Any] = m) -> dict[str, float | None]:
             d = ((m.get(name) or {}).get("successful")) or {}
             pct = d.get("percentiles") or {}
             def s(v: Any) -> float | None:

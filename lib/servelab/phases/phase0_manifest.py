@@ -46,7 +46,8 @@ def _kv(rows: dict[str, Any], key: str = "item") -> pd.DataFrame:
 
 
 def engine_settings(target_launch: dict[str, Any], engine: str, info: dict[str, Any]) -> pd.DataFrame:
-    """The Phase 0 settings list (``docs/method.md#phase0``): configured value and, where the engine reports it, the live value."""
+    """The Phase 0 settings list (``docs/method.md#phase0``): configured value and, where the engine reports it,
+    the live value."""
     adapter = engine_for(engine)
     topo = adapter.topology(target_launch)
     props = info.get("/props", {}) if isinstance(info.get("/props"), dict) else {}

@@ -233,7 +233,8 @@ def headline_metrics(table: pd.DataFrame, metrics: list[str] | None = None) -> p
 
 
 def questions(run: Phase2Run, ctx: Any | None = None) -> pd.DataFrame:
-    """The telemetry questions (``docs/method.md#telemetry-questions``) for every case (hot core, machine saturation, NUMA, rails, errors, GPU
+    """The telemetry questions (``docs/method.md#telemetry-questions``) for every case (hot core, machine saturation,
+    NUMA, rails, errors, GPU
     throttling, memory headroom) with the evidence and the collector status behind each answer."""
     netdevs = [d for n in ctx.target.nodes for d in n.netdevs] if ctx is not None else None
     frames = [answer_questions(c, netdevs) for c in run.cases if c.window is not None]

@@ -77,8 +77,8 @@ def run_hit_point(srv: RunningServer, run_dir: Path, point: HitPoint, pool: list
     # group g's requests in order (request i belongs to group i % G)
     streams = [[r for r in wl.requests if (r.index % point.groups) == g] for g in range(point.groups)]
     extra: dict[str, Any] = {}
-    if engine == "llamacpp":
-        extra["cache_prompt"] = bool(point.cache_prompt)
+    if srv.engine.request_cache_switch:        # the per-request prefix-reuse flag, where the engine has one
+        extra[srv.engine.request_cache_switch] = bool(point.cache_prompt)
     cfg = ClientConfig(srv.base_url, srv.target.served_model_name or "default", engine=engine, extra_body=extra,
                        request_id_prefix=f"{Path(run_dir).name}-{point.case_id}")
     poller = SlotsPoller(srv.base_url, interval_s=poll_interval_s) if has_slots_endpoint(srv) else None

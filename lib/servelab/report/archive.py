@@ -128,11 +128,14 @@ def _lessons_html(m: dict[str, Any]) -> str:
     failed = [a for a in m.get("attempts", []) if a.get("status") != "success"]
     if not failed:
         return ""
-    rows = "".join(f"<tr><td>{html.escape(str(a.get('phase', '')))}</td><td><small>{html.escape(str(a.get('started', '')))}"
-                   f"</small></td><td class='bad'>{html.escape(str(a.get('status', '')))}</td>"
-                   f"<td>{html.escape(str(a.get('error') or '-'))}"
-                   f"{'<br><small>not executed: ' + html.escape(', '.join(map(str, a.get('not_executed') or []))) + '</small>' if a.get('not_executed') else ''}"
-                   f"</td><td><small>{html.escape(json.dumps(a.get('params', {}), ensure_ascii=False)[:300])}</small></td></tr>"
+    def row(a: dict[str, Any]) -> str:
+        not_run = a.get("not_executed")
+        extra = (f"<br><small>not executed: {html.escape(', '.join(map(str, not_run)))}</small>" if not_run else "")
+        params = html.escape(json.dumps(a.get("params", {}), ensure_ascii=False)[:300])
+        return (f"<tr><td>{html.escape(str(a.get('phase', '')))}</td><td><small>{html.escape(str(a.get('started', '')))}"
+                f"</small></td><td class='bad'>{html.escape(str(a.get('status', '')))}</td>"
+                f"<td>{html.escape(str(a.get('error') or '-'))}{extra}</td><td><small>{params}</small></td></tr>")
+    rows = "".join(row(a)
                    for a in failed)
     return ("<h2 class='servelab-lessons'>Lessons — failed attempts (经验教训)</h2><p><small>Kept for the record; "
             "never evidence. The body above shows each phase's latest run.</small></p><table><tr><th>phase</th>"

@@ -33,7 +33,8 @@ DOC_PAGE = """<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>servelab — {title}</title>
 <style>
   body {{ font-family: sans-serif; max-width: 1100px; margin: 0 auto; padding: 12px; line-height: 1.45; }}
-  table {{ border-collapse: collapse; margin: 8px 0; }} th, td {{ border: 1px solid #ccc; padding: 3px 6px; vertical-align: top; }}
+  table {{ border-collapse: collapse; margin: 8px 0; }}
+  th, td {{ border: 1px solid #ccc; padding: 3px 6px; vertical-align: top; }}
   code, pre {{ background: #f5f5f5; }} pre {{ padding: 8px; overflow-x: auto; }}
   a {{ color: #2e6da4; }}
 </style></head>

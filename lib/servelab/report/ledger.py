@@ -42,7 +42,7 @@ def hypotheses() -> dict[str, dict[str, Any]]:
     builtin = yaml.safe_load((Path(__file__).resolve().parents[1] / "data" / "hypotheses.yaml").read_text())
     user_file = project_root() / "params" / "hypotheses.yaml"
     user = yaml.safe_load(user_file.read_text()) if user_file.exists() else {}
-    for hid, h in (user or {}).items():
+    for h in (user or {}).values():
         h.setdefault("source", "user")
     for h in builtin.values():
         h.setdefault("source", "built-in")

@@ -230,11 +230,11 @@ DERIVED: dict[str, tuple[Any, ...]] = {
 }
 # SASS thread-instruction counters → flops (an FMA is 2 flops); the ncu roofline section counts the same way
 FLOP_COUNTERS: dict[str, tuple[tuple[str, float], ...]] = {
-    "fp32": (("smsp__sass_thread_inst_executed_op_fadd_pred_on.sum", 1), ("smsp__sass_thread_inst_executed_op_fmul_pred_on.sum", 1),
+    "fp32": (("smsp__sass_thread_inst_executed_op_fadd_pred_on.sum", 1), ("smsp__sass_thread_inst_executed_op_fmul_pred_on.sum", 1),  # noqa: E501
              ("smsp__sass_thread_inst_executed_op_ffma_pred_on.sum", 2)),
-    "fp16": (("smsp__sass_thread_inst_executed_op_hadd_pred_on.sum", 1), ("smsp__sass_thread_inst_executed_op_hmul_pred_on.sum", 1),
+    "fp16": (("smsp__sass_thread_inst_executed_op_hadd_pred_on.sum", 1), ("smsp__sass_thread_inst_executed_op_hmul_pred_on.sum", 1),  # noqa: E501
              ("smsp__sass_thread_inst_executed_op_hfma_pred_on.sum", 2)),
-    "fp64": (("smsp__sass_thread_inst_executed_op_dadd_pred_on.sum", 1), ("smsp__sass_thread_inst_executed_op_dmul_pred_on.sum", 1),
+    "fp64": (("smsp__sass_thread_inst_executed_op_dadd_pred_on.sum", 1), ("smsp__sass_thread_inst_executed_op_dmul_pred_on.sum", 1),  # noqa: E501
              ("smsp__sass_thread_inst_executed_op_dfma_pred_on.sum", 2)),
 }
 # tensor-core work: sm__ops_path_tensor_* count operations (FLOPs, 2 per multiply-add) per source type. Checked on

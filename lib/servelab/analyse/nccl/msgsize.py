@@ -40,7 +40,8 @@ def model_message_sizes(hidden_size: int, dtype_bytes: int, tokens_per_step: dic
                         sequences_per_step: dict[str, int] | None = None, ep: int = 1,
                         top_k: int = 0) -> pd.DataFrame:
     """Collective sizes per step for each scenario of ``tokens_per_step`` (e.g. ``{"decode C=32": 32,
-    "prefill 4K": 4096}``; for EP the tokens one rank holds). Columns: scenario, collective, tokens, msg_bytes, calls_per_step, what."""
+    "prefill 4K": 4096}``; for EP the tokens one rank holds). Columns: scenario, collective, tokens, msg_bytes,
+    calls_per_step, what."""
     if hidden_size <= 0 or dtype_bytes <= 0 or tp <= 0:
         raise ValueError("hidden_size, dtype_bytes and tp must be positive")
     rows = []

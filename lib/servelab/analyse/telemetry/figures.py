@@ -15,7 +15,8 @@ PALETTE = ["rgba(46,109,164,0.12)", "rgba(181,137,0,0.14)", "rgba(192,57,43,0.12
 def timeseries_figure(samples: pd.DataFrame, windows: list[CaseWindow], metrics: list[str],
                       max_devices: int = 8, title: str = "Telemetry per node (case windows shaded)") -> go.Figure:
     """One row per metric; one trace per node/device (at most ``max_devices`` per node, busiest first);
-    x is UTC wall time (naive: plotly.js does not read zone offsets); every case window is a shaded band labelled with its case id. Metrics with no
+    x is UTC wall time (naive: plotly.js does not read zone offsets); every case window is a shaded band labelled
+    with its case id. Metrics with no
     sample get an empty row that says so, never a line at 0."""
     metrics = list(metrics)
     present = set(samples["metric"]) if not samples.empty else set()

@@ -124,7 +124,8 @@ def analyse(capture: Capture | str | Path, *, window_regex: str | None = None, t
         windows=_concat(r.windows for r in rops), window_metrics=wm, summary=summary,
         breakdown=M.kernel_breakdown(rops), top_kernels=M.top_kernels(rops, top_n), gaps=gaps,
         gap_summary=M.gap_summary(gaps), graph=M.graph_coverage(rops), launch=M.launch_stats(rops),
-        device_busy=_concat(M.device_busy(r) for r in rops), cpu_threads=_concat(per_rank[id(r.trace)][0] if id(r.trace) in per_rank
+        device_busy=_concat(M.device_busy(r) for r in rops),
+        cpu_threads=_concat(per_rank[id(r.trace)][0] if id(r.trace) in per_rank
                                                    else M.cpu_thread_busy(r) for r in rops),
         alignment=al, collective_skew=cskew, step_skew=sskew, slow_rank=slow,
         pp=R.pp_overlap(rops, al), pp_compute=R.pp_overlap(rops, al, compute_only=True),
@@ -138,7 +139,8 @@ def analyse(capture: Capture | str | Path, *, window_regex: str | None = None, t
 
 def census(cap: Capture, done: dict[int, pl.DataFrame] | None = None) -> pl.DataFrame:
     """Event census per rank: events and total duration (ms) per (phase type, Kineto category) — what the
-    trace holds before any interpretation (a census: read it before trusting any derived number). ``done``: ranks already counted while
+    trace holds before any interpretation (a census: read it before trusting any derived number). ``done``: ranks
+    already counted while
     streaming (keyed by ``id(trace)``)."""
     done = done or {}
     parts = [done[id(t)] if id(t) in done else _census_rank(t) for t in cap.ranks]

@@ -113,7 +113,7 @@ _LIST_DECODER = msgspec.json.Decoder(list[_Event])
 _LENIENT = msgspec.json.Decoder()
 
 _INT_ARG_FIELDS = {  # column → (args key) for the lenient path
-    "external_id": "External id", "correlation": "correlation", "in_nelems": "In msg nelems", "out_nelems": "Out msg nelems", "group_size": "Group size",
+    "external_id": "External id", "correlation": "correlation", "in_nelems": "In msg nelems", "out_nelems": "Out msg nelems", "group_size": "Group size",  # noqa: E501
     "seq": "Seq", "bytes": "bytes", "graph_id": "graph id",
 }
 _STR_ARG_FIELDS = {"coll": "Collective name", "dtype": "dtype", "pg_name": "Process Group Name",
@@ -454,7 +454,7 @@ def _last_boundary(buf: bytearray) -> int | None:
     while True:
         lo = max(0, n - window)
         last = None
-        for last in _BOUNDARY_RE.finditer(buf, lo):
+        for last in _BOUNDARY_RE.finditer(buf, lo):  # noqa: B007 (the last match is what we want)
             pass
         if last is not None:
             return last.start() + last.group(0).index(b",")

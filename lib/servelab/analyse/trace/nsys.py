@@ -1,7 +1,8 @@
 """Nsight Systems: the ``nsys profile`` / ``nsys stats`` command lines of ``docs/method.md#capture-scenarios``, and an importer of
 ``nsys stats --format csv`` reports.
 
-Column names follow the Nsight Systems analysis guide (``nsys stats`` report names; ``cuda_gpu_kern_sum``: ``Time (%),Total Time (ns),Instances,Avg (ns),
+Column names follow the Nsight Systems analysis guide (``nsys stats`` report names; ``cuda_gpu_kern_sum``: ``Time
+(%),Total Time (ns),Instances,Avg (ns),
 Med (ns),Min (ns),Max (ns),StdDev (ns),Name``; ``cuda_api_sum`` the same with ``Num Calls``; ``nvtx_sum`` with
 ``Style,Range``; ...). Times are ns unless the report was written with ``--timeunit``; the importer
 converts the unit found in the header to ns.

@@ -149,6 +149,11 @@ class EngineAdapter:
         """Local targets listen on loopback only; cluster heads must accept the client's connection."""
         return str(target.launch.get("bind_host") or ("127.0.0.1" if target.is_local else "0.0.0.0"))
 
+    def max_request_tokens(self, launch: dict[str, Any]) -> int | None:
+        """Tokens one request may hold (prompt + output): the context length (None where unset)."""
+        ctx = launch.get("context_length")
+        return int(ctx) if ctx is not None else None
+
     def layout_launch_settings(self, layout: Any) -> dict[str, Any]:
         """The ``launch:`` keys that express a parallel layout (``tp, pp, dp, ep, dp_attention`` as in
         :class:`servelab.analyse.topology.Layout`). Default: SGLang's notation, attention DP inside the TP group."""

@@ -57,6 +57,11 @@ class LlamaCppAdapter(EngineAdapter):
     interference_sweep = ("batch_size", (2048, 32))
     confound_setting = {"ubatch_size": 8}
     request_cache_switch = "cache_prompt"
+
+    def max_request_tokens(self, launch: dict[str, Any]) -> int | None:
+        """llama.cpp splits its context over its slots: a request holds context / parallel tokens."""
+        ctx = launch.get("context_length")
+        return int(ctx) // int(launch.get("parallel", 8)) if ctx is not None else None
     # printed at -lv 4; group names are what the memory breakdown reads
     memory_log_patterns = (
         ("breakdown (model + context + compute)",
