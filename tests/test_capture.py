@@ -32,7 +32,7 @@ class RemoteLikeHost(LocalHost):
 # ---------------------------------------------------------------- scenarios
 
 def test_capture_scenarios_match_the_method_table():
-    dc, mx, lp = cap.seeds_scenarios("cluster", decode_case="D2-c32", mixed_case="M1-treatment", prefill_case="P3")
+    dc, mx, lp = cap.capture_scenarios("cluster", decode_case="D2-c32", mixed_case="M1-treatment", prefill_case="P3")
     # docs/method.md#capture-scenarios: decode control 1K->1K C=32, skip 2, capture 16
     assert (dc.name, dc.case_id, dc.isl_tokens, dc.osl_tokens, dc.concurrency, dc.skip_steps, dc.num_steps,
             dc.trigger) == ("decode_control", "D2-c32", 1024, 1024, 32, 2, 16, "decode_active")
@@ -42,7 +42,7 @@ def test_capture_scenarios_match_the_method_table():
     # long prefill: 128K->1, C=1, 16 steps from the first chunk
     assert (lp.isl_tokens, lp.osl_tokens, lp.concurrency, lp.num_steps, lp.skip_steps, lp.trigger) == \
         (131072, 1, 1, 16, 0, "before_first_chunk")
-    local = cap.seeds_scenarios("local")
+    local = cap.capture_scenarios("local")
     assert all(s.isl_tokens + s.osl_tokens <= 2048 for s in local)
     assert local[1].inject_isl_tokens + 1 <= 2048
 

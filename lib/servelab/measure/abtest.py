@@ -1,6 +1,6 @@
 """One-variable A/B discipline: manifest diff, confound flags, noise-aware case comparison, the seven questions.
 
-The seeds' §16: every experiment answers seven questions — what changed, why it should touch the current
+``docs/method.md#discipline``: every experiment answers seven questions — what changed, why it should touch the current
 bottleneck, what else changed, how the end-to-end metrics moved, how the profile evidence moved, whether it adds
 accuracy / stability / memory risk, whether to keep it — and never changes several parameters at once and
 reports only the final TPS, never compares a profiling run with a clean run, never looks only at means. This
@@ -317,9 +317,9 @@ def _fmt(v: Any) -> str:
 
 def seven_questions(diff: pd.DataFrame, comparison: pd.DataFrame, labels: Sequence[str],
                     answers: dict[str, str] | None = None) -> pd.DataFrame:
-    """The seeds' seven questions: measured parts from the diff and the comparison, judgement parts from
-    ``answers`` (keys ``what_changed, why, what_else, end_to_end, profile_change, risk, keep``); an empty
-    judgement is shown as ``not answered``. Columns: ``question, answer, source``."""
+    """The seven questions (``docs/method.md#discipline``): measured parts from the diff and the comparison,
+    judgement parts from ``answers`` (keys ``what_changed, why, what_else, end_to_end, profile_change, risk,
+    keep``); an empty judgement is shown as ``not answered``. Columns: ``question, answer, source``."""
     answers = {k: v for k, v in (answers or {}).items() if str(v).strip()}
     a_lab, b_lab = labels[0], labels[-1]
     rows = []
@@ -397,7 +397,7 @@ class ABResult:
 
     @property
     def profiled_vs_clean(self) -> bool:
-        """True when one side had a profiler attached and the other not (seeds §16 forbid comparing them)."""
+        """True when one side had a profiler attached and the other not (``docs/method.md#profiled-runs``: never compared)."""
         flags = [bool((r.manifest.get("launch") or {}).get("settings", {}).get("profiler_dir")) for r in self.runs]
         return len(set(flags)) > 1
 

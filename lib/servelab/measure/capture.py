@@ -1,7 +1,7 @@
 """Engine-side profile capture for Phase 3: start/stop the engine's torch profiler around a benchmark case,
 wait for every rank's trace to be complete, and collect the traces from every node into the case folder.
 
-The seeds' capture rules (000 §7.1–7.3) are built in:
+The capture rules of ``docs/method.md#profiling`` are built in:
 
 - a capture covers 10 to 32 engine steps after warm-up (``ProfileScenario`` refuses other windows);
 - three scenarios, each bound to the benchmark case it profiles: ``decode_control`` (1K→1K, C=32, skip 2
@@ -45,7 +45,7 @@ from servelab.target.engines import ProfileError, profile_file
 from servelab.core.run import CommandRecord, now_iso, record_command, write_json_atomic
 
 SCENARIOS = ("decode_control", "mixed_treatment", "long_prefill")
-STEP_WINDOW = (10, 32)          # seeds §7.1: capture only 10 to 32 engine steps after warm-up
+STEP_WINDOW = (10, 32)          # docs/method.md#profiling-lessons: capture only 10 to 32 engine steps after warm-up
 TRIGGERS = ("decode_active", "before_first_chunk")
 CASE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+-]{0,95}$")
 
@@ -88,7 +88,7 @@ class ProfileScenario:
         lo, hi = STEP_WINDOW
         if not lo <= self.num_steps <= hi:
             raise CaptureError(f"scenario {self.name} ({self.case_id}): num_steps={self.num_steps} is outside the "
-                               f"seeds' capture window of {lo}-{hi} engine steps")
+                               f"capture window of {lo}-{hi} engine steps (docs/method.md#profiling-lessons)")
         for key in ("isl_tokens", "osl_tokens", "concurrency"):
             if getattr(self, key) < 1:
                 raise CaptureError(f"scenario {self.name}: {key} must be >= 1, got {getattr(self, key)}")
@@ -115,16 +115,16 @@ class ProfileScenario:
 
 SCALES = {
     # name: (short ISL, OSL, decode C, long ISL)
-    "cluster": (1024, 1024, 32, 131072),     # the seeds' lengths
+    "cluster": (1024, 1024, 32, 131072),     # the reference cluster's lengths (docs/method.md#capture-scenarios)
     "local": (128, 256, 8, 1536),            # fits local-vllm's 2048-token context
 }
 
 
-def seeds_scenarios(scale: str = "cluster", decode_case: str = "D2-c32", mixed_case: str = "M1-treatment",
-                    prefill_case: str = "P3") -> list[ProfileScenario]:
-    """The seeds' three Phase 3 scenarios (000 §7.3), each bound to its benchmark case id.
+def capture_scenarios(scale: str = "cluster", decode_case: str = "D2-c32", mixed_case: str = "M1-treatment",
+                      prefill_case: str = "P3") -> list[ProfileScenario]:
+    """The three Phase 3 scenarios (``docs/method.md#capture-scenarios``), each bound to its benchmark case id.
 
-    ``scale`` ``cluster`` uses the seeds' lengths (1K→1K at C=32, 128K→1); ``local`` shrinks them for
+    ``scale`` ``cluster`` uses the reference lengths (1K→1K at C=32, 128K→1); ``local`` shrinks them for
     a CPU engine with a 2048-token context. Pass the case ids the benchmark matrix uses.
     """
     if scale not in SCALES:

@@ -1,8 +1,8 @@
 """The Phase 1 quick matrix (P1–P4, D1, D2, M1) and the case runner.
 
-Matrix (seeds 000 §5.1 / 004 §5.1–5.3), scaled by ``target.scale``:
+Matrix (``docs/method.md#cases``), scaled by ``target.scale``:
 
-| case | cluster (seeds) | local (2-core CPU, llama.cpp slots) | goal |
+| case | cluster | local (2-core CPU, llama.cpp slots) | goal |
 |---|---|---|---|
 | P1 | 1K → 1, C 1 | 64 → 1, C 1 | fixed overhead, minimum TTFT |
 | P2 | 32K → 1, C 1 | 256 → 1, C 1 | mid-length prefill |
@@ -12,11 +12,12 @@ Matrix (seeds 000 §5.1 / 004 §5.1–5.3), scaled by ``target.scale``:
 | D2 | 1K → 1K, C 16 / 32 / 64 | 64 → 64, C 4 / 8 / 16 | decode throughput, batching |
 | M1 | decode 1K → 1K C 32 + one 128K → 1 injected 10 s in | decode 64 → 128 C 8 + one 768 → 1 at 2 s | prefill interference |
 
-9 fixed points + M1 (control, treatment, and the injected request): the seeds' "9 + 3". Lengths never exceed
+9 fixed points + M1 (control, treatment, and the injected request): "9 + 3". Lengths never exceed
 the serving capacity: an input that does not fit the per-request context (llama.cpp: context / slots) is
-clamped, and the reason is written into the case (seeds: "if 128K is not available, lower it and record why").
+clamped, and the reason is written into the case (``docs/method.md#capacity``: if 128K is not available, lower it and
+record why).
 
-Rules (004 §4–§5.3): one warm-up for short prefill and decode points (P1, D1, D2, M1's background), none for
+Rules (``docs/method.md#rules``): one warm-up for short prefill and decode points (P1, D1, D2, M1's background), none for
 the long prefill points (P2, P3, P4, the injection); prefix cache flushed after the warm-up (llama.cpp has no
 flush endpoint: every request then sends ``cache_prompt: false``, recorded in ``meta.json``); quick runs send
 one wave (``num_prompts = C``) once, milestones 3 repeats with the CV checked (≤ 3 %); a failed case is recorded
@@ -326,7 +327,7 @@ def run_case(env: CaseEnv, case: CaseSpec, run_fn: Callable[[CaseEnv, CaseSpec, 
             meta["warmup"] = {"requests": len(wrecs), "ok": all(r.ok for r in wrecs),
                               "shape": [case.input_tokens, min(case.output_tokens, 16)]}
         else:
-            meta["warmup"] = {"requests": 0, "reason": "no same-shape warm-up for long prefill points (seeds §4)"}
+            meta["warmup"] = {"requests": 0, "reason": "no same-shape warm-up for long prefill points (docs/method.md#warmup)"}
         meta["cache_flush"] = flush_cache(env)
         scraper.start()
         for rep in range(env.repeats):
@@ -446,8 +447,8 @@ def run_matrix(env: CaseEnv, cases: list[CaseSpec], resume: bool = False,
     """Run ``cases`` in order. A failed case is recorded and the matrix goes on; ENGINE_CRASH stops it.
 
     ``resume``: a case whose dir passes ``case_is_done`` is loaded, not re-run. ``on_oom(env, result)``
-    must restart the engine and return the new env (seeds §16: never measure on after an OOM without a
-    restart); without it an OOM stops the run. Writes ``summary.csv`` over all cases.
+    must restart the engine and return the new env (``docs/method.md#oom-restart``: never measure on after an OOM
+    without a restart); without it an OOM stops the run. Writes ``summary.csv`` over all cases.
     """
     runner = case_runner or run_case
     results: list[CaseResult] = []
@@ -472,14 +473,14 @@ def run_matrix(env: CaseEnv, cases: list[CaseSpec], resume: bool = False,
             done_ids.append(case.case_id)
             break
         except KeyboardInterrupt:
-            # the user stopped the run (seeds 004 §5.3): keep what was measured, list what was not executed
+            # the user stopped the run (docs/method.md#case-policy): keep what was measured, list what was not executed
             aborted = f"STOPPED_BY_USER during {case.case_id}"
             break
         results.append(res)
         done_ids.append(case.case_id)
         if res.status == OOM:
             if on_oom is None:
-                aborted = f"{OOM}: {case.case_id} (no restart hook; seeds §16 forbid measuring on after an OOM)"
+                aborted = f"{OOM}: {case.case_id} (no restart hook; never measure on after an OOM without a restart)"
                 break
             env = on_oom(env, res)
             restarts.append({"after": case.case_id, "reason": OOM, "when": now_iso()})

@@ -1,4 +1,4 @@
-"""Phase 3 on a live engine: start it with its torch profiler configured, drive the seeds' decode-control
+"""Phase 3 on a live engine: start it with its torch profiler configured, drive the decode-control
 scenario (C streams decoding → start → skip 2 steps → capture 16), collect every rank's trace into the
 profiled case's folder, and hand that folder to the analyser.
 
@@ -15,7 +15,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from servelab.measure.capture import CaptureResult, ProfileScenario, capture, seeds_scenarios
+from servelab.measure.capture import CaptureResult, ProfileScenario, capture, capture_scenarios
 from servelab.target.engines import engine_for
 from servelab.target.hosts import ProcessTracker
 from servelab.target.server import RunningServer, start_server, stop_server
@@ -83,13 +83,13 @@ def decode_drive(srv: RunningServer, scenario: ProfileScenario, trace_dir: Path,
 
 
 def capture_live(ctx: Any, health_timeout_s: float = 900.0) -> tuple[Path, CaptureResult]:
-    """Start the target's engine with its profiler writing under the phase folder, capture the seeds'
+    """Start the target's engine with its profiler writing under the phase folder, capture the
     decode-control scenario, stop the engine. Returns (folder of collected traces, capture result)."""
     raw = ctx.phase_dir / "engine-profiles"
     raw.mkdir(parents=True, exist_ok=True)
     target = dataclasses.replace(ctx.target, launch={**ctx.target.launch, "profiler_dir": str(raw)})
     scale = "cluster" if target.scale == "cluster" else "local"
-    scenario = seeds_scenarios(scale, decode_case="D2-profile")[0]
+    scenario = capture_scenarios(scale, decode_case="D2-profile")[0]
     case_dir = ctx.run_dir / "cases" / scenario.profiled_case_id
     case_dir.mkdir(parents=True, exist_ok=True)
     meta = case_dir / "meta.json"
