@@ -16,7 +16,7 @@ from servelab.analyse.topology import (GIB, Cluster, CommInputs, Layout, MemoryI
                                        comm_summary, comm_table, engine_launch_settings, feasibility, kv_bytes_per_token,
                                        launch_commands, layout_problems, load_model_config, measured_comparison,
                                        memory_table, memory_figure, comm_figure, model_config_from_dict, param_summary,
-                                       parse_layout, pp_partition, seed_layouts, stage_weights_bytes)
+                                       parse_layout, pp_partition, reference_layouts, stage_weights_bytes)
 
 sys.path.insert(0, str(Path(__file__).parent))
 from casefiles import write_cases  # noqa: E402
@@ -77,7 +77,7 @@ def test_tp16_and_tp8pp2_hold_w_over_16_each():
     # with the real DeepSeek-V3 shape both layouts are within 3 % of W/16 (MLA down-projections are replicated)
     ds = load_model_config("deepseek-v3")
     cl = Cluster("2x8", 2, 8)
-    feas = feasibility(memory_table(ds, seed_layouts(cl), cl, MemoryInputs(gpu_memory_gib=95.6))).set_index("layout")
+    feas = feasibility(memory_table(ds, reference_layouts(cl), cl, MemoryInputs(gpu_memory_gib=95.6))).set_index("layout")
     w16 = param_summary(ds).set_index("component").loc["total", "gib"] / 16
     assert feas.loc["TP16", "weights_gib"] == pytest.approx(w16, rel=0.03)
     assert feas.loc["TP8+PP2", "weights_gib"] == pytest.approx(w16, rel=0.05)
@@ -114,7 +114,7 @@ def test_feasibility_verdicts_for_the_reference_cluster():
     ds = load_model_config("deepseek-v3")
     cl = cluster_from_target(load_target("example-2node"))
     assert (cl.nodes, cl.gpus_per_node) == (2, 8)
-    lays = seed_layouts(cl) + [parse_layout("TP32"), parse_layout("TP16+EP7")]
+    lays = reference_layouts(cl) + [parse_layout("TP32"), parse_layout("TP16+EP7")]
     mem = MemoryInputs(gpu_memory_gib=95.6, mem_fraction=0.88, context_tokens=131072, concurrency=16,
                        kv_cache_dtype="fp8_e4m3")
     feas = feasibility(memory_table(ds, lays, cl, mem)).set_index("layout")
@@ -184,7 +184,7 @@ def test_layout_parsing_and_engine_settings():
 
 def test_launch_commands_come_from_the_sglang_adapter():
     t = load_target("example-2node")
-    lc = launch_commands(t, seed_layouts(cluster_from_target(t)))
+    lc = launch_commands(t, reference_layouts(cluster_from_target(t)))
     assert lc.groupby("layout").size().to_dict() == {"TP16": 2, "TP8+PP2": 2, "TP16+DP2+EP16": 2}
     pp = lc[lc["layout"] == "TP8+PP2"].iloc[0]["argv"]
     assert pp[pp.index("--tp-size") + 1] == "8" and pp[pp.index("--pp-size") + 1] == "2"

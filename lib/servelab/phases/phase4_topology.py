@@ -14,7 +14,7 @@ import pandas as pd
 
 from servelab.analyse.topology import (Cluster, CommInputs, MemoryInputs, ModelConfig, cluster_from_target, comm_summary,
                                        comm_table, feasibility, launch_commands, layout_problems, load_model_config,
-                                       measured_comparison, memory_table, param_summary, parse_layout, seed_layouts)
+                                       measured_comparison, memory_table, param_summary, parse_layout, reference_layouts)
 
 
 @dataclass
@@ -51,7 +51,7 @@ def run_phase4(ctx: Any, model_config: str, cluster_target: str, layouts: Sequen
     cfg = load_model_config(model_config)
     base = load_target(cluster_target)
     cluster = cluster_from_target(base)
-    lays = [parse_layout(x) for x in layouts] if layouts else seed_layouts(cluster)
+    lays = [parse_layout(x) for x in layouts] if layouts else reference_layouts(cluster)
     mem = MemoryInputs(gpu_memory_gib=gpu_memory_gib,
                        mem_fraction=mem_fraction if mem_fraction is not None else float(base.launch.get("mem_fraction", 0.88)),
                        context_tokens=context_tokens or int(base.launch.get("context_length", 32768)),

@@ -1,12 +1,12 @@
 """Parallel topology model: memory and communication per layout, feasibility, launch settings, measured comparison.
 
-The seeds' §9: TP16 baseline; TP8+PP2 (each node one pipeline stage, per-GPU weights ``(W/2)/8 = W/16`` like
+``docs/method.md#topology``: TP16 baseline; TP8+PP2 (each node one pipeline stage, per-GPU weights ``(W/2)/8 = W/16`` like
 TP16, only stage-boundary activations cross nodes); attention TP8/DP2 + MoE EP16 (attention replicated per DP
-group, experts spread over all 16 GPUs; all-to-all instead of all-reduce). M3 (§15) asks for each layout's
-memory, communication, TTFT, TPOT and TPS and the evidence for the recommended and rejected ones; before any
+group, experts spread over all 16 GPUs; all-to-all instead of all-reduce). M3 (``docs/method.md#milestones``) asks
+for each layout's memory, communication, TTFT, TPOT and TPS and the evidence for the recommended and rejected ones; before any
 launch, the model says which layouts fit.
 
-Notation (SGLang's flags, which the seeds' deployment uses): ``TP16+DP2+EP16`` is ``--tp-size 16 --dp-size 2
+Notation (SGLang's flags, which the reference deployment uses): ``TP16+DP2+EP16`` is ``--tp-size 16 --dp-size 2
 --enable-dp-attention --ep-size 16``: the TP group of a pipeline stage has ``tp`` GPUs; with DP attention the
 attention runs as ``dp`` groups of ``tp/dp`` GPUs; experts are split over ``ep`` GPUs, each expert sharded
 ``tp/ep`` ways. ``PPn`` multiplies the GPU count by n. For vLLM the same layout is launched as
@@ -43,7 +43,7 @@ from servelab.analyse.topology.comm import CommInputs, comm_summary, comm_table
 from servelab.analyse.topology.figures import comm_figure, memory_figure
 from servelab.analyse.topology.layout import (Cluster, Layout, cluster_from_target, engine_launch_settings,
                                               launch_commands, layout_problems, layout_target, parse_layout,
-                                              pp_partition, seed_layouts)
+                                              pp_partition, reference_layouts)
 from servelab.analyse.topology.measured import layout_of_manifest, measured_comparison
 from servelab.analyse.topology.memory import (MemoryInputs, feasibility, kv_bytes_per_token, memory_table,
                                               stage_weights_bytes)
@@ -53,7 +53,7 @@ from servelab.analyse.topology.model import (DTYPE_BYTES, GIB, KV_DTYPE_BYTES, L
 
 __all__ = ["CommInputs", "comm_summary", "comm_table", "comm_figure", "memory_figure", "Cluster", "Layout",
            "cluster_from_target", "engine_launch_settings", "launch_commands", "layout_problems", "layout_target",
-           "parse_layout", "pp_partition", "seed_layouts", "layout_of_manifest", "measured_comparison",
+           "parse_layout", "pp_partition", "reference_layouts", "layout_of_manifest", "measured_comparison",
            "MemoryInputs", "feasibility", "kv_bytes_per_token", "memory_table", "stage_weights_bytes", "DTYPE_BYTES",
            "GIB", "KV_DTYPE_BYTES", "LayerParams", "ModelConfig", "active_params", "dtype_bytes", "layer_params",
            "load_model_config", "model_config_from_dict", "models_dir", "param_summary"]

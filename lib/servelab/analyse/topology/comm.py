@@ -17,7 +17,7 @@ class CommInputs:
     act_bytes: float = 2.0              # bf16 activations
     dispatch_bytes: float = 1.0 + 4.0 / 128   # EP dispatch in fp8 with an fp32 scale per 128 (DeepEP)
     node_dedup: bool = False            # EP: a token crosses to a node once (DeepEP normal mode) vs once per expert
-    internode_gbps_per_node: float = 800.0    # rails × line rate (seeds: 2 × 400G RoCE)
+    internode_gbps_per_node: float = 800.0    # rails × line rate (reference cluster: 2 × 400G RoCE)
 
 
 def _nodes_spanned(first_rank: int, size: int, gpn: int) -> int:

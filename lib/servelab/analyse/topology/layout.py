@@ -87,9 +87,9 @@ def cluster_from_target(target: Target, gpus_per_node: int = 0) -> Cluster:
     return Cluster(target.name, len(target.nodes) or 1, g)
 
 
-def seed_layouts(cluster: Cluster) -> list[Layout]:
-    """The seeds' three layouts for this cluster: TP over all GPUs, TP per node + PP over nodes, attention DP per
-    node + EP over all GPUs."""
+def reference_layouts(cluster: Cluster) -> list[Layout]:
+    """The three layouts of ``docs/method.md#topology`` for this cluster: TP over all GPUs, TP per node + PP over
+    nodes, attention DP per node + EP over all GPUs."""
     g, n = cluster.gpus, cluster.nodes
     out = [Layout(tp=g, name=f"TP{g}")]
     if n > 1:

@@ -23,7 +23,7 @@ def measured_comparison(runs: Sequence[str | Path], feas: pd.DataFrame | None = 
                         comm: pd.DataFrame | None = None, k: float = 2.0) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Measured TTFT / TPOT / TPS per layout and case from run summaries, next to the modelled memory and comm.
 
-    The first run is the baseline (the seeds keep TP16 as the reference). Returns ``(table, verdicts)``:
+    The first run is the baseline (TP16 stays the reference, ``docs/method.md#topology``). Returns ``(table, verdicts)``:
     ``table`` one row per run × case (means over repeats, CV of output TPS); ``verdicts`` one row per layout:
     ``recommended`` (faster outside the noise band on output TPS in most shared cases and no latency regression
     outside noise), ``not recommended`` (slower or a latency regression outside noise, or does not fit), ``no
@@ -60,12 +60,12 @@ def measured_comparison(runs: Sequence[str | Path], feas: pd.DataFrame | None = 
             columns={"cross_node_mib_per_step": "model_cross_node_mib_per_step"}), on="layout", how="left")
     base_ref, base_lay, base_s, _ = per_run[0]
     verdicts = [{"layout": base_lay.label, "run_id": base_ref.run_id, "verdict": "baseline",
-                 "evidence": "reference layout (seeds §9.1: TP16 stays the baseline)"}]
+                 "evidence": "reference layout (TP16 stays the baseline)"}]
     layout_keys = ["launch.settings." + k for k in ("tp_size", "pp_size", "dp_size", "ep_size", "dp_attention")]
     for ref, lay, s, _ in per_run[1:]:
         diff = diff_manifests([base_ref, ref], layout_keys)
         confounds = diff[diff["status"] == "confound"]["key"].tolist() if not diff.empty else []
-        if confounds:   # seeds §16: only the layout may change between the compared runs
+        if confounds:   # docs/method.md#one-variable: only the layout may change between the compared runs
             verdicts.append({"layout": lay.label, "run_id": ref.run_id, "verdict": "confounded — no conclusion",
                              "evidence": "besides the layout these changed: " + ", ".join(confounds[:12])})
             continue
