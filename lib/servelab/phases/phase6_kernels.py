@@ -93,7 +93,7 @@ def run_phase6(ctx: Any, kernel_source: str = "", ncu_csv: Sequence[str] = (), t
 
 
 def derived_view(derived: pd.DataFrame) -> pd.DataFrame:
-    """The §11 table as a reader wants it: one row per kernel launch, rounded, units in the headers."""
+    """The derived kernel table as a reader wants it: one row per kernel launch, rounded, units in the headers."""
     if derived.empty:
         return derived
     cols = {"function": "kernel", "duration_ns": "duration_us", "sm_throughput_pct": "SM %", "tensor_pipe_pct": "tensor pipe %",
@@ -119,7 +119,7 @@ def source_banner(ctx: Any, res: Phase6Result):
 
 
 def ncu_view(res: Phase6Result, what: str = "derived"):
-    """``derived`` (the §11 table), ``stalls``, ``rules`` or ``roofline`` — or a banner when no ncu CSV was imported."""
+    """``derived`` (the kernel table), ``stalls``, ``rules`` or ``roofline`` — or a banner when no ncu CSV was imported."""
     from servelab.report.banner import banner
     if not res.ncu_files:
         return banner("No ncu CSV was imported: run the planned commands above on the GPU node (or pass ncu_csv) "

@@ -1,6 +1,6 @@
 """Kernel deep-dive: the top kernels of a Phase 3 capture, ``ncu`` commands, ``ncu`` CSV import, roofline.
 
-The seeds (§11, and §3 of the rendered plan): pick from the timeline the 1–3 kernels that contribute most to the
+``docs/method.md#kernels`` (and ``#workflow``): pick from the timeline the 1–3 kernels that contribute most to the
 critical path, then use Nsight Compute on a *small reproduction* — never a long ``ncu`` over the full service
 (its overhead is very high and the report huge). Analyse SM and tensor-core utilisation, DRAM throughput and
 L2 hit rate, occupancy, register and shared-memory pressure, warp stall reasons, kernel shape and batch/token

@@ -47,7 +47,7 @@ def roofline_figure(roof: pd.DataFrame, gpu: str = "H200", kind: str = "spec") -
 
 
 def top_kernels_figure(ranked: pd.DataFrame, n: int = 10) -> go.Figure:
-    """One panel per window: its ``n`` largest kernels by critical-path ms, largest on top, coloured by the seeds'
+    """One panel per window: its ``n`` largest kernels by critical-path ms, largest on top, coloured by their
     suspect. The ``unannotated`` window (kernels outside every step) is left out when step windows exist."""
     from plotly.subplots import make_subplots
     df = ranked

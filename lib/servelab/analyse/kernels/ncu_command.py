@@ -30,9 +30,9 @@ ROOFLINE_METRICS = (
 
 @dataclass
 class NcuSpec:
-    """What one ``ncu`` run collects. Defaults follow the seeds: few launches of one kernel, the sections the
-    seeds' §11 questions need, the roofline counters, and clocks left alone (``--clock-control none``: the
-    device machines' rule, and the GPU keeps the clocks the service would see)."""
+    """What one ``ncu`` run collects. Defaults follow ``docs/method.md#kernels``: few launches of one kernel, the
+    sections its questions need, the roofline counters, and clocks left alone (``--clock-control none``: the GPU
+    keeps the clocks the service would see)."""
     kernel_regex: str = ""                 # --kernel-name regex:<...> (matched against --kernel-name-base)
     kernel_name_base: str = "function"     # function | demangled | mangled
     launch_skip: int = 0                   # matching launches to skip first (past warm-up / graph capture)

@@ -265,7 +265,7 @@ def _lookup(m: pd.DataFrame, candidates: tuple[Any, ...]) -> tuple[float, str]:
 
 
 def derived_metrics(report: NcuReport) -> pd.DataFrame:
-    """One row per profiled kernel launch: the seeds' §11 quantities (units in the column names).
+    """One row per profiled kernel launch: the quantities of ``docs/method.md#kernels`` (units in the column names).
 
     ``sm_throughput_pct, tensor_pipe_pct, dram_throughput_pct, l2_hit_rate_pct, achieved_occupancy_pct,
     registers_per_thread, shared_mem_*_bytes, duration_ns, dram_bytes``, flops per precision, and

@@ -14,9 +14,9 @@ class KernelTableError(ValueError):
     """A Phase 3 kernel table that lacks what the ranking needs."""
 
 
-# ---------------------------------------------------------------- seeds' suspects
+# ---------------------------------------------------------------- suspects
 
-# (suspect label of the seeds §11, regex on the kernel name); first match wins. Ordered so that the specific
+# (suspect label of docs/method.md#kernel-suspects, regex on the kernel name); first match wins. Ordered so that the specific
 # DeepSeek-V4 suspects (indexer, sparse MLA) win over the generic classes.
 SUSPECTS: tuple[tuple[str, str], ...] = (
     ("NCCL / communication collective", r"nccl|all_?reduce|all_?gather|reduce_?scatter|alltoall|all_to_all|"
@@ -41,7 +41,7 @@ SMALL_KERNEL_US = 10.0     # mean duration under which a frequently launched ker
 
 
 def suspect_of(name: str) -> str:
-    """The seeds' §11 suspect category a kernel name falls in (``other`` when none)."""
+    """The suspect category (``docs/method.md#kernel-suspects``) a kernel name falls in (``other`` when none)."""
     for label, rx in SUSPECTS:
         if re.search(rx, name or "", re.IGNORECASE):
             return label
@@ -79,7 +79,7 @@ def _as_pandas(frame: Any) -> pd.DataFrame:
 
 
 def rank_kernels(frame: Any, window: str | None = None) -> pd.DataFrame:
-    """Every kernel of a Phase 3 table ranked by its time on the critical path, with the seeds' suspect label.
+    """Every kernel of a Phase 3 table ranked by its time on the critical path, with its suspect label.
 
     Columns: ``rank, window, name, function, class, suspect, count, total_dur_ms, mean_dur_us, share_pct``
     (of the window's summed kernel time), ``ranked_by`` (``exposed_dur_ns`` when the table has it, else
@@ -125,9 +125,9 @@ def rank_kernels(frame: Any, window: str | None = None) -> pd.DataFrame:
 
 
 def top_kernels(frame: Any, n: int = 3, window: str | None = None, include_comm: bool = False) -> pd.DataFrame:
-    """The top ``n`` (1–3 in the seeds) kernels per window that ``ncu`` should look at."""
+    """The top ``n`` (1–3 in ``docs/method.md#kernels``) kernels per window that ``ncu`` should look at."""
     if not 1 <= n <= 10:
-        raise ValueError(f"n must be between 1 and 10 (the seeds pick 1 to 3), got {n}")
+        raise ValueError(f"n must be between 1 and 10 (the method picks 1 to 3), got {n}")
     ranked = rank_kernels(frame, window)
     if not include_comm:
         ranked = ranked[ranked["ncu_suitable"]]
