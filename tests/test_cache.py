@@ -1,5 +1,5 @@
 """Phase 8 on the real tiny llama-server (cache_prompt on, an engine restart per point as the flush):
-the hit-rate matrix achieves 0/20/50/80 % within SG-PC's tolerance, counter deltas equal a hand computation from
+the hit-rate matrix achieves 0/20/50/80 % within docs/metrics.md#hit-rate's bound, counter deltas equal a hand computation from
 the raw ``/metrics`` snapshots and per-request usage, a deliberately bad point is REJECTED, KV usage comes from
 ``/slots`` and the KV cache size from the startup log equals the model's arithmetic.
 """

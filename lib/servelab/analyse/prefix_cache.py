@@ -49,7 +49,7 @@ from servelab.target.server import RunningServer
 TARGET_RATES = (0.0, 0.2, 0.5, 0.8)
 PURPOSES = {0.0: "pure compute baseline", 0.2: "low-reuse traffic", 0.5: "medium shared prefix",
             0.8: "agent / coding, high reuse"}
-MIN_TOLERANCE = 0.005                  # 0.5 percentage points (SG-PC)
+MIN_TOLERANCE = 0.005                  # 0.5 percentage points (docs/metrics.md#hit-rate)
 
 
 # ---------------------------------------------------------------- KV usage over time
@@ -162,7 +162,7 @@ class HitPoint:
 
 
 def tolerance(page_tokens: int, input_tokens: int) -> float:
-    """SG-PC's rejection bound: ``max(0.5 pp, page_size / ISL)`` as a fraction."""
+    """The rejection bound of ``docs/metrics.md#hit-rate``: ``max(0.5 pp, page_size / ISL)`` as a fraction."""
     return max(MIN_TOLERANCE, page_tokens / max(input_tokens, 1))
 
 

@@ -1,6 +1,6 @@
 """Phase 7 — prefill/decode interference: a decode background, periodic long prefills, and one-knob sweeps.
 
-**The case** (seeds §12.1): a decode background held at concurrency ``C`` — ``C`` closed-loop streams, each
+**The case** (``docs/method.md#interference``): a decode background held at concurrency ``C`` — ``C`` closed-loop streams, each
 sending its next request (ISL → OSL, unique prompt) as soon as the previous one finished, the first requests
 shortened in steps of OSL/C so that the streams never change requests in lockstep — and, once every stream is
 past its prefill (two warm-up TTFTs) and a settle time has passed, a long prefill (ISL_long → 1, C 1, no
@@ -10,7 +10,7 @@ streams stop taking new requests. Settle and quiet gap default to two estimated 
 decode warm-up's TPOT). The steady span used for validity is measured, not assumed: from the latest first token
 of the streams' first requests to the stop. Lengths scale with ``target.scale``.
 
-**Knob sweep** (seeds §12.2): the same case for each value of ONE launch setting, the engine restarted per value
+**Knob sweep** (``docs/method.md#knobs``): the same case for each value of ONE launch setting, the engine restarted per value
 (llama.cpp ``batch_size`` — its per-iteration token budget, which decode tokens fill first and prompt chunks
 share: the analogue of SGLang's ``chunked_prefill_size`` — ``ubatch_size``, ``parallel``; SGLang
 ``chunked_prefill_size``, ``max_prefill_tokens``, ``max_running_requests``). A setting the engine ignores
@@ -172,7 +172,7 @@ def run_interference(srv: RunningServer, run_dir: Path, spec: InterferenceSpec, 
     env = CaseEnv(srv=srv, run_dir=Path(run_dir), pool=pool, seed=seed)
     cfg = env.client_config(spec.case_id)
     _, log_off = read_log_since(env, 0)
-    # decode warm-up at the background's shape (seeds: warm-up for decode points, none for the long prefill)
+    # decode warm-up at the background's shape (docs/method.md#warmup: decode points yes, the long prefill no)
     wl_w = build_workload(spec.case_id + "-warmup", spec.concurrency, spec.background_input_tokens, 8, pool,
                           seed=case_seed(seed, spec.case_id + "/warmup", 0), role="warmup", start_index=10**6)
     wrun = run_sync(lambda: run_async(wl_w.requests, cfg, concurrency=spec.concurrency))

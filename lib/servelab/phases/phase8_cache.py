@@ -1,8 +1,8 @@
 """Phase 8 — memory and caches: KV usage over time, memory breakdown, the prefix-cache hit-rate matrix.
 
-**Prefix-cache hit-rate matrix** (seeds §13: 0 % pure compute baseline, 20 % low reuse, 50 % shared prefix,
-80 % agent/coding). SGLang's ``generated-shared-prefix`` layout with SG-PC's discipline
-(``../shared/research/bench_clients.md`` §3): each point uses ``groups`` shared prefixes of
+**Prefix-cache hit-rate matrix** (``docs/method.md#hit-rate-matrix``: 0 % pure compute baseline, 20 % low reuse,
+50 % shared prefix, 80 % agent/coding). SGLang's ``generated-shared-prefix`` layout with the discipline of SGLang's
+``benchmark/prefix_cache_benchmark.py``: each point uses ``groups`` shared prefixes of
 ``round(rate · ISL)`` random token ids followed by a unique head and random ids (``workload.build_workload``);
 the cache is flushed before the point (llama.cpp has no flush endpoint: the engine is restarted), each group's
 prefix is pre-warmed once, then every group sends its requests one after another, the groups concurrently (a

@@ -1,11 +1,11 @@
 """Phase 9 — speculative decoding: acceptance from counter deltas, draft overhead, net gain per concurrency.
 
-Seeds §14: record accept rate, mean accept length, target forward TPS, draft/MTP overhead, CPU scheduling
+``docs/method.md#speculative``: record accept rate, mean accept length, target forward TPS, draft/MTP overhead, CPU scheduling
 bubbles and the net gain at several concurrencies — never only the accept length, never only C = 1.
 
 **Acceptance** comes from the engine's counters over the exact measurement window (a ``/metrics`` snapshot
 taken at idle right before the measured requests and one right after they all finished), as ``vllm bench
-serve`` does it (``../shared/research/bench_clients.md`` §4) — never from a running average such as SGLang's
+serve`` does it (``docs/metrics.md#acceptance``) — never from a running average such as SGLang's
 ``avg_spec_accept_length``. The formulas, the window checks, the net gain and the figures are in
 :mod:`servelab.analyse.speculative`; this module runs the configs and points, writes the phase tables and holds
 the page's views.
@@ -217,7 +217,7 @@ def run_phase9(ctx: Any, drafts: list[str] | None = None, num_draft_tokens: int 
         scale.update(MODEL_SCALES.get(str(target.model), {}))
     cs = [int(c) for c in (concurrencies or scale["concurrencies"])]
     if len(cs) < 2:
-        ctx.notes.append("only one concurrency: the seeds ask for the net gain at several (never only C=1)")
+        ctx.notes.append("only one concurrency: the net gain must be measured at several (never only C=1)")
     isl = int(input_tokens or scale["input_tokens"])
     osl = int(output_tokens or scale["output_tokens"])
     limit = max_request_tokens(target)

@@ -1,4 +1,4 @@
-"""The seeds' milestones M1–M4 (§15) as a checklist computed from what a run holds.
+"""The milestones M1–M4 (``docs/method.md#milestones``) as a checklist computed from what a run holds.
 
 Each milestone is met only when every check passes; a check that has no data says so ("not measured"),
 and cases that were planned but not executed are listed, never silently missing. Measured cases are read
@@ -16,7 +16,7 @@ import pandas as pd
 
 from servelab.core.run import read_manifest
 
-M1_CV_BOUND_PCT = 3.0          # seeds §15: key TPS coefficient of variation "尽量不超过 3%"
+M1_CV_BOUND_PCT = 3.0          # docs/method.md#milestones: key TPS coefficient of variation within 3 %
 M1_REPEATS = 3
 
 
