@@ -1,6 +1,6 @@
 """How much does the *client* distort what it measures? servelab's client vs SGLang bench_serving 0.5.9.
 
-Target: ``../shared/tools/fast_sse_server.py`` in paced mode — every stream gets one token every ``ITL_MS`` on
+Target: the developer tool ``fast_sse_server.py`` (``FAST_SSE``) in paced mode — every stream gets one token every ``ITL_MS`` on
 an absolute schedule and each chunk carries ``server_ts_ns`` (its wall-clock write time). The server is pinned
 to one core, the client under test to another (``taskset``), one client at a time, in the same run.
 

@@ -4,7 +4,7 @@
 
 Datasets (each tool runs in a fresh subprocess per dataset, so imports, caches and memory do not leak):
 
-- ``h200x2``: our 2 × H200 TP=2 capture (../shared/data/h200x2-20261129/traces, 2 ranks, ~32k events each);
+- ``h200x2``: our 2 × H200 TP=2 capture (``$SERVELAB_SHARED/data/h200x2-20261129/traces``, 2 ranks, ~32k events each);
 - ``hta_nccl_data``: HTA's own A100 DDP trace (rank 0, 40.6k events, NCCL args);
 - ``sglang_prefill``: TraceLens' SGLang MI300X prefill trace (60k events, 53k python_function);
 - ``h200x2_x20``: the H200 pair with every rank's events replicated 20× in time (~630k events per rank);

@@ -9,7 +9,7 @@ Run on a GPU machine (one process per GPU, e.g. ``torchrun --nproc-per-node 8 be
 - pipeline parallelism: activations sent stage → stage with NCCL send/recv; chunked prefill forms a
   natural micro-batch pipeline (stage 0 runs chunk i+1 while stage 1 runs chunk i);
 - decode steps replayed from a CUDA graph per stage (send/recv outside the graph);
-- one long prefill chunk injected between decode steps (the seeds' mixed scenario).
+- one long prefill chunk injected between decode steps (the mixed scenario of docs/method.md#capture-scenarios).
 
 ``--device cpu`` runs the same program with gloo and no CUDA graph, to check it anywhere.
 """

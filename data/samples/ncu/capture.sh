@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # How the ncu CSVs in this folder were captured (one H200, Nsight Compute from the CUDA image, clocks left alone).
-# The ncu argv is the one servelab.kernels.ncu_command builds for NcuSpec(profile_from_start=False,
+# The ncu argv is the one servelab.analyse.kernels.ncu_command builds for NcuSpec(profile_from_start=False,
 # launch_count=40, export=...); metrics the installed ncu does not know are dropped first (ncu refuses the
 # whole run on an unknown metric). Usage: OUT=/some/dir bash data/samples/ncu/capture.sh
 set -euo pipefail
