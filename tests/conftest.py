@@ -72,7 +72,7 @@ def h200x2() -> Path:
 @pytest.fixture(scope="session")
 def thirdparty() -> Path:
     """Real traces of public projects (HTA, TraceLens), read in place from ``$SERVELAB_SHARED/data/thirdparty``
-    (default ``../shared/data/thirdparty``), never copied into the repository."""
+    (default: ``data/thirdparty`` of a ``shared`` folder next to the checkout), never copied into the repository."""
     if not THIRDPARTY.is_dir():
         pytest.skip(f"third-party traces absent: {THIRDPARTY} "
                     "(set SERVELAB_SHARED to the folder that holds data/thirdparty)")
