@@ -12,9 +12,11 @@ that names the closest valid one.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,70 @@ def _term_to_interrupt(signum: int, frame: Any) -> None:
 
 def _say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
+
+
+class ProgressTail:
+    """While a phase runs, print each event it appends to ``<run>/<phase>/progress.jsonl`` as one line (stderr).
+
+    The library never prints (:func:`servelab.core.run.emit_progress`); this thread follows the file from where
+    it ended when the phase started, and on ``stop()`` (every exit path of a ``with`` block) prints what is left
+    and ends."""
+
+    def __init__(self, path: Path, say: Any = None, interval_s: float = 0.5) -> None:
+        self.path, self.interval_s = Path(path), interval_s
+        self.say = say or _say
+        self.offset = self.path.stat().st_size if self.path.exists() else 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="servelab-progress", daemon=True)
+
+    def __enter__(self) -> "ProgressTail":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.poll()
+        self.poll()
+
+    def poll(self) -> int:
+        """Print the complete lines added since the last call; returns how many."""
+        try:
+            with open(self.path, "rb") as f:
+                if os.fstat(f.fileno()).st_size < self.offset:     # replaced: start over
+                    self.offset = 0
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return 0
+        end = data.rfind(b"\n")
+        if end < 0:
+            return 0
+        self.offset += end + 1
+        n = 0
+        for raw in data[:end + 1].splitlines():
+            try:
+                ev = json.loads(raw)
+                line = f"{ev.get('phase') or self.path.parent.name}: {ev['message']}"
+            except (ValueError, KeyError, TypeError):
+                continue
+            try:
+                self.say(line)
+            except Exception:       # a closed terminal never stops the phase
+                pass
+            n += 1
+        return n
 
 
 def failure_reason(exc: BaseException) -> str:
@@ -145,9 +211,10 @@ def execute_phase(phase: str, target: str, run_id: str, overrides: dict[str, str
     t0 = time.monotonic()
     started = runlib.now_iso()
     try:
-        pm.execute_notebook(str(nb), str(out_nb), parameters=params, kernel_name="python3",
-                            cwd=str(project_root()), progress_bar=False, execution_timeout=timeout_s,
-                            request_save_on_cell_execute=True, kernel_manager_class=kernel_manager_class())
+        with ProgressTail(runlib.progress_path(rdir, key)):       # "case i of n" while the notebook runs
+            pm.execute_notebook(str(nb), str(out_nb), parameters=params, kernel_name="python3",
+                                cwd=str(project_root()), progress_bar=False, execution_timeout=timeout_s,
+                                request_save_on_cell_execute=True, kernel_manager_class=kernel_manager_class())
     except KeyboardInterrupt:
         status, error = "interrupted", None
         runlib.update_manifest(rdir, phases={key: {"status": "interrupted", "ended": runlib.now_iso()}})

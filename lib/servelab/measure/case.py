@@ -44,7 +44,7 @@ from servelab.measure import request_metrics as mx
 from servelab.measure.case_record import CaseFolder, CaseSummary, read_summary, request_counts, verdict_of
 from servelab.measure.client import ClientConfig, ClientRun, RequestRecord, read_records, run_requests
 from servelab.measure.engine_metrics import Scraper, named_deltas
-from servelab.core.run import now_iso
+from servelab.core.run import emit_progress, human_duration, now_iso
 from servelab.target.server import RunningServer, http_json, is_healthy
 from servelab.measure.workload import build_workload, engine_tokenizer, token_pool
 
@@ -460,14 +460,26 @@ def run_matrix(env: CaseEnv, cases: list[CaseSpec], resume: bool = False,
     aborted = ""
     restarts: list[dict[str, Any]] = []
     done_ids: list[str] = []
-    for case in cases:
+    t0 = time.monotonic()
+    ran, ran_s = 0, 0.0
+    for i, case in enumerate(cases, 1):
         cdir = env.run_dir / "cases" / case.case_id
         if resume and case_is_done(cdir, case.num_prompts * env.repeats):
             results.append(load_case_result(case, cdir))
             results[-1].status = SUCCESS
             skipped.append(case.case_id)
             done_ids.append(case.case_id)
+            _progress(env, f"case {i} of {len(cases)}: {case.case_id} already measured, skipped (resume)",
+                      i=i, n=len(cases), case_id=case.case_id, skipped=True)
             continue
+        elapsed = time.monotonic() - t0
+        # naive: the mean time of the cases run so far, times the cases left (this one included)
+        eta = ran_s / ran * (len(cases) - i + 1) if ran else None
+        _progress(env, f"case {i} of {len(cases)}: {case.case_id} … ({human_duration(elapsed)} elapsed"
+                       + (f", about {human_duration(eta)} left)" if eta is not None else ")"),
+                  i=i, n=len(cases), case_id=case.case_id, elapsed_s=round(elapsed, 1),
+                  eta_s=None if eta is None else round(eta, 1))
+        t_case = time.monotonic()
         try:
             res = runner(env, case)
         except EngineCrash as exc:
@@ -480,6 +492,7 @@ def run_matrix(env: CaseEnv, cases: list[CaseSpec], resume: bool = False,
             # the user stopped the run (seeds 004 §5.3): keep what was measured, list what was not executed
             aborted = f"STOPPED_BY_USER during {case.case_id}"
             break
+        ran, ran_s = ran + 1, ran_s + time.monotonic() - t_case
         results.append(res)
         done_ids.append(case.case_id)
         if res.status == OOM:
@@ -489,9 +502,17 @@ def run_matrix(env: CaseEnv, cases: list[CaseSpec], resume: bool = False,
             env = on_oom(env, res)
             restarts.append({"after": case.case_id, "reason": OOM, "when": now_iso()})
     not_executed = [c.case_id for c in cases if c.case_id not in done_ids]
+    valid = sum(r.verdict.verdict == "VALID" for r in results)
+    _progress(env, f"matrix done: {len(results)} of {len(cases)} cases in {human_duration(time.monotonic() - t0)}, "
+                   f"{valid} VALID" + (f"; stopped: {aborted}" if aborted else ""),
+              n=len(cases), done=len(results), valid=valid, aborted=aborted)
     mr = MatrixResult(results, skipped, not_executed, aborted, restarts)
     write_summary_csv(env.run_dir, mr)
     return mr
+
+
+def _progress(env: CaseEnv, message: str, **fields: Any) -> None:
+    emit_progress(env.run_dir, env.phase, message, step="matrix", **fields)
 
 
 def write_summary_csv(run_dir: Path, mr: MatrixResult) -> Path:

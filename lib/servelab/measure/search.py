@@ -16,14 +16,18 @@ Three different answers (never one number): max successful C (every request succ
 output TPS among successful, valid points), max-under-SLO C (largest successful C whose P``slo_percentile``
 TTFT and TPOT meet the SLOs; None when no SLO is set). The SLO frontier table has throughput vs per-user
 tok/s (1000 / median TPOT) and TTFT/TPOT percentiles for every point.
+
+Each step appends a progress event ("search step k: concurrency C") to ``<run>/<phase>/progress.jsonl``.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import pandas as pd
 
+from servelab.core.run import emit_progress, human_duration
 from servelab.measure import request_metrics as mx
 from servelab.measure.case import (ENGINE_CRASH, OOM, SUCCESS, CaseEnv, CaseResult, CaseSpec, EngineCrash, run_case)
 
@@ -133,8 +137,15 @@ def concurrency_search(env: CaseEnv, cfg: SearchConfig,
     points: list[SearchPoint] = []
     stop, detail = "MAX_CONCURRENCY_REACHED", f"reached {cfg.max_concurrency}"
     q = f"p{cfg.slo_percentile}"
+    steps = ladder(cfg.step, cfg.max_concurrency)
+    t0 = time.monotonic()
 
     def do(c: int, role: str) -> SearchPoint | str:
+        k = len(points) + 1
+        where = "regression fallback" if role == "fallback" else f"ladder {steps.index(c) + 1} of at most {len(steps)}"
+        emit_progress(env.run_dir, env.phase, f"search step {k}: concurrency {c} ({where}) … "
+                      f"({human_duration(time.monotonic() - t0)} elapsed)",
+                      step="search", k=k, concurrency=c, role=role, elapsed_s=round(time.monotonic() - t0, 1))
         try:
             res = run(env, search_case(cfg, c))
         except EngineCrash as exc:
@@ -147,7 +158,7 @@ def concurrency_search(env: CaseEnv, cfg: SearchConfig,
             return f"{OOM}|C={c}: {res.log_events.get('oom', [''])[0][:200]}"
         return p
 
-    for c in ladder(cfg.step, cfg.max_concurrency):
+    for c in steps:
         got = do(c, "ladder")
         if isinstance(got, str):
             stop, detail = got.split("|", 1)
@@ -187,4 +198,7 @@ def concurrency_search(env: CaseEnv, cfg: SearchConfig,
     max_tps = max(valid_ok, key=lambda x: x.output_tps or 0).concurrency if valid_ok else None
     under = [x.concurrency for x in ok if x.meets_slo]
     max_slo = max(under, default=None) if slo.is_set() else None
+    emit_progress(env.run_dir, env.phase, f"search done: {len(points)} step(s) in "
+                  f"{human_duration(time.monotonic() - t0)}, stopped on {stop} ({detail})", step="search",
+                  steps=len(points), stop_reason=stop)
     return SearchResult(points, stop, detail, max_succ, max_tps, max_slo, slo.__dict__, cfg.definition)
