@@ -3,6 +3,7 @@
     servelab run phase1 --target local [--run-id ID] [-p key=value ...] [--resume]
     servelab demo [--run-id ID]
     servelab render RUN_ID [PHASE]
+    servelab case RUN_ID CASE_ID [--target T]   # re-run one measured case as a new attempt
     servelab phases | targets | params PHASE
     servelab build            # build/cache llama-server and the models
 
@@ -375,6 +376,46 @@ def cmd_archive(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_case(args: argparse.Namespace) -> int:
+    """Re-run one measured case from its recorded meta as a new attempt; one line for its verdict, one for its
+    folder (stdout). A case that cannot be re-run is a ParamError (exit 2) before anything starts."""
+    from servelab.phases.case_rerun import read_recipe, rerun_case
+    from servelab.target.targets import load_target as _load
+    recipe = read_recipe(args.run_id, args.case_id)
+    target = _load(args.target or recipe.target)                       # validated before anything starts
+    for note in recipe.notes:
+        _say(f"note: {note}")
+    other = f" (recorded: {recipe.target_name})" if recipe.target_name and target.name != recipe.target_name else ""
+    _say(f"re-running {recipe.case_id} of run {args.run_id} ({recipe.phase}) on target {target.name}{other} …")
+    t0 = time.monotonic()
+    try:
+        att = rerun_case(args.run_id, args.case_id, args.target, recipe=recipe)
+    except ParamError:
+        raise
+    except Exception as exc:       # the engine did not start, a node is unreachable ...: one line, exit 1
+        print(f"servelab: error: {failure_reason(exc)}", file=sys.stderr)
+        return 1
+    _say(f"attempt {att.attempt} of {att.case_id} done in {time.monotonic() - t0:.1f} s")
+    print(f"{att.case_dir.name}: {att.verdict} ({att.status})"
+          + (f" — {'; '.join(att.reasons)}" if att.reasons else ""))
+    print(att.case_dir)
+    if not args.no_render:
+        from servelab.core.run import read_manifest
+        from servelab.report.archive import write_root_index, write_run_index
+        from servelab.report.html import render_notebook
+        rdir = att.case_dir.parents[1]
+        nb = rdir / recipe.phase / "notebook.ipynb"
+        if nb.exists():            # the phase page lists the re-run among its executed commands
+            entry = read_manifest(rdir).get("phases", {}).get(recipe.phase, {})
+            render_notebook(nb, rdir / recipe.phase / "report.html",
+                            {"run_id": args.run_id, "phase": recipe.phase, "target": read_manifest(rdir).get("target", ""),
+                             "status": entry.get("status", ""), "error": entry.get("error", ""),
+                             "title": f"{recipe.phase} · {NOTEBOOKS.get(recipe.phase, recipe.phase)}"})
+        write_run_index(rdir)
+        write_root_index(rdir.parent)
+    return att.exit_code
+
+
 def cmd_params(args: argparse.Namespace) -> int:
     nb = notebook_path(args.phase)
     for s in notebook_param_specs(nb).values():
@@ -416,6 +457,13 @@ def build_parser() -> argparse.ArgumentParser:
     rn.add_argument("phase", nargs="?")
     rn.add_argument("--notebook", help="an executed notebook (e.g. from plain papermill) to render as PHASE")
     rn.set_defaults(fn=cmd_render)
+    cs = sub.add_parser("case", help="re-run one measured case from its recorded meta as a new attempt "
+                                     "(cases/<case>@a<n>/)")
+    cs.add_argument("run_id")
+    cs.add_argument("case_id", help="a folder under outputs/<run_id>/cases/ (Phase 1 cases)")
+    cs.add_argument("--target", help="run on this target instead of the recorded one")
+    cs.add_argument("--no-render", action="store_true", help="do not render the phase page and the run index again")
+    cs.set_defaults(fn=cmd_case)
     sub.add_parser("phases", help="list phases").set_defaults(
         fn=lambda a: print("\n".join(f"{k}  {v}{'' if k in available_phases() else '  (not yet)'}"
                                      for k, v in NOTEBOOKS.items())) or 0)

@@ -210,12 +210,17 @@ class CommandRecord:
         return f"{env} {cmd}".strip()
 
 
-def record_command(rdir: Path, rec: CommandRecord) -> CommandRecord:
-    """Append a command to ``commands.jsonl`` (secrets redacted); long ones also go to ``*_cmd.txt``."""
+def record_command(rdir: Path, rec: CommandRecord, unique: bool = False) -> CommandRecord:
+    """Append a command to ``commands.jsonl`` (secrets redacted); long ones also go to ``*_cmd.txt``.
+
+    ``unique``: not appended again when the same label, phase and argv are already recorded (a ``reproduce``
+    line written each time a phase runs into the same run)."""
     if rec.label not in LABELS:
         raise ValueError(f"command label must be one of {LABELS}, not '{rec.label}'")
     rec.argv = redact_argv([str(a) for a in rec.argv])
     rec.env = redact_env(rec.env)
+    if unique and any(r.label == rec.label and r.argv == rec.argv for r in read_commands(rdir, rec.phase)):
+        return rec
     rdir.mkdir(parents=True, exist_ok=True)
     with open(rdir / "commands.jsonl", "a") as f:
         f.write(json.dumps(asdict(rec), ensure_ascii=False) + "\n")
