@@ -124,6 +124,13 @@ def point_from_result(res: CaseResult, cfg: SearchConfig, slo: mx.SLO, role: str
                        res.verdict.verdict, list(res.verdict.reasons), role)
 
 
+def _progress(env: Any, message: str, **fields: Any) -> None:
+    """A search progress event in ``<run>/<phase>/progress.jsonl`` (none for an env without a run folder)."""
+    rdir = getattr(env, "run_dir", None)
+    if rdir is not None:
+        emit_progress(rdir, getattr(env, "phase", "phase1"), message, step="search", **fields)
+
+
 def search_case(cfg: SearchConfig, c: int) -> CaseSpec:
     return CaseSpec(f"search_c{c}", "search", "decode", cfg.input_tokens, cfg.output_tokens, c, cfg.waves * c, True,
                     "concurrency search point", min_window_s=cfg.min_window_s if c > 1 else 0.0)
@@ -143,9 +150,8 @@ def concurrency_search(env: CaseEnv, cfg: SearchConfig,
     def do(c: int, role: str) -> SearchPoint | str:
         k = len(points) + 1
         where = "regression fallback" if role == "fallback" else f"ladder {steps.index(c) + 1} of at most {len(steps)}"
-        emit_progress(env.run_dir, env.phase, f"search step {k}: concurrency {c} ({where}) … "
-                      f"({human_duration(time.monotonic() - t0)} elapsed)",
-                      step="search", k=k, concurrency=c, role=role, elapsed_s=round(time.monotonic() - t0, 1))
+        _progress(env, f"search step {k}: concurrency {c} ({where}) … ({human_duration(time.monotonic() - t0)} "
+                       f"elapsed)", k=k, concurrency=c, role=role, elapsed_s=round(time.monotonic() - t0, 1))
         try:
             res = run(env, search_case(cfg, c))
         except EngineCrash as exc:
@@ -198,7 +204,6 @@ def concurrency_search(env: CaseEnv, cfg: SearchConfig,
     max_tps = max(valid_ok, key=lambda x: x.output_tps or 0).concurrency if valid_ok else None
     under = [x.concurrency for x in ok if x.meets_slo]
     max_slo = max(under, default=None) if slo.is_set() else None
-    emit_progress(env.run_dir, env.phase, f"search done: {len(points)} step(s) in "
-                  f"{human_duration(time.monotonic() - t0)}, stopped on {stop} ({detail})", step="search",
-                  steps=len(points), stop_reason=stop)
+    _progress(env, f"search done: {len(points)} step(s) in {human_duration(time.monotonic() - t0)}, stopped on "
+                   f"{stop} ({detail})", steps=len(points), stop_reason=stop)
     return SearchResult(points, stop, detail, max_succ, max_tps, max_slo, slo.__dict__, cfg.definition)
