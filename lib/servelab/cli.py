@@ -380,9 +380,8 @@ def cmd_case(args: argparse.Namespace) -> int:
     """Re-run one measured case from its recorded meta as a new attempt; one line for its verdict, one for its
     folder (stdout). A case that cannot be re-run is a ParamError (exit 2) before anything starts."""
     from servelab.phases.case_rerun import read_recipe, rerun_case
-    from servelab.target.targets import load_target as _load
     recipe = read_recipe(args.run_id, args.case_id)
-    target = _load(args.target or recipe.target)                       # validated before anything starts
+    target = load_target(args.target or recipe.target)                 # validated before anything starts
     for note in recipe.notes:
         _say(f"note: {note}")
     other = f" (recorded: {recipe.target_name})" if recipe.target_name and target.name != recipe.target_name else ""
@@ -406,9 +405,10 @@ def cmd_case(args: argparse.Namespace) -> int:
         rdir = att.case_dir.parents[1]
         nb = rdir / recipe.phase / "notebook.ipynb"
         if nb.exists():            # the phase page lists the re-run among its executed commands
-            entry = read_manifest(rdir).get("phases", {}).get(recipe.phase, {})
+            m = read_manifest(rdir)
+            entry = m.get("phases", {}).get(recipe.phase, {})
             render_notebook(nb, rdir / recipe.phase / "report.html",
-                            {"run_id": args.run_id, "phase": recipe.phase, "target": read_manifest(rdir).get("target", ""),
+                            {"run_id": args.run_id, "phase": recipe.phase, "target": m.get("target", ""),
                              "status": entry.get("status", ""), "error": entry.get("error", ""),
                              "title": f"{recipe.phase} · {NOTEBOOKS.get(recipe.phase, recipe.phase)}"})
         write_run_index(rdir)
