@@ -3,6 +3,7 @@
     servelab run phase1 --target local [--run-id ID] [-p key=value ...] [--resume]
     servelab demo [--run-id ID]
     servelab render RUN_ID [PHASE]
+    servelab case RUN_ID CASE_ID [--target T]   # re-run one measured case as a new attempt
     servelab phases | targets | params PHASE
     servelab build            # build/cache llama-server and the models
 
@@ -12,8 +13,11 @@ that names the closest valid one.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +38,70 @@ def _term_to_interrupt(signum: int, frame: Any) -> None:
 
 def _say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
+
+
+class ProgressTail:
+    """While a phase runs, print each event it appends to ``<run>/<phase>/progress.jsonl`` as one line (stderr).
+
+    The library never prints (:func:`servelab.core.run.emit_progress`); this thread follows the file from where
+    it ended when the phase started, and on ``stop()`` (every exit path of a ``with`` block) prints what is left
+    and ends."""
+
+    def __init__(self, path: Path, say: Any = None, interval_s: float = 0.5) -> None:
+        self.path, self.interval_s = Path(path), interval_s
+        self.say = say or _say
+        self.offset = self.path.stat().st_size if self.path.exists() else 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="servelab-progress", daemon=True)
+
+    def __enter__(self) -> "ProgressTail":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.poll()
+        self.poll()
+
+    def poll(self) -> int:
+        """Print the complete lines added since the last call; returns how many."""
+        try:
+            with open(self.path, "rb") as f:
+                if os.fstat(f.fileno()).st_size < self.offset:     # replaced: start over
+                    self.offset = 0
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return 0
+        end = data.rfind(b"\n")
+        if end < 0:
+            return 0
+        self.offset += end + 1
+        n = 0
+        for raw in data[:end + 1].splitlines():
+            try:
+                ev = json.loads(raw)
+                line = f"{ev.get('phase') or self.path.parent.name}: {ev['message']}"
+            except (ValueError, KeyError, TypeError):
+                continue
+            try:
+                self.say(line)
+            except Exception:       # a closed terminal never stops the phase
+                pass
+            n += 1
+        return n
 
 
 def failure_reason(exc: BaseException) -> str:
@@ -144,9 +212,10 @@ def execute_phase(phase: str, target: str, run_id: str, overrides: dict[str, str
     t0 = time.monotonic()
     started = runlib.now_iso()
     try:
-        pm.execute_notebook(str(nb), str(out_nb), parameters=params, kernel_name="python3",
-                            cwd=str(project_root()), progress_bar=False, execution_timeout=timeout_s,
-                            request_save_on_cell_execute=True, kernel_manager_class=kernel_manager_class())
+        with ProgressTail(runlib.progress_path(rdir, key)):       # "case i of n" while the notebook runs
+            pm.execute_notebook(str(nb), str(out_nb), parameters=params, kernel_name="python3",
+                                cwd=str(project_root()), progress_bar=False, execution_timeout=timeout_s,
+                                request_save_on_cell_execute=True, kernel_manager_class=kernel_manager_class())
     except KeyboardInterrupt:
         status, error = "interrupted", None
         runlib.update_manifest(rdir, phases={key: {"status": "interrupted", "ended": runlib.now_iso()}})
@@ -307,6 +376,46 @@ def cmd_archive(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_case(args: argparse.Namespace) -> int:
+    """Re-run one measured case from its recorded meta as a new attempt; one line for its verdict, one for its
+    folder (stdout). A case that cannot be re-run is a ParamError (exit 2) before anything starts."""
+    from servelab.phases.case_rerun import read_recipe, rerun_case
+    recipe = read_recipe(args.run_id, args.case_id)
+    target = load_target(args.target or recipe.target)                 # validated before anything starts
+    for note in recipe.notes:
+        _say(f"note: {note}")
+    other = f" (recorded: {recipe.target_name})" if recipe.target_name and target.name != recipe.target_name else ""
+    _say(f"re-running {recipe.case_id} of run {args.run_id} ({recipe.phase}) on target {target.name}{other} …")
+    t0 = time.monotonic()
+    try:
+        att = rerun_case(args.run_id, args.case_id, args.target, recipe=recipe)
+    except ParamError:
+        raise
+    except Exception as exc:       # the engine did not start, a node is unreachable ...: one line, exit 1
+        print(f"servelab: error: {failure_reason(exc)}", file=sys.stderr)
+        return 1
+    _say(f"attempt {att.attempt} of {att.case_id} done in {time.monotonic() - t0:.1f} s")
+    print(f"{att.case_dir.name}: {att.verdict} ({att.status})"
+          + (f" — {'; '.join(att.reasons)}" if att.reasons else ""))
+    print(att.case_dir)
+    if not args.no_render:
+        from servelab.core.run import read_manifest
+        from servelab.report.archive import write_root_index, write_run_index
+        from servelab.report.html import render_notebook
+        rdir = att.case_dir.parents[1]
+        nb = rdir / recipe.phase / "notebook.ipynb"
+        if nb.exists():            # the phase page lists the re-run among its executed commands
+            m = read_manifest(rdir)
+            entry = m.get("phases", {}).get(recipe.phase, {})
+            render_notebook(nb, rdir / recipe.phase / "report.html",
+                            {"run_id": args.run_id, "phase": recipe.phase, "target": m.get("target", ""),
+                             "status": entry.get("status", ""), "error": entry.get("error", ""),
+                             "title": f"{recipe.phase} · {NOTEBOOKS.get(recipe.phase, recipe.phase)}"})
+        write_run_index(rdir)
+        write_root_index(rdir.parent)
+    return att.exit_code
+
+
 def cmd_params(args: argparse.Namespace) -> int:
     nb = notebook_path(args.phase)
     for s in notebook_param_specs(nb).values():
@@ -348,6 +457,13 @@ def build_parser() -> argparse.ArgumentParser:
     rn.add_argument("phase", nargs="?")
     rn.add_argument("--notebook", help="an executed notebook (e.g. from plain papermill) to render as PHASE")
     rn.set_defaults(fn=cmd_render)
+    cs = sub.add_parser("case", help="re-run one measured case from its recorded meta as a new attempt "
+                                     "(cases/<case>@a<n>/)")
+    cs.add_argument("run_id")
+    cs.add_argument("case_id", help="a folder under outputs/<run_id>/cases/ (Phase 1 cases)")
+    cs.add_argument("--target", help="run on this target instead of the recorded one")
+    cs.add_argument("--no-render", action="store_true", help="do not render the phase page and the run index again")
+    cs.set_defaults(fn=cmd_case)
     sub.add_parser("phases", help="list phases").set_defaults(
         fn=lambda a: print("\n".join(f"{k}  {v}{'' if k in available_phases() else '  (not yet)'}"
                                      for k, v in NOTEBOOKS.items())) or 0)

@@ -210,12 +210,17 @@ class CommandRecord:
         return f"{env} {cmd}".strip()
 
 
-def record_command(rdir: Path, rec: CommandRecord) -> CommandRecord:
-    """Append a command to ``commands.jsonl`` (secrets redacted); long ones also go to ``*_cmd.txt``."""
+def record_command(rdir: Path, rec: CommandRecord, unique: bool = False) -> CommandRecord:
+    """Append a command to ``commands.jsonl`` (secrets redacted); long ones also go to ``*_cmd.txt``.
+
+    ``unique``: not appended again when the same label, phase and argv are already recorded (a ``reproduce``
+    line written each time a phase runs into the same run)."""
     if rec.label not in LABELS:
         raise ValueError(f"command label must be one of {LABELS}, not '{rec.label}'")
     rec.argv = redact_argv([str(a) for a in rec.argv])
     rec.env = redact_env(rec.env)
+    if unique and any(r.label == rec.label and r.argv == rec.argv for r in read_commands(rdir, rec.phase)):
+        return rec
     rdir.mkdir(parents=True, exist_ok=True)
     with open(rdir / "commands.jsonl", "a") as f:
         f.write(json.dumps(asdict(rec), ensure_ascii=False) + "\n")
@@ -238,3 +243,39 @@ def read_commands(rdir: Path, phase: str | None = None) -> list[CommandRecord]:
             if phase is None or rec.phase == phase:
                 out.append(rec)
     return out
+
+
+# ---------------------------------------------------------------- progress
+
+PROGRESS_FILE = "progress.jsonl"
+
+
+def progress_path(rdir: Path, phase: str) -> Path:
+    """``<run>/<phase>/progress.jsonl``: the progress events of a phase, one JSON object a line."""
+    return Path(rdir) / phase / PROGRESS_FILE
+
+
+def emit_progress(rdir: Path, phase: str, message: str, **fields: Any) -> None:
+    """Append one progress event ``{"t", "phase", "message", ...fields}`` to :func:`progress_path`.
+
+    Library code never prints: a long step says where it is here, and ``servelab run`` / ``servelab demo`` print
+    each event as one line while the phase runs. Progress is a courtesy, never a result: a write that fails is
+    ignored."""
+    try:
+        path = progress_path(rdir, phase)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(json.dumps({"t": now_iso(), "phase": phase, "message": message, **fields}, default=str,
+                               ensure_ascii=False) + "\n")
+    except OSError:
+        pass
+
+
+def human_duration(seconds: float) -> str:
+    """``42 s``, ``3 min 05 s``, ``1 h 02 min``: a duration for a progress line."""
+    s = max(0, int(round(seconds)))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {s % 3600 // 60:02d} min"

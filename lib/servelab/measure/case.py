@@ -27,7 +27,12 @@ cases not executed are listed.
 
 Per case: ``cases/<case_id>/{meta.json, requests.jsonl, server/, summary_vllm_keys.jsonl, summary.json}``, written
 through :class:`servelab.measure.case_record.CaseFolder` (the one case contract of every phase: ``requests.jsonl``
-fsynced before ``summary.json``, the summary in the versioned case schema, see ``docs/case.md``).
+fsynced before ``summary.json``, the summary in the versioned case schema, see ``docs/case.md``). ``meta.json``
+holds everything needed to run the case again exactly (the ``CaseSpec``, the ``CaseEnv`` settings, the target):
+``servelab case RUN_ID CASE_ID`` re-runs it as a new attempt, ``cases/<case_id>@a<n>/`` (:func:`attempt_folder`).
+
+While the matrix runs, :func:`run_matrix` appends "case i of n" events (elapsed, a naive estimate of what is
+left) to ``<run>/<phase>/progress.jsonl`` (:func:`servelab.core.run.emit_progress`).
 """
 from __future__ import annotations
 
@@ -45,12 +50,13 @@ from servelab.measure import request_metrics as mx
 from servelab.measure.case_record import CaseFolder, CaseSummary, read_summary, request_counts, verdict_of
 from servelab.measure.client import ClientConfig, ClientRun, RequestRecord, read_records, run_requests
 from servelab.measure.engine_metrics import Scraper, named_deltas
-from servelab.core.run import now_iso
+from servelab.core.run import emit_progress, human_duration, now_iso
 from servelab.target.server import RunningServer, http_json, is_healthy
 from servelab.measure.workload import build_workload, engine_tokenizer, token_pool
 
 SUCCESS, FAILED, ENGINE_CRASH, OOM = "success", "failed", "ENGINE_CRASH", "OOM"
 LONG_PREFILL = ("P2", "P3", "P4")          # no same-shape warm-up (expensive 32K/128K points)
+ATTEMPT_SEP = "@a"                          # cases/<case_id>@a<n>/: attempt n (≥ 2) of a case, re-run later
 
 
 class EngineCrash(RuntimeError):
@@ -154,6 +160,14 @@ class CaseEnv:
     profiler_attached: bool = False
     log_offsets: dict[str, int] = field(default_factory=dict)
     phase: str = "phase1"            # the phase whose cases these are (written into every summary.json)
+    attempt: int = 1                 # 1: cases/<case_id>/; n ≥ 2: a later re-run, cases/<case_id>@a<n>/
+
+    def recipe(self) -> dict[str, Any]:
+        """The settings a case of this env ran with, as recorded in its ``meta.json`` (``case_env``): with the
+        ``CaseSpec`` and the target they are what ``servelab case`` needs to run the case again exactly."""
+        return {"repeats": self.repeats, "seed": self.seed, "slo": asdict(self.slo), "api": self.api,
+                "timeout_s": self.timeout_s, "scrape_interval_s": self.scrape_interval_s,
+                "max_cv_pct": self.max_cv_pct, "profiler_attached": self.profiler_attached, "phase": self.phase}
 
     @property
     def engine(self) -> Any:
@@ -176,6 +190,24 @@ def make_env(srv: RunningServer, run_dir: Path, **kw: Any) -> CaseEnv:
 
 def case_seed(base: int, case_id: str, repeat: int) -> int:
     return (base * 1_000_003 + zlib.crc32(case_id.encode()) + 7919 * repeat) % (2**32)
+
+
+def attempt_folder(case_id: str, attempt: int = 1) -> str:
+    """The folder name of attempt ``attempt`` of a case: the case id itself for the first, ``<case_id>@a<n>``
+    for a later re-run (its summary's ``repeat_of`` is the case id)."""
+    return case_id if attempt <= 1 else f"{case_id}{ATTEMPT_SEP}{int(attempt)}"
+
+
+def split_attempt(folder: str) -> tuple[str, int]:
+    """``P1@a3`` → ``("P1", 3)``; ``P1`` → ``("P1", 1)``."""
+    m = re.fullmatch(rf"(.+){re.escape(ATTEMPT_SEP)}(\d+)", folder)
+    return (m.group(1), int(m.group(2))) if m else (folder, 1)
+
+
+def target_ref(target: Any) -> dict[str, Any]:
+    """Which target a case ran on, for its ``meta.json``: name, the file it was read from, engine and model."""
+    return {"name": target.name, "source": getattr(target, "source", ""), "engine": target.engine,
+            "model": target.model}
 
 
 # ---------------------------------------------------------------- server side: flush, log, health
@@ -306,14 +338,16 @@ def run_case(env: CaseEnv, case: CaseSpec, run_fn: Callable[[CaseEnv, CaseSpec, 
     The folder is written through :class:`servelab.measure.case_record.CaseFolder`.
     """
     expected = case.num_prompts * env.repeats
-    folder = CaseFolder(env.run_dir, case.case_id, env.phase, case_kind(case), {
+    folder = CaseFolder(env.run_dir, attempt_folder(case.case_id, env.attempt), env.phase, case_kind(case), {
         "case": asdict(case), "repeats": env.repeats, "expected_measured": expected, "engine": env.srv.target.engine,
-        "base_url": env.srv.base_url, "api": env.api, "seed": env.seed, "profiler_attached": env.profiler_attached})
+        "base_url": env.srv.base_url, "api": env.api, "seed": env.seed, "profiler_attached": env.profiler_attached,
+        "repeat_of": case.case_id, "attempt": env.attempt, "case_env": env.recipe(),
+        "target": target_ref(env.srv.target)})
     cdir, meta = folder.dir, folder.meta
     if not is_healthy(env.srv):
         folder.finish(ENGINE_CRASH, "engine unhealthy before the case started")
         raise EngineCrash(f"{case.case_id}: engine unhealthy before the case started")
-    cfg = env.client_config(case.case_id)
+    cfg = env.client_config(folder.case_id)
     _, log_path = head_log(env)
     _, log_off = read_log_since(env, 0)
     scraper = Scraper(env.srv.base_url + env.engine.metrics_path, interval_s=env.scrape_interval_s, timeout_s=5.0)
@@ -380,7 +414,7 @@ def run_case(env: CaseEnv, case: CaseSpec, run_fn: Callable[[CaseEnv, CaseSpec, 
     if not error and result.status == FAILED and runs:
         result.error = f"{result.summaries['vllm']['failed']} request(s) failed: " \
                        f"{result.summaries['vllm']['errors_by_kind']}"
-    write_summary(result, folder, records)
+    write_summary(result, folder, records, attempt=env.attempt)
     # the client's own measurement windows on the wall clock: Phase 2 slices telemetry to exactly these
     meta["windows_wall_ns"] = [[r.window_start_ns + r.wall_offset_ns, r.window_end_ns + r.wall_offset_ns]
                                for r in runs]
@@ -406,9 +440,12 @@ def measured_window_s(run: ClientRun) -> float:
     return max(end - run.window_start_ns, 1) / 1e9
 
 
-def write_summary(result: CaseResult, folder: CaseFolder, records: list[RequestRecord]) -> dict[str, Any]:
+def write_summary(result: CaseResult, folder: CaseFolder, records: list[RequestRecord], attempt: int = 1
+                  ) -> dict[str, Any]:
     """The case's ``summary.json`` (the case schema: pooled metrics per definition, one entry per repeat, the
-    verdict) and, beside it, ``summary_vllm_keys.jsonl`` (the same numbers under ``vllm bench serve``'s keys)."""
+    verdict) and, beside it, ``summary_vllm_keys.jsonl`` (the same numbers under ``vllm bench serve``'s keys).
+    A later attempt (``attempt`` ≥ 2, folder ``<case_id>@a<n>``) is a repeat of the case: ``repeat_of`` is the case
+    id and ``details.attempt`` says which attempt of which folder it is."""
     if result.summaries:
         from servelab.measure.peer_results import to_vllm_keys
         # the same numbers under vllm bench serve's keys, one object per definition (like --append-result)
@@ -416,13 +453,15 @@ def write_summary(result: CaseResult, folder: CaseFolder, records: list[RequestR
                                                                "max_concurrency": result.case.concurrency}),
                             default=str) for d in mx.DEFINITIONS if d in result.summaries]
         (result.case_dir / "summary_vllm_keys.jsonl").write_text("\n".join(lines) + "\n")
+    details = {"case": asdict(result.case), "cv": result.cv, "server_deltas": result.server_deltas,
+               "log_events": result.log_events, "extra": result.extra, "error": result.error}
+    if attempt > 1:
+        details["attempt"] = {"n": attempt, "of": result.case.case_id, "first": f"cases/{result.case.case_id}"}
     summary = CaseSummary(
-        case_id=result.case.case_id, phase=folder.phase, kind=folder.kind, status=result.status,
+        case_id=folder.case_id, phase=folder.phase, kind=folder.kind, status=result.status,
         verdict=verdict_of(result.verdict), definition="vllm", metrics=result.summaries,
         repeats=[{"repeat": i, "metrics": s} for i, s in enumerate(result.repeat_summaries)],
-        counts=request_counts(records, ("measure",)),
-        details={"case": asdict(result.case), "cv": result.cv, "server_deltas": result.server_deltas,
-                 "log_events": result.log_events, "extra": result.extra, "error": result.error})
+        counts=request_counts(records, ("measure",)), details=details, repeat_of=result.case.case_id)
     return folder.write_summary(summary)
 
 
@@ -456,14 +495,26 @@ def run_matrix(env: CaseEnv, cases: list[CaseSpec], resume: bool = False,
     aborted = ""
     restarts: list[dict[str, Any]] = []
     done_ids: list[str] = []
-    for case in cases:
+    t0 = time.monotonic()
+    ran, ran_s = 0, 0.0
+    for i, case in enumerate(cases, 1):
         cdir = env.run_dir / "cases" / case.case_id
         if resume and case_is_done(cdir, case.num_prompts * env.repeats):
             results.append(load_case_result(case, cdir))
             results[-1].status = SUCCESS
             skipped.append(case.case_id)
             done_ids.append(case.case_id)
+            _progress(env, f"case {i} of {len(cases)}: {case.case_id} already measured, skipped (resume)",
+                      i=i, n=len(cases), case_id=case.case_id, skipped=True)
             continue
+        elapsed = time.monotonic() - t0
+        # naive: the mean time of the cases run so far, times the cases left (this one included)
+        eta = ran_s / ran * (len(cases) - i + 1) if ran else None
+        _progress(env, f"case {i} of {len(cases)}: {case.case_id} … ({human_duration(elapsed)} elapsed"
+                       + (f", about {human_duration(eta)} left)" if eta is not None else ")"),
+                  i=i, n=len(cases), case_id=case.case_id, elapsed_s=round(elapsed, 1),
+                  eta_s=None if eta is None else round(eta, 1))
+        t_case = time.monotonic()
         try:
             res = runner(env, case)
         except EngineCrash as exc:
@@ -476,6 +527,7 @@ def run_matrix(env: CaseEnv, cases: list[CaseSpec], resume: bool = False,
             # the user stopped the run (docs/method.md#case-policy): keep what was measured, list what was not executed
             aborted = f"STOPPED_BY_USER during {case.case_id}"
             break
+        ran, ran_s = ran + 1, ran_s + time.monotonic() - t_case
         results.append(res)
         done_ids.append(case.case_id)
         if res.status == OOM:
@@ -485,9 +537,17 @@ def run_matrix(env: CaseEnv, cases: list[CaseSpec], resume: bool = False,
             env = on_oom(env, res)
             restarts.append({"after": case.case_id, "reason": OOM, "when": now_iso()})
     not_executed = [c.case_id for c in cases if c.case_id not in done_ids]
+    valid = sum(r.verdict.verdict == "VALID" for r in results)
+    _progress(env, f"matrix done: {len(results)} of {len(cases)} cases in {human_duration(time.monotonic() - t0)}, "
+                   f"{valid} VALID" + (f"; stopped: {aborted}" if aborted else ""),
+              n=len(cases), done=len(results), valid=valid, aborted=aborted)
     mr = MatrixResult(results, skipped, not_executed, aborted, restarts)
     write_summary_csv(env.run_dir, mr)
     return mr
+
+
+def _progress(env: CaseEnv, message: str, **fields: Any) -> None:
+    emit_progress(env.run_dir, env.phase, message, step="matrix", **fields)
 
 
 def write_summary_csv(run_dir: Path, mr: MatrixResult) -> Path:

@@ -16,14 +16,18 @@ Three different answers (never one number): max successful C (every request succ
 output TPS among successful, valid points), max-under-SLO C (largest successful C whose P``slo_percentile``
 TTFT and TPOT meet the SLOs; None when no SLO is set). The SLO frontier table has throughput vs per-user
 tok/s (1000 / median TPOT) and TTFT/TPOT percentiles for every point.
+
+Each step appends a progress event ("search step k: concurrency C") to ``<run>/<phase>/progress.jsonl``.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import pandas as pd
 
+from servelab.core.run import emit_progress, human_duration
 from servelab.measure import request_metrics as mx
 from servelab.measure.case import (ENGINE_CRASH, OOM, SUCCESS, CaseEnv, CaseResult, CaseSpec, EngineCrash, run_case)
 
@@ -120,6 +124,13 @@ def point_from_result(res: CaseResult, cfg: SearchConfig, slo: mx.SLO, role: str
                        res.verdict.verdict, list(res.verdict.reasons), role)
 
 
+def _progress(env: Any, message: str, **fields: Any) -> None:
+    """A search progress event in ``<run>/<phase>/progress.jsonl`` (none for an env without a run folder)."""
+    rdir = getattr(env, "run_dir", None)
+    if rdir is not None:
+        emit_progress(rdir, getattr(env, "phase", "phase1"), message, step="search", **fields)
+
+
 def search_case(cfg: SearchConfig, c: int) -> CaseSpec:
     return CaseSpec(f"search_c{c}", "search", "decode", cfg.input_tokens, cfg.output_tokens, c, cfg.waves * c, True,
                     "concurrency search point", min_window_s=cfg.min_window_s if c > 1 else 0.0)
@@ -133,8 +144,14 @@ def concurrency_search(env: CaseEnv, cfg: SearchConfig,
     points: list[SearchPoint] = []
     stop, detail = "MAX_CONCURRENCY_REACHED", f"reached {cfg.max_concurrency}"
     q = f"p{cfg.slo_percentile}"
+    steps = ladder(cfg.step, cfg.max_concurrency)
+    t0 = time.monotonic()
 
     def do(c: int, role: str) -> SearchPoint | str:
+        k = len(points) + 1
+        where = "regression fallback" if role == "fallback" else f"ladder {steps.index(c) + 1} of at most {len(steps)}"
+        _progress(env, f"search step {k}: concurrency {c} ({where}) … ({human_duration(time.monotonic() - t0)} "
+                       f"elapsed)", k=k, concurrency=c, role=role, elapsed_s=round(time.monotonic() - t0, 1))
         try:
             res = run(env, search_case(cfg, c))
         except EngineCrash as exc:
@@ -147,7 +164,7 @@ def concurrency_search(env: CaseEnv, cfg: SearchConfig,
             return f"{OOM}|C={c}: {res.log_events.get('oom', [''])[0][:200]}"
         return p
 
-    for c in ladder(cfg.step, cfg.max_concurrency):
+    for c in steps:
         got = do(c, "ladder")
         if isinstance(got, str):
             stop, detail = got.split("|", 1)
@@ -187,4 +204,6 @@ def concurrency_search(env: CaseEnv, cfg: SearchConfig,
     max_tps = max(valid_ok, key=lambda x: x.output_tps or 0).concurrency if valid_ok else None
     under = [x.concurrency for x in ok if x.meets_slo]
     max_slo = max(under, default=None) if slo.is_set() else None
+    _progress(env, f"search done: {len(points)} step(s) in {human_duration(time.monotonic() - t0)}, stopped on "
+                   f"{stop} ({detail})", steps=len(points), stop_reason=stop)
     return SearchResult(points, stop, detail, max_succ, max_tps, max_slo, slo.__dict__, cfg.definition)

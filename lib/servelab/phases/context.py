@@ -108,10 +108,12 @@ def open_phase(notebook_name: str, namespace: dict[str, Any]) -> PhaseContext:
                         target=target, started=started)
 
 
-def log_command(ctx: PhaseContext, label: str, argv: list[str], title: str = "", **kw: Any) -> runlib.CommandRecord:
-    """Record a command of this phase (``executed`` / ``reproduce`` / ``planned``)."""
+def log_command(ctx: PhaseContext, label: str, argv: list[str], title: str = "", unique: bool = False,
+                **kw: Any) -> runlib.CommandRecord:
+    """Record a command of this phase (``executed`` / ``reproduce`` / ``planned``); ``unique``: not again when the
+    same label and argv are already recorded for the phase."""
     return runlib.record_command(ctx.run_dir, runlib.CommandRecord(label=label, argv=list(argv), phase=ctx.phase,
-                                                                   title=title, **kw))
+                                                                   title=title, **kw), unique=unique)
 
 
 def finish_phase(ctx: PhaseContext, status: str = "success", headline: dict[str, Any] | None = None,

@@ -5,12 +5,15 @@ stopped in ``finally`` — whatever fails, nothing is left running. An OOM resta
 else is measured (``docs/method.md#oom-restart``) and the restart is recorded; ENGINE_CRASH stops the run and lists the cases not
 executed. Everything goes to ``<run>/cases/<case_id>/`` (raw records, summaries, server metrics),
 ``<run>/summary.csv`` and ``<run>/phase1/`` (matrix, search, frontier, M1 tables).
+
+Every case, once written, gets its ``reproduce`` command on the page: ``servelab case <run_id> <case_id>`` re-runs
+that one case from its recorded ``meta.json`` as a new attempt (:mod:`servelab.phases.case_rerun`).
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pandas as pd
 
@@ -123,12 +126,12 @@ def run_phase1(ctx: Any, health_timeout_s: float = 900.0) -> Phase1Result:
             log_command(ctx, "reproduce", ["servelab", "run", "phase1", "--target", ctx.target.name, "--run-id",
                                            ctx.run_id, "-p", f"repeats={env.repeats}", "-p", "resume=true"],
                         title="re-run / resume this phase")
-            matrix = run_matrix(env, cases, resume=bool(p.get("resume", False)), case_runner=dispatch_case,
-                                on_oom=on_oom)
+            runner = recorded_runner(ctx, dispatch_case)
+            matrix = run_matrix(env, cases, resume=bool(p.get("resume", False)), case_runner=runner, on_oom=on_oom)
             env = env if not restarts else make_env(holder["srv"], ctx.run_dir, **env_kw)
             search = None
             if p.get("search") and not matrix.aborted:
-                search = concurrency_search(env, search_config(ctx.target, p, cases), runner=dispatch_case)
+                search = concurrency_search(env, search_config(ctx.target, p, cases), runner=runner)
         finally:
             stop_server(holder["srv"], tracker, ctx.run_dir, ctx.phase)
     m1 = None
@@ -138,6 +141,23 @@ def run_phase1(ctx: Any, health_timeout_s: float = 900.0) -> Phase1Result:
     res = Phase1Result(matrix, definition, search, m1, restarts + matrix.restarts, server)
     write_phase_tables(ctx.phase_dir, res)
     return res
+
+
+def recorded_runner(ctx: Any, runner: Callable[[CaseEnv, CaseSpec], CaseResult]
+                    ) -> Callable[[CaseEnv, CaseSpec], CaseResult]:
+    """``runner`` that, once a case's folder is written (whatever its verdict, an engine crash included), records
+    the ``reproduce`` command re-running that case as a new attempt (once per case and run)."""
+    from servelab.phases.case_rerun import case_command
+    from servelab.phases.context import log_command
+
+    def run(env: CaseEnv, case: CaseSpec) -> CaseResult:
+        try:
+            return runner(env, case)
+        finally:
+            if (Path(env.run_dir) / "cases" / case.case_id / "meta.json").is_file():
+                log_command(ctx, "reproduce", case_command(ctx.run_id, case.case_id),
+                            title=f"re-run case {case.case_id}", unique=True)
+    return run
 
 
 def write_phase_tables(phase_dir: Path, res: Phase1Result) -> None:
