@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pandas as pd
 
 from servelab.measure import request_metrics as mx
-from servelab.measure.case import (SCALES, CaseEnv, CaseResult, CaseSpec, MatrixResult, load_case_result, make_env,
-                            quick_matrix, run_matrix)
+from servelab.measure.case import (SCALES, SUCCESS, CaseEnv, CaseResult, CaseSpec, MatrixResult, case_is_done,
+                                   load_case_result, make_env, quick_matrix, run_matrix)
 from servelab.measure.matrix import dispatch_case
 from servelab.measure.mixed import m1_analysis
 from servelab.core.run import write_json_atomic
@@ -84,6 +84,22 @@ def search_config(target: Any, params: dict[str, Any], cases: list[CaseSpec]) ->
                         definition=params.get("definition", "vllm"), min_window_s=scale["min_window_s"])
 
 
+def resumable(runner: Callable[[CaseEnv, CaseSpec], CaseResult], skipped: list[str]
+              ) -> Callable[[CaseEnv, CaseSpec], CaseResult]:
+    """``runner`` that loads a case already measured (the resume rule of the matrix: ``case_is_done``) instead of
+    measuring it again, and lists it in ``skipped``: with ``resume`` the concurrency search replays its stored
+    points (same results, same decisions) and measures only the points it had not reached."""
+    def run(env: CaseEnv, case: CaseSpec) -> CaseResult:
+        cdir = env.run_dir / "cases" / case.case_id
+        if case_is_done(cdir, case.num_prompts * env.repeats):
+            res = load_case_result(case, cdir)
+            res.status = SUCCESS
+            skipped.append(case.case_id)
+            return res
+        return runner(env, case)
+    return run
+
+
 def run_phase1(ctx: Any, health_timeout_s: float = 900.0) -> Phase1Result:
     """Start the engine, run the matrix (and the search), stop the engine; write the phase tables."""
     from servelab.target.hosts import ProcessTracker
@@ -128,7 +144,8 @@ def run_phase1(ctx: Any, health_timeout_s: float = 900.0) -> Phase1Result:
             env = env if not restarts else make_env(holder["srv"], ctx.run_dir, **env_kw)
             search = None
             if p.get("search") and not matrix.aborted:
-                search = concurrency_search(env, search_config(ctx.target, p, cases), runner=dispatch_case)
+                runner = resumable(dispatch_case, matrix.skipped) if p.get("resume") else dispatch_case
+                search = concurrency_search(env, search_config(ctx.target, p, cases), runner=runner)
         finally:
             stop_server(holder["srv"], tracker, ctx.run_dir, ctx.phase)
     m1 = None
@@ -217,3 +234,58 @@ def run_status(res: Phase1Result) -> pd.DataFrame:
     rows += [{"case_id": c, "status": "NOT EXECUTED", "validity": "-", "reasons": res.aborted or "",
               "notes": "", "resumed": False} for c in res.not_executed]
     return pd.DataFrame(rows)
+
+
+# ---------------------------------------------------------------- peers side by side (read when the notebook runs)
+
+def _import_hint(run_dir: Path) -> str:
+    return (f"`servelab import FILE... --run-id {Path(run_dir).name}` brings SGLang bench_serving, `vllm bench serve`, "
+            "AIPerf or guidellm result files into this run; then re-run this phase with `--resume`")
+
+
+def peer_files(run_dir: Path) -> pd.DataFrame:
+    """The peer result files imported into this run, one row per benchmark they hold: tool, shape, requests, the
+    case of ours it matches (or the closest one and why not). One line saying how to import when there is none."""
+    from servelab.measure import peer_compare as pc
+    peers = pc.load_peer_table(run_dir)
+    if peers.empty:
+        return pd.DataFrame({"peers": [f"no peer result imported into this run: {_import_hint(run_dir)}"]})
+    return pc.match(peers, pc.phase1_cases(run_dir)).drop(columns=["peer_row"])
+
+
+def peer_side_by_side(run_dir: Path) -> pd.DataFrame | None:
+    """For each imported peer result matched to one of our cases: the peer's numbers, ours re-computed from our
+    raw records under the peer's own definition, and the difference (None when nothing was imported)."""
+    from servelab.measure import peer_compare as pc
+    peers = pc.load_peer_table(run_dir)
+    if peers.empty:
+        return None
+    cases = pc.phase1_cases(run_dir)
+    table = pc.side_by_side(peers, pc.match(peers, cases), cases)
+    if table.empty:
+        return pd.DataFrame({"note": ["no imported peer result has the shape of a Phase 1 case of this run "
+                                      "(the table above says why, file by file)"]})
+    return table
+
+
+def ours_in_peer_definitions(run_dir: Path) -> pd.DataFrame | None:
+    """The matched cases' records in every peer's definition (sglang, vllm, aiperf, guidellm) — or, when no peer
+    matched, the first case that ran; None when nothing was imported."""
+    from servelab.measure import peer_compare as pc
+    peers = pc.load_peer_table(run_dir)
+    if peers.empty:
+        return None
+    cases = pc.phase1_cases(run_dir)
+    if cases.empty:
+        return pd.DataFrame({"note": ["no Phase 1 case ran in this run"]})
+    m = pc.match(peers, cases)
+    ids = list(dict.fromkeys(m["case_id"].dropna())) or [cases["case_id"].iloc[0]]
+    return pc.ours_in_every_definition(cases, ids)
+
+
+def peer_definition_notes(run_dir: Path) -> pd.DataFrame | None:
+    """Where the four definitions differ, aspect by aspect (None when nothing was imported)."""
+    from servelab.measure import peer_compare as pc
+    if pc.load_peer_table(run_dir).empty:
+        return None
+    return pc.definition_notes()
