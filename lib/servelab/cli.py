@@ -354,9 +354,10 @@ def cmd_import(args: argparse.Namespace) -> int:
             m = matches[(matches["file"] == e["file"]) & (matches["run"] == row["run"])]
             case = m["case_id"].iloc[0] if not m.empty and pd.notna(m["case_id"].iloc[0]) else None
             rate = _fmt(row["request_rate"])
+            rate = "" if rate == "?" else f", rate {rate}" + ("" if rate == "inf" else "/s")
             failed = _fmt(row["failed"])
             parts.append(f"{_fmt(row['input_len'])}→{_fmt(row['output_len'])} tokens, concurrency "
-                         f"{_fmt(row['concurrency'])}" + (f", rate {rate}" + ("/s" if rate != "inf" else "") if rate != "?" else "")
+                         f"{_fmt(row['concurrency'])}{rate}"
                          + f", {_fmt(row['num_prompts'])} prompts; {_fmt(row['completed'])} requests completed"
                          + (f", {failed} failed" if failed not in ("?", "0") else "")
                          + (f" → same shape as our {case}" if case else
@@ -365,7 +366,7 @@ def cmd_import(args: argparse.Namespace) -> int:
         print(f"{tools}: {e['file']}{' (already imported)' if e['again'] else ''} — " + " | ".join(parts))
     runlib.record_command(rdir, runlib.CommandRecord(
         label="executed", argv=["servelab", "import", *[str(f) for f in args.files], "--run-id", args.run_id],
-        phase="phase1", title="import peer benchmark results", cwd=os.getcwd(), start=started, end=runlib.now_iso(),
+        phase="phase1", title="import peer benchmark results", cwd=str(Path.cwd()), start=started, end=runlib.now_iso(),
         exit_code=0, note=f"copied into {pc.PEERS_DIR}/files/; table {pc.PEERS_DIR}/peer_results.csv"))
     if "phase1" in runlib.read_manifest(rdir).get("phases", {}):
         print(f"re-run phase 1 ({_rerun_phase1(rdir)}) to see them side by side: its measured cases are loaded, "

@@ -325,11 +325,11 @@ def import_file(path: str | Path) -> pd.DataFrame:
         raise ImportFormatError(f"{path}: no such file; expected {EXPECTED}")
     objs = _read_json_objects(path)
     if not objs:
-        raise ImportFormatError(f"{path}: empty")
+        raise ImportFormatError(f"{path}: empty; expected {EXPECTED}")
     rows: list[dict[str, Any]] = []
     for i, obj in enumerate(objs):
         if not isinstance(obj, dict):
-            raise ImportFormatError(f"{path}: object {i} is not a JSON object")
+            raise ImportFormatError(f"{path}: object {i} is not a JSON object; expected {EXPECTED}")
         try:
             kind = detect_format(obj)
         except ImportFormatError as exc:
