@@ -330,3 +330,12 @@ def test_resume_replays_stored_search_points(run):
     assert res.status == "success" and res.summaries["vllm"]["completed"] == 4 and skipped == ["search_c4"]
     assert wrapped(Env, CaseSpec("search_c8", "search", "decode", 64, 4, 8, 8, True)) == "measured"
     assert calls == ["search_c8"]
+
+
+def test_an_unreadable_peers_folder_is_a_note_not_a_failed_phase(run, tmp_path):
+    pc.import_into_run(run, [sglang_file(tmp_path)])
+    (run / "peers" / "files" / "bs.jsonl").unlink()
+    t = perf_map.peer_files(run)
+    assert t.shape == (1, 1) and t.iloc[0, 0].startswith("peers/ of this run could not be read: ")
+    assert "bs.jsonl: no such file" in t.iloc[0, 0]
+    assert perf_map.peer_side_by_side(run) is None and perf_map.ours_in_peer_definitions(run) is None
