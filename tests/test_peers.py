@@ -339,3 +339,10 @@ def test_an_unreadable_peers_folder_is_a_note_not_a_failed_phase(run, tmp_path):
     assert t.shape == (1, 1) and t.iloc[0, 0].startswith("peers/ of this run could not be read: ")
     assert "bs.jsonl: no such file" in t.iloc[0, 0]
     assert perf_map.peer_side_by_side(run) is None and perf_map.ours_in_peer_definitions(run) is None
+
+
+def test_the_json_table_keeps_an_unlimited_rate(run, tmp_path):
+    pc.import_into_run(run, [sglang_file(tmp_path), DATA / "aiperf_0.13.0_profile_export_aiperf.json"])
+    rows = json.loads((run / "peers" / "peer_results.json").read_text())["rows"]
+    assert [r["request_rate"] for r in rows] == ["inf", None]          # sglang: inf; AIPerf states no rate
+    assert rows[1]["failed"] == 0 and rows[0]["failed"] is None         # SGLang writes no 'failed'

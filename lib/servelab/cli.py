@@ -427,7 +427,8 @@ def build_parser() -> argparse.ArgumentParser:
     ar.set_defaults(fn=cmd_archive)
     im = sub.add_parser("import", help="bring SGLang bench_serving / vllm bench serve / AIPerf / guidellm result "
                                        "files into a run (Phase 1 shows them beside ours)")
-    im.add_argument("files", nargs="+", metavar="FILE")
+    im.add_argument("files", nargs="+", metavar="FILE", help="result files: SGLang bench_serving JSONL, `vllm bench serve` "
+                    "JSON, AIPerf profile_export_aiperf.json, guidellm benchmarks.json")
     im.add_argument("--run-id", required=True, help="the run to import into (it must exist)")
     im.set_defaults(fn=cmd_import)
     pp = sub.add_parser("params", help="a phase's parameters, types and defaults")

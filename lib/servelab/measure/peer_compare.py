@@ -89,7 +89,8 @@ DEFINITION_NOTES: dict[str, dict[str, str]] = {
                       "guidellm": "server usage; text iterations when absent"},
     "requests counted": {"sglang": "HTTP 200 and no error (a stream without text counts, TTFT 0)",
                          "vllm": "HTTP 200, no error and at least one choices event",
-                         "aiperf": "valid records (no error); TTFT needs a content response",
+                         "aiperf": "valid records (no error); TTFT needs a content response (AIPerf's TTFT "
+                                   "percentiles also take failed requests that streamed content; ours do not)",
                          "guidellm": "successful requests (errored and incomplete ones apart)"},
     "percentiles": {"sglang": "numpy linear interpolation", "vllm": "numpy linear interpolation",
                     "aiperf": "numpy linear interpolation",
@@ -401,7 +402,11 @@ def rebuild_table(run_dir: str | Path, index: list[dict[str, Any]] | None = None
         frames.append(t)
     table = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=pr.COLUMNS)
     table.to_csv(pdir / "peer_results.csv", index=False)
-    rows = json.loads(table.to_json(orient="records"))
+    def plain(v: Any) -> Any:          # JSON has no inf / NaN: an unlimited rate stays "inf", a missing value null
+        if isinstance(v, float) and math.isinf(v):
+            return "inf" if v > 0 else "-inf"
+        return None if isinstance(v, float) and math.isnan(v) else v
+    rows = [{k: plain(v.item() if hasattr(v, "item") else v) for k, v in r.items()} for r in table.to_dict("records")]
     write_json_atomic(pdir / "peer_results.json", {"imported": index, "columns": list(table.columns), "rows": rows})
     return table
 
