@@ -346,3 +346,8 @@ def test_the_json_table_keeps_an_unlimited_rate(run, tmp_path):
     rows = json.loads((run / "peers" / "peer_results.json").read_text())["rows"]
     assert [r["request_rate"] for r in rows] == ["inf", None]          # sglang: inf; AIPerf states no rate
     assert rows[1]["failed"] == 0 and rows[0]["failed"] is None         # SGLang writes no 'failed'
+
+
+def test_the_matched_case_carries_its_verdict(run, tmp_path):
+    pc.import_into_run(run, [sglang_file(tmp_path)])
+    assert perf_map.peer_files(run)["case_verdict"].tolist() == ["VALID"]

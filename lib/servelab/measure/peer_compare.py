@@ -300,8 +300,9 @@ def shape_mismatch(peer: dict[str, Any], case: dict[str, Any]) -> list[str]:
 
 
 def match(peers: pd.DataFrame, cases: pd.DataFrame) -> pd.DataFrame:
-    """One row per peer row: its shape, the case it matches (``case_id``; a matrix case before a search point),
-    other cases of the same shape (``also``) and, when nothing matches, the closest case and why not."""
+    """One row per peer row: its shape, the case it matches (``case_id``; a matrix case before a search point) and
+    that case's verdict (an INVALID case is shown beside the peer, never as a result), other cases of the same
+    shape (``also``) and, when nothing matches, the closest case and why not."""
     rows = []
     for i, p in peers.reset_index(drop=True).iterrows():
         pd_ = p.to_dict()
@@ -310,17 +311,19 @@ def match(peers: pd.DataFrame, cases: pd.DataFrame) -> pd.DataFrame:
             why = shape_mismatch(pd_, c.to_dict())
             (misses if why else hits).append((c["case_id"], c["scenario"], why))
         hits.sort(key=lambda h: (h[1] == "search", h[0]))
+        verdict = dict(zip(cases["case_id"], cases["validity"])) if "validity" in cases else {}
         nearest = min(misses, key=lambda m: len(m[2]), default=None)
         rows.append({"peer_row": i, "tool": p["tool"], "definition": p["definition"], "file": p["file"],
                      "run": p["run"], "input_len": p["input_len"], "output_len": p["output_len"],
                      "concurrency": p["concurrency"], "request_rate": p["request_rate"],
                      "num_prompts": p["num_prompts"], "completed": p["completed"],
                      "case_id": hits[0][0] if hits else None,
+                     "case_verdict": verdict.get(hits[0][0]) if hits else None,
                      "also": ", ".join(h[0] for h in hits[1:]),
                      "why_unmatched": "" if hits else (f"closest {nearest[0]}: {'; '.join(nearest[2])}"
                                                        if nearest else "no Phase 1 case in this run")})
     cols = ["peer_row", "tool", "definition", "file", "run", "input_len", "output_len", "concurrency", "request_rate",
-            "num_prompts", "completed", "case_id", "also", "why_unmatched"]
+            "num_prompts", "completed", "case_id", "case_verdict", "also", "why_unmatched"]
     return pd.DataFrame(rows, columns=cols)
 
 
