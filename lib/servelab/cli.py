@@ -3,7 +3,6 @@
     servelab run phase1 --target local [--run-id ID] [-p key=value ...] [--resume]
     servelab demo [--run-id ID]
     servelab render RUN_ID [PHASE]
-    servelab import FILE... --run-id ID   # peer tools' result files into a run
     servelab phases | targets | params PHASE
     servelab build            # build/cache llama-server and the models
 
@@ -309,30 +308,8 @@ def cmd_archive(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fmt(x: Any) -> str:
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        return "?"
-    return "?" if v != v else ("inf" if v == float("inf") else f"{v:g}")
-
-
-def _rerun_phase1(rdir: Path) -> str:
-    """The ``servelab run phase1 ... --resume`` line that re-runs Phase 1 into this run with the overrides it
-    last ran with (its recorded ``reproduce`` command; the CLI's, which holds every ``-p``, first)."""
-    import shlex
-    from servelab.core.run import read_commands
-    recs = [r for r in read_commands(rdir, "phase1")
-            if r.label == "reproduce" and r.argv[:3] == ["servelab", "run", "phase1"]][::-1]
-    recs.sort(key=lambda r: r.title != "run phase1 again into this run")      # stable: the latest CLI record first
-    argv = list(recs[0].argv) if recs else ["servelab", "run", "phase1", "--run-id", rdir.name]
-    if "resume=true" not in argv:
-        argv.append("--resume")
-    return shlex.join(argv)
-
-
 def cmd_import(args: argparse.Namespace) -> int:
-    """Bring peer tools' result files into a run (everything validated before anything is written)."""
+    """Bring peer tools' result files into a run (every file validated before anything is written)."""
     from servelab.core import run as runlib
     from servelab.measure import peer_compare as pc
     rdir = runlib.run_dir(args.run_id)
@@ -343,36 +320,11 @@ def cmd_import(args: argparse.Namespace) -> int:
         table, added = pc.import_into_run(rdir, args.files)
     except pc.PeerImportError as exc:
         raise ParamError(str(exc)) from None
-    import pandas as pd
-    cases = pc.phase1_cases(rdir)
-    have_cases = not cases.empty
-    matches = pc.match(table, cases)
-    for e in added:
-        t = e["table"]
-        parts = []
-        for _, row in t.iterrows():
-            m = matches[(matches["file"] == e["file"]) & (matches["run"] == row["run"])]
-            case = m["case_id"].iloc[0] if not m.empty and pd.notna(m["case_id"].iloc[0]) else None
-            rate = _fmt(row["request_rate"])
-            rate = "" if rate == "?" else f", rate {rate}" + ("" if rate == "inf" else "/s")
-            failed = _fmt(row["failed"])
-            parts.append(f"{_fmt(row['input_len'])}→{_fmt(row['output_len'])} tokens, concurrency "
-                         f"{_fmt(row['concurrency'])}{rate}"
-                         + f", {_fmt(row['num_prompts'])} prompts; {_fmt(row['completed'])} requests completed"
-                         + (f", {failed} failed" if failed not in ("?", "0") else "")
-                         + (f" → same shape as our {case}" if case else
-                            " → no Phase 1 case of this run has its shape" if have_cases else ""))
-        tools = ", ".join(e["tools"])
-        print(f"{tools}: {e['file']}{' (already imported)' if e['again'] else ''} — " + " | ".join(parts))
     runlib.record_command(rdir, runlib.CommandRecord(
         label="executed", argv=["servelab", "import", *[str(f) for f in args.files], "--run-id", args.run_id],
         phase="phase1", title="import peer benchmark results", cwd=str(Path.cwd()), start=started, end=runlib.now_iso(),
         exit_code=0, note=f"copied into {pc.PEERS_DIR}/files/; table {pc.PEERS_DIR}/peer_results.csv"))
-    if "phase1" in runlib.read_manifest(rdir).get("phases", {}):
-        print(f"re-run phase 1 ({_rerun_phase1(rdir)}) to see them side by side: its measured cases are loaded, "
-              "not measured again")
-    else:
-        print(f"run phase 1 into this run (servelab run phase1 --run-id {args.run_id}) to see them side by side")
+    print("\n".join(pc.import_report(rdir, table, added)))
     return 0
 
 

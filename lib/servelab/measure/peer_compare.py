@@ -429,6 +429,58 @@ def load_peer_table(run_dir: str | Path) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True)
 
 
+def _fmt(x: Any) -> str:
+    v = _val(x)
+    return "?" if v is None else ("inf" if math.isinf(v) else f"{v:g}")
+
+
+def rerun_phase1(run_dir: str | Path) -> str:
+    """The ``servelab run phase1 ... --resume`` line that re-runs Phase 1 into this run with the overrides it last
+    ran with: its recorded ``reproduce`` command (the CLI's, which holds every ``-p``, before the notebook's)."""
+    import shlex
+    from servelab.core.run import read_commands
+    rdir = Path(run_dir)
+    recs = [r for r in read_commands(rdir, "phase1")
+            if r.label == "reproduce" and r.argv[:3] == ["servelab", "run", "phase1"]][::-1]
+    recs.sort(key=lambda r: r.title != "run phase1 again into this run")      # stable: the latest CLI record first
+    argv = list(recs[0].argv) if recs else ["servelab", "run", "phase1", "--run-id", rdir.name]
+    if "resume=true" not in argv:
+        argv.append("--resume")
+    return shlex.join(argv)
+
+
+def import_report(run_dir: str | Path, table: pd.DataFrame, added: list[dict[str, Any]]) -> list[str]:
+    """What ``servelab import`` prints: one line per file (tool, shape, requests, the case of ours with its shape),
+    then how to see them on the Phase 1 page."""
+    from servelab.core.run import read_manifest
+    rdir = Path(run_dir)
+    cases = phase1_cases(rdir)
+    matches = match(table, cases)
+    lines = []
+    for e in added:
+        parts = []
+        for _, row in e["table"].iterrows():
+            m = matches[(matches["file"] == e["file"]) & (matches["run"] == row["run"])]
+            case = m["case_id"].iloc[0] if not m.empty and pd.notna(m["case_id"].iloc[0]) else None
+            rate = _fmt(row["request_rate"])
+            rate = "" if rate == "?" else f", rate {rate}" + ("" if rate == "inf" else "/s")
+            failed = _fmt(row["failed"])
+            parts.append(f"{_fmt(row['input_len'])}→{_fmt(row['output_len'])} tokens, concurrency "
+                         f"{_fmt(row['concurrency'])}{rate}, {_fmt(row['num_prompts'])} prompts; "
+                         f"{_fmt(row['completed'])} requests completed"
+                         + (f", {failed} failed" if failed not in ("?", "0") else "")
+                         + (f" → same shape as our {case}" if case else
+                            " → no Phase 1 case of this run has its shape" if not cases.empty else ""))
+        lines.append(f"{', '.join(e['tools'])}: {e['file']}{' (already imported)' if e['again'] else ''} — "
+                     + " | ".join(parts))
+    if "phase1" in read_manifest(rdir).get("phases", {}):
+        lines.append(f"re-run phase 1 ({rerun_phase1(rdir)}) to see them side by side: its measured cases are "
+                     "loaded, not measured again")
+    else:
+        lines.append(f"run phase 1 into this run (servelab run phase1 --run-id {rdir.name}) to see them side by side")
+    return lines
+
+
 # ---------------------------------------------------------------- side by side
 
 def case_records(case_dir: str | Path) -> tuple[list[RequestRecord], float]:
