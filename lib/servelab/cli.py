@@ -416,6 +416,26 @@ def cmd_case(args: argparse.Namespace) -> int:
     return att.exit_code
 
 
+def cmd_import(args: argparse.Namespace) -> int:
+    """Bring peer tools' result files into a run (every file validated before anything is written)."""
+    from servelab.core import run as runlib
+    from servelab.measure import peer_compare as pc
+    rdir = runlib.run_dir(args.run_id)
+    if not (rdir / "manifest.json").exists():
+        raise ParamError(f"no run '{args.run_id}' under {rdir.parent} (run a phase with --run-id {args.run_id} first)")
+    started = runlib.now_iso()
+    try:
+        table, added = pc.import_into_run(rdir, args.files)
+    except pc.PeerImportError as exc:
+        raise ParamError(str(exc)) from None
+    runlib.record_command(rdir, runlib.CommandRecord(
+        label="executed", argv=["servelab", "import", *[str(f) for f in args.files], "--run-id", args.run_id],
+        phase="phase1", title="import peer benchmark results", cwd=str(Path.cwd()), start=started, end=runlib.now_iso(),
+        exit_code=0, note=f"copied into {pc.PEERS_DIR}/files/; table {pc.PEERS_DIR}/peer_results.csv"))
+    print("\n".join(pc.import_report(rdir, table, added)))
+    return 0
+
+
 def cmd_params(args: argparse.Namespace) -> int:
     nb = notebook_path(args.phase)
     for s in notebook_param_specs(nb).values():
@@ -472,6 +492,12 @@ def build_parser() -> argparse.ArgumentParser:
     ar.add_argument("run_id")
     ar.add_argument("--zip", action="store_true")
     ar.set_defaults(fn=cmd_archive)
+    im = sub.add_parser("import", help="bring SGLang bench_serving / vllm bench serve / AIPerf / guidellm result "
+                                       "files into a run (Phase 1 shows them beside ours)")
+    im.add_argument("files", nargs="+", metavar="FILE", help="result files: SGLang bench_serving JSONL, `vllm bench serve` "
+                    "JSON, AIPerf profile_export_aiperf.json, guidellm benchmarks.json")
+    im.add_argument("--run-id", required=True, help="the run to import into (it must exist)")
+    im.set_defaults(fn=cmd_import)
     pp = sub.add_parser("params", help="a phase's parameters, types and defaults")
     pp.add_argument("phase")
     pp.set_defaults(fn=cmd_params)

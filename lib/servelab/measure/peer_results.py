@@ -12,7 +12,11 @@ Readers key on field *presence*, not tool versions (these tools change weekly):
   its percentiles are nearest-rank, not interpolated).
 
 Every row says its ``tool`` and ``definition`` so numbers of different definitions are never silently mixed.
-Common columns are those of ``COLUMNS`` (ms, tokens, per second).
+Common columns are those of ``COLUMNS`` (ms, tokens, per second). Each row also carries the workload *shape* as far
+as the file states it — ``input_len``, ``output_len`` (tokens per request), ``concurrency``, ``request_rate``,
+``num_prompts`` — and ``shape_source`` says where each came from: ``stated`` (the tool's own setting, e.g. SGLang's
+``random_input_len``), ``from totals`` (total tokens / completed requests: what was achieved, not asked for), or
+``from completed`` (SGLang writes no prompt count: completed requests stand in).
 """
 from __future__ import annotations
 
@@ -22,10 +26,15 @@ from typing import Any
 
 import pandas as pd
 
-COLUMNS = ["tool", "definition", "file", "run", "label", "concurrency", "request_rate", "duration_s", "completed",
+COLUMNS = ["tool", "definition", "file", "run", "label", "input_len", "output_len", "num_prompts", "shape_source",
+           "concurrency", "request_rate", "duration_s", "completed",
            "failed", "total_input_tokens", "total_output_tokens", "request_throughput", "output_throughput",
            "total_token_throughput", "request_goodput",
            *[f"{st}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for st in ("mean", "median", "p90", "p95", "p99")]]
+
+
+EXPECTED = ("an SGLang bench_serving JSONL, a `vllm bench serve` JSON, an AIPerf profile_export_aiperf.json or a "
+            "guidellm benchmarks.json")
 
 
 class ImportFormatError(ValueError):
@@ -47,7 +56,12 @@ def _num(x: Any) -> float | None:
 
 def _read_json_objects(path: Path) -> list[dict[str, Any]]:
     """One JSON object, or newline-separated objects (sglang JSONL, vllm --append-result)."""
-    text = path.read_text()
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError:
+        raise ImportFormatError(f"{path}: not a text file; expected {EXPECTED}") from None
+    except OSError as exc:
+        raise ImportFormatError(f"{path}: cannot be read ({exc.strerror or exc}); expected {EXPECTED}") from None
     try:
         obj = json.loads(text)
         return obj if isinstance(obj, list) else [obj]
@@ -59,7 +73,7 @@ def _read_json_objects(path: Path) -> list[dict[str, Any]]:
             try:
                 out.append(json.loads(line))
             except json.JSONDecodeError as exc:
-                raise ImportFormatError(f"{path}:{no}: not JSON ({exc.msg})") from None
+                raise ImportFormatError(f"{path}:{no}: not JSON ({exc.msg}); expected {EXPECTED}") from None
     return out
 
 
@@ -75,12 +89,112 @@ def detect_format(obj: dict[str, Any]) -> str:
         return "sglang"
     if "mean_e2el_ms" in obj or "total_token_throughput" in obj:
         return "vllm"
-    raise ImportFormatError("unknown result format: none of the keys of sglang/vllm/aiperf/guidellm present "
-                            f"(keys: {sorted(obj)[:12]}...)")
+    raise ImportFormatError(f"unknown result format: expected {EXPECTED}; none of their keys is present "
+                            f"(keys: {', '.join(sorted(map(str, obj))[:8]) or 'none'})")
 
 
 def _row(**kw: Any) -> dict[str, Any]:
     return {c: kw.get(c) for c in COLUMNS}
+
+
+def _per_request(total: Any, n: Any) -> float | None:
+    total, n = _num(total), _num(n)
+    return total / n if total is not None and n else None
+
+
+def _shape(stated: dict[str, Any], totals: dict[str, Any], prompts: Any, prompts_how: str) -> dict[str, Any]:
+    """``input_len``, ``output_len``, ``num_prompts`` and ``shape_source`` from what the file states, falling back
+    to per-request means of its totals (``totals``: name → (total tokens, completed))."""
+    out: dict[str, Any] = {}
+    how = []
+    for key in ("input_len", "output_len"):
+        v = _num(stated.get(key))
+        if v is not None:
+            out[key], src = v, "stated"
+        else:
+            out[key], src = _per_request(*totals.get(key, (None, None))), "from totals"
+            if out[key] is None:
+                src = "unknown"
+        how.append(f"{key.split('_')[0]}: {src}")
+    out["num_prompts"] = _num(prompts)
+    how.append(f"prompts: {prompts_how if out['num_prompts'] is not None else 'unknown'}")
+    out["shape_source"] = "; ".join(how)
+    return out
+
+
+def sglang_shape(obj: dict[str, Any]) -> dict[str, Any]:
+    """SGLang states its requested lengths for the random datasets with ``random_range_ratio`` 1 (fixed lengths)
+    and for ShareGPT with a fixed output length; it writes no prompt count (completed requests stand in)."""
+    stated: dict[str, Any] = {}
+    ds = str(obj.get("dataset_name") or "")
+    if ds.startswith("random") and _num(obj.get("random_range_ratio")) == 1.0:
+        stated = {"input_len": obj.get("random_input_len"), "output_len": obj.get("random_output_len")}
+    elif obj.get("sharegpt_output_len") is not None:
+        stated = {"output_len": obj.get("sharegpt_output_len")}
+    n = obj.get("completed")
+    return _shape(stated, {"input_len": (obj.get("total_input_tokens"), n),
+                           "output_len": (obj.get("total_output_tokens"), n)}, n, "from completed")
+
+
+def vllm_shape(obj: dict[str, Any]) -> dict[str, Any]:
+    """``vllm bench serve`` states ``num_prompts``; lengths only as totals (or ``--metadata`` keys of ours)."""
+    n = obj.get("completed")
+    stated = {"input_len": obj.get("random_input_len") or obj.get("input_len"),
+              "output_len": obj.get("random_output_len") or obj.get("output_len")}
+    prompts = obj.get("num_prompts")
+    how = "stated"
+    if prompts is None and n is not None:
+        prompts, how = (_num(n) or 0) + (_num(obj.get("failed")) or 0), "from completed"
+    return _shape(stated, {"input_len": (obj.get("total_input_tokens"), n),
+                           "output_len": (obj.get("total_output_tokens"), n)}, prompts, how)
+
+
+def aiperf_shape(obj: dict[str, Any], load: dict[str, Any], count: float | None, failed: float | None
+                 ) -> dict[str, Any]:
+    """AIPerf states the synthetic ISL/OSL means (``input_config.datasets[].prompts`` in 0.13, older
+    ``input_config.input.prompt``) and the request count of its profiling phase."""
+    cfg = obj.get("input_config") or {}
+    stated: dict[str, Any] = {}
+    for d in cfg.get("datasets") or []:
+        pr = (d or {}).get("prompts") or {}
+        stated = {"input_len": (pr.get("isl") or {}).get("mean"), "output_len": (pr.get("osl") or {}).get("mean")}
+        break
+    if not stated:
+        pr = ((cfg.get("input") or {}).get("prompt")) or {}
+        stated = {"input_len": (pr.get("input_tokens") or {}).get("mean"),
+                  "output_len": (pr.get("output_tokens") or {}).get("mean")}
+    prompts, how = load.get("requests") or load.get("request_count"), "stated"
+    if prompts is None and count is not None:
+        prompts, how = count + (failed or 0), "from completed"
+
+    def avg(tag: str) -> float | None:
+        m = obj.get(tag)
+        return _num(m.get("avg")) if isinstance(m, dict) else None
+    return _shape(stated, {"input_len": (avg("input_sequence_length"), 1), "output_len": (avg("output_sequence_length"), 1)},
+                  prompts, how)
+
+
+def guidellm_shape(obj: dict[str, Any], bench: dict[str, Any]) -> dict[str, Any]:
+    """guidellm states the synthetic data's token counts (``config.spec.data[]``) and a ``max_requests``
+    constraint; otherwise the benchmark's mean token counts and its request total."""
+    spec = ((obj.get("config") or {}).get("spec")) or {}
+    stated: dict[str, Any] = {}
+    for d in spec.get("data") or []:
+        if isinstance(d, dict) and (d.get("prompt_tokens_stdev") in (None, 0)) and (d.get("output_tokens_stdev") in (None, 0)):
+            stated = {"input_len": d.get("prompt_tokens"), "output_len": d.get("output_tokens")}
+        break
+    prompts, how = None, "stated"
+    for c in spec.get("constraints") or []:
+        if isinstance(c, dict) and c.get("kind") == "max_requests":
+            prompts = c.get("count")
+    m = bench.get("metrics") or {}
+    if prompts is None:
+        prompts, how = (m.get("request_totals") or {}).get("total"), "from the request total"
+
+    def mean(name: str) -> float | None:
+        return _num((((m.get(name) or {}).get("successful")) or {}).get("mean"))
+    return _shape(stated, {"input_len": (mean("prompt_token_count"), 1), "output_len": (mean("output_token_count"), 1)},
+                  prompts, how)
 
 
 def from_sglang(obj: dict[str, Any], file: str = "", run: int = 0) -> dict[str, Any]:
@@ -90,6 +204,7 @@ def from_sglang(obj: dict[str, Any], file: str = "", run: int = 0) -> dict[str, 
         for st in ("mean", "median", "p90", "p95", "p99"):
             lat[f"{st}_{m_ours}_ms"] = _num(obj.get(f"{st}_{m_theirs}_ms"))
     return _row(tool="sglang bench_serving", definition="sglang", file=file, run=run, label=obj.get("tag"),
+                **sglang_shape(obj),
                 concurrency=_num(obj.get("max_concurrency")), request_rate=_num(obj.get("request_rate")),
                 duration_s=_num(obj.get("duration")), completed=_num(obj.get("completed")), failed=None,
                 total_input_tokens=_num(obj.get("total_input_tokens")),
@@ -106,7 +221,7 @@ def from_vllm(obj: dict[str, Any], file: str = "", run: int = 0, tool: str = "vl
     for m in ("ttft", "tpot", "itl", "e2el"):
         for st in ("mean", "median", "p90", "p95", "p99"):
             lat[f"{st}_{m}_ms"] = _num(obj.get(f"{st}_{m}_ms"))
-    return _row(tool=tool, definition=definition, file=file, run=run, label=obj.get("label"),
+    return _row(tool=tool, definition=definition, file=file, run=run, label=obj.get("label"), **vllm_shape(obj),
                 concurrency=_num(obj.get("max_concurrency")), request_rate=_num(obj.get("request_rate")),
                 duration_s=_num(obj.get("duration")), completed=_num(obj.get("completed")),
                 failed=_num(obj.get("failed")), total_input_tokens=_num(obj.get("total_input_tokens")),
@@ -155,6 +270,7 @@ def from_aiperf(obj: dict[str, Any], file: str = "") -> dict[str, Any]:
     if total_out is None and avg("output_sequence_length") is not None and count is not None:
         total_out = avg("output_sequence_length") * count
     return _row(tool="aiperf", definition="aiperf", file=file, run=0, label=None,
+                **aiperf_shape(obj, load, count, failed),
                 concurrency=_num(load.get("concurrency")), request_rate=_num(load.get("request_rate")),
                 duration_s=avg("benchmark_duration"), completed=count, failed=failed,
                 total_input_tokens=total_in, total_output_tokens=total_out,
@@ -190,6 +306,7 @@ def from_guidellm(obj: dict[str, Any], file: str = "") -> list[dict[str, Any]]:
         if dur is None and sched.get("end_time") is not None and sched.get("start_time") is not None:
             dur = _num(sched["end_time"]) - _num(sched["start_time"])
         rows.append(_row(tool="guidellm", definition="guidellm", file=file, run=i, label=strat.get("type_"),
+                         **guidellm_shape(obj, b),
                          concurrency=_num(strat.get("streams") or strat.get("max_concurrency")),
                          request_rate=_num(strat.get("rate")), duration_s=dur,
                          completed=_num(totals.get("successful")), failed=_num(totals.get("errored")),
@@ -205,14 +322,14 @@ def import_file(path: str | Path) -> pd.DataFrame:
     """Any supported result file → rows of the common table (one per run/benchmark in the file)."""
     path = Path(path)
     if not path.exists():
-        raise ImportFormatError(f"{path}: no such file")
+        raise ImportFormatError(f"{path}: no such file; expected {EXPECTED}")
     objs = _read_json_objects(path)
     if not objs:
-        raise ImportFormatError(f"{path}: empty")
+        raise ImportFormatError(f"{path}: empty; expected {EXPECTED}")
     rows: list[dict[str, Any]] = []
     for i, obj in enumerate(objs):
         if not isinstance(obj, dict):
-            raise ImportFormatError(f"{path}: object {i} is not a JSON object")
+            raise ImportFormatError(f"{path}: object {i} is not a JSON object; expected {EXPECTED}")
         try:
             kind = detect_format(obj)
         except ImportFormatError as exc:

@@ -18,8 +18,8 @@ from typing import Any, Callable
 import pandas as pd
 
 from servelab.measure import request_metrics as mx
-from servelab.measure.case import (SCALES, CaseEnv, CaseResult, CaseSpec, MatrixResult, load_case_result, make_env,
-                            quick_matrix, run_matrix)
+from servelab.measure.case import (SCALES, SUCCESS, CaseEnv, CaseResult, CaseSpec, MatrixResult, case_is_done,
+                                   load_case_result, make_env, quick_matrix, run_matrix)
 from servelab.measure.matrix import dispatch_case
 from servelab.measure.mixed import m1_analysis
 from servelab.core.run import write_json_atomic
@@ -87,6 +87,22 @@ def search_config(target: Any, params: dict[str, Any], cases: list[CaseSpec]) ->
                         definition=params.get("definition", "vllm"), min_window_s=scale["min_window_s"])
 
 
+def resumable(runner: Callable[[CaseEnv, CaseSpec], CaseResult], skipped: list[str]
+              ) -> Callable[[CaseEnv, CaseSpec], CaseResult]:
+    """``runner`` that loads a case already measured (the resume rule of the matrix: ``case_is_done``) instead of
+    measuring it again, and lists it in ``skipped``: with ``resume`` the concurrency search replays its stored
+    points (same results, same decisions) and measures only the points it had not reached."""
+    def run(env: CaseEnv, case: CaseSpec) -> CaseResult:
+        cdir = env.run_dir / "cases" / case.case_id
+        if case_is_done(cdir, case.num_prompts * env.repeats):
+            res = load_case_result(case, cdir)
+            res.status = SUCCESS
+            skipped.append(case.case_id)
+            return res
+        return runner(env, case)
+    return run
+
+
 def run_phase1(ctx: Any, health_timeout_s: float = 900.0) -> Phase1Result:
     """Start the engine, run the matrix (and the search), stop the engine; write the phase tables."""
     from servelab.target.hosts import ProcessTracker
@@ -131,7 +147,8 @@ def run_phase1(ctx: Any, health_timeout_s: float = 900.0) -> Phase1Result:
             env = env if not restarts else make_env(holder["srv"], ctx.run_dir, **env_kw)
             search = None
             if p.get("search") and not matrix.aborted:
-                search = concurrency_search(env, search_config(ctx.target, p, cases), runner=runner)
+                search_runner = resumable(runner, matrix.skipped) if p.get("resume") else runner
+                search = concurrency_search(env, search_config(ctx.target, p, cases), runner=search_runner)
         finally:
             stop_server(holder["srv"], tracker, ctx.run_dir, ctx.phase)
     m1 = None
@@ -237,3 +254,86 @@ def run_status(res: Phase1Result) -> pd.DataFrame:
     rows += [{"case_id": c, "status": "NOT EXECUTED", "validity": "-", "reasons": res.aborted or "",
               "notes": "", "resumed": False} for c in res.not_executed]
     return pd.DataFrame(rows)
+
+
+# ---------------------------------------------------------------- peers side by side (read when the notebook runs)
+
+def _import_hint(run_dir: Path) -> str:
+    return (f"`servelab import FILE... --run-id {Path(run_dir).name}` brings SGLang bench_serving, `vllm bench serve`, "
+            "AIPerf or guidellm result files into this run; then re-run this phase with `--resume`")
+
+
+def _peers(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, str]:
+    """(peer table, our cases, matches, problem): a ``peers/`` folder that cannot be read is a note on the page,
+    never a failed phase."""
+    from servelab.measure import peer_compare as pc
+    from servelab.measure.peer_results import ImportFormatError
+    try:
+        peers = pc.load_peer_table(run_dir)
+        cases = pc.phase1_cases(run_dir)
+        return peers, cases, pc.match(peers, cases), ""
+    except (ImportFormatError, OSError, ValueError, KeyError) as exc:
+        empty = pd.DataFrame()
+        return empty, empty, empty, f"{pc.PEERS_DIR}/ of this run could not be read: {' '.join(str(exc).split())}"
+
+
+def _whole(df: pd.DataFrame, cols: tuple[str, ...]) -> pd.DataFrame:
+    """Counts and lengths that are whole numbers shown as integers."""
+    out = df.copy()
+    for c in cols:
+        out[c] = pd.Series([int(v) if isinstance(v, float) and v == v and v == int(v) else v for v in out[c]],
+                           index=out.index, dtype=object)
+    return out
+
+
+def peer_files(run_dir: Path) -> pd.DataFrame:
+    """The peer result files imported into this run, one row per benchmark they hold: tool, shape, requests, the
+    case of ours it matches (or the closest one and why not). One line saying how to import when there is none."""
+    peers, _, matches, problem = _peers(run_dir)
+    if problem:
+        return pd.DataFrame({"peers": [problem]})
+    if peers.empty:
+        return pd.DataFrame({"peers": [f"no peer result imported into this run: {_import_hint(run_dir)}"]})
+    return _whole(matches.drop(columns=["peer_row"]),
+                  ("input_len", "output_len", "concurrency", "num_prompts", "completed"))
+
+
+def peer_side_by_side(run_dir: Path) -> pd.DataFrame | None:
+    """For each imported peer result matched to one of our cases: the peer's numbers, ours re-computed from our
+    raw records under the peer's own definition, and the difference (None when nothing was imported)."""
+    from servelab.measure import peer_compare as pc
+    peers, cases, matches, problem = _peers(run_dir)
+    if problem or peers.empty:
+        return None
+    if matches["case_id"].isna().all():
+        return pd.DataFrame({"note": ["no imported peer result has the shape of a Phase 1 case of this run "
+                                      "(the table above says why, file by file)"]})
+    try:
+        return pc.side_by_side(peers, matches, cases)
+    except (OSError, ValueError, KeyError) as exc:
+        return pd.DataFrame({"note": [f"our records could not be read: {' '.join(str(exc).split())}"]})
+
+
+def ours_in_peer_definitions(run_dir: Path) -> pd.DataFrame | None:
+    """The matched cases' records in every peer's definition (sglang, vllm, aiperf, guidellm) — or, when no peer
+    matched, the first case that ran; None when nothing was imported."""
+    from servelab.measure import peer_compare as pc
+    peers, cases, matches, problem = _peers(run_dir)
+    if problem or peers.empty:
+        return None
+    if cases.empty:
+        return pd.DataFrame({"note": ["no Phase 1 case ran in this run"]})
+    ids = list(dict.fromkeys(matches["case_id"].dropna())) or [cases["case_id"].iloc[0]]
+    try:
+        return pc.ours_in_every_definition(cases, ids)
+    except (OSError, ValueError, KeyError) as exc:
+        return pd.DataFrame({"note": [f"our records could not be read: {' '.join(str(exc).split())}"]})
+
+
+def peer_definition_notes(run_dir: Path) -> pd.DataFrame | None:
+    """Where the four definitions differ, aspect by aspect (None when nothing was imported)."""
+    from servelab.measure import peer_compare as pc
+    peers, _, _, problem = _peers(run_dir)
+    if problem or peers.empty:
+        return None
+    return pc.definition_notes()
