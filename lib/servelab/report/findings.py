@@ -126,16 +126,24 @@ def ab_findings(ab: Any, metrics: dict[str, str] | None = None) -> list[str]:
         return out
     parts = []
     for run, g in comp.groupby("b_run", sort=False):
-        items = []
-        for r in g.itertuples():
-            if metrics is not None and r.metric not in metrics:
-                continue
-            label = (metrics or {}).get(r.metric) or split_unit(r.metric)[0]
-            delta = "" if r.delta_pct is None or math.isnan(r.delta_pct) else f" {r.delta_pct:+.1f} %"
-            band = "" if r.noise_band_pct is None or math.isnan(r.noise_band_pct) else f", noise band ±{r.noise_band_pct:.1f} %"
-            items.append(f"{label}{delta} ({r.verdict}{band})")
-        if items:
-            parts.append(f"{run}: " + ", ".join(items))
+        cases = []
+        for case, gc in g.groupby("case_id", sort=False):
+            items = []
+            for r in gc.itertuples():
+                if metrics is not None and r.metric not in metrics:
+                    continue
+                label = (metrics or {}).get(r.metric) or split_unit(r.metric)[0]
+                delta = "" if r.delta_pct is None or math.isnan(r.delta_pct) else f" {r.delta_pct:+.1f} %"
+                band = "" if r.noise_band_pct is None or math.isnan(r.noise_band_pct) \
+                    else f", noise band ±{r.noise_band_pct:.1f} %"
+                items.append(f"{label}{delta} ({r.verdict}{band})")
+            if items:
+                cases.append((f"{case} " if g["case_id"].nunique() > 1 else "") + ", ".join(items))
+        if cases:
+            parts.append(f"{run}: " + "; ".join(cases))
     base = (ab.runs[0].label or ab.runs[0].run_id) if getattr(ab, "runs", None) else "the baseline"
-    out.append(f"A/B verdict against {base}: " + "; ".join(parts) + ".")
+    text = f"A/B verdict against {base}: " + " — ".join(parts)
+    if set(comp["verdict"]) <= {"no repeats", "no data"}:
+        text += " (one repeat per side: the noise band is unknown, so no change is a verdict yet)"
+    out.append(text + ".")
     return out
