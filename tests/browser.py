@@ -56,6 +56,7 @@ window.addEventListener('load', function () { setTimeout(function () {
   r.findings_first = !!(first && first.matches('section.servelab-findings'));
   var box = document.querySelector('section.servelab-findings');
   r.findings_items = box ? box.querySelectorAll('li, table.servelab-headline tr').length : 0;
+  r.findings_sentences = box ? box.querySelectorAll('li').length : 0;
   r.findings_text = box ? box.innerText : '';
   r.text = document.body.innerText;
   r.commands = document.querySelectorAll('#commands .servelab-cmd-executed, #commands .servelab-cmd-reproduce').length;
@@ -87,7 +88,8 @@ window.addEventListener('load', function () { setTimeout(function () {
 
 def page_checks(page: Path, width: int = 1200, height: int = 1600) -> dict:
     """Load ``page`` in headless Chromium (a copy with :data:`CHECK_SCRIPT` added) and return what the script
-    measured: ``findings_first``, ``findings_items``, ``findings_text``, ``text`` (the rendered text),
+    measured: ``findings_first``, ``findings_items`` (sentences and headline rows), ``findings_sentences``,
+    ``findings_text``, ``text`` (the rendered text),
     ``commands`` (executed/reproduce entries in ``#commands``), ``tables`` and ``cut`` (tables cut off)."""
     import html as htmllib
     import json
@@ -106,3 +108,21 @@ def page_checks(page: Path, width: int = 1200, height: int = 1600) -> dict:
     if not m:
         raise AssertionError(f"{page}: the check script did not run (chromium rc {p.returncode}: {p.stderr[-500:]})")
     return json.loads(htmllib.unescape(m.group(1)))
+
+
+REPRS = ("np.float64(", "{'", "Timestamp(")       # Python reprs that must never reach a page
+
+
+def assert_page_rules(page: Path) -> dict:
+    """The rules every phase page keeps, checked in the browser: the findings box is the first block after the
+    header and holds sentences; no Python repr in the rendered text; the commands section has an executed or
+    reproduce entry; no table is cut off. Returns the measurements."""
+    r = page_checks(page)
+    assert r["findings_first"], f"{page}: the first block after the header is {r['first_after_header']}"
+    assert r["findings_sentences"] > 0 and r["findings_text"].strip(), f"{page}: the findings box is empty"
+    for pattern in REPRS:
+        at = r["text"].find(pattern)
+        assert at < 0, f"{page}: {pattern!r} on the page: …{r['text'][max(0, at - 120):at + 120]}…"
+    assert r["commands"] >= 1, f"{page}: no executed or reproduce command in #commands"
+    assert r["cut"] == [], f"{page}: tables cut off: {r['cut']}"
+    return r

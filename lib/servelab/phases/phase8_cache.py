@@ -335,13 +335,13 @@ def findings(res: Phase8Result) -> list[str]:
     gain = ok[ok["target_rate"] > 0].dropna(subset=["ttft_vs_0pct"]) if not ok.empty else ok
     if not gain.empty:
         best = gain.loc[gain["ttft_vs_0pct"].astype(float).idxmin()]
-        out.append("Against the 0 % baseline (accepted points only): " + "; ".join(
+        out.append("A/B of each hit rate against the 0 % baseline (ACCEPTED points only, the valid ones): " + "; ".join(
             f"{100 * r.target_rate:.0f} % → P50 TTFT ×{r.ttft_vs_0pct:.2f}, input TPS ×{r.input_tps_vs_0pct:.2f}"
             for r in gain.itertuples()) + f"; the winning value is {100 * best['target_rate']:.0f} % "
             f"(P50 TTFT {best['p50_ttft_ms']:,.1f} ms).")
     else:
-        out.append("No accepted point can be compared with an accepted 0 % baseline: no statement on what the cache "
-                   "buys.")
+        out.append("No A/B: no accepted point can be compared with an accepted 0 % baseline, so nothing is said about "
+                   "what the cache buys.")
     kv = res.kv[res.kv["metric"].isin(["kv_active", "kv_usage"])] if not res.kv.empty else res.kv
     if not kv.empty:
         out.append(f"KV usage peaked at {100 * float(kv['value'].max()):.1f} % ({', '.join(sorted(set(kv['metric'])))}).")
