@@ -220,7 +220,11 @@ def run_status(res: Phase1Result) -> pd.DataFrame:
 
 
 def _num(v: Any, digits: int = 1) -> str:
-    return "—" if v is None or pd.isna(v) else f"{float(v):,.{digits}f}"
+    """``digits`` decimals; below 1 three significant digits (a 0.0031 ms TPOT must not read 0.00)."""
+    if v is None or pd.isna(v):
+        return "—"
+    v = float(v)
+    return f"{v:.3g}" if 0 < abs(v) < 1 else f"{v:,.{digits}f}"
 
 
 def findings(res: Phase1Result) -> list[str]:
