@@ -42,3 +42,87 @@ def dom_text(page: Path) -> str:
                             "--disable-sync", f"--user-data-dir={profile}", "--virtual-time-budget=10000",
                             "--dump-dom", page.resolve().as_uri()], capture_output=True, text=True, timeout=120)
     return p.stdout
+
+
+# what a page must hold once its scripts ran, measured in the browser (layout included): the findings box right
+# after the header, the rendered text (for Python reprs), the commands section, and every visible table either
+# inside a scrolling container or no wider than its container (nothing cut off)
+CHECK_SCRIPT = """<script>
+window.addEventListener('load', function () { setTimeout(function () {
+  var r = {};
+  var header = document.querySelector('header.servelab-header');
+  var first = header ? header.nextElementSibling : null;
+  r.first_after_header = first ? (first.tagName.toLowerCase() + '.' + first.className) : null;
+  r.findings_first = !!(first && first.matches('section.servelab-findings'));
+  var box = document.querySelector('section.servelab-findings');
+  r.findings_items = box ? box.querySelectorAll('li, table.servelab-headline tr').length : 0;
+  r.findings_sentences = box ? box.querySelectorAll('li').length : 0;
+  r.findings_text = box ? box.innerText : '';
+  r.text = document.body.innerText;
+  r.commands = document.querySelectorAll('#commands .servelab-cmd-executed, #commands .servelab-cmd-reproduce').length;
+  var view = document.documentElement.clientWidth;
+  function ov(el) { return getComputedStyle(el).overflowX; }
+  r.tables = 0; r.cut = [];
+  document.querySelectorAll('table').forEach(function (t, i) {
+    var box = t.getBoundingClientRect();
+    if (!box.width || t.offsetParent === null && getComputedStyle(t).position !== 'fixed') return;   // not drawn
+    r.tables += 1;
+    var ok = false, el = t;
+    while (el && el !== document.body) {
+      var o = ov(el);
+      if (o === 'auto' || o === 'scroll') { ok = el.getBoundingClientRect().right <= view + 1; break; }
+      if ((o === 'hidden' || o === 'clip') && el.scrollWidth > el.clientWidth + 1) break;
+      el = el.parentElement;
+    }
+    if (!ok) ok = t.scrollWidth <= t.parentElement.clientWidth + 1 && box.right <= view + 1;
+    if (!ok) r.cut.push({index: i, head: (t.innerText || '').slice(0, 80), width: t.scrollWidth,
+                         container: t.parentElement.clientWidth});
+  });
+  var pre = document.createElement('pre');
+  pre.id = 'servelab-page-check';
+  pre.textContent = JSON.stringify(r);
+  document.body.appendChild(pre);
+}, 0); });
+</script>"""
+
+
+def page_checks(page: Path, width: int = 1200, height: int = 1600) -> dict:
+    """Load ``page`` in headless Chromium (a copy with :data:`CHECK_SCRIPT` added) and return what the script
+    measured: ``findings_first``, ``findings_items`` (sentences and headline rows), ``findings_sentences``,
+    ``findings_text``, ``text`` (the rendered text),
+    ``commands`` (executed/reproduce entries in ``#commands``), ``tables`` and ``cut`` (tables cut off)."""
+    import html as htmllib
+    import json
+    import re
+    src = page.read_text(encoding="utf-8")
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = Path(tmp) / page.name
+        copy.write_text(src.replace("</body>", CHECK_SCRIPT + "</body>", 1), encoding="utf-8")
+        with tempfile.TemporaryDirectory() as profile:
+            p = subprocess.run([chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                                "--no-first-run", "--disable-background-networking", "--disable-component-update",
+                                "--disable-sync", f"--user-data-dir={profile}", f"--window-size={width},{height}",
+                                "--virtual-time-budget=10000", "--dump-dom", copy.resolve().as_uri()],
+                               capture_output=True, text=True, timeout=180)
+    m = re.search(r'<pre id="servelab-page-check">(.*?)</pre>', p.stdout, re.S)
+    if not m:
+        raise AssertionError(f"{page}: the check script did not run (chromium rc {p.returncode}: {p.stderr[-500:]})")
+    return json.loads(htmllib.unescape(m.group(1)))
+
+
+REPRS = ("np.float64(", "{'", "Timestamp(")       # Python reprs that must never reach a page
+
+
+def assert_page_rules(page: Path) -> dict:
+    """The rules every phase page keeps, checked in the browser: the findings box is the first block after the
+    header and holds sentences; no Python repr in the rendered text; the commands section has an executed or
+    reproduce entry; no table is cut off. Returns the measurements."""
+    r = page_checks(page)
+    assert r["findings_first"], f"{page}: the first block after the header is {r['first_after_header']}"
+    assert r["findings_sentences"] > 0 and r["findings_text"].strip(), f"{page}: the findings box is empty"
+    for pattern in REPRS:
+        at = r["text"].find(pattern)
+        assert at < 0, f"{page}: {pattern!r} on the page: …{r['text'][max(0, at - 120):at + 120]}…"
+    assert r["commands"] >= 1, f"{page}: no executed or reproduce command in #commands"
+    assert r["cut"] == [], f"{page}: tables cut off: {r['cut']}"
+    return r

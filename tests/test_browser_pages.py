@@ -11,7 +11,7 @@ import pytest
 from servelab.cli import main
 
 sys.path.insert(0, str(Path(__file__).parent))
-from browser import chromium, content_fraction, dom_text, screenshot  # noqa: E402
+from browser import assert_page_rules, chromium, content_fraction, dom_text, screenshot  # noqa: E402
 
 PHASES = [("phase0", []), ("phase1", ["-p", 'cases=["P1","D1","M1"]', "-p", "search=false"]),
           ("phase2", ["-p", "workload=cpu", "-p", "case_seconds=1.5"]), ("phase3", []), ("phase4", []),
@@ -50,3 +50,16 @@ def test_every_page_renders_with_figures_and_live_links(run_dir):
             assert "main-svg" in dom, f"{page}: plotly figures did not draw"
         # offline: nothing is loaded from the network (plotly.js is inlined; strings inside it don't count)
         assert not re.search(r'<script[^>]+src="https?:', html) and not re.search(r'<link[^>]+href="https?:', html)
+
+
+@pytest.mark.slow
+def test_every_page_opens_with_findings_and_holds_no_reprs(run_dir):
+    """In the browser, every phase page: the findings box first (non-empty), no ``np.float64(`` / ``{'`` /
+    ``Timestamp(`` in its text, an executed or reproduce command in ``#commands``, no table cut off."""
+    if not chromium():
+        pytest.skip("chromium not installed (Debian package chromium; `make system` installs it)")
+    pages = sorted(run_dir.glob("phase*/report.html"))
+    assert [p.parent.name for p in pages] == [phase for phase, _ in PHASES]
+    for page in pages:
+        r = assert_page_rules(page)
+        assert r["tables"] > 0, page

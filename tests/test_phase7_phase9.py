@@ -21,7 +21,7 @@ from servelab.cli import main
 from servelab.core.run import read_commands, read_manifest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from browser import chromium, content_fraction, dom_text, screenshot  # noqa: E402
+from browser import assert_page_rules, chromium, content_fraction, dom_text, screenshot  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -164,6 +164,9 @@ def test_page_renders_in_a_browser(run, phase):
     assert "EXECUTED" in dom
     for text in PAGE_TEXT[phase]:
         assert text in dom, text
+    r = assert_page_rules(page)        # findings first, no reprs, executed/reproduce commands, no table cut
+    assert r["tables"] > 0
+    assert "A/B" in r["findings_text"] and ("valid" in r["findings_text"] or "VALID" in r["findings_text"])
 
 
 def test_run_index_links_every_page(run):

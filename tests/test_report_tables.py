@@ -63,3 +63,28 @@ def test_findings_box_escapes_sentences_and_marks_samples() -> None:
     assert XSS not in box and "slowest kernel &lt;img" in box
     assert "From recorded sample data" in box and "<th>ranks</th><td>2</td>" in box
     assert findings_html({}) == ""
+
+
+def _ab(differences: pd.DataFrame, comparison: pd.DataFrame):
+    from types import SimpleNamespace
+    confounds = differences[differences["status"] == "confound"] if not differences.empty else differences
+    return SimpleNamespace(variable=["launch.settings.batch_size"], differences=differences, confounds=confounds,
+                           confounded=not confounds.empty, profiled_vs_clean=False, comparison=comparison,
+                           runs=[SimpleNamespace(label="r-batch=2048", run_id="r")])
+
+
+def test_ab_findings_state_validity_and_the_verdict_per_metric() -> None:
+    from servelab.report.findings import ab_findings
+    comp = pd.DataFrame([{"case_id": "I7", "metric": "p95_tpot_ms", "b_run": "r-batch=32", "delta_pct": -42.0,
+                          "noise_band_pct": 8.0, "verdict": "better"},
+                         {"case_id": "I7", "metric": "output_tps", "b_run": "r-batch=32", "delta_pct": 1.5,
+                          "noise_band_pct": 8.0, "verdict": "within noise"}])
+    clean = pd.DataFrame({"key": ["launch.settings.batch_size"], "status": ["declared"]})
+    valid, verdict = ab_findings(_ab(clean, comp), {"p95_tpot_ms": "P95 TPOT", "output_tps": "output TPS"})
+    assert valid.startswith("The A/B is valid") and "launch.settings.batch_size" in valid
+    assert "against r-batch=2048" in verdict and "P95 TPOT -42.0 % (better, noise band ±8.0 %)" in verdict
+    assert "output TPS +1.5 % (within noise" in verdict
+    confounded = pd.concat([clean, pd.DataFrame({"key": ["launch.settings.ubatch_size"], "status": ["confound"]})])
+    assert ab_findings(_ab(confounded, comp))[0].startswith("The A/B is not valid")
+    invalid = comp.assign(verdict="invalid")
+    assert "INVALID side (r-batch=32)" in ab_findings(_ab(clean, invalid))[0]

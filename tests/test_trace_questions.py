@@ -154,3 +154,33 @@ def test_cpu_only_capture_is_explained(h200x2: Path, tmp_path: Path):
     assert not q["answerable"].any() and q["evidence"].str.contains("no GPU kernels").all()
     assert evidence_actions(a)["status"].str.starts_with("not evaluable").all()
     assert "no GPU ops" in F.timeline(a).layout.title.text
+
+
+def test_phase3_question_and_action_tables_render_names_as_text(h200x2: Path, tmp_path: Path):
+    """A trace file name and a kernel name are data: through the questions / actions tables and the page's table
+    display (the one ``open_phase`` registers) markup in them reaches the page escaped, never as a tag."""
+    import gzip
+
+    from servelab.report.tables import table_html
+    payload = "<img src=x onerror=alert(1)>"
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    for src in sorted((h200x2 / "traces").glob("*.trace.json.gz")):
+        raw = gzip.decompress(src.read_bytes()).replace(b'"ncclDevKernel_AllReduce_Sum_bf16_RING_LL',
+                                                        b'"' + payload.encode() + b"ncclDevKernel_AllReduce_Sum_bf16_RING_LL")
+        name = src.name.replace("-TP-", f"{payload}-TP-")
+        (traces / name).write_bytes(gzip.compress(raw, compresslevel=1))
+    ctx = SimpleNamespace(phase_dir=tmp_path / "phase3", from_samples=False)
+    ctx.phase_dir.mkdir()
+    p = phase3.run_analysis(ctx, str(traces))
+    q = phase3.questions_table(p)
+    assert q.map(lambda v: payload in str(v)).to_numpy().sum() >= 2        # the file name and the kernel name
+    p.actions = pl.concat([p.actions, p.actions.head(1).with_columns(pl.lit(payload).alias("evidence"),
+                                                                     pl.lit(f"rank0{payload}").alias("measured"))])
+    for table in (q, phase3.actions_table(p)):
+        page = table_html(table)
+        assert "&lt;img src=x onerror=alert(1)&gt;" in page
+        assert "<img" not in page
+    from servelab.report.findings import findings_html
+    box = findings_html({"findings": phase3.findings(p, from_samples=False)})   # Q1 names the kernel
+    assert "&lt;img src=x" in box and "<img" not in box

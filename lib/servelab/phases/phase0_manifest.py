@@ -211,3 +211,55 @@ def run_phase0(ctx: PhaseContext, start_engine: bool = True, health_timeout_s: f
                     launch={"plans": launch_rows, "env": target.env, "settings": target.launch},
                     rank_env=rank_env.to_dict(orient="records"))
     return result
+
+
+def findings(result: Phase0Result, start_engine: bool = True) -> list[str]:
+    """What Phase 0 found, in sentences for the page's findings box: engine, version, model, topology, the
+    engine's start and cleanup, and what could not be verified."""
+    eng = dict(zip(result.engine["field"], result.engine["value"])) if not result.engine.empty else {}
+    model = dict(zip(result.model["field"], result.model["value"])) if not result.model.empty else {}
+    sett = result.settings.set_index("setting") if not result.settings.empty else pd.DataFrame()
+    out = []
+    version = str(eng.get("version") or eng.get("build_info") or eng.get("server_info.version") or "not reported")
+    version = version.removeprefix("version:").strip()
+    name = Path(str(model.get("path", "-"))).name
+    size = model.get("size_bytes")
+    detail = []
+    if size not in (None, "-"):
+        detail.append(f"{int(size) / 2**20:,.1f} MiB")
+    if model.get("sha256") not in (None, "-"):
+        detail.append(f"sha256 {str(model['sha256'])[:12]}…")
+    arch = model.get("general.architecture") or model.get("config.model_type")
+    if arch:
+        detail.append(f"architecture {arch}")
+    out.append(f"Engine {eng.get('engine', '-')}, version {version}, serving the model {name}"
+               + (f" ({', '.join(detail)})" if detail else "") + ".")
+    nodes = sorted(result.facts["node"].unique()) if not result.facts.empty else []
+    gpus = result.facts[(result.facts["fact"] == "gpu_list") & (result.facts["status"] == "ok")] \
+        if not result.facts.empty else result.facts
+    gpu_text = "no GPU" if gpus.empty else "GPUs on " + ", ".join(sorted(gpus["node"]))
+    if "topology TP/PP/DP/EP" in sett.index:
+        t = sett.loc["topology TP/PP/DP/EP"]
+        out.append(f"Topology TP/PP/DP/EP {t['configured']} configured, {t['live']} live, on {len(nodes)} node(s) "
+                   f"({', '.join(nodes)}; {gpu_text}).")
+    if result.server.get("started"):
+        left = len(result.leftovers_after)
+        out.append(f"The engine became healthy in {float(result.server.get('ready_s', 0.0)):.2f} s and was stopped; "
+                   + ("no process it started was left running." if left == 0 else
+                      f"{left} process(es) it started were still running afterwards."))
+    elif not start_engine:
+        out.append("The engine was not started (start_engine=false): its launch command is only planned and no "
+                   "live setting was verified.")
+    unverified = [s for s, r in sett.iterrows() if str(r["live"]) in ("-", "None", "")] if not sett.empty else []
+    absent = sorted(set(result.facts.loc[result.facts["status"] != "ok", "fact"])) if not result.facts.empty else []
+    if unverified:
+        out.append("Not verified (the running engine does not report them; configured value only): "
+                   + ", ".join(unverified) + ".")
+    if absent:
+        out.append("Not present or failed on the nodes: " + ", ".join(absent) + ".")
+    if not result.rank_env.empty and "verdict" in result.rank_env.columns:
+        bad = result.rank_env[result.rank_env["verdict"].isin(["MISSING", "DIFFERENT"])]
+        if len(bad):
+            out.append(f"{len(bad)} communication variable(s) did not reach the rank processes as asked "
+                       f"(MISSING or DIFFERENT): " + ", ".join(sorted(set(bad["variable"]))) + ".")
+    return out

@@ -337,3 +337,72 @@ def peer_definition_notes(run_dir: Path) -> pd.DataFrame | None:
     if problem or peers.empty:
         return None
     return pc.definition_notes()
+
+
+def _num(v: Any, digits: int = 1) -> str:
+    """``digits`` decimals; below 1 three significant digits (a 0.0031 ms TPOT must not read 0.00)."""
+    if v is None or pd.isna(v):
+        return "—"
+    v = float(v)
+    return f"{v:.3g}" if 0 < abs(v) < 1 else f"{v:,.{digits}f}"
+
+
+def findings(res: Phase1Result) -> list[str]:
+    """What Phase 1 found, in sentences for the page's findings box: the three concurrency answers and the stop
+    reason, M1's effect on P95 TPOT and output TPS with its validity, the matrix's validity and key numbers."""
+    out: list[str] = []
+    df = res.summary()
+    s = res.search
+    if s is not None:
+        slo = ", ".join(f"P95 {k.split('_')[0].upper()} ≤ {v:g} ms" for k, v in (s.slo or {}).items() if v) or "no SLO"
+        tps = {p.concurrency: p.output_tps for p in s.points}
+        mx_tps = tps.get(s.max_tps_concurrency) if s.max_tps_concurrency is not None else None
+        out.append(f"Concurrency search: max successful concurrency {s.max_successful_concurrency or '—'}, max-TPS "
+                   f"concurrency {s.max_tps_concurrency or '—'}"
+                   + (f" ({_num(mx_tps)} tok/s output, the best VALID point)" if mx_tps is not None else "")
+                   + f", max concurrency under the SLO ({slo}) {s.max_under_slo_concurrency or '—'}.")
+        out.append(f"The search stopped with {s.stop_reason}" + (f": {s.stop_detail}" if s.stop_detail else "") + ".")
+    else:
+        out.append("The concurrency search did not run (" + ("the run was aborted" if res.aborted else "search=false")
+                   + "): no concurrency answer from this run.")
+    by_id = {r.case.case_id: r for r in res.matrix.results}
+    if res.m1 is not None:
+        ab = res.m1["ab"].set_index("metric")
+        verdicts = {k: by_id[k].verdict for k in ("M1_control", "M1_treatment") if k in by_id}
+        invalid = {k: v for k, v in verdicts.items() if v.verdict != "VALID"}
+        validity = ("both runs VALID" if not invalid else
+                    "not valid — " + "; ".join(f"{k} {v.verdict} ({', '.join(v.reasons) or 'no reason given'})"
+                                              for k, v in invalid.items()) + ", so this is not a result")
+
+        def change(metric: str, unit: str, digits: int) -> str:
+            r = ab.loc[metric] if metric in ab.index else None
+            if r is None:
+                return f"{metric} not measured"
+            pct = "" if r["change_pct"] is None or pd.isna(r["change_pct"]) else f" ({float(r['change_pct']):+.0f} %)"
+            return f"{_num(r['control'], digits)} → {_num(r['treatment'], digits)} {unit}{pct}"
+        out.append(f"M1 (one long prefill injected into the decode background): P95 TPOT "
+                   f"{change('p95_tpot_ms', 'ms', 2)}, output TPS {change('output_throughput', 'tok/s', 1)}; "
+                   f"{validity}.")
+    elif any(c.startswith("M1") for c in [*by_id, *res.not_executed]):
+        out.append("M1 produced no A/B (a side failed or did not run): no statement about interference.")
+    if not df.empty:
+        bad = df[df["validity"] != "VALID"]
+        text = f"{len(df) - len(bad)} of {len(df)} cases VALID"
+        if len(bad):
+            text += "; INVALID (never shown as results): " + "; ".join(
+                f"{r.case_id} ({r.validity_reasons or r.status})" for r in bad.head(4).itertuples()) \
+                + (" …" if len(bad) > 4 else "")
+        nums = []
+        for cid, key, label, unit in (("P1", "p50_ttft_ms", "P1 P50 TTFT (prefill floor)", "ms"),
+                                      ("D1", "p50_tpot_ms", "D1 P50 TPOT (single stream)", "ms")):
+            row = df[(df["case_id"] == cid) & (df["validity"] == "VALID")]
+            if not row.empty:
+                nums.append(f"{label} {_num(row.iloc[0][key], 2)} {unit}")
+        d2 = df[(df["scenario"] == "D2") & (df["validity"] == "VALID")]
+        if not d2.empty:
+            best = d2.loc[d2["output_throughput"].idxmax()]
+            nums.append(f"D2 max output TPS {_num(best['output_throughput'])} tok/s at C={best['concurrency']}")
+        out.append(text + (". " + ", ".join(nums) if nums else "") + ".")
+    if res.aborted:
+        out.append(f"The run stopped early ({res.aborted}); not executed: {', '.join(res.not_executed) or 'none'}.")
+    return out

@@ -319,3 +319,80 @@ def headline(run: Phase2Run, table: pd.DataFrame) -> dict[str, Any]:
 
 __all__ = ["Phase2Run", "collector_plan", "run_local_cases", "summary", "headline_metrics", "questions", "figure",
            "h200_sample_cases", "read_windows_txt", "sample_summary", "sample_figure", "headline", "NOT_CONFIGURED"]
+
+
+# the resources a reader asks "did it rise?" about, with their words and units (findings box)
+RISE_METRICS: dict[str, tuple[str, str]] = {
+    "hottest_core_busy_pct": ("hottest core busy", "%"), "cpu_busy_pct": ("machine CPU busy", "%"),
+    "proc_cpu_pct": ("engine process CPU", "% of a core"), "hottest_thread_cpu_pct": ("engine's hottest thread", "%"),
+    "cpu_iowait_pct": ("CPU I/O wait", "%"), "util_gpu_pct": ("GPU utilisation", "%"),
+    "dcgm_sm_active_pct": ("SM active", "%"), "dcgm_tensor_active_pct": ("tensor pipe active", "%"),
+    "dcgm_dram_active_pct": ("DRAM active", "%"), "util_mem_pct": ("GPU memory-controller utilisation", "%"),
+    "power_w": ("GPU power", "W"), "mem_used_mib": ("GPU memory used", "MiB"), "pcie_tx_GBps": ("PCIe TX", "GB/s"),
+    "nvlink_tx_GBps": ("NVLink TX", "GB/s"), "rdma_tx_gbps": ("RDMA TX", "Gbit/s"),
+    "rdma_rx_gbps": ("RDMA RX", "Gbit/s"), "net_tx_gbps": ("network TX", "Gbit/s"),
+    "net_rx_gbps": ("network RX", "Gbit/s"), "proc_rss_mib": ("engine resident memory", "MiB"),
+}
+
+
+def risers(table: pd.DataFrame, case: str, baseline: str, top: int = 2) -> list[str]:
+    """The resources whose mean rose most in ``case`` against ``baseline`` ('hottest core busy mean 34 → 80 %'): a
+    percentage by at least 10 points, anything else by at least 25 %; at most ``top``, largest first."""
+    if table.empty:
+        return []
+    t = table[table["metric"].isin(list(RISE_METRICS))]
+    mean = pd.to_numeric(t["head_mean"], errors="coerce")
+    base = dict(zip(t.loc[t["case"] == baseline, "metric"], mean[t["case"] == baseline]))
+    rows = []
+    for metric, value in zip(t.loc[t["case"] == case, "metric"], mean[t["case"] == case]):
+        a = base.get(metric)
+        if a is None or pd.isna(a) or pd.isna(value):
+            continue
+        label, unit = RISE_METRICS[metric]
+        if unit.startswith("%"):
+            score = value - a if value - a >= 10 else None
+        else:
+            score = 100 * (value - a) / abs(a) if a and value >= 1.25 * a else (1e6 if not a and value > 0 else None)
+        if score is not None:
+            rows.append((unit.startswith("%"), score, f"{label} mean {a:,.3g} → {value:,.3g} {unit}"))
+    rows.sort(key=lambda r: (not r[0], -r[1]))
+    return [r[2] for r in rows[:top]]
+
+
+def findings(run: Phase2Run, table: pd.DataFrame, sample: pd.DataFrame | None = None) -> list[str]:
+    """What Phase 2 found, in sentences for the page's findings box: which resource rose in which case (against
+    the first case), the telemetry questions answered yes, what was missing, and the recorded H200 sample."""
+    out: list[str] = []
+    cases = [c.case_id for c in run.cases if c.window is not None]
+    if not cases:
+        out.append("No case window was measured: " + ("; ".join(run.failures) or "no case ran") + ".")
+    else:
+        base = cases[0]
+        rose = []
+        for case in cases[1:]:
+            r = risers(table, case, base)
+            rose.append(f"in {case}: " + ("; ".join(r) if r else "nothing rose by 10 points / 25 % or more"))
+        out.append(f"{len(cases)} case windows measured; against {base}, "
+                   + (" — ".join(rose) if rose else "no other case to compare") + ".")
+        q = questions(run)
+        if not q.empty:
+            yes = q[q["answer"] == "yes"]
+            if len(yes):
+                out.append("Telemetry questions answered yes: " + "; ".join(
+                    f"{r.case}: {r.question.rstrip('?')} ({r.evidence})" for r in yes.head(3).itertuples())
+                    + (" …" if len(yes) > 3 else "") + ".")
+            else:
+                out.append(f"No telemetry question was answered yes ({int((q['answer'] == 'no').sum())} no, "
+                           f"{int((q['answer'] == '-').sum())} without data).")
+    missing = sorted({s.collector for c in run.cases for s in c.statuses if s.status != OK})
+    if missing:
+        out.append("Collectors without data here (shown as -, never as 0): " + ", ".join(missing) + ".")
+    if run.failures:
+        out.append(f"{len(run.failures)} telemetry failure(s) (fail-closed): " + "; ".join(run.failures[:3]) + ".")
+    if sample is not None and not sample.empty:
+        s_cases = list(dict.fromkeys(sample["case"]))
+        parts = [f"{c}: " + ("; ".join(risers(sample, c, s_cases[0])) or "no rise") for c in s_cases[1:]]
+        if parts:
+            out.append(f"From recorded sample data (2 × H200 nvidia-smi), against {s_cases[0]}: " + " — ".join(parts)
+                       + ".")
+    return out

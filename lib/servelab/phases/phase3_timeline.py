@@ -59,11 +59,6 @@ def _pd(df: pl.DataFrame, round_to: int = 3) -> pd.DataFrame:
     return out
 
 
-def _wrap(df: pl.DataFrame) -> Any:
-    """A Styler that shows every row and the full text of long cells (pandas truncates at 50 characters)."""
-    p = _pd(df)
-    return (p.style.hide(axis="index")
-            .set_properties(**{"white-space": "pre-wrap", "text-align": "left", "vertical-align": "top"}))
 
 
 def ranks_table(p: Phase3) -> pd.DataFrame:
@@ -104,14 +99,17 @@ def graph_table(p: Phase3) -> pd.DataFrame:
     return _pd(p.analysis.graph)
 
 
-def alignment_table(p: Phase3) -> Any:
+def alignment_table(p: Phase3) -> pd.DataFrame:
     """Clock offsets per rank with the alignment notes, the skew per step and the slow-rank verdict."""
     a = p.analysis
     t = _pd(a.alignment.table)
     notes = "; ".join(a.alignment.notes)
     slow = a.slow_rank.get("evidence", "")
     caption = f"alignment ok: {a.alignment.alignment_ok}. {notes}. Slow rank: {a.slow_rank.get('slow_rank')} — {slow}"
-    return t.style.hide(axis="index").set_caption(caption) if len(t) else pd.DataFrame({"note": [caption]})
+    if not len(t):
+        return pd.DataFrame({"note": [caption]})
+    t.attrs["caption"] = caption            # drawn above the table by the page's table display (escaped)
+    return t
 
 
 def skew_table(p: Phase3, worst: int = 15) -> pd.DataFrame:
@@ -157,12 +155,15 @@ def interference_table(p: Phase3) -> pd.DataFrame:
                        "prefill_between_ms", "prefill_windows", "queued_ms"))
 
 
-def questions_table(p: Phase3) -> Any:
-    return _wrap(p.questions.select("id", "question_en", "question", "answerable", "answer", "evidence", "source"))
+def questions_table(p: Phase3) -> pd.DataFrame:
+    """The ten questions with their answers, evidence and sources: a plain table, every cell escaped and shown in
+    full by the page's table display (trace file and kernel names are data, never markup)."""
+    return _pd(p.questions.select("id", "question_en", "question", "answerable", "answer", "evidence", "source"))
 
 
-def actions_table(p: Phase3) -> Any:
-    return _wrap(p.actions)
+def actions_table(p: Phase3) -> pd.DataFrame:
+    """The evidence → next A/B table (plain, escaped by the page's table display)."""
+    return _pd(p.actions)
 
 
 def headline(p: Phase3) -> dict[str, Any]:
@@ -202,3 +203,38 @@ def live_capture(ctx: Any, capture: bool, trace_dir: str) -> tuple[str, pd.DataF
              else "decode_control", "node": f.node, "file": f.name, "kind": f.kind, "bytes": f.size_bytes,
              "complete": res.wait.complete} for f in res.files]
     return str(folder), pd.DataFrame(rows)
+
+
+def _short(text: str, limit: int = 400) -> str:
+    """An answer cut for one line: per window kind only its first item when the kinds are ``|``-separated, then at
+    most ``limit`` characters, cut at a ``;`` (or a space)."""
+    text = " ".join(str(text).split())
+    if len(text) > limit and " | " in text:
+        text = " | ".join(part.split("; ")[0] for part in text.split(" | "))
+    if len(text) <= limit:
+        return text
+    cut = text.rfind("; ", 0, limit)
+    cut = cut if cut > limit // 2 else text.rfind(" ", 0, limit)
+    return text[:cut].rstrip(";, ") + " …"
+
+
+def findings(p: Phase3, from_samples: bool | None = None) -> list[str]:
+    """What Phase 3 found, for the page's findings box: one line per timeline question with its answer (the
+    questions table), then the evidence → next A/B rows that triggered."""
+    a = p.analysis
+    if from_samples is None:
+        from_samples = Path(a.capture.trace_dir).resolve() == sample_dir().resolve()
+    src = "from recorded sample data (2 × H200 traces)" if from_samples else f"from the capture in {a.capture.trace_dir}"
+    out = [f"{len(a.rops)} rank(s) analysed {src}; {int(p.questions['answerable'].sum())} of {p.questions.height} "
+           f"questions answerable."]
+    for r in p.questions.iter_rows(named=True):
+        why = "" if r["answerable"] else f" ({str(r['evidence']).split(' — ')[0]})"
+        out.append(f"{r['id']} {r['question_en']} {_short(r['answer'])}{why}")
+    act = p.actions.filter(pl.col("status") == "triggered") if p.actions.height else p.actions
+    if act.height:
+        out.append("Next A/B, triggered by the evidence: " + "; ".join(
+            f"{r['metric']} {r['measured']} (threshold {r['threshold']}) → {r['next_ab']}"
+            for r in act.iter_rows(named=True)) + ".")
+    else:
+        out.append("No evidence → next A/B rule triggered on this capture.")
+    return out

@@ -98,3 +98,36 @@ def measured_view(res: Phase4Result):
 def verdicts_view(res: Phase4Result):
     """Recommended / not recommended per layout with the evidence, or the banner when nothing was measured."""
     return res.verdicts if not res.verdicts.empty else measured_view(res)
+
+
+def findings(res: Phase4Result) -> list[str]:
+    """What Phase 4 found, in sentences for the page's findings box: which layouts fit (memory per GPU against
+    the budget), the cross-node traffic per decode step of each, and what the measured runs say (or that none
+    exists yet)."""
+    f = res.feasibility
+    out = []
+    if not f.empty:
+        budget = float(f["budget_gib"].iloc[0])
+        out.append(f"Model {res.model.name} on {res.cluster.nodes} × {res.cluster.gpus_per_node} GPUs "
+                   f"({res.cluster.name}), memory budget {budget:.1f} GiB per GPU.")
+        fits = f[f["verdict"] == "fits"]
+        rest = f[f["verdict"] != "fits"]
+        out.append("Layouts that fit: " + ("; ".join(
+            f"{r.layout} ({r.need_gib:.1f} GiB per GPU, {int(r.max_concurrency_at_context)} requests at full context)"
+            for r in fits.itertuples()) or "none") + ".")
+        if not rest.empty:
+            out.append("Do not fit or invalid: " + "; ".join(f"{r.layout} ({r.verdict})" for r in rest.itertuples())
+                       + ".")
+    c = res.comm_summary
+    if not c.empty:
+        tokens = int(c["tokens_per_step"].iloc[0])
+        out.append(f"Cross-node traffic per decode step ({tokens} tokens): " + "; ".join(
+            f"{r.layout} {r.cross_node_mib_per_step:,.2f} MiB in {int(r.cross_node_collectives_per_step)} "
+            f"collective(s), ≥ {r.cross_node_ms_lower_bound:.3f} ms" for r in c.itertuples()) + ".")
+    if res.verdicts.empty:
+        out.append("No measured run was given: this is the model only, no layout is recommended on evidence yet; "
+                   "the launch commands are planned, not executed.")
+    else:
+        out.append("Measured: " + "; ".join(f"{r.layout} {r.verdict} ({r.evidence})"
+                                            for r in res.verdicts.itertuples()) + ".")
+    return out

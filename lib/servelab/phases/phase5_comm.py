@@ -120,3 +120,53 @@ def headline(data: Phase5Data, verdict: GateVerdict) -> dict[str, Any]:
         out[f"{r.collective}_peak_busbw_gbps"] = r.peak_busbw_gbps
         out[f"{r.collective}_small_msg_time_us"] = r.small_msg_time_us
     return out
+
+
+def _size(nbytes: float) -> str:
+    for unit, f in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= f:
+            return f"{nbytes / f:,.3g} {unit}"
+    return f"{int(nbytes)} B"
+
+
+def findings(data: Phase5Data, verdict: GateVerdict, msgs: pd.DataFrame | None = None,
+             from_samples: bool = False) -> list[str]:
+    """What Phase 5 found, in sentences for the page's findings box: the transport gate's verdict, the bus
+    bandwidth and time the model's own messages get on the measured curves, the peaks they are far from, and the
+    runs' status."""
+    src = " (from recorded sample data, 2 × H200)" if from_samples else ""
+    def why(v: GateVerdict) -> str:
+        return "; ".join(r.split("; NCCL said")[0] for r in v.reasons[:3])
+    if verdict.configured:
+        out = [f"Transport gate of this target: {verdict.verdict}" + (f" — {why(verdict)}" if verdict.reasons else "")
+               + "."]
+    else:
+        out = [f"Transport gate: {verdict.message}."]
+    if data.info is not None:
+        ref = check_gate(TWO_RAIL_GATE, data.info)
+        out.append(f"The reference two-rail gate (mlx5_0 + mlx5_3, NET/IB + GDRDMA) on this INFO log{src}: "
+                   f"{ref.verdict}" + (f" — {why(ref)}" if ref.reasons else "") + ".")
+    if msgs is not None and not msgs.empty and "busbw_gbps" in msgs.columns:
+        parts = []
+        for r in msgs.itertuples():
+            if pd.isna(r.busbw_gbps):
+                parts.append(f"{r.scenario} {r.collective} of {_size(r.msg_bytes)}: outside the measured range")
+                continue
+            parts.append(f"{r.scenario} {r.collective} of {_size(r.msg_bytes)} gets {r.busbw_gbps:,.1f} GB/s busbw, "
+                         f"{r.time_us:,.1f} µs per call, {r.step_time_us:,.0f} µs per step ({int(r.calls_per_step)} "
+                         f"calls)")
+        out.append(f"At the model's real message sizes{src}: " + "; ".join(parts) + ".")
+    t = data.table
+    if not t.empty:
+        ok = t[t["status"] == "ok"]
+        peaks = "; ".join(f"{r.collective} {r.peak_busbw_gbps:,.1f} GB/s (smallest message {r.small_msg_time_us:,.1f} µs)"
+                          for r in ok.itertuples())
+        out.append(f"Peak busbw of the nccl-tests runs{src}, which a 1 GiB test reports and decode never sees: "
+                   + (peaks or "none ok") + ".")
+        bad = t[t["status"] != "ok"]
+        if len(bad):
+            out.append(f"{len(bad)} of {len(t)} nccl-tests runs not ok: " + "; ".join(
+                f"{r.collective} {r.status} ({r.reason})" for r in bad.itertuples()) + ".")
+    elif not data.runs:
+        out.append("No nccl-tests run was read: no bandwidth to report.")
+    return out

@@ -129,3 +129,33 @@ def ncu_view(res: Phase6Result, what: str = "derived"):
         if not res.roof.empty else res.roof
     table = {"derived": derived_view(res.derived), "stalls": stalls, "rules": res.rules, "roofline": roof}[what]
     return table
+
+
+def _short_name(name: str, limit: int = 48) -> str:
+    return name if len(name) <= limit else name[: limit - 1] + "…"
+
+
+def findings(res: Phase6Result, from_samples: bool = False) -> list[str]:
+    """What Phase 6 found, in sentences for the page's findings box: the top kernels per window with their share
+    and suspect, what bounds them on the roofline (where ``ncu`` data exists), and the planned ``ncu`` commands."""
+    src = " (from recorded sample data, 2 × H200 toy models)" if from_samples else ""
+    out = [f"Kernel table{src}: {Path(res.source).name}; {len(res.ranked):,} kernels ranked."]
+    for window, g in res.top.groupby("window", sort=False):
+        out.append(f"Top kernels of {window} (share of the window's kernel time): " + "; ".join(
+            f"{_short_name(str(r.function))} ({r.suspect}, {r.share_pct:.1f} %"
+            + (", small kernel" if bool(getattr(r, "small_kernel", False)) else "") + ")"
+            for r in g.itertuples()) + ".")
+    if not res.roof.empty:
+        top = set(res.top["function"])
+        per = res.roof.sort_values("pct_of_roof", ascending=False).drop_duplicates("function")
+        per = pd.concat([per[per["function"].isin(top)], per[~per["function"].isin(top)]]).head(4)
+        out.append(f"Bound under Nsight Compute, best launch per kernel{src}: " + "; ".join(
+            f"{_short_name(str(r.function))} {r.bound}-bound, {r.achieved_tflops:,.1f} TFLOP/s = "
+            f"{r.pct_of_roof:.0f} % of its {r.precision} roof (intensity {r.intensity_flop_per_byte:,.1f} flop/B)"
+            for r in per.itertuples()) + ".")
+    else:
+        out.append("No ncu CSV was imported: the kernels' bound is not measured yet.")
+    if len(res.commands):
+        out.append(f"{len(res.commands)} ncu command(s) for a small reproduction are planned, not executed: run them on "
+                   "the GPU node and import the CSVs.")
+    return out

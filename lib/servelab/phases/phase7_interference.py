@@ -553,3 +553,35 @@ def record_h4(ctx: Any, res: Phase7Result) -> pd.DataFrame:
                          numbers=nums)
     return pd.DataFrame([{"hypothesis": ev.hypothesis, "verdict": ev.verdict, "summary": ev.summary,
                           **{k: v for k, v in nums.items()}}])
+
+
+def findings(res: Phase7Result) -> list[str]:
+    """What Phase 7 found, in sentences for the page's findings box: the baseline's damage, the sweep's verdict and
+    winning value, the A/B's verdict and whether it is valid, and the confound demonstration."""
+    from servelab.report.findings import ab_findings
+    out = []
+    b = res.baseline
+    if b is not None and not b.injections.empty and b.injections["valid"].any():
+        ok = b.injections[b.injections["valid"]]
+        out.append(f"Baseline {res.sweep[0].label}: a long prefill of {b.spec.inject_input_tokens:,} tokens raised the "
+                   f"background's P95 token gap from {ok['p95_tpot_before_ms'].mean():.1f} ms to "
+                   f"{ok['p95_tpot_during_ms'].mean():.1f} ms (mean of {len(ok)} valid injection(s), "
+                   f"C={b.spec.concurrency}); its own TTFT {ok['inject_ttft_ms'].astype(float).mean():,.0f} ms.")
+    else:
+        why = res.sweep[0].error if res.sweep and res.sweep[0].result is None else "no valid injection window"
+        out.append(f"Baseline {res.sweep[0].label if res.sweep else '-'}: no valid measurement ({why}).")
+    out.append(f"Sweep of {res.knob} over {', '.join(str(v) for v in res.values)} — {res.verdict}.")
+    invalid = [p.label for p in res.sweep if p.result is None or p.result.verdict.verdict != "VALID"]
+    if invalid:
+        out.append("Values without a VALID run (never ranked): " + ", ".join(invalid) + ".")
+    if res.ab is not None:
+        out += ab_findings(res.ab, {"p95_tpot_ms": "P95 TPOT during injection",
+                                    "output_tps": "output TPS during injection", "p95_ttft_ms": "long-request TTFT"})
+    else:
+        out.append("The A/B over the sweep did not run: " + ("; ".join(res.notes) or "fewer than two records") + ".")
+    if res.confound_ab is not None:
+        n = len(res.confound_ab.confounds)
+        out.append(f"The deliberately confounded run ({res.confound.label if res.confound else '-'}) was "
+                   + (f"flagged: {n} confound(s), no conclusion drawn." if res.confound_ab.confounded else
+                      "NOT flagged as confounded — check the manifest diff."))
+    return out

@@ -308,3 +308,41 @@ def point_requests(res: Phase8Result, case_id: str) -> pd.DataFrame:
              "cached_tokens": r.cached_tokens,
              "ttft_ms": mx.request_metrics(r, "vllm").ttft_ms} for r in p.records]
     return pd.DataFrame(rows)
+
+
+def findings(res: Phase8Result) -> list[str]:
+    """What Phase 8 found, in sentences for the page's findings box: which hit-rate points are valid (ACCEPTED) and
+    which were rejected and why, what the cache buys against the 0 % baseline and at which rate most, and the
+    KV usage peak."""
+    from servelab.analyse.prefix_cache import accepted_results
+    m = res.matrix
+    out = []
+    if m.empty:
+        return ["No hit-rate point ran: nothing measured."]
+
+    def pct(v: Any) -> str:
+        return "—" if v is None or pd.isna(v) else f"{100 * float(v):.1f} %"
+    acc = m[m["verdict"] == "ACCEPTED"]
+    out.append(f"Hit-rate matrix on {res.engine}: {len(m)} points, {len(acc)} ACCEPTED (valid), "
+               f"{len(m) - len(acc)} REJECTED; achieved rate from the counters: " + ", ".join(
+                   f"{r.case_id} {pct(r.counter_hit_rate)} (target {pct(r.target_rate)}, {r.verdict})"
+                   for r in m.itertuples()) + ".")
+    rej = m[m["verdict"] != "ACCEPTED"]
+    if len(rej):
+        out.append("Rejected, shown but never used as results: " + "; ".join(
+            f"{r.case_id} ({r.reasons or 'missed its target'})" for r in rej.itertuples()) + ".")
+    ok = accepted_results(m)
+    gain = ok[ok["target_rate"] > 0].dropna(subset=["ttft_vs_0pct"]) if not ok.empty else ok
+    if not gain.empty:
+        best = gain.loc[gain["ttft_vs_0pct"].astype(float).idxmin()]
+        out.append("A/B of each hit rate against the 0 % baseline (ACCEPTED points only, the valid ones): " + "; ".join(
+            f"{100 * r.target_rate:.0f} % → P50 TTFT ×{r.ttft_vs_0pct:.2f}, input TPS ×{r.input_tps_vs_0pct:.2f}"
+            for r in gain.itertuples()) + f"; the winning value is {100 * best['target_rate']:.0f} % "
+            f"(P50 TTFT {best['p50_ttft_ms']:,.1f} ms).")
+    else:
+        out.append("No A/B: no accepted point can be compared with an accepted 0 % baseline, so nothing is said about "
+                   "what the cache buys.")
+    kv = res.kv[res.kv["metric"].isin(["kv_active", "kv_usage"])] if not res.kv.empty else res.kv
+    if not kv.empty:
+        out.append(f"KV usage peaked at {100 * float(kv['value'].max()):.1f} % ({', '.join(sorted(set(kv['metric'])))}).")
+    return out

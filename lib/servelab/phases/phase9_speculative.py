@@ -190,10 +190,10 @@ class Phase9Result:
     def headline(self) -> dict[str, Any]:
         out: dict[str, Any] = {"configs": [c.label for c in self.configs], "errors": len(self.errors)}
         for _, r in self.gain.iterrows():
-            key = f"{r['config']} C={r['concurrency']}"
-            out[key] = {"acceptance_rate": _rounded(r["acceptance_rate"], 3),
-                        "mean_accept_length": _rounded(r["mean_accept_length"], 2),
-                        "net_gain_pct": _rounded(r["net_gain_pct"], 1)}
+            key = f"{r['config']} C={r['concurrency']}"     # flat keys: one labelled number each on the page
+            out[f"{key} acceptance_rate"] = _rounded(r["acceptance_rate"], 3)
+            out[f"{key} mean_accept_length"] = _rounded(r["mean_accept_length"], 2)
+            out[f"{key} net_gain_pct"] = _rounded(r["net_gain_pct"], 1)
         return out
 
 
@@ -300,3 +300,36 @@ def performance_view(res: Phase9Result) -> pd.DataFrame:
             "target_forwards", "target_forwards_per_s", "tokens_per_target_forward", "step_ms",
             "server_cpu_util_cores", "server_cpu_idle_pct", "validity", "reasons"]
     return res.points[[c for c in cols if c in res.points.columns]].reset_index(drop=True)
+
+
+def findings(res: Phase9Result) -> list[str]:
+    """What Phase 9 found, in sentences for the page's findings box: acceptance per draft, the net gain against
+    speculation off per concurrency and the winning config (or that speculation does not pay here), the A/B's
+    verdict and whether it is valid, and what did not run."""
+    from servelab.report.findings import ab_findings
+    out = []
+    g = res.gain
+    if g.empty:
+        out.append("No speculative config has a VALID point next to a VALID speculation-off point: no net gain.")
+    else:
+        for config, rows in g.groupby("config", sort=False):
+            acc = rows["acceptance_rate"].astype(float)
+            out.append(f"{config}: acceptance {100 * acc.mean():.1f} %, mean acceptance length "
+                       f"{rows['mean_accept_length'].astype(float).mean():.2f}; net output-TPS gain against off "
+                       + ", ".join(f"{r.net_gain_pct:+.1f} % at C={r.concurrency}" if not pd.isna(r.net_gain_pct)
+                                   else f"— at C={r.concurrency}" for r in rows.itertuples()) + ".")
+        best = g.dropna(subset=["net_gain_pct"])
+        if not best.empty:
+            b = best.loc[best["net_gain_pct"].astype(float).idxmax()]
+            out.append(f"The winning config is {b['config']} at C={b['concurrency']} ({b['net_gain_pct']:+.1f} % output "
+                       f"TPS, {b['output_tps_off']:,.1f} → {b['output_tps_spec']:,.1f} tok/s)" if b["net_gain_pct"] > 0
+                       else f"Speculation does not pay here: every config loses output TPS against off (best "
+                            f"{b['config']} at C={b['concurrency']}, {b['net_gain_pct']:+.1f} %)")
+            out[-1] += "."
+    if res.ab is not None:
+        out += ab_findings(res.ab, {"output_tps": "output TPS", "p95_tpot_ms": "P95 TPOT"})
+    else:
+        out.append("No A/B: fewer than two configs ran.")
+    if res.errors:
+        out.append("Not executed: " + "; ".join(f"{k} ({v})" for k, v in res.errors.items()) + ".")
+    return out

@@ -96,3 +96,54 @@ def headline_table(headline: dict[str, Any]) -> Any:
     """The headline as a two-column table for a notebook cell (what the findings box shows)."""
     import pandas as pd
     return pd.DataFrame(headline_rows(headline), columns=["headline", "value"])
+
+
+def ab_findings(ab: Any, metrics: dict[str, str] | None = None) -> list[str]:
+    """Two sentences about an A/B (a ``servelab.measure.abtest.ABResult``): whether it is valid (one variable
+    changed, or confounded / profiled-vs-clean: no conclusion), and its verdict per compared run and metric (Δ of
+    the means against the baseline and whether it is outside the repeat-based noise band). ``metrics`` names the
+    metrics to state (key → words); default: every metric compared."""
+    out = []
+    variable = ", ".join(ab.variable) or "(none declared)"
+    if ab.confounded or ab.profiled_vs_clean:
+        keys = ", ".join(list(ab.confounds["key"])[:5]) if not ab.confounds.empty else ""
+        out.append(f"The A/B is not valid: besides {variable}, {len(ab.confounds)} other setting(s) changed"
+                   + (f" ({keys})" if keys else "")
+                   + (" and a profiled run is compared with a clean one" if ab.profiled_vs_clean else "")
+                   + " — no conclusion about the variable.")
+    else:
+        comp = ab.comparison
+        bad = comp[comp["verdict"] == "invalid"] if comp is not None and not comp.empty else None
+        if bad is not None and not bad.empty:
+            runs = ", ".join(dict.fromkeys(str(r) for r in bad["b_run"]))
+            out.append(f"The A/B is not valid: only {variable} changed between the runs, but a compared case has an "
+                       f"INVALID side ({runs}) — its changes are not a result.")
+        else:
+            out.append(f"The A/B is valid as a one-variable A/B: only {variable} changed between the runs.")
+    comp = ab.comparison
+    if comp is None or comp.empty:
+        out.append("No case was compared: no A/B verdict.")
+        return out
+    parts = []
+    for run, g in comp.groupby("b_run", sort=False):
+        cases = []
+        for case, gc in g.groupby("case_id", sort=False):
+            items = []
+            for r in gc.itertuples():
+                if metrics is not None and r.metric not in metrics:
+                    continue
+                label = (metrics or {}).get(r.metric) or split_unit(r.metric)[0]
+                delta = "" if r.delta_pct is None or math.isnan(r.delta_pct) else f" {r.delta_pct:+.1f} %"
+                band = "" if r.noise_band_pct is None or math.isnan(r.noise_band_pct) \
+                    else f", noise band ±{r.noise_band_pct:.1f} %"
+                items.append(f"{label}{delta} ({r.verdict}{band})")
+            if items:
+                cases.append((f"{case} " if g["case_id"].nunique() > 1 else "") + ", ".join(items))
+        if cases:
+            parts.append(f"{run}: " + "; ".join(cases))
+    base = (ab.runs[0].label or ab.runs[0].run_id) if getattr(ab, "runs", None) else "the baseline"
+    text = f"A/B verdict against {base}: " + " — ".join(parts)
+    if set(comp["verdict"]) <= {"no repeats", "no data"}:
+        text += " (one repeat per side: the noise band is unknown, so no change is a verdict yet)"
+    out.append(text + ".")
+    return out

@@ -53,6 +53,8 @@ def flat(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def table_html(df: pd.DataFrame, max_rows: int = MAX_ROWS) -> str:
+    """The table as the page shows it; ``df.attrs["caption"]`` (if any) is drawn above it, escaped."""
+    caption = str(df.attrs.get("caption") or "")
     table = flat(df)
     shown = table.head(max_rows)
     head = "".join(f"<th>{html.escape(header(c))}</th>" for c in shown.columns)
@@ -67,8 +69,10 @@ def table_html(df: pd.DataFrame, max_rows: int = MAX_ROWS) -> str:
         href = "data:text/csv;base64," + base64.b64encode(csv).decode()
         link = f'<a download="table.csv" href="{href}">full table as CSV ({len(table):,} rows)</a>'
     foot = " · ".join(x for x in (note, link) if x)
-    return (f'<div class="servelab-table" style="max-width:100%;overflow-x:auto">'
-            f'<table class="dataframe"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+    return ('<div class="servelab-table" style="max-width:100%;overflow-x:auto">'
+            + (f'<div class="servelab-caption" style="font-size:0.9em;color:#333;margin:2px 0 4px">'
+               f'{html.escape(caption)}</div>' if caption else "")
+            + f'<table class="dataframe"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
             + (f'<div style="font-size:0.8em;color:#555;margin-top:2px">{foot}</div>' if foot else "")
             + "</div>")
 
