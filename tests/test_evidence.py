@@ -157,5 +157,7 @@ def test_phases_record_evidence_the_index_links(outputs):
     assert not _broken_links(rdir, page)
     ledger = page[page.index("Investigation ledger"):page.index("<h2>Milestones")]
     assert ledger.count("rests on:") == len(evs) and ledger.count("recorded sample data</span>") == len(evs) - 1
+    p3 = (rdir / "phase3" / "report.html").read_text()      # no nsys_dir: the page says how to make the CSVs
+    assert "No Nsight Systems reports imported" in p3 and "nsys stats --report cuda_gpu_kern_sum" in p3
     m = json.loads((rdir / "manifest.json").read_text())
     assert all(m["phases"][p]["status"] == "success" for p in ("phase3", "phase4", "phase5", "phase6"))

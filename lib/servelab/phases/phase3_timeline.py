@@ -331,3 +331,93 @@ def record_h5(ctx: Any, p: Phase3) -> pd.DataFrame:
 def record_evidence_all(ctx: Any, p: Phase3) -> pd.DataFrame:
     """H1–H5 from this capture, one row each (what the page shows under "Evidence for H1–H5")."""
     return pd.concat([f(ctx, p) for f in (record_h1, record_h2, record_h3, record_h4, record_h5)], ignore_index=True)
+
+
+# ---------------------------------------------------------------- Nsight Systems stats next to the trace
+
+@dataclass
+class NsysImport:
+    """``nsys stats --format csv`` reports of one folder, and their kernels next to this trace's."""
+    folder: str
+    reports: dict[str, pl.DataFrame]
+    kernels: pd.DataFrame        # nsys kernel summary, classified, with the trace's time for the same kernel
+    classes: pd.DataFrame        # kernel time share per class: nsys vs the trace
+
+
+def nsys_howto(trace_dir: str = "") -> str:
+    """How to produce the CSVs this section imports (the commands of ``docs/method.md#capture-scenarios``)."""
+    from servelab.analyse.trace.nsys import display, nsys_profile_argv, nsys_stats_argv
+    prof = display(nsys_profile_argv(["<the engine's launch command>"], "/data/nsys/report"))
+    stats = display(nsys_stats_argv("/data/nsys/report.nsys-rep"))
+    return (f"Profile the engine under Nsight Systems: {prof} — then export the summaries as CSV: {stats} "
+            "(writes report_cuda_gpu_kern_sum.csv, report_cuda_api_sum.csv, report_nvtx_sum.csv) and re-run this "
+            "phase with -p nsys_dir=/data/nsys.")
+
+
+def _trace_kernels(p: Phase3) -> pd.DataFrame:
+    """The trace's kernel time per function (all ranks, all windows): function, cls, trace_ms, trace_share_pct."""
+    from servelab.analyse.kernels import function_base
+    ops = [r.ops.filter(pl.col("cat") == "kernel").select("name", "cls", "dur_ns") for r in p.analysis.rops]
+    ops = [o for o in ops if o.height]
+    if not ops:
+        return pd.DataFrame(columns=["function", "trace_cls", "trace_ms", "trace_share_pct"])
+    t = pl.concat(ops).group_by("name", "cls").agg(pl.col("dur_ns").sum()).to_pandas()
+    t["function"] = t["name"].map(function_base)
+    t = t.groupby("function", as_index=False).agg(trace_cls=("cls", "first"), trace_ns=("dur_ns", "sum"))
+    t["trace_ms"] = t["trace_ns"] / 1e6
+    t["trace_share_pct"] = 100 * t["trace_ms"] / t["trace_ms"].sum()
+    return t.drop(columns="trace_ns")
+
+
+def nsys_import(ctx: Any, p: Phase3, nsys_dir: str = "", top_n: int = 10) -> NsysImport | None:
+    """Import the ``nsys stats`` CSVs of ``nsys_dir`` (``<base>_cuda_gpu_kern_sum.csv`` and the other reports
+    :mod:`servelab.analyse.trace.nsys` knows) and put the ``top_n`` kernels of the Nsight Systems summary next to
+    the same kernels in this trace (matched on the function name, ``ncu --kernel-name-base function`` style), plus
+    the time share per kernel class on both sides. Writes ``nsys_kernels.csv`` and ``nsys_classes.csv``. ``None``
+    when ``nsys_dir`` is empty."""
+    if not nsys_dir:
+        return None
+    from servelab.analyse.kernels import function_base
+    from servelab.analyse.trace.nsys import NsysReportError, class_breakdown, kernel_summary, read_stats_dir
+    folder = Path(nsys_dir).expanduser()
+    if not folder.is_dir():
+        raise NsysReportError(f"nsys_dir {folder}: no such folder")
+    reports = read_stats_dir(folder)
+    if "cuda_gpu_kern_sum" not in reports:
+        raise NsysReportError(f"nsys_dir {folder}: no <base>_cuda_gpu_kern_sum.csv among "
+                              f"{sorted(x.name for x in folder.glob('*.csv')) or 'no CSV files'}")
+    ks = kernel_summary(reports["cuda_gpu_kern_sum"]).to_pandas()
+    ks["function"] = ks["name"].map(function_base)
+    trace = _trace_kernels(p)
+    k = ks.sort_values("total_ms", ascending=False).head(int(top_n)).merge(trace, on="function", how="left")
+    k.insert(0, "nsys_rank", range(1, len(k) + 1))
+    k["in_trace"] = k["trace_ms"].notna()
+    kernels = k[["nsys_rank", "function", "cls", "instances", "total_ms", "share_pct", "avg_ns", "in_trace", "trace_ms",
+                 "trace_share_pct"]].rename(columns={"total_ms": "nsys_ms", "share_pct": "nsys_share_pct",
+                                                     "avg_ns": "nsys_avg_ns"})
+    nb = class_breakdown(reports["cuda_gpu_kern_sum"]).to_pandas()[["cls", "total_ms", "share_pct"]]
+    tb = trace.groupby("trace_cls", as_index=False)["trace_ms"].sum().rename(columns={"trace_cls": "cls"})
+    tb["trace_share_pct"] = 100 * tb["trace_ms"] / tb["trace_ms"].sum()
+    classes = nb.rename(columns={"total_ms": "nsys_ms", "share_pct": "nsys_share_pct"}).merge(tb, on="cls", how="outer")
+    classes = classes.sort_values("nsys_ms", ascending=False, na_position="last").reset_index(drop=True)
+    kernels.to_csv(ctx.phase_dir / "nsys_kernels.csv", index=False)
+    classes.to_csv(ctx.phase_dir / "nsys_classes.csv", index=False)
+    return NsysImport(str(folder), reports, kernels.round(3), classes.round(3))
+
+
+def nsys_view(imp: NsysImport | None) -> Any:
+    """The Nsight Systems section: the imported kernels next to the trace's and the class shares — or, without
+    ``nsys_dir``, how to produce the CSVs."""
+    from IPython.display import HTML
+
+    from servelab.report.banner import banner, banner_html
+    from servelab.report.tables import table_html
+    if imp is None:
+        return banner(nsys_howto(), "info", "No Nsight Systems reports imported (nsys_dir is empty)")
+    found = ", ".join(f"{name} ({df.height} rows)" for name, df in sorted(imp.reports.items()))
+    matched = int(imp.kernels["in_trace"].sum())
+    text = (f"From {imp.folder}: {found}. {matched} of the {len(imp.kernels)} top Nsight Systems kernels are in this "
+            "trace too (same function name); shares are of each side's own kernel time, so a capture of a different "
+            "run or length compares by share, not by milliseconds.")
+    return HTML(banner_html(text, "info", "Nsight Systems stats imported") + table_html(imp.kernels)
+                + "<p><b>Kernel time per class</b> (the trace taxonomy on both sides)</p>" + table_html(imp.classes))
