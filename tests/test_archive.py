@@ -88,6 +88,10 @@ def test_sample_evidence_never_supports_the_live_target(outputs):
     live = ctx_for(rdir, "phase7")
     record_evidence(live, "H4", "supported", "every long prefill raised the P95 token gap")
     assert ledger(rdir).set_index("id").loc["H4", "status"] == "supported"
+    record_evidence(live, "H4", "refuted", "phase 7 run again: no prefill raised the P95 token gap")
+    h4 = ledger(rdir).set_index("id").loc["H4"]          # the re-run supersedes phase 7's earlier word
+    assert h4["status"] == "refuted" and [e["phase"] for e in h4["evidence"]] == ["phase3", "phase7"]
+    assert len((rdir / "evidence.jsonl").read_text().splitlines()) == 3
     page = write_run_index(rdir).read_text()
     assert page.count('class="samples">recorded sample data') == 1
 

@@ -7,9 +7,10 @@ A phase notebook states what its data says about a hypothesis:
                     anchor="CUDA-graph-coverage-(Q5)", table=["trace_graph_coverage.csv", "trace_gap_summary.csv"])
 
 Evidence goes to ``<run>/evidence.jsonl`` (append-only, with the phase, a link to the section of its page and
-the tables it rests on, relative to the run folder: ``phase3/trace_graph_coverage.csv``). A hypothesis is
-``open`` without evidence, else the verdict of its latest evidence; evidence that disagrees is shown as
-``contested``. A refutation is evidence too: "PP bubble refuted: both stages busy 96%".
+the tables it rests on, relative to the run folder: ``phase3/trace_graph_coverage.csv``). Each phase's latest
+evidence about a hypothesis supersedes what that phase said before. A hypothesis is ``open`` without evidence,
+else the verdict of its latest evidence; evidence of different phases that disagrees is shown as ``contested``.
+A refutation is evidence too: "PP bubble refuted: both stages busy 96%".
 
 Evidence computed from recorded sample data (``ctx.from_samples``: the phase read ``data/samples``, not this
 target) says so in its summary, keeps what the rule said in ``numbers["rule_verdict"]`` and is recorded as
@@ -114,9 +115,20 @@ def read_evidence(run_dir: Path) -> list[Evidence]:
             for line in p.read_text().splitlines() if line.strip()]
 
 
+def current_evidence(run_dir: Path) -> list[Evidence]:
+    """The latest evidence of each phase about each hypothesis (a phase run again supersedes what it said
+    before; ``evidence.jsonl`` keeps everything), in the order it was recorded."""
+    latest: dict[tuple[str, str], Evidence] = {}
+    for e in read_evidence(run_dir):
+        latest.pop((e.hypothesis, e.phase), None)
+        latest[(e.hypothesis, e.phase)] = e
+    return list(latest.values())
+
+
 def ledger(run_dir: Path) -> pd.DataFrame:
-    """One row per hypothesis: status (open / supported / refuted / inconclusive / contested) and its evidence."""
-    evs = read_evidence(run_dir)
+    """One row per hypothesis: status (open / supported / refuted / inconclusive / contested) and its current
+    evidence (:func:`current_evidence`: the latest of each phase)."""
+    evs = current_evidence(run_dir)
     rows = []
     for hid, h in hypotheses().items():
         mine = [e for e in evs if e.hypothesis == hid]

@@ -166,9 +166,9 @@ def m2(run_dir: Path) -> Milestone:
             status, detail = "pass", f"{kinds[k]} {k} windows in phase3/trace_windows.csv"
         ms.checks.append(Check(f"{k} profile analysed", status, detail,
                                ["phase3/trace_windows.csv"] if p.is_file() else []))
-    from servelab.report.ledger import read_evidence
+    from servelab.report.ledger import current_evidence
     # evidence from recorded sample data is never a bottleneck of this target (it is recorded inconclusive anyway)
-    ev = [e for e in read_evidence(run_dir) if e.verdict == "supported" and not e.from_samples]
+    ev = [e for e in current_evidence(run_dir) if e.verdict == "supported" and not e.from_samples]
     ms.checks.append(Check("1–3 bottlenecks with trace/counter/log evidence", "pass" if ev else "not measured",
                            "; ".join(f"{e.hypothesis} ({e.phase}): {e.summary}" for e in ev[:3])
                            or "no supported hypothesis yet", list(dict.fromkeys(t for e in ev[:3] for t in e.tables))))
