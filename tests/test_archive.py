@@ -42,7 +42,58 @@ def test_ledger_statuses(outputs):
     assert df.loc["H4", "status"] == "inconclusive" and df.loc["H2", "status"] == "open"
     assert len(df) >= 7
     page = write_run_index(rdir).read_text()
-    assert "Investigation ledger" in page and 'href="phase3/report.html#graphs"' in page
+    assert "Investigation ledger" in page and 'href="phase3/report.html#graphs"' not in page   # no page yet: no link
+    (rdir / "phase3" / "report.html").write_text('<h2 id="graphs">graphs</h2>')
+    page = write_run_index(rdir).read_text()
+    assert 'href="phase3/report.html#graphs"' in page
+
+
+def test_evidence_links_the_tables_it_rests_on(outputs):
+    """Each piece of evidence names its tables relative to the run folder; the index links those that exist,
+    marks the others missing, escapes everything and never links outside the run."""
+    rdir = runlib.init_run("ledger-links", "local-tiny")
+    ctx = ctx_for(rdir)
+    (rdir / "phase3" / "trace_actions.csv").write_text("metric,status\n")
+    (rdir / "phase3" / "report.html").write_text("<h2 id='Q4'>q4</h2>")
+    ev = record_evidence(ctx, "H5", "supported", "host-bound <idle> 25%", anchor="Q4",
+                         table=["trace_actions.csv", "phase1/matrix.csv", 'we"ird.csv'])
+    assert ev.tables == ["phase3/trace_actions.csv", "phase1/matrix.csv", 'phase3/we"ird.csv']
+    assert ev.from_samples is False and ev.verdict == "supported"
+    page = write_run_index(rdir).read_text()
+    assert '<a href="phase3/trace_actions.csv">phase3/trace_actions.csv</a>' in page
+    assert 'phase1/matrix.csv (missing)' in page and 'href="phase1/matrix.csv"' not in page
+    assert "we&quot;ird.csv (missing)" in page and "&lt;idle&gt;" in page and "<idle>" not in page
+    from servelab.report.archive import _href
+    assert _href(rdir, "javascript:alert(1)") is None and _href(rdir, "../ledger-links/index.html") is None
+    assert _href(rdir, "/etc/passwd") is None
+    # the M2 bottleneck check links the tables of the supported evidence
+    m2 = {c.check: c for c in milestones(rdir)[1].checks}["1–3 bottlenecks with trace/counter/log evidence"]
+    assert m2.status == "pass" and m2.tables[0] == "phase3/trace_actions.csv"
+    assert 'Milestones' in page and page.count('href="phase3/trace_actions.csv"') == 2
+
+
+def test_sample_evidence_never_supports_the_live_target(outputs):
+    """Evidence computed from data/samples is recorded inconclusive with what the rule said, is badged in the
+    index and is not a bottleneck for M2."""
+    rdir = runlib.init_run("ledger-samples", "local-tiny")
+    ctx = ctx_for(rdir)
+    ctx.from_samples = True
+    ev = record_evidence(ctx, "H4", "supported", "decode interval 34.5x steady", table="trace_interference.csv")
+    assert ev.verdict == "inconclusive" and ev.from_samples and ev.numbers["rule_verdict"] == "supported"
+    assert ev.summary.startswith("recorded sample data, not this target — the rule says supported: ")
+    df = ledger(rdir).set_index("id")
+    assert df.loc["H4", "status"] == "inconclusive"
+    m2 = {c.check: c for c in milestones(rdir)[1].checks}["1–3 bottlenecks with trace/counter/log evidence"]
+    assert m2.status == "not measured"
+    live = ctx_for(rdir, "phase7")
+    record_evidence(live, "H4", "supported", "every long prefill raised the P95 token gap")
+    assert ledger(rdir).set_index("id").loc["H4", "status"] == "supported"
+    record_evidence(live, "H4", "refuted", "phase 7 run again: no prefill raised the P95 token gap")
+    h4 = ledger(rdir).set_index("id").loc["H4"]          # the re-run supersedes phase 7's earlier word
+    assert h4["status"] == "refuted" and [e["phase"] for e in h4["evidence"]] == ["phase3", "phase7"]
+    assert len((rdir / "evidence.jsonl").read_text().splitlines()) == 3
+    page = write_run_index(rdir).read_text()
+    assert page.count('class="samples">recorded sample data') == 1
 
 
 def test_m1_needs_three_repeats_and_low_cv(outputs):

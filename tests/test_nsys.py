@@ -114,3 +114,43 @@ def test_bad_reports_name_the_file(tmp_path: Path):
     s.write_text("just some text\n")
     with pytest.raises(nsys.NsysReportError, match="header"):
         nsys.read_stats_csv(s)
+
+
+def test_phase3_without_nsys_dir_says_how_to_make_the_csvs():
+    from servelab.phases import phase3_timeline as phase3
+    box = phase3.nsys_view(None).data
+    assert "nsys_dir is empty" in box and "nsys stats --report cuda_gpu_kern_sum,cuda_api_sum,nvtx_sum --format csv" in box
+    assert "nsys profile --trace=cuda,nvtx,nccl" in box and "-p nsys_dir=" in box
+
+
+@pytest.mark.slow
+def test_phase3_imports_nsys_stats_next_to_the_trace(outputs, tmp_path: Path):
+    """Phase 3 with ``-p nsys_dir=``: the documented reports above imported, the nsys kernels matched to the
+    recorded H200 trace by function name (the truncated cuDNN name is not in it), the classes on both sides."""
+    import pandas as pd
+
+    from servelab.cli import main
+    d = tmp_path / "nsys"
+    d.mkdir()
+    for name, text in (("run1_cuda_gpu_kern_sum.csv", KERN_SUM), ("run1_cuda_api_sum.csv", API_SUM),
+                       ("run1_nvtx_sum.csv", NVTX_SUM_US)):
+        (d / name).write_text(text)
+    assert main(["run", "phase3", "--target", "local-tiny", "--run-id", "nsys", "-p", f"nsys_dir={d}"]) == 0
+    p3 = outputs / "nsys" / "phase3"
+    k = pd.read_csv(p3 / "nsys_kernels.csv")
+    assert k["function"].tolist()[:2] == ["ncclDevKernel_AllReduce_Sum_bf16_RING_LL",
+                                          "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT"]
+    assert k["in_trace"].tolist() == [True, True, False, True] and k["trace_ms"].iloc[:2].gt(0).all()
+    assert k["nsys_ms"].iloc[0] == pytest.approx(46.578)
+    c = pd.read_csv(p3 / "nsys_classes.csv").set_index("cls")
+    assert c.loc["communication", "nsys_share_pct"] == pytest.approx(45.36, abs=0.01)
+    assert c["trace_share_pct"].sum() == pytest.approx(100) and pd.isna(c.loc["memory", "nsys_ms"])
+    page = (p3 / "report.html").read_text()
+    assert "Nsight Systems stats imported" in page and "cuda_api_sum (2 rows)" in page
+    bad = tmp_path / "empty"
+    bad.mkdir()
+    assert main(["run", "phase3", "--target", "local-tiny", "--run-id", "nsys-bad", "-p", f"nsys_dir={bad}",
+                 "--no-render"]) != 0
+    from servelab.core.run import read_manifest
+    err = read_manifest(outputs / "nsys-bad")["phases"]["phase3"]["error"]
+    assert "NsysReportError" in err and "cuda_gpu_kern_sum.csv" in err, err

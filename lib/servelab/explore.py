@@ -89,13 +89,16 @@ def trace_view(folder: Path, rank: int | None = None, t0_ms: float | None = None
     return figures.timeline(a, t0_ms=t0_ms, t1_ms=t1_ms)
 
 
-def explorer(root: Path | None = None) -> Any:
-    """The JupyterLab explorer: run → case table/figure, and capture → rank/time-window timeline."""
+def explorer(root: Path | None = None, run_id: str | None = None) -> Any:
+    """The JupyterLab explorer: run → case table/figure, and capture → rank/time-window timeline (``run_id``:
+    the run selected first; default the newest)."""
     import ipywidgets as w
     from IPython.display import display
 
     runs = list_runs(root)
-    run_dd = w.Dropdown(options=list(runs["run_id"]), description="run")
+    options = list(runs["run_id"])
+    run_dd = w.Dropdown(options=options, description="run",
+                        value=run_id if run_id in options else (options[0] if options else None))
     case_dd = w.Dropdown(options=[], description="case")
     def_dd = w.Dropdown(options=["vllm", "sglang"], description="definition")
     trace_dd = w.Dropdown(options=[], description="capture")
@@ -153,3 +156,98 @@ def explorer(root: Path | None = None) -> Any:
     return w.VBox([w.HTML("<b>servelab explorer</b>"), run_dd,
                    w.HBox([case_dd, def_dd]), out_case,
                    w.HBox([trace_dd, rank_dd]), window, draw, out_trace])
+
+
+# ---------------------------------------------------------------- static views of one run (notebooks/explore_run.ipynb)
+
+def resolve_run(run_id: str = "", target: str = "", root: Path | None = None) -> Path:
+    """``outputs/<run_id>``; with an empty id the newest run (of ``target`` when given). A clear error when
+    there is none."""
+    from servelab.core.params import ParamError, did_you_mean
+    root = root or outputs_root()
+    runs = list_runs(root)
+    if run_id:
+        if not (root / run_id / "manifest.json").is_file():
+            raise ParamError(f"no run '{run_id}' under {root}{did_you_mean(run_id, set(runs['run_id']))}")
+        return root / run_id
+    pick = runs[runs["target"] == target] if target else runs
+    if pick.empty:
+        raise ParamError(f"no run under {root}" + (f" for target '{target}'" if target else "")
+                         + " — run a phase first (servelab run phase0 --target local)")
+    return root / str(pick.iloc[0]["run_id"])
+
+
+def run_phases(run_dir: Path) -> pd.DataFrame:
+    """One row per phase of the run: status, recorded sample data or not, start / end, its page, the headline."""
+    from servelab.core.run import read_manifest
+    m = read_manifest(run_dir)
+    rows = []
+    for phase, e in sorted(m.get("phases", {}).items(), key=lambda x: int(x[0][5:]) if x[0][5:].isdigit() else 99):
+        head = e.get("headline") or {}
+        rows.append({"phase": phase, "status": e.get("status", ""), "from_samples": bool(e.get("from_samples")),
+                     "started": e.get("started", ""), "ended": e.get("ended", ""),
+                     "page": f"{phase}/report.html" if (run_dir / phase / "report.html").is_file() else "-",
+                     "headline": "; ".join(f"{k}: {v}" for k, v in list(head.items())[:6]) or "-"})
+    return pd.DataFrame(rows, columns=["phase", "status", "from_samples", "started", "ended", "page", "headline"])
+
+
+def case_table(run_dir: Path, definition: str = "vllm") -> pd.DataFrame:
+    """Every measured case of the run from its ``summary.json``: phase, kind, concurrency, repeats, verdict
+    (first reason), requests, output TPS and P50/P95 TTFT / TPOT in ``definition``. Summaries that do not
+    follow the case schema are listed with their problem."""
+    from servelab.measure.case_record import read_summaries
+    errors: list[str] = []
+    rows = []
+    for s in read_summaries(run_dir, errors=errors):
+        m = s["metrics"].get(definition) or {}
+        case = (s.get("details") or {}).get("case") or {}
+        rows.append({"case_id": s["case_id"], "phase": s["phase"], "kind": s["kind"],
+                     "concurrency": case.get("concurrency"), "repeats": len(s.get("repeats") or []),
+                     "verdict": s["verdict"]["status"], "reason": "; ".join(s["verdict"]["reasons"][:1]),
+                     "requests": (s.get("counts") or {}).get("measured"), "output_tps": m.get("output_throughput"),
+                     "p50_ttft_ms": m.get("p50_ttft_ms"), "p95_ttft_ms": m.get("p95_ttft_ms"),
+                     "p50_tpot_ms": m.get("p50_tpot_ms"), "p95_tpot_ms": m.get("p95_tpot_ms")})
+    rows += [{"case_id": "-", "verdict": "not a case summary", "reason": e} for e in errors]
+    cols = ["case_id", "phase", "kind", "concurrency", "repeats", "verdict", "reason", "requests", "output_tps",
+            "p50_ttft_ms", "p95_ttft_ms", "p50_tpot_ms", "p95_tpot_ms"]
+    return pd.DataFrame(rows, columns=cols)
+
+
+def capture_summary(run_dir: Path) -> pd.DataFrame:
+    """The captures this run can show: the trace folders of its profiled cases, the capture Phase 3 analysed
+    (``phase3/trace_analysis.json``) and the bundled sample — each with its trace files, ranks and size."""
+    from servelab.core.paths import samples_root
+    sample = samples_root() / "h200x2" / "traces"
+    folders: dict[Path, str] = {}
+    for f in trace_folders(run_dir):
+        folders[f.resolve()] = "recorded sample (data/samples)" if f == sample else "profiled case of this run"
+    analysed = run_dir / "phase3" / "trace_analysis.json"
+    info = json.loads(analysed.read_text()) if analysed.is_file() else {}
+    p3_dir = Path(info["trace_dir"]).expanduser().resolve() if info.get("trace_dir") else None
+    if p3_dir is not None:
+        folders.setdefault(p3_dir, "given to Phase 3")
+    rows = []
+    for folder, source in folders.items():
+        files = sorted(folder.rglob("*.json.gz")) + sorted(folder.rglob("*.json"))
+        files = [f for f in files if ".servelab_cache" not in f.parts]
+        where = str(folder.relative_to(run_dir.resolve())) if run_dir.resolve() in folder.parents else str(folder)
+        p3 = folder == p3_dir
+        rows.append({"capture": where, "source": source + (" · analysed by Phase 3" if p3 else ""),
+                     "trace_files": len(files), "ranks": info.get("ranks") if p3 else None,
+                     "size_mib": round(sum(f.stat().st_size for f in files) / 2**20, 2),
+                     "slow_rank": (info.get("slow_rank") or {}).get("slow_rank") if p3 else None})
+    return pd.DataFrame(rows, columns=["capture", "source", "trace_files", "ranks", "size_mib", "slow_rank"])
+
+
+def ledger_table(run_dir: Path) -> pd.DataFrame:
+    """The run's hypotheses ledger: status, and each piece of evidence with its phase and the tables it rests on."""
+    from servelab.report.ledger import ledger
+    rows = []
+    for _, r in ledger(run_dir).iterrows():
+        evs = r["evidence"] or [{}]
+        for e in evs:
+            rows.append({"id": r["id"], "hypothesis": r["hypothesis"], "status": r["status"],
+                         "phase": e.get("phase", "-"), "verdict": e.get("verdict", "-"),
+                         "evidence": e.get("summary", r["decided_by"] and f"decided by: {r['decided_by']}"),
+                         "tables": ", ".join(e.get("tables") or []) or "-"})
+    return pd.DataFrame(rows, columns=["id", "hypothesis", "status", "phase", "verdict", "evidence", "tables"])

@@ -406,3 +406,80 @@ def findings(res: Phase1Result) -> list[str]:
     if res.aborted:
         out.append(f"The run stopped early ({res.aborted}); not executed: {', '.join(res.not_executed) or 'none'}.")
     return out
+
+
+# ---------------------------------------------------------------- evidence for the ledger (H4, H6)
+
+M1_H4_FACTOR = 1.2        # the treatment's P95 ITL during the injection over the larger reference, to support H4
+M1_MIN_GAPS = 5           # token gaps needed in the treatment's during window to judge
+
+
+def h4_evidence(res: Phase1Result) -> tuple[str, str, dict[str, Any]]:
+    """(verdict, summary, numbers) about H4 from the mixed A/B M1: the treatment's P95 ITL *during* the injected
+    prefill against the larger of its own *before* window and the control's same window. *supported* when it is
+    ≥ 1.2× that reference, *refuted* below; *inconclusive* without M1, with an INVALID M1 case or fewer than 5
+    token gaps during the injection."""
+    if res.m1 is None:
+        return "inconclusive", "M1 (the mixed A/B) did not run", {}
+    bad = [f"{c}: {'; '.join(r.verdict.reasons[:2])}" for c in ("M1_control", "M1_treatment")
+           if (r := case_result(res, c)) is not None and r.verdict.verdict != "VALID"]
+    if bad:
+        return "inconclusive", "an M1 case is INVALID — " + " | ".join(bad), {}
+    w = res.m1["windows"].set_index(["run", "window"]) if not res.m1["windows"].empty else pd.DataFrame()
+
+    def p95(run: str, window: str) -> tuple[float | None, int]:
+        if w.empty or (run, window) not in w.index:
+            return None, 0
+        return float(w.loc[(run, window), "p95_itl_ms"]), int(w.loc[(run, window), "n"])
+    during, n = p95("treatment", "during")
+    before, _ = p95("treatment", "before")
+    control, _ = p95("control", "during")
+    nums = {"treatment_during_p95_itl_ms": during, "treatment_before_p95_itl_ms": before,
+            "control_during_p95_itl_ms": control, "during_gaps": n, "factor": M1_H4_FACTOR}
+    refs = [x for x in (before, control) if x]
+    if during is None or n < M1_MIN_GAPS or not refs:
+        return "inconclusive", f"{n} token gaps during the injection (need {M1_MIN_GAPS}) or no reference window", nums
+    ref = max(refs)
+    nums["ratio"] = round(during / ref, 3)
+    text = (f"M1: background P95 ITL {during:.1f} ms during the injected prefill vs {ref:.1f} ms reference "
+            f"(treatment before {before or float('nan'):.1f} ms, control same window {control or float('nan'):.1f} ms): "
+            f"{during / ref:.2f}×, threshold {M1_H4_FACTOR:g}×")
+    return ("supported" if during >= M1_H4_FACTOR * ref else "refuted"), text, nums
+
+
+def h6_evidence(res: Phase1Result) -> tuple[str, str, dict[str, Any]]:
+    """(verdict, summary, numbers) about H6 (KV capacity limits concurrency) from the concurrency search's stop
+    reason: ``OOM`` → *supported*; ``MAX_CONCURRENCY_REACHED`` with every point successful → *refuted* up to that
+    concurrency; any other stop (throughput, SLO, crash) → *inconclusive* (KV usage, Phase 8, says whether KV was
+    the cause)."""
+    s = res.search
+    if s is None:
+        return "inconclusive", "the concurrency search did not run", {}
+    nums = {"stop_reason": s.stop_reason, "max_successful_c": s.max_successful_concurrency,
+            "max_tps_c": s.max_tps_concurrency, "points": len(s.points)}
+    failed = [p for p in s.points if p.status != "success"]
+    if s.stop_reason == "OOM":
+        return "supported", f"the search stopped on OOM: {s.stop_detail} (max successful C={s.max_successful_concurrency})", nums
+    if s.stop_reason == "MAX_CONCURRENCY_REACHED" and not failed:
+        return "refuted", (f"every search point up to C={max(p.concurrency for p in s.points)} succeeded, no OOM "
+                           f"({s.stop_detail}): KV capacity did not limit concurrency here"), nums
+    return "inconclusive", (f"the search stopped on {s.stop_reason} ({s.stop_detail}), not on memory; KV usage "
+                            "(Phase 8) says whether KV was the limit"), nums
+
+
+def record_h4(ctx: Any, res: Phase1Result) -> pd.DataFrame:
+    """Record H4 from M1 (see :func:`h4_evidence`), linking ``m1_windows.csv`` / ``m1_ab.csv``."""
+    from servelab.report.ledger import evidence_frame, record_evidence
+    verdict, summary, nums = h4_evidence(res)
+    tables = [t for t in ("m1_windows.csv", "m1_ab.csv") if (Path(ctx.phase_dir) / t).is_file()] or ["matrix.csv"]
+    return evidence_frame([record_evidence(ctx, "H4", verdict, summary, anchor="Mixed-A/B-(M1)", table=tables,
+                                           numbers=nums)])
+
+
+def record_h6(ctx: Any, res: Phase1Result) -> pd.DataFrame:
+    """Record H6 from the concurrency search (see :func:`h6_evidence`), linking ``frontier.csv`` / ``search.json``."""
+    from servelab.report.ledger import evidence_frame, record_evidence
+    verdict, summary, nums = h6_evidence(res)
+    tables = [t for t in ("frontier.csv", "search.json") if (Path(ctx.phase_dir) / t).is_file()] or ["matrix.csv"]
+    return evidence_frame([record_evidence(ctx, "H6", verdict, summary, anchor="Concurrency-search", table=tables,
+                                           numbers=nums)])

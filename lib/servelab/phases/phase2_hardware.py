@@ -396,3 +396,38 @@ def findings(run: Phase2Run, table: pd.DataFrame, sample: pd.DataFrame | None = 
             out.append(f"From recorded sample data (2 × H200 nvidia-smi), against {s_cases[0]}: " + " — ".join(parts)
                        + ".")
     return out
+
+
+# ---------------------------------------------------------------- evidence for the ledger (H5)
+
+HOT_CORE_QUESTION = "Is a single CPU core saturated (hot core) while the machine is not?"
+
+
+def h5_evidence(run: Phase2Run, questions_table: pd.DataFrame) -> tuple[str, str, dict[str, Any]]:
+    """(verdict, summary, numbers) about H5 (CPU scheduler / launch leaves GPU gaps) from the hot-core question
+    (hottest core P95 ≥ 90 % while the machine mean < 75 %), only where the target has a GPU to leave idle:
+    a hot core in any case → *supported*; answered *no* in every case → *refuted*; no GPU samples or no mpstat
+    answer → *inconclusive*."""
+    gpu = any(not c.samples.empty and "util_gpu_pct" in set(c.samples["metric"]) for c in run.cases)
+    q = questions_table[questions_table["question"] == HOT_CORE_QUESTION] if not questions_table.empty else \
+        pd.DataFrame(columns=["case", "answer", "evidence"])
+    answered = q[q["answer"].isin(["yes", "no"])]
+    nums = {"gpu_samples": gpu, "cases_answered": int(len(answered)), "hot_core_cases": int((q["answer"] == "yes").sum())}
+    each = "; ".join(f"{r.case}: {r.answer} ({r.evidence})" for r in q.itertuples())
+    if answered.empty:
+        return "inconclusive", f"the hot-core question has no answer in any case ({each or 'no case measured'})", nums
+    if not gpu:
+        return "inconclusive", (f"no GPU on this target, so a busy core cannot leave GPU gaps — hot core: {each}"), nums
+    if (answered["answer"] == "yes").any():
+        return "supported", f"a single core saturated while the machine was not — {each}", nums
+    return "refuted", f"no hot core in any case — {each}", nums
+
+
+def record_h5(ctx: Any, run: Phase2Run) -> pd.DataFrame:
+    """Record H5 from this phase's telemetry questions (see :func:`h5_evidence`)."""
+    from servelab.report.ledger import evidence_frame, record_evidence
+    verdict, summary, nums = h5_evidence(run, questions(run, ctx))
+    tables = [t for t in ("phase2_questions.csv", "telemetry_summary.csv") if (Path(ctx.phase_dir) / t).is_file()]
+    return evidence_frame([record_evidence(ctx, "H5", verdict, summary,
+                                           anchor="The-telemetry-questions,-answered-from-the-data", table=tables,
+                                           numbers=nums)])

@@ -238,3 +238,222 @@ def findings(p: Phase3, from_samples: bool | None = None) -> list[str]:
     else:
         out.append("No evidence → next A/B rule triggered on this capture.")
     return out
+
+
+# ---------------------------------------------------------------- evidence for the ledger (H1–H5)
+#
+# Each rule reads this phase's own tables (the evidence → action rows, the window summary, the kernel breakdown,
+# CUDA-graph coverage) and records one piece of evidence linking the section and the CSVs it rests on. A capture
+# read from data/samples is recorded as such (never more than inconclusive for the live target).
+
+def _action_row(p: Phase3, metric_part: str) -> dict[str, Any]:
+    """The evidence → action row whose metric names ``metric_part`` (empty dict when absent)."""
+    rows = [r for r in p.actions.iter_rows(named=True) if metric_part in str(r["metric"])]
+    return rows[0] if rows else {}
+
+
+def _verdict_of(row: dict[str, Any]) -> str:
+    st = str(row.get("status", ""))
+    return "supported" if st == "triggered" else "refuted" if st == "not triggered" else "inconclusive"
+
+
+def _nodes(p: Phase3) -> int:
+    r = p.analysis.ranks
+    if r.height == 0 or "node" not in r.columns:
+        return 0
+    return int(r.filter(pl.col("role") == "rank")["node"].drop_nulls().n_unique()) if "role" in r.columns \
+        else int(r["node"].drop_nulls().n_unique())
+
+
+def _share(p: Phase3, cls: str, kind: str | None = None) -> float:
+    """Share (%) of a kernel class in GPU op time, summed over window kinds (or of one kind)."""
+    b = p.analysis.breakdown
+    if b.height == 0:
+        return 0.0
+    if kind is not None:
+        b = b.filter(pl.col("kind") == kind)
+    tot = float(b["total_ms"].sum())
+    return 100 * float(b.filter(pl.col("cls") == cls)["total_ms"].sum()) / tot if tot else 0.0
+
+
+def _record(ctx: Any, hid: str, verdict: str, summary: str, anchor: str, tables: list[str],
+            nums: dict[str, Any]) -> pd.DataFrame:
+    from servelab.report.ledger import evidence_frame, record_evidence
+    return evidence_frame([record_evidence(ctx, hid, verdict, summary, anchor=anchor, table=tables, numbers=nums)])
+
+
+def record_h1(ctx: Any, p: Phase3) -> pd.DataFrame:
+    """H1 (TP cross-node communication exposed): the decode exposed TP-collective share of the GPU step (the
+    evidence → action row, threshold 15 %). *supported* at or above it, *refuted* below — but only when the
+    capture's ranks span more than one node; a one-node capture is *inconclusive* (H1 is about cross-node)."""
+    row = _action_row(p, "exposed TP-collective time")
+    nodes = _nodes(p)
+    nums = {"measured": row.get("measured", "-"), "threshold": row.get("threshold", "-"), "nodes": nodes,
+            "decode_comm_share_pct": round(_share(p, "communication", "decode"), 2)}
+    verdict = _verdict_of(row)
+    summary = f"{row.get('metric', 'decode exposed TP-collective time')}: {row.get('measured', '-')} " \
+              f"(threshold {row.get('threshold', '-')}, {row.get('status', 'not evaluable')})"
+    if verdict != "inconclusive" and nodes <= 1:
+        summary += f"; the capture's ranks are on {nodes or 'one'} node — no cross-node collective to judge"
+        verdict = "inconclusive"
+    return _record(ctx, "H1", verdict, summary, "Exposed-communication-and-overlap-(Q2,-Q3)",
+                   ["trace_actions.csv", "trace_summary.csv", "trace_ranks.csv"], nums)
+
+
+def record_h2(ctx: Any, p: Phase3) -> pd.DataFrame:
+    """H2 (indexer / sparse attention inefficient): indexer time / the attention it serves (threshold 0.8×);
+    *inconclusive* when the capture has no indexer kernels."""
+    row = _action_row(p, "indexer time")
+    nums = {"measured": row.get("measured", "-"), "threshold": row.get("threshold", "-"),
+            "attention_share_pct": round(_share(p, "attention"), 2)}
+    summary = f"indexer time / attention time: {row.get('measured', '-')} (threshold {row.get('threshold', '-')}, " \
+              f"{row.get('status', 'not evaluable')}); attention is {nums['attention_share_pct']:.1f}% of GPU op time"
+    return _record(ctx, "H2", _verdict_of(row), summary, "Kernel-breakdown-per-window-kind",
+                   ["trace_actions.csv", "trace_kernel_breakdown.csv"], nums)
+
+
+def record_h3(ctx: Any, p: Phase3) -> pd.DataFrame:
+    """H3 (MoE grouped GEMM or routing imbalance): with MoE kernels in the capture, a fixed slow rank (last at
+    collectives ≥ 75 % and ≥ 10 µs late) *supports* routing imbalance; without one it stays *inconclusive*
+    (grouped-GEMM efficiency is Phase 6's); no MoE kernels: *inconclusive*."""
+    moe = _share(p, "moe")
+    row = _action_row(p, "last arrival")
+    nums = {"moe_share_pct": round(moe, 2), "slow_rank": p.analysis.slow_rank.get("slow_rank"),
+            "slow_rank_status": row.get("status", "-")}
+    if moe == 0:
+        verdict, summary = "inconclusive", "no MoE kernels in this capture (kernel breakdown): H3 cannot be judged here"
+    elif row.get("status") == "triggered":
+        verdict, summary = "supported", (f"MoE kernels take {moe:.1f}% of GPU op time and rank "
+                                         f"{nums['slow_rank']} is a fixed slow rank: {row.get('measured', '')}")
+    else:
+        verdict, summary = "inconclusive", (f"MoE kernels take {moe:.1f}% of GPU op time; no fixed slow rank "
+                                            f"({row.get('status', 'not evaluable')}); grouped-GEMM efficiency is "
+                                            "Phase 6's to judge")
+    return _record(ctx, "H3", verdict, summary, "Across-ranks:-clock-alignment,-skew,-slow-rank-(Q6,-Q7)",
+                   ["trace_kernel_breakdown.csv", "trace_collective_skew.csv", "trace_actions.csv"], nums)
+
+
+def record_h4(ctx: Any, p: Phase3) -> pd.DataFrame:
+    """H4 (long prefill interferes with decode): the worst decode token interval after prefill work over the
+    steady interval (threshold 2×): *supported* at or above, *refuted* below, *inconclusive* without prefill
+    between decode steps."""
+    row = _action_row(p, "worst decode token interval")
+    nums = {"measured": row.get("measured", "-"), "threshold": row.get("threshold", "-")}
+    summary = f"worst decode token interval / steady interval: {row.get('measured', '-')} " \
+              f"(threshold {row.get('threshold', '-')}, {row.get('status', 'not evaluable')})"
+    return _record(ctx, "H4", _verdict_of(row), summary, "Decode-steps-delayed-by-prefill-(Q10)",
+                   ["trace_interference.csv", "trace_actions.csv"], nums)
+
+
+def record_h5(ctx: Any, p: Phase3) -> pd.DataFrame:
+    """H5 (CPU scheduler / launch leaves GPU gaps): host-bound GPU idle inside steps (threshold 10 % of step time,
+    worst window kind) or an under-used GPU beside a saturated launching thread *supports* it; neither refutes it.
+    The decode CUDA-graph coverage is reported with it."""
+    host, cpu = _action_row(p, "host-bound GPU idle"), _action_row(p, "launching thread busy")
+    g = p.analysis.graph
+    dec = g.filter(pl.col("kind") == "decode") if g.height else g
+    graphed = round(float(dec["graph_op_pct"].mean()), 1) if dec.height else None
+    verdicts = {_verdict_of(host), _verdict_of(cpu)}
+    verdict = "supported" if "supported" in verdicts else "refuted" if verdicts == {"refuted"} else "inconclusive"
+    nums = {"host_bound_idle": host.get("measured", "-"), "gpu_vs_cpu_thread": cpu.get("measured", "-"),
+            "decode_graph_op_pct": graphed}
+    summary = (f"host-bound GPU idle {host.get('measured', '-')} (threshold {host.get('threshold', '-')}, "
+               f"{host.get('status', 'not evaluable')}); {cpu.get('measured', '-')} ({cpu.get('status', '-')}); "
+               f"decode kernels from CUDA graphs: {'-' if graphed is None else f'{graphed:.0f}%'}")
+    return _record(ctx, "H5", verdict, summary, "GPU-idle-gaps:-host-bound-or-not-(Q4)",
+                   ["trace_actions.csv", "trace_summary.csv", "trace_graph_coverage.csv"], nums)
+
+
+def record_evidence_all(ctx: Any, p: Phase3) -> pd.DataFrame:
+    """H1–H5 from this capture, one row each (what the page shows under "Evidence for H1–H5")."""
+    return pd.concat([f(ctx, p) for f in (record_h1, record_h2, record_h3, record_h4, record_h5)], ignore_index=True)
+
+
+# ---------------------------------------------------------------- Nsight Systems stats next to the trace
+
+@dataclass
+class NsysImport:
+    """``nsys stats --format csv`` reports of one folder, and their kernels next to this trace's."""
+    folder: str
+    reports: dict[str, pl.DataFrame]
+    kernels: pd.DataFrame        # nsys kernel summary, classified, with the trace's time for the same kernel
+    classes: pd.DataFrame        # kernel time share per class: nsys vs the trace
+
+
+def nsys_howto(trace_dir: str = "") -> str:
+    """How to produce the CSVs this section imports (the commands of ``docs/method.md#capture-scenarios``)."""
+    from servelab.analyse.trace.nsys import display, nsys_profile_argv, nsys_stats_argv
+    prof = display(nsys_profile_argv(["<the engine's launch command>"], "/data/nsys/report"))
+    stats = display(nsys_stats_argv("/data/nsys/report.nsys-rep"))
+    return (f"Profile the engine under Nsight Systems: {prof} — then export the summaries as CSV: {stats} "
+            "(writes report_cuda_gpu_kern_sum.csv, report_cuda_api_sum.csv, report_nvtx_sum.csv) and re-run this "
+            "phase with -p nsys_dir=/data/nsys.")
+
+
+def _trace_kernels(p: Phase3) -> pd.DataFrame:
+    """The trace's kernel time per function (all ranks, all windows): function, cls, trace_ms, trace_share_pct."""
+    from servelab.analyse.kernels import function_base
+    ops = [r.ops.filter(pl.col("cat") == "kernel").select("name", "cls", "dur_ns") for r in p.analysis.rops]
+    ops = [o for o in ops if o.height]
+    if not ops:
+        return pd.DataFrame(columns=["function", "trace_cls", "trace_ms", "trace_share_pct"])
+    t = pl.concat(ops).group_by("name", "cls").agg(pl.col("dur_ns").sum()).to_pandas()
+    t["function"] = t["name"].map(function_base)
+    t = t.groupby("function", as_index=False).agg(trace_cls=("cls", "first"), trace_ns=("dur_ns", "sum"))
+    t["trace_ms"] = t["trace_ns"] / 1e6
+    t["trace_share_pct"] = 100 * t["trace_ms"] / t["trace_ms"].sum()
+    return t.drop(columns="trace_ns")
+
+
+def nsys_import(ctx: Any, p: Phase3, nsys_dir: str = "", top_n: int = 10) -> NsysImport | None:
+    """Import the ``nsys stats`` CSVs of ``nsys_dir`` (``<base>_cuda_gpu_kern_sum.csv`` and the other reports
+    :mod:`servelab.analyse.trace.nsys` knows) and put the ``top_n`` kernels of the Nsight Systems summary next to
+    the same kernels in this trace (matched on the function name, ``ncu --kernel-name-base function`` style), plus
+    the time share per kernel class on both sides. Writes ``nsys_kernels.csv`` and ``nsys_classes.csv``. ``None``
+    when ``nsys_dir`` is empty."""
+    if not nsys_dir:
+        return None
+    from servelab.analyse.kernels import function_base
+    from servelab.analyse.trace.nsys import NsysReportError, class_breakdown, kernel_summary, read_stats_dir
+    folder = Path(nsys_dir).expanduser()
+    if not folder.is_dir():
+        raise NsysReportError(f"nsys_dir {folder}: no such folder")
+    reports = read_stats_dir(folder)
+    if "cuda_gpu_kern_sum" not in reports:
+        raise NsysReportError(f"nsys_dir {folder}: no <base>_cuda_gpu_kern_sum.csv among "
+                              f"{sorted(x.name for x in folder.glob('*.csv')) or 'no CSV files'}")
+    ks = kernel_summary(reports["cuda_gpu_kern_sum"]).to_pandas()
+    ks["function"] = ks["name"].map(function_base)
+    trace = _trace_kernels(p)
+    k = ks.sort_values("total_ms", ascending=False).head(int(top_n)).merge(trace, on="function", how="left")
+    k.insert(0, "nsys_rank", range(1, len(k) + 1))
+    k["in_trace"] = k["trace_ms"].notna()
+    kernels = k[["nsys_rank", "function", "cls", "instances", "total_ms", "share_pct", "avg_ns", "in_trace", "trace_ms",
+                 "trace_share_pct"]].rename(columns={"total_ms": "nsys_ms", "share_pct": "nsys_share_pct",
+                                                     "avg_ns": "nsys_avg_ns"})
+    nb = class_breakdown(reports["cuda_gpu_kern_sum"]).to_pandas()[["cls", "total_ms", "share_pct"]]
+    tb = trace.groupby("trace_cls", as_index=False)["trace_ms"].sum().rename(columns={"trace_cls": "cls"})
+    tb["trace_share_pct"] = 100 * tb["trace_ms"] / tb["trace_ms"].sum()
+    classes = nb.rename(columns={"total_ms": "nsys_ms", "share_pct": "nsys_share_pct"}).merge(tb, on="cls", how="outer")
+    classes = classes.sort_values("nsys_ms", ascending=False, na_position="last").reset_index(drop=True)
+    kernels.to_csv(ctx.phase_dir / "nsys_kernels.csv", index=False)
+    classes.to_csv(ctx.phase_dir / "nsys_classes.csv", index=False)
+    return NsysImport(str(folder), reports, kernels.round(3), classes.round(3))
+
+
+def nsys_view(imp: NsysImport | None) -> Any:
+    """The Nsight Systems section: the imported kernels next to the trace's and the class shares — or, without
+    ``nsys_dir``, how to produce the CSVs."""
+    from IPython.display import HTML
+
+    from servelab.report.banner import banner, banner_html
+    from servelab.report.tables import table_html
+    if imp is None:
+        return banner(nsys_howto(), "info", "No Nsight Systems reports imported (nsys_dir is empty)")
+    found = ", ".join(f"{name} ({df.height} rows)" for name, df in sorted(imp.reports.items()))
+    matched = int(imp.kernels["in_trace"].sum())
+    text = (f"From {imp.folder}: {found}. {matched} of the {len(imp.kernels)} top Nsight Systems kernels are in this "
+            "trace too (same function name); shares are of each side's own kernel time, so a capture of a different "
+            "run or length compares by share, not by milliseconds.")
+    return HTML(banner_html(text, "info", "Nsight Systems stats imported") + table_html(imp.kernels)
+                + "<p><b>Kernel time per class</b> (the trace taxonomy on both sides)</p>" + table_html(imp.classes))

@@ -131,3 +131,43 @@ def findings(res: Phase4Result) -> list[str]:
         out.append("Measured: " + "; ".join(f"{r.layout} {r.verdict} ({r.evidence})"
                                             for r in res.verdicts.itertuples()) + ".")
     return out
+
+
+# ---------------------------------------------------------------- evidence for the ledger (H7)
+
+def h7_evidence(res: Phase4Result) -> tuple[str, str, dict[str, Any]]:
+    """(verdict, summary, numbers) about H7 (the current layout is not the best) from the measured verdicts:
+    another layout *recommended* over the baseline → *supported*; every other layout measured and *not
+    recommended* → *refuted*; no measurement, or only "no evidence" / confounded comparisons → *inconclusive*
+    (the memory model alone says which layouts fit, not which is faster)."""
+    feas = res.feasibility
+    fits = feas[feas["verdict"] == "fits"]["layout"].tolist() if not feas.empty else []
+    nums: dict[str, Any] = {"layouts_that_fit": ", ".join(fits) or "none", "measured_runs": int(len(res.verdicts))}
+    v = res.verdicts
+    others = v[v["verdict"] != "baseline"] if not v.empty else v
+    if others.empty:
+        base = feas.iloc[0] if not feas.empty else None
+        note = f"; the model says {base['layout']} {base['verdict']}" if base is not None else ""
+        return "inconclusive", (f"model only, nothing measured: layouts that fit {nums['layouts_that_fit']}{note} — "
+                                "run Phase 1 on each feasible layout and pass the runs"), nums
+    baseline = v[v["verdict"] == "baseline"]["layout"].tolist()
+    nums["baseline"] = baseline[0] if baseline else "-"
+    rec = others[others["verdict"] == "recommended"]
+    if not rec.empty:
+        r = rec.iloc[0]
+        return "supported", f"{r['layout']} is recommended over the baseline {nums['baseline']}: {r['evidence']}", nums
+    if (others["verdict"] == "not recommended").all():
+        return "refuted", (f"every measured alternative is not recommended against {nums['baseline']}: "
+                           + "; ".join(f"{r.layout}: {r.evidence}" for r in others.itertuples())), nums
+    return "inconclusive", "; ".join(f"{r.layout}: {r.verdict} ({r.evidence})" for r in others.itertuples()), nums
+
+
+def record_h7(ctx: Any, res: Phase4Result) -> pd.DataFrame:
+    """Record this phase's evidence about H7 (see :func:`h7_evidence`), linking the verdicts or the feasibility."""
+    from servelab.report.ledger import evidence_frame, record_evidence
+    verdict, summary, nums = h7_evidence(res)
+    measured = not res.verdicts.empty
+    tables = ["verdicts.csv", "measured.csv", "feasibility.csv"] if measured else ["feasibility.csv", "comm_summary.csv"]
+    return evidence_frame([record_evidence(ctx, "H7", verdict, summary,
+                                           anchor="Recommended-/-not-recommended,-with-evidence" if measured
+                                           else "Feasibility-before-launch", table=tables, numbers=nums)])

@@ -170,3 +170,65 @@ def findings(data: Phase5Data, verdict: GateVerdict, msgs: pd.DataFrame | None =
     elif not data.runs:
         out.append("No nccl-tests run was read: no bandwidth to report.")
     return out
+
+
+# ---------------------------------------------------------------- evidence for the ledger (H1)
+
+H1_DECODE_COMM_PCT = 15.0     # the evidence → action threshold of exposed TP-collective time in a decode step
+
+
+def _decode_step_ms(run_dir: Path) -> tuple[float | None, bool]:
+    """The median decode step (ms, median over ranks) of this run's Phase 3 capture, and whether that capture
+    was a recorded sample; ``(None, False)`` without Phase 3 decode windows."""
+    p = Path(run_dir) / "phase3" / "trace_summary.csv"
+    try:
+        s = pd.read_csv(p) if p.is_file() else pd.DataFrame()
+    except (pd.errors.EmptyDataError, pd.errors.ParserError):
+        s = pd.DataFrame()
+    if s.empty or not {"kind", "median_step_ms"} <= set(s.columns) or s[s["kind"] == "decode"].empty:
+        return None, False
+    from servelab.core.run import read_manifest
+    sample = bool(read_manifest(Path(run_dir)).get("phases", {}).get("phase3", {}).get("from_samples"))
+    return float(s[s["kind"] == "decode"]["median_step_ms"].median()), sample
+
+
+def record_h1(ctx: Any, data: Phase5Data, msgs: pd.DataFrame) -> pd.DataFrame:
+    """H1 (TP cross-node communication exposed on every layer) from the model's decode collectives placed on the
+    measured curves (``model_messages.csv``): their time per decode step against this run's Phase 3 median
+    decode step. *supported* at ≥ 15 % of the step, *refuted* below — only for curves that cross nodes (the INFO
+    log's nNodes > 1 or NET connections); one-node curves, no INFO log or no decode step: *inconclusive*."""
+    from servelab.report.ledger import evidence_frame, record_evidence
+    dec = pd.DataFrame()
+    if not msgs.empty and {"scenario", "step_time_us"} <= set(msgs.columns):
+        dec = msgs[msgs["scenario"].astype(str).str.startswith("decode") & msgs["step_time_us"].notna()]
+    comm_us = float(dec["step_time_us"].sum()) if not dec.empty else None
+    net = int(data.transports["net_connections"].sum()) if "net_connections" in data.transports.columns else 0
+    nnodes = data.info.nnodes if data.info is not None else None
+    step_ms, step_sample = _decode_step_ms(ctx.run_dir)
+    nums: dict[str, Any] = {"decode_comm_us_per_step": comm_us, "nnodes": nnodes, "net_connections": net,
+                            "decode_step_ms": step_ms, "threshold_pct": H1_DECODE_COMM_PCT}
+    tables = ["model_messages.csv", "nccl_tests.csv", "nccl_transports.csv"]
+    if comm_us is None:
+        verdict, summary = "inconclusive", "no decode message of the model falls on the measured curves"
+    else:
+        what = (f"the model's decode collectives ({', '.join(sorted(set(dec['collective'].astype(str))))}) cost "
+                f"{comm_us:.0f} µs per step on these curves")
+        if data.info is None:
+            verdict, summary = "inconclusive", f"{what}; no NCCL INFO log: whether the curves cross nodes is unknown"
+        elif (nnodes or 1) <= 1 and net == 0:
+            verdict, summary = "inconclusive", (f"{what}; the curves are from one node (no NET channel): H1 is "
+                                                "about cross-node TP collectives — run nccl-tests across the nodes")
+        elif step_ms is None:
+            verdict, summary = "inconclusive", (f"{what} across {nnodes} nodes; no decode step time in this run "
+                                                "(Phase 3 on a capture of this target gives it)")
+        else:
+            pct = 100 * comm_us / (1000 * step_ms)
+            nums["decode_comm_pct_of_step"] = round(pct, 2)
+            tables.append("phase3/trace_summary.csv")
+            verdict = "supported" if pct >= H1_DECODE_COMM_PCT else "refuted"
+            summary = (f"{what} across {nnodes} nodes: {pct:.1f}% of the {step_ms:.2f} ms median decode step "
+                       f"(Phase 3), threshold {H1_DECODE_COMM_PCT:g}%")
+    sample = bool(ctx.from_samples) or step_sample
+    ev = record_evidence(ctx, "H1", verdict, summary, anchor="The-model's-messages-on-the-measured-curves",
+                         table=tables, numbers=nums, from_samples=sample)
+    return evidence_frame([ev])

@@ -159,3 +159,58 @@ def findings(res: Phase6Result, from_samples: bool = False) -> list[str]:
         out.append(f"{len(res.commands)} ncu command(s) for a small reproduction are planned, not executed: run them on "
                    "the GPU node and import the CSVs.")
     return out
+
+
+# ---------------------------------------------------------------- evidence for the ledger (H2, H3)
+
+ROOF_EFFICIENT_PCT = 50.0     # a kernel reaching this share of its roofline ceiling is not the inefficiency
+MATTERS_SHARE_PCT = 10.0      # a suspect kernel below this share of every window's time is too small to matter
+H_SUSPECTS = {"H2": ("NSA indexer / top-k", "sparse MLA / attention"), "H3": ("MoE grouped GEMM",)}
+
+
+def kernel_evidence(res: Phase6Result, hypothesis: str) -> tuple[str, str, dict[str, Any]]:
+    """(verdict, summary, numbers) of H2 (indexer / sparse attention) or H3 (MoE grouped GEMM) from the ranked
+    kernels and the ncu roofline: no suspect kernel → *inconclusive*; suspects below 10 % of every window →
+    *refuted* (too small to matter); otherwise the profiled suspects' fraction of their roofline ceiling decides —
+    below 50 % *supported*, at or above *refuted*; suspects never profiled → *inconclusive*."""
+    labels = H_SUSPECTS[hypothesis]
+    r = res.ranked
+    sus = r[r["suspect"].isin(labels)] if not r.empty and "suspect" in r.columns else pd.DataFrame()
+    what = " / ".join(labels)
+    if sus.empty:
+        return "inconclusive", f"no {what} kernel in the kernel table ({Path(res.source).name})", {}
+    share = sus.groupby("window")["share_pct"].sum()
+    nums: dict[str, Any] = {"suspect_kernels": int(sus["function"].nunique()),
+                            "max_window_share_pct": round(float(share.max()), 2), "window": str(share.idxmax())}
+    if share.max() < MATTERS_SHARE_PCT:
+        return "refuted", (f"{what} kernels take at most {share.max():.1f}% of a window's time ({share.idxmax()}): "
+                           f"below {MATTERS_SHARE_PCT:g}%, not where the time goes"), nums
+    roof = res.roof[res.roof["function"].isin(set(sus["function"]))] if not res.roof.empty else pd.DataFrame()
+    roof = roof[roof["pct_of_roof"].notna()] if not roof.empty else roof
+    if roof.empty:
+        return "inconclusive", (f"{what} kernels take {share.max():.1f}% of the {share.idxmax()} window but none was "
+                                "profiled under ncu yet (run the planned commands)"), nums
+    pct = float(roof["pct_of_roof"].median())
+    nums.update(pct_of_roof_median=round(pct, 1), profiled_launches=int(len(roof)))
+    verdict = "supported" if pct < ROOF_EFFICIENT_PCT else "refuted"
+    return verdict, (f"{what} kernels take {share.max():.1f}% of the {share.idxmax()} window and reach "
+                     f"{pct:.0f}% of their roofline ceiling (median of {len(roof)} profiled launches; "
+                     f"threshold {ROOF_EFFICIENT_PCT:g}%)"), nums
+
+
+def _record_kernel(ctx: Any, res: Phase6Result, hypothesis: str) -> pd.DataFrame:
+    from servelab.report.ledger import evidence_frame, record_evidence
+    verdict, summary, nums = kernel_evidence(res, hypothesis)
+    tables = ["kernels_ranked.csv"] + (["roofline.csv"] if (Path(ctx.phase_dir) / "roofline.csv").is_file() else [])
+    return evidence_frame([record_evidence(ctx, hypothesis, verdict, summary, anchor="Roofline", table=tables,
+                                           numbers=nums)])
+
+
+def record_h2(ctx: Any, res: Phase6Result) -> pd.DataFrame:
+    """H2 (NSA indexer or sparse-attention kernels inefficient) from this phase's kernels; see :func:`kernel_evidence`."""
+    return _record_kernel(ctx, res, "H2")
+
+
+def record_h3(ctx: Any, res: Phase6Result) -> pd.DataFrame:
+    """H3 (MoE grouped GEMM inefficient) from this phase's kernels; see :func:`kernel_evidence`."""
+    return _record_kernel(ctx, res, "H3")

@@ -550,7 +550,7 @@ def record_h4(ctx: Any, res: Phase7Result) -> pd.DataFrame:
     verdict, summary, nums = h4_evidence(inj)
     summary = f"{res.sweep[0].label}: {summary}"
     ev = record_evidence(ctx, "H4", verdict, summary, anchor="Ranking:-least-damage-to-the-decode-SLO",
-                         numbers=nums)
+                         numbers=nums, table=["injections.csv", "sweep.csv"])
     return pd.DataFrame([{"hypothesis": ev.hypothesis, "verdict": ev.verdict, "summary": ev.summary,
                           **{k: v for k, v in nums.items()}}])
 

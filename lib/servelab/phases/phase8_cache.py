@@ -295,7 +295,8 @@ def record_h6(ctx: Any, res: "Phase8Result") -> pd.DataFrame:
     """Record this phase's evidence about H6 in the run's ledger; returns it as a one-row table."""
     from servelab.report.ledger import record_evidence
     verdict, summary, nums = h6_evidence(res)
-    ev = record_evidence(ctx, "H6", verdict, summary, anchor="KV-usage-over-time", numbers=nums)
+    ev = record_evidence(ctx, "H6", verdict, summary, anchor="KV-usage-over-time", numbers=nums,
+                         table=["kv_usage.csv", "hit_rate_matrix.csv"])
     return pd.DataFrame([{"hypothesis": ev.hypothesis, "verdict": ev.verdict, "summary": ev.summary, **nums}])
 
 

@@ -65,19 +65,55 @@ STATUS_CLASS = {"supported": "bad", "refuted": "ok", "open": "", "inconclusive":
                 "met": "ok", "not met": "bad", "not started": "", "pass": "ok", "fail": "bad", "not measured": ""}
 
 
+def _href(run_dir: Path, rel: str) -> str | None:
+    """``rel`` as an escaped href when it names a file inside the run folder (relative, no scheme, no ``..``,
+    a page anchor allowed); ``None`` otherwise, so a missing table is never a dead link."""
+    path, _, anchor = str(rel).partition("#")
+    parts = Path(path).parts
+    if not path or ":" in path or path.startswith(("/", "\\")) or ".." in parts:
+        return None
+    if not (run_dir / path).is_file():
+        return None
+    return html.escape(path + (f"#{anchor}" if anchor else ""), quote=True)
+
+
+def _file_links(run_dir: Path, rels: list[str]) -> str:
+    """Each file as a link named by its path in the run folder, or marked missing."""
+    out = []
+    for rel in rels:
+        href = _href(run_dir, rel)
+        out.append(f'<a href="{href}">{html.escape(rel)}</a>' if href
+                   else f'<span class="bad">{html.escape(rel)} (missing)</span>')
+    return ", ".join(out)
+
+
+def _evidence_html(run_dir: Path, e: dict[str, Any]) -> str:
+    """One piece of evidence: the phase (linked to the section of its page), the verdict, the summary, and the
+    tables it rests on (linked to the files)."""
+    href = _href(run_dir, e.get("link", ""))
+    phase = html.escape(str(e.get("phase", "")))
+    head = f'<a href="{href}">{phase}</a>' if href else phase
+    sample = ' <span class="samples">recorded sample data</span>' if e.get("from_samples") else ""
+    tables = e.get("tables") or []
+    rests = f"<br><small>rests on: {_file_links(run_dir, tables)}</small>" if tables else ""
+    return (f'{head}: <span class="{STATUS_CLASS.get(str(e.get("verdict")), "")}">{html.escape(str(e.get("verdict")))}'
+            f"</span>{sample} — {html.escape(str(e.get('summary', '')))}{rests}")
+
+
 def _ledger_html(run_dir: Path) -> str:
     from servelab.report.ledger import ledger
     df = ledger(run_dir)
     rows = []
     for _, r in df.iterrows():
-        ev = "<br>".join(f'<a href="{html.escape(e["link"])}">{html.escape(e["phase"])}</a>: '
-                         f'{html.escape(e["verdict"])} — {html.escape(e["summary"])}' for e in r["evidence"]) \
+        ev = "<br>".join(_evidence_html(run_dir, e) for e in r["evidence"]) \
             or f"<small>decided by: {html.escape(r['decided_by'])}</small>"
         rows.append(f"<tr><td>{html.escape(r['id'])}</td><td>{html.escape(r['hypothesis'])}"
                     f"<br><small>{html.escape(r['source'])}</small></td>"
                     f'<td class="{STATUS_CLASS.get(r["status"], "")}">{html.escape(r["status"])}</td><td>{ev}</td></tr>')
     return ("<h2>Investigation ledger</h2><p><small>supported = the bottleneck is real (act on it); refuted = "
-            "ruled out with evidence; open = no evidence yet.</small></p><table><tr><th>id</th><th>hypothesis</th>"
+            "ruled out with evidence; open = no evidence yet. Each piece of evidence links the section of the phase "
+            "page and the tables it rests on; evidence from recorded sample data is never more than inconclusive "
+            "for this target.</small></p><table><tr><th>id</th><th>hypothesis</th>"
             "<th>status</th><th>evidence</th></tr>" + "".join(rows) + "</table>")
 
 
@@ -115,7 +151,9 @@ def _milestones_html(run_dir: Path) -> str:
     rows = []
     for m in milestones(run_dir):
         checks = "<br>".join(f'<span class="{STATUS_CLASS.get(c.status, "")}">{html.escape(c.status)}</span> '
-                             f"{html.escape(c.check)} <small>— {html.escape(c.detail)}</small>" for c in m.checks)
+                             f"{html.escape(c.check)} <small>— {html.escape(c.detail)}"
+                             + (f" · {_file_links(run_dir, c.tables)}" if c.tables else "") + "</small>"
+                             for c in m.checks)
         rows.append(f"<tr><td>{html.escape(m.id)}</td><td>{html.escape(m.title)}</td>"
                     f'<td class="{STATUS_CLASS.get(m.status, "")}">{html.escape(m.status)}</td><td>{checks}</td></tr>')
     return ("<h2>Milestones</h2><table><tr><th>id</th><th>milestone</th><th>status</th><th>checks</th></tr>"

@@ -4,18 +4,25 @@ and the evidence phases record.
 A phase notebook states what its data says about a hypothesis:
 
     record_evidence(ctx, "H5", "refuted", "decode is graph-replayed: 98% of kernels; host-bound gaps 0.4%",
-                    anchor="cuda-graph-coverage")
+                    anchor="CUDA-graph-coverage-(Q5)", table=["trace_graph_coverage.csv", "trace_gap_summary.csv"])
 
-Evidence goes to ``<run>/evidence.jsonl`` (append-only, with the phase and a link to its page). A
-hypothesis is ``open`` without evidence, else the verdict of its latest evidence; evidence that disagrees
-is shown as ``contested``. A refutation is evidence too: "PP bubble refuted: both stages busy 96%".
+Evidence goes to ``<run>/evidence.jsonl`` (append-only, with the phase, a link to the section of its page and
+the tables it rests on, relative to the run folder: ``phase3/trace_graph_coverage.csv``). Each phase's latest
+evidence about a hypothesis supersedes what that phase said before. A hypothesis is ``open`` without evidence,
+else the verdict of its latest evidence; evidence of different phases that disagrees is shown as ``contested``.
+A refutation is evidence too: "PP bubble refuted: both stages busy 96%".
+
+Evidence computed from recorded sample data (``ctx.from_samples``: the phase read ``data/samples``, not this
+target) says so in its summary, keeps what the rule said in ``numbers["rule_verdict"]`` and is recorded as
+``inconclusive``: it never supports or refutes anything about the live target (as milestone M2 never counts
+sample windows).
 """
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import pandas as pd
 import yaml
@@ -35,6 +42,8 @@ class Evidence:
     link: str
     when: str
     numbers: dict[str, Any]
+    tables: list[str] = field(default_factory=list)   # the tables it rests on, relative to the run folder
+    from_samples: bool = False                         # computed from recorded sample data, not this target
 
 
 def hypotheses() -> dict[str, dict[str, Any]]:
@@ -50,8 +59,15 @@ def hypotheses() -> dict[str, dict[str, Any]]:
 
 
 def record_evidence(ctx: Any, hypothesis: str, verdict: str, summary: str, anchor: str = "",
-                    numbers: dict[str, Any] | None = None) -> Evidence:
-    """Append one piece of evidence from this phase about ``hypothesis``."""
+                    numbers: dict[str, Any] | None = None, table: str | Sequence[str] = (),
+                    from_samples: bool | None = None) -> Evidence:
+    """Append one piece of evidence from this phase about ``hypothesis``.
+
+    ``anchor``: the section of the phase page that shows the data; ``table``: the file(s) the rule read, in this
+    phase's folder (``trace_actions.csv``) or relative to the run folder (``phase3/trace_summary.csv``,
+    ``cases/M1_treatment/summary.json``).
+    ``from_samples`` (default ``ctx.from_samples``): the data is a recorded sample — the evidence is then
+    recorded as ``inconclusive`` with the rule's own verdict in ``numbers["rule_verdict"]``."""
     known = hypotheses()
     if hypothesis not in known:
         from servelab.core.params import ParamError, did_you_mean
@@ -59,22 +75,60 @@ def record_evidence(ctx: Any, hypothesis: str, verdict: str, summary: str, ancho
     if verdict not in VERDICTS:
         raise ValueError(f"verdict must be one of {VERDICTS}, not '{verdict}'")
     link = f"{ctx.phase}/report.html" + (f"#{anchor}" if anchor else "")
-    ev = Evidence(hypothesis, verdict, summary, ctx.phase, link, now_iso(), numbers or {})
+    tables = [_run_relative(ctx, t) for t in ([table] if isinstance(table, (str, Path)) else table) if str(t)]
+    numbers = dict(numbers or {})
+    sample = bool(getattr(ctx, "from_samples", False) if from_samples is None else from_samples)
+    if sample:
+        numbers["rule_verdict"] = verdict
+        said = f"the rule says {verdict}: " if verdict != "inconclusive" else ""
+        summary = f"recorded sample data, not this target — {said}{summary}"
+        verdict = "inconclusive"
+    ev = Evidence(hypothesis, verdict, summary, ctx.phase, link, now_iso(), numbers, tables, sample)
     with open(ctx.run_dir / "evidence.jsonl", "a") as f:
         f.write(json.dumps(asdict(ev), ensure_ascii=False, default=str) + "\n")
     return ev
+
+
+def _run_relative(ctx: Any, table: str | Path) -> str:
+    """A table path as the run index links it: relative to the run folder, ``/``-separated."""
+    p = Path(table)
+    if p.is_absolute():
+        return p.resolve().relative_to(Path(ctx.run_dir).resolve()).as_posix()
+    if len(p.parts) > 1 and (p.parts[0].startswith("phase") or p.parts[0] == "cases"):
+        return p.as_posix()                       # already relative to the run folder
+    return (Path(ctx.phase) / p).as_posix()       # a file of this phase's folder
+
+
+def evidence_frame(evs: Sequence[Evidence]) -> pd.DataFrame:
+    """Recorded evidence as the table a phase page shows: hypothesis, verdict, summary, the tables it rests on."""
+    return pd.DataFrame([{"hypothesis": e.hypothesis, "verdict": e.verdict, "summary": e.summary,
+                          "tables": ", ".join(e.tables), "from_samples": e.from_samples} for e in evs],
+                        columns=["hypothesis", "verdict", "summary", "tables", "from_samples"])
 
 
 def read_evidence(run_dir: Path) -> list[Evidence]:
     p = run_dir / "evidence.jsonl"
     if not p.exists():
         return []
-    return [Evidence(**json.loads(line)) for line in p.read_text().splitlines() if line.strip()]
+    names = {f.name for f in fields(Evidence)}
+    return [Evidence(**{k: v for k, v in json.loads(line).items() if k in names})
+            for line in p.read_text().splitlines() if line.strip()]
+
+
+def current_evidence(run_dir: Path) -> list[Evidence]:
+    """The latest evidence of each phase about each hypothesis (a phase run again supersedes what it said
+    before; ``evidence.jsonl`` keeps everything), in the order it was recorded."""
+    latest: dict[tuple[str, str], Evidence] = {}
+    for e in read_evidence(run_dir):
+        latest.pop((e.hypothesis, e.phase), None)
+        latest[(e.hypothesis, e.phase)] = e
+    return list(latest.values())
 
 
 def ledger(run_dir: Path) -> pd.DataFrame:
-    """One row per hypothesis: status (open / supported / refuted / inconclusive / contested) and its evidence."""
-    evs = read_evidence(run_dir)
+    """One row per hypothesis: status (open / supported / refuted / inconclusive / contested) and its current
+    evidence (:func:`current_evidence`: the latest of each phase)."""
+    evs = current_evidence(run_dir)
     rows = []
     for hid, h in hypotheses().items():
         mine = [e for e in evs if e.hypothesis == hid]

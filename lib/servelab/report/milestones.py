@@ -25,6 +25,7 @@ class Check:
     check: str
     status: str          # pass | fail | not measured
     detail: str
+    tables: list[str] = field(default_factory=list)    # what it was read from, relative to the run folder
 
 
 @dataclass
@@ -130,6 +131,12 @@ def m1(run_dir: Path) -> Milestone:
     not_exec = [c for e in m.get("phases", {}).values() for c in e.get("not_executed", [])]
     if not_exec:
         ms.checks.append(Check("every planned case executed", "fail", "not executed: " + ", ".join(map(str, not_exec))))
+    matrix = [t for t in ("phase1/matrix.csv", "summary.csv") if (run_dir / t).is_file()]
+    for c in ms.checks:
+        if c.check == "environment, commands and logs traceable":
+            c.tables = [t for t in ("phase0/report.html", "commands.jsonl") if (run_dir / t).is_file()]
+        elif c.status != "not measured" and c.check != "every planned case executed":
+            c.tables = matrix
     return ms
 
 
@@ -157,11 +164,14 @@ def m2(run_dir: Path) -> Milestone:
                                               "read — not a capture of this target")
         else:
             status, detail = "pass", f"{kinds[k]} {k} windows in phase3/trace_windows.csv"
-        ms.checks.append(Check(f"{k} profile analysed", status, detail))
-    from servelab.report.ledger import read_evidence
-    ev = [e for e in read_evidence(run_dir) if e.verdict == "supported"]
+        ms.checks.append(Check(f"{k} profile analysed", status, detail,
+                               ["phase3/trace_windows.csv"] if p.is_file() else []))
+    from servelab.report.ledger import current_evidence
+    # evidence from recorded sample data is never a bottleneck of this target (it is recorded inconclusive anyway)
+    ev = [e for e in current_evidence(run_dir) if e.verdict == "supported" and not e.from_samples]
     ms.checks.append(Check("1–3 bottlenecks with trace/counter/log evidence", "pass" if ev else "not measured",
-                           "; ".join(f"{e.hypothesis}: {e.summary}" for e in ev[:3]) or "no supported hypothesis yet"))
+                           "; ".join(f"{e.hypothesis} ({e.phase}): {e.summary}" for e in ev[:3])
+                           or "no supported hypothesis yet", list(dict.fromkeys(t for e in ev[:3] for t in e.tables))))
     return ms
 
 
@@ -171,10 +181,11 @@ def m3(run_dir: Path) -> Milestone:
     p4 = run_dir / "phase4"
     feas = list(p4.glob("*feasib*.csv"))
     ms.checks.append(Check("layouts' memory feasibility assessed", "pass" if feas else "not measured",
-                           feas[0].name if feas else "phase 4 not run"))
+                           feas[0].name if feas else "phase 4 not run", [f"phase4/{feas[0].name}"] if feas else []))
     measured = list(p4.glob("*measured*.csv"))
     ms.checks.append(Check("TP16 vs TP8+PP2 measured end to end", "pass" if measured else "not measured",
-                           measured[0].name if measured else "no measured comparison"))
+                           measured[0].name if measured else "no measured comparison",
+                           [f"phase4/{measured[0].name}"] if measured else []))
     return ms
 
 
@@ -228,6 +239,10 @@ def m4(run_dir: Path) -> Milestone:
     ms.checks.append(Check("output TPS up outside the noise band", "pass" if better else
                            ("fail" if valid else "not measured"),
                            "; ".join(better[:4]) if better else "no better output TPS in a clean, valid A/B"))
+    read = [f"{phase}/{name}" for phase, _, _ in tables for name in ("ab_differences.csv", "ab_comparison.csv")
+            if (run_dir / phase / name).is_file()]
+    for c in ms.checks:
+        c.tables = read
     return ms
 
 
@@ -240,5 +255,5 @@ def milestones_frame(run_dir: Path) -> pd.DataFrame:
     for m in milestones(run_dir):
         for c in m.checks:
             rows.append({"milestone": m.id, "title": m.title, "milestone_status": m.status, "check": c.check,
-                         "status": c.status, "detail": c.detail})
+                         "status": c.status, "detail": c.detail, "tables": ", ".join(c.tables)})
     return pd.DataFrame(rows)
