@@ -60,3 +60,45 @@ def test_a_truncated_trace_fails_the_phase_with_one_line_everywhere(tmp_path: Pa
     assert box < page.index("Phase 3")                              # the reason comes before the content
     assert "gzip stream is truncated" in page[box:box + 600]
     assert '<details class="servelab-traceback">' in page
+
+
+def _pids(name: str) -> set[int]:
+    out = set()
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if name.encode() in (d / "cmdline").read_bytes():
+                    out.add(int(d.name))
+            except OSError:
+                pass
+    return out
+
+
+@pytest.mark.slow
+def test_ctrl_c_mid_phase_is_one_line_and_leaves_nothing_running(tmp_path: Path) -> None:
+    """Ctrl-C as a terminal sends it (SIGINT to the foreground process group) while Phase 1 measures: one
+    'interrupted' line, no traceback (not even the kernel's), the phase marked interrupted, no engine left."""
+    import signal
+    import time
+    before = _pids("llama-server")
+    env = {**os.environ, "SERVELAB_OUTPUTS": str(tmp_path / "outputs"), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "servelab.cli", "run", "phase1", "--target", "local-tiny",
+                             "--run-id", "cc", "-p", "repeats=3"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    cases = tmp_path / "outputs" / "cc" / "cases"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not (cases.is_dir() and len(list(cases.iterdir())) >= 2):
+        time.sleep(0.2)
+    assert cases.is_dir(), "the phase never started measuring"
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, (out, err)
+    assert err.strip().splitlines()[-1] == ("servelab: interrupted; everything measured so far is kept in the "
+                                            "run directory")
+    assert "Traceback" not in err and "ZMQError" not in err
+    manifest = json.loads((tmp_path / "outputs" / "cc" / "manifest.json").read_text())
+    assert manifest["phases"]["phase1"]["status"] == "interrupted"
+    time.sleep(1)
+    assert _pids("llama-server") - before == set()
+    assert (tmp_path / "outputs" / "cc" / "phase1" / "kernel.log").exists()

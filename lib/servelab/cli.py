@@ -116,9 +116,10 @@ def failure_reason(exc: BaseException) -> str:
     return first[:500]
 
 
-def kernel_manager_class() -> type:
-    """Kernels talk to papermill over IPC sockets in the user's private runtime dir: no TCP port is opened
-    (and ipykernel has nothing to warn about)."""
+def kernel_manager_class(log_path: Path | None = None) -> type:
+    """Kernels talk to papermill over IPC sockets in the user's private runtime dir: no TCP port is opened (and
+    ipykernel has nothing to warn about). The kernel process's own output — its logging, a traceback while it is
+    being shut down after Ctrl-C — goes to ``log_path`` (the phase folder's ``kernel.log``), not the terminal."""
     from jupyter_client.manager import AsyncKernelManager
     from traitlets import default
 
@@ -126,6 +127,18 @@ def kernel_manager_class() -> type:
         @default("transport")
         def _default_transport(self) -> str:
             return "ipc"
+
+        async def _async_launch_kernel(self, kernel_cmd: list[str], **kw: Any) -> None:
+            if log_path is not None:
+                log_path.parent.mkdir(parents=True, exist_ok=True)
+                log = open(log_path, "ab")          # the child keeps its own copy of the descriptor
+                try:
+                    kw.update(stdout=log, stderr=log)
+                    await super()._async_launch_kernel(kernel_cmd, **kw)
+                finally:
+                    log.close()
+            else:
+                await super()._async_launch_kernel(kernel_cmd, **kw)
     return IPCKernelManager
 
 
@@ -215,7 +228,8 @@ def execute_phase(phase: str, target: str, run_id: str, overrides: dict[str, str
         with ProgressTail(runlib.progress_path(rdir, key)):       # "case i of n" while the notebook runs
             pm.execute_notebook(str(nb), str(out_nb), parameters=params, kernel_name="python3",
                                 cwd=str(project_root()), progress_bar=False, execution_timeout=timeout_s,
-                                request_save_on_cell_execute=True, kernel_manager_class=kernel_manager_class())
+                                request_save_on_cell_execute=True,
+                                kernel_manager_class=kernel_manager_class(out_nb.parent / "kernel.log"))
     except KeyboardInterrupt:
         status, error = "interrupted", None
         runlib.update_manifest(rdir, phases={key: {"status": "interrupted", "ended": runlib.now_iso()}})
