@@ -41,6 +41,8 @@ from typing import Optional, Union
 
 import msgspec
 
+from bench_trace_vs_hta import shifted_event  # the same copy rule (run from benchmarks/ or with it on sys.path)
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("SERVELAB_SHARED", ROOT.parent / "shared")) / "data"
 H200 = SHARED / "h200x2-20261129" / "traces"
@@ -182,19 +184,7 @@ def write_rank_body(src: Path, dst_body: Path, copies: int) -> dict:
             shift, off = i * span, i * 10_000_000
             out = []
             for e in body:
-                e2 = dict(e)
-                if isinstance(e2.get("ts"), (int, float)) and isinstance(e2.get("pid"), int):
-                    e2["ts"] = round(e2["ts"] + shift, 3)
-                a = e2.get("args")
-                if isinstance(a, dict) and ("correlation" in a or "External id" in a):
-                    a = dict(a)
-                    for k in ("correlation", "External id"):
-                        if isinstance(a.get(k), int):
-                            a[k] += off
-                    e2["args"] = a
-                if isinstance(e2.get("id"), int):
-                    e2["id"] += off
-                out.append(block(e2))
+                out.append(block(shifted_event(e, shift, off)))
             n += len(out)
             w(b",\n" + b",\n".join(out))
         w(b"\n  ]\n}\n")

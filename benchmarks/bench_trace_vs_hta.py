@@ -87,6 +87,24 @@ def worker_hta(trace_dir: str) -> dict:
 
 # -------------------------------------------------------------------------------------- synthetic data
 
+def shifted_event(e: dict, shift_us: float, id_offset: int) -> dict:
+    """One real event of a copy of the body: timestamps shifted by ``shift_us``, correlation / External id / flow
+    ids offset by ``id_offset`` so every copy keeps its own links (the content stays real)."""
+    e2 = dict(e)
+    if isinstance(e2.get("ts"), (int, float)) and isinstance(e2.get("pid"), int):
+        e2["ts"] = round(e2["ts"] + shift_us, 3)
+    a = e2.get("args")
+    if isinstance(a, dict) and ("correlation" in a or "External id" in a):
+        a = dict(a)
+        for k in ("correlation", "External id"):
+            if isinstance(a.get(k), int):
+                a[k] += id_offset
+        e2["args"] = a
+    if isinstance(e2.get("id"), int):
+        e2["id"] += id_offset
+    return e2
+
+
 def replicate_trace(src: Path, dst: Path, copies: int, level: int = 6) -> dict:
     """Write ``src``'s events ``copies`` times, shifted in time by the trace span per copy, with
     correlation / External id / flow ids offset so links stay unique; Kineto-like layout."""
@@ -111,19 +129,7 @@ def replicate_trace(src: Path, dst: Path, copies: int, level: int = 6) -> dict:
             shift, off = i * span, i * 10_000_000
             out = []
             for e in body:
-                e2 = dict(e)
-                if isinstance(e2.get("ts"), (int, float)) and isinstance(e2.get("pid"), int):
-                    e2["ts"] = round(e2["ts"] + shift, 3)
-                a = e2.get("args")
-                if isinstance(a, dict) and ("correlation" in a or "External id" in a):
-                    a = dict(a)
-                    for k in ("correlation", "External id"):
-                        if isinstance(a.get(k), int):
-                            a[k] += off
-                    e2["args"] = a
-                if isinstance(e2.get("id"), int):
-                    e2["id"] += off
-                out.append(block(e2))
+                out.append(block(shifted_event(e, shift, off)))
             n_events += len(out)
             f.write(b",\n" + b",\n".join(out))
         f.write(b"\n  ]\n}\n")
