@@ -60,6 +60,8 @@ def test_a_truncated_trace_fails_the_phase_with_one_line_everywhere(tmp_path: Pa
     assert box < page.index("Phase 3")                              # the reason comes before the content
     assert "gzip stream is truncated" in page[box:box + 600]
     assert '<details class="servelab-traceback">' in page
+    index = (tmp_path / "outputs" / "cut" / "index.html").read_text()
+    assert "gzip stream is truncated" in index                      # the run index says why too
 
 
 def _pids(name: str) -> set[int]:

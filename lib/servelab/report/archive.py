@@ -40,8 +40,10 @@ def write_run_index(run_dir: Path) -> Path:
         status = str(e.get("status", ""))
         samples = ' <span class="samples">recorded sample data</span>' if e.get("from_samples") else ""
         not_exec = e.get("not_executed") or []
+        why = (f"<br><small class='why'>{html.escape(str(e['error']))}</small>"
+               if status != "success" and e.get("error") else "")
         rows.append(f"<tr><td>{link}<br><small>{html.escape(NOTEBOOKS.get(phase, ''))}</small></td>"
-                    f'<td class="{_status_class(status)}">{html.escape(status)}{samples}</td>'
+                    f'<td class="{_status_class(status)}">{html.escape(status)}{samples}{why}</td>'
                     f"<td><small>{html.escape(str(e.get('started', '')))}<br>{html.escape(str(e.get('ended', '')))}"
                     f"</small></td><td>{_headline(e.get('headline', {}))}</td>"
                     f"<td>{html.escape(', '.join(map(str, not_exec))) or '-'}</td></tr>")
