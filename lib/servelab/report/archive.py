@@ -12,6 +12,7 @@ from typing import Any
 from servelab.core.paths import outputs_root
 from servelab.core.notebooks import NOTEBOOKS
 from servelab.core.run import now_iso, read_manifest
+from servelab.report.findings import headline_rows
 
 CSS = """body{font-family:sans-serif;max-width:1100px;margin:20px auto;color:#222}
 table{border-collapse:collapse;width:100%;margin:8px 0}th,td{border:1px solid #ddd;padding:6px 8px;text-align:left;
@@ -25,7 +26,8 @@ def _status_class(status: str) -> str:
 
 
 def _headline(h: dict[str, Any]) -> str:
-    return "<br>".join(f"{html.escape(str(k))}: <b>{html.escape(str(v))}</b>" for k, v in (h or {}).items())
+    """The phase's headline as the findings box shows it: labels and units in words, sensible precision."""
+    return "<br>".join(f"{html.escape(k)}: <b>{html.escape(v)}</b>" for k, v in headline_rows(h or {}))
 
 
 def write_run_index(run_dir: Path) -> Path:
