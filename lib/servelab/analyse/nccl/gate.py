@@ -91,7 +91,8 @@ def check_gate(gate: dict | None, info: NcclInfo) -> GateVerdict:
     seen = set(table["rank"]) if not table.empty else set()
     expected = cfg.get("expected_ranks") or (int(info.ranks.nranks.max()) if not info.ranks.empty else None)
     if not seen:
-        reasons.append("no rank printed NCCL INFO lines (was NCCL_DEBUG=INFO set for every rank?)")
+        reasons.append("no rank printed NCCL INFO lines (was NCCL_DEBUG=INFO set for every rank?)"
+                       + (f": {info.reason}" if info.reason else ""))
     elif expected:
         missing = sorted(set(range(expected)) - seen)
         if missing:

@@ -24,9 +24,13 @@ from pathlib import Path
 
 import pandas as pd
 
-PREFIX_RE = re.compile(r"(?P<host>[A-Za-z][\w.\-]*):(?P<pid>\d+):(?P<tid>\d+) \[(?P<dev>\d+)\] NCCL "
+# Any hostname (``10-90-43-152``, ``gpu-node.cluster.local``, a redacted ``<node>``); the line may sit behind a
+# launcher's tag (``[1,0]<stdout>:``, ``[0] ``, ``0: ``), so the prefix is searched for, not anchored.
+HOST = r"[^\s:\[\]]+"
+PREFIX_RE = re.compile(rf"(?P<host>{HOST}):(?P<pid>\d+):(?P<tid>\d+) \[(?P<dev>\d+)\] NCCL "
                        r"(?P<level>INFO|WARN|TRACE|ABORT) (?P<msg>.*)$")
 VERSION_RE = re.compile(r"NCCL version (?P<v>\S+)")
+BARE_VERSION_RE = re.compile(r"(?:^|[\s:>\]])NCCL version (?P<v>\d\S*)")     # older NCCL prints it unprefixed
 INIT_RE = re.compile(r"comm (?P<comm>0x[0-9a-fA-F]+) rank (?P<rank>\d+) nranks (?P<nranks>\d+) cudaDev (?P<cdev>\d+)"
                      r"(?: nvmlDev (?P<nvml>\d+))? busId (?P<bus>\w+)(?: commId (?P<commid>0x[0-9a-fA-F]+))?"
                      r"(?: localSize \d+)? - Init (?P<phase>START|COMPLETE)")
@@ -51,6 +55,8 @@ def classify_transport(via: str) -> tuple[str, bool, int | None]:
     gdr = "GDRDMA" in parts
     if head == "NET":
         kind = f"NET/{parts[1]}" if len(parts) > 1 else "NET"
+        if kind.startswith("NET/IBext"):          # the IB plugin (nccl-rdma-sharp-plugins: ``NET/IBext_v8/7``)
+            kind = "NET/IB"
         dev = int(parts[2]) if len(parts) > 2 and parts[2].isdigit() else None
         return kind, gdr, dev
     if head == "P2P":
@@ -76,6 +82,20 @@ class NcclInfo:
     warnings: list[str] = field(default_factory=list)
     lines: int = 0
     source: str = ""
+    scanned: int = 0
+
+    @property
+    def reason(self) -> str:
+        """Empty when the log told something; else one line saying why it yielded nothing."""
+        if not self.ranks.empty or not self.channels.empty:
+            return ""
+        if self.scanned == 0:
+            return "NCCL INFO log: the input is empty"
+        if self.lines == 0:
+            return (f"NCCL INFO log: none of {self.scanned} line(s) has the '<host>:<pid>:<tid> [<dev>] NCCL INFO' "
+                    "prefix (was NCCL_DEBUG=INFO set?)")
+        return (f"NCCL INFO log: {self.lines} NCCL line(s) but no ncclCommInitRank and no 'Channel … via …' line "
+                "(set NCCL_DEBUG_SUBSYS to include INIT, or keep the log from communicator set-up)")
 
 
 def parse_info(text: str, source: str = "") -> NcclInfo:
@@ -88,6 +108,8 @@ def parse_info(text: str, source: str = "") -> NcclInfo:
     for raw in text.splitlines():
         m = PREFIX_RE.search(raw)
         if not m:
+            if not version and (bv := BARE_VERSION_RE.search(raw)):
+                version = bv["v"]
             continue
         n += 1
         host, pid, dev, msg = m["host"], int(m["pid"]), int(m["dev"]), m["msg"].strip()
@@ -137,13 +159,17 @@ def parse_info(text: str, source: str = "") -> NcclInfo:
                                          "transport", "gdrdma", "net_dev"])
     nd = pd.DataFrame(netdevs, columns=["host", "pid", "kind", "index", "name", "port", "link"]).drop_duplicates()
     ch = _attribute(ch, rk, nd)
+    if rk.empty and not ch.empty:
+        notes.append("no ncclCommInitRank lines: each channel is attributed to the rank at its own end "
+                     "(sender of [send] lines, receiver of [receive] lines) and each process to the rank it printed most")
     tu = pd.DataFrame(tuning, columns=["coll", "bytes", "algo", "proto", "ch_lo", "ch_hi"])
     if not tu.empty:
         tu = tu.groupby(["coll", "bytes", "algo", "proto", "ch_lo", "ch_hi"], dropna=False).size() \
             .rename("calls").reset_index().sort_values(["coll", "bytes"]).reset_index(drop=True)
     return NcclInfo(version, rk, ch, nd.reset_index(drop=True),
                     pd.DataFrame(gdr, columns=["host", "pid", "hca", "enabled", "transport"]).drop_duplicates(),
-                    tu, network, env, nnodes, list(dict.fromkeys(notes)), warns, n, source)
+                    tu, network, env, nnodes, list(dict.fromkeys(notes)), warns, n, source,
+                    sum(1 for line in text.splitlines() if line.strip()))
 
 
 def _attribute(ch: pd.DataFrame, ranks: pd.DataFrame, netdevs: pd.DataFrame) -> pd.DataFrame:
@@ -155,7 +181,11 @@ def _attribute(ch: pd.DataFrame, ranks: pd.DataFrame, netdevs: pd.DataFrame) -> 
         key.setdefault((r.host, r.pid, r.cuda_dev), r.rank)
     own = [key.get((h, p, d)) for h, p, d in zip(ch.host, ch.pid, ch.cuda_dev)]
     fallback = ch["dst"].where(ch["direction"] == "receive", ch["src"])
-    ch = ch.assign(rank=[o if o is not None else f for o, f in zip(own, fallback)])
+    if not key:     # no Init lines: a process+device is the rank its channel lines name most often at their own end
+        votes = pd.DataFrame({"h": ch.host, "p": ch.pid, "d": ch.cuda_dev, "r": fallback})
+        best = votes.groupby(["h", "p", "d"])["r"].agg(lambda r: r.value_counts().index[0])
+        own = [best.get((h, p, d)) for h, p, d in zip(ch.host, ch.pid, ch.cuda_dev)]
+    ch = ch.assign(rank=[int(o) if o is not None else int(f) for o, f in zip(own, fallback)])
     ib = {(r.host, r.pid, r.index): r.name for r in netdevs[netdevs.kind == "IB"].itertuples()} if not netdevs.empty else {}
     sock = {(r.host, r.pid, r.index): r.name for r in netdevs[netdevs.kind == "Socket"].itertuples()} \
         if not netdevs.empty else {}
