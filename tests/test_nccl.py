@@ -283,3 +283,106 @@ def test_device_run_logs_8k_to_64m(samples):
     assert len(info.channels) == len(re.findall(r"NCCL INFO Channel \d+/\d+ : .* via ", text))
     v = check_gate(TWO_RAIL_GATE, info)
     assert not v.passed and "no NET channel in any rank" in v.message
+
+
+# --- real-world logs: any hostname, launcher tags, no init lines, old nccl-tests formats -------------------------
+
+PUBLIC = Path(__file__).parent / "data" / "nccl_public"
+
+
+def test_info_any_hostname_and_channels_without_init_lines_pass_the_gate():
+    from servelab.analyse.nccl.gate import check_gate
+    from servelab.analyse.nccl.info_log import parse_info
+    head = (PUBLIC / "nccl707_a100_header.log").read_text()          # real: host 10-90-43-152, NCCL 2.7.6
+    # channel lines in NCCL 2.7's format for that node (constructed: the issue excerpt kept here has none)
+    chans = "".join(f"10-90-43-152:120890:121560 [{r}] NCCL INFO Channel 00 : {(r + 3) % 4}[0] -> {r}[0] [receive] "
+                    f"via NET/IB/{r}/GDRDMA\n10-90-43-152:120890:121560 [{r}] NCCL INFO Channel 00 : {r}[0] -> "
+                    f"{(r + 1) % 4}[0] [send] via NET/IB/{r}/GDRDMA\n" for r in range(4))
+    info = parse_info(head + chans)
+    assert info.version == "2.7.6+cuda11.1" and len(info.channels) == 8 and info.reason == ""
+    assert sorted(info.channels["rank"].unique()) == [0, 1, 2, 3]
+    assert set(info.channels.hca) == {"mlx5_8", "mlx5_9", "mlx5_10", "mlx5_11"}
+    v = check_gate({"require": ["NET/IB", "GDRDMA"], "expected_ranks": 4}, info)
+    assert v.passed, v.message
+    assert any("no ncclCommInitRank" in n for n in info.notes)
+
+
+def test_info_fqdn_host_and_mpirun_tag_prefix():
+    from servelab.analyse.nccl.info_log import parse_info
+    text = ("[1,0]<stdout>:gpu-node.cluster.local:4242:4300 [0] NCCL INFO ncclCommInitRank comm 0x55aa rank 0 nranks 2 "
+            "cudaDev 0 busId 7000 - Init COMPLETE\n"
+            "[1,0]<stdout>:gpu-node.cluster.local:4242:4300 [0] NCCL INFO Channel 00/0 : 0[7000] -> 1[7000] [send] "
+            "via NET/IB/0/GDRDMA\n")
+    info = parse_info(text)
+    assert info.ranks.host.tolist() == ["gpu-node.cluster.local"] and info.channels["rank"].tolist() == [0]
+
+
+def test_info_real_tagged_ibext_and_redacted_host_logs():
+    from servelab.analyse.nccl.gate import check_gate
+    from servelab.analyse.nccl.info_log import parse_info, transport_table
+    info = parse_info((PUBLIC / "nccl1453_tagged_ibext.log").read_text())
+    assert len(info.channels) == 6 and set(info.channels.transport) == {"NET/IB"} and info.channels.gdrdma.all()
+    assert info.channels["rank"].unique().tolist() == [0]
+    assert check_gate({"require": ["NET/IB", "GDRDMA"]}, info).passed
+    red = parse_info((PUBLIC / "nccl952_redacted_host.log").read_text())
+    assert sorted(transport_table(red)["rank"]) == [10, 12, 15]
+
+
+def test_info_that_yields_nothing_says_why_in_one_line():
+    from servelab.analyse.nccl.gate import check_gate
+    from servelab.analyse.nccl.info_log import parse_info
+    assert "empty" in parse_info("").reason
+    r = parse_info("hello\nworld\n").reason
+    assert "none of 2 line(s)" in r and "\n" not in r
+    assert "ncclCommInitRank" in parse_info((PUBLIC / "nccl707_a100_header.log").read_text()).reason
+    assert r in check_gate({"require": ["NET/IB"]}, parse_info("hello\nworld\n")).message
+
+
+OLD_TABLE = """# nThread 1 nGpus 4 minBytes 8 maxBytes 32 step: 2(factor) warmup iters: 5 iters: 20 validation: 1
+#
+# Using devices
+#   Rank  0 Pid 120890 on 10-90-43-152 device  0 [0x87] A100-SXM4-40GB
+#   Rank  1 Pid 120890 on 10-90-43-152 device  1 [0x8d] A100-SXM4-40GB
+#
+#                                                     out-of-place                       in-place
+#       size         count    type   redop     time   algbw   busbw  error     time   algbw   busbw  error
+#        (B)    (elements)                     (us)  (GB/s)  (GB/s)            (us)  (GB/s)  (GB/s)
+10-90-43-152:120890:120890 [0] NCCL INFO Launch mode Group/CGMD
+           8             2   float     sum    40.12    0.00    0.00  0e+00    39.80    0.00    0.00  0e+00
+          16             4   float     sum    39.90    0.00    0.00  0e+00    40.01    0.00    0.00  0e+00
+          32             8   float     sum    40.30    0.00    0.00  0e+00    40.22    0.00    0.00  0e+00
+# Out of bounds values : 0 OK
+# Avg bus bandwidth    : 0.00123
+#
+"""
+
+
+def test_old_nccl_tests_table_no_group_error_column_and_mpirun_tags():
+    from servelab.analyse.nccl.perf_log import parse_log
+    for text in (OLD_TABLE, "".join(f"[1,0]<stdout>:{line}\n" for line in OLD_TABLE.splitlines())):
+        (run,) = parse_log(text)
+        assert run.status == "ok", run.reason
+        assert run.nranks == 2 and run.devices.host.tolist() == ["10-90-43-152"] * 2
+        assert sorted(run.rows.size_bytes.unique()) == [8, 16, 32] and len(run.rows) == 6
+
+
+def test_nccl_tests_1x_table_bytes_n_op_res():
+    from servelab.analyse.nccl.perf_log import parse_log
+    text = ("# nThread 1 nGpus 2 minBytes 8 maxBytes 16 step: 2(factor) warmup iters: 5 iters: 20 validation: 1\n"
+            "#                                          out-of-place                    in-place\n"
+            "#      bytes             N    type      op     time  algbw  busbw      res     time  algbw  busbw      res\n"
+            "            8             2   float     sum    10.00   0.00   0.00    0e+00    10.00   0.00   0.00    0e+00\n"
+            "           16             4   float     sum    10.00   0.00   0.00    0e+00    10.00   0.00   0.00    0e+00\n"
+            "# Out of bounds values : 0 OK\n# Avg bus bandwidth    : 0.001\n")
+    (run,) = parse_log(text)
+    assert run.status == "ok" and run.rows.redop.unique().tolist() == ["sum"] and len(run.rows) == 4
+
+
+def test_nccl_tests_step_factor_one_and_non_nccl_tests_input_are_one_line_errors():
+    from servelab.analyse.nccl.perf_log import NcclTestsFormatError, parse_log
+    with pytest.raises(NcclTestsFormatError, match="factor of 1"):
+        parse_log("# nThread 1 nGpus 8 minBytes 8 maxBytes 8589934592 step: 1(factor) warmup iters: 5 iters: 20\n")
+    with pytest.raises(NcclTestsFormatError, match="no '# nThread"):
+        parse_log("Segmentation fault\n")
+    with pytest.raises(NcclTestsFormatError, match="empty"):
+        parse_log("")

@@ -388,3 +388,24 @@ def test_recorded_device_capture_cut_to_the_workloads_own_windows(samples):
         assert got.value.mean() == pytest.approx(np.mean(mine))
     summ = summarize_case(cases[2], catalog={"nvidia-smi": ["util_gpu_pct"]}).iloc[0]
     assert summ.head_max > 50                                          # nccl-tests busy on the GPUs
+
+
+def test_smi_user_saved_csv_own_field_order_units_in_header_and_values():
+    text = ("timestamp, name, pci.bus_id, temperature.gpu, utilization.gpu [%], memory.used [MiB], index, power.draw [W]\n"
+            "2023/06/01 10:00:00.123, NVIDIA A100-SXM4-80GB, 00000000:07:00.0, 34, 26 %, 1234 MiB, 0, 61.50 W\n"
+            "2023/06/01 10:00:00.123, NVIDIA A100-SXM4-80GB, 00000000:0B:00.0, 35, 0 %, 4 MiB, 1, [N/A]\n")
+    df = parse_smi_csv(text, "n")
+    util = df[df.metric == "util_gpu_pct"].set_index("device").value
+    assert util.to_dict() == {"gpu0": 26.0, "gpu1": 0.0}
+    assert df[(df.metric == "mem_used_mib") & (df.device == "gpu0")].value.item() == 1234
+    assert df[df.metric == "power_w"].device.tolist() == ["gpu0"]           # [N/A] stays missing
+    assert df[df.metric == "temp_c"].value.tolist() == [34.0, 35.0]
+    assert "reason" not in df.attrs
+
+
+def test_smi_input_that_yields_nothing_says_why_in_one_line():
+    assert "empty" in parse_smi_csv("", "n").attrs["reason"]
+    r = parse_smi_csv("index, utilization.gpu [%]\n0, 5 %\n", "n").attrs["reason"]
+    assert "timestamp" in r and "\n" not in r
+    r = parse_smi_csv("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.\n", "n").attrs["reason"]
+    assert "none of 1 line(s)" in r

@@ -4,7 +4,8 @@ Format (NVIDIA/nccl-tests ``src/common.cu``/``util.cu``): ``# nccl-tests version
 starting: <name>``, ``# nThread … nGpus … minBytes … maxBytes … step: …``, ``#  Rank  0 Group  0 Pid … on
 <host> device  0 [<bus>] <GPU>``, a column header ``size count type redop root | time algbw busbw #wrong``
 for **out-of-place** then **in-place** (time in µs, GB/s = 1e9 B/s; older builds print ``error`` for
-``#wrong`` and have no ``root``), rows, then ``# Out of bounds values : 0 OK``, ``# Avg bus bandwidth :
+``#wrong`` and have no ``root``; nccl-tests 1.x names the columns ``bytes N type op … res``; older headers
+have no ``Group``; launcher tags such as ``[1,0]<stdout>:`` are stripped first), rows, then ``# Out of bounds values : 0 OK``, ``# Avg bus bandwidth :
 <x>`` and ``# Collective test concluded``. ``#wrong`` is ``N/A`` when nothing is validated.
 
 With ``NCCL_DEBUG=INFO`` NCCL's own lines (``<host>:<pid>:<tid> [<dev>] NCCL INFO …``) are printed
@@ -25,8 +26,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-NCCL_LINE_GENERIC = r"[A-Za-z][\w.\-]*:\d+:\d+ \[\d+\] NCCL (?:INFO|WARN|TRACE|ABORT)[^\n]*(?:\n|$)"
-RANK_RE = re.compile(r"^#\s+Rank\s+(?P<rank>\d+)\s+Group\s+(?P<group>\d+)\s+Pid\s+(?P<pid>\d+)\s+on\s+(?P<host>\S+)\s+"
+NCCL_LINE_GENERIC = r"[^\s:\[\]]+:\d+:\d+ \[\d+\] NCCL (?:INFO|WARN|TRACE|ABORT)[^\n]*(?:\n|$)"
+# launcher tags in front of every line: Open MPI ``--tag-output`` (``[1,0]<stdout>:``), ``[0] ``, srun ``-l`` (``0: ``)
+TAG_RE = re.compile(r"^(?:\[\d+,\d+\]<std(?:out|err)>:|\[\d+\] |\d+: )", re.MULTILINE)
+# older nccl-tests print ``#   Rank  0 Pid … on …`` without ``Group``
+RANK_RE = re.compile(r"^#\s+Rank\s+(?P<rank>\d+)(?:\s+Group\s+(?P<group>\d+))?\s+Pid\s+(?P<pid>\d+)\s+on\s+(?P<host>\S+)\s+"
                      r"device\s+(?P<dev>\d+)\s+\[(?P<bus>[^\]]*)\]\s+(?P<gpu>.*)$")
 VERSION_RE = re.compile(r"^# nccl-tests version (?P<v>\S+)(?: nccl-headers=(?P<h>\d+))?(?: nccl-library=(?P<l>\d+))?")
 PARAMS_RE = re.compile(r"^# nThread (?P<nthread>\d+) nGpus (?P<ngpus>\d+) minBytes (?P<min>\d+) maxBytes (?P<max>\d+) "
@@ -60,6 +64,18 @@ class NcclTestRun:
         return self.status == "ok"
 
 
+# column names of older tables → today's (nccl-tests 1.x: ``bytes N type op time algbw busbw res``)
+HEADER_ALIASES = {"bytes": "size", "N": "count", "op": "redop", "res": "error", "#wrong": "#wrong"}
+
+
+class NcclTestsFormatError(ValueError):
+    """The output cannot be read as nccl-tests output (one line saying why)."""
+
+
+def _strip_tags(text: str) -> str:
+    return TAG_RE.sub("", text)
+
+
 def _strip_nccl_lines(text: str) -> tuple[str, int]:
     hosts = sorted({m["host"] for m in (RANK_RE.match(l) for l in text.splitlines()) if m}, key=len, reverse=True)
     pats = [NCCL_LINE_GENERIC]
@@ -80,6 +96,9 @@ def _expected_sizes(params: dict) -> list[int]:
     out, s = [], lo
     if params.get("step_type") == "factor":
         if step == 1:
+            if hi > lo:
+                raise NcclTestsFormatError(f"nccl-tests header says minBytes {lo} maxBytes {hi} step: 1(factor): a factor "
+                                           "of 1 never reaches maxBytes (use -f 2, or -i <bytes> for a fixed increment)")
             return [lo]
         while s <= hi:
             out.append(s)
@@ -96,8 +115,9 @@ def _parse_table(lines: list[str]) -> tuple[pd.DataFrame, list[str]]:
     recs, problems = [], []
     for line in lines:
         s = line.strip()
-        if s.startswith("#") and " size " in f" {s[1:].strip()} " and "count" in s:
-            header = s[1:].split()
+        cols = s[1:].split() if s.startswith("#") else []
+        if cols and ({"size", "bytes"} & set(cols)) and ({"count", "N"} & set(cols)):
+            header = [HEADER_ALIASES.get(c, c) for c in cols]
             continue
         if header is None or not s or s.startswith("#"):
             continue
@@ -133,6 +153,7 @@ def _parse_table(lines: list[str]) -> tuple[pd.DataFrame, list[str]]:
 
 
 def _split_runs(text: str) -> list[str]:
+    text = _strip_tags(text)
     marker = "# nccl-tests version" if "# nccl-tests version" in text else "# nThread"
     idx = [m.start() for m in re.finditer(re.escape(marker), text)]
     if not idx:
@@ -143,6 +164,7 @@ def _split_runs(text: str) -> list[str]:
 
 def parse_run(text: str, collective: str = "", exit_code: int | None = None, source: str = "") -> NcclTestRun:
     """Parse the output of one nccl-tests invocation (see module doc for the verdict rules)."""
+    text = _strip_tags(text)
     clean, n_info = _strip_nccl_lines(text)
     lines = clean.splitlines()
     version = library = ""
@@ -161,7 +183,7 @@ def parse_run(text: str, collective: str = "", exit_code: int | None = None, sou
             for k, v in re.findall(r"([a-z ]+?):\s*(-?\d+)", m["rest"]):
                 params[k.strip().replace(" ", "_")] = int(v)
         elif m := RANK_RE.match(s):
-            devs.append({"rank": int(m["rank"]), "group": int(m["group"]), "pid": int(m["pid"]), "host": m["host"],
+            devs.append({"rank": int(m["rank"]), "group": int(m["group"] or 0), "pid": int(m["pid"]), "host": m["host"],
                          "device": int(m["dev"]), "bus": m["bus"], "gpu": m["gpu"].strip()})
         elif s.startswith("# Avg bus bandwidth"):
             try:
@@ -208,7 +230,14 @@ def parse_run(text: str, collective: str = "", exit_code: int | None = None, sou
 
 def parse_log(text: str, source: str = "") -> list[NcclTestRun]:
     """Every nccl-tests run in a log (a log may hold several collectives one after another)."""
-    return [parse_run(chunk, source=source) for chunk in _split_runs(text) if chunk.strip()]
+    if not text.strip():
+        raise NcclTestsFormatError(f"nccl-tests output{f' {source}' if source else ''}: the input is empty")
+    runs = [parse_run(chunk, source=source) for chunk in _split_runs(text) if chunk.strip()]
+    if all(r.rows.empty and not r.params and r.devices.empty for r in runs) and not FAIL_RE.search(text):
+        raise NcclTestsFormatError(f"nccl-tests output{f' {source}' if source else ''}: no '# nThread … step:' header, no "
+                                   "'#  Rank' line and no size table in "
+                                   f"{sum(1 for line in text.splitlines() if line.strip())} line(s)")
+    return runs
 
 
 def parse_file(path: Path) -> list[NcclTestRun]:

@@ -6,7 +6,8 @@ clocks.mem [MHz], pstate. ``utilization.gpu`` is the fraction of time any kernel
 occupancy); ``utilization.memory`` the fraction of time the memory controller was busy. Timestamps
 are the node's local time without a zone: our collector runs it with ``TZ=UTC``; pass ``tz`` for
 files recorded elsewhere. A CSV saved by hand (``--format=csv``) is read by its own header: any field
-order, names with or without ``[unit]``, values with or without units (``26 %``). ``[N/A]`` / ``[Not Supported]`` become missing values, never 0.
+order, names with or without ``[unit]``, values with or without units (``26 %``).
+``[N/A]`` / ``[Not Supported]`` become missing values, never 0.
 """
 from __future__ import annotations
 
