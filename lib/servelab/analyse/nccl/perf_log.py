@@ -5,7 +5,8 @@ starting: <name>``, ``# nThread … nGpus … minBytes … maxBytes … step: �
 <host> device  0 [<bus>] <GPU>``, a column header ``size count type redop root | time algbw busbw #wrong``
 for **out-of-place** then **in-place** (time in µs, GB/s = 1e9 B/s; older builds print ``error`` for
 ``#wrong`` and have no ``root``; nccl-tests 1.x names the columns ``bytes N type op … res``; older headers
-have no ``Group``; launcher tags such as ``[1,0]<stdout>:`` are stripped first), rows, then ``# Out of bounds values : 0 OK``, ``# Avg bus bandwidth :
+have no ``Group``; launcher tags such as ``[1,0]<stdout>:``
+are stripped first), rows, then ``# Out of bounds values : 0 OK``, ``# Avg bus bandwidth :
 <x>`` and ``# Collective test concluded``. ``#wrong`` is ``N/A`` when nothing is validated.
 
 With ``NCCL_DEBUG=INFO`` NCCL's own lines (``<host>:<pid>:<tid> [<dev>] NCCL INFO …``) are printed
