@@ -57,6 +57,7 @@ class LlamaCppAdapter(EngineAdapter):
     interference_sweep = ("batch_size", (2048, 32))
     confound_setting = {"ubatch_size": 8}
     request_cache_switch = "cache_prompt"
+    positive_int_keys = (*EngineAdapter.positive_int_keys, "parallel", "threads", "batch_size", "ubatch_size", "rpc_port")
 
     def max_request_tokens(self, launch: dict[str, Any]) -> int | None:
         """llama.cpp splits its context over its slots: a request holds context / parallel tokens."""
