@@ -167,6 +167,10 @@ class EngineAdapter:
             if not isinstance(spec.get("algorithm"), str) or not spec["algorithm"].strip():
                 raise ParamError(f"{source}: launch.spec needs 'algorithm' (e.g. EAGLE, NGRAM, draft)")
 
+    def check_model(self, target: Any) -> None:
+        """Raise :class:`ParamError` when the target's model surely does not exist, before anything starts.
+        Default: nothing to check here (a hub id or a path on a remote node is the engine's to resolve)."""
+
     def topology(self, launch: dict[str, Any]) -> dict[str, int]:
         """{"tp": .., "pp": .., "dp": .., "ep": ..} from the launch settings (1 where unset)."""
         return {k[:2]: int(launch.get(k, 1)) for k in TOPOLOGY_KEYS}

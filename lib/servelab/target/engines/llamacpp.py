@@ -114,6 +114,17 @@ class LlamaCppAdapter(EngineAdapter):
                 "chunked_prefill": f"batch {launch.get('batch_size', 2048)}",
                 "prefix_cache": "per-slot prompt cache"}
 
+    def check_model(self, target: Target) -> None:
+        """A local llama.cpp target's model is a known key (built on first use) or an existing GGUF file."""
+        from pathlib import Path
+
+        from servelab.target.models import MODELS
+        if not target.is_local or target.model in MODELS:
+            return
+        if not Path(str(target.model)).expanduser().is_file():
+            raise ParamError(f"{target.source}: model '{target.model}' is neither a known key ({', '.join(MODELS)}) "
+                             f"nor an existing GGUF file")
+
     def tokenize_body(self, text: str, add_special: bool) -> dict[str, Any]:
         """llama.cpp's ``/tokenize`` takes ``content`` (vLLM/SGLang: ``prompt``)."""
         return {"content": text, "add_special": add_special}
