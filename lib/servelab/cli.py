@@ -179,9 +179,12 @@ def _with_launch(t: Any, launch_over: dict[str, Any]) -> dict[str, Any]:
 
 def validate(phase: str, target: str, overrides: dict[str, str]) -> tuple[Path, dict[str, Any]]:
     """Resolve and check everything a phase run needs; no side effect. Returns (notebook, parameters)."""
+    from servelab.target.engines import engine_for
     nb = notebook_path(phase)
     phase_over, _ = split_overrides(phase, target, overrides)
     params = resolve_phase_params(nb, phase.split("_")[0], overrides=phase_over)
+    t = load_target(target)
+    engine_for(t.engine).check_model(t)
     params["target"] = target
     return nb, params
 

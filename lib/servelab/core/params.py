@@ -9,6 +9,8 @@ from __future__ import annotations
 import ast
 import difflib
 import json
+import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +44,16 @@ class ParamSpec:
     type_name: str      # str | int | float | bool | list | dict
     default: Any
     help: str = ""
+
+    @property
+    def rules(self) -> list[tuple[str, str]]:
+        """The constraints declared in the help comment: ``[min 1]``, ``[above 0]``, ``[max 1]``,
+        ``[one of vllm, sglang]``, ``[items min 1]``, ``[items max 1]``."""
+        return [(m.group(1), m.group(2).strip()) for m in RULE_RE.finditer(self.help)]
+
+
+# a constraint in a parameter's help comment; numbers without a [min]/[above] are never negative
+RULE_RE = re.compile(r"\[(min|above|max|one of|items min|items max) ([^\]]+)\]")
 
 
 def notebook_param_specs(notebook: Path) -> dict[str, ParamSpec]:
@@ -110,6 +122,41 @@ def coerce(spec: ParamSpec, value: Any, where: str) -> Any:
     return value
 
 
+def _num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def check_rules(spec: ParamSpec, value: Any, where: str) -> None:
+    """Raise :class:`ParamError` unless ``value`` meets the constraints of ``spec`` (see :attr:`ParamSpec.rules`).
+    Every number must be finite and, unless a rule says otherwise, not negative."""
+    rules = spec.rules
+    bad = f"{where}: '{spec.name}'"
+    if spec.type_name in ("int", "float"):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ParamError(f"{bad} must be a finite number, got {value!r}")
+        if not any(k in ("min", "above") for k, _ in rules) and value < 0:
+            raise ParamError(f"{bad} must be >= 0, got {value!r}  ({spec.help})")
+    for kind, arg in rules:
+        if kind == "one of":
+            choices = [c.strip() for c in re.split(r"[,|]", arg)]
+            if str(value) not in choices:
+                raise ParamError(f"{bad} must be one of {', '.join(choices)}, got {value!r}"
+                                 f"{did_you_mean(str(value), choices)}")
+            continue
+        limit = float(arg)
+        items = value if kind.startswith("items") else [value]
+        for v in items:
+            if kind.startswith("items") and not _num(v):
+                raise ParamError(f"{bad} must hold numbers, got {v!r}")
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ParamError(f"{bad} must hold finite numbers, got {v!r}")
+            if (kind.endswith("min") and v < limit) or (kind == "above" and v <= limit) \
+                    or (kind.endswith("max") and v > limit):
+                word = {"min": ">=", "above": ">", "max": "<="}[kind.split()[-1]]
+                raise ParamError(f"{bad} {'items ' if kind.startswith('items') else ''}must be {word} {arg}, "
+                                 f"got {v!r}  ({RULE_RE.sub('', spec.help).strip()})")
+
+
 def parse_overrides(items: list[str]) -> dict[str, str]:
     """``["tp=16", "trace_dir=/x"]`` → dict; ``key=value`` only."""
     out = {}
@@ -144,4 +191,6 @@ def resolve_phase_params(notebook: Path, phase: str, overrides: dict[str, Any] |
         reject_unknown(overrides, set(specs), f"-p parameters of {phase}")
         for k, v in overrides.items():
             resolved[k] = coerce(specs[k], v, "-p")
+    for k, v in resolved.items():
+        check_rules(specs[k], v, f"{phase} parameters")
     return resolved

@@ -100,6 +100,8 @@ class SearchResult:
 
 def ladder(step: int, max_concurrency: int) -> list[int]:
     """1, step, 2·step, ... ≤ max (on the cluster: 1, 16, 32, 48, ...)."""
+    if step < 1:
+        raise ValueError(f"search step must be >= 1, got {step}")
     out = [1]
     c = step
     while c <= max_concurrency:

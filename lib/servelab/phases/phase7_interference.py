@@ -310,9 +310,11 @@ def run_variant(target: Any, changes: dict[str, Any], spec: InterferenceSpec, ru
     """Serve ``target`` with ``changes``, run the case as ``<case_id>_<label>``, write the run-like record."""
     from servelab.measure.launch_variants import serving, with_launch
     from servelab.measure.workload import engine_tokenizer, token_pool
+    from servelab.core.paths import path_slug
     t = with_launch(target, changes, label)
-    case = replace(spec, case_id=f"{spec.case_id}_{label}", notes=list(spec.notes))
-    rec_dir = Path(record_root) / label
+    slug = path_slug(label)                  # a knob value such as ../../x never leaves record_root
+    case = replace(spec, case_id=f"{spec.case_id}_{slug}", notes=list(spec.notes))
+    rec_dir = Path(record_root) / slug
     res, error = None, ""
     srv_ref = None
     try:
@@ -325,7 +327,7 @@ def run_variant(target: Any, changes: dict[str, Any], spec: InterferenceSpec, ru
         error = f"{type(exc).__name__}: {exc}"
     # the same case id on every side of the A/B; a value that did not run is listed with its reason
     cases = [(spec.case_id, res.case_dir if res is not None else None, error)]
-    write_run_record(rec_dir, f"{(parent_manifest or {}).get('run_id', 'run')}-{label}", t, srv_ref, cases,
+    write_run_record(rec_dir, f"{(parent_manifest or {}).get('run_id', 'run')}-{slug}", t, srv_ref, cases,
                      parent_manifest)
     write_json_atomic(rec_dir / "variant.json", {"label": label, "changes": changes, "error": error,
                                                  "case_dir": str(res.case_dir) if res is not None else None})

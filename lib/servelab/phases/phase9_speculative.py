@@ -19,7 +19,8 @@ benchmarking-only synthetic acceptance; the generated text is not valid) gives k
 """
 from __future__ import annotations
 
-import re
+from servelab.core.paths import path_slug
+
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -172,7 +173,7 @@ def settled_log_offset(env: CaseEnv, quiet_s: float = 0.1, timeout_s: float = 2.
 
 
 def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9=.]+", "-", text).strip("-")
+    return path_slug(text)
 
 
 # ---------------------------------------------------------------- Phase 9 end to end

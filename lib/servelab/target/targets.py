@@ -40,6 +40,22 @@ def load_target(name_or_path: str) -> Target:
     return target_from_dict(raw, str(path))
 
 
+_TYPES = {"str": str, "int": int, "bool": bool, "dict": dict, "list": list, "float": (int, float)}
+
+
+def check_field_types(raw: dict, cls: type, where: str) -> None:
+    """Each key's value has the type its dataclass field declares (``port: int``, ``launch: dict``...)."""
+    for f in fields(cls):
+        if f.name not in raw or raw[f.name] is None and f.name not in ("launch", "env", "nodes", "gate", "preflight"):
+            continue
+        want = _TYPES.get(str(f.type).split("[")[0])
+        v = raw[f.name]
+        if v is None:
+            continue
+        if want is not None and (not isinstance(v, want) or (want is int and isinstance(v, bool))):
+            raise ParamError(f"{where}: '{f.name}' must be {str(f.type).split('[')[0]}, got {v!r}")
+
+
 def target_from_dict(raw: dict, source: str = "<dict>") -> Target:
     if not isinstance(raw, dict):
         raise ParamError(f"{source}: a target must be a mapping")
@@ -48,13 +64,23 @@ def target_from_dict(raw: dict, source: str = "<dict>") -> Target:
     for required in ("name", "engine", "model"):
         if required not in raw:
             raise ParamError(f"{source}: missing required key '{required}'")
+    check_field_types(raw, Target, source)
+    if raw.get("scale", "local") not in ("local", "cluster"):
+        raise ParamError(f"{source}: scale must be 'local' or 'cluster', not {raw['scale']!r}")
+    if isinstance(raw.get("port"), int) and not 0 <= raw["port"] <= 65535:
+        raise ParamError(f"{source}: port must be 0..65535, got {raw['port']}")
     if raw["engine"] not in ENGINES:
         raise ParamError(f"{source}: engine '{raw['engine']}' is not one of {sorted(ENGINES)}"
                          f"{did_you_mean(str(raw['engine']), ENGINES)}")
     node_known = {f.name for f in fields(Node)}
     nodes = []
     for i, n in enumerate(raw.get("nodes") or [{"name": "local"}]):
+        if not isinstance(n, dict):
+            raise ParamError(f"{source}: nodes[{i}] must be a mapping, got {n!r}")
         reject_unknown(n, node_known, f"{source}: nodes[{i}]")
+        if "name" not in n:
+            raise ParamError(f"{source}: nodes[{i}] has no 'name'")
+        check_field_types(n, Node, f"{source}: nodes[{i}]")
         node = Node(**n)
         if node.kind not in ("local", "ssh"):
             raise ParamError(f"{source}: nodes[{i}].kind must be 'local' or 'ssh', not '{node.kind}'")
@@ -65,6 +91,8 @@ def target_from_dict(raw: dict, source: str = "<dict>") -> Target:
         raise ParamError(f"{source}: node names must be unique")
     body = {k: v for k, v in raw.items() if k != "nodes"}
     body["env"] = {str(k): str(v) for k, v in (raw.get("env") or {}).items()}
+    for key in ("launch", "gate", "preflight"):
+        body[key] = body.get(key) or {}
     target = Target(**body, nodes=nodes, source=source)
     engine_for(target.engine).validate_launch(target.launch, source)
     return target

@@ -89,6 +89,17 @@ def name_rank_tokens(stem: str) -> dict[str, int]:
     return {key.lower(): int(val) for key, val in NAME_RANK_TOKEN.findall(stem)}
 
 
+def _check_argv(value: Any, where: str) -> None:
+    """``extra_args`` is a list of argv items (strings or numbers), never one string."""
+    if value is None:
+        return
+    if not isinstance(value, list):
+        raise ParamError(f"{where} must be a list of argv items (e.g. [\"--flag\", \"value\"]), got {value!r}")
+    for item in value:
+        if not isinstance(item, (str, int, float)) or isinstance(item, bool):
+            raise ParamError(f"{where} items must be strings or numbers, got {item!r}")
+
+
 class EngineAdapter:
     """Base adapter. Subclasses fill the names and the launch builder."""
 
@@ -125,16 +136,40 @@ class EngineAdapter:
     def launch_keys(self) -> set[str]:
         return set(COMMON_LAUNCH_KEYS) | set(self.extra_launch_keys)
 
+    # launch keys that must be a positive integer when set (each adapter may add its own)
+    positive_int_keys: tuple[str, ...] = (*TOPOLOGY_KEYS, "context_length", "max_running_requests",
+                                          "cuda_graph_max_bs", "max_prefill_tokens")
+
     def validate_launch(self, launch: dict[str, Any], source: str) -> None:
-        reject_unknown(launch or {}, self.launch_keys(), f"{source}: launch ({self.name})")
-        for key in TOPOLOGY_KEYS:
-            if key in launch and (not isinstance(launch[key], int) or launch[key] < 1):
-                raise ParamError(f"{source}: launch.{key} must be a positive integer, got {launch[key]!r}")
+        if not isinstance(launch, dict):
+            raise ParamError(f"{source}: launch must be a mapping, got {launch!r}")
+        reject_unknown(launch, self.launch_keys(), f"{source}: launch ({self.name})")
+        for key in self.positive_int_keys:
+            v = launch.get(key)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ParamError(f"{source}: launch.{key} must be a positive integer, got {v!r}")
         if launch.get("mode", "bare") not in ("bare", "docker"):
             raise ParamError(f"{source}: launch.mode must be 'bare' or 'docker'")
         mf = launch.get("mem_fraction")
-        if mf is not None and not (0 < float(mf) <= 1):
-            raise ParamError(f"{source}: launch.mem_fraction must be in (0, 1], got {mf}")
+        if mf is not None and (not isinstance(mf, (int, float)) or isinstance(mf, bool) or not (0 < mf <= 1)):
+            raise ParamError(f"{source}: launch.mem_fraction must be a number in (0, 1], got {mf!r}")
+        _check_argv(launch.get("extra_args"), f"{source}: launch.extra_args")
+        docker = launch.get("docker")
+        if docker is not None:
+            if not isinstance(docker, dict):
+                raise ParamError(f"{source}: launch.docker must be a mapping {{image, name, ...}}, got {docker!r}")
+            _check_argv(docker.get("extra_args"), f"{source}: launch.docker.extra_args")
+        spec = launch.get("spec")
+        if spec:
+            if not isinstance(spec, dict):
+                raise ParamError(f"{source}: launch.spec must be a mapping {{algorithm, draft_model, ...}}, "
+                                 f"got {spec!r}")
+            if not isinstance(spec.get("algorithm"), str) or not spec["algorithm"].strip():
+                raise ParamError(f"{source}: launch.spec needs 'algorithm' (e.g. EAGLE, NGRAM, draft)")
+
+    def check_model(self, target: Any) -> None:
+        """Raise :class:`ParamError` when the target's model surely does not exist, before anything starts.
+        Default: nothing to check here (a hub id or a path on a remote node is the engine's to resolve)."""
 
     def topology(self, launch: dict[str, Any]) -> dict[str, int]:
         """{"tp": .., "pp": .., "dp": .., "ep": ..} from the launch settings (1 where unset)."""

@@ -57,6 +57,7 @@ class LlamaCppAdapter(EngineAdapter):
     interference_sweep = ("batch_size", (2048, 32))
     confound_setting = {"ubatch_size": 8}
     request_cache_switch = "cache_prompt"
+    positive_int_keys = (*EngineAdapter.positive_int_keys, "parallel", "threads", "batch_size", "ubatch_size", "rpc_port")
 
     def max_request_tokens(self, launch: dict[str, Any]) -> int | None:
         """llama.cpp splits its context over its slots: a request holds context / parallel tokens."""
@@ -112,6 +113,17 @@ class LlamaCppAdapter(EngineAdapter):
         return {"topology": "1/1/1/1 (single process)", "cuda_graph": "not applicable (CPU)",
                 "chunked_prefill": f"batch {launch.get('batch_size', 2048)}",
                 "prefix_cache": "per-slot prompt cache"}
+
+    def check_model(self, target: Target) -> None:
+        """A local llama.cpp target's model is a known key (built on first use) or an existing GGUF file."""
+        from pathlib import Path
+
+        from servelab.target.models import MODELS
+        if not target.is_local or target.model in MODELS:
+            return
+        if not Path(str(target.model)).expanduser().is_file():
+            raise ParamError(f"{target.source}: model '{target.model}' is neither a known key ({', '.join(MODELS)}) "
+                             f"nor an existing GGUF file")
 
     def tokenize_body(self, text: str, add_special: bool) -> dict[str, Any]:
         """llama.cpp's ``/tokenize`` takes ``content`` (vLLM/SGLang: ``prompt``)."""
