@@ -7,9 +7,10 @@ from pathlib import Path
 
 
 def path_slug(text: str, max_len: int = 120) -> str:
-    """A label (``batch_size=../../x``) as ONE safe folder name: letters, digits, ``=``, ``.``, ``_`` and ``-``
-    only, no ``..``, no leading dot, never empty — so it can never leave the folder it is joined to."""
-    slug = re.sub(r"[^A-Za-z0-9=._]+", "-", str(text))
+    """A label (``batch_size=../../x``) as ONE safe folder name: letters, digits, ``=``, ``+``, ``,``, ``.``, ``_``
+    and ``-`` only (``batch_size=32+ubatch_size=8`` stays readable), no ``..``, no leading dot, never empty — so it
+    can never leave the folder it is joined to."""
+    slug = re.sub(r"[^A-Za-z0-9=+,._]+", "-", str(text))
     slug = re.sub(r"\.{2,}", "-", slug).strip("-.")[:max_len].strip("-.")
     return slug or "x"
 
