@@ -90,6 +90,18 @@ def verdict_of(v: mx.Verdict) -> dict[str, Any]:
     return verdict(v.verdict, v.reasons)
 
 
+def judged_row(records: Sequence[Any], run: Any, definition: str, row_ok: bool, reasons_text: str | None,
+               status: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(pooled metrics, verdict) of a case whose phase judged it as a table row (Phase 8's ACCEPTED/REJECTED,
+    Phase 9's validity): the measured requests summarised under ``definition``; VALID only when the row was judged
+    good and the case ran to success; otherwise INVALID with the row's ``"; "``-joined reasons (or the status)."""
+    measured = [r for r in records if r.role == "measure"]
+    pooled = {definition: mx.summarize(measured, max(run.duration_s, 1e-9), definition)} if run and measured else {}
+    ok = row_ok and status == "success"
+    reasons = [x for x in str(reasons_text or "").split("; ") if x] or [f"case status {status}"]
+    return pooled, verdict(VALID if ok else INVALID, [] if ok else reasons)
+
+
 def is_valid(summary: dict[str, Any]) -> bool:
     return (summary.get("verdict") or {}).get("status") == VALID
 

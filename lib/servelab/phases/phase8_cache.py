@@ -124,16 +124,11 @@ def hit_point_summary(point: HitPoint, row: dict[str, Any], records: list[Reques
                       status: str, definition: str) -> Any:
     """The case summary of a hit-rate point: the verdict (ACCEPTED → VALID, REJECTED → INVALID, with the
     row's reasons), the measured requests' metrics as the one repeat, the matrix row in ``details``."""
-    from servelab.measure.case_record import INVALID, VALID, CaseSummary, request_counts, verdict
-    measured = [r for r in records if r.role == "measure"]
-    pooled = {definition: mx.summarize(measured, max(run.duration_s, 1e-9), definition)} if run and measured else {}
-    reasons = [x for x in str(row.get("reasons") or "").split("; ") if x]
-    ok = row.get("verdict") == "ACCEPTED" and status == "success"
-    if not ok and not reasons:
-        reasons = [f"case status {status}"]
+    from servelab.measure.case_record import CaseSummary, judged_row, request_counts
+    pooled, judged = judged_row(records, run, definition, row.get("verdict") == "ACCEPTED", row.get("reasons"), status)
     return CaseSummary(
         case_id=point.case_id, phase="", kind="prefix_cache", status=status,
-        verdict=verdict(VALID if ok else INVALID, [] if ok else reasons), definition=definition, metrics=pooled,
+        verdict=judged, definition=definition, metrics=pooled,
         repeats=[{"repeat": 0, "metrics": pooled}] if pooled else [], counts=request_counts(records),
         details={"point": asdict(point), "row": {k: v for k, v in row.items() if k not in ("verdict", "reasons")}})
 

@@ -28,7 +28,6 @@ from typing import Any
 import pandas as pd
 
 from servelab.analyse.speculative import SpecConfig, net_gain, per_position_frame, spec_row
-from servelab.measure import request_metrics as mx
 from servelab.measure.case import CaseEnv, case_seed, flush_cache, max_request_tokens, read_log_since
 from servelab.measure.client import RequestRecord, run_requests
 from servelab.measure.launch_variants import Snapshot, metrics_snapshot, server_cpu_s, write_run_record
@@ -137,17 +136,12 @@ def spec_point_summary(cfg: SpecConfig, row: dict[str, Any], records: list[Reque
                        definition: str, repeat: int, repeat_of: str) -> Any:
     """The case summary of a speculative point: the row's verdict, the measured requests' metrics (with the
     acceptance numbers beside them) as repeat ``repeat`` of ``repeat_of``, the row in ``details``."""
-    from servelab.measure.case_record import INVALID, VALID, CaseSummary, request_counts, verdict
-    measured = [r for r in records if r.role == "measure"]
-    pooled = {definition: mx.summarize(measured, max(run.duration_s, 1e-9), definition)} if run and measured else {}
-    reasons = [x for x in str(row.get("reasons") or "").split("; ") if x]
-    ok = row.get("validity") == "VALID" and status == "success"
-    if not ok and not reasons:
-        reasons = [f"case status {status}"]
+    from servelab.measure.case_record import CaseSummary, judged_row, request_counts
+    pooled, judged = judged_row(records, run, definition, row.get("validity") == "VALID", row.get("reasons"), status)
     rep = {definition: {**pooled[definition], **{k: row.get(k) for k in ACCEPTANCE_KEYS}}} if pooled else {}
     return CaseSummary(
         case_id=row["case_id"], phase="", kind="speculative", status=status,
-        verdict=verdict(VALID if ok else INVALID, [] if ok else reasons), definition=definition, metrics=pooled,
+        verdict=judged, definition=definition, metrics=pooled,
         repeats=[{"repeat": repeat, "metrics": rep}] if rep else [], counts=request_counts(records),
         repeat_of=repeat_of, details={"config": asdict(cfg),
                                       "row": {k: v for k, v in row.items() if k not in ("validity", "reasons")}})
