@@ -533,6 +533,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"servelab: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        # nbclient may leave a task that later fails with DeadKernelError (the kernel got the same SIGINT); asyncio
+        # would log it with a traceback when the task is collected, after our one line. The kernel's own account
+        # is in the phase's kernel.log; the terminal gets one line.
+        import gc
+        import logging
+        logging.getLogger("asyncio").disabled = True
+        gc.collect()
         print("servelab: interrupted; everything measured so far is kept in the run directory", file=sys.stderr)
         return 130
 
