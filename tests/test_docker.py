@@ -145,20 +145,34 @@ def image(dockerd: Path, llama_server_binary: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def target_file(image: str, dockerd: Path) -> Path:
+def image_without_shell(image: str, dockerd: Path) -> str:
+    """The same engine image without ``sh``: nothing to ``docker exec`` the environment read with."""
+    (dockerd / "rootfs" / "bin" / "sh").unlink()
+    subprocess.run(["tar", "-C", str(dockerd / "rootfs"), "-cf", str(dockerd / "rootfs-nosh.tar"), "."], check=True)
+    r = docker("import", str(dockerd / "rootfs-nosh.tar"), IMAGE + "-nosh")
+    assert r.returncode == 0, r.stderr
+    return IMAGE + "-nosh"
+
+
+def _write_target(dockerd: Path, image: str, name: str) -> Path:
     """``local-tiny`` in docker mode: the image, the model mounted read-only at its own path, a secret and two
     NCCL variables in the environment. The node has no GPUs, so no ``--gpus``."""
     from servelab.target.models import resolve_model
     model = str(resolve_model("tiny"))
     raw = yaml.safe_load((ROOT / "params/targets/local-tiny.yaml").read_text())
-    raw["name"] = "local-tiny-docker"
+    raw["name"] = name
     raw["launch"] = {**raw["launch"], "mode": "docker",
                      "docker": {"image": image, "name": "tiny", "shm_size": "64m", "stop_grace_s": 5,
                                 "extra_args": ["-v", f"{model}:{model}:ro"]}}
     raw["env"] = {"HF_TOKEN": SECRET, "NCCL_DEBUG": "INFO", "NCCL_SOCKET_IFNAME": "lo"}
-    path = dockerd / "local-tiny-docker.yaml"
+    path = dockerd / f"{name}.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path
+
+
+@pytest.fixture(scope="module")
+def target_file(image: str, dockerd: Path) -> Path:
+    return _write_target(dockerd, image, "local-tiny-docker")
 
 
 @pytest.mark.slow
@@ -204,6 +218,21 @@ def test_serves_in_the_container_with_no_secret_in_argv_and_the_ranks_env_read_i
     commands = (run_dir / "commands.jsonl").read_text()
     assert SECRET not in commands and "--env-file" in commands
     assert '"stop", "-t", "5", "' + c.name in commands and '"rm", "-f", "' + c.name in commands
+
+
+@pytest.mark.slow
+def test_rank_environments_without_a_shell_in_the_image_come_from_the_hosts_proc(image_without_shell, dockerd,
+                                                                                 tmp_path):
+    target = load_target(str(_write_target(dockerd, image_without_shell, "local-tiny-docker-nosh")))
+    with ProcessTracker() as tracker:
+        srv = start_server(target, tmp_path / "logs", tracker, run_dir=tmp_path / "run-nosh", health_timeout_s=60)
+        assert docker("exec", srv.containers["local"].name, "sh", "-c", "true").returncode != 0
+        env = rank_environments(srv)
+        eng = env[env["process"] == "llama-server"].set_index("variable")
+        assert eng.loc["NCCL_DEBUG", "seen"] == "INFO" and eng.loc["NCCL_SOCKET_IFNAME", "verdict"] == "ok"
+        assert 1 not in set(eng["pid"])              # host pids (docker top), not the container's namespace
+        stop_server(srv, tracker)
+    assert containers_of("run-nosh") == []
 
 
 @pytest.mark.slow

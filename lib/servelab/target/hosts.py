@@ -314,6 +314,7 @@ class ProcessTracker:
     def __init__(self) -> None:
         self.entries: list[tuple[Any, Handle]] = []
         self._closed = False
+        self._term_before: Any = None
         atexit.register(self.stop_all)
 
     def start(self, host: Any, argv: list[str], log_path: str | Path, env: dict[str, str] | None = None,
@@ -349,8 +350,9 @@ class ProcessTracker:
             self.stop_all()
         finally:
             atexit.unregister(self.stop_all)
-            if getattr(self, "_term_before", None) is not None:
+            if self._term_before is not None:
                 signal.signal(signal.SIGTERM, self._term_before)
+                self._term_before = None
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:
