@@ -170,7 +170,7 @@ def start_server(target: Target, log_dir: Path, tracker: hostlib.ProcessTracker,
             h, c = containerlib.start_container(tracker, hosts[plan.node], plan.container, log,
                                                 run_dir.name if run_dir is not None else "")
             containers[plan.node], argv = c, c.argv
-            plan.argv = c.argv               # the plan shows what ran: this start's name and env file
+            plan.argv = c.argv               # srv.plans show what ran: this start's name and env file
             note = f"environment in a mode-0600 env file, removed at stop: {', '.join(plan.container.env) or 'none'}"
         else:
             h = tracker.start(hosts[plan.node], plan.argv, log, env=plan.env)
