@@ -251,6 +251,18 @@ def test_an_exception_or_ctrl_c_removes_the_container_and_its_env_file(target_fi
 
 
 @pytest.mark.slow
+def test_an_engine_that_cannot_start_in_the_container_fails_in_one_message_and_leaves_nothing(target_file, tmp_path):
+    from servelab.target.server import ServerError
+    target = load_target(str(target_file))
+    target.launch = {**target.launch, "binary": "/no/such/llama-server"}
+    with ProcessTracker() as tracker:
+        with pytest.raises(ServerError, match="exited before becoming healthy"):
+            start_server(target, tmp_path / "logs", tracker, run_dir=tmp_path / "run-fail", health_timeout_s=60)
+    assert containers_of("run-fail") == []
+    assert list(Path(tempfile.gettempdir()).glob("servelab-run-fail-*")) == []
+
+
+@pytest.mark.slow
 def test_a_sigkilled_docker_cli_does_not_leave_the_container_running(target_file, tmp_path):
     """SIGKILL cannot be passed on: the killed CLI leaves its container serving; stop removes it by name."""
     target = load_target(str(target_file))

@@ -227,7 +227,8 @@ def stop_server(srv: RunningServer, tracker: hostlib.ProcessTracker, run_dir: Pa
                                                   start=h.stopped, exit_code=h.exit_code,
                                                   note="process group TERM, then KILL after 10 s"))
         for n, c in srv.containers.items():
-            for r in c.stop_results:
+            done, c.stop_results = c.stop_results, []        # each teardown command recorded once
+            for r in done:
                 if isinstance(r, hostlib.Result):
                     record_command(run_dir, CommandRecord(label="executed", argv=r.argv, phase=phase, host=n,
                                                           title=f"stop container {c.name} on {n}", start=r.start,
