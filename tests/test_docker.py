@@ -335,6 +335,30 @@ def test_sigterm_to_the_process_running_the_phase_removes_the_container(target_f
     assert containers_of("run-term") == [] and not Path(private).exists()
 
 
+@pytest.mark.slow
+def test_a_sigkilled_kernel_still_takes_its_container_down(target_file, tmp_path):
+    """Nothing of ours runs after SIGKILL: the docker CLI gets SIGTERM from the kernel (parent-death signal) and
+    passes it on to the container, which stops and is removed (``--rm``)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "lib")}
+    p = subprocess.Popen([sys.executable, "-c", _PHASE, str(target_file), str(tmp_path / "logs"),
+                          str(tmp_path / "run-kill9")], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                         env=env, start_new_session=True)
+    private = ""
+    try:
+        name, private = p.stdout.readline().split()
+        assert containers_of("run-kill9") == [name]
+        p.kill()
+        p.wait(30)
+        deadline = time.monotonic() + 30
+        while containers_of("run-kill9") and time.monotonic() < deadline:
+            time.sleep(0.3)
+        assert containers_of("run-kill9") == []
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        remove_private_dir(LocalHost("local"), private)   # the one thing a killed process cannot remove
+
+
 # ---------------------------------------------------------------- no daemon needed
 
 def test_docker_plans_pass_names_only_and_gpus_only_where_the_node_has_gpus():
