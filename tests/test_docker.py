@@ -390,6 +390,45 @@ def test_bad_docker_settings_fail_in_one_line_before_anything_starts():
 
 
 @pytest.mark.slow
+def test_docker_mode_on_an_ssh_node(target_file, dockerd, tmp_path):
+    """The same over SSH (a real sshd on 127.0.0.4 whose sessions reach our dockerd): env file over SFTP, docker
+    run in the node's own session, the ranks' environment and the teardown through SSH."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from sshd import start_sshd
+    try:
+        sshd = start_sshd(tmp_path / "sshd", host="127.0.0.4",
+                          extra_config=(f"SetEnv DOCKER_HOST={os.environ['DOCKER_HOST']}",))
+    except (FileNotFoundError, subprocess.CalledProcessError) as exc:
+        pytest.skip(f"no sshd to test against: {exc}")
+    raw = yaml.safe_load(target_file.read_text())
+    raw.update(name="ssh-tiny-docker", api_host="127.0.0.4",
+               nodes=[{"name": "n4", "kind": "ssh", "role": "head", "host": "127.0.0.4", "port": sshd.port,
+                       "user": "root", "key_file": str(sshd.client_key), "known_hosts": str(sshd.known_hosts),
+                       "workdir": str(tmp_path / "work")}])
+    target = target_from_dict(raw, "ssh-tiny-docker")
+    try:
+        with ProcessTracker() as tracker:
+            srv = start_server(target, tmp_path / "logs", tracker, run_dir=tmp_path / "run-ssh", health_timeout_s=60)
+            c = srv.containers["n4"]
+            assert c.host.kind == "ssh" and containers_of("run-ssh") == [c.name]
+            assert srv.base_url.startswith("http://127.0.0.4:")
+            status, body = http_json(srv.base_url + "/v1/completions",
+                                     {"prompt": "hi", "max_tokens": 4, "ignore_eos": True}, timeout=60)
+            assert status == 200 and body["usage"]["completion_tokens"] == 4
+            assert stat.S_IMODE(os.stat(c.env_file).st_mode) == 0o600
+            args = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
+            assert SECRET not in args and c.name in args
+            env = rank_environments(srv)
+            eng = env[env["process"] == "llama-server"].set_index("variable")
+            assert eng.loc["NCCL_SOCKET_IFNAME", "seen"] == "lo" and eng.loc["NCCL_DEBUG", "verdict"] == "ok"
+            info = stop_server(srv, tracker, run_dir=tmp_path / "run-ssh")
+        assert info["containers"]["n4"]["removed"] and containers_of("run-ssh") == []
+        assert not Path(c.private_dir).exists()
+    finally:
+        sshd.stop()
+
+
+@pytest.mark.slow
 def test_env_file_on_an_ssh_node_is_written_over_sftp_with_mode_0600(tmp_path):
     """On an SSH node the env file is written through the hosts layer (SFTP: no value in any command line)."""
     sys.path.insert(0, str(Path(__file__).parent))
