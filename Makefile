@@ -4,7 +4,7 @@
 PY      ?= python3
 VENV    ?= .venv
 STAMP   := $(VENV)/.installed
-SYSTEM_PACKAGES := cmake ninja-build g++ openssh-server sysstat numactl ethtool chromium fonts-dejavu-core fonts-wqy-zenhei iproute2 procps util-linux
+SYSTEM_PACKAGES := cmake ninja-build g++ openssh-server sysstat numactl ethtool chromium fonts-dejavu-core fonts-wqy-zenhei iproute2 procps util-linux docker.io
 
 .PHONY: demo test lint env system clean-outputs
 

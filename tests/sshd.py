@@ -34,7 +34,8 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def start_sshd(d: Path, host: str = "127.0.0.1") -> TestSSHD:
+def start_sshd(d: Path, host: str = "127.0.0.1", extra_config: tuple[str, ...] = ()) -> TestSSHD:
+    """``extra_config``: further sshd_config lines (e.g. ``SetEnv DOCKER_HOST=...`` for the sessions)."""
     sshd = shutil.which("sshd") or "/usr/sbin/sshd"
     if not Path(sshd).exists():
         raise FileNotFoundError("sshd not installed (Debian package openssh-server; `make system` installs it)")
@@ -50,7 +51,7 @@ def start_sshd(d: Path, host: str = "127.0.0.1") -> TestSSHD:
                               f"PidFile {d / 'sshd.pid'}", f"AuthorizedKeysFile {d / 'authorized_keys'}",
                               "PubkeyAuthentication yes", "PasswordAuthentication no",
                               "KbdInteractiveAuthentication no", "PermitRootLogin prohibit-password", "UsePAM no",
-                              "StrictModes no", "Subsystem sftp /usr/lib/openssh/sftp-server", ""]))
+                              "StrictModes no", "Subsystem sftp /usr/lib/openssh/sftp-server", *extra_config, ""]))
     subprocess.run([sshd, "-t", "-f", str(cfg)], check=True)
     proc = subprocess.Popen([sshd, "-D", "-e", "-f", str(cfg)], stdout=subprocess.DEVNULL,
                             stderr=open(d / "sshd.log", "wb"), start_new_session=True)

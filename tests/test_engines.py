@@ -22,7 +22,11 @@ def test_sglang_tp16_two_nodes_in_docker():
         a = p.argv
         assert a[:2] == ["docker", "run"] and "--network" in a and flag(a, "--network") == "host"
         assert ["--device", "/dev/infiniband/uverbs3"] == a[a.index("/dev/infiniband/uverbs3") - 1:a.index("/dev/infiniband/uverbs3") + 1]
-        assert "NCCL_IB_HCA=mlx5_0,mlx5_3" in a and "SGLANG_TORCH_PROFILER_DIR=/data/profile/sglang" in a
+        # the environment goes in the env file, never into argv ("ps" on the node shows no value)
+        assert "--env-file" in a and "-e" not in a and not any("mlx5_0,mlx5_3" in x for x in a)
+        assert p.env == {} and p.container.env["NCCL_IB_HCA"] == "mlx5_0,mlx5_3"
+        assert p.container.env["SGLANG_TORCH_PROFILER_DIR"] == "/data/profile/sglang"
+        assert flag(a, "--gpus") == "all" and flag(a, "--name") == "dsv4pro-tp16"    # the nodes have gpus: 8
         i = a.index("sglang.launch_server")
         eng = a[i:]
         assert flag(eng, "--tp-size") == "16" and flag(eng, "--nnodes") == "2" and flag(eng, "--node-rank") == str(rank)

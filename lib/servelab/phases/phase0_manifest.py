@@ -21,7 +21,8 @@ from servelab.target.facts import (collect_facts, gguf_facts, nccl_env, port_sna
 from servelab.target.models import file_digest
 from servelab.phases.context import PhaseContext, log_command
 from servelab.core.run import redact, update_manifest, write_json_atomic
-from servelab.target.server import engine_info, is_healthy, plan_launch, rank_environments, start_server, stop_server
+from servelab.target.server import (engine_info, is_healthy, plan_launch, rank_environments, start_server, stop_server,
+                                    version_argv)
 
 
 @dataclass
@@ -151,7 +152,7 @@ def run_phase0(ctx: PhaseContext, start_engine: bool = True, health_timeout_s: f
                                health_timeout_s=health_timeout_s, hosts=nodes)
             model_path = srv.model_path
             info = engine_info(srv)
-            version_cmd = srv.engine.version_command(srv.plans[0].argv)
+            version_cmd = version_argv(srv)
             if version_cmd:
                 v = nodes[target.head.name].run(version_cmd, timeout=30)
                 info["version"] = (v.stdout + v.stderr).strip()

@@ -8,8 +8,8 @@
 - ``put(local, remote)``, ``get(remote, local)``, ``read_file(path)``, ``write_file(path, data)``
 
 Every started process belongs to a ``ProcessTracker``; ``with ProcessTracker() as t`` stops all of them
-on success, failure, KeyboardInterrupt and interpreter exit. SSH host keys are verified against
-known_hosts; accepting an unknown key is an explicit per-node option and is recorded.
+on success, failure, KeyboardInterrupt (SIGTERM included, while the tracker is open) and interpreter exit.
+SSH host keys are verified against known_hosts; accepting an unknown key is an explicit per-node option and is recorded.
 """
 from __future__ import annotations
 
@@ -314,6 +314,7 @@ class ProcessTracker:
     def __init__(self) -> None:
         self.entries: list[tuple[Any, Handle]] = []
         self._closed = False
+        self._term_before: Any = None
         atexit.register(self.stop_all)
 
     def start(self, host: Any, argv: list[str], log_path: str | Path, env: dict[str, str] | None = None,
@@ -341,11 +342,34 @@ class ProcessTracker:
         return [h for host, h in self.entries if h.stopped is None and host.is_running(h)]
 
     def __enter__(self) -> "ProcessTracker":
+        self._term_before = _term_as_interrupt()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.stop_all()
-        atexit.unregister(self.stop_all)
+        try:
+            self.stop_all()
+        finally:
+            atexit.unregister(self.stop_all)
+            if self._term_before is not None:
+                signal.signal(signal.SIGTERM, self._term_before)
+                self._term_before = None
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _term_as_interrupt() -> Any:
+    """SIGTERM (a kernel or a run being terminated) becomes KeyboardInterrupt — the Ctrl-C path, where every
+    tracked process and container is stopped — while a tracker is open. Only in the main thread and only where
+    SIGTERM had its default action; returns that action to restore, or None when nothing was changed."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    before = signal.getsignal(signal.SIGTERM)
+    if before is not signal.SIG_DFL:
+        return None
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    return before
 
 
 def free_port(host: str = "127.0.0.1") -> int:

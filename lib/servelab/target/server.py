@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from servelab.target import container as containerlib
 from servelab.target import hosts as hostlib
 from servelab.target.engines import engine_for
 from servelab.target.engines.base import LaunchPlan
@@ -38,6 +39,7 @@ class RunningServer:
     started: str
     ready_s: float
     facts: dict[str, Any] = field(default_factory=dict)
+    containers: dict[str, containerlib.RunningContainer] = field(default_factory=dict)   # mode=docker, per node
 
     @property
     def engine(self):
@@ -151,6 +153,7 @@ def start_server(target: Target, log_dir: Path, tracker: hostlib.ProcessTracker,
     engine = engine_for(target.engine)
     hosts = hosts or connect_nodes(target)
     handles: dict[str, hostlib.Handle] = {}
+    containers: dict[str, containerlib.RunningContainer] = {}
     logs: dict[str, str] = {}
     started = now_iso()
     head_plan = next(p for p in plans if p.role == "head")
@@ -162,12 +165,21 @@ def start_server(target: Target, log_dir: Path, tracker: hostlib.ProcessTracker,
         node = next(n for n in target.nodes if n.name == plan.node)
         log = (Path(node.workdir) / "logs" if node.kind == "ssh" and node.workdir else log_dir) / \
             f"{target.engine}_{plan.node}.log"
-        h = tracker.start(hosts[plan.node], plan.argv, log, env=plan.env)
+        argv, note = plan.argv, ""
+        if plan.container is not None:      # docker: env file + per-run name; the tracker tears it down
+            h, c = containerlib.start_container(tracker, hosts[plan.node], plan.container, log,
+                                                run_dir.name if run_dir is not None else "")
+            containers[plan.node], argv = c, c.argv
+            plan.argv = c.argv               # srv.plans show what ran: this start's name and env file
+            note = f"environment in a mode-0600 env file, removed at stop: {', '.join(plan.container.env) or 'none'}"
+        else:
+            h = tracker.start(hosts[plan.node], plan.argv, log, env=plan.env)
         handles[plan.node], logs[plan.node] = h, str(log)
         if run_dir is not None:
-            record_command(run_dir, CommandRecord(label="executed", argv=plan.argv, phase=phase,
+            record_command(run_dir, CommandRecord(label="executed", argv=argv, phase=phase,
                                                   title=f"start {target.engine} {plan.role} on {plan.node}",
-                                                  host=plan.node, env=plan.env, start=h.started, log=str(log)))
+                                                  host=plan.node, env=plan.env, start=h.started, log=str(log),
+                                                  note=note))
 
     base_url = f"http://{target.api_host}:{head_plan.port}"
     try:
@@ -183,7 +195,8 @@ def start_server(target: Target, log_dir: Path, tracker: hostlib.ProcessTracker,
     except BaseException:
         tracker.stop_all()
         raise
-    return RunningServer(target, base_url, head_plan.port, plans, handles, hosts, logs, model_path, started, ready)
+    return RunningServer(target, base_url, head_plan.port, plans, handles, hosts, logs, model_path, started, ready,
+                         containers=containers)
 
 
 def is_healthy(srv: RunningServer, timeout: float = 5.0) -> bool:
@@ -213,7 +226,24 @@ def stop_server(srv: RunningServer, tracker: hostlib.ProcessTracker, run_dir: Pa
                                                   title=f"stop {srv.target.engine} on {n}", host=n,
                                                   start=h.stopped, exit_code=h.exit_code,
                                                   note="process group TERM, then KILL after 10 s"))
+        for n, c in srv.containers.items():
+            done, c.stop_results = c.stop_results, []        # each teardown command recorded once
+            for r in done:
+                if isinstance(r, hostlib.Result):
+                    record_command(run_dir, CommandRecord(label="executed", argv=r.argv, phase=phase, host=n,
+                                                          title=f"stop container {c.name} on {n}", start=r.start,
+                                                          end=r.end, exit_code=r.exit_code))
+    if srv.containers:
+        info["containers"] = {n: {"name": c.name, "removed": c.removed} for n, c in srv.containers.items()}
     return info
+
+
+def version_argv(srv: RunningServer) -> list[str] | None:
+    """The command that prints the engine's version on the head node (inside its container in docker mode)."""
+    plan = next(p for p in srv.plans if p.role == "head")
+    argv = srv.engine.version_command(plan.container.engine_argv if plan.container else plan.argv)
+    c = srv.containers.get(plan.node)
+    return c.exec_argv(argv) if argv and c is not None else argv
 
 
 def engine_info(srv: RunningServer) -> dict[str, Any]:
@@ -282,9 +312,9 @@ _GROUP_ENV_SCRIPT = ('for p in $(ps -eo pid=,pgid= | awk -v g="$1" \'$2==g {prin
 def rank_environments(srv: RunningServer, prefixes: tuple[str, ...] = ENV_PREFIXES) -> "Any":
     """What each engine process on each node really saw: the communication variables in its environment.
 
-    NCCL variables passed to ``docker -e`` can be lost in SGLang's worker spawn (``docs/method.md#rank-env``); this reads
-    ``/proc/<pid>/environ`` of every process in the engine's process group on every node (the bare engine
-    and its spawned ranks; inside a container only if the container shares the host PID namespace) and
+    NCCL variables given to a container can be lost in SGLang's worker spawn (``docs/method.md#rank-env``); this reads
+    ``/proc/<pid>/environ`` of every process in the engine's process group on every node (the bare engine and its
+    spawned ranks) or, in docker mode, of every process inside the engine's container (``docker exec``), and
     compares with what the target asked for. One row per node, process and expected variable.
     """
     import pandas as pd
@@ -292,20 +322,15 @@ def rank_environments(srv: RunningServer, prefixes: tuple[str, ...] = ENV_PREFIX
     expected = {k: v for k, v in srv.target.env.items() if k.startswith(prefixes)}
     rows = []
     for node, h in srv.handles.items():
-        r = srv.hosts[node].run(["sh", "-c", _GROUP_ENV_SCRIPT, "servelab-env", str(h.pid)], timeout=30)
-        procs: dict[tuple[str, str], dict[str, str]] = {}
-        cur = None
-        for line in r.stdout.splitlines():
-            if line.startswith("PID "):
-                parts = line.split(" ", 2)
-                cur = (parts[1], parts[2] if len(parts) > 2 else "")
-                procs[cur] = {}
-            elif cur is not None and "=" in line:
-                k, v = line.split("=", 1)
-                if k.startswith(prefixes):
-                    procs[cur][k] = v
+        if node in srv.containers:           # the container's own processes, read through the runtime
+            procs, why = srv.containers[node].process_environments()
+            if why:
+                rows.append({"node": node, "pid": h.pid, "process": srv.containers[node].name, "variable": "-",
+                             "expected": "-", "seen": "-", "verdict": why})
+        else:
+            procs = _group_environments(srv.hosts[node], h.pid)
         for (pid, comm), env in procs.items():
-            env = redact_env(env)
+            env = redact_env({k: v for k, v in env.items() if k.startswith(prefixes)})
             keys = sorted(set(expected) | set(env))
             for k in keys or ["-"]:
                 want, got = expected.get(k), env.get(k)
@@ -314,3 +339,19 @@ def rank_environments(srv: RunningServer, prefixes: tuple[str, ...] = ENV_PREFIX
                              "verdict": ("ok" if want == got else "MISSING" if got is None else
                                          "extra" if want is None else "DIFFERENT") if k != "-" else "none set"})
     return pd.DataFrame(rows, columns=["node", "pid", "process", "variable", "expected", "seen", "verdict"])
+
+
+def _group_environments(host: Any, pgid: int) -> dict[tuple[str, str], dict[str, str]]:
+    """``{(pid, comm): env}`` of every process in a process group on a node (from ``/proc``)."""
+    r = host.run(["sh", "-c", _GROUP_ENV_SCRIPT, "servelab-env", str(pgid)], timeout=30)
+    procs: dict[tuple[str, str], dict[str, str]] = {}
+    cur = None
+    for line in r.stdout.splitlines():
+        if line.startswith("PID "):
+            parts = line.split(" ", 2)
+            cur = (parts[1], parts[2] if len(parts) > 2 else "")
+            procs[cur] = {}
+        elif cur is not None and "=" in line:
+            k, v = line.split("=", 1)
+            procs[cur][k] = v
+    return procs

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from servelab.core.params import ParamError, reject_unknown
+from servelab.target.container import ContainerSpec, container_spec, validate_docker
 
 # launch keys every engine understands (meaning documented per key)
 COMMON_LAUNCH_KEYS: dict[str, str] = {
@@ -36,7 +37,7 @@ COMMON_LAUNCH_KEYS: dict[str, str] = {
     "spec": "speculative decoding: {algorithm, draft_model, num_steps, topk, num_draft_tokens}",
     "profiler_dir": "where the engine's torch profiler writes traces",
     "nvtx_markers": "layer-wise NVTX markers (profiling runs only)",
-    "docker": "{image, name, devices, shm_size, extra_args} for mode=docker",
+    "docker": "{image, name, gpus, devices, shm_size, extra_args, stop_grace_s, client} for mode=docker",
     "python": "python interpreter on the node (bare mode)",
     "extra_args": "list of further engine arguments, passed verbatim as argv items",
     "dist_port": "port for multi-node rendezvous",
@@ -59,6 +60,7 @@ class LaunchPlan:
     ready: str = "http"              # how to know it is up: http (health path) | tcp (port open) | none
     ready_port: int = 0              # for ready=tcp
     ready_host: str = ""
+    container: ContainerSpec | None = None   # mode=docker: argv is its `docker run`, env goes in its env file
 
     def shell(self) -> str:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
@@ -156,8 +158,7 @@ class EngineAdapter:
         _check_argv(launch.get("extra_args"), f"{source}: launch.extra_args")
         docker = launch.get("docker")
         if docker is not None:
-            if not isinstance(docker, dict):
-                raise ParamError(f"{source}: launch.docker must be a mapping {{image, name, ...}}, got {docker!r}")
+            validate_docker(docker, source)
             _check_argv(docker.get("extra_args"), f"{source}: launch.docker.extra_args")
         spec = launch.get("spec")
         if spec:
@@ -276,20 +277,13 @@ class EngineAdapter:
         return None
 
 
-def docker_wrap(launch: dict[str, Any], argv: list[str], env: dict[str, str], port: int, name: str) -> list[str]:
-    """``docker run`` around an engine argv: host network, GPUs, IPC, the required devices, env by -e."""
-    d = launch.get("docker") or {}
-    if not d.get("image"):
-        raise ParamError("launch.mode=docker needs launch.docker.image")
-    out = ["docker", "run", "--rm", "--name", d.get("name", name), "--gpus", "all", "--network", "host",
-           "--ipc", "host", "--shm-size", str(d.get("shm_size", "32g"))]
-    for dev in d.get("devices", []):
-        out += ["--device", str(dev)]
-    for k, v in env.items():
-        out += ["-e", f"{k}={v}"]
-    out += [str(a) for a in d.get("extra_args", [])]
-    out += [d["image"], *argv]
-    return out
+def docker_plan(plan: LaunchPlan, launch: dict[str, Any], base_name: str, node_gpus: int = 0) -> LaunchPlan:
+    """``plan`` run in a container (``launch.mode: docker``): its argv becomes ``docker run`` (host network and IPC,
+    ``--gpus`` where the node has GPUs, the devices; the environment by an env file, never by value), its
+    environment moves into the container. ``target/container.py`` starts and stops it."""
+    spec = container_spec(launch, plan.argv, plan.env, base_name, node_gpus)
+    plan.argv, plan.env, plan.container = spec.run_argv(), {}, spec
+    return plan
 
 
 def json_arg(obj: Any) -> str:

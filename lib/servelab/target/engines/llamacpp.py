@@ -8,16 +8,21 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from servelab.target.engines.base import EngineAdapter, LaunchPlan
+from servelab.target.engines.base import EngineAdapter, LaunchPlan, docker_plan
 from servelab.core.params import ParamError
 from servelab.target.spec import Target
 
 
 def resolve_local_artifacts(target: Target) -> tuple[str, str]:
-    """(llama-server binary, model path), building/assembling them if needed."""
+    """(llama-server binary, model path), building/assembling them if needed. In a container the binary is the
+    image's (``launch.binary`` or ``llama-server`` on its PATH); the model file is the node's, mounted at the same
+    path (``launch.docker.extra_args: ["-v", "/models:/models:ro"]``)."""
     from servelab.target.llamacpp_build import ensure_llama_server
     from servelab.target.models import resolve_model
-    binary = target.launch.get("binary") or str(ensure_llama_server())
+    if target.launch.get("mode") == "docker":
+        binary = target.launch.get("binary") or "llama-server"
+    else:
+        binary = target.launch.get("binary") or str(ensure_llama_server())
     return binary, str(resolve_model(target.model))
 
 
@@ -97,7 +102,9 @@ class LlamaCppAdapter(EngineAdapter):
             from servelab.target.models import resolve_model
             draft = str(resolve_model(spec["draft_model"]))
         rpc = None
-        if len(target.nodes) > 1:
+        if len(target.nodes) > 1 and target.launch.get("mode") == "docker":
+            rpc = target.launch.get("rpc_binary") or "ggml-rpc-server"
+        elif len(target.nodes) > 1:
             from servelab.target.llamacpp_build import rpc_server
             rpc = target.launch.get("rpc_binary") or str(rpc_server())
         return self.launch_plans(target, port, binary=binary, model_path=model, draft_path=draft,
@@ -132,10 +139,8 @@ class LlamaCppAdapter(EngineAdapter):
     def validate_launch(self, launch: dict[str, Any], source: str) -> None:
         super().validate_launch(launch, source)
         for key in ("tp_size", "pp_size", "dp_size", "ep_size"):
-            if int(launch.get(key, 1)) != 1:
+            if launch.get(key) is not None and int(launch[key]) != 1:
                 raise ParamError(f"{source}: llama.cpp serves one process: launch.{key} must be 1")
-        if launch.get("mode", "bare") != "bare":
-            raise ParamError(f"{source}: the llamacpp engine runs bare (mode: bare)")
 
     def prefix_cache_counts(self, delta: Callable[[str], float | None]) -> tuple[float | None, float | None, str]:
         """llama.cpp's ``prompt_tokens_total`` excludes cached tokens (its own HELP text): the prompt total is
@@ -211,6 +216,9 @@ class LlamaCppAdapter(EngineAdapter):
         argv += [str(a) for a in la.get("extra_args", [])]
         plans.append(LaunchPlan(node=target.head.name, argv=argv, env=dict(target.env), port=port,
                                 health_path=self.health_path))
+        if la.get("mode") == "docker":
+            gpus = {n.name: n.gpus for n in target.nodes}
+            plans = [docker_plan(p, la, f"servelab-llamacpp-{p.node}", gpus.get(p.node, 0)) for p in plans]
         return plans
 
     def one_batch_bench_argv(self, target: Any, batch_size: int = 1, input_len: int = 1024,

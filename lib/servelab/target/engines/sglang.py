@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from servelab.target.engines.base import EngineAdapter, LaunchPlan, ProfileError, ProfileRequest, docker_wrap
+from servelab.target.engines.base import EngineAdapter, LaunchPlan, ProfileError, ProfileRequest, docker_plan
 from servelab.target.spec import Target
 
 # trace files of SGLang's profiler: ``[prefix-]{profile_id}-TP-{tp}[-DP-{dp}][-PP-{pp}][-EP-{ep}][-{stage}]
@@ -128,13 +128,11 @@ class SGLangAdapter(EngineAdapter):
             if nnodes > 1:
                 argv += ["--nnodes", str(nnodes), "--node-rank", str(rank),
                          "--dist-init-addr", f"{head.host}:{la.get('dist_port', 50000)}"]
+            plan = LaunchPlan(node=node.name, argv=argv, env=dict(env), port=port, health_path=self.health_path,
+                              role="head" if rank == 0 else "worker", ready="http" if rank == 0 else "none")
             if la.get("mode") == "docker":
-                argv = docker_wrap(la, argv, env, port, f"servelab-sglang-{node.name}")
-                plan_env: dict[str, str] = {}
-            else:
-                plan_env = env
-            plans.append(LaunchPlan(node=node.name, argv=argv, env=plan_env, port=port, health_path=self.health_path,
-                                    role="head" if rank == 0 else "worker", ready="http" if rank == 0 else "none"))
+                plan = docker_plan(plan, la, f"servelab-sglang-{node.name}", node.gpus)
+            plans.append(plan)
         return plans
 
     def one_batch_bench_argv(self, target: Any, batch_size: int = 1, input_len: int = 1024,

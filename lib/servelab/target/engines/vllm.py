@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
-from servelab.target.engines.base import (EngineAdapter, LaunchPlan, ProfileError, ProfileRequest, docker_wrap,
+from servelab.target.engines.base import (EngineAdapter, LaunchPlan, ProfileError, ProfileRequest, docker_plan,
                                           json_arg, name_rank_tokens)
 from servelab.target.spec import Target
 
@@ -145,12 +145,11 @@ class VLLMAdapter(EngineAdapter):
                          "--master-port", str(la.get("dist_port", 29501))]
                 if rank > 0:
                     argv += ["--headless"]
-            plan_env = env
+            plan = LaunchPlan(node=node.name, argv=argv, env=dict(env), port=port, health_path=self.health_path,
+                              role="head" if rank == 0 else "worker", ready="http" if rank == 0 else "none")
             if la.get("mode") == "docker":
-                argv = docker_wrap(la, argv, env, port, f"servelab-vllm-{node.name}")
-                plan_env = {}
-            plans.append(LaunchPlan(node=node.name, argv=argv, env=plan_env, port=port, health_path=self.health_path,
-                                    role="head" if rank == 0 else "worker", ready="http" if rank == 0 else "none"))
+                plan = docker_plan(plan, la, f"servelab-vllm-{node.name}", node.gpus)
+            plans.append(plan)
         return plans
 
     def layout_launch_settings(self, layout: Any) -> dict[str, Any]:
