@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from servelab.target import hosts as hostlib
+from servelab.target import start_checks
 from servelab.target.engines import engine_for
 from servelab.target.engines.base import LaunchPlan
 from servelab.target.spec import Target
@@ -143,13 +144,17 @@ def start_server(target: Target, log_dir: Path, tracker: hostlib.ProcessTracker,
                  hosts: dict[str, Any] | None = None) -> RunningServer:
     """Launch the engine on every node of ``target`` and wait until it is ready.
 
-    Order: connect to every node (fail before any start); start the workers; wait for those with a
+    Order: connect to every node (fail before any start); preflight on every node, once per run and target
+    (``target.start_checks``: a failed required check starts nothing); start the workers; wait for those with a
     readiness port; start the head; wait for its health probe while checking that every node's process
-    is still alive. Any failure stops everything already started (their logs are kept).
+    is still alive; a target with a ``gate:`` then has its rank logs judged by the transport gate. Any failure
+    stops everything already started (their logs are kept).
     """
+    target = start_checks.prepare(target)           # a gated target's engine prints NCCL INFO
     plans, model_path = plan_launch(target, port)
     engine = engine_for(target.engine)
     hosts = hosts or connect_nodes(target)
+    start_checks.before_launch(target, hosts, run_dir, phase, log_dir)
     handles: dict[str, hostlib.Handle] = {}
     logs: dict[str, str] = {}
     started = now_iso()
@@ -180,6 +185,7 @@ def start_server(target: Target, log_dir: Path, tracker: hostlib.ProcessTracker,
         launch(head_plan)
         ready = wait_healthy(base_url, engine.health_path, health_timeout_s, alive=alive,
                              log_path=logs[head_plan.node])
+        start_checks.after_healthy(target, hosts, logs, log_dir, run_dir, phase)
     except BaseException:
         tracker.stop_all()
         raise
