@@ -66,6 +66,13 @@ def validate_gate(gate: dict | None) -> dict:
         from servelab.core.params import did_you_mean
         k = sorted(unknown)[0]
         raise ValueError(f"unknown gate key '{k}'{did_you_mean(k, GATE_KEYS)}; known: {', '.join(sorted(GATE_KEYS))}")
+    for key in ("require", "required_hcas"):
+        v = gate.get(key)
+        if v is not None and not (isinstance(v, list) and all(isinstance(x, str) for x in v)):
+            raise ValueError(f"gate '{key}' must be a list of names, got {v!r}")
+    er = gate.get("expected_ranks")
+    if er is not None and (isinstance(er, bool) or not isinstance(er, int) or er < 1):
+        raise ValueError(f"gate 'expected_ranks' must be a whole number of ranks ≥ 1, got {er!r}")
     req = [str(x) for x in gate.get("require") or []]
     bad = [r for r in req if r not in KNOWN_REQUIREMENTS]
     if bad:

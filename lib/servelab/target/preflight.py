@@ -66,6 +66,10 @@ def validate_preflight(pre: dict | None, where: str = "preflight") -> dict:
         want = PREFLIGHT_KEYS[k]
         if not isinstance(v, want) or (isinstance(v, bool) and want in ((int, float),)):
             raise ParamError(f"{where}: preflight '{k}' has the wrong type ({v!r}); see docs/method.md#preflight")
+        if k in ("devices", "hcas", "netdevs") and isinstance(v, list) and not all(isinstance(x, str) for x in v):
+            raise ParamError(f"{where}: preflight '{k}' must list names, got {v!r}")
+        if k in ("disk_free_gb", "max_clock_offset_ms") and not (0 <= v < float("inf")):
+            raise ParamError(f"{where}: preflight '{k}' must be a finite number ≥ 0, got {v!r}")
         if k == "ports_free" and not all(isinstance(p, int) and not isinstance(p, bool) and 0 < p < 65536 for p in v):
             raise ParamError(f"{where}: preflight 'ports_free' must list ports 1..65535, got {v!r}")
     return pre
@@ -189,7 +193,7 @@ def check_hcas(host: Any, target: Target, node: Node) -> Check:
         else:
             good.append(f"{h} " + ", ".join(f"port {p} {s}" for p, s in ports[h]))
     if bad:
-        return Check(node.name, "hcas up", required, "failed", "; ".join(bad))
+        return Check(node.name, "hcas up", required, "failed", "; ".join(bad + good))
     return Check(node.name, "hcas up", required, "ok", "; ".join(good))
 
 
@@ -220,7 +224,7 @@ def check_netdevs(host: Any, target: Target, node: Node) -> Check:
         else:
             bad.append(f"{d}: operstate {state}{'' if up_flag else ', interface down'}")
     if bad:
-        return Check(node.name, "netdevs up", required, "failed", "; ".join(bad))
+        return Check(node.name, "netdevs up", required, "failed", "; ".join(bad + good))
     return Check(node.name, "netdevs up", required, "ok", ", ".join(good))
 
 
