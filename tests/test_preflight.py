@@ -204,6 +204,37 @@ def test_a_port_in_use_on_a_node_is_found_by_a_bind_test_there(nodes, tmp_path):
     assert rows(free, "ports free")["worker"]["result"] == "ok" and free.passed
 
 
+@pytest.mark.slow
+def test_the_gate_reads_every_nodes_log_over_ssh_and_names_the_offending_ranks(nodes, tmp_path, outputs):
+    """Each SSH node's engine log is fetched (SFTP) the way the engine start fetches it: the head's log is the
+    public IBext one (NVIDIA/nccl#1453), the worker's the public NET/Socket one (NVIDIA/nccl#952)."""
+    a, b, known = nodes
+    t = two_nodes(a, b, known, tmp_path, {})
+    t = target_from_dict({**{k: getattr(t, k) for k in ("name", "engine", "model")},
+                          "nodes": [vars(n) for n in t.nodes], "gate": {"require": ["NET/IB", "GDRDMA"]}})
+    rdir = init_run("gate-ssh", t.name)
+    hosts = connect_nodes(t)
+    try:
+        ok = after_healthy(t, hosts, {"head": str(PUBLIC / "nccl1453_tagged_ibext.log"),
+                                      "worker": str(PUBLIC / "nccl1453_tagged_ibext.log")},
+                           tmp_path / "ok", rdir, "phase1")
+        with pytest.raises(GateRefused) as ei:
+            after_healthy(t, hosts, {"head": str(PUBLIC / "nccl1453_tagged_ibext.log"),
+                                     "worker": str(PUBLIC / "nccl952_redacted_host.log")},
+                          tmp_path / "bad", rdir, "phase1")
+        with pytest.raises(GateRefused, match="engine log not collected from worker"):
+            after_healthy(t, hosts, {"head": str(PUBLIC / "nccl1453_tagged_ibext.log"),
+                                     "worker": str(tmp_path / "no-such.log")}, tmp_path / "gone", rdir, "phase1")
+    finally:
+        for h in hosts.values():
+            h.close()
+    assert ok.passed
+    assert "NET/Socket instead of NET/IB (ranks 15)" in str(ei.value)
+    assert (tmp_path / "bad" / GATE_LOG_DIR / "worker.log").read_bytes() == \
+        (PUBLIC / "nccl952_redacted_host.log").read_bytes()
+    assert read_manifest(rdir)["gate"]["passed"] is False
+
+
 # ---------------------------------------------------------------- the transport gate
 
 def test_the_gate_passes_a_real_public_ibext_log_read_the_way_the_engine_start_reads_it(tmp_path, outputs):

@@ -153,8 +153,9 @@ def start_server(target: Target, log_dir: Path, tracker: hostlib.ProcessTracker,
     target = start_checks.prepare(target)           # a gated target's engine prints NCCL INFO
     plans, model_path = plan_launch(target, port)
     engine = engine_for(target.engine)
+    owned = hosts is None
     hosts = hosts or connect_nodes(target)
-    start_checks.before_launch(target, hosts, run_dir, phase, log_dir)
+    start_checks.before_launch(target, hosts, run_dir, phase, log_dir, close_on_refusal=owned)
     handles: dict[str, hostlib.Handle] = {}
     logs: dict[str, str] = {}
     started = now_iso()

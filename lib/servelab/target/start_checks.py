@@ -29,10 +29,20 @@ def prepare(target: Target) -> Target:
 
 
 def before_launch(target: Target, hosts: dict[str, Any], run_dir: Path | None, phase: str,
-                  log_dir: Path) -> PreflightReport | None:
+                  log_dir: Path, close_on_refusal: bool = False) -> PreflightReport | None:
     """Preflight on every node before anything starts (reused from the manifest when this run already passed it
-    for this target). Raises ``PreflightFailed``."""
-    return ensure_preflight(target, hosts, run_dir=run_dir, phase=phase, local_work_dir=log_dir)
+    for this target). Raises ``PreflightFailed`` — after closing the node connections when ``close_on_refusal``
+    (the caller opened them only to start the engine)."""
+    try:
+        return ensure_preflight(target, hosts, run_dir=run_dir, phase=phase, local_work_dir=log_dir)
+    except BaseException:
+        if close_on_refusal:
+            for h in hosts.values():
+                try:
+                    h.close()
+                except Exception:       # closing a dead connection must not hide the refusal
+                    pass
+        raise
 
 
 def collect_rank_logs(hosts: dict[str, Any], log_paths: dict[str, str], dest: Path) -> dict[str, str]:
@@ -62,11 +72,14 @@ def after_healthy(target: Target, hosts: dict[str, Any], log_paths: dict[str, st
     dest = Path(log_dir) / GATE_LOG_DIR
     logs = collect_rank_logs(hosts, log_paths, dest)
     v = gate_from_folder(target.gate, dest)
+    if not v.configured:          # ``gate:`` present but requiring nothing: reported as such, nothing enforced
+        return v
     missing = {n: p for n, p in logs.items() if p.startswith("not collected")}
-    if missing and v.passed:      # a node whose log we could not read proves nothing: fail closed
+    if missing:                   # a node whose log we could not read proves nothing: fail closed
+        why = "engine log not collected from " + ", ".join(f"{n} ({p})" for n, p in missing.items())
+        v.reasons.append(why)
+        v.message = f"REFUSED — {why}. {v.message}" if v.passed else f"{v.message} [{len(v.reasons)}] {why}."
         v.passed = False
-        v.reasons.append("engine log not collected from " + ", ".join(f"{n} ({p})" for n, p in missing.items()))
-        v.message = "REFUSED — " + v.reasons[-1] + ". " + v.message
     if not v.passed:
         v.message += " The engine was stopped before any measurement."
     if run_dir is not None:
