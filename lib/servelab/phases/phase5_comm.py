@@ -169,7 +169,8 @@ def findings(data: Phase5Data, verdict: GateVerdict, msgs: pd.DataFrame | None =
         out.insert(0, f"At this run's engine start ({engine_gate.get('phase') or '-'}) the enforced transport gate said "
                       f"{engine_gate.get('verdict', '-')}" + ("; the engine was stopped and nothing was measured"
                                                               if engine_gate.get("engine_stopped") else "")
-                   + f": {engine_gate.get('message', '')}")
+                   + (" — " + "; ".join(r.split("; NCCL said")[0] for r in engine_gate["reasons"][:3])
+                      if engine_gate.get("reasons") else "") + ".")
     if data.info is not None:
         ref = check_gate(TWO_RAIL_GATE, data.info)
         out.append(f"The reference two-rail gate (mlx5_0 + mlx5_3, NET/IB + GDRDMA) on this INFO log{src}: "

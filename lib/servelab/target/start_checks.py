@@ -81,7 +81,7 @@ def after_healthy(target: Target, hosts: dict[str, Any], log_paths: dict[str, st
         v.message = f"REFUSED — {why}. {v.message}" if v.passed else f"{v.message} [{len(v.reasons)}] {why}."
         v.passed = False
     if not v.passed:
-        v.message += " The engine was stopped before any measurement."
+        v.message = v.message.rstrip(". ") + ". The engine was stopped before any measurement."
     if run_dir is not None:
         import json
         from servelab.core.run import update_manifest
