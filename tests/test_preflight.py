@@ -266,6 +266,25 @@ def test_the_gate_refuses_a_real_socket_fallback_log_and_says_so(tmp_path, outpu
     assert {r["rank"] for r in g["per_rank"]} == {10, 12, 15}
 
 
+def test_an_older_starts_nccl_lines_in_the_same_log_prove_nothing(tmp_path, outputs):
+    """A node's log is appended to across starts: only what this start wrote (from the size before it) is read."""
+    from servelab.target.start_checks import log_size
+    t = target_from_dict({"name": "gated", "engine": "llamacpp", "model": "tiny", "gate": {"require": ["NET/IB"]}})
+    log = tmp_path / "llamacpp_local.log"
+    host = LocalHost("local")
+    assert log_size(host, log) == 0
+    log.write_bytes((PUBLIC / "nccl1453_tagged_ibext.log").read_bytes())      # an earlier start that passed
+    before = log_size(host, log)
+    assert before == log.stat().st_size > 0
+    with log.open("a") as f:
+        f.write("main: server is listening on http://127.0.0.1:8080 - starting the main loop\n")
+    rdir = init_run("gate-offset", t.name)
+    assert after_healthy(t, {"local": host}, {"local": str(log)}, tmp_path / "all", rdir, "phase1").passed
+    with pytest.raises(GateRefused, match="no rank printed NCCL INFO lines"):
+        after_healthy(t, {"local": host}, {"local": str(log)}, tmp_path / "new", rdir, "phase1", {"local": before})
+    assert (tmp_path / "new" / GATE_LOG_DIR / "local.log").read_text().startswith("main: server is listening")
+
+
 def test_an_empty_rank_log_folder_is_refused(tmp_path):
     assert not gate_from_folder({"require": ["NET/IB"]}, tmp_path).passed
     assert gate_from_folder({}, tmp_path).verdict == "no gate configured"

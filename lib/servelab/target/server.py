@@ -158,6 +158,7 @@ def start_server(target: Target, log_dir: Path, tracker: hostlib.ProcessTracker,
     start_checks.before_launch(target, hosts, run_dir, phase, log_dir, close_on_refusal=owned)
     handles: dict[str, hostlib.Handle] = {}
     logs: dict[str, str] = {}
+    offsets: dict[str, int] = {}                   # where this start's lines begin in each (appended) log
     started = now_iso()
     head_plan = next(p for p in plans if p.role == "head")
 
@@ -168,6 +169,7 @@ def start_server(target: Target, log_dir: Path, tracker: hostlib.ProcessTracker,
         node = next(n for n in target.nodes if n.name == plan.node)
         log = (Path(node.workdir) / "logs" if node.kind == "ssh" and node.workdir else log_dir) / \
             f"{target.engine}_{plan.node}.log"
+        offsets[plan.node] = start_checks.log_size(hosts[plan.node], log) if target.gate else 0
         h = tracker.start(hosts[plan.node], plan.argv, log, env=plan.env)
         handles[plan.node], logs[plan.node] = h, str(log)
         if run_dir is not None:
@@ -186,7 +188,7 @@ def start_server(target: Target, log_dir: Path, tracker: hostlib.ProcessTracker,
         launch(head_plan)
         ready = wait_healthy(base_url, engine.health_path, health_timeout_s, alive=alive,
                              log_path=logs[head_plan.node])
-        start_checks.after_healthy(target, hosts, logs, log_dir, run_dir, phase)
+        start_checks.after_healthy(target, hosts, logs, log_dir, run_dir, phase, offsets)
     except BaseException:
         tracker.stop_all()
         raise

@@ -45,18 +45,25 @@ def before_launch(target: Target, hosts: dict[str, Any], run_dir: Path | None, p
         raise
 
 
-def collect_rank_logs(hosts: dict[str, Any], log_paths: dict[str, str], dest: Path) -> dict[str, str]:
-    """Every node's engine log copied into ``dest/<node>.log`` (SSH get or a local copy): node → local path,
-    or the error text for a node whose log could not be fetched."""
+def log_size(host: Any, path: str | Path) -> int:
+    """The size of a node's log file now (0 when it does not exist yet): where this start's lines will begin,
+    since a node's log is appended to across starts and runs."""
+    r = host.run(["stat", "-c", "%s", "--", str(path)], timeout=15)
+    out = r.stdout.strip()
+    return int(out) if r.ok and out.isdigit() else 0
+
+
+def collect_rank_logs(hosts: dict[str, Any], log_paths: dict[str, str], dest: Path,
+                      offsets: dict[str, int] | None = None) -> dict[str, str]:
+    """Every node's engine log — from ``offsets[node]`` on: only what this start wrote — copied into
+    ``dest/<node>.log`` (SFTP or a local read): node → local path, or the error text for a node whose log could not
+    be fetched."""
     dest.mkdir(parents=True, exist_ok=True)
     out = {}
     for node, remote in log_paths.items():
         local = dest / f"{node}.log"
         try:
-            if getattr(hosts[node], "kind", "") == "local":
-                local.write_bytes(Path(remote).read_bytes())
-            else:
-                hosts[node].get(remote, local)
+            local.write_bytes(hosts[node].read_file(remote)[(offsets or {}).get(node, 0):])
             out[node] = str(local)
         except Exception as exc:    # the verdict must say a node's log is missing, never crash on it
             out[node] = f"not collected: {exc}"
@@ -64,13 +71,14 @@ def collect_rank_logs(hosts: dict[str, Any], log_paths: dict[str, str], dest: Pa
 
 
 def after_healthy(target: Target, hosts: dict[str, Any], log_paths: dict[str, str], log_dir: Path,
-                  run_dir: Path | None, phase: str) -> Any:
-    """The transport gate on the running engine's rank logs; returns the verdict (``None`` without a gate) or
-    raises ``GateRefused``. The verdict goes to ``manifest["gate"]`` either way."""
+                  run_dir: Path | None, phase: str, offsets: dict[str, int] | None = None) -> Any:
+    """The transport gate on the running engine's rank logs (each from its ``offsets`` entry on: an older start's
+    lines in the same file prove nothing about this one); returns the verdict (``None`` without a gate) or raises
+    ``GateRefused``. The verdict goes to ``manifest["gate"]`` either way."""
     if not target.gate:
         return None
     dest = Path(log_dir) / GATE_LOG_DIR
-    logs = collect_rank_logs(hosts, log_paths, dest)
+    logs = collect_rank_logs(hosts, log_paths, dest, offsets)
     v = gate_from_folder(target.gate, dest)
     if not v.configured:          # ``gate:`` present but requiring nothing: reported as such, nothing enforced
         return v
