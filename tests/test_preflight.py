@@ -112,7 +112,7 @@ def test_local_preflight_required_and_advisory_and_not_applicable(tmp_path, outp
         busy.listen()
         port = busy.getsockname()[1]
         t = target_from_dict({**LOCAL_TINY, "preflight": {"netdevs": ["lo", "eth9"], "ports_free": [port],
-                                                          "disk_free_gb": 0.001}})
+                                                          "disk_free_gb": 0.001, "gpus_idle": True}})
         rep = run_preflight(t, {"local": LocalHost("local")}, tmp_path / "not-yet" / "made")
     assert not rep.passed
     assert rows(rep, "netdevs up")["local"]["result"] == "failed"
@@ -125,10 +125,44 @@ def test_local_preflight_required_and_advisory_and_not_applicable(tmp_path, outp
     assert h["result"] == "n/a" and h["required"] == "no"             # no HCA declared, none required
     if shutil.which("nvidia-smi") is None:
         g = rows(rep, "gpus idle")["local"]
-        assert g["result"] == "n/a" and "gpus: 0" in g["detail"] and g["required"] == "no"
+        assert g["result"] == "n/a" and "gpus: 0" in g["detail"]      # required, but nothing to check: not a failure
+        assert "gpus" not in rep.reason
     assert rows(rep, "clock offset")["local"]["result"] == "n/a"        # the head is the reference clock
     assert "\n" not in rep.reason and "eth9" in rep.reason and str(port) in rep.reason
     assert set(rep.table["result"]) <= {"ok", "failed", "n/a"}
+
+
+SMI = Path(__file__).parent / "data" / "nvidia_smi_h200"      # real nvidia-smi output of an H200; origin in README.md
+
+
+class RecordedSmiHost(LocalHost):
+    """This machine, except that ``nvidia-smi`` answers with what a real H200 node printed (``SMI``)."""
+
+    def __init__(self, state: str):
+        super().__init__("gpu-node")
+        self.state = state
+
+    def run(self, argv, env=None, cwd=None, timeout=60):
+        if argv[0] != "nvidia-smi":
+            return super().run(argv, env, cwd, timeout)
+        what = "query_gpu" if argv[1].startswith("--query-gpu=") else "compute_apps"
+        return super().run(["cat", str(SMI / f"{what}_{self.state}.csv")], timeout=timeout)
+
+
+def test_gpus_visible_and_idle_from_real_h200_output():
+    from servelab.target.preflight import check_gpus
+    t = target_from_dict({"name": "g", "engine": "llamacpp", "model": "tiny", "preflight": {"gpus_idle": True},
+                          "nodes": [{"name": "gpu-node", "gpus": 1}]})
+    vis, idle = check_gpus(RecordedSmiHost("idle"), t, t.nodes[0])
+    assert (vis.result, vis.required) == ("ok", True) and "1 visible (NVIDIA H200)" in vis.detail
+    assert idle.result == "ok" and "no compute process" in idle.detail and "0 MiB" in idle.detail
+    vis, idle = check_gpus(RecordedSmiHost("busy"), t, t.nodes[0])
+    assert vis.result == "ok" and idle.result == "failed"
+    assert idle.detail == "1 compute process(es) hold GPUs: pid 552 /opt/torch/.venv/bin/python3 (4614 MiB)"
+    eight = target_from_dict({"name": "g", "engine": "llamacpp", "model": "tiny", "preflight": {"gpus_idle": True},
+                              "nodes": [{"name": "gpu-node", "gpus": 8}]})
+    vis, _ = check_gpus(RecordedSmiHost("idle"), eight, eight.nodes[0])
+    assert vis.result == "failed" and vis.detail == "1 GPU(s) visible, the node declares 8"
 
 
 # ---------------------------------------------------------------- preflight on two SSH nodes

@@ -14,7 +14,8 @@ Keys of ``preflight:`` (all optional)::
     hcas: true                       # every node's ``hcas`` (or a list) have a port in state ACTIVE
     netdevs: [eth0, eth3]            # up on every node (``true``: each node's own ``netdevs``)
     ports_free: [30000, 50000]       # a bind test on every node succeeds
-    gpus_idle: true                  # each node's declared GPUs visible, no compute process on any
+    gpus_idle: true                  # each node's declared GPUs visible, no compute process on any (n/a on a
+                                     # node with gpus: 0 and no nvidia-smi)
     disk_free_gb: 50                 # free space in each node's work directory
     max_clock_offset_ms: 5           # |offset to the head| + its uncertainty stays below this
 
@@ -229,7 +230,7 @@ def check_netdevs(host: Any, target: Target, node: Node) -> Check:
 
 
 def check_gpus(host: Any, target: Target, node: Node) -> list[Check]:
-    required = bool(target.preflight.get("gpus_idle")) and node.gpus > 0
+    required = bool(target.preflight.get("gpus_idle"))
     q = host.run(["nvidia-smi", "--query-gpu=index,name,memory.used,memory.total",
                   "--format=csv,noheader,nounits"], timeout=60)
     if q.exit_code == 127 or "not found" in q.stderr and not q.stdout:
@@ -238,7 +239,8 @@ def check_gpus(host: Any, target: Target, node: Node) -> list[Check]:
             return [Check(node.name, "gpus visible", required, "failed", detail),
                     Check(node.name, "gpus idle", required, "failed", "cannot tell without nvidia-smi")]
         na = "no nvidia-smi and the node declares gpus: 0 — nothing to check"
-        return [Check(node.name, "gpus visible", False, "n/a", na), Check(node.name, "gpus idle", False, "n/a", na)]
+        return [Check(node.name, "gpus visible", required, "n/a", na),
+                Check(node.name, "gpus idle", required, "n/a", na)]
     if not q.ok:
         err = (q.stderr or q.stdout).strip().splitlines()
         detail = f"nvidia-smi failed (exit {q.exit_code}): {err[0] if err else 'no output'}"
