@@ -104,6 +104,20 @@ def test_a_gated_target_starts_with_nccl_info_and_an_ungated_one_unchanged():
     assert gate_env({"NCCL_DEBUG_SUBSYS": "ALL"})["NCCL_DEBUG_SUBSYS"] == "ALL"
 
 
+def test_start_check_snapshots_are_volatile_in_an_ab_manifest_diff(tmp_path):
+    """Two runs' preflight (free disk, clock offsets, when) and gate records differ by nature: no A/B confound."""
+    from servelab.measure.abtest import RunRef, diff_manifests
+    a = {"launch": {"settings": {"parallel": 4}}, "preflight": {"when": "t1", "clock": {"w": {"offset_ms": 0.1}},
+                                                               "checks": [{"detail": "78.3 GB free"}]},
+         "gate": {"when": "t1", "logs": {"head": "/a/head.log"}}}
+    b = {"launch": {"settings": {"parallel": 8}}, "preflight": {"when": "t2", "clock": {"w": {"offset_ms": -0.2}},
+                                                               "checks": [{"detail": "77.9 GB free"}]},
+         "gate": {"when": "t2", "logs": {"head": "/b/head.log"}}}
+    d = diff_manifests([RunRef("a", tmp_path, a, "A"), RunRef("b", tmp_path, b, "B")], "parallel")
+    status = dict(zip(d["key"], d["status"]))
+    assert status.pop("launch.settings.parallel") == "declared" and set(status.values()) == {"volatile"}
+
+
 # ---------------------------------------------------------------- preflight on this machine
 
 def test_local_preflight_required_and_advisory_and_not_applicable(tmp_path, outputs):
