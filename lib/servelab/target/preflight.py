@@ -390,20 +390,22 @@ def clock_checks(target: Target, hosts: dict[str, Any]) -> tuple[list[Check], di
     return checks, clock
 
 
+# each node check, the rows it yields, and the preflight key that makes them required
+_NODE_CHECKS = ((check_devices, ("rdma devices",), "devices"), (check_hcas, ("hcas up",), "hcas"),
+                (check_netdevs, ("netdevs up",), "netdevs"), (check_gpus, ("gpus visible", "gpus idle"), "gpus_idle"),
+                (check_ports, ("ports free",), "ports_free"))
+
+
 def _node_checks(host: Any, target: Target, node: Node, work_dir: str) -> list[Check]:
     out: list[Check] = []
-    for fn in (check_devices, check_hcas, check_netdevs, check_gpus, check_ports):
-        name = {check_devices: ["rdma devices"], check_hcas: ["hcas up"], check_netdevs: ["netdevs up"],
-                check_gpus: ["gpus visible", "gpus idle"], check_ports: ["ports free"]}[fn]
+    calls = [(lambda fn=fn: fn(host, target, node), names, key) for fn, names, key in _NODE_CHECKS]
+    calls.append((lambda: check_disk(host, target, node, work_dir), ("disk free",), "disk_free_gb"))
+    for call, names, key in calls:
         try:
-            res = fn(host, target, node)
+            res = call()
             out += res if isinstance(res, list) else [res]
         except Exception as exc:   # a node that stops answering mid-check fails that check, visibly
-            out += [Check(node.name, n, True, "failed", f"could not run: {exc}") for n in name]
-    try:
-        out.append(check_disk(host, target, node, work_dir))
-    except Exception as exc:
-        out.append(Check(node.name, "disk free", True, "failed", f"could not run: {exc}"))
+            out += [Check(node.name, n, key in target.preflight, "failed", f"could not run: {exc}") for n in names]
     return out
 
 
