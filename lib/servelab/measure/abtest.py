@@ -65,7 +65,10 @@ ALIASES: dict[str, str] = {"output_throughput": "output_tps", "p95_e2el_ms": "p9
 VOLATILE_PATTERNS = (r"^run_id$", r"created$", r"updated$", r"started$", r"ended$", r"\.log$", r"\.headline\.",
                      r"\.status$", r"\.notes", r"^phases\.[^.]+\.params\.run_id$", r"^phases\.[^.]+\.notebook$",
                      r"^hosts\.[^.]+\.(gpu_query|containers|addresses|memory_used|uptime|date)$",
-                     r"^security", r"\.ready_s$", r"^phases\.[^.]+\.from_samples$", r"^phases\.[^.]+\.not_executed")
+                     r"^security", r"\.ready_s$", r"^phases\.[^.]+\.from_samples$", r"^phases\.[^.]+\.not_executed",
+                     # the start checks' snapshots (free disk, clock offsets, log paths, when): a refused check
+                     # never reaches a measurement, so a passing one is no setting of the run
+                     r"^preflight\.", r"^gate\.")
 NOT_ANSWERED = "not answered"
 
 

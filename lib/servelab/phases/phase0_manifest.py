@@ -21,8 +21,9 @@ from servelab.target.facts import (collect_facts, gguf_facts, nccl_env, port_sna
 from servelab.target.models import file_digest
 from servelab.phases.context import PhaseContext, log_command
 from servelab.core.run import redact, update_manifest, write_json_atomic
-from servelab.target.server import (engine_info, is_healthy, plan_launch, rank_environments, start_server, stop_server,
-                                    version_argv)
+from servelab.target.preflight import PreflightFailed, PreflightReport, ensure_preflight
+from servelab.target.server import (connect_nodes, engine_info, is_healthy, plan_launch, rank_environments,
+                                    start_server, stop_server, version_argv)
 
 
 @dataclass
@@ -40,6 +41,7 @@ class Phase0Result:
     leftovers_after: pd.DataFrame
     rank_env: pd.DataFrame = field(default_factory=pd.DataFrame)
     server: dict[str, Any] = field(default_factory=dict)
+    preflight: PreflightReport | None = None
 
 
 def _kv(rows: dict[str, Any], key: str = "item") -> pd.DataFrame:
@@ -131,8 +133,31 @@ def descendants(procs: pd.DataFrame, roots: dict[str, int]) -> pd.DataFrame:
     return procs[mask].reset_index(drop=True)
 
 
-def run_phase0(ctx: PhaseContext, start_engine: bool = True, health_timeout_s: float = 900.0) -> Phase0Result:
-    """Collect the Phase 0 facts on every node; start the engine, record how it runs, stop it, verify cleanup."""
+def preflight(ctx: PhaseContext) -> PreflightReport:
+    """The preflight on every node (``docs/method.md#preflight``), run afresh — Phase 0 freezes the environment —
+    and recorded in ``manifest["preflight"]`` (the later phases of this run reuse it) and ``preflight.csv``.
+    Returns the report even when a required check failed: the page shows the table, then :func:`run_phase0`
+    refuses to go on."""
+    hosts = connect_nodes(ctx.target)
+    try:
+        try:
+            report = ensure_preflight(ctx.target, hosts, run_dir=ctx.run_dir, phase=ctx.phase, force=True)
+        except PreflightFailed as exc:
+            report = exc.report
+    finally:
+        for h in hosts.values():
+            h.close()
+    assert report is not None
+    report.table.to_csv(ctx.phase_dir / "preflight.csv", index=False)
+    return report
+
+
+def run_phase0(ctx: PhaseContext, start_engine: bool = True, health_timeout_s: float = 900.0,
+               preflight: PreflightReport | None = None) -> Phase0Result:
+    """Collect the Phase 0 facts on every node; start the engine, record how it runs, stop it, verify cleanup.
+    A ``preflight`` report with a failed required check stops here, before anything is started."""
+    if preflight is not None and not preflight.passed:
+        raise PreflightFailed(preflight)
     target = ctx.target
     raw = ctx.phase_dir / "raw"
     nodes = {n.name: hostlib.connect(n) for n in target.nodes}
@@ -200,7 +225,8 @@ def run_phase0(ctx: PhaseContext, start_engine: bool = True, health_timeout_s: f
         engine=_kv(engine_rows, "field"), model=model_facts(model_path, target.is_local),
         settings=engine_settings(target.launch, target.engine, info), comm_env=nccl_env(target.env),
         processes_before=procs_before, ports_before=ports_before, processes_started=procs_started,
-        ports_opened=ports_opened, leftovers_after=leftovers, rank_env=rank_env, server=server_info)
+        ports_opened=ports_opened, leftovers_after=leftovers, rank_env=rank_env, server=server_info,
+        preflight=preflight)
     write_json_atomic(ctx.phase_dir / "engine_info.json", redact(info))
     facts.to_csv(ctx.phase_dir / "facts.csv", index=False)
     result.settings.to_csv(ctx.phase_dir / "settings.csv", index=False)
@@ -243,6 +269,15 @@ def findings(result: Phase0Result, start_engine: bool = True) -> list[str]:
         t = sett.loc["topology TP/PP/DP/EP"]
         out.append(f"Topology TP/PP/DP/EP {t['configured']} configured, {t['live']} live, on {len(nodes)} node(s) "
                    f"({', '.join(nodes)}; {gpu_text}).")
+    if result.preflight is not None:
+        pre = result.preflight
+        adv = [c for c in pre.checks if not c.required and c.result == "failed"]
+        req = [c for c in pre.checks if c.required]
+        out.append(f"Preflight passed on {len({c.node for c in pre.checks})} node(s): "
+                   + (f"{sum(c.result == 'ok' for c in req)} required check(s) ok" if req else
+                      "no check required by the target (all advisory)")
+                   + ("; advisory failures: " + "; ".join(f"{c.node} {c.check} — {c.detail}" for c in adv)
+                      if adv else "") + ".")
     if result.server.get("started"):
         left = len(result.leftovers_after)
         out.append(f"The engine became healthy in {float(result.server.get('ready_s', 0.0)):.2f} s and was stopped; "

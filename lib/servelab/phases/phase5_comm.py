@@ -10,8 +10,8 @@ from typing import Any
 
 import pandas as pd
 
-from servelab.analyse.nccl.gate import GateVerdict, check_gate, verdict_table
-from servelab.analyse.nccl.info_log import NcclInfo, parse_info, parse_info_files, transport_table
+from servelab.target.nccl_gate import GateVerdict, check_gate, verdict_table
+from servelab.target.nccl_info import NcclInfo, parse_info, parse_info_files, transport_table
 from servelab.analyse.nccl.msgsize import model_message_sizes, place_on_curves
 from servelab.analyse.nccl.perf_log import NcclTestRun, parse_file, runs_frame, runs_table
 from servelab.core.paths import samples_root
@@ -103,6 +103,29 @@ def gate_for_target(ctx: Any, data: Phase5Data) -> GateVerdict:
     return v
 
 
+def engine_gate_record(ctx: Any) -> dict[str, Any]:
+    """The transport gate as judged at this run's last engine start (``manifest["gate"]``, written by the engine
+    start of a target that declares ``gate:``); ``{}`` when no gated engine was started in this run."""
+    from servelab.core.run import read_manifest
+    return dict(read_manifest(Path(ctx.run_dir)).get("gate") or {})
+
+
+def engine_gate(ctx: Any) -> pd.DataFrame:
+    """The run's enforced gate verdict, from the manifest: which phase started the engine, when, the verdict,
+    its message and each reason, and the rank logs it read (``docs/method.md#transport-gate``)."""
+    g = engine_gate_record(ctx)
+    if not g:
+        why = ("the target declares no gate" if not ctx.target.gate else
+               "no engine of this target was started in this run yet (Phase 0 or 1 starts one)")
+        return pd.DataFrame([{"item": "verdict", "value": "not judged"}, {"item": "why", "value": why}])
+    rows = [("verdict", g.get("verdict", "-")), ("judged at the engine start of", g.get("phase") or "-"),
+            ("when", g.get("when", "-")), ("engine", "stopped by the gate" if g.get("engine_stopped") else "kept running"),
+            ("message", g.get("message", "-"))]
+    rows += [(f"reason {i + 1}", r) for i, r in enumerate(g.get("reasons") or [])]
+    rows += [(f"log of {n}", p) for n, p in sorted((g.get("logs") or {}).items())]
+    return pd.DataFrame(rows, columns=["item", "value"])
+
+
 def two_rail_gate_on_log(data: Phase5Data) -> pd.DataFrame:
     """What the reference two-rail gate (mlx5_0 + mlx5_3 with NET/IB + GDRDMA, ``docs/method.md#transport-gate``)
     says about this log — for a
@@ -130,7 +153,7 @@ def _size(nbytes: float) -> str:
 
 
 def findings(data: Phase5Data, verdict: GateVerdict, msgs: pd.DataFrame | None = None,
-             from_samples: bool = False) -> list[str]:
+             from_samples: bool = False, engine_gate: dict[str, Any] | None = None) -> list[str]:
     """What Phase 5 found, in sentences for the page's findings box: the transport gate's verdict, the bus
     bandwidth and time the model's own messages get on the measured curves, the peaks they are far from, and the
     runs' status."""
@@ -142,6 +165,12 @@ def findings(data: Phase5Data, verdict: GateVerdict, msgs: pd.DataFrame | None =
                + "."]
     else:
         out = [f"Transport gate: {verdict.message}."]
+    if engine_gate:
+        out.insert(0, f"At this run's engine start ({engine_gate.get('phase') or '-'}) the enforced transport gate said "
+                      f"{engine_gate.get('verdict', '-')}" + ("; the engine was stopped and nothing was measured"
+                                                              if engine_gate.get("engine_stopped") else "")
+                   + (" — " + "; ".join(r.split("; NCCL said")[0] for r in engine_gate["reasons"][:3])
+                      if engine_gate.get("reasons") else "") + ".")
     if data.info is not None:
         ref = check_gate(TWO_RAIL_GATE, data.info)
         out.append(f"The reference two-rail gate (mlx5_0 + mlx5_3, NET/IB + GDRDMA) on this INFO log{src}: "

@@ -16,6 +16,7 @@ from typing import Any
 
 from servelab.target import container as containerlib
 from servelab.target import hosts as hostlib
+from servelab.target import start_checks
 from servelab.target.engines import engine_for
 from servelab.target.engines.base import LaunchPlan
 from servelab.target.spec import Target
@@ -145,16 +146,22 @@ def start_server(target: Target, log_dir: Path, tracker: hostlib.ProcessTracker,
                  hosts: dict[str, Any] | None = None) -> RunningServer:
     """Launch the engine on every node of ``target`` and wait until it is ready.
 
-    Order: connect to every node (fail before any start); start the workers; wait for those with a
+    Order: connect to every node (fail before any start); preflight on every node, once per run and target
+    (``target.start_checks``: a failed required check starts nothing); start the workers; wait for those with a
     readiness port; start the head; wait for its health probe while checking that every node's process
-    is still alive. Any failure stops everything already started (their logs are kept).
+    is still alive; a target with a ``gate:`` then has its rank logs judged by the transport gate. Any failure
+    stops everything already started (their logs are kept).
     """
+    target = start_checks.prepare(target)           # a gated target's engine prints NCCL INFO
     plans, model_path = plan_launch(target, port)
     engine = engine_for(target.engine)
+    owned = hosts is None
     hosts = hosts or connect_nodes(target)
+    start_checks.before_launch(target, hosts, run_dir, phase, log_dir, close_on_refusal=owned)
     handles: dict[str, hostlib.Handle] = {}
     containers: dict[str, containerlib.RunningContainer] = {}
     logs: dict[str, str] = {}
+    offsets: dict[str, int] = {}                   # where this start's lines begin in each (appended) log
     started = now_iso()
     head_plan = next(p for p in plans if p.role == "head")
 
@@ -165,6 +172,7 @@ def start_server(target: Target, log_dir: Path, tracker: hostlib.ProcessTracker,
         node = next(n for n in target.nodes if n.name == plan.node)
         log = (Path(node.workdir) / "logs" if node.kind == "ssh" and node.workdir else log_dir) / \
             f"{target.engine}_{plan.node}.log"
+        offsets[plan.node] = start_checks.log_size(hosts[plan.node], log) if target.gate else 0
         argv, note = plan.argv, ""
         if plan.container is not None:      # docker: env file + per-run name; the tracker tears it down
             h, c = containerlib.start_container(tracker, hosts[plan.node], plan.container, log,
@@ -192,6 +200,7 @@ def start_server(target: Target, log_dir: Path, tracker: hostlib.ProcessTracker,
         launch(head_plan)
         ready = wait_healthy(base_url, engine.health_path, health_timeout_s, alive=alive,
                              log_path=logs[head_plan.node])
+        start_checks.after_healthy(target, hosts, logs, log_dir, run_dir, phase, offsets)
     except BaseException:
         tracker.stop_all()
         raise

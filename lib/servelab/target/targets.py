@@ -9,6 +9,8 @@ import yaml
 from servelab.core.params import ParamError, did_you_mean, reject_unknown
 from servelab.core.paths import project_root
 from servelab.target.engines import ADAPTERS, engine_for
+from servelab.target.nccl_gate import validate_gate
+from servelab.target.preflight import validate_preflight
 from servelab.target.spec import Node, Target
 
 ENGINES = set(ADAPTERS)
@@ -93,6 +95,11 @@ def target_from_dict(raw: dict, source: str = "<dict>") -> Target:
     body["env"] = {str(k): str(v) for k, v in (raw.get("env") or {}).items()}
     for key in ("launch", "gate", "preflight"):
         body[key] = body.get(key) or {}
+    try:
+        validate_gate(body["gate"])
+    except ValueError as exc:
+        raise ParamError(f"{source}: gate: {exc}") from None
+    validate_preflight(body["preflight"], source)
     target = Target(**body, nodes=nodes, source=source)
     engine_for(target.engine).validate_launch(target.launch, source)
     return target

@@ -14,8 +14,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from servelab.analyse.nccl.gate import check_gate
-from servelab.analyse.nccl.info_log import parse_info_files, transport_table
+from servelab.target.nccl_gate import check_gate
+from servelab.target.nccl_info import parse_info_files, transport_table
 from servelab.analyse.nccl.perf_log import parse_file, runs_frame, runs_table
 from servelab.analyse.nccl.perf_tests import DEFAULT_COLLECTIVES, run_tests
 

@@ -13,16 +13,26 @@ Rules, all of which must hold: every expected rank printed INFO lines; at least 
 exists (a single-node run has none and cannot prove anything about the rails); no NET channel uses
 another transport than NET/IB; every NET/IB channel says GDRDMA; on each host the NET/IB channels
 together use every required HCA (HCA names come from the ``NET/IB : Using [i]<hca>:<port>`` line).
+
+Enforced at every engine start of a target that declares a gate (``servelab.target.start_checks``): the engine
+starts with :data:`GATE_ENV` added to its environment, and once it is healthy :func:`gate_from_folder` judges the
+rank logs collected from every node — the same function that judges any folder of rank logs.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
-from servelab.analyse.nccl.info_log import NcclInfo, transport_table
+from servelab.target.nccl_info import NcclInfo, parse_info, parse_info_files, transport_table
 
 GATE_KEYS = {"required_hcas", "require", "expected_ranks"}
+# what a gated engine starts with: INIT names the ranks (ncclCommInitRank), NET the transports and HCAs
+GATE_ENV = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET"}
+RANK_LOG_GLOB = "*.log"
 KNOWN_REQUIREMENTS = {"NET/IB", "GDRDMA"}
 
 
@@ -56,6 +66,13 @@ def validate_gate(gate: dict | None) -> dict:
         from servelab.core.params import did_you_mean
         k = sorted(unknown)[0]
         raise ValueError(f"unknown gate key '{k}'{did_you_mean(k, GATE_KEYS)}; known: {', '.join(sorted(GATE_KEYS))}")
+    for key in ("require", "required_hcas"):
+        v = gate.get(key)
+        if v is not None and not (isinstance(v, list) and all(isinstance(x, str) for x in v)):
+            raise ValueError(f"gate '{key}' must be a list of names, got {v!r}")
+    er = gate.get("expected_ranks")
+    if er is not None and (isinstance(er, bool) or not isinstance(er, int) or er < 1):
+        raise ValueError(f"gate 'expected_ranks' must be a whole number of ranks ≥ 1, got {er!r}")
     req = [str(x) for x in gate.get("require") or []]
     bad = [r for r in req if r not in KNOWN_REQUIREMENTS]
     if bad:
@@ -156,3 +173,32 @@ def verdict_table(v: GateVerdict) -> pd.DataFrame:
     rows = [{"item": "verdict", "value": v.verdict}, {"item": "message", "value": v.message}]
     rows += [{"item": f"reason {i + 1}", "value": r} for i, r in enumerate(v.reasons)]
     return pd.DataFrame(rows)
+
+
+def gate_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with what the gate needs to read: ``NCCL_DEBUG=INFO`` (overriding a quieter level) and the ``INIT``
+    and ``NET`` subsystems added to any ``NCCL_DEBUG_SUBSYS`` already set (``ALL`` is kept as it is)."""
+    out = dict(env)
+    out["NCCL_DEBUG"] = GATE_ENV["NCCL_DEBUG"]
+    have = [s.strip() for s in out.get("NCCL_DEBUG_SUBSYS", "").split(",") if s.strip()]
+    if "ALL" not in (s.upper() for s in have):
+        want = GATE_ENV["NCCL_DEBUG_SUBSYS"].split(",")
+        have = [s for s in have if not s.startswith("^")] + [w for w in want if w not in (h.upper() for h in have)]
+        out["NCCL_DEBUG_SUBSYS"] = ",".join(have)
+    return out
+
+
+def with_gate_env(target: Any) -> Any:
+    """The target unchanged when it declares no gate; else a copy whose engine environment carries
+    :func:`gate_env`, so every rank prints the INFO lines the gate reads."""
+    if not target.gate:
+        return target
+    return dataclasses.replace(target, env=gate_env(target.env))
+
+
+def gate_from_folder(gate: dict | None, folder: str | Path) -> GateVerdict:
+    """Judge every rank log in ``folder`` (``*.log``, one per node as the server keeps them, or one per rank)
+    against ``gate``. An empty folder is judged as an empty log: a configured gate refuses it."""
+    paths = sorted(Path(folder).glob(RANK_LOG_GLOB))
+    info = parse_info_files(paths) if paths else parse_info("", source=str(folder))
+    return check_gate(gate, info)
