@@ -239,17 +239,15 @@ def execute_phase(phase: str, target: str, run_id: str, overrides: dict[str, str
         raise
     except Exception as exc:  # the notebook failed: keep everything, mark the phase, still render
         status, error = "failed", exc
-        m = runlib.read_manifest(rdir)
-        entry = {**m.get("phases", {}).get(key, {}), "status": "failed", "ended": runlib.now_iso(),
-                 "error": failure_reason(exc)}
-        runlib.update_manifest(rdir, phases={key: entry})
+        reason = failure_reason(exc)
+        runlib.edit_manifest(rdir, lambda m: m.setdefault("phases", {}).setdefault(key, {}).update(
+            status="failed", ended=runlib.now_iso(), error=reason))
     finally:
         record_phase_commands(rdir, key, nb, out_nb, params, overrides, target, started,
                               0 if status == "success" else 1)
-        m = runlib.read_manifest(rdir)
+        wall_s = round(time.monotonic() - t0, 1)
+        m = runlib.edit_manifest(rdir, lambda m: m.setdefault("phases", {}).setdefault(key, {}).update(wall_s=wall_s))
         entry = m.get("phases", {}).get(key, {})
-        entry["wall_s"] = round(time.monotonic() - t0, 1)
-        runlib.update_manifest(rdir, phases={key: entry})
         # every attempt is kept: the index shows the final results in its body and failed ones as lessons
         runlib.update_manifest(rdir, attempts=[{"phase": key, "status": entry.get("status", status),
                                                 "started": entry.get("started"), "ended": entry.get("ended"),

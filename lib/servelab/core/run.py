@@ -9,6 +9,7 @@ folder. Every command is recorded with one of three labels (``docs/method.md#com
 """
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import os
@@ -19,7 +20,7 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from servelab import __version__
 from servelab.core.params import ParamError
@@ -27,6 +28,7 @@ from servelab.core.paths import outputs_root, project_root
 
 SCHEMA_VERSION = 1
 LABELS = ("executed", "reproduce", "planned")
+MANIFEST_LOCK = ".manifest.lock"     # flock'ed around every manifest update
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 # ---------------------------------------------------------------- secrets
@@ -142,16 +144,63 @@ def read_manifest(rdir: Path) -> dict[str, Any]:
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
+    """``obj`` as JSON at ``path``, all or nothing: written to a temp file of its own (unique name in the same
+    folder, so concurrent writers never share one), fsynced, then ``os.replace``d over ``path``; the folder is
+    fsynced too so the rename itself survives a crash."""
+    import tempfile
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str, ensure_ascii=False))
-    os.replace(tmp, path)
+    text = json.dumps(obj, indent=2, default=str, ensure_ascii=False)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(d: Path) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def manifest_lock(rdir: Path) -> Iterator[None]:
+    """An exclusive ``fcntl.flock`` on ``<run>/.manifest.lock`` for one read-modify-write of ``manifest.json``
+    (phases, the CLI and a re-run may update the same run's manifest at the same time)."""
+    import fcntl
+    rdir.mkdir(parents=True, exist_ok=True)
+    with open(rdir / MANIFEST_LOCK, "a") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 def init_run(run_id: str, target_name: str) -> Path:
     """Create (or reopen) a run directory and its manifest header."""
     rdir = run_dir(run_id)
     rdir.mkdir(parents=True, exist_ok=True)
+    with manifest_lock(rdir):
+        _init_manifest(rdir, run_id, target_name)
+    return rdir
+
+
+def _init_manifest(rdir: Path, run_id: str, target_name: str) -> None:
     m = read_manifest(rdir)
     if not m:
         m = {
@@ -167,22 +216,35 @@ def init_run(run_id: str, target_name: str) -> Path:
             "security": [],
         }
         write_json_atomic(manifest_path(rdir), m)
-    return rdir
 
 
 def update_manifest(rdir: Path, **sections: Any) -> dict[str, Any]:
-    """Merge top-level sections into the manifest (dicts merge one level deep); secrets redacted."""
-    m = read_manifest(rdir)
-    for key, value in sections.items():
-        value = redact(value)
-        if isinstance(value, dict) and isinstance(m.get(key), dict):
-            m[key].update(value)
-        elif isinstance(value, list) and isinstance(m.get(key), list):
-            m[key].extend(v for v in value if v not in m[key])
-        else:
-            m[key] = value
-    m["updated"] = now_iso()
-    write_json_atomic(manifest_path(rdir), m)
+    """Merge top-level sections into the manifest (dicts merge one level deep); secrets redacted. The
+    read-modify-write holds :func:`manifest_lock`, so concurrent updates never lose one another's keys."""
+    sections = {k: redact(v) for k, v in sections.items()}
+    with manifest_lock(rdir):
+        m = read_manifest(rdir)
+        for key, value in sections.items():
+            if isinstance(value, dict) and isinstance(m.get(key), dict):
+                m[key].update(value)
+            elif isinstance(value, list) and isinstance(m.get(key), list):
+                m[key].extend(v for v in value if v not in m[key])
+            else:
+                m[key] = value
+        m["updated"] = now_iso()
+        write_json_atomic(manifest_path(rdir), m)
+    return m
+
+
+def edit_manifest(rdir: Path, edit: Any) -> dict[str, Any]:
+    """``edit(manifest)`` (changes it in place) applied under :func:`manifest_lock` and written atomically: for
+    an update that depends on what the manifest holds now (a phase entry amended rather than replaced)."""
+    with manifest_lock(rdir):
+        m = read_manifest(rdir)
+        edit(m)
+        m = redact(m)
+        m["updated"] = now_iso()
+        write_json_atomic(manifest_path(rdir), m)
     return m
 
 
