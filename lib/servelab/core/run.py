@@ -18,6 +18,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -147,7 +148,6 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     """``obj`` as JSON at ``path``, all or nothing: written to a temp file of its own (unique name in the same
     folder, so concurrent writers never share one), fsynced, then ``os.replace``d over ``path``; the folder is
     fsynced too so the rename itself survives a crash."""
-    import tempfile
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(obj, indent=2, default=str, ensure_ascii=False)
@@ -178,17 +178,60 @@ def _fsync_dir(d: Path) -> None:
 
 
 @contextlib.contextmanager
-def manifest_lock(rdir: Path) -> Iterator[None]:
-    """An exclusive ``fcntl.flock`` on ``<run>/.manifest.lock`` for one read-modify-write of ``manifest.json``
-    (phases, the CLI and a re-run may update the same run's manifest at the same time)."""
+def file_lock(lock_path: Path) -> Iterator[None]:
+    """An exclusive ``fcntl.flock`` on ``lock_path`` (created if missing) for one read-modify-write."""
     import fcntl
-    rdir.mkdir(parents=True, exist_ok=True)
-    with open(rdir / MANIFEST_LOCK, "a") as f:
+    lock_path = Path(lock_path)
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a") as f:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX)
         try:
             yield
         finally:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def manifest_lock(rdir: Path) -> contextlib.AbstractContextManager[None]:
+    """:func:`file_lock` on ``<run>/.manifest.lock``, held around every read-modify-write of ``manifest.json``
+    (phases, the CLI and a re-run may update the same run's manifest at the same time)."""
+    return file_lock(Path(rdir) / MANIFEST_LOCK)
+
+
+def merge_table(path: Path, frame: Any, keys: list[str]) -> Any:
+    """Write ``frame`` into the CSV table at ``path`` merged by ``keys``: a row of ``frame`` replaces the row with
+    the same keys, every other row already there is kept (a later invocation that ran only some cases does not
+    drop the others). Locked and atomic; returns the merged frame."""
+    import pandas as pd
+    path = Path(path)
+    with file_lock(path.with_name(f".{path.name}.lock")):
+        old = None
+        if path.is_file() and path.stat().st_size:
+            try:
+                old = pd.read_csv(path, dtype={k: str for k in keys}, keep_default_na=False, na_values=[""])
+            except (ValueError, pd.errors.ParserError):
+                old = None                                    # unreadable: replaced by what was measured now
+        new = frame.copy()
+        for k in keys:
+            if k in new.columns:
+                new[k] = new[k].astype(str)
+        if old is not None and all(k in old.columns for k in keys) and not old.empty:
+            have = set(map(tuple, new[keys].itertuples(index=False, name=None))) if not new.empty else set()
+            kept = old[[tuple(r) not in have for r in old[keys].itertuples(index=False, name=None)]]
+            merged = pd.concat([kept, new], ignore_index=True) if not new.empty else kept
+            merged = merged[list(dict.fromkeys([*old.columns, *new.columns]))]
+        else:
+            merged = new
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+                merged.to_csv(f, index=False)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    return merged
 
 
 def init_run(run_id: str, target_name: str) -> Path:

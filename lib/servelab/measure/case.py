@@ -50,7 +50,7 @@ from servelab.measure import request_metrics as mx
 from servelab.measure.case_record import CaseFolder, CaseSummary, read_summary, request_counts, verdict_of
 from servelab.measure.client import ClientConfig, ClientRun, RequestRecord, read_records, run_requests
 from servelab.measure.engine_metrics import Scraper, named_deltas
-from servelab.core.run import emit_progress, human_duration, now_iso
+from servelab.core.run import emit_progress, human_duration, merge_table, now_iso
 from servelab.target.server import RunningServer, http_json, is_healthy
 from servelab.measure.workload import build_workload, engine_tokenizer, token_pool
 
@@ -550,9 +550,12 @@ def _progress(env: CaseEnv, message: str, **fields: Any) -> None:
     emit_progress(env.run_dir, env.phase, message, step="matrix", **fields)
 
 
+SUMMARY_KEYS = ["case_id", "definition"]      # a row of summary.csv / matrix.csv is one case under one definition
+
+
 def write_summary_csv(run_dir: Path, mr: MatrixResult) -> Path:
-    """``<run>/summary.csv``: one row per case × definition (both definitions, each row says which)."""
+    """``<run>/summary.csv``: one row per case × definition (both definitions, each row says which), merged by
+    case: this invocation's cases replace their earlier rows, the cases it did not run keep theirs."""
     path = Path(run_dir) / "summary.csv"
-    df = mr.frame()
-    df.to_csv(path, index=False)
+    merge_table(path, mr.frame(), SUMMARY_KEYS)
     return path
