@@ -191,3 +191,72 @@ def test_ctrl_c_through_the_cli_mid_case_keeps_its_records(tmp_path):
     summ = json.loads((case / "summary.json").read_text())
     assert meta["status"] == "INTERRUPTED" and summ["verdict"]["status"] == "INTERRUPTED", (meta, err)
     assert summ["counts"]["requests"] == len(recs)
+
+
+# ---------------------------------------------------------------- a failed re-run keeps the good page
+
+def _servelab(*args: str, tmp_path: Path):
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "SERVELAB_OUTPUTS": str(tmp_path / "outputs")}
+    return subprocess.run([sys.executable, "-m", "servelab.cli", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_a_failed_rerun_keeps_the_good_page_and_says_so(tmp_path):
+    """Phase 3 runs on a real trace (success), then again on the same trace cut in half (failure): report.html
+    is still the good page, with a banner naming the failure and linking its page; the failed page is kept
+    beside it; the run index links both; `servelab render` keeps it so; a good re-run clears the banner."""
+    import json
+    import re
+    src = next((ROOT / "data" / "samples" / "h200x2" / "traces").glob("*-TP-0.trace.json.gz"))
+    good, cut = tmp_path / "good", tmp_path / "cut"
+    good.mkdir()
+    cut.mkdir()
+    (good / src.name).write_bytes(src.read_bytes())
+    (cut / src.name).write_bytes(src.read_bytes()[: src.stat().st_size // 2])
+    run = tmp_path / "outputs" / "rr"
+    res = _servelab("run", "phase3", "--target", "local-tiny", "--run-id", "rr", "-p", f"trace_dir={good}",
+                    tmp_path=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    good_page = (run / "phase3" / "report.html").read_text()
+    good_nb = (run / "phase3" / "notebook.ipynb").read_text()
+    res = _servelab("run", "phase3", "--target", "local-tiny", "--run-id", "rr", "-p", f"trace_dir={cut}",
+                    tmp_path=tmp_path)
+    assert res.returncode == 1 and res.stdout.startswith("phase3: failed — TraceFormatError"), res.stdout
+    page = (run / "phase3" / "report.html").read_text()
+    banner = re.search(r'<div class="servelab-later-failure".*?</div>', page, re.S)
+    assert banner, "the kept page does not say a later attempt failed"
+    m = json.loads((run / "manifest.json").read_text())
+    e = m["phases"]["phase3"]
+    assert e["status"] == "failed" and e["kept_page"]["status"] == "success" and e["failed_page"] == "report.failed-1.html"
+    assert f"A later attempt at {e['ended']} failed:" in banner.group(0) and "truncated" in banner.group(0)
+    assert 'href="report.failed-1.html"' in banner.group(0)
+    assert page.replace(banner.group(0) + "<!-- /servelab:later-failure -->", "").replace(
+        "<!-- servelab:later-failure -->", "") == good_page                 # the rest of the good page as it was
+    assert (run / "phase3" / "notebook.ipynb").read_text() == good_nb    # the good notebook is back
+    failed = (run / "phase3" / "report.failed-1.html").read_text()
+    assert 'class="servelab-failed"' in failed and "truncated" in failed
+    assert (run / "phase3" / "notebook.failed-1.ipynb").is_file()
+    assert [a.get("page") for a in m["attempts"]] == [None, "phase3/report.failed-1.html"]
+    index = (run / "index.html").read_text()
+    assert 'href="phase3/report.html"' in index and 'href="phase3/report.failed-1.html"' in index
+    # re-rendering keeps the good page good (no "This phase failed" box) and its banner
+    res = _servelab("render", "rr", "phase3", tmp_path=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    page = (run / "phase3" / "report.html").read_text()
+    assert 'class="servelab-later-failure"' in page and 'class="servelab-failed"' not in page
+    # a second failure keeps the same good page and numbers its own
+    _servelab("run", "phase3", "--target", "local-tiny", "--run-id", "rr", "-p", f"trace_dir={cut}",
+              tmp_path=tmp_path)
+    assert (run / "phase3" / "report.failed-2.html").is_file()
+    assert 'href="report.failed-2.html"' in (run / "phase3" / "report.html").read_text()
+    assert (run / "phase3" / "notebook.ipynb").read_text() == good_nb
+    # a good attempt again: a fresh page, no banner
+    res = _servelab("run", "phase3", "--target", "local-tiny", "--run-id", "rr", "-p", f"trace_dir={good}",
+                    tmp_path=tmp_path)
+    assert res.returncode == 0
+    assert 'class="servelab-later-failure"' not in (run / "phase3" / "report.html").read_text()
+    assert "kept_page" not in json.loads((run / "manifest.json").read_text())["phases"]["phase3"]
