@@ -100,3 +100,12 @@ def test_write_json_atomic_leaves_the_old_file_when_serialising_fails(tmp_path):
         runlib.write_json_atomic(p, {"a": Bad()})
     assert json.loads(p.read_text()) == {"a": 1}
     assert [q.name for q in tmp_path.iterdir()] == ["x.json"]
+
+
+def test_write_json_atomic_keeps_the_usual_permissions(tmp_path):
+    import os
+    p = tmp_path / "m.json"
+    runlib.write_json_atomic(p, {"a": 1})
+    umask = os.umask(0)
+    os.umask(umask)
+    assert p.stat().st_mode & 0o777 == 0o666 & ~umask

@@ -18,7 +18,6 @@ import re
 import shlex
 import subprocess
 import sys
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -151,9 +150,9 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(obj, indent=2, default=str, ensure_ascii=False)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = unique_temp(path)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with open(tmp, "x", encoding="utf-8") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
@@ -162,6 +161,14 @@ def write_json_atomic(path: Path, obj: Any) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
+
+
+def unique_temp(path: Path) -> Path:
+    """A temp file name beside ``path`` that no other writer uses (process, thread, random part); created with
+    the usual permissions (``open(..., "x")``), unlike ``mkstemp``'s 0600."""
+    import threading
+    import uuid
+    return path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.{uuid.uuid4().hex[:8]}.tmp")
 
 
 def _fsync_dir(d: Path) -> None:
@@ -221,9 +228,9 @@ def merge_table(path: Path, frame: Any, keys: list[str]) -> Any:
             merged = merged[list(dict.fromkeys([*old.columns, *new.columns]))]
         else:
             merged = new
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        tmp = unique_temp(path)
         try:
-            with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+            with open(tmp, "x", encoding="utf-8", newline="") as f:
                 merged.to_csv(f, index=False)
                 f.flush()
                 os.fsync(f.fileno())
