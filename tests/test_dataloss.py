@@ -260,3 +260,44 @@ def test_a_failed_rerun_keeps_the_good_page_and_says_so(tmp_path):
     assert res.returncode == 0
     assert 'class="servelab-later-failure"' not in (run / "phase3" / "report.html").read_text()
     assert "kept_page" not in json.loads((run / "manifest.json").read_text())["phases"]["phase3"]
+
+
+def _sigint_when_records_land(path: Path, min_lines: int = 1):
+    """A thread that sends this process SIGINT once ``path`` holds ``min_lines`` records; returns its event."""
+    import os
+    import signal
+    import threading
+    import time
+    fired = threading.Event()
+
+    def watch() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if path.is_file() and path.read_text().count("\n") >= min_lines:
+                fired.set()
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(0.01)
+    threading.Thread(target=watch, daemon=True).start()
+    return fired
+
+
+@pytest.mark.slow
+def test_ctrl_c_mid_phase8_point_keeps_its_records(tiny_server, tmp_path):
+    """The same for a Phase 8 hit-rate point (its own client loop: streams of requests)."""
+    from servelab.analyse.prefix_cache import HitPoint
+    from servelab.measure.case_record import read_summary
+    from servelab.measure.client import read_records
+    from servelab.measure.workload import engine_tokenizer, token_pool
+    from servelab.phases.phase8_cache import run_hit_point
+    pool = token_pool(engine_tokenizer(tiny_server.base_url, "llamacpp", "/tokenize"))
+    point = HitPoint(0.5, 128, 64, 2, 16, label="H8_cc")
+    path = tmp_path / "run" / "cases" / "H8_cc" / "requests.jsonl"
+    fired = _sigint_when_records_land(path, 3)             # past the 2 pre-warm requests
+    with pytest.raises(KeyboardInterrupt):
+        run_hit_point(tiny_server, tmp_path / "run", point, pool, seed=1)
+    assert fired.is_set()
+    recs = read_records(path)
+    assert len(recs) >= 1 and sum(r.role == "measure" for r in recs) < 32
+    s = read_summary(path.parent / "summary.json")
+    assert s["status"] == "INTERRUPTED" and s["counts"]["requests"] == len(recs)

@@ -210,6 +210,9 @@ def run_interference(srv: RunningServer, run_dir: Path, spec: InterferenceSpec, 
     try:
         if not error:
             bg_recs, inj_recs, schedule, marks = run_sync(lambda: _wave(bg, inj, cfg, spec, plan))
+    except KeyboardInterrupt:      # the user stopped it: the records received stay, the case says INTERRUPTED
+        folder.interrupt(definition=definition, measured_roles=("background",))
+        raise
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
     finally:

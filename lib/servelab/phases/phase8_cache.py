@@ -104,6 +104,9 @@ def run_hit_point(srv: RunningServer, run_dir: Path, point: HitPoint, pool: list
         run = run_streams(streams, cfg)
         records += run.records
         after = metrics_snapshot(srv)
+    except KeyboardInterrupt:      # the user stopped it: the records received stay, the case says INTERRUPTED
+        folder.interrupt(definition=definition)
+        raise
     except Exception as exc:  # recorded; the point is rejected below
         error = f"{type(exc).__name__}: {exc}"
     finally:

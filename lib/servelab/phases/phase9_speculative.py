@@ -115,6 +115,9 @@ def run_spec_point(srv: RunningServer, run_dir: Path, cfg: SpecConfig, concurren
     try:
         run = run_requests(wl.requests, ccfg, concurrency=concurrency, repeat=repeat)
         records += run.records
+    except KeyboardInterrupt:      # the user stopped it: the records received stay, the case says INTERRUPTED
+        folder.interrupt(definition=definition)
+        raise
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
     after = metrics_snapshot(srv)
