@@ -57,3 +57,55 @@ def test_run_id_validation():
                                          ("prefill_tokens", False), ("NCCL_IB_HCA", False), ("tokenizer", False)])
 def test_secret_names(name, secret):
     assert runlib.is_secret_name(name) is secret
+
+
+def _hammer(rdir: str, worker: int, n: int) -> None:
+    from pathlib import Path
+    for i in range(n):
+        runlib.update_manifest(Path(rdir), phases={f"w{worker}_{i}": {"status": "success"}},
+                               attempts=[{"worker": worker, "i": i}])
+        runlib.edit_manifest(Path(rdir), lambda m: m.setdefault("counters", {}).__setitem__(
+            f"w{worker}", m.get("counters", {}).get(f"w{worker}", 0) + 1))
+
+
+def test_concurrent_manifest_writers_lose_no_key(outputs):
+    """Processes updating one manifest at once (a phase, the CLI, a re-run): every key of every writer is there,
+    every read-modify-write counted, and no temp file is left behind."""
+    import multiprocessing as mp
+    rdir = runlib.init_run("t-conc", "local")
+    workers, n = 6, 40
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=_hammer, args=(str(rdir), w, n)) for w in range(workers)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    m = runlib.read_manifest(rdir)
+    assert {f"w{w}_{i}" for w in range(workers) for i in range(n)} <= set(m["phases"])
+    assert len(m["attempts"]) == workers * n
+    assert m["counters"] == {f"w{w}": n for w in range(workers)}
+    assert m["run_id"] == "t-conc" and m["tool"]["name"] == "servelab"
+    assert not [p.name for p in rdir.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_write_json_atomic_leaves_the_old_file_when_serialising_fails(tmp_path):
+    p = tmp_path / "x.json"
+    runlib.write_json_atomic(p, {"a": 1})
+
+    class Bad:
+        def __str__(self):
+            raise RuntimeError("no")
+    with pytest.raises(RuntimeError):
+        runlib.write_json_atomic(p, {"a": Bad()})
+    assert json.loads(p.read_text()) == {"a": 1}
+    assert [q.name for q in tmp_path.iterdir()] == ["x.json"]
+
+
+def test_write_json_atomic_keeps_the_usual_permissions(tmp_path):
+    import os
+    p = tmp_path / "m.json"
+    runlib.write_json_atomic(p, {"a": 1})
+    umask = os.umask(0)
+    os.umask(umask)
+    assert p.stat().st_mode & 0o777 == 0o666 & ~umask

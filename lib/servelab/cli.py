@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -223,6 +224,10 @@ def execute_phase(phase: str, target: str, run_id: str, overrides: dict[str, str
     params.update(run_id=run_id, target=target)
     out_nb = rdir / key / "notebook.ipynb"
     out_nb.parent.mkdir(parents=True, exist_ok=True)
+    good = kept_good_attempt(rdir, key)           # the page of an earlier good attempt survives a failed one
+    backup = out_nb.with_name(".notebook.good.ipynb")
+    if good is not None and out_nb.exists():
+        shutil.copyfile(out_nb, backup)
     status = "success"
     error: BaseException | None = None
     t0 = time.monotonic()
@@ -239,27 +244,33 @@ def execute_phase(phase: str, target: str, run_id: str, overrides: dict[str, str
         raise
     except Exception as exc:  # the notebook failed: keep everything, mark the phase, still render
         status, error = "failed", exc
-        m = runlib.read_manifest(rdir)
-        entry = {**m.get("phases", {}).get(key, {}), "status": "failed", "ended": runlib.now_iso(),
-                 "error": failure_reason(exc)}
-        runlib.update_manifest(rdir, phases={key: entry})
+        reason = failure_reason(exc)
+        runlib.edit_manifest(rdir, lambda m: m.setdefault("phases", {}).setdefault(key, {}).update(
+            status="failed", ended=runlib.now_iso(), error=reason))
     finally:
         record_phase_commands(rdir, key, nb, out_nb, params, overrides, target, started,
                               0 if status == "success" else 1)
-        m = runlib.read_manifest(rdir)
+        wall_s = round(time.monotonic() - t0, 1)
+        m = runlib.edit_manifest(rdir, lambda m: m.setdefault("phases", {}).setdefault(key, {}).update(wall_s=wall_s))
         entry = m.get("phases", {}).get(key, {})
-        entry["wall_s"] = round(time.monotonic() - t0, 1)
-        runlib.update_manifest(rdir, phases={key: entry})
         # every attempt is kept: the index shows the final results in its body and failed ones as lessons
         runlib.update_manifest(rdir, attempts=[{"phase": key, "status": entry.get("status", status),
                                                 "started": entry.get("started"), "ended": entry.get("ended"),
                                                 "wall_s": entry["wall_s"], "error": entry.get("error", ""),
                                                 "not_executed": entry.get("not_executed", []),
                                                 "params": {k: v for k, v in params.items() if k != "run_id"}}])
-        if render and out_nb.exists():
-            render_notebook(out_nb, rdir / key / "report.html",
-                            {"run_id": run_id, "phase": key, "target": target, "status": entry.get("status", status),
-                             "error": entry.get("error", ""), "title": f"{key} · {NOTEBOOKS[key]}"})
+        final = "failed" if error is not None else str(entry.get("status") or status)
+        page_meta = {"run_id": run_id, "phase": key, "target": target, "status": final,
+                     "error": entry.get("error", ""), "title": f"{key} · {NOTEBOOKS[key]}"}
+        if final != "success" and good is not None and (rdir / key / "report.html").exists():
+            keep_good_page(rdir, key, out_nb, backup, good, final, entry, page_meta if render else None)
+        else:
+            backup.unlink(missing_ok=True)
+            if final == "success":
+                runlib.edit_manifest(rdir, lambda m: [m.get("phases", {}).get(key, {}).pop(k, None)
+                                                      for k in ("kept_page", "failed_page")])
+            if render and out_nb.exists():
+                render_notebook(out_nb, rdir / key / "report.html", page_meta)
         write_run_index(rdir)
         write_root_index(rdir.parent)
     if error is not None:
@@ -267,6 +278,57 @@ def execute_phase(phase: str, target: str, run_id: str, overrides: dict[str, str
     elif entry.get("status") not in (None, "success"):
         status = str(entry["status"])        # the notebook ran, but the phase itself judged a failure
     return rdir, status
+
+
+def kept_good_attempt(rdir: Path, key: str) -> dict[str, Any] | None:
+    """The last good attempt of phase ``key`` whose page ``<run>/<key>/report.html`` is there to keep: the phase
+    entry of the manifest when it says success, or the ``kept_page`` an earlier failure already kept; else None."""
+    from servelab.core.run import read_manifest
+    if not (rdir / key / "report.html").is_file():
+        return None
+    e = read_manifest(rdir).get("phases", {}).get(key, {})
+    if e.get("kept_page"):
+        return dict(e["kept_page"])
+    if e.get("status") == "success":
+        return {"page": "report.html", "status": "success", "started": e.get("started"), "ended": e.get("ended"),
+                "headline": e.get("headline", {})}
+    return None
+
+
+def keep_good_page(rdir: Path, key: str, out_nb: Path, backup: Path, good: dict[str, Any], status: str,
+                   entry: dict[str, Any], page_meta: dict[str, Any] | None) -> str:
+    """A failed (or interrupted) attempt after a good one: its notebook and page go to
+    ``notebook.failed-<n>.ipynb`` / ``report.failed-<n>.html``, the good notebook comes back, the good page stays
+    ``report.html`` with a banner naming the failure and linking its page; the manifest's phase entry (which says
+    the latest attempt failed) gets ``kept_page`` (the good attempt) and ``failed_page``; the attempt record links
+    its page. Returns the failed page's name."""
+    from servelab.core import run as runlib
+    from servelab.report.html import mark_later_failure, render_notebook
+    pdir = rdir / key
+    n = 1
+    while (pdir / f"report.failed-{n}.html").exists() or (pdir / f"notebook.failed-{n}.ipynb").exists():
+        n += 1
+    failed_nb, failed_page = pdir / f"notebook.failed-{n}.ipynb", f"report.failed-{n}.html"
+    if out_nb.exists():
+        os.replace(out_nb, failed_nb)
+    if backup.exists():
+        os.replace(backup, out_nb)
+    page = failed_page if page_meta is not None and failed_nb.exists() else None
+    if page is not None:
+        render_notebook(failed_nb, pdir / failed_page, page_meta)
+    when = str(entry.get("ended") or runlib.now_iso())
+    reason = str(entry.get("error") or status)
+    mark_later_failure(pdir / "report.html", when, status, reason, page)
+
+    def edit(m: dict[str, Any]) -> None:
+        e = m.setdefault("phases", {}).setdefault(key, {})
+        e["kept_page"], e["failed_page"] = good, page
+        for a in reversed(m.get("attempts", [])):
+            if a.get("phase") == key:
+                a["page"] = f"{key}/{page}" if page else None
+                break
+    runlib.edit_manifest(rdir, edit)
+    return failed_page
 
 
 def record_phase_commands(rdir: Path, key: str, nb: Path, out_nb: Path, params: dict[str, Any],
@@ -369,10 +431,18 @@ def cmd_render(args: argparse.Namespace) -> int:
         if nb.exists():
             entry = m.get("phases", {}).get(p, {})
             status = entry.get("status", "")
+            kept = entry.get("kept_page") if not args.notebook else None
+            # a kept good page (a later attempt failed) is rendered as the good attempt it is, with its banner
             out = render_notebook(nb, rdir / p / "report.html", {"run_id": args.run_id, "phase": p,
-                                                                 "target": m.get("target", ""), "status": status,
-                                                                 "error": entry.get("error", ""),
+                                                                 "target": m.get("target", ""),
+                                                                 "status": kept.get("status", "success") if kept
+                                                                 else status,
+                                                                 "error": "" if kept else entry.get("error", ""),
                                                                  "title": f"{p} · {NOTEBOOKS.get(p, p)}"})
+            if kept:
+                from servelab.report.html import mark_later_failure
+                mark_later_failure(out, str(entry.get("ended") or ""), status, str(entry.get("error") or status),
+                                   entry.get("failed_page"))
             print(out)
     write_run_index(rdir)
     write_root_index(rdir.parent)

@@ -9,6 +9,7 @@ folder. Every command is recorded with one of three labels (``docs/method.md#com
 """
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import os
@@ -19,7 +20,7 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from servelab import __version__
 from servelab.core.params import ParamError
@@ -27,6 +28,7 @@ from servelab.core.paths import outputs_root, project_root
 
 SCHEMA_VERSION = 1
 LABELS = ("executed", "reproduce", "planned")
+MANIFEST_LOCK = ".manifest.lock"     # flock'ed around every manifest update
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 # ---------------------------------------------------------------- secrets
@@ -142,16 +144,113 @@ def read_manifest(rdir: Path) -> dict[str, Any]:
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
+    """``obj`` as JSON at ``path``, all or nothing: written to a temp file of its own (unique name in the same
+    folder, so concurrent writers never share one), fsynced, then ``os.replace``d over ``path``; the folder is
+    fsynced too so the rename itself survives a crash."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str, ensure_ascii=False))
-    os.replace(tmp, path)
+    text = json.dumps(obj, indent=2, default=str, ensure_ascii=False)
+    tmp = unique_temp(path)
+    try:
+        with open(tmp, "x", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def unique_temp(path: Path) -> Path:
+    """A temp file name beside ``path`` that no other writer uses (process, thread, random part); created with
+    the usual permissions (``open(..., "x")``), unlike ``mkstemp``'s 0600."""
+    import threading
+    import uuid
+    return path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.{uuid.uuid4().hex[:8]}.tmp")
+
+
+def _fsync_dir(d: Path) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def file_lock(lock_path: Path) -> Iterator[None]:
+    """An exclusive ``fcntl.flock`` on ``lock_path`` (created if missing) for one read-modify-write."""
+    import fcntl
+    lock_path = Path(lock_path)
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def manifest_lock(rdir: Path) -> contextlib.AbstractContextManager[None]:
+    """:func:`file_lock` on ``<run>/.manifest.lock``, held around every read-modify-write of ``manifest.json``
+    (phases, the CLI and a re-run may update the same run's manifest at the same time)."""
+    return file_lock(Path(rdir) / MANIFEST_LOCK)
+
+
+def merge_table(path: Path, frame: Any, keys: list[str]) -> Any:
+    """Write ``frame`` into the CSV table at ``path`` merged by ``keys``: a row of ``frame`` replaces the row with
+    the same keys, every other row already there is kept (a later invocation that ran only some cases does not
+    drop the others). Locked and atomic; returns the merged frame."""
+    import pandas as pd
+    path = Path(path)
+    with file_lock(path.with_name(f".{path.name}.lock")):
+        old = None
+        if path.is_file() and path.stat().st_size:
+            try:
+                old = pd.read_csv(path, dtype={k: str for k in keys}, keep_default_na=False, na_values=[""])
+            except (ValueError, pd.errors.ParserError):
+                old = None                                    # unreadable: replaced by what was measured now
+        new = frame.copy()
+        for k in keys:
+            if k in new.columns:
+                new[k] = new[k].astype(str)
+        if old is not None and all(k in old.columns for k in keys) and not old.empty:
+            have = set(map(tuple, new[keys].itertuples(index=False, name=None))) if not new.empty else set()
+            kept = old[[tuple(r) not in have for r in old[keys].itertuples(index=False, name=None)]]
+            merged = pd.concat([kept, new], ignore_index=True) if not new.empty else kept
+            merged = merged[list(dict.fromkeys([*old.columns, *new.columns]))]
+        else:
+            merged = new
+        tmp = unique_temp(path)
+        try:
+            with open(tmp, "x", encoding="utf-8", newline="") as f:
+                merged.to_csv(f, index=False)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    return merged
 
 
 def init_run(run_id: str, target_name: str) -> Path:
     """Create (or reopen) a run directory and its manifest header."""
     rdir = run_dir(run_id)
     rdir.mkdir(parents=True, exist_ok=True)
+    with manifest_lock(rdir):
+        _init_manifest(rdir, run_id, target_name)
+    return rdir
+
+
+def _init_manifest(rdir: Path, run_id: str, target_name: str) -> None:
     m = read_manifest(rdir)
     if not m:
         m = {
@@ -167,22 +266,35 @@ def init_run(run_id: str, target_name: str) -> Path:
             "security": [],
         }
         write_json_atomic(manifest_path(rdir), m)
-    return rdir
 
 
 def update_manifest(rdir: Path, **sections: Any) -> dict[str, Any]:
-    """Merge top-level sections into the manifest (dicts merge one level deep); secrets redacted."""
-    m = read_manifest(rdir)
-    for key, value in sections.items():
-        value = redact(value)
-        if isinstance(value, dict) and isinstance(m.get(key), dict):
-            m[key].update(value)
-        elif isinstance(value, list) and isinstance(m.get(key), list):
-            m[key].extend(v for v in value if v not in m[key])
-        else:
-            m[key] = value
-    m["updated"] = now_iso()
-    write_json_atomic(manifest_path(rdir), m)
+    """Merge top-level sections into the manifest (dicts merge one level deep); secrets redacted. The
+    read-modify-write holds :func:`manifest_lock`, so concurrent updates never lose one another's keys."""
+    sections = {k: redact(v) for k, v in sections.items()}
+    with manifest_lock(rdir):
+        m = read_manifest(rdir)
+        for key, value in sections.items():
+            if isinstance(value, dict) and isinstance(m.get(key), dict):
+                m[key].update(value)
+            elif isinstance(value, list) and isinstance(m.get(key), list):
+                m[key].extend(v for v in value if v not in m[key])
+            else:
+                m[key] = value
+        m["updated"] = now_iso()
+        write_json_atomic(manifest_path(rdir), m)
+    return m
+
+
+def edit_manifest(rdir: Path, edit: Any) -> dict[str, Any]:
+    """``edit(manifest)`` (changes it in place) applied under :func:`manifest_lock` and written atomically: for
+    an update that depends on what the manifest holds now (a phase entry amended rather than replaced)."""
+    with manifest_lock(rdir):
+        m = read_manifest(rdir)
+        edit(m)
+        m = redact(m)
+        m["updated"] = now_iso()
+        write_json_atomic(manifest_path(rdir), m)
     return m
 
 

@@ -50,7 +50,7 @@ from servelab.measure import request_metrics as mx
 from servelab.measure.case_record import CaseFolder, CaseSummary, read_summary, request_counts, verdict_of
 from servelab.measure.client import ClientConfig, ClientRun, RequestRecord, read_records, run_requests
 from servelab.measure.engine_metrics import Scraper, named_deltas
-from servelab.core.run import emit_progress, human_duration, now_iso
+from servelab.core.run import emit_progress, human_duration, merge_table, now_iso
 from servelab.target.server import RunningServer, http_json, is_healthy
 from servelab.measure.workload import build_workload, engine_tokenizer, token_pool
 
@@ -294,7 +294,8 @@ class CaseResult:
 
 
 def case_is_done(case_dir: Path, expected_measured: int | None = None) -> bool:
-    """Resume rule: ``meta.json`` says success and ``requests.jsonl`` re-parses (with the expected count)."""
+    """Resume rule: ``meta.json`` says success and ``requests.jsonl`` re-parses (with the expected count). An
+    ``INTERRUPTED`` case (Ctrl-C mid-case: its meta and summary say so) is never done: resume runs it again."""
     try:
         meta = json.loads((case_dir / "meta.json").read_text())
         if meta.get("status") != SUCCESS:
@@ -348,12 +349,14 @@ def run_case(env: CaseEnv, case: CaseSpec, run_fn: Callable[[CaseEnv, CaseSpec, 
         folder.finish(ENGINE_CRASH, "engine unhealthy before the case started")
         raise EngineCrash(f"{case.case_id}: engine unhealthy before the case started")
     cfg = env.client_config(folder.case_id)
+    cfg.on_record = folder.stream_record          # each record on disk as its request completes (Ctrl-C keeps it)
     _, log_path = head_log(env)
     _, log_off = read_log_since(env, 0)
     scraper = Scraper(env.srv.base_url + env.engine.metrics_path, interval_s=env.scrape_interval_s, timeout_s=5.0)
     records: list[RequestRecord] = []
     runs: list[ClientRun] = []
     error = ""
+    interrupted = False
     try:
         if case.warmup:
             wrecs = _warmup(env, case, cfg)
@@ -375,10 +378,18 @@ def run_case(env: CaseEnv, case: CaseSpec, run_fn: Callable[[CaseEnv, CaseSpec, 
             records += run.records
             if rep + 1 < env.repeats and env.engine.flush_cache_path:
                 flush_cache(env)
+    except KeyboardInterrupt:   # the user stopped the run: keep what was received, mark the case INTERRUPTED
+        interrupted = True
     except Exception as exc:  # recorded; the health check below decides whether the run goes on
         error = f"{type(exc).__name__}: {exc}"
     finally:
         frame = scraper.stop() if scraper.running else scraper.frame()
+    if interrupted:
+        folder.close_stream()
+        folder.write_metrics(frame, scrape_errors=scraper.errors)
+        folder.write_log_excerpt(read_log_since(env, log_off)[0])
+        folder.interrupt(details={"case": asdict(case)})
+        raise KeyboardInterrupt(f"{case.case_id}: interrupted")
     # raw data first
     folder.write_requests(records)
     folder.write_metrics(frame, scrape_errors=scraper.errors)
@@ -524,8 +535,14 @@ def run_matrix(env: CaseEnv, cases: list[CaseSpec], resume: bool = False,
             done_ids.append(case.case_id)
             break
         except KeyboardInterrupt:
-            # the user stopped the run (docs/method.md#case-policy): keep what was measured, list what was not executed
+            # the user stopped the run (docs/method.md#case-policy): keep what was measured, list what was not
+            # executed; the interrupted case's row (status INTERRUPTED) replaces any earlier one in summary.csv
             aborted = f"STOPPED_BY_USER during {case.case_id}"
+            if (cdir / "summary.json").exists():
+                try:
+                    results.append(load_case_result(case, cdir))
+                except (OSError, ValueError):
+                    pass
             break
         ran, ran_s = ran + 1, ran_s + time.monotonic() - t_case
         results.append(res)
@@ -550,9 +567,12 @@ def _progress(env: CaseEnv, message: str, **fields: Any) -> None:
     emit_progress(env.run_dir, env.phase, message, step="matrix", **fields)
 
 
+SUMMARY_KEYS = ["case_id", "definition"]      # a row of summary.csv / matrix.csv is one case under one definition
+
+
 def write_summary_csv(run_dir: Path, mr: MatrixResult) -> Path:
-    """``<run>/summary.csv``: one row per case × definition (both definitions, each row says which)."""
+    """``<run>/summary.csv``: one row per case × definition (both definitions, each row says which), merged by
+    case: this invocation's cases replace their earlier rows, the cases it did not run keep theirs."""
     path = Path(run_dir) / "summary.csv"
-    df = mr.frame()
-    df.to_csv(path, index=False)
+    merge_table(path, mr.frame(), SUMMARY_KEYS)
     return path

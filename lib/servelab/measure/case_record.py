@@ -5,7 +5,10 @@ interference case, a Phase 8 hit-rate point, a Phase 9 speculative point). Every
 :class:`CaseFolder`, in this order:
 
 1. ``meta.json`` — ``status: running`` and ``started`` before anything is sent (what was asked, how);
-2. ``requests.jsonl`` — the raw request records, flushed and fsynced (nothing is summarised before it is on disk);
+2. ``requests.jsonl`` — the raw request records, appended one line per request as each completes (line-buffered,
+   :meth:`CaseFolder.stream_record`), then rewritten whole and fsynced at the end of the case (nothing is
+   summarised before it is on disk); a case stopped by Ctrl-C keeps the records it received and gets an
+   ``INTERRUPTED`` summary (:meth:`CaseFolder.interrupt`), which resume never takes as done;
 3. ``server/`` — the engine's metrics over the case (``metrics.parquet`` scraped during it, and/or the
    ``metrics_before.prom`` / ``metrics_after.prom`` snapshots around the window), the engine log excerpt;
 4. phase tables (``windows.csv``, ``injections.csv`` …), if the phase has any;
@@ -13,7 +16,8 @@ interference case, a Phase 8 hit-rate point, a Phase 9 speculative point). Every
 6. ``meta.json`` again with the final ``status``, ``ended`` and ``error``.
 
 ``summary.json`` (schema version :data:`SCHEMA_VERSION`) has the same keys in every phase
-(:class:`CaseSummary`); the verdict of a case is ``verdict.status`` (``VALID`` / ``INVALID``) with its
+(:class:`CaseSummary`); the verdict of a case is ``verdict.status`` (``VALID`` / ``INVALID`` /
+``INTERRUPTED``) with its
 ``verdict.reasons`` and nowhere else. Readers (A/B, milestones, archive, explorer) go through
 :func:`read_summaries` / :func:`repeat_frame`, never through a phase's own tables. The layout and the rules are
 described for users in ``docs/case.md``.
@@ -23,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -35,9 +40,10 @@ from servelab.measure.client import write_records
 
 SCHEMA_VERSION = 1
 VALID, INVALID = "VALID", "INVALID"
-VERDICTS = (VALID, INVALID)
+INTERRUPTED = "INTERRUPTED"          # stopped by the user (Ctrl-C) mid-case: its records are kept, it is not a result
+VERDICTS = (VALID, INVALID, INTERRUPTED)
 # how the case ran (independent of whether its numbers may be used: that is the verdict)
-RUN_STATUSES = ("success", "failed", "ENGINE_CRASH", "OOM")
+RUN_STATUSES = ("success", "failed", "ENGINE_CRASH", "OOM", INTERRUPTED)
 # what sort of case it is
 KINDS = ("prefill", "decode", "mixed", "search", "interference", "prefix_cache", "speculative")
 REQUIRED = ("schema_version", "case_id", "repeat_of", "phase", "kind", "status", "verdict", "started", "ended",
@@ -80,7 +86,7 @@ class CaseSummary:
 
 
 def verdict(status: str, reasons: Iterable[str] = ()) -> dict[str, Any]:
-    """The verdict object of a summary: ``{"status": VALID | INVALID, "reasons": [...]}``."""
+    """The verdict object of a summary: ``{"status": VALID | INVALID | INTERRUPTED, "reasons": [...]}``."""
     if status not in VERDICTS:
         raise ValueError(f"verdict status must be one of {VERDICTS}, got {status!r}")
     return {"status": status, "reasons": [str(r) for r in reasons]}
@@ -142,10 +148,12 @@ def summary_problems(obj: Any) -> list[str]:
     v = obj["verdict"]
     if not isinstance(v, dict) or set(v) != {"status", "reasons"} or v.get("status") not in VERDICTS \
             or not isinstance(v.get("reasons"), list):
-        p.append("verdict must be {'status': VALID|INVALID, 'reasons': [...]}")
+        p.append("verdict must be {'status': VALID|INVALID|INTERRUPTED, 'reasons': [...]}")
     else:
-        if v["status"] == INVALID and not v["reasons"]:
-            p.append("an INVALID verdict must give its reasons")
+        if v["status"] in (INVALID, INTERRUPTED) and not v["reasons"]:
+            p.append(f"an {v['status']} verdict must give its reasons")
+        if (v["status"] == INTERRUPTED) != (obj["status"] == INTERRUPTED):
+            p.append("an INTERRUPTED verdict goes with an INTERRUPTED status, and only with it")
         if v["status"] == VALID and v["reasons"]:
             p.append("a VALID verdict has no reasons")
         if v["status"] == VALID and obj["status"] != "success":
@@ -210,6 +218,9 @@ class CaseFolder:
         self.meta: dict[str, Any] = {"case_id": case_id, "phase": phase, "kind": kind, **(meta or {}),
                                      "status": "running", "started": now_iso()}
         self._raw_written = False
+        self._stream: Any = None                  # requests.jsonl open for appending while the case runs
+        self._stream_lock = threading.Lock()      # records may arrive from the client's thread
+        self._streamed = 0
         self.save_meta()
 
     @property
@@ -220,12 +231,72 @@ class CaseFolder:
         self.meta.update(updates)
         write_json_atomic(self.dir / "meta.json", self.meta)
 
+    @property
+    def requests_path(self) -> Path:
+        return self.dir / "requests.jsonl"
+
+    def stream_record(self, rec: Any) -> None:
+        """Append one record to ``requests.jsonl`` as its request completes (line-buffered: on disk at once, so
+        a Ctrl-C or a killed kernel keeps every record received). Safe from any thread; after
+        :meth:`close_stream` (the case ended or was interrupted) a late record is dropped. A
+        ``ClientConfig.on_record`` hook."""
+        line = json.dumps(rec.to_json(), ensure_ascii=False) + "\n"
+        with self._stream_lock:
+            if self._stream is False:
+                return
+            if self._stream is None:
+                self._stream = open(self.requests_path, "a", buffering=1, encoding="utf-8")
+            self._stream.write(line)
+            self._streamed += 1
+
+    def close_stream(self) -> int:
+        """Flush, fsync and close the record stream; later records are dropped. Returns how many were streamed."""
+        with self._stream_lock:
+            f, self._stream = self._stream, False
+            if f:
+                try:
+                    f.flush()
+                    os.fsync(f.fileno())
+                finally:
+                    f.close()
+            return self._streamed
+
     def write_requests(self, records: Sequence[Any]) -> Path:
-        """The raw records (fsynced): always before the summary."""
-        path = self.dir / "requests.jsonl"
-        write_records(path, list(records))
+        """The raw records of the whole case, in order (fsynced): always before the summary. Replaces what was
+        streamed during the case (the same records, in completion order) in one atomic step."""
+        self.close_stream()
+        path = self.requests_path
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        write_records(tmp, list(records))
+        os.replace(tmp, path)
         self._raw_written = True
         return path
+
+    def interrupt(self, reason: str = "stopped by the user (Ctrl-C)", definition: str = "vllm",
+                  details: dict[str, Any] | None = None, measured_roles: tuple[str, ...] = ("measure",)
+                  ) -> dict[str, Any]:
+        """The case was stopped mid-way: the streamed records are fsynced and kept as they are, ``summary.json``
+        says ``status`` / ``verdict.status`` ``INTERRUPTED`` (with how many records were received), ``meta.json``
+        is closed with the same status. No metrics: the records are evidence, not a result. Returns the
+        summary written."""
+        from servelab.measure.client import read_records
+        self.close_stream()
+        path = self.requests_path
+        if not path.exists():
+            path.touch()
+        try:
+            records: list[Any] = read_records(path)
+        except ValueError:                          # a line cut mid-write by the interrupt: keep the file as is
+            records = []
+        self._raw_written = True
+        counts = request_counts(records, measured_roles)
+        why = f"{reason}: {counts['measured']} measured request(s) received before the stop"
+        obj = self.write_summary(CaseSummary(
+            case_id=self.case_id, phase=self.phase, kind=self.kind, status=INTERRUPTED,
+            verdict=verdict(INTERRUPTED, [why]), definition=definition, metrics={}, repeats=[], counts=counts,
+            details={**(details or {}), "interrupted": {"reason": reason, "records": len(records)}}))
+        self.finish(INTERRUPTED, why)
+        return obj
 
     def write_metrics(self, scrape: pd.DataFrame | None = None, before: Any = None, after: Any = None,
                       scrape_errors: Any = None) -> None:

@@ -50,6 +50,9 @@ class ClientConfig:
     progress: bool = False
     keep_fields: tuple[str, ...] = ()        # top-level event fields kept per chunk (e.g. a server timestamp)
     tcp_quickack: bool = True                # ACK every read at once (see _quickack)
+    # called with each record as soon as its request completes (parsed): a case streams its records to disk so
+    # that what was received survives an interrupt (CaseFolder.stream_record); None: records only at the end
+    on_record: Callable[["RequestRecord"], None] | None = field(default=None, compare=False, repr=False)
 
     @property
     def url(self) -> str:
@@ -362,11 +365,22 @@ async def run_async(specs: list[RequestSpec], cfg: ClientConfig, concurrency: in
     # request (as SGLang bench_serving, which opens a session per request) costs ~0.1 ms on loopback.
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, ttl_dns_cache=300, force_close=True)
     pc = time.perf_counter_ns
+    parsed: set[int] = set()
+
+    def finish(rec: RequestRecord) -> None:
+        parse_stream(rec, reads[id(rec)], cfg.api, cfg.keep_fields)
+        if rec.http_status == 200 and not rec.error_kind and not rec.chunk_ns:
+            rec.error_kind, rec.error = "stream", "HTTP 200 but no SSE event"
+        parsed.add(id(rec))
+
     async with aiohttp.ClientSession(connector=connector, read_bufsize=READ_BUFSIZE_BYTES,
                                      timeout=aiohttp.ClientTimeout(total=None)) as session:
 
         async def one(spec: RequestSpec, rec: RequestRecord) -> None:
             await _send(session, spec, cfg, rec, reads[id(rec)])
+            if cfg.on_record is not None:         # parsed now (not after the wave) and handed on at once
+                finish(rec)
+                cfg.on_record(rec)
             if bar is not None:
                 bar.update(1)
 
@@ -432,9 +446,8 @@ async def run_async(specs: list[RequestSpec], cfg: ClientConfig, concurrency: in
         bar.close()
     all_records = records + [r for _, _, r in inj]
     for rec in all_records:
-        parse_stream(rec, reads[id(rec)], cfg.api, cfg.keep_fields)
-        if rec.http_status == 200 and not rec.error_kind and not rec.chunk_ns:
-            rec.error_kind, rec.error = "stream", "HTTP 200 but no SSE event"
+        if id(rec) not in parsed:
+            finish(rec)
     mode = "closed" if rate_rps is None else arrival
     return ClientRun(all_records, t0, t1, wall_offset, mode, concurrency, rate_rps, cpu1 - cpu0)
 
@@ -447,15 +460,30 @@ def run_sync(coro_fn: Callable[[], Awaitable[T]]) -> T:
         return asyncio.run(coro_fn())
     box: dict[str, Any] = {}
 
+    async def main() -> T:
+        box["loop"], box["task"] = asyncio.get_running_loop(), asyncio.current_task()
+        return await coro_fn()
+
     def target() -> None:
         try:
-            box["value"] = asyncio.run(coro_fn())
+            box["value"] = asyncio.run(main())
         except BaseException as exc:  # re-raised in the caller's thread
             box["error"] = exc
 
     th = threading.Thread(target=target, name="servelab-client")
     th.start()
-    th.join()
+    try:
+        th.join()
+    except KeyboardInterrupt:
+        # Ctrl-C lands in the caller's thread: cancel the requests still in flight rather than let them run on
+        loop, task = box.get("loop"), box.get("task")
+        if loop is not None and task is not None:
+            try:
+                loop.call_soon_threadsafe(task.cancel)
+            except RuntimeError:                  # the loop already closed
+                pass
+        th.join(timeout=10)
+        raise
     if "error" in box:
         raise box["error"]
     return box["value"]

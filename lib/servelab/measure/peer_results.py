@@ -93,6 +93,15 @@ def detect_format(obj: dict[str, Any]) -> str:
                             f"(keys: {', '.join(sorted(map(str, obj))[:8]) or 'none'})")
 
 
+def _obj(x: Any) -> dict[str, Any]:
+    """``x`` if it is a JSON object, else ``{}`` (an optional section of another type is read as absent)."""
+    return x if isinstance(x, dict) else {}
+
+
+def _list(x: Any) -> list[Any]:
+    return x if isinstance(x, list) else []
+
+
 def _row(**kw: Any) -> dict[str, Any]:
     return {c: kw.get(c) for c in COLUMNS}
 
@@ -155,14 +164,16 @@ def aiperf_shape(obj: dict[str, Any], load: dict[str, Any], count: float | None,
     ``input_config.input.prompt``) and the request count of its profiling phase."""
     cfg = obj.get("input_config") or {}
     stated: dict[str, Any] = {}
-    for d in cfg.get("datasets") or []:
-        pr = (d or {}).get("prompts") or {}
-        stated = {"input_len": (pr.get("isl") or {}).get("mean"), "output_len": (pr.get("osl") or {}).get("mean")}
+    for d in _list(cfg.get("datasets")):
+        pr = _obj(_obj(d).get("prompts"))
+        stated = {"input_len": _obj(pr.get("isl")).get("mean"), "output_len": _obj(pr.get("osl")).get("mean")}
         break
     if not stated:
-        pr = ((cfg.get("input") or {}).get("prompt")) or {}
-        stated = {"input_len": (pr.get("input_tokens") or {}).get("mean"),
-                  "output_len": (pr.get("output_tokens") or {}).get("mean")}
+        pr = _obj(_obj(cfg.get("input")).get("prompt"))
+        stated = {"input_len": _obj(pr.get("input_tokens")).get("mean"),
+                  "output_len": _obj(pr.get("output_tokens")).get("mean")}
+    for key, v in stated.items():
+        _aiperf_number("input_config (synthetic prompts)", key, v)
     prompts, how = load.get("requests") or load.get("request_count"), "stated"
     if prompts is None and count is not None:
         prompts, how = count + (failed or 0), "from completed"
@@ -236,32 +247,89 @@ _UNIT_TO_MS = {"ms": 1.0, "milliseconds": 1.0, "ns": 1e-6, "nanoseconds": 1e-6, 
                "sec": 1000.0, "seconds": 1000.0}
 
 
+_AIPERF_TIME_TAGS = ("time_to_first_token", "inter_token_latency", "inter_chunk_latency", "request_latency")
+
+
+def _aiperf_number(tag: str, key: str, v: Any) -> float | None:
+    """One AIPerf statistic: a number, a numeric string (``"12.5"``), or null/absent (→ None); anything else is
+    an :class:`ImportFormatError` naming the field."""
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+        raise ImportFormatError(f"AIPerf field {tag}.{key} is {type(v).__name__} {json.dumps(v)[:40]}, not a number")
+    if isinstance(v, str):
+        try:
+            return float(v.strip())
+        except ValueError:
+            raise ImportFormatError(f"AIPerf field {tag}.{key} is the string {v[:40]!r}, not a number") from None
+    return float(v)
+
+
+def _aiperf_section(obj: dict[str, Any], tag: str, kind: type, default: Any) -> Any:
+    v = obj.get(tag)
+    if v is None:
+        return default
+    if not isinstance(v, kind):
+        raise ImportFormatError(f"AIPerf field {tag} is {type(v).__name__}, expected {kind.__name__}")
+    return v
+
+
 def from_aiperf(obj: dict[str, Any], file: str = "") -> dict[str, Any]:
-    """AIPerf ``profile_export_aiperf.json`` → a row (definition ``aiperf``: ITL↔TPOT renamed to ours)."""
+    """AIPerf ``profile_export_aiperf.json`` → a row (definition ``aiperf``: ITL↔TPOT renamed to ours).
+
+    Statistics may be null (missing) or numeric strings; a statistic that is not a number, a latency with values
+    but no unit or an unknown unit, or a section of the wrong type raises :class:`ImportFormatError` (one line
+    naming the field), never a traceback."""
     def metric(tag: str) -> dict[str, float | None]:
         m = obj.get(tag)
-        if not isinstance(m, dict):
+        if m is None:
             return {}
-        f = _UNIT_TO_MS.get(str(m.get("unit", "ms")).lower(), 1.0)
-        return {"mean": _num(m.get("avg")), "median": _num(m.get("p50")), "p90": _num(m.get("p90")),
-                "p95": _num(m.get("p95")), "p99": _num(m.get("p99")), "_f": f}
+        if not isinstance(m, dict):
+            raise ImportFormatError(f"AIPerf field {tag} is {type(m).__name__}, expected an object "
+                                    "{unit, avg, p50, ...}")
+        vals = {st: _aiperf_number(tag, key, m.get(key))
+                for st, key in (("mean", "avg"), ("median", "p50"), ("p90", "p90"), ("p95", "p95"), ("p99", "p99"))}
+        if all(v is None for v in vals.values()):
+            return {}
+        unit = m.get("unit")
+        if unit is None or str(unit).strip() == "":
+            raise ImportFormatError(f"AIPerf field {tag} has values but no unit; expected one of "
+                                    f"{', '.join(sorted(_UNIT_TO_MS))}")
+        f = _UNIT_TO_MS.get(str(unit).strip().lower())
+        if f is None:
+            raise ImportFormatError(f"AIPerf field {tag} has unit {str(unit)[:20]!r}; expected one of "
+                                    f"{', '.join(sorted(_UNIT_TO_MS))}")
+        return {k: (v * f if v is not None else None) for k, v in vals.items()}
     lat = {}
     for ours, tag in (("ttft", "time_to_first_token"), ("tpot", "inter_token_latency"),
                       ("itl", "inter_chunk_latency"), ("e2el", "request_latency")):
         m = metric(tag)
-        f = m.pop("_f", 1.0)
         for st in ("mean", "median", "p90", "p95", "p99"):
-            v = m.get(st)
-            lat[f"{st}_{ours}_ms"] = v * f if v is not None else None
+            lat[f"{st}_{ours}_ms"] = m.get(st)
 
     def avg(tag: str) -> float | None:
         m = obj.get(tag)
-        return _num(m.get("avg")) if isinstance(m, dict) else None
-    cfg = obj.get("input_config") or {}
-    phases = [ph for ph in (cfg.get("phases") or []) if ph.get("kind", "profiling") == "profiling"]
+        if m is None:
+            return None
+        if not isinstance(m, dict):
+            raise ImportFormatError(f"AIPerf field {tag} is {type(m).__name__}, expected an object {{unit, avg}}")
+        return _aiperf_number(tag, "avg", m.get("avg"))
+    cfg = _aiperf_section(obj, "input_config", dict, {})
+    raw_phases = cfg.get("phases") or []
+    if not isinstance(raw_phases, list) or not all(isinstance(ph, dict) for ph in raw_phases):
+        raise ImportFormatError("AIPerf field input_config.phases is not a list of objects")
+    phases = [ph for ph in raw_phases if ph.get("kind", "profiling") == "profiling"]
     load = phases[0] if phases else (cfg.get("loadgen") or {})
-    errs = obj.get("error_summary")
-    failed = sum(int(e.get("count", 0)) for e in errs) if isinstance(errs, list) else None
+    if not isinstance(load, dict):
+        raise ImportFormatError(f"AIPerf field input_config.loadgen is {type(load).__name__}, expected an object")
+    errs = _aiperf_section(obj, "error_summary", list, None)
+    failed = None
+    if errs is not None:
+        failed = 0.0
+        for i, e in enumerate(errs):
+            if not isinstance(e, dict):
+                raise ImportFormatError(f"AIPerf field error_summary[{i}] is {type(e).__name__}, expected an object")
+            failed += _aiperf_number(f"error_summary[{i}]", "count", e.get("count")) or 0.0
     count = avg("completed_request_count") if avg("completed_request_count") is not None else avg("request_count")
     total_in = avg("total_isl")
     total_out = avg("total_osl")
@@ -269,6 +337,8 @@ def from_aiperf(obj: dict[str, Any], file: str = "") -> dict[str, Any]:
         total_in = avg("input_sequence_length") * count
     if total_out is None and avg("output_sequence_length") is not None and count is not None:
         total_out = avg("output_sequence_length") * count
+    for k in ("concurrency", "request_rate", "requests", "request_count"):
+        _aiperf_number("input_config (profiling phase)", k, load.get(k))
     return _row(tool="aiperf", definition="aiperf", file=file, run=0, label=None,
                 **aiperf_shape(obj, load, count, failed),
                 concurrency=_num(load.get("concurrency")), request_rate=_num(load.get("request_rate")),
@@ -330,21 +400,29 @@ def import_file(path: str | Path) -> pd.DataFrame:
     for i, obj in enumerate(objs):
         if not isinstance(obj, dict):
             raise ImportFormatError(f"{path}: object {i} is not a JSON object; expected {EXPECTED}")
+        kind = "result"
         try:
             kind = detect_format(obj)
+            rows.extend(_convert(kind, obj, path, i))
         except ImportFormatError as exc:
             raise ImportFormatError(f"{path}: {exc}") from None
-        if kind == "sglang":
-            rows.append(from_sglang(obj, str(path), i))
-        elif kind in ("vllm", "servelab"):
-            d = obj.get("servelab_definition")
-            rows.append(from_vllm(obj, str(path), i, tool="servelab" if d else "vllm bench serve",
-                                  definition=d or "vllm"))
-        elif kind == "aiperf":
-            rows.append(from_aiperf(obj, str(path)))
-        else:
-            rows.extend(from_guidellm(obj, str(path)))
+        except (TypeError, ValueError, AttributeError, KeyError, OverflowError) as exc:
+            # a field of a type no reader expects: one line naming the file, never a traceback
+            raise ImportFormatError(f"{path}: a field of an unexpected type in this {kind} result "
+                                    f"({type(exc).__name__}: {exc}); expected {EXPECTED}") from None
     return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def _convert(kind: str, obj: dict[str, Any], path: Path, i: int) -> list[dict[str, Any]]:
+    """One object of a result file of ``kind`` → its rows."""
+    if kind == "sglang":
+        return [from_sglang(obj, str(path), i)]
+    if kind in ("vllm", "servelab"):
+        d = obj.get("servelab_definition")
+        return [from_vllm(obj, str(path), i, tool="servelab" if d else "vllm bench serve", definition=d or "vllm")]
+    if kind == "aiperf":
+        return [from_aiperf(obj, str(path))]
+    return from_guidellm(obj, str(path))
 
 
 def import_files(paths: list[str | Path]) -> pd.DataFrame:

@@ -18,11 +18,11 @@ from typing import Any, Callable
 import pandas as pd
 
 from servelab.measure import request_metrics as mx
-from servelab.measure.case import (SCALES, SUCCESS, CaseEnv, CaseResult, CaseSpec, MatrixResult, case_is_done,
-                                   load_case_result, make_env, quick_matrix, run_matrix)
+from servelab.measure.case import (SCALES, SUMMARY_KEYS, SUCCESS, CaseEnv, CaseResult, CaseSpec, MatrixResult,
+                                   case_is_done, load_case_result, make_env, quick_matrix, run_matrix)
 from servelab.measure.matrix import dispatch_case
 from servelab.measure.mixed import m1_analysis
-from servelab.core.run import write_json_atomic
+from servelab.core.run import merge_table, write_json_atomic
 from servelab.measure.search import SearchConfig, SearchResult, concurrency_search
 
 
@@ -178,9 +178,10 @@ def recorded_runner(ctx: Any, runner: Callable[[CaseEnv, CaseSpec], CaseResult]
 
 
 def write_phase_tables(phase_dir: Path, res: Phase1Result) -> None:
-    """``matrix.csv`` (both definitions), ``search.json`` + ``frontier.csv``, ``m1_*.csv``, ``phase1.json``."""
+    """``matrix.csv`` (both definitions, merged by case like ``summary.csv``), ``search.json`` +
+    ``frontier.csv``, ``m1_*.csv``, ``phase1.json``."""
     phase_dir.mkdir(parents=True, exist_ok=True)
-    res.matrix.frame().to_csv(phase_dir / "matrix.csv", index=False)
+    merge_table(phase_dir / "matrix.csv", res.matrix.frame(), SUMMARY_KEYS)     # other cases' rows kept
     if res.search is not None:
         write_json_atomic(phase_dir / "search.json", {
             "stop_reason": res.search.stop_reason, "stop_detail": res.search.stop_detail,

@@ -171,6 +171,7 @@ def run_interference(srv: RunningServer, run_dir: Path, spec: InterferenceSpec, 
         raise RuntimeError(f"{spec.case_id}: engine unhealthy before the case")
     env = CaseEnv(srv=srv, run_dir=Path(run_dir), pool=pool, seed=seed)
     cfg = env.client_config(spec.case_id)
+    cfg.on_record = folder.stream_record          # each record on disk as its request completes (Ctrl-C keeps it)
     _, log_off = read_log_since(env, 0)
     # decode warm-up at the background's shape (docs/method.md#warmup: decode points yes, the long prefill no)
     wl_w = build_workload(spec.case_id + "-warmup", spec.concurrency, spec.background_input_tokens, 8, pool,
@@ -209,6 +210,9 @@ def run_interference(srv: RunningServer, run_dir: Path, spec: InterferenceSpec, 
     try:
         if not error:
             bg_recs, inj_recs, schedule, marks = run_sync(lambda: _wave(bg, inj, cfg, spec, plan))
+    except KeyboardInterrupt:      # the user stopped it: the records received stay, the case says INTERRUPTED
+        folder.interrupt(definition=definition, measured_roles=("background",))
+        raise
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
     finally:

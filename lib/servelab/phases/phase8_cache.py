@@ -80,7 +80,8 @@ def run_hit_point(srv: RunningServer, run_dir: Path, point: HitPoint, pool: list
     if srv.engine.request_cache_switch:        # the per-request prefix-reuse flag, where the engine has one
         extra[srv.engine.request_cache_switch] = bool(point.cache_prompt)
     cfg = ClientConfig(srv.base_url, srv.target.served_model_name or "default", engine=engine, extra_body=extra,
-                       request_id_prefix=f"{Path(run_dir).name}-{point.case_id}")
+                       request_id_prefix=f"{Path(run_dir).name}-{point.case_id}",
+                       on_record=folder.stream_record)     # each record on disk as its request completes
     poller = SlotsPoller(srv.base_url, interval_s=poll_interval_s) if has_slots_endpoint(srv) else None
     scraper = Scraper(srv.base_url + srv.engine.metrics_path, interval_s=max(poll_interval_s, 0.25))
     t0 = time.perf_counter_ns()
@@ -103,6 +104,9 @@ def run_hit_point(srv: RunningServer, run_dir: Path, point: HitPoint, pool: list
         run = run_streams(streams, cfg)
         records += run.records
         after = metrics_snapshot(srv)
+    except KeyboardInterrupt:      # the user stopped it: the records received stay, the case says INTERRUPTED
+        folder.interrupt(definition=definition)
+        raise
     except Exception as exc:  # recorded; the point is rejected below
         error = f"{type(exc).__name__}: {exc}"
     finally:

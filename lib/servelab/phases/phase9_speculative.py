@@ -99,6 +99,7 @@ def run_spec_point(srv: RunningServer, run_dir: Path, cfg: SpecConfig, concurren
         raise RuntimeError(f"{cid}: engine unhealthy before the case")
     env = CaseEnv(srv=srv, run_dir=Path(run_dir), pool=pool, seed=seed)
     ccfg = env.client_config(cid)
+    ccfg.on_record = folder.stream_record         # each record on disk as its request completes (Ctrl-C keeps it)
     wl_w = build_workload(cid + "-warmup", 1, input_tokens, min(output_tokens, 8), pool,
                           seed=case_seed(seed, f"S9-warmup-c{concurrency}", repeat), role="warmup", start_index=10**6)
     records = list(run_requests(wl_w.requests, ccfg, concurrency=1).records)
@@ -114,6 +115,9 @@ def run_spec_point(srv: RunningServer, run_dir: Path, cfg: SpecConfig, concurren
     try:
         run = run_requests(wl.requests, ccfg, concurrency=concurrency, repeat=repeat)
         records += run.records
+    except KeyboardInterrupt:      # the user stopped it: the records received stay, the case says INTERRUPTED
+        folder.interrupt(definition=definition)
+        raise
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
     after = metrics_snapshot(srv)

@@ -44,10 +44,21 @@ def write_run_index(run_dir: Path) -> Path:
         not_exec = e.get("not_executed") or []
         why = (f"<br><small class='why'>{html.escape(str(e['error']))}</small>"
                if status != "success" and e.get("error") else "")
+        headline = e.get("headline", {})
+        kept = e.get("kept_page") if isinstance(e.get("kept_page"), dict) else None
+        if kept and report.exists():
+            # a later attempt failed: the page linked is the last good one; the failed attempt's page beside it
+            link += (f"<br><small>page of the last good attempt (ended {html.escape(str(kept.get('ended') or '-'))})"
+                     "</small>")
+            failed = e.get("failed_page")
+            if failed and (run_dir / phase / str(failed)).is_file():
+                link += (f'<br><small><a href="{html.escape(phase)}/{html.escape(str(failed), quote=True)}">'
+                         f"page of the {html.escape(status)} attempt</a></small>")
+            headline = headline or kept.get("headline") or {}
         rows.append(f"<tr><td>{link}<br><small>{html.escape(NOTEBOOKS.get(phase, ''))}</small></td>"
                     f'<td class="{_status_class(status)}">{html.escape(status)}{samples}{why}</td>'
                     f"<td><small>{html.escape(str(e.get('started', '')))}<br>{html.escape(str(e.get('ended', '')))}"
-                    f"</small></td><td>{_headline(e.get('headline', {}))}</td>"
+                    f"</small></td><td>{_headline(headline)}</td>"
                     f"<td>{html.escape(', '.join(map(str, not_exec))) or '-'}</td></tr>")
     tool = m.get("tool", {})
     body_ledger = _cases_html(run_dir) + _ledger_html(run_dir) + _milestones_html(run_dir) + _lessons_html(m)
@@ -174,6 +185,9 @@ def _lessons_html(m: dict[str, Any]) -> str:
         not_run = a.get("not_executed")
         extra = (f"<br><small>not executed: {html.escape(', '.join(map(str, not_run)))}</small>" if not_run else "")
         params = html.escape(json.dumps(a.get("params", {}), ensure_ascii=False)[:300])
+        page = a.get("page")
+        if page and ".." not in Path(str(page)).parts and (Path(str(page)).suffix == ".html"):
+            extra += f"<br><small><a href=\"{html.escape(str(page), quote=True)}\">its page</a></small>"
         return (f"<tr><td>{html.escape(str(a.get('phase', '')))}</td><td><small>{html.escape(str(a.get('started', '')))}"
                 f"</small></td><td class='bad'>{html.escape(str(a.get('status', '')))}</td>"
                 f"<td>{html.escape(str(a.get('error') or '-'))}{extra}</td><td><small>{params}</small></td></tr>")

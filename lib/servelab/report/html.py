@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import html
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -102,3 +103,35 @@ def render_notebook(executed: Path, out_html: Path, meta: dict[str, Any]) -> Pat
     out_html.write_text(body, encoding="utf-8")
     publish_docs(out_html.parent.parent)          # <run>/<phase>/report.html → <run>/docs/
     return out_html
+
+
+LATER_FAILURE_START, LATER_FAILURE_END = "<!-- servelab:later-failure -->", "<!-- /servelab:later-failure -->"
+
+
+def later_failure_html(when: str, status: str, reason: str, page: str | None) -> str:
+    """The banner a kept good page carries once a later attempt failed: when, how, why and where its page is."""
+    what = "was interrupted" if status == "interrupted" else "failed"
+    link = (f' (page: <a href="{html.escape(page, quote=True)}">{html.escape(page)}</a>)' if page else "")
+    return (f'{LATER_FAILURE_START}<div class="servelab-later-failure" role="alert" style="background:#fde2e1;'
+            f'border-left:6px solid #c0392b;padding:10px 14px;margin:8px 0;font-family:sans-serif">'
+            f'<b>A later attempt at {html.escape(when)} {what}:</b> {html.escape(reason or status)}{link}'
+            f'<br><small>This page is the last good attempt of this phase, kept as it was.</small></div>'
+            f'{LATER_FAILURE_END}')
+
+
+def mark_later_failure(page: Path, when: str, status: str, reason: str, failed_page: str | None) -> Path:
+    """Put (or replace) the later-failure banner at the top of the rendered page ``page`` (after its header),
+    leaving the rest of the page as it was rendered."""
+    text = page.read_text(encoding="utf-8")
+    banner = later_failure_html(when, status, reason, failed_page)
+    start, end = text.find(LATER_FAILURE_START), text.find(LATER_FAILURE_END)
+    if start >= 0 and end > start:
+        text = text[:start] + banner + text[end + len(LATER_FAILURE_END):]
+    else:
+        at = text.find("</header>")
+        at = at + len("</header>") if at >= 0 else max(text.find(">", text.find("<body")) + 1, 0)
+        text = text[:at] + banner + text[at:]
+    tmp = page.with_name(f".{page.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, page)
+    return page

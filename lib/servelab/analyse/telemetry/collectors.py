@@ -11,8 +11,9 @@ The field lists and commands (``docs/method.md#telemetry``):
   power.draw,temperature.gpu,clocks.sm,clocks.mem,pstate`` as ``csv,noheader,nounits``, 1 s default;
 - DCGM ``dcgmi dmon -e <field ids> -d <ms>``: SM active/occupancy, tensor active, DRAM active,
   PCIe TX/RX, NVLink TX/RX, graphics engine active, XID (ids from NVIDIA/DCGM ``dcgm_fields.h``);
-- ``mpstat -P ALL 1``, ``pidstat -t -p <pid> 1`` (``-H -h -u -r -w``: epoch stamps, one line per
-  thread), ``numastat -p <pid>`` every 5 s, ``sar -n DEV,EDEV 1``, ``ethtool -S <netdev>`` every 1 s,
+- ``mpstat -P ALL -o JSON 1``, ``pidstat -t -p <pid> 1`` (``-H -h -u -r -w``: epoch stamps, one line per
+  thread), ``numastat -p <pid>`` every 5 s, ``sar -n DEV,EDEV -o <file> 1`` turned into JSON by ``sadf -j`` when
+  it stops, ``ethtool -S <netdev>`` every 1 s,
   RDMA port and hw counters under ``/sys/class/infiniband/<hca>/ports/<p>/``, optional ``perf stat``.
 """
 from __future__ import annotations
@@ -86,6 +87,8 @@ def display_argv(argv: list[str]) -> list[str]:
     """argv for logs and pages: a ``python3 -c <sampler source>`` shows the source's file name instead."""
     if len(argv) > 2 and argv[1] == "-c" and "def run_files" in argv[2]:
         return [argv[0], "-c", "<servelab/telemetry/sampler_program.py>", *argv[3:]]
+    if len(argv) == 6 and argv[:2] == ["sh", "-c"] and argv[2] == SAR_JSON_SCRIPT:
+        return ["sh", "-c", f"<sar -n {argv[4]} -o FILE {argv[5]}; on stop: sadf -j FILE -- -n {argv[4]}>"]
     return list(argv)
 
 
@@ -129,9 +132,25 @@ def dcgm_dmon(interval_s: float = 1.0, fields: list[int] | None = None, required
 
 
 def mpstat(interval_s: float = 1.0, required: bool = True) -> CollectorSpec:
-    return CollectorSpec("mpstat", ["mpstat", "-P", "ALL", _interval_arg(interval_s)], "mpstat.txt", "mpstat",
-                         required, ["mpstat"], [], dict(SYSSTAT_ENV), interval_s,
+    """``mpstat -P ALL -o JSON``: sysstat's machine-readable output (numbers never in the node's locale)."""
+    return CollectorSpec("mpstat", ["mpstat", "-P", "ALL", "-o", "JSON", _interval_arg(interval_s)], "mpstat.json",
+                         "mpstat", required, ["mpstat"], [], dict(SYSSTAT_ENV), interval_s,
                          "per-core and whole-machine CPU utilisation")
+
+
+# sar records its binary data file while the case runs; when the collector is stopped (SIGTERM to its process
+# group) the file is turned into sysstat's JSON by sadf on the node, onto the collector's output, and removed.
+# A fixed script: the activity and the interval are positional arguments, never part of a shell string.
+SAR_JSON_SCRIPT = (
+    'a=$1\n'
+    'f=$(mktemp "${TMPDIR:-/tmp}/servelab-sar.XXXXXX") || exit 1\n'
+    'sar -n "$a" -o "$f" "$2" >/dev/null 2>&1 &\n'
+    'p=$!\n'
+    'out() { trap - TERM INT; kill -TERM "$p" 2>/dev/null; wait "$p" 2>/dev/null; '
+    'sadf -j "$f" -- -n "$a"; rm -f "$f"; exit 0; }\n'
+    'trap out TERM INT\n'
+    'wait "$p" 2>/dev/null\n'
+    'out\n')
 
 
 def pidstat(pid: int, interval_s: float = 1.0, required: bool = True) -> CollectorSpec:
@@ -153,9 +172,14 @@ def numastat(pid: int, interval_s: float = 5.0, required: bool = False, python: 
 def sar_net(interval_s: float = 1.0, required: bool = True, netdevs: list[str] | None = None) -> CollectorSpec:
     """``sar -n DEV,EDEV``; ``netdevs`` (the node's rails) narrows what the summaries read (the raw file
     keeps every interface)."""
-    return CollectorSpec("sar-net", ["sar", "-n", "DEV,EDEV", _interval_arg(interval_s)], "sar_net.txt", "sar_net",
-                         required, ["sar"], [], dict(SYSSTAT_ENV), interval_s,
+    return CollectorSpec("sar-net", sar_json_argv("DEV,EDEV", interval_s), "sar_net.json", "sar_net",
+                         required, ["sar", "sadf"], [], dict(SYSSTAT_ENV), interval_s,
                          "per-netdev packets, throughput, errors and drops", {"netdevs": list(netdevs or [])})
+
+
+def sar_json_argv(activity: str, interval_s: float) -> list[str]:
+    """``sar -n <activity> -o <binary file> <s>`` for the case, ``sadf -j`` of that file when stopped (JSON)."""
+    return ["sh", "-c", SAR_JSON_SCRIPT, "servelab-sar", activity, _interval_arg(interval_s)]
 
 
 def ethtool_stats(netdevs: list[str], interval_s: float = 1.0, required: bool = False,

@@ -1,5 +1,12 @@
-"""sysstat text output (``mpstat -P ALL``, ``pidstat -H -h -t -u -r -w``, ``sar -n DEV,EDEV``) and
-``numastat -p`` blocks → tidy samples.
+"""sysstat output (``mpstat -P ALL``, ``pidstat -H -h -t -u -r -w``, ``sar -n DEV,EDEV``) and ``numastat -p``
+blocks → tidy samples.
+
+mpstat and sar are recorded in sysstat's machine-readable JSON (``mpstat -o JSON``; ``sar -o <file>`` turned
+into JSON by ``sadf -j`` when the collector stops): numbers with a decimal point and ISO dates whatever the
+node's locale, sar's stamps with their date, UTC flag and interval. :func:`parse_mpstat` and
+:func:`parse_sar_net` read that JSON — also cut short (mpstat stopped by SIGTERM never closes its document:
+every complete sample before the cut is read) — and still read the text format of files recorded before
+(recognised by their first character). The rest of this note is about the text format.
 
 sysstat prints wall-clock times of day (``HH:MM:SS``, 1 s resolution) after a header line that holds
 the date; our collectors run it with ``TZ=UTC LC_ALL=C S_TIME_FORMAT=ISO`` so the header date is ISO
@@ -15,7 +22,9 @@ moved to the middle of that second (``+0.5 s``, ``HALF_SECOND_NS``), which halve
 from __future__ import annotations
 
 import datetime as dt
+import json
 import re
+from typing import Any
 from zoneinfo import ZoneInfo
 
 import numpy as np
@@ -33,7 +42,7 @@ KBPS_TO_GBPS = 1024 * 8 / 1e9
 
 
 def _parse_date(text: str) -> dt.date:
-    for fmt in ("%Y-%m-%d", "%m/%d/%Y", "%m/%d/%y", "%d/%m/%Y"):
+    for fmt in ("%Y-%m-%d", "%m/%d/%Y", "%m/%d/%y", "%d/%m/%Y", "%d.%m.%Y"):
         try:
             return dt.datetime.strptime(text, fmt).date()
         except ValueError:
@@ -98,12 +107,106 @@ def _interval_ns(ts: list[int], interval_s: float | None) -> int:
     return int(np.median(np.diff(u))) if len(u) > 1 else 1_000_000_000
 
 
+def is_json(text: str) -> bool:
+    """sysstat JSON (``{"sysstat": ...``) rather than its text report."""
+    return text.lstrip().startswith("{")
+
+
+def json_hosts(text: str) -> list[tuple[dict, list[dict]]]:
+    """``(host fields, statistics entries)`` of a sysstat JSON document; a document cut short (the writer was
+    stopped) yields every statistics entry that is complete. Raises ``ValueError`` when it is not sysstat JSON."""
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError:
+        doc = None
+    if isinstance(doc, dict):
+        hosts = (doc.get("sysstat") or {}).get("hosts")
+        if not isinstance(hosts, list):
+            raise ValueError("JSON without sysstat.hosts: not sysstat -o JSON / sadf -j output")
+        return [({k: v for k, v in h.items() if k != "statistics"}, [e for e in h.get("statistics") or []
+                                                                      if isinstance(e, dict)])
+                for h in hosts if isinstance(h, dict)]
+    # cut short: the host fields before "statistics", then entry after entry until one is incomplete
+    at = text.find('"statistics"')
+    if not text.lstrip().startswith('{"sysstat"') or at < 0:
+        raise ValueError("not sysstat JSON (no '{\"sysstat\"' document with 'statistics')")
+    host: dict = {}
+    for key in ("nodename", "date", "file-date", "timezone", "number-of-cpus"):
+        m = re.search(rf'"{re.escape(key)}":\s*("(?:[^"\\]|\\.)*"|\d+)', text[:at])
+        if m:
+            host[key] = json.loads(m.group(1))
+    dec = json.JSONDecoder()
+    i = text.index("[", at) + 1
+    entries = []
+    while True:
+        while i < len(text) and text[i] in " \t\r\n,":
+            i += 1
+        if i >= len(text) or text[i] != "{":
+            break
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            break
+        if isinstance(obj, dict):
+            entries.append(obj)
+    return [(host, entries)]
+
+
+def _json_stamp_ns(stamp: Any, host: dict, clock: "_Clock | None", tz: str) -> tuple[int | None, "_Clock | None"]:
+    """Epoch ns (mid-second, as for text) of one sysstat JSON timestamp: sadf's ``{"date", "time", "utc"}`` or
+    mpstat's ``"HH:MM:SS"`` under the host's ``date``."""
+    if isinstance(stamp, dict):
+        try:
+            d = _parse_date(str(stamp["date"]))
+            h, m, sec = (int(x) for x in str(stamp["time"]).split(":"))
+        except (KeyError, ValueError):
+            return None, clock
+        zone = dt.timezone.utc if stamp.get("utc", 1) else ZoneInfo(tz)
+        t = dt.datetime.combine(d, dt.time(h, m, sec), tzinfo=zone)
+        return int(t.timestamp()) * 1_000_000_000 + HALF_SECOND_NS, clock
+    if clock is None:
+        date = host.get("date") or host.get("file-date")
+        if not date:
+            return None, None
+        clock = _Clock(_parse_date(str(date)), tz)
+    return clock.ns(str(stamp)), clock
+
+
+def _json_rows(text: str, tz: str):
+    """``(ts_ns, interval_s or None, entry)`` for every statistics entry of a sysstat JSON document."""
+    for host, entries in json_hosts(text):
+        clock = None
+        for e in entries:
+            stamp = e.get("timestamp")
+            ts, clock = _json_stamp_ns(stamp, host, clock, tz)
+            if ts is None:
+                continue
+            iv = stamp.get("interval") if isinstance(stamp, dict) else None
+            yield ts, (float(iv) if isinstance(iv, (int, float)) and iv > 0 else None), e
+
+
+def _num(v: Any) -> float:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else np.nan
+
+
+def _mpstat_json(text: str, tz: str) -> list[tuple[int, str, dict[str, float]]]:
+    recs = []
+    for ts, _, e in _json_rows(text, tz):
+        for row in e.get("cpu-load") or []:
+            if isinstance(row, dict) and "cpu" in row:
+                recs.append((ts, str(row["cpu"]), {f"%{k}": _num(v) for k, v in row.items() if k != "cpu"}))
+    return recs
+
+
 def parse_mpstat(text: str, node: str, interval_s: float | None = None, tz: str = "UTC") -> pd.DataFrame:
-    """``mpstat -P ALL <s>`` → ``cpu_*_pct`` (device ``all``), ``core_busy_pct`` (``cpuN``) and
-    ``hottest_core_busy_pct`` (device ``max``: the busiest core at each stamp). busy = 100 − %idle."""
+    """``mpstat -P ALL -o JSON <s>`` (or the text report of older recordings) → ``cpu_*_pct`` (device ``all``),
+    ``core_busy_pct`` (``cpuN``) and ``hottest_core_busy_pct`` (device ``max``: the busiest core at each stamp).
+    busy = 100 − %idle."""
     header: list[str] | None = None
     recs = []
-    for ts, f in _rows(text, tz):
+    if is_json(text):
+        recs = _mpstat_json(text, tz)
+    for ts, f in ([] if recs or is_json(text) else _rows(text, tz)):
         if f and f[0] == "CPU":
             header = f
             continue
@@ -204,10 +307,13 @@ SAR_METRICS = {
 
 def parse_sar_net(text: str, node: str, interval_s: float | None = None, tz: str = "UTC",
                   netdevs: list[str] | None = None) -> pd.DataFrame:
-    """``sar -n DEV,EDEV <s>`` → per-netdev ``net_*`` samples (throughput in Gbit/s, errors per s).
+    """``sadf -j`` of ``sar -n DEV,EDEV -o <file> <s>`` (or the text report of older recordings) → per-netdev
+    ``net_*`` samples (throughput in Gbit/s, errors per s).
 
     ``netdevs`` keeps only those interfaces (the target's rails); default: every interface but ``lo``.
     """
+    if is_json(text):
+        return _sar_net_json(text, node, interval_s, tz, netdevs)
     header: list[str] | None = None
     out = []
     for ts, f in _rows(text, tz):
@@ -228,6 +334,37 @@ def parse_sar_net(text: str, node: str, interval_s: float | None = None, tz: str
         return empty_frame()
     df = make_frame(out)
     df["interval_ns"] = _interval_ns(df["ts_ns"].tolist(), interval_s)
+    return df
+
+
+# sadf -j keys → the text report's column names (SAR_METRICS)
+SAR_JSON_KEYS = {"ifutil-percent": "%ifutil"}
+
+
+def _sar_net_json(text: str, node: str, interval_s: float | None, tz: str, netdevs: list[str] | None
+                  ) -> pd.DataFrame:
+    out = []
+    ivs = []
+    for ts, iv, e in _json_rows(text, tz):
+        net = e.get("network") or {}
+        if iv:
+            ivs.append(iv)
+        for block in ("net-dev", "net-edev"):
+            for row in net.get(block) or []:
+                if not isinstance(row, dict):
+                    continue
+                dev = str(row.get("iface", ""))
+                if not dev or (netdevs and dev not in netdevs) or (not netdevs and dev == "lo"):
+                    continue
+                for key, val in row.items():
+                    col = SAR_JSON_KEYS.get(key, f"{key}/s")
+                    if col in SAR_METRICS:
+                        metric, scale = SAR_METRICS[col]
+                        out.append((node, "sar-net", metric, dev, ts, _num(val) * scale, 0))
+    if not out:
+        return empty_frame()
+    df = make_frame(out)
+    df["interval_ns"] = _interval_ns(df["ts_ns"].tolist(), interval_s or (float(np.median(ivs)) if ivs else None))
     return df
 
 
