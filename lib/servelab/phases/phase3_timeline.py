@@ -106,6 +106,8 @@ def alignment_table(p: Phase3) -> pd.DataFrame:
     notes = "; ".join(a.alignment.notes)
     slow = a.slow_rank.get("evidence", "")
     caption = f"alignment ok: {a.alignment.alignment_ok}. {notes}. Slow rank: {a.slow_rank.get('slow_rank')} — {slow}"
+    if a.slow_rank.get("slow_stage") is not None:
+        caption += f". Slow pipeline stage: {a.slow_rank['slow_stage']} (see Which stage holds the pipeline back)"
     if not len(t):
         return pd.DataFrame({"note": [caption]})
     t.attrs["caption"] = caption            # drawn above the table by the page's table display (escaped)

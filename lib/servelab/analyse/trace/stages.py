@@ -141,7 +141,7 @@ def stage_stretches(steps: pl.DataFrame, ratio_threshold: float = RATIO_THRESHOL
     stage, ranks, role (holds back / waits / -), gpu_ms_per_step (median), stage_ratio (median over the
     stretch's steps of this kind), sendrecv_ms_per_step (mean), sendrecv_ms (total over the stretch),
     baseline_sendrecv_ms_per_step (the stage's median in balanced steps of this kind), excess_sendrecv_ms
-    (total − baseline × steps: the wait the holding stage causes; only on the waiting stages' rows)."""
+    (total − baseline × steps, at least 0: the wait the holding stage causes; only on the waiting stages' rows)."""
     v = step_verdicts(steps, ratio_threshold)
     if v.height == 0:
         return pl.DataFrame()
@@ -167,7 +167,8 @@ def stage_stretches(steps: pl.DataFrame, ratio_threshold: float = RATIO_THRESHOL
         .when(pl.col("stage") == pl.col("holds")).then(pl.lit("holds back"))
         .otherwise(pl.lit("waits")).alias("role"),
         pl.when(pl.col("holds").is_not_null() & long_enough & (pl.col("stage") != pl.col("holds")))
-        .then(pl.col("sendrecv_ms") - pl.col("baseline_sendrecv_ms_per_step").fill_null(0.0) * pl.col("steps"))
+        .then((pl.col("sendrecv_ms") - pl.col("baseline_sendrecv_ms_per_step").fill_null(0.0) * pl.col("steps"))
+              .clip(lower_bound=0.0))
         .alias("excess_sendrecv_ms"))
     return (t.sort("pipeline", "stretch", "_first", "stage")
             .select("pipeline", "stretch", "first_step", "last_step", "kind", "steps", "verdict", "stage", "ranks",
