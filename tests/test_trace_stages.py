@@ -183,3 +183,33 @@ def test_balanced_pp2_sample_names_no_stage(samples: Path, tmp_path: Path):
     assert (a.stages["verdict"] == "balanced").all()
     row = evidence_actions(a).filter(pl.col("evidence").str.contains(STAGE_PROBE)).row(0, named=True)
     assert row["status"] == "not triggered"
+
+
+def test_a_stage_of_several_tp_ranks_counts_its_slowest_rank(slow1):
+    """TP2 × PP2 built from the real capture: each stage gets a second TP rank whose kernels are the first's,
+    on stage 0 on a timeline 1.2× slower. A stage's GPU time per step is its slowest rank's; the slow stage and its
+    ranks are still named (the ratio shrinks by 1.2, as the stretched stage 0 rank is now the stage's time)."""
+    import dataclasses
+    _, a = slow1
+    rops = [prepare_rank(t) for t in a.capture.ranks]
+    extra = []
+    for r in rops:
+        ident = dataclasses.replace(r.trace.identity, tp=1, rank=r.rank + 2)
+        ops = r.ops
+        if ident.pp == 0:
+            t0 = int(ops["ts_ns"].min())          # the same timeline, 1.2× slower: every interval scaled
+            ops = ops.with_columns(*[(t0 + ((pl.col(c) - t0) * 1.2).round().cast(pl.Int64)).alias(c)
+                                     for c in ("ts_ns", "end_ns")])
+        extra.append(dataclasses.replace(r, trace=dataclasses.replace(r.trace, identity=ident), ops=ops))
+    from servelab.analyse.trace import stages as S
+    st = S.stage_steps(rops + extra)
+    assert dict(zip(st["stage"], st["ranks"])) == {0: "0,2", 1: "1,3"}
+    base = S.stage_steps(rops)
+    j = st.join(base, on=["stage", "step"], suffix="_one")
+    s0 = j.filter(pl.col("stage") == 0)
+    np.testing.assert_allclose(s0["gpu_ms"].to_numpy(), 1.2 * s0["gpu_ms_one"].to_numpy(), rtol=0.02)
+    s1 = j.filter(pl.col("stage") == 1)
+    np.testing.assert_allclose(s1["gpu_ms"].to_numpy(), s1["gpu_ms_one"].to_numpy())
+    v = S.slow_stage(S.stage_stretches(st), st)
+    assert v["slow_stage"] == 1 and v["ranks"] == "1,3" and v["stretches"] == [(8, 31)]
+    assert v["ratio"] == pytest.approx(3 / 1.2, rel=RATIO_TOL["decode"])
