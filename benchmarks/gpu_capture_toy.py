@@ -9,7 +9,9 @@ Run on a GPU machine (one process per GPU, e.g. ``torchrun --nproc-per-node 8 be
 - pipeline parallelism: activations sent stage → stage with NCCL send/recv; chunked prefill forms a
   natural micro-batch pipeline (stage 0 runs chunk i+1 while stage 1 runs chunk i);
 - decode steps replayed from a CUDA graph per stage (send/recv outside the graph);
-- one long prefill chunk injected between decode steps (the mixed scenario of docs/method.md#capture-scenarios).
+- one long prefill chunk injected between decode steps (the mixed scenario of docs/method.md#capture-scenarios);
+- ``--slow-stage S --slow-factor F --slow-steps A:B``: stage S runs its compute F times (real GPU work, same
+  result) in profiled steps A..B-1 (every ``step[...]`` counts, from 0).
 
 ``--device cpu`` runs the same program with gloo and no CUDA graph, to check it anywhere.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
@@ -43,7 +46,11 @@ def main() -> None:
     ap.add_argument("--no-graph", action="store_true", help="decode eagerly (no CUDA graph)")
     ap.add_argument("--tp-new-group", action="store_true",
                     help="all-reduce on a new_group even with one stage (to reproduce the 2026-11-29 hang)")
+    ap.add_argument("--slow-stage", type=int)
+    ap.add_argument("--slow-factor", type=int, default=3)
+    ap.add_argument("--slow-steps", default="0:99999")
     a = ap.parse_args()
+    lo, hi = map(int, a.slow_steps.split(":"))
 
     cuda = a.device == "cuda"
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -117,6 +124,15 @@ def main() -> None:
         if next_rank is not None:
             dist.send(x.contiguous(), dst=next_rank)
 
+    step = [None]    # profiled step number (None: warm-up)
+
+    def reps():
+        n = step[0]
+        if n is None:
+            return 1
+        step[0] += 1
+        return a.slow_factor if stage == a.slow_stage and lo <= n < hi else 1
+
     def prefill_request(n_chunks, label_tokens):
         """Chunked prefill of one request through the pipeline (stage s works on chunk i while s+1 on i-1)."""
         for c in range(n_chunks):
@@ -124,7 +140,8 @@ def main() -> None:
             with record_function(f"step[EXTEND bs=1 toks={label_tokens} chunk={c}]"):
                 x = torch.randn(1, a.chunk, H, device=dev, dtype=dt) if prev_rank is None else \
                     recv_from_prev((1, a.chunk, H))
-                y = stage_forward(x, pc, pos, True)
+                for _ in range(reps()):
+                    y = stage_forward(x, pc, pos, True)
                 send_to_next(y)
 
     # decode: one CUDA graph per stage around its compute (send/recv stay outside the graph)
@@ -146,11 +163,14 @@ def main() -> None:
         with record_function(f"step[{tag} bs={B}]"):
             if prev_rank is not None:
                 static_in.copy_(recv_from_prev((B, 1, H)))
+            n = reps()
             if graph is not None:
-                graph.replay()
+                for _ in range(n):
+                    graph.replay()
                 y = static_out
             else:
-                y = stage_forward(static_in, dc, dpos, False)
+                for _ in range(n):
+                    y = stage_forward(static_in, dc, dpos, False)
             send_to_next(y)
 
     # warm-up outside the profiler
@@ -162,6 +182,7 @@ def main() -> None:
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     t0 = time.time()
+    step[0] = 0
     with profile(activities=acts, record_shapes=True) as prof:
         prefill_request(a.prefill_chunks, a.chunk * a.prefill_chunks)
         for i in range(a.decode_steps):
@@ -181,7 +202,8 @@ def main() -> None:
             json.dump({"tp": a.tp, "pp": a.pp, "world": world, "layers": a.layers, "hidden": a.hidden,
                        "ffn": a.ffn, "chunk": a.chunk, "prefill_chunks": a.prefill_chunks,
                        "decode_batch": B, "decode_steps": a.decode_steps, "dtype": str(dt),
-                       "torch": torch.__version__, "cuda_graph": graph is not None}, f, indent=1)
+                       "torch": torch.__version__, "cuda_graph": graph is not None,
+                       "slow": [a.slow_stage, a.slow_factor, lo, hi], "steps": step[0], "argv": sys.argv[1:]}, f, indent=1)
     if graph is not None and a.tp > 1:
         # Seen on 2 x H200 (torch 2.11, NCCL 2.28.9, 2026-11-29): with a CUDA graph that holds TP all-reduces,
         # the traces are written but process-group teardown never returns (with or without a new_group; an

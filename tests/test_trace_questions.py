@@ -62,7 +62,7 @@ def test_single_rank_capture_cannot_answer_cross_rank_questions(thirdparty: Path
 
 def test_evidence_actions_on_h200(h200):
     act = evidence_actions(h200)
-    assert act.height == 10
+    assert act.height == 11                                          # the method table's rows, one per evidence
     st = dict(zip(act["evidence"].str.slice(0, 12).to_list(), act["status"].to_list()))
     by_start = {k[:6]: v for k, v in st.items()}
     assert by_start["Decode"] == "not triggered"                    # 9 % exposed comm < 15 %

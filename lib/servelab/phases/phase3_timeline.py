@@ -106,6 +106,8 @@ def alignment_table(p: Phase3) -> pd.DataFrame:
     notes = "; ".join(a.alignment.notes)
     slow = a.slow_rank.get("evidence", "")
     caption = f"alignment ok: {a.alignment.alignment_ok}. {notes}. Slow rank: {a.slow_rank.get('slow_rank')} — {slow}"
+    if a.slow_rank.get("slow_stage") is not None:
+        caption += f". Slow pipeline stage: {a.slow_rank['slow_stage']} (see Which stage holds the pipeline back)"
     if not len(t):
         return pd.DataFrame({"note": [caption]})
     t.attrs["caption"] = caption            # drawn above the table by the page's table display (escaped)
@@ -133,6 +135,25 @@ def pp_table(p: Phase3) -> pd.DataFrame:
     if both.height == 0:
         return pd.DataFrame({"note": ["no PP identity in the trace file names (…-PP-<n>…): a single pipeline stage"]})
     return _pd(both)
+
+
+def stage_table(p: Phase3) -> pd.DataFrame:
+    """Per stretch of steps, window kind and pipeline stage: GPU ms per step, the stage ratio, which stage holds
+    the pipeline back and the SendRecv wait on the others (docs/metrics.md#stages); every step in
+    trace_stage_steps.csv."""
+    a = p.analysis
+    t = a.stages
+    if t.height == 0:
+        return pd.DataFrame({"note": ["one pipeline stage: no per-stage view (no …-PP-<n>… identity with two stages)"]})
+    multi = t["pipeline"].n_unique() > 1
+    out = _pd(t.select(*(["pipeline"] if multi else []), "first_step", "last_step", "kind",
+                       pl.col("steps").alias("steps_of_kind"), "verdict", "stage", "ranks", "role",
+                       "gpu_ms_per_step", pl.col("stage_ratio").alias("stage_ratio_x"), "sendrecv_ms_per_step",
+                       pl.col("sendrecv_ms").alias("sendrecv_stretch_ms"),
+                       pl.col("baseline_sendrecv_ms_per_step").alias("balanced_sendrecv_ms_per_step"),
+                       pl.col("excess_sendrecv_ms").alias("wait_caused_ms")))
+    out.attrs["caption"] = f"Slow stage: {a.slow_rank.get('slow_stage')} — {a.slow_rank.get('stage_evidence', '')}"
+    return out
 
 
 def nccl_table(p: Phase3) -> pd.DataFrame:
@@ -179,6 +200,7 @@ def headline(p: Phase3) -> dict[str, Any]:
     if a.step_skew.height:
         out["step_end_skew_p50_us"] = round(float(a.step_skew["end_skew_us"].median()), 2)
     out["slow_rank"] = a.slow_rank.get("slow_rank")
+    out["slow_stage"] = a.slow_rank.get("slow_stage")
     out["questions_answered"] = int(p.questions["answerable"].sum())
     out["actions_triggered"] = int((p.actions["status"] == "triggered").sum())
     return out
@@ -227,6 +249,8 @@ def findings(p: Phase3, from_samples: bool | None = None) -> list[str]:
     src = "from recorded sample data (2 × H200 traces)" if from_samples else f"from the capture in {a.capture.trace_dir}"
     out = [f"{len(a.rops)} rank(s) analysed {src}; {int(p.questions['answerable'].sum())} of {p.questions.height} "
            f"questions answerable."]
+    if a.slow_rank.get("slow_stage") is not None:
+        out.append("Slow pipeline stage: " + a.slow_rank.get("stage_evidence", "") + ".")
     for r in p.questions.iter_rows(named=True):
         why = "" if r["answerable"] else f" ({str(r['evidence']).split(' — ')[0]})"
         out.append(f"{r['id']} {r['question_en']} {_short(r['answer'])}{why}")

@@ -101,6 +101,17 @@ def evidence_actions(a: CaptureAnalysis, thresholds: dict[str, float] | None = N
                        meas, "last in ≥ 50% (≥ 2× chance) and ≥ 10 µs late", st,
                        "Expert、NIC 或 NUMA 不均衡 (expert, NIC or NUMA imbalance)", "EPLB; CPU/NIC affinity; rank mapping"))
 
+    if a.stages.height == 0:
+        st, meas = "not evaluable (one pipeline stage)", "-"
+    else:
+        st = "triggered" if sr.get("slow_stage") is not None else "not triggered"
+        meas = sr.get("stage_evidence", "-")
+    rows.append(Action("一个 PP Stage 长期最慢 (one pipeline stage holds the pipeline back)",
+                       "stage GPU time per step / the other stages' (consecutive steps)", meas,
+                       "≥ 1.5× for ≥ 3 consecutive steps", st,
+                       "Stage 层切分不均或该 Stage 更慢 (uneven layer split, or that stage's GPU / host is slower)",
+                       "rebalance layers across stages; compare that stage's GPU clocks, host and launch path"))
+
     attn = pl.concat([r.ops.filter(pl.col("cls") == "attention").select("subclass", "dur_ns") for r in a.rops],
                      how="vertical_relaxed") if a.rops else pl.DataFrame()
     by = {k: v for k, v in attn.group_by("subclass").agg(pl.col("dur_ns").sum()).iter_rows()} if attn.height else {}

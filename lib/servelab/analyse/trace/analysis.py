@@ -13,6 +13,7 @@ import polars as pl
 from servelab.analyse.trace import metrics as M
 from servelab.analyse.trace import nccl as N
 from servelab.analyse.trace import ranks as R
+from servelab.analyse.trace import stages as S
 from servelab.analyse.trace.load import Capture, load_capture
 from servelab.analyse.trace.ops import RankOps, prepare_rank
 from servelab.analyse.trace.taxonomy import Rule, load_rules
@@ -46,6 +47,8 @@ class CaptureAnalysis:
     nccl: pl.DataFrame
     interference: pl.DataFrame
     census: pl.DataFrame = field(default_factory=pl.DataFrame)
+    stage_steps: pl.DataFrame = field(default_factory=pl.DataFrame)
+    stages: pl.DataFrame = field(default_factory=pl.DataFrame)
     comm_by_collective: pl.DataFrame = field(default_factory=pl.DataFrame)
     timings_s: dict[str, float] = field(default_factory=dict)
 
@@ -117,6 +120,12 @@ def analyse(capture: Capture | str | Path, *, window_regex: str | None = None, t
     sskew = R.step_skew(rops, al) if len(rops) > 1 else pl.DataFrame()
     slow = R.slow_rank(cskew, sskew, len(rops)) if len(rops) > 1 else {"slow_rank": None,
                                                                         "evidence": "one rank only"}
+    st_steps = S.stage_steps(rops)
+    st_table = S.stage_stretches(st_steps)
+    stage = S.slow_stage(st_table, st_steps)
+    # pipeline stages share no collective and no step end: the stage view names a stage that holds them back
+    slow = {**slow, "slow_stage": stage["slow_stage"], "stage_evidence": stage["evidence"],
+            "stage": {k: v for k, v in stage.items() if k not in ("slow_stage", "evidence")}}
     t["ranks"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     result = CaptureAnalysis(
@@ -132,6 +141,7 @@ def analyse(capture: Capture | str | Path, *, window_regex: str | None = None, t
         nccl=N.forensics(rops), interference=_concat(M.decode_interference(r) for r in rops))
     result.census = census(cap, {k: v[1] for k, v in per_rank.items()})
     result.comm_by_collective = M.comm_by_collective(rops)
+    result.stage_steps, result.stages = st_steps, st_table
     t["tables"] = time.perf_counter() - t0
     result.timings_s = t
     return result
@@ -180,6 +190,7 @@ def write_tables(a: CaptureAnalysis, out_dir: str | Path, extra: dict[str, pl.Da
 
     Files: ranks, windows, window_metrics, summary, kernel_breakdown, top_kernels, gap_summary,
     graph_coverage, launch, alignment, collective_skew, step_skew, pp_overlap, nccl_forensics, interference,
+    stage_steps and stages (the per-stage view, empty without two PP stages),
     plus ``extra`` (e.g. questions, actions) and ``trace_analysis.json`` (headline numbers, slow rank,
     alignment notes, timings)."""
     out = Path(out_dir)
@@ -190,7 +201,7 @@ def write_tables(a: CaptureAnalysis, out_dir: str | Path, extra: dict[str, pl.Da
         "device_busy": a.device_busy, "alignment": a.alignment.table, "collective_skew": a.collective_skew,
         "step_skew": a.step_skew, "pp_overlap": _concat([a.pp, a.pp_compute]), "nccl_forensics": a.nccl,
         "interference": a.interference, "overlap": a.overlap_table(), "census": a.census,
-        "comm_by_collective": a.comm_by_collective,
+        "comm_by_collective": a.comm_by_collective, "stage_steps": a.stage_steps, "stages": a.stages,
     }
     tables.update(extra or {})
     paths = {}

@@ -200,3 +200,36 @@ def gaps_bar(gap_summary: pl.DataFrame) -> go.Figure:
     return fig.update_layout(barmode="stack", title="GPU idle gaps by position and cause (all ranks)",
                              template="plotly_white",
                              yaxis_title="idle ms", height=380)
+
+
+STAGE_COLORS = ("#4C78A8", "#E45756", "#54A24B", "#F58518", "#B279A2", "#72B7B2", "#9D755D", "#EECA3B")
+
+
+def stage_steps_figure(stage_steps: pl.DataFrame, stages: pl.DataFrame | None = None) -> go.Figure:
+    """GPU compute ms per step for every pipeline stage (solid) and its SendRecv ms per step (dotted), over the
+    steps of the capture; stretches where one stage holds the pipeline back are shaded and labelled."""
+    fig = go.Figure()
+    if stage_steps is None or stage_steps.height == 0:
+        fig.update_layout(title="Pipeline stages: a single stage in this capture (no per-stage view)", height=200)
+        return fig
+    for (pipe, st), g in stage_steps.sort("step").group_by("pipeline", "stage", maintain_order=True):
+        color = STAGE_COLORS[int(st) % len(STAGE_COLORS)]
+        label = f"stage {st}" + (f" ({pipe})" if pipe != "all" else "")
+        text = [f"{n} ({k})" for n, k in zip(g["name"].to_list(), g["kind"].to_list())]
+        fig.add_trace(go.Scatter(x=g["step"].to_list(), y=g["gpu_ms"].to_list(), mode="lines+markers",
+                                 name=f"{label} GPU compute", line={"color": color}, text=text,
+                                 hovertemplate="step %{x}: %{y:.3f} ms<br>%{text}<extra>" + label + "</extra>"))
+        fig.add_trace(go.Scatter(x=g["step"].to_list(), y=g["sendrecv_ms"].to_list(), mode="lines",
+                                 name=f"{label} SendRecv (wait)", line={"color": color, "dash": "dot"},
+                                 hovertemplate="step %{x}: %{y:.3f} ms SendRecv<extra>" + label + "</extra>"))
+    if stages is not None and stages.height:
+        hold = stages.filter(pl.col("role") == "holds back").unique(["pipeline", "stretch"]).sort("first_step")
+        for r in hold.iter_rows(named=True):
+            fig.add_vrect(x0=r["first_step"] - 0.5, x1=r["last_step"] + 0.5, fillcolor="rgba(228,87,86,0.10)",
+                          line_width=0, annotation_text=f"stage {r['stage']} holds back "
+                                                        f"(steps {r['first_step']}–{r['last_step']})",
+                          annotation_position="top left")
+    fig.update_layout(title="GPU compute per step and SendRecv wait, per pipeline stage", xaxis_title="step",
+                      yaxis_title="ms per step (log)", yaxis_type="log", height=420,
+                      legend={"orientation": "h", "y": -0.2})
+    return fig

@@ -206,6 +206,16 @@ def q7(a: CaptureAnalysis) -> Answer:
         return Answer("Q7", QUESTIONS[6][1], False, "not answerable from this capture",
                       "only one rank's trace was captured", _files(a))
     sr = a.slow_rank
+    if sr.get("slow_stage") is not None or a.stages.height:
+        # pipeline stages: the per-stage view (GPU time per step per stage) judges them, peers or not
+        fixed = f"rank {sr['slow_rank']}" if sr.get("slow_rank") is not None else "no fixed slow rank"
+        peers = f"; among ranks of one stage: {fixed}" if a.collective_skew.height or a.step_skew.height else ""
+        st = sr.get("stage") or {}
+        ans = (f"yes: pipeline stage {sr['slow_stage']} (rank {st.get('ranks')}) holds the pipeline back in steps "
+               f"{', '.join(f'{x}–{y}' for x, y in st.get('stretches', []))}, {st.get('ratio', float('nan')):.1f}× "
+               f"the other stage's GPU time per step" if sr.get("slow_stage") is not None else "no slow pipeline stage")
+        ev = sr.get("stage_evidence", "") + (f" | {sr.get('evidence')}" if sr.get("evidence") else "")
+        return Answer("Q7", QUESTIONS[6][1], True, ans + peers, ev, _files(a))
     if a.collective_skew.height == 0 and a.step_skew.height == 0:
         pp = {r.trace.identity.pp for r in a.rops} - {None}
         why = ("every pipeline stage has a single rank: there is no peer in the same stage to be slower than "
