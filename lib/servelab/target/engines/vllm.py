@@ -74,6 +74,16 @@ class VLLMAdapter(EngineAdapter):
         "crash": r"(Traceback \(most recent call last\)|EngineDeadError|Engine core .* died)",
     }
 
+    # the periodic stats line (every VLLM_LOG_STATS_INTERVAL s, default 10, and only after activity)
+    scheduler_log = {"stats": r"Avg prompt throughput: "}
+    scheduler_fields = {"avg_prompt_throughput": "prompt_tps", "avg_generation_throughput": "gen_tps",
+                        "waiting": "queued", "gpu_kv_cache_usage": "kv_usage_pct", "cpu_kv_cache_usage": "kv_usage_pct",
+                        "prefix_cache_hit_rate": "prefix_hit_pct"}
+    log_time = ("wall", r"(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) (?P<ts>\d\d-\d\d \d\d:\d\d:\d\d)", "%m-%d %H:%M:%S")
+    log_time_note = "vLLM stamps each line with the server's local time to the second, without the year"
+    serverside_series = ("running", "waiting", "kv_usage", "preemptions_total")
+    histogram_series = ("ttft_seconds", "queue_seconds", "itl_seconds", "e2e_seconds")
+
     def prefix_cache_counts(self, delta: Callable[[str], float | None]) -> tuple[float | None, float | None, str]:
         """vLLM counts prefix-cache queries and hits in tokens."""
         return (delta("prefix_cache_hits_total"), delta("prefix_cache_queries_total"),
