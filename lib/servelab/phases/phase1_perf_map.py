@@ -293,7 +293,12 @@ def serverside_lines(sides: dict[str, Any], limit: int = 30) -> pd.DataFrame:
     if not frames:
         return pd.DataFrame({"note": ["no scheduler lines in M1's engine log excerpts"]})
     out = pd.concat(frames, ignore_index=True).sort_values(["run", "t (s)"], na_position="last")
-    return out.groupby("run", sort=False).head(limit).round(4).reset_index(drop=True)
+    out = out.groupby("run", sort=False).head(limit).round(4).reset_index(drop=True)
+    for col in out.columns:                  # counts (slot, task, tokens, requests) as integers, not 25.00
+        v = out[col]
+        if v.dtype.kind == "f" and col != "t (s)" and v.dropna().eq(v.dropna().round()).all():
+            out[col] = v.astype("Int64")
+    return out
 
 
 def serverside_clock(sides: dict[str, Any]) -> pd.DataFrame:

@@ -125,7 +125,7 @@ def serverside_timeline(m1: dict[str, Any], sides: dict[str, Any], title: str = 
     """M1's client ITL timeline over the engine's own view of the same windows (one shared time axis):
     row 1 the client's ITL per chunk gap; row 2 running/queued requests (``/metrics`` gauges as steps with a marker
     per scrape, scheduler log values as points); row 3 KV-cache usage or the engine's other gauges; row 4 one
-    marker per scheduler log line (hover: the line). ``sides`` maps run (control | treatment) to its ``analyse.serverside.ServerSide``."""
+    marker per scheduler log line (hover: the line). ``sides``: run (control | treatment) → its ``ServerSide``."""
     from plotly.subplots import make_subplots
     fig = make_subplots(rows=4, cols=1, shared_xaxes=True, vertical_spacing=0.04, row_heights=[0.4, 0.22, 0.18, 0.2],
                         subplot_titles=("client: ITL per chunk gap (ms)", "engine: requests running / queued",
@@ -161,8 +161,8 @@ def serverside_timeline(m1: dict[str, Any], sides: dict[str, Any], title: str = 
         fig.add_vrect(x0=m1["inject_start_s"], x1=max(m1["inject_end_s"], m1["inject_start_s"] + 1e-3),
                       fillcolor="#f1c40f", opacity=0.25, line_width=0, row=row, col=1)
     clock = next((s.clock for s in sides.values() if s is not None), "")
-    fig.update_layout(title=title or "M1: the client's ITL over the engine's running / queued / KV series and its "
-                      "scheduler lines (same windows; yellow: the injected prefill)", template="plotly_white",
+    fig.update_layout(title=title or "M1: client ITL over the engine's own series and scheduler lines "
+                      "(yellow: the injected prefill)", template="plotly_white",
                       height=900, legend=dict(groupclick="toggleitem"))
     fig.update_xaxes(title_text="time since the measurement window started (s)", row=4, col=1)
     if clock:
