@@ -221,13 +221,15 @@ def case_serverside(case_dir: Path, adapter: Any, t0_wall_ns: int, t1_wall_ns: i
 
 
 def records_window(case_dir: Path, repeat: int = 0) -> tuple[int, int]:
-    """(first scheduled send, last stream end) of a case's measured requests of one repeat, on the wall clock (ns):
-    the window a client timeline of that repeat spans."""
+    """(first scheduled send of a measured request — of any request where none has the role ``measure`` — , last
+    stream end) of a case's requests of one repeat, warm-up left out, on the wall clock (ns): the window a client
+    timeline of that repeat spans."""
     from servelab.measure.client import read_records
     recs = [r for r in read_records(Path(case_dir) / "requests.jsonl") if r.repeat == repeat and r.role != "warmup"]
     if not recs:
         raise ValueError(f"{case_dir}: no measured requests in repeat {repeat}")
-    t0 = min(r.scheduled_ns + r.wall_offset_ns for r in recs if r.role == "measure")
+    first = [r for r in recs if r.role == "measure"] or recs
+    t0 = min(r.scheduled_ns + r.wall_offset_ns for r in first)
     t1 = max((r.end_ns or r.scheduled_ns) + r.wall_offset_ns for r in recs)
     return t0, t1
 
