@@ -237,3 +237,44 @@ def test_phase1_page_shows_m1_serverside(tmp_path, monkeypatch, llama_server_bin
     occ = traces["treatment: slots in use (log)"]
     busy = occ["x"][occ["y"] > 0]
     assert len(busy) and busy.min() <= itl_x.min() and itl_x.max() <= occ["x"].max() + 0.05
+
+
+@pytest.mark.slow
+def test_vllm_cpu_case_serverside_end_to_end(tmp_path):
+    """A real vLLM (CPU) case: its stats lines (every second: launch_plans sets VLLM_LOG_STATS_INTERVAL=1) and its
+    gauges fall in the case's window, and its TTFT histogram counted exactly the case's requests."""
+    import dataclasses
+
+    from servelab.analyse.serverside import records_window
+    from servelab.measure.case import CaseSpec, make_env, run_case
+    from servelab.target.hosts import ProcessTracker
+    from servelab.target.server import start_server, stop_server
+    from servelab.target.targets import load_target
+    from servelab.target.vllm_cpu import resolve_vllm_cpu
+
+    target = load_target("local-vllm")
+    model, launch = resolve_vllm_cpu(target.model, target.launch)
+    target = dataclasses.replace(target, model=model, launch=launch)
+    with ProcessTracker() as tracker:
+        srv = start_server(target, tmp_path / "logs", tracker, health_timeout_s=300)
+        try:
+            assert srv.plans[0].env["VLLM_LOG_STATS_INTERVAL"] == "1"
+            env = make_env(srv, tmp_path / "run", phase="phase1", scrape_interval_s=0.25)
+            case = CaseSpec("D_vllm", "D1", "decode", 32, 200, 3, 9, warmup=False)      # ~2 s on this CPU
+            res = run_case(env, case)
+        finally:
+            stop_server(srv, tracker)
+    assert res.status == "success", res.error
+    t0, t1 = records_window(res.case_dir)
+    side = case_serverside(res.case_dir, engine_for("vllm"), t0, t1)
+    assert "own timestamps" in side.clock
+    stats = side.lines[side.lines["event"] == "stats"]
+    assert len(stats) >= 1 and (stats["running"] > 0).any()          # at least one line while requests ran
+    running = side.series[side.series["metric"] == "running"]
+    assert (running["value"] > 0).any() and running["t_s"].between(0, (t1 - t0) / 1e9).all()
+    ttft = side.histograms.set_index("metric").loc["ttft"]
+    assert ttft["observations"] == case.num_prompts                   # the engine counted exactly our requests
+    client = res.summaries["vllm"]
+    lo, hi = (float(x) for x in ttft["p95_bucket_ms"].strip("(]").split(","))
+    assert ttft["mean_ms"] <= client["mean_ttft_ms"] + 1.0             # server TTFT starts after the client's send
+    assert lo <= ttft["p95_ms"] <= hi

@@ -207,7 +207,11 @@ def case_serverside(case_dir: Path, adapter: Any, t0_wall_ns: int, t1_wall_ns: i
                                                           "metric": f"{col} (log)", "value": s[col].astype(float),
                                                           "source": "log"})], ignore_index=True)
     if not series.empty:
-        series = series[series["wall_ns"].between(t0_wall_ns - pad, t1_wall_ns + pad)].copy()
+        # scrapes carry this machine's ns clock: cut exactly; log values keep their lines' padding
+        own_pad = np.where(series["source"] == "metrics", 0, pad)
+        wall = series["wall_ns"].astype("int64")
+        series = series[(wall >= t0_wall_ns - own_pad) & (wall <= t1_wall_ns + own_pad)].copy()
+        series["value"] = series["value"].astype(float)
         series["t_s"] = (series["wall_ns"].astype("int64") - t0_wall_ns) / 1e9
     series = series.reindex(columns=SERIES_COLUMNS)
     if not win_lines.empty:

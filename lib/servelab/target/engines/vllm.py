@@ -74,7 +74,8 @@ class VLLMAdapter(EngineAdapter):
         "crash": r"(Traceback \(most recent call last\)|EngineDeadError|Engine core .* died)",
     }
 
-    # the periodic stats line (every VLLM_LOG_STATS_INTERVAL s, default 10, and only after activity)
+    # the periodic stats line (every VLLM_LOG_STATS_INTERVAL s, default 10, set to 1 by launch_plans unless the
+    # target's env says otherwise; printed only after activity)
     scheduler_log = {"stats": r"Avg prompt throughput: "}
     scheduler_fields = {"avg_prompt_throughput": "prompt_tps", "avg_generation_throughput": "gen_tps",
                         "waiting": "queued", "gpu_kv_cache_usage": "kv_usage_pct", "cpu_kv_cache_usage": "kv_usage_pct",
@@ -145,6 +146,8 @@ class VLLMAdapter(EngineAdapter):
         env = dict(target.env)
         if la.get("dev_mode"):
             env["VLLM_SERVER_DEV_MODE"] = "1"
+        # the scheduler stats line every second (vLLM's default is 10 s), so a case of a few seconds has some
+        env.setdefault("VLLM_LOG_STATS_INTERVAL", "1")
         plans = []
         nnodes = len(target.nodes)
         head = target.head
