@@ -105,6 +105,22 @@ def scheduler_lines(text: str, adapter: Any, clock: dict[str, Any] | None = None
     return df, how
 
 
+def _start_shift_ns(case_dir: Path, lines: pd.DataFrame, adapter: Any) -> int:
+    """For lines placed by elapsed time: how much later they must sit so that the first slot taken (the adapter's
+    ``log_occupancy`` start event) is not before the case's first request left the client (0 when it is not, or
+    nothing tells). A lower bound on the start record's lead, never a move earlier."""
+    pair = getattr(adapter, "log_occupancy", None)
+    p = Path(case_dir) / "requests.jsonl"
+    if not pair or lines.empty or not (lines["clock"] == "elapsed").any() or not p.is_file():
+        return 0
+    from servelab.measure.client import read_records
+    sends = [r.send_ns + r.wall_offset_ns for r in read_records(p) if r.send_ns]
+    first = lines.loc[(lines["event"] == pair[0]) & (lines["clock"] == "elapsed"), "wall_ns"]
+    if not sends or first.empty:
+        return 0
+    return max(0, int(min(sends) - first.min()))
+
+
 def _occupancy(lines: pd.DataFrame, adapter: Any) -> pd.DataFrame:
     """Requests holding a slot, from the adapter's (start, end) line events, counted from the excerpt's first line
     (a case starts with nothing in flight)."""
@@ -190,6 +206,11 @@ def case_serverside(case_dir: Path, adapter: Any, t0_wall_ns: int, t1_wall_ns: i
     text = log_path.read_text(errors="replace") if log_path.is_file() else ""
     clock = read_clock(case_dir)
     lines, how = scheduler_lines(text, adapter, clock)
+    shift = _start_shift_ns(case_dir, lines, adapter)
+    if shift:
+        lines.loc[lines["clock"] == "elapsed", "wall_ns"] += shift
+        how += (f"; moved {shift / 1e6:.1f} ms later so that the first slot is not taken before the case's first "
+                "request was sent (the recorded start precedes the engine's clock start)")
     if clock.get("truncated_head"):
         notes.append("the log excerpt kept only the case's last 200 000 characters")
     # 1 s timestamps (clock "wall"): keep the seconds that hold t0 and t1
@@ -206,6 +227,10 @@ def case_serverside(case_dir: Path, adapter: Any, t0_wall_ns: int, t1_wall_ns: i
                 series = pd.concat([series, pd.DataFrame({"wall_ns": s["wall_ns"].astype("int64"),
                                                           "metric": f"{col} (log)", "value": s[col].astype(float),
                                                           "source": "log"})], ignore_index=True)
+    occ = series[series["source"] == "log (counted)"] if not series.empty else series
+    before = occ[occ["wall_ns"].astype("int64") < t0_wall_ns] if not occ.empty else occ
+    if not before.empty:                     # counted from events: the state at t0 is known exactly
+        series = pd.concat([series, before.iloc[[-1]].assign(wall_ns=t0_wall_ns)], ignore_index=True)
     if not series.empty:
         # scrapes carry this machine's ns clock: cut exactly; log values keep their lines' padding
         own_pad = np.where(series["source"] == "metrics", 0, pad)
@@ -256,3 +281,23 @@ def client_vs_server(summary: dict[str, Any], hist: pd.DataFrame, case_id: str =
         row["server observations"] = h.get("observations")
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def side_summary(side: ServerSide) -> dict[str, Any]:
+    """One row of what the engine reported over a window: running / queued requests (``/metrics``), KV usage, slots
+    counted from the log, scheduler lines, and the server's TTFT P95 where it has a histogram. None where absent."""
+    s = side.series
+
+    def stat(metric: str, how: str) -> float | None:
+        v = s.loc[s["metric"] == metric, "value"] if not s.empty else pd.Series(dtype=float)
+        return float(getattr(v, how)()) if len(v) else None
+    kv = stat("kv_usage", "max")
+    if kv is None:
+        kv = stat("kv_usage (log)", "max")
+    h = side.histograms.set_index("metric") if not side.histograms.empty else None
+    return {"case": side.case_id, "engine": side.engine, "window (s)": round((side.t1_wall_ns - side.t0_wall_ns) / 1e9, 3),
+            "running mean (req)": stat("running", "mean"), "running max (req)": stat("running", "max"),
+            "queued max (req)": stat("waiting", "max"), "KV usage max (%)": kv * 100 if kv is not None else None,
+            "slots in use max (log)": stat("slots in use (log)", "max"), "scheduler lines": len(side.lines),
+            "server TTFT P95 (ms)": (h.loc["ttft", "p95_ms"] if h is not None and "ttft" in h.index else None),
+            "notes": "; ".join(side.notes)}
