@@ -203,6 +203,35 @@ def test_case_window_cut(tmp_path):
     assert side.histograms.empty and any("no latency histograms" in n for n in side.notes)
 
 
+def test_llamacpp_lines_moved_after_the_first_send(tmp_path):
+    """The recorded process start precedes llama.cpp's clock: when the first slot would be taken before the case's
+    first request was sent, every elapsed-time line moves later by exactly that gap (never earlier); the slots in
+    use at the window's start are carried into it."""
+    from servelab.measure.client import RequestRecord, write_records
+    server = tmp_path / "C" / "server"
+    server.mkdir(parents=True)
+    (server / "engine_log_excerpt.txt").write_text(body("llamacpp_server.log"))
+    start = dt.datetime(2026, 11, 30, 19, 0, tzinfo=dt.timezone.utc)
+    (server / "engine_log_clock.json").write_text(json.dumps({"process_started": start.isoformat(),
+                                                              "utc_offset_s": 0.0, "kind": "elapsed"}))
+    s0 = int(start.timestamp() * 1e9)
+    first_launch = s0 + 357_332_000                       # "0.00.357.332 ... launch_slot_: id 31 | task 0"
+
+    def rec(i: int, send_ns: int) -> RequestRecord:
+        return RequestRecord(f"r{i}", i, "measure", 200, 64, scheduled_ns=send_ns, send_ns=send_ns,
+                             end_ns=send_ns + 130_000_000, wall_offset_ns=0)
+    write_records(tmp_path / "C" / "requests.jsonl", [rec(0, first_launch + 4_000_000)])
+    side = case_serverside(tmp_path / "C", engine_for("llamacpp"), s0 + 300_000_000, s0 + 700_000_000)
+    assert "moved 4.0 ms later" in side.clock
+    launches = side.lines[side.lines["event"] == "slot_launch"]
+    assert launches["wall_ns"].min() == first_launch + 4_000_000
+    write_records(tmp_path / "C" / "requests.jsonl", [rec(0, first_launch - 1_000_000)])   # already after: kept
+    side = case_serverside(tmp_path / "C", engine_for("llamacpp"), s0 + 400_000_000, s0 + 700_000_000)
+    assert "moved" not in side.clock
+    occ = side.series[side.series["metric"] == "slots in use (log)"].sort_values("t_s")
+    assert occ.iloc[0]["t_s"] == 0 and occ.iloc[0]["value"] == 4     # four requests held slots at 0.40 s
+
+
 # ---------------------------------------------------------------- Phase 1 on a real llama-server
 
 def arr(v) -> np.ndarray:
