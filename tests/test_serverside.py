@@ -253,7 +253,8 @@ def test_phase1_page_shows_m1_serverside(tmp_path, monkeypatch, llama_server_bin
         clock = json.loads((run / "cases" / case / "server" / "engine_log_clock.json").read_text())
         assert clock["kind"] == "elapsed" and clock["process_started"]
     page = (run / "phase1" / "report.html").read_text()
-    assert "What the engine saw in the same windows" in page
+    assert "What the engine saw in the same windows" in page and "Server-side latency beside the client" in page
+    assert "exposes no latency histograms" in page                  # llama.cpp: said, not an empty table
     assert "engine: scheduler log lines" in page and "slots in use (log)" in page
     nb = json.loads((run / "phase1" / "notebook.ipynb").read_text())
     fig = next(o["data"]["application/vnd.plotly.v1+json"] for c in nb["cells"] if c["cell_type"] == "code"
@@ -266,6 +267,11 @@ def test_phase1_page_shows_m1_serverside(tmp_path, monkeypatch, llama_server_bin
     occ = traces["treatment: slots in use (log)"]
     busy = occ["x"][occ["y"] > 0]
     assert len(busy) and busy.min() <= itl_x.min() and itl_x.max() <= occ["x"].max() + 0.05
+    import sys
+    sys.path.insert(0, str(Path(__file__).parent))
+    from browser import assert_page_rules, chromium
+    if chromium():                                                  # findings first, no reprs, no table cut off
+        assert_page_rules(run / "phase1" / "report.html")
 
 
 @pytest.mark.slow

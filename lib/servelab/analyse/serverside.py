@@ -245,6 +245,8 @@ def case_serverside(case_dir: Path, adapter: Any, t0_wall_ns: int, t1_wall_ns: i
     hist = server_percentiles(frame, adapter)
     if not adapter.histogram_series:
         notes.append(f"{adapter.name} exposes no latency histograms on /metrics")
+    if "kv_usage" not in adapter.metric_names:
+        notes.append(f"{adapter.name} exports no KV-cache usage gauge: the KV row shows its other gauges")
     meta_id = case_dir.name
     return ServerSide(meta_id, adapter.name, t0_wall_ns, t1_wall_ns, series, win_lines, hist, how, notes)
 
