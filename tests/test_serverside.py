@@ -203,6 +203,24 @@ def test_case_window_cut(tmp_path):
     assert side.histograms.empty and any("no latency histograms" in n for n in side.notes)
 
 
+def test_sglang_case_window_from_public_lines(tmp_path):
+    """SGLang lines (1 s timestamps) on a window: the seconds that hold its ends are kept, the lines' running /
+    queued / token usage / prefill tokens become series, with their source."""
+    server = tmp_path / "S" / "server"
+    server.mkdir(parents=True)
+    (server / "engine_log_excerpt.txt").write_text(body("sglang_scheduler.log"))
+    (server / "engine_log_clock.json").write_text(json.dumps({"process_started": "2025-11-11T03:00:00+00:00",
+                                                              "utc_offset_s": 0.0, "kind": "wall"}))
+    t0 = int(dt.datetime(2025, 11, 11, 4, 27, 58, 400_000, tzinfo=dt.timezone.utc).timestamp() * 1e9)
+    side = case_serverside(tmp_path / "S", engine_for("sglang"), t0, t0 + 2_500_000_000)
+    assert list(side.lines["event"]) == ["prefill_batch", "prefill_batch"]         # 04:27:58 and 04:28:01
+    s = side.series.set_index("metric")
+    assert list(s.loc["queued (log)", "value"]) == [0, 186] and list(s.loc["running (log)", "value"]) == [0, 4]
+    assert list(s.loc["prefill tokens per batch (log)", "value"]) == [771, 4096]
+    assert (side.series["source"] == "log").all() and "1 s resolution" in side.clock
+    assert any("no /metrics scrape" in n for n in side.notes)
+
+
 def test_llamacpp_lines_moved_after_the_first_send(tmp_path):
     """The recorded process start precedes llama.cpp's clock: when the first slot would be taken before the case's
     first request was sent, every elapsed-time line moves later by exactly that gap (never earlier); the slots in

@@ -28,6 +28,9 @@ from servelab.measure.engine_metrics import gauge_series, histogram_buckets, his
 
 SERIES_COLUMNS = ["t_s", "wall_ns", "metric", "value", "source"]
 QUANTILES = (0.5, 0.95, 0.99)
+# scheduler-line fields drawn as series (common names from the adapters' scheduler_fields)
+LOG_SERIES = {"running": "running (log)", "queued": "queued (log)", "kv_usage": "kv_usage (log)",
+              "new_tokens": "prefill tokens per batch (log)"}
 
 
 @dataclass
@@ -221,11 +224,11 @@ def case_serverside(case_dir: Path, adapter: Any, t0_wall_ns: int, t1_wall_ns: i
     series = pd.concat([metric_series(frame, adapter), _occupancy(lines, adapter)], ignore_index=True)
     if not lines.empty:
         placed = lines.dropna(subset=["wall_ns"])
-        for col in ("running", "queued", "kv_usage"):
+        for col, name in LOG_SERIES.items():
             if col in placed:
                 s = placed.dropna(subset=[col])
                 series = pd.concat([series, pd.DataFrame({"wall_ns": s["wall_ns"].astype("int64"),
-                                                          "metric": f"{col} (log)", "value": s[col].astype(float),
+                                                          "metric": name, "value": s[col].astype(float),
                                                           "source": "log"})], ignore_index=True)
     occ = series[series["source"] == "log (counted)"] if not series.empty else series
     before = occ[occ["wall_ns"].astype("int64") < t0_wall_ns] if not occ.empty else occ
