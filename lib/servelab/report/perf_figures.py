@@ -140,7 +140,8 @@ def client_over_server(timeline: pd.DataFrame, sides: dict[str, Any], bands: lis
     from plotly.subplots import make_subplots
     fig = make_subplots(rows=4, cols=1, shared_xaxes=True, vertical_spacing=0.04, row_heights=[0.4, 0.22, 0.18, 0.2],
                         subplot_titles=(y_title, "engine: requests running / queued",
-                                        "engine: KV usage, prefill tokens per batch, other gauges", "engine: scheduler log lines"))
+                                        "engine: KV usage, prefill tokens per batch, other gauges",
+                                        "engine: scheduler log lines"))
     palette = ["#2980b9", "#c0392b", "#27ae60", "#8e44ad"]
     colors = {run: RUN_COLORS.get(run, palette[i % len(palette)]) for i, run in enumerate(sides)}
     for run in timeline["run"].unique():
