@@ -273,6 +273,9 @@ def test_phase1_page_shows_m1_serverside(tmp_path, monkeypatch, llama_server_bin
     page = (run / "phase1" / "report.html").read_text()
     assert "What the engine saw in the same windows" in page and "Server-side latency beside the client" in page
     assert "exposes no latency histograms" in page                  # llama.cpp: said, not an empty table
+    found = json.loads((run / "phase1" / "phase.json").read_text())["findings"]
+    assert any(f.startswith("The engine's own view of M1's treatment window") and "scheduler log lines" in f
+               for f in found), found
     assert "engine: scheduler log lines" in page and "slots in use (log)" in page
     nb = json.loads((run / "phase1" / "notebook.ipynb").read_text())
     fig = next(o["data"]["application/vnd.plotly.v1+json"] for c in nb["cells"] if c["cell_type"] == "code"

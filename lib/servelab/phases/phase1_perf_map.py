@@ -266,8 +266,11 @@ def m1_serverside(res: Phase1Result) -> dict[str, Any]:
         r = case_result(res, cid)
         if r is None:
             continue
-        t0, t1 = records_window(r.case_dir)
-        out[run] = case_serverside(r.case_dir, _adapter(r.case_dir), t0, t1)
+        try:
+            t0, t1 = records_window(r.case_dir)
+            out[run] = case_serverside(r.case_dir, _adapter(r.case_dir), t0, t1)
+        except (OSError, ValueError, KeyError):   # a case without its raw files: the page shows the others
+            continue
     return out
 
 
@@ -303,6 +306,8 @@ def serverside_lines(sides: dict[str, Any], limit: int = 30) -> pd.DataFrame:
 
 def serverside_clock(sides: dict[str, Any]) -> pd.DataFrame:
     """How each run's log lines were placed in time, and what the engine could not say."""
+    if not sides:
+        return pd.DataFrame({"note": ["no server-side view: M1 did not run or its case files are missing"]})
     return pd.DataFrame([{"run": run, "engine": s.engine, "log lines in window": len(s.lines),
                           "metric samples in window": len(s.series), "alignment": s.clock,
                           "notes": "; ".join(s.notes)} for run, s in sides.items()])
@@ -317,8 +322,13 @@ def serverside_percentiles(res: Phase1Result) -> pd.DataFrame:
     for r in res.matrix.results:
         if not r.summaries:
             continue
-        adapter = _adapter(r.case_dir)
-        hist = server_percentiles(read_metrics(r.case_dir), adapter)
+        try:
+            adapter = _adapter(r.case_dir)
+            hist = server_percentiles(read_metrics(r.case_dir), adapter)
+        except (OSError, ValueError, KeyError) as exc:
+            frames.append(pd.DataFrame([{"case": r.case.case_id, "metric": "-",
+                                         "note": f"server metrics unreadable: {type(exc).__name__}"}]))
+            continue
         if hist.empty:
             frames.append(pd.DataFrame([{"case": r.case.case_id, "metric": "-",
                                          "note": f"{adapter.name} exposes no latency histograms on /metrics"
@@ -471,6 +481,17 @@ def findings(res: Phase1Result) -> list[str]:
         out.append(f"M1 (one long prefill injected into the decode background): P95 TPOT "
                    f"{change('p95_tpot_ms', 'ms', 2)}, output TPS {change('output_throughput', 'tok/s', 1)}; "
                    f"{validity}.")
+        side = m1_serverside(res).get("treatment")
+        if side is not None:
+            from servelab.analyse.serverside import side_summary
+            t = side_summary(side)
+            seen = [f"{label} {_num(t[key], 0)}" for key, label in (("running max (req)", "at most"),
+                                                                     ("queued max (req)", "queued at most"))
+                    if t[key] is not None]
+            out.append(f"The engine's own view of M1's treatment window: {len(side.lines)} scheduler log lines"
+                       + (f"; /metrics: {' running, '.join(seen)}" if seen else "; no /metrics scrape inside it")
+                       + (f"; slots in use per its log up to {_num(t['slots in use max (log)'], 0)}"
+                          if t["slots in use max (log)"] is not None else "") + ".")
     elif any(c.startswith("M1") for c in [*by_id, *res.not_executed]):
         out.append("M1 produced no A/B (a side failed or did not run): no statement about interference.")
     if not df.empty:
