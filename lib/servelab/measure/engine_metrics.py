@@ -180,21 +180,20 @@ def histogram_buckets(frame: pd.DataFrame, series: str, t0_ns: int | None = None
                       t1_ns: int | None = None) -> pd.DataFrame:
     """The buckets of one histogram over a window: columns ``le`` (upper bound, +inf last), ``count`` (cumulative
     observations that arrived in the window: the bucket's value at the last scrape minus at the first, label sets
-    other than ``le`` summed). ``t0_ns``/``t1_ns`` (wall clock) narrow the scrapes used; empty if absent."""
+    other than ``le`` summed). ``t0_ns``/``t1_ns`` (wall clock) narrow the scrapes used; empty if absent or with
+    fewer than two scrapes."""
     rows = frame[frame["name"] == f"{series}_bucket"] if not frame.empty else frame
     if t0_ns is not None:
         rows = rows[rows["wall_ns"] >= t0_ns]
     if t1_ns is not None:
         rows = rows[rows["wall_ns"] <= t1_ns]
-    if rows.empty or rows["ts_ns"].nunique() < 1:
+    if rows.empty or rows["ts_ns"].nunique() < 2:       # a window needs a scrape at each end
         return pd.DataFrame(columns=["le", "count"])
     le = rows["labels"].map(lambda k: float(split_labels(k).get("le", "nan")))
     per = rows.assign(le=le).groupby(["ts_ns", "le"], as_index=False)["value"].sum()
     first, last = per["ts_ns"].min(), per["ts_ns"].max()
     a = per[per["ts_ns"] == first].set_index("le")["value"]
     b = per[per["ts_ns"] == last].set_index("le")["value"]
-    if first == last:                      # one scrape: everything since the engine started
-        a = b * 0
     d = (b - a.reindex(b.index).fillna(0)).sort_index()
     return pd.DataFrame({"le": d.index.to_numpy(dtype=float), "count": d.to_numpy(dtype=float)})
 
@@ -235,6 +234,6 @@ def histogram_mean(frame: pd.DataFrame, series: str, t0_ns: int | None = None, t
         if rows.empty:
             return None
         per = rows.groupby("ts_ns")["value"].sum().sort_index()
-        return float(per.iloc[-1] - (per.iloc[0] if len(per) > 1 else 0.0))
+        return float(per.iloc[-1] - per.iloc[0]) if len(per) > 1 else None
     s, c = delta(f"{series}_sum"), delta(f"{series}_count")
     return s / c if s is not None and c else None

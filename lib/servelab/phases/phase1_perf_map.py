@@ -330,9 +330,9 @@ def serverside_percentiles(res: Phase1Result) -> pd.DataFrame:
                                          "note": f"server metrics unreadable: {type(exc).__name__}"}]))
             continue
         if hist.empty:
-            frames.append(pd.DataFrame([{"case": r.case.case_id, "metric": "-",
-                                         "note": f"{adapter.name} exposes no latency histograms on /metrics"
-                                         if not adapter.histogram_series else "no histogram samples scraped"}]))
+            why = (f"{adapter.name} exposes no latency histograms on /metrics" if not adapter.histogram_series
+                   else "fewer than two scrapes with histogram samples")
+            frames.append(pd.DataFrame([{"case": r.case.case_id, "metric": "-", "note": why}]))
             continue
         frames.append(client_vs_server(r.summaries.get(res.definition, {}), hist, r.case.case_id))
     if not frames:
