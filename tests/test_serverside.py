@@ -135,8 +135,17 @@ def test_sglang_scheduler_lines_every_release_format():
     a = engine_for("sglang")
     text = body("sglang_scheduler.log")
     df, how = scheduler_lines(text, a, {"utc_offset_s": 0.0})
-    assert len(df) == 10                                   # 11 lines, one of them an HTTP access line
-    assert df["running"].notna().all() and df["queued"].notna().all() and df["kv_usage"].notna().all()
+    assert len(df) == 12                                   # 13 lines, one of them an HTTP access line
+    batches = df[df["event"] != "retract"]
+    assert len(batches) == 10
+    assert batches["running"].notna().all() and batches["queued"].notna().all() and batches["kv_usage"].notna().all()
+    retract = df[df["event"] == "retract"]
+    assert list(retract["retracted"]) == [1, 1] and list(retract["new_token_ratio_before"]) == [0.1474, 0.8024]
+    # a retraction is the scheduler making room, not an OOM: the case's oom marker must not fire on it
+    import re
+    oom = re.compile(a.log_markers["oom"])
+    assert not any(oom.search(line) for line in retract["line"])
+    assert oom.search("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
     first = df.iloc[0]                                      # "Prefill batch." (mid-2025)
     assert (first["event"], first["new_tokens"], first["running"], first["queued"], first["kv_usage"]) == \
         ("prefill_batch", 16384, 370, 646, 0.19)

@@ -30,7 +30,7 @@ SERIES_COLUMNS = ["t_s", "wall_ns", "metric", "value", "source"]
 QUANTILES = (0.5, 0.95, 0.99)
 # scheduler-line fields drawn as series (common names from the adapters' scheduler_fields)
 LOG_SERIES = {"running": "running (log)", "queued": "queued (log)", "kv_usage": "kv_usage (log)",
-              "new_tokens": "prefill tokens per batch (log)"}
+              "new_tokens": "prefill tokens per batch (log)", "retracted": "retracted (log)"}
 
 
 @dataclass

@@ -118,7 +118,8 @@ def definitions_compared(summaries: dict[str, dict[str, Any]], case_id: str = ""
 
 
 RUN_COLORS = {"control": "#2980b9", "treatment": "#c0392b"}
-REQUEST_SERIES = ("running", "waiting", "running (log)", "queued (log)", "slots in use (log)")
+REQUEST_SERIES = ("running", "waiting", "running (log)", "queued (log)", "slots in use (log)", "retracted",
+                  "retracted (log)")
 
 
 def serverside_timeline(m1: dict[str, Any], sides: dict[str, Any], title: str = "") -> go.Figure:
