@@ -51,7 +51,7 @@ from servelab.measure.case_record import CaseFolder, CaseSummary, read_summary, 
 from servelab.measure.client import ClientConfig, ClientRun, RequestRecord, read_records, run_requests
 from servelab.measure.engine_metrics import Scraper, named_deltas
 from servelab.core.run import emit_progress, human_duration, merge_table, now_iso
-from servelab.target.server import RunningServer, http_json, is_healthy
+from servelab.target.server import RunningServer, http_json, is_healthy, log_clock
 from servelab.measure.workload import build_workload, engine_tokenizer, token_pool
 
 SUCCESS, FAILED, ENGINE_CRASH, OOM = "success", "failed", "ENGINE_CRASH", "OOM"
@@ -394,7 +394,7 @@ def run_case(env: CaseEnv, case: CaseSpec, run_fn: Callable[[CaseEnv, CaseSpec, 
     folder.write_requests(records)
     folder.write_metrics(frame, scrape_errors=scraper.errors)
     log_text, _ = read_log_since(env, log_off)
-    folder.write_log_excerpt(log_text)
+    folder.write_log_excerpt(log_text, clock=log_clock(env.srv))
     events = log_events(log_text, env.engine.log_markers)
     healthy = is_healthy(env.srv)
     result = CaseResult(case, SUCCESS, cdir, error=error, log_events=events)

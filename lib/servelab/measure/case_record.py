@@ -308,8 +308,13 @@ class CaseFolder:
         if before is not None and after is not None:
             write_snapshots(self.dir, before, after)
 
-    def write_log_excerpt(self, text: str, limit: int = 200_000) -> None:
+    def write_log_excerpt(self, text: str, limit: int = 200_000, clock: dict[str, Any] | None = None) -> None:
+        """The engine log written during the case (its last ``limit`` characters) and, with ``clock``
+        (``target.server.log_clock``), how its lines map to the wall clock (``engine_log_clock.json``)."""
         (self.dir / "server" / "engine_log_excerpt.txt").write_text(text[-limit:])
+        if clock is not None:
+            write_json_atomic(self.dir / "server" / "engine_log_clock.json",
+                              {**clock, "truncated_head": len(text) > limit})
 
     def write_summary(self, summary: CaseSummary) -> dict[str, Any]:
         """``summary.json``: refused before ``requests.jsonl``; validated; a repeat is never valid in an

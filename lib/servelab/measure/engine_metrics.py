@@ -8,68 +8,53 @@ A failed scrape is a row in ``errors``, never a zero.
 """
 from __future__ import annotations
 
-import math
-import re
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pandas as pd
+from prometheus_client.parser import text_string_to_metric_families
 
 from servelab.target.server import http_text
 
-_SAMPLE_RE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)(?:\s+\S+)?$")
-_LABEL_RE = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"')
-
-
 class PrometheusParseError(ValueError):
-    """A line of a /metrics body is not valid Prometheus text format (line number given)."""
+    """A /metrics body is not valid Prometheus text format (the first bad line's number given)."""
 
 
-def _value(s: str) -> float:
-    low = s.lower()
-    if low in ("nan",):
-        return math.nan
-    if low in ("+inf", "inf"):
-        return math.inf
-    if low == "-inf":
-        return -math.inf
-    return float(s)
+def _first_bad_line(text: str) -> tuple[int, str]:
+    """(line number, line) of the first sample line the parser rejects on its own; (0, "") if none does."""
+    for no, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        try:
+            list(text_string_to_metric_families(line + "\n"))
+        except ValueError:
+            return no, raw
+    return 0, ""
 
 
 def parse_text(text: str) -> list[dict[str, Any]]:
-    """Samples of a Prometheus text body: ``{"name", "labels" (dict), "value", "type"}`` per line.
+    """Samples of a Prometheus text body: ``{"name", "labels" (dict), "value", "type"}`` per sample.
 
-    ``type`` comes from the ``# TYPE`` comment of the metric family (histogram ``_bucket``/``_sum``/
-    ``_count`` samples inherit their family's type), ``untyped`` if none.
+    Parsed by ``prometheus_client.parser.text_string_to_metric_families`` (the maintained parser of the
+    exposition format: escapes, NaN/±Inf, timestamps, histogram and summary families). ``type`` is the family's
+    ``# TYPE`` (histogram ``_bucket``/``_sum``/``_count`` samples carry their family's type), ``untyped`` if none.
+    The parser names a counter's samples ``<family>_total`` even where the engine wrote the family without the
+    suffix (llama.cpp's ``llamacpp:n_tokens_max``).
     """
-    types: dict[str, str] = {}
     out = []
-    for no, raw in enumerate(text.splitlines(), 1):
-        line = raw.strip()
-        if not line:
-            continue
-        if line.startswith("#"):
-            parts = line.split(None, 3)
-            if len(parts) >= 4 and parts[1] == "TYPE":
-                types[parts[2]] = parts[3].strip()
-            continue
-        m = _SAMPLE_RE.match(line)
-        if not m:
-            raise PrometheusParseError(f"line {no}: not a Prometheus sample: {raw[:200]!r}")
-        name = m.group("name")
-        labels = {k: bytes(v, "utf-8").decode("unicode_escape") for k, v in _LABEL_RE.findall(m.group("labels") or "")}
-        try:
-            value = _value(m.group("value"))
-        except ValueError:
-            raise PrometheusParseError(f"line {no}: bad value {m.group('value')!r}") from None
-        family = name
-        for suffix in ("_bucket", "_sum", "_count", "_total", "_created"):
-            if name.endswith(suffix) and name[: -len(suffix)] in types:
-                family = name[: -len(suffix)]
-                break
-        out.append({"name": name, "labels": labels, "value": value, "type": types.get(family, types.get(name, "untyped"))})
+    try:
+        for fam in text_string_to_metric_families(text):
+            typ = "untyped" if fam.type in ("unknown", "untyped") else fam.type
+            for s in fam.samples:
+                out.append({"name": s.name, "labels": dict(s.labels), "value": float(s.value), "type": typ})
+    except ValueError as exc:
+        no, raw = _first_bad_line(text)
+        where = f"line {no}: not a Prometheus sample: {raw[:200]!r}" if no else "not a Prometheus text body"
+        raise PrometheusParseError(f"{where} ({exc})") from None
     return out
 
 
@@ -175,3 +160,80 @@ def gauge_series(frame: pd.DataFrame, metric_names: dict[str, str], keys: tuple[
         g["metric"] = k
         rows.append(g)
     return pd.concat(rows, ignore_index=True) if rows else pd.DataFrame(columns=["ts_ns", "value", "metric"])
+
+
+def split_labels(key: str) -> dict[str, str]:
+    """``label_key``'s ``a=1,b=2`` back into a mapping (label values with ',' or '=' are kept whole where possible)."""
+    out: dict[str, str] = {}
+    last = None
+    for part in key.split(",") if key else []:
+        if "=" in part:
+            k, v = part.split("=", 1)
+            out[k] = v
+            last = k
+        elif last is not None:             # a ',' inside the previous value
+            out[last] += "," + part
+    return out
+
+
+def histogram_buckets(frame: pd.DataFrame, series: str, t0_ns: int | None = None,
+                      t1_ns: int | None = None) -> pd.DataFrame:
+    """The buckets of one histogram over a window: columns ``le`` (upper bound, +inf last), ``count`` (cumulative
+    observations that arrived in the window: the bucket's value at the last scrape minus at the first, label sets
+    other than ``le`` summed). ``t0_ns``/``t1_ns`` (wall clock) narrow the scrapes used; empty if absent or with
+    fewer than two scrapes."""
+    rows = frame[frame["name"] == f"{series}_bucket"] if not frame.empty else frame
+    if t0_ns is not None:
+        rows = rows[rows["wall_ns"] >= t0_ns]
+    if t1_ns is not None:
+        rows = rows[rows["wall_ns"] <= t1_ns]
+    if rows.empty or rows["ts_ns"].nunique() < 2:       # a window needs a scrape at each end
+        return pd.DataFrame(columns=["le", "count"])
+    le = rows["labels"].map(lambda k: float(split_labels(k).get("le", "nan")))
+    per = rows.assign(le=le).groupby(["ts_ns", "le"], as_index=False)["value"].sum()
+    first, last = per["ts_ns"].min(), per["ts_ns"].max()
+    a = per[per["ts_ns"] == first].set_index("le")["value"]
+    b = per[per["ts_ns"] == last].set_index("le")["value"]
+    d = (b - a.reindex(b.index).fillna(0)).sort_index()
+    return pd.DataFrame({"le": d.index.to_numpy(dtype=float), "count": d.to_numpy(dtype=float)})
+
+
+def histogram_quantile(buckets: pd.DataFrame, q: float) -> dict[str, float | None]:
+    """Quantile ``q`` of a cumulative histogram the way Prometheus' ``histogram_quantile`` does it: find the bucket
+    holding rank ``q × total``, interpolate linearly between its lower and upper bound (lower bound 0 for the
+    first bucket). A rank in the +Inf bucket returns the largest finite bound (a lower bound on the truth).
+    Returns ``value``, the bucket ``lo``/``hi`` it came from, and ``total``; value None without observations."""
+    if buckets.empty:
+        return {"value": None, "lo": None, "hi": None, "total": 0.0}
+    le = buckets["le"].to_numpy(dtype=float)
+    cum = buckets["count"].to_numpy(dtype=float)
+    total = float(cum[-1]) if np.isinf(le[-1]) else float(cum.max())
+    if total <= 0:
+        return {"value": None, "lo": None, "hi": None, "total": 0.0}
+    rank = q * total
+    i = int(np.searchsorted(cum, rank, side="left"))
+    i = min(i, len(le) - 1)
+    lo = 0.0 if i == 0 else float(le[i - 1])
+    hi = float(le[i])
+    if np.isinf(hi):
+        return {"value": lo, "lo": lo, "hi": hi, "total": total}
+    below = 0.0 if i == 0 else float(cum[i - 1])
+    inside = float(cum[i]) - below
+    value = hi if inside <= 0 else lo + (hi - lo) * (rank - below) / inside
+    return {"value": value, "lo": lo, "hi": hi, "total": total}
+
+
+def histogram_mean(frame: pd.DataFrame, series: str, t0_ns: int | None = None, t1_ns: int | None = None) -> float | None:
+    """Exact mean of the observations that arrived in the window: Δ``_sum`` / Δ``_count`` (None without any)."""
+    def delta(name: str) -> float | None:
+        rows = frame[frame["name"] == name] if not frame.empty else frame
+        if t0_ns is not None:
+            rows = rows[rows["wall_ns"] >= t0_ns]
+        if t1_ns is not None:
+            rows = rows[rows["wall_ns"] <= t1_ns]
+        if rows.empty:
+            return None
+        per = rows.groupby("ts_ns")["value"].sum().sort_index()
+        return float(per.iloc[-1] - per.iloc[0]) if len(per) > 1 else None
+    s, c = delta(f"{series}_sum"), delta(f"{series}_count")
+    return s / c if s is not None and c else None

@@ -247,6 +247,104 @@ def m1_figure(res: Phase1Result) -> Any:
     return pf.itl_timeline(res.m1)
 
 
+# ---------------------------------------------------------------- the server-side layer (docs/metrics.md#server-side)
+
+def _adapter(case_dir: Path) -> Any:
+    import json
+
+    from servelab.target.engines import engine_for
+    return engine_for(json.loads((case_dir / "meta.json").read_text())["engine"])
+
+
+def m1_serverside(res: Phase1Result) -> dict[str, Any]:
+    """M1's control and treatment runs seen from the engine, each on the window of its first repeat (the window
+    the ITL timeline shows): ``{"control": ServerSide, "treatment": ServerSide}``; empty if M1 did not run."""
+    from servelab.analyse.serverside import case_serverside, records_window
+    out: dict[str, Any] = {}
+    if res.m1 is None:
+        return out
+    for run, cid in (("control", "M1_control"), ("treatment", "M1_treatment")):
+        r = case_result(res, cid)
+        if r is None:
+            continue
+        try:
+            t0, t1 = records_window(r.case_dir)
+            out[run] = case_serverside(r.case_dir, _adapter(r.case_dir), t0, t1)
+        except (OSError, ValueError, KeyError):   # a case without its raw files: the page shows the others
+            continue
+    return out
+
+
+def serverside_figure(res: Phase1Result, sides: dict[str, Any] | None = None) -> Any:
+    """The M1 ITL timeline over the engine's running / queued / KV series and its scheduler lines."""
+    from servelab.report import perf_figures as pf
+    import plotly.graph_objects as go
+    if res.m1 is None:
+        return go.Figure().update_layout(title="M1 did not run: no server-side timeline")
+    return pf.serverside_timeline(res.m1, sides if sides is not None else m1_serverside(res))
+
+
+def serverside_lines(sides: dict[str, Any], limit: int = 30) -> pd.DataFrame:
+    """The scheduler lines of M1's windows as a table: run, time (s), event, the parsed numbers, the line."""
+    frames = []
+    for run, side in sides.items():
+        ln = side.lines
+        if ln is None or ln.empty:
+            continue
+        keep = [c for c in ln.columns if c not in ("order", "wall_ns", "line", "t_s", "event", "clock")]
+        df = ln.assign(run=run).rename(columns={"t_s": "t (s)"})
+        frames.append(df[["run", "t (s)", "event", *keep, "line"]])
+    if not frames:
+        return pd.DataFrame({"note": ["no scheduler lines in M1's engine log excerpts"]})
+    out = pd.concat(frames, ignore_index=True).sort_values(["run", "t (s)"], na_position="last")
+    out = out.groupby("run", sort=False).head(limit).round(4).reset_index(drop=True)
+    for col in out.columns:                  # counts (slot, task, tokens, requests) as integers, not 25.00
+        v = out[col]
+        if v.dtype.kind == "f" and col != "t (s)" and v.dropna().eq(v.dropna().round()).all():
+            out[col] = v.astype("Int64")
+    return out
+
+
+def serverside_clock(sides: dict[str, Any]) -> pd.DataFrame:
+    """How each run's log lines were placed in time, and what the engine could not say."""
+    if not sides:
+        return pd.DataFrame({"note": ["no server-side view: M1 did not run or its case files are missing"]})
+    return pd.DataFrame([{"run": run, "engine": s.engine, "log lines in window": len(s.lines),
+                          "metric samples in window": len(s.series), "alignment": s.clock,
+                          "notes": "; ".join(s.notes)} for run, s in sides.items()])
+
+
+def serverside_percentiles(res: Phase1Result) -> pd.DataFrame:
+    """Per case: the client's TTFT/ITL/E2E percentiles beside the engine's histogram percentiles (bucket-
+    interpolated, with the bucket that holds the server's P95) and its queue time; one row per case saying so
+    where the engine exposes no histograms."""
+    from servelab.analyse.serverside import client_vs_server, read_metrics, server_percentiles
+    frames = []
+    for r in res.matrix.results:
+        if not r.summaries:
+            continue
+        try:
+            adapter = _adapter(r.case_dir)
+            hist = server_percentiles(read_metrics(r.case_dir), adapter)
+        except (OSError, ValueError, KeyError) as exc:
+            frames.append(pd.DataFrame([{"case": r.case.case_id, "metric": "-",
+                                         "note": f"server metrics unreadable: {type(exc).__name__}"}]))
+            continue
+        if hist.empty:
+            why = (f"{adapter.name} exposes no latency histograms on /metrics" if not adapter.histogram_series
+                   else "fewer than two scrapes with histogram samples")
+            frames.append(pd.DataFrame([{"case": r.case.case_id, "metric": "-", "note": why}]))
+            continue
+        frames.append(client_vs_server(r.summaries.get(res.definition, {}), hist, r.case.case_id))
+    if not frames:
+        return pd.DataFrame({"note": ["no case with results"]})
+    out = pd.concat(frames, ignore_index=True)
+    if "note" in out and out["note"].notna().all() and out["note"].nunique() == 1:
+        return pd.DataFrame({"cases": [", ".join(out["case"])], "note": [out["note"].iloc[0] + ": the client's "
+                             "percentiles above are the only latency percentiles of this run"]})
+    return out
+
+
 def run_status(res: Phase1Result) -> pd.DataFrame:
     """Per case: status, verdict, reasons; then the cases not executed and why the run stopped."""
     rows = [{"case_id": r.case.case_id, "status": r.status, "validity": r.verdict.verdict,
@@ -384,6 +482,17 @@ def findings(res: Phase1Result) -> list[str]:
         out.append(f"M1 (one long prefill injected into the decode background): P95 TPOT "
                    f"{change('p95_tpot_ms', 'ms', 2)}, output TPS {change('output_throughput', 'tok/s', 1)}; "
                    f"{validity}.")
+        side = m1_serverside(res).get("treatment")
+        if side is not None:
+            from servelab.analyse.serverside import side_summary
+            t = side_summary(side)
+            seen = [f"{label} {_num(t[key], 0)}" for key, label in (("running max (req)", "at most"),
+                                                                     ("queued max (req)", "queued at most"))
+                    if t[key] is not None]
+            out.append(f"The engine's own view of M1's treatment window: {len(side.lines)} scheduler log lines"
+                       + (f"; /metrics: {' running, '.join(seen)}" if seen else "; no /metrics scrape inside it")
+                       + (f"; slots in use per its log up to {_num(t['slots in use max (log)'], 0)}"
+                          if t["slots in use max (log)"] is not None else "") + ".")
     elif any(c.startswith("M1") for c in [*by_id, *res.not_executed]):
         out.append("M1 produced no A/B (a side failed or did not run): no statement about interference.")
     if not df.empty:

@@ -220,6 +220,24 @@ def summary(ctx: Any, run: Phase2Run, baseline: str | None = None) -> pd.DataFra
     return nan_to_dash(table)
 
 
+def engine_view(ctx: Any, run: Phase2Run) -> pd.DataFrame:
+    """Per engine case, what the engine itself reported inside the same client window as the telemetry: running and
+    queued requests, KV usage, slots or batch lines from its log, server TTFT P95 (docs/metrics.md#server-side).
+    A case without an engine (the CPU workloads) has no row; none at all is said in one row."""
+    from servelab.analyse.serverside import case_serverside, side_summary
+    from servelab.target.engines import engine_for
+    rows = []
+    for c in run.cases:
+        cdir = Path(ctx.run_dir) / "cases" / c.case_id
+        if c.window is None or not (cdir / "server" / "engine_log_excerpt.txt").exists():
+            continue
+        engine = json.loads((cdir / "meta.json").read_text()).get("engine", "")
+        rows.append(side_summary(case_serverside(cdir, engine_for(engine), c.window.start_ns, c.window.end_ns)))
+    if not rows:
+        return pd.DataFrame({"note": ["no engine case in this run (workload=cpu): the engine's own view is absent"]})
+    return pd.DataFrame(rows)
+
+
 def headline_metrics(table: pd.DataFrame, metrics: list[str] | None = None) -> pd.DataFrame:
     """The summary narrowed to a few metrics, one row per (metric, case), for reading on the page."""
     metrics = metrics or ["cpu_busy_pct", "hottest_core_busy_pct", "proc_cpu_pct", "hottest_thread_cpu_pct",

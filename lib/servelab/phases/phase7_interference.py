@@ -28,6 +28,7 @@ sweep and the A/B, writes the phase tables and holds the page's views and the H4
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -45,7 +46,7 @@ from servelab.measure.client import ClientConfig, RequestRecord, run_async, run_
 from servelab.measure.launch_variants import (delta_of, metrics_snapshot, server_cpu_s, snapshot_deltas, write_run_record)
 from servelab.measure.slots import SlotsPoller, has_slots_endpoint
 from servelab.core.run import write_json_atomic
-from servelab.target.server import RunningServer, is_healthy
+from servelab.target.server import RunningServer, is_healthy, log_clock
 from servelab.measure.workload import RequestSpec, build_workload
 from servelab.target.engines import engine_for
 
@@ -228,7 +229,7 @@ def run_interference(srv: RunningServer, run_dir: Path, spec: InterferenceSpec, 
     if not slots.empty:
         slots.to_parquet(cdir / "server" / "slots.parquet")
     log_text, _ = read_log_since(env, log_off)
-    folder.write_log_excerpt(log_text)
+    folder.write_log_excerpt(log_text, clock=log_clock(srv))
     t0 = marks.t0_ns or (records[0].send_ns if records else 0)
     names = srv.engine.metric_names
     gaps = background_gaps(records)
@@ -511,6 +512,32 @@ def baseline_timeline(res: Phase7Result):
                                                f"{res.sweep[0].error}")
     return timeline_figure(res.baseline, f"{res.sweep[0].label}: background token gaps around each long prefill "
                                          "(green before, yellow during, grey after)")
+
+
+def baseline_serverside(res: Phase7Result):
+    """The baseline's background token gaps over the engine's own series (running/queued gauges, slots or batch
+    lines from its log) and its scheduler lines, each injection shaded (docs/metrics.md#server-side)."""
+    import plotly.graph_objects as go
+
+    from servelab.analyse.serverside import case_serverside
+    from servelab.measure.client import read_records
+    from servelab.report.perf_figures import client_over_server
+    b = res.baseline
+    if b is None:
+        return go.Figure().update_layout(title="no baseline result: no server-side timeline")
+    recs = read_records(b.case_dir / "requests.jsonl")
+    off = recs[0].wall_offset_ns if recs else 0
+    t0 = b.marks.t0_ns + off
+    t1 = (b.marks.end_ns or max((r.end_ns for r in recs), default=b.marks.t0_ns)) + off
+    engine = json.loads((b.case_dir / "meta.json").read_text()).get("engine", "")
+    side = case_serverside(b.case_dir, engine_for(engine), t0, t1)
+    tl = b.timeline.rename(columns={"gap_ms": "itl_ms"}).assign(run="baseline")
+    during = b.windows[b.windows["window"] == "during"] if not b.windows.empty else b.windows
+    bands = [(float(r["start_s"]), float(r["end_s"])) for _, r in during.iterrows()]
+    return client_over_server(tl, {"baseline": side}, bands, f"{res.sweep[0].label}: background token gaps over the "
+                              "engine's own series and scheduler lines (yellow: during each injection)",
+                              "client: background token gap (ms)", "time since the background started (s)",
+                              "token gap")
 
 
 def verdict_banner(res: Phase7Result):

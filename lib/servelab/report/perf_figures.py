@@ -115,3 +115,69 @@ def definitions_compared(summaries: dict[str, dict[str, Any]], case_id: str = ""
     fig.update_layout(barmode="group", title=f"{case_id}: sglang vs vllm metric definitions", yaxis_title="ms",
                       template="plotly_white")
     return fig
+
+
+RUN_COLORS = {"control": "#2980b9", "treatment": "#c0392b"}
+REQUEST_SERIES = ("running", "waiting", "running (log)", "queued (log)", "slots in use (log)", "retracted",
+                  "retracted (log)")
+
+
+def serverside_timeline(m1: dict[str, Any], sides: dict[str, Any], title: str = "") -> go.Figure:
+    """M1's client ITL timeline over the engine's own view of the same windows (one shared time axis):
+    row 1 the client's ITL per chunk gap; row 2 running/queued requests (``/metrics`` gauges as steps with a marker
+    per scrape, scheduler log values as points); row 3 KV-cache usage or the engine's other gauges; row 4 one
+    marker per scheduler log line (hover: the line). ``sides``: run (control | treatment) → its ``ServerSide``."""
+    band = (m1["inject_start_s"], max(m1["inject_end_s"], m1["inject_start_s"] + 1e-3))
+    return client_over_server(m1["timeline"], sides, [band], title or "M1: client ITL over the engine's own series "
+                              "and scheduler lines (yellow: the injected prefill)")
+
+
+def client_over_server(timeline: pd.DataFrame, sides: dict[str, Any], bands: list[tuple[float, float]],
+                       title: str, y_title: str = "client: ITL per chunk gap (ms)",
+                       x_title: str = "time since the measurement window started (s)", client_name: str = "ITL"
+                       ) -> go.Figure:
+    """A client latency timeline (``t_s``, ``itl_ms``, ``run``) over each run's ``ServerSide`` (same ``t_s`` origin),
+    the shaded ``bands`` (injected prefills) on every row. Rows as in :func:`serverside_timeline`."""
+    from plotly.subplots import make_subplots
+    fig = make_subplots(rows=4, cols=1, shared_xaxes=True, vertical_spacing=0.04, row_heights=[0.4, 0.22, 0.18, 0.2],
+                        subplot_titles=(y_title, "engine: requests running / queued",
+                                        "engine: KV usage, prefill tokens per batch, other gauges",
+                                        "engine: scheduler log lines"))
+    palette = ["#2980b9", "#c0392b", "#27ae60", "#8e44ad"]
+    colors = {run: RUN_COLORS.get(run, palette[i % len(palette)]) for i, run in enumerate(sides)}
+    for run in timeline["run"].unique():
+        g = timeline[timeline["run"] == run]
+        fig.add_trace(go.Scattergl(x=g["t_s"], y=g["itl_ms"], mode="markers", name=f"{run}: {client_name}",
+                                   legendgroup=str(run), marker=dict(size=4, color=colors.get(run, "#2980b9"),
+                                                                     opacity=0.6)), row=1, col=1)
+    dashes = ["solid", "dot", "dash", "dashdot", "longdash"]
+    for run, side in sides.items():
+        color = colors[run]
+        s = side.series
+        for i, (metric, g) in enumerate(s.groupby("metric", sort=True) if not s.empty else []):
+            g = g.sort_values("t_s")
+            row = 2 if metric in REQUEST_SERIES else 3
+            fig.add_trace(go.Scatter(x=g["t_s"], y=g["value"], name=f"{run}: {metric}", legendgroup=run,
+                                     mode="markers" if (g["source"] == "log").all() else
+                                     "lines+markers" if (g["source"] == "metrics").all() else "lines",
+                                     line=dict(shape="hv", color=color, dash=dashes[i % len(dashes)]),
+                                     marker=dict(color=color, symbol="diamond", size=6)), row=row, col=1)
+        ln = side.lines
+        if ln is not None and not ln.empty and "t_s" in ln:
+            placed = ln.dropna(subset=["t_s"])
+            fig.add_trace(go.Scatter(x=placed["t_s"], y=[f"{run}: {e}" for e in placed["event"]], mode="markers",
+                                     name=f"{run}: log lines", legendgroup=run, showlegend=False,
+                                     marker=dict(symbol="line-ns-open", size=12, color=color),
+                                     hovertext=[html.escape(str(x))[:300] for x in placed["line"]], hoverinfo="text"),
+                          row=4, col=1)
+    for x0, x1 in bands:
+        for row in (1, 2, 3, 4):
+            fig.add_vrect(x0=x0, x1=max(x1, x0 + 1e-3), fillcolor="#f1c40f", opacity=0.25, line_width=0, row=row,
+                          col=1)
+    clock = next((s.clock for s in sides.values() if s is not None), "")
+    fig.update_layout(title=title, template="plotly_white", height=900, legend=dict(groupclick="toggleitem"))
+    fig.update_xaxes(title_text=x_title, row=4, col=1)
+    if clock:
+        fig.add_annotation(text=html.escape(clock.split(";")[0])[:200], xref="paper", yref="paper", x=0, y=-0.08,
+                           showarrow=False, font=dict(size=10, color="#555"), xanchor="left")
+    return fig

@@ -208,6 +208,21 @@ def start_server(target: Target, log_dir: Path, tracker: hostlib.ProcessTracker,
                          containers=containers)
 
 
+def log_clock(srv: RunningServer) -> dict[str, Any]:
+    """How the head engine log's lines map to the wall clock, saved beside a case's log excerpt: the log file, the
+    time servelab started the head process (ISO, ms, this machine's clock), the engine's line-time kind
+    (``elapsed`` since the process started | ``wall`` on the server's local clock | ``""`` none), and this
+    machine's UTC offset (a ``wall`` time is read in it: right for local targets and nodes on the same zone)."""
+    import datetime as dt
+    head = srv.target.head.name
+    h = srv.handles.get(head)
+    offset = dt.datetime.now().astimezone().utcoffset()
+    return {"node": head, "log": srv.log_paths.get(head, ""), "process_started": getattr(h, "started", srv.started),
+            "kind": srv.engine.log_time[0], "note": srv.engine.log_time_note,
+            "utc_offset_s": offset.total_seconds() if offset is not None else 0.0,
+            "remote": not srv.target.is_local}
+
+
 def is_healthy(srv: RunningServer, timeout: float = 5.0) -> bool:
     """Head answers its health probe AND every node's engine process is alive."""
     status, _ = http_json(srv.base_url + srv.engine.health_path, timeout=timeout)

@@ -128,6 +128,18 @@ class EngineAdapter:
     request_cache_switch: str | None = None
     memory_log_patterns: tuple[tuple[str, str], ...] = ()
     memory_log_note: str = ""
+    # the server-side layer of a case (docs/metrics.md#server-side): the engine's scheduler/batch log lines as
+    # event -> regex (named groups are numeric fields; "key: number" pairs after the match are read too), how a
+    # log line carries its time (kind "elapsed" = seconds since the process started, "wall" = the server's local
+    # clock, "" = none; a regex with a ``ts`` group; a strptime format for "wall"), the canonical names of
+    # scheduler fields, the gauges drawn under the client's timeline and the latency histograms it exposes
+    scheduler_log: dict[str, str] = {}
+    scheduler_fields: dict[str, str] = {}
+    log_time: tuple[str, str, str] = ("", "", "")
+    log_time_note: str = ""
+    serverside_series: tuple[str, ...] = ("running", "waiting", "kv_usage")
+    histogram_series: tuple[str, ...] = ()
+    log_occupancy: tuple[str, str] | None = None     # (event taking a slot, event releasing it) in scheduler_log
     # Phase 9: the per-position accepted-draft-tokens series where ``metric_names`` has none
     spec_per_position_series: str = ""
     # trace files the engine's profiler writes (see trace_identity / profile_file)
@@ -238,6 +250,42 @@ class EngineAdapter:
         endpoint to report them. Keys: ``topology``, ``cuda_graph``, ``chunked_prefill``, ``prefix_cache``."""
         return {}
 
+    # --- server-side log lines
+    def parse_scheduler_line(self, line: str) -> dict[str, Any] | None:
+        """``{"event", field: number, ...}`` for a scheduler/batch line of this engine's log, None for any other
+        line. Fields: the regex's named groups, then every ``key: number`` pair after the match, keys lower-cased
+        with non-alphanumerics as ``_`` and renamed by ``scheduler_fields`` (e.g. ``#running-req`` → ``running``)."""
+        for event, rx in self.scheduler_log.items():
+            m = re.search(rx, line)
+            if not m:
+                continue
+            fields: dict[str, Any] = {"event": event}
+            for k, v in m.groupdict().items():
+                if v is not None:
+                    fields[self.scheduler_fields.get(k, k)] = _number(v)
+            for k, v in _KEY_NUMBER.findall(line[m.start():]):
+                key = re.sub(r"[^a-z0-9]+", "_", k.lower()).strip("_")
+                fields.setdefault(self.scheduler_fields.get(key, key), _number(v))
+            return fields
+        return None
+
+    def line_time(self, line: str) -> tuple[str, Any] | None:
+        """The time a log line carries: ``("elapsed", seconds since the process started)``, ``("wall", naive
+        datetime on the server's local clock)`` (year 1900 where the format has none), or None."""
+        kind, rx, fmt = self.log_time
+        if not kind:
+            return None
+        m = re.search(rx, line)
+        if not m:
+            return None
+        ts = m.group("ts")
+        if kind == "elapsed":
+            parts = [int(p) for p in re.split(r"[.:]", ts)]
+            minutes, sec, ms, us = ([0] * (4 - len(parts)) + parts)[-4:]
+            return "elapsed", minutes * 60 + sec + ms / 1e3 + us / 1e6
+        import datetime as dt
+        return "wall", dt.datetime.strptime(ts, fmt)
+
     # --- request bodies
     def tokenize_body(self, text: str, add_special: bool) -> dict[str, Any]:
         """The body of the engine's tokenize endpoint (``tokenize_path``)."""
@@ -284,6 +332,16 @@ def docker_plan(plan: LaunchPlan, launch: dict[str, Any], base_name: str, node_g
     spec = container_spec(launch, plan.argv, plan.env, base_name, node_gpus)
     plan.argv, plan.env, plan.container = spec.run_argv(), {}, spec
     return plan
+
+
+_KEY_NUMBER = re.compile(r"(#?[A-Za-z][A-Za-z0-9_\-/() ]*?):\s+([-+]?\d[\d,]*(?:\.\d+)?)(?![\w.])")
+
+
+def _number(v: str) -> float | str:
+    try:
+        return float(v.replace(",", ""))
+    except ValueError:
+        return v
 
 
 def json_arg(obj: Any) -> str:

@@ -92,6 +92,25 @@ class LlamaCppAdapter(EngineAdapter):
                             r"generated\)",
     }
 
+    # per-slot lines at the default verbosity: a request taking a slot, its prompt and decode timings when it
+    # ends, the slot released; no batch-level lines (those need -lv 4+). Each line starts with the time since
+    # the process started (M.SS.mmm.uuu), so a line is placed on the wall clock by the process's start time.
+    scheduler_log = {
+        "slot_launch": r"launch_slot_: id +(?P<slot>\d+) \| task (?P<task>-?\d+) \| processing task",
+        "prompt_timing": r"print_timing: id +(?P<slot>\d+) \| task (?P<task>\d+) \| prompt eval time = +"
+                         r"(?P<prompt_ms>[\d.]+) ms / +(?P<prompt_tokens>\d+) tokens",
+        "decode_timing": r"print_timing: id +(?P<slot>\d+) \| task (?P<task>\d+) \| +eval time = +"
+                         r"(?P<eval_ms>[\d.]+) ms / +(?P<eval_tokens>\d+) tokens",
+        "slot_release": r"release: id +(?P<slot>\d+) \| task (?P<task>\d+) \| stop processing: n_tokens = "
+                        r"(?P<n_tokens>\d+)",
+    }
+    log_time = ("elapsed", r"^(?P<ts>\d+\.\d{2}\.\d{3}\.\d{3}) ", "")
+    log_time_note = ("llama.cpp prefixes each line with the time since the process started (µs); placed on the "
+                     "wall clock by the start time servelab recorded when it launched the process, which precedes "
+                     "llama.cpp's own clock start: lines can sit a few ms early")
+    serverside_series = ("running", "waiting", "busy_slots_per_decode")
+    log_occupancy = ("slot_launch", "slot_release")
+
     def resolve_launch(self, target: Target, port: int) -> tuple[list[LaunchPlan], str]:
         """Plans with the local artifacts resolved: ``llama-server`` (built and cached unless ``launch.binary``),
         the model file, the draft model of ``launch.spec`` and, with worker nodes, ``ggml-rpc-server``."""

@@ -54,17 +54,29 @@ class SGLangAdapter(EngineAdapter):
     confound_setting = {"cuda_graph_max_bs": 8}
     log_markers = {
         "ready": r"The server is fired up and ready to roll",
-        "prefill_batch": r"Prefill batch\..*#new-seq: (?P<new_seq>\d+), #new-token: (?P<new_token>\d+), "
-                         r"#cached-token: (?P<cached_token>\d+), .*token usage: (?P<token_usage>[\d.]+), "
-                         r".*#running-req: (?P<running>\d+), #queue-req: (?P<queue>\d+)",
-        "decode_batch": r"Decode batch\..*#running-req: (?P<running>\d+), .*token usage: (?P<token_usage>[\d.]+), "
-                        r".*gen throughput \(token/s\): (?P<gen_tps>[\d.]+), #queue-req: (?P<queue>\d+)",
         "weights_loaded": r"Load weight end\..*mem usage=(?P<mem_gb>[\d.]+) GB",
         "kv_allocated": r"KV Cache is allocated\. #tokens: (?P<tokens>\d+)",
         "cuda_graph": r"Capture cuda graph end\..*mem usage=(?P<mem_gb>[\d.]+) GB",
-        "oom": r"(CUDA out of memory|OutOfMemoryError|out of memory)",
+        # "Decode out of memory happened." is a retraction (scheduler_log), not an OOM
+        "oom": r"(CUDA out of memory|OutOfMemoryError|(?<!Decode )out of memory)",
         "crash": r"(Traceback \(most recent call last\)|Received sigquit|SIGKILL|Child process unexpectedly failed)",
     }
+
+    # scheduler lines at the log interval (--decode-log-interval, default every 40 decode steps; every prefill
+    # batch): "Prefill batch." (mid-2025) and "Prefill batch," (later); "token usage" became "full token usage"
+    # with hybrid (SWA/mamba) pools. Fields are read as "key: number" pairs, so new fields do not break parsing.
+    scheduler_log = {"prefill_batch": r"Prefill batch[.,]", "decode_batch": r"Decode batch[.,]",
+                     # KV pool full during decode: requests retracted (back to the queue), not a crash
+                     "retract": r"Decode out of memory happened\."}
+    scheduler_fields = {"running_req": "running", "queue_req": "queued", "token_usage": "kv_usage",
+                        "full_token_usage": "kv_usage", "new_seq": "new_seqs", "new_token": "new_tokens",
+                        "cached_token": "cached_tokens", "token": "kv_tokens", "pending_token": "pending_tokens",
+                        "gen_throughput_token_s": "gen_tps", "input_throughput_token_s": "input_tps",
+                        "retracted_reqs": "retracted", "new_token_ratio": "new_token_ratio_before"}
+    log_time = ("wall", r"\[(?P<ts>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)[^\]]*\]", "%Y-%m-%d %H:%M:%S")
+    log_time_note = "SGLang stamps each line with the server's local time to the second"
+    serverside_series = ("running", "waiting", "kv_usage", "retracted")
+    histogram_series = ("ttft_seconds", "queue_seconds", "itl_seconds", "e2e_seconds")
 
     trace_name_hints = (r"-TP-\d+",)
     trace_skip_dirs = ("graph_capture_profile",)      # CUDA-graph capture traces, not serving steps

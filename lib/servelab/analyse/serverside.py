@@ -1,0 +1,308 @@
+"""The server-side layer of a case: what the engine said about itself while the client measured it.
+
+Three sources, all on the wall clock and cut to one window of the case (docs/metrics.md#server-side):
+
+- the engine's ``/metrics`` scraped during the case (``server/metrics.parquet``): its gauges (running and
+  queued requests, KV-cache usage, preemptions/retractions) as step series, under the names of the adapter's
+  ``metric_names``;
+- the engine's scheduler/batch log lines (``server/engine_log_excerpt.txt``), parsed by the adapter
+  (``parse_scheduler_line``) and placed in time by the time each line carries (``line_time``) and the clock note
+  written beside the excerpt (``server/engine_log_clock.json``);
+- the engine's latency histograms (TTFT, queue time, ITL, E2E): counts that arrived in the window, and
+  percentiles interpolated inside their buckets the way Prometheus' ``histogram_quantile`` does.
+
+Nothing here starts anything: it reads a case folder and returns frames.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from servelab.measure.engine_metrics import gauge_series, histogram_buckets, histogram_mean, histogram_quantile
+
+SERIES_COLUMNS = ["t_s", "wall_ns", "metric", "value", "source"]
+QUANTILES = (0.5, 0.95, 0.99)
+# scheduler-line fields drawn as series (common names from the adapters' scheduler_fields)
+LOG_SERIES = {"running": "running (log)", "queued": "queued (log)", "kv_usage": "kv_usage (log)",
+              "new_tokens": "prefill tokens per batch (log)", "retracted": "retracted (log)"}
+
+
+@dataclass
+class ServerSide:
+    """One case's server-side layer on one window (``t_s`` = seconds since ``t0_wall_ns``)."""
+    case_id: str
+    engine: str
+    t0_wall_ns: int
+    t1_wall_ns: int
+    series: pd.DataFrame                  # t_s, wall_ns, metric, value, source (metrics | log)
+    lines: pd.DataFrame                   # t_s, wall_ns, event, fields..., line (scheduler lines in the window)
+    histograms: pd.DataFrame              # metric, observations, p50/p95/p99 (ms), p95 bucket bounds (ms)
+    clock: str                            # how the log lines were placed on the wall clock, one sentence
+    notes: list[str] = field(default_factory=list)
+
+
+def _localize(naive: dt.datetime, year: int, utc_offset_s: float) -> int:
+    """Wall ns of a naive server-local datetime (year filled in where the format has none)."""
+    if naive.year == 1900:
+        naive = naive.replace(year=year)
+    tz = dt.timezone(dt.timedelta(seconds=utc_offset_s))
+    return int(naive.replace(tzinfo=tz).timestamp() * 1e9)
+
+
+def _iso_ns(iso: str) -> int | None:
+    try:
+        return int(dt.datetime.fromisoformat(iso).timestamp() * 1e9)
+    except (TypeError, ValueError):
+        return None
+
+
+def scheduler_lines(text: str, adapter: Any, clock: dict[str, Any] | None = None,
+                    year: int | None = None) -> tuple[pd.DataFrame, str]:
+    """Every scheduler line of ``text`` as a row (``order``, ``wall_ns`` or NaN, ``event``, fields, ``line``) and
+    one sentence saying how the lines were placed in time.
+
+    ``elapsed`` times (llama.cpp) are added to the process start in ``clock``; ``wall`` times (SGLang, vLLM) are read
+    in ``clock``'s UTC offset (this machine's by default), the year taken from the process start or ``year``; lines
+    without a time keep only their order."""
+    clock = clock or {}
+    started = _iso_ns(clock.get("process_started", ""))
+    offset = float(clock.get("utc_offset_s", 0.0) if clock else
+                   (dt.datetime.now().astimezone().utcoffset() or dt.timedelta()).total_seconds())
+    yr = year or (dt.datetime.fromtimestamp(started / 1e9).year if started else dt.datetime.now().year)
+    rows = []
+    kinds: set[str] = set()
+    for order, line in enumerate(text.splitlines()):
+        fields = adapter.parse_scheduler_line(line)
+        if fields is None:
+            continue
+        when = adapter.line_time(line)
+        wall, kind = np.nan, ""
+        if when is not None and when[0] == "elapsed" and started is not None:
+            wall, kind = started + int(when[1] * 1e9), "elapsed"
+        elif when is not None and when[0] == "wall":
+            wall, kind = _localize(when[1], yr, offset), "wall"
+        if kind:
+            kinds.add(kind)
+        if "kv_usage_pct" in fields and "kv_usage" not in fields:
+            fields["kv_usage"] = fields["kv_usage_pct"] / 100.0
+        rows.append({"order": order, "wall_ns": wall, "clock": kind, **fields, "line": line})
+    df = pd.DataFrame(rows)
+    if df.empty:
+        return (pd.DataFrame(columns=["order", "wall_ns", "clock", "event", "line"]),
+                "no scheduler lines in the engine log")
+    note = adapter.log_time_note or ""
+    if "elapsed" in kinds:
+        how = (f"log lines placed by the time since the process started that each line carries, added to the start "
+               f"time servelab recorded ({clock.get('process_started')}); {note}")
+    elif "wall" in kinds:
+        how = (f"log lines placed by their own timestamps (1 s resolution), read at UTC{offset / 3600:+.1f} h; {note}"
+               + ("; the server's clock is not synchronised with this machine's here" if clock.get("remote") else ""))
+    else:
+        how = "log lines carry no usable time: they are listed in log order only, not placed on the timeline"
+    return df, how
+
+
+def _start_shift_ns(case_dir: Path, lines: pd.DataFrame, adapter: Any) -> int:
+    """For lines placed by elapsed time: how much later they must sit so that the first slot taken (the adapter's
+    ``log_occupancy`` start event) is not before the case's first request left the client (0 when it is not, or
+    nothing tells). A lower bound on the start record's lead, never a move earlier."""
+    pair = getattr(adapter, "log_occupancy", None)
+    p = Path(case_dir) / "requests.jsonl"
+    if not pair or lines.empty or not (lines["clock"] == "elapsed").any() or not p.is_file():
+        return 0
+    from servelab.measure.client import read_records
+    sends = [r.send_ns + r.wall_offset_ns for r in read_records(p) if r.send_ns]
+    first = lines.loc[(lines["event"] == pair[0]) & (lines["clock"] == "elapsed"), "wall_ns"]
+    if not sends or first.empty:
+        return 0
+    return max(0, int(min(sends) - first.min()))
+
+
+def _occupancy(lines: pd.DataFrame, adapter: Any) -> pd.DataFrame:
+    """Requests holding a slot, from the adapter's (start, end) line events, counted from the excerpt's first line
+    (a case starts with nothing in flight)."""
+    pair = getattr(adapter, "log_occupancy", None)
+    if not pair or lines.empty or lines["wall_ns"].isna().all():
+        return pd.DataFrame(columns=["wall_ns", "metric", "value", "source"])
+    start, end = pair
+    ev = lines[lines["event"].isin([start, end])].dropna(subset=["wall_ns"]).sort_values("order")
+    step = np.where(ev["event"] == start, 1, -1)
+    return pd.DataFrame({"wall_ns": ev["wall_ns"].astype("int64"), "metric": "slots in use (log)",
+                         "value": np.cumsum(step).astype(float), "source": "log (counted)"})
+
+
+def metric_series(frame: pd.DataFrame, adapter: Any) -> pd.DataFrame:
+    """The adapter's ``serverside_series`` from a scrape frame: gauges as they were, counters (``*_total``) as the
+    increase since the previous scrape. Columns ``wall_ns``, ``metric`` (our name), ``value``, ``source``."""
+    if frame.empty:
+        return pd.DataFrame(columns=["wall_ns", "metric", "value", "source"])
+    names = adapter.metric_names
+    wall = frame.groupby("ts_ns")["wall_ns"].first()
+    out = []
+    for key in adapter.serverside_series:
+        g = gauge_series(frame, {key: names.get(key, "")} if names.get(key) else {}, (key,))
+        if g.empty:
+            continue
+        g = g.sort_values("ts_ns")
+        if key.endswith("_total"):
+            g["value"] = g["value"].diff().clip(lower=0)
+            g = g.iloc[1:]
+        g["wall_ns"] = g["ts_ns"].map(wall)
+        out.append(g.assign(source="metrics")[["wall_ns", "metric", "value", "source"]])
+    return pd.concat(out, ignore_index=True) if out else pd.DataFrame(columns=["wall_ns", "metric", "value", "source"])
+
+
+def server_percentiles(frame: pd.DataFrame, adapter: Any, t0_wall_ns: int | None = None,
+                       t1_wall_ns: int | None = None, quantiles: tuple[float, ...] = QUANTILES) -> pd.DataFrame:
+    """Per histogram of the adapter (``histogram_series``): observations in the window and bucket-interpolated
+    percentiles in ms, with the bounds of the bucket that holds the P95 (the true value lies inside them).
+    The window is the scrapes inside [t0, t1] (first to last); every scrape when unset."""
+    rows = []
+    for key in adapter.histogram_series:
+        series = adapter.metric_names.get(key)
+        if not series:
+            continue
+        b = histogram_buckets(frame, series, t0_wall_ns, t1_wall_ns)
+        if b.empty:
+            continue
+        row: dict[str, Any] = {"metric": key.removesuffix("_seconds"), "series": series}
+        mean = histogram_mean(frame, series, t0_wall_ns, t1_wall_ns)
+        row["mean_ms"] = mean * 1e3 if mean is not None else None
+        for q in quantiles:
+            r = histogram_quantile(b, q)
+            row[f"p{round(q * 100)}_ms"] = r["value"] * 1e3 if r["value"] is not None else None
+            if q == 0.95:
+                row["p95_bucket_ms"] = (f"({r['lo'] * 1e3:g}, {r['hi'] * 1e3:g}]" if r["lo"] is not None else "")
+            row["observations"] = r["total"]
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def read_clock(case_dir: Path) -> dict[str, Any]:
+    p = Path(case_dir) / "server" / "engine_log_clock.json"
+    try:
+        return json.loads(p.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def read_metrics(case_dir: Path) -> pd.DataFrame:
+    p = Path(case_dir) / "server" / "metrics.parquet"
+    return pd.read_parquet(p) if p.is_file() else pd.DataFrame(columns=["ts_ns", "wall_ns", "name", "labels", "value",
+                                                                       "type"])
+
+
+def case_serverside(case_dir: Path, adapter: Any, t0_wall_ns: int, t1_wall_ns: int) -> ServerSide:
+    """The server-side layer of the case in ``case_dir`` on the window [t0, t1] (wall ns), ``t_s`` from t0."""
+    case_dir = Path(case_dir)
+    notes: list[str] = []
+    frame = read_metrics(case_dir)
+    if frame.empty:
+        notes.append("no /metrics scrape in this case")
+    log_path = case_dir / "server" / "engine_log_excerpt.txt"
+    text = log_path.read_text(errors="replace") if log_path.is_file() else ""
+    clock = read_clock(case_dir)
+    lines, how = scheduler_lines(text, adapter, clock)
+    shift = _start_shift_ns(case_dir, lines, adapter)
+    if shift:
+        lines.loc[lines["clock"] == "elapsed", "wall_ns"] += shift
+        how += (f"; moved {shift / 1e6:.1f} ms later so that the first slot is not taken before the case's first "
+                "request was sent (the recorded start precedes the engine's clock start)")
+    if clock.get("truncated_head"):
+        notes.append("the log excerpt kept only the case's last 200 000 characters")
+    # 1 s timestamps (clock "wall"): keep the seconds that hold t0 and t1
+    pad = 1_000_000_000 if not lines.empty and (lines["clock"] == "wall").any() else 0
+    inside = lines["wall_ns"].between(t0_wall_ns - pad, t1_wall_ns + pad) if not lines.empty else []
+    unplaced = lines[lines["wall_ns"].isna()] if not lines.empty else lines
+    win_lines = pd.concat([lines[inside], unplaced]) if not lines.empty else lines
+    series = pd.concat([metric_series(frame, adapter), _occupancy(lines, adapter)], ignore_index=True)
+    if not lines.empty:
+        placed = lines.dropna(subset=["wall_ns"])
+        for col, name in LOG_SERIES.items():
+            if col in placed:
+                s = placed.dropna(subset=[col])
+                series = pd.concat([series, pd.DataFrame({"wall_ns": s["wall_ns"].astype("int64"),
+                                                          "metric": name, "value": s[col].astype(float),
+                                                          "source": "log"})], ignore_index=True)
+    occ = series[series["source"] == "log (counted)"] if not series.empty else series
+    before = occ[occ["wall_ns"].astype("int64") < t0_wall_ns] if not occ.empty else occ
+    if not before.empty:                     # counted from events: the state at t0 is known exactly
+        series = pd.concat([series, before.iloc[[-1]].assign(wall_ns=t0_wall_ns)], ignore_index=True)
+    if not series.empty:
+        # scrapes carry this machine's ns clock: cut exactly; log values keep their lines' padding
+        own_pad = np.where(series["source"] == "metrics", 0, pad)
+        wall = series["wall_ns"].astype("int64")
+        series = series[(wall >= t0_wall_ns - own_pad) & (wall <= t1_wall_ns + own_pad)].copy()
+        series["value"] = series["value"].astype(float)
+        series["t_s"] = (series["wall_ns"].astype("int64") - t0_wall_ns) / 1e9
+    series = series.reindex(columns=SERIES_COLUMNS)
+    if not win_lines.empty:
+        win_lines = win_lines.copy()
+        win_lines["t_s"] = (win_lines["wall_ns"] - t0_wall_ns) / 1e9
+    hist = server_percentiles(frame, adapter)
+    if not adapter.histogram_series:
+        notes.append(f"{adapter.name} exposes no latency histograms on /metrics")
+    if "kv_usage" not in adapter.metric_names:
+        notes.append(f"{adapter.name} exports no KV-cache usage gauge: the KV row shows its other gauges")
+    meta_id = case_dir.name
+    return ServerSide(meta_id, adapter.name, t0_wall_ns, t1_wall_ns, series, win_lines, hist, how, notes)
+
+
+def records_window(case_dir: Path, repeat: int = 0) -> tuple[int, int]:
+    """(first scheduled send of a measured request — of any request where none has the role ``measure`` — , last
+    stream end) of a case's requests of one repeat, warm-up left out, on the wall clock (ns): the window a client
+    timeline of that repeat spans."""
+    from servelab.measure.client import read_records
+    recs = [r for r in read_records(Path(case_dir) / "requests.jsonl") if r.repeat == repeat and r.role != "warmup"]
+    if not recs:
+        raise ValueError(f"{case_dir}: no measured requests in repeat {repeat}")
+    first = [r for r in recs if r.role == "measure"] or recs
+    t0 = min(r.scheduled_ns + r.wall_offset_ns for r in first)
+    t1 = max((r.end_ns or r.scheduled_ns) + r.wall_offset_ns for r in recs)
+    return t0, t1
+
+
+CLIENT_KEYS = {"ttft": "ttft", "itl": "itl", "e2e": "e2el", "queue": None}
+
+
+def client_vs_server(summary: dict[str, Any], hist: pd.DataFrame, case_id: str = "") -> pd.DataFrame:
+    """The client's TTFT/ITL/E2E percentiles (one metric definition's pooled summary) beside the server's
+    histogram percentiles of the same quantity; queue time has only the server's side."""
+    rows = []
+    for h in hist.to_dict("records") if not hist.empty else []:
+        ck = CLIENT_KEYS.get(h["metric"])
+        row: dict[str, Any] = {"case": case_id, "metric": h["metric"] if h["metric"] != "queue" else "queue time"}
+        for st in ("mean", "p50", "p95", "p99"):
+            row[f"client {st} (ms)"] = summary.get(f"{st}_{ck}_ms") if ck else None
+            row[f"server {st} (ms)"] = h.get(f"{st}_ms")
+        row["server P95 bucket (ms)"] = h.get("p95_bucket_ms", "")
+        row["client requests"] = summary.get("completed") if ck else None
+        row["server observations"] = h.get("observations")
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def side_summary(side: ServerSide) -> dict[str, Any]:
+    """One row of what the engine reported over a window: running / queued requests (``/metrics``), KV usage, slots
+    counted from the log, scheduler lines, and the server's TTFT P95 where it has a histogram. None where absent."""
+    s = side.series
+
+    def stat(metric: str, how: str) -> float | None:
+        v = s.loc[s["metric"] == metric, "value"] if not s.empty else pd.Series(dtype=float)
+        return float(getattr(v, how)()) if len(v) else None
+    kv = stat("kv_usage", "max")
+    if kv is None:
+        kv = stat("kv_usage (log)", "max")
+    h = side.histograms.set_index("metric") if not side.histograms.empty else None
+    return {"case": side.case_id, "engine": side.engine, "window (s)": round((side.t1_wall_ns - side.t0_wall_ns) / 1e9, 3),
+            "running mean (req)": stat("running", "mean"), "running max (req)": stat("running", "max"),
+            "queued max (req)": stat("waiting", "max"), "KV usage max (%)": kv * 100 if kv is not None else None,
+            "slots in use max (log)": stat("slots in use (log)", "max"), "scheduler lines": len(side.lines),
+            "server TTFT P95 (ms)": (h.loc["ttft", "p95_ms"] if h is not None and "ttft" in h.index else None),
+            "notes": "; ".join(side.notes)}
