@@ -42,6 +42,8 @@ RUN_STATUSES = ("success", "failed", "ENGINE_CRASH", "OOM")
 KINDS = ("prefill", "decode", "mixed", "search", "interference", "prefix_cache", "speculative")
 REQUIRED = ("schema_version", "case_id", "repeat_of", "phase", "kind", "status", "verdict", "started", "ended",
             "counts", "definition", "metrics", "repeats", "details", "percentile_method")
+# optional keys (schema 1, added without a version bump; docs/case.md#schema-history): absent in older summaries
+OPTIONAL = ("integrity",)
 CASES_INDEX = "cases.json"            # in a run-like record: which case summaries it holds, under which case id
 
 
@@ -67,6 +69,7 @@ class CaseSummary:
     ended: str = ""
     schema_version: int = SCHEMA_VERSION
     percentile_method: str = mx.PERCENTILE_METHOD
+    integrity: dict[str, Any] = field(default_factory=dict)   # mx.integrity: did the client keep up ({}: not measured)
 
     def to_json(self) -> dict[str, Any]:
         """The ``summary.json`` object: ``repeat_of`` defaults to ``case_id``; a repeat is valid only when it says
@@ -76,7 +79,7 @@ class CaseSummary:
         ok = self.verdict.get("status") == VALID
         out["repeats"] = [{"repeat": int(r.get("repeat", i)), "valid": bool(r.get("valid", True)) and ok,
                            "metrics": r.get("metrics") or {}} for i, r in enumerate(self.repeats)]
-        return {k: out[k] for k in REQUIRED}
+        return {**{k: out[k] for k in REQUIRED}, **({"integrity": out["integrity"]} if self.integrity else {})}
 
 
 def verdict(status: str, reasons: Iterable[str] = ()) -> dict[str, Any]:
@@ -125,7 +128,7 @@ def summary_problems(obj: Any) -> list[str]:
     if not isinstance(obj, dict):
         return [f"not a JSON object but {type(obj).__name__}"]
     p = [f"missing key '{k}'" for k in REQUIRED if k not in obj]
-    p += [f"unknown key '{k}'" for k in obj if k not in REQUIRED]
+    p += [f"unknown key '{k}'" for k in obj if k not in REQUIRED and k not in OPTIONAL]
     if p:
         return p
     if obj["schema_version"] != SCHEMA_VERSION:
@@ -167,6 +170,12 @@ def summary_problems(obj: Any) -> list[str]:
                 p.append(f"repeats[{i}] is valid in an INVALID case")
     if not isinstance(obj["details"], dict):
         p.append("details must be an object")
+    if "integrity" in obj:
+        g = obj["integrity"]
+        if not isinstance(g, dict) or not isinstance(g.get("ok"), bool) or not isinstance(g.get("reasons"), list):
+            p.append("integrity must be {'ok': bool, 'reasons': [...], ...}")
+        elif not g["ok"] and isinstance(v, dict) and v.get("status") == VALID:
+            p.append("a case whose client fell behind (integrity not ok) cannot be VALID")
     return p
 
 
