@@ -473,8 +473,10 @@ async def run_async(specs: list[RequestSpec], cfg: ClientConfig, concurrency: in
                         rec.scheduled_ns = rec.ready_ns = rec.dispatch_ns = pc()
                         await one(spec, rec)
 
-                target = max(n0, min_requests if make_spec is not None else 0)
-                workers = min(concurrency or target, target) if target else 0
+                if make_spec is not None:        # sized: the run lasts, whatever the minimum count
+                    workers = concurrency or max(n0, min_requests, 1)
+                else:
+                    workers = min(concurrency or n0, n0) if n0 else 0
                 await asyncio.gather(*(worker() for _ in range(workers)))
             else:
                 n = len(specs)
