@@ -106,7 +106,7 @@ def test_matrix_files_policy_and_resume(env, tiny_server):
         assert summ["metrics"]["vllm"]["total_output_tokens"] == r.case.num_prompts * r.case.output_tokens
         assert summ["verdict"]["status"] == r.verdict.verdict and summ["counts"]["measured"] == r.case.num_prompts
     v = {r.case.case_id: r.verdict for r in mr.results}
-    assert v["P1"].verdict == "VALID"
+    assert v["P1"].verdict == "VALID", v["P1"].reasons
     assert v["D2_c4"].verdict == "INVALID" and "window too short" in v["D2_c4"].reasons[0]
     csv = pd.read_csv(env.run_dir / "summary.csv")
     assert len(csv) == 6 and set(csv["definition"]) == {"sglang", "vllm"}

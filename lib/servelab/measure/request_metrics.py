@@ -387,7 +387,7 @@ class IntegrityRules:
     max_loop_lag_share: float = 0.05       # all stalls together, as a share of the window
     min_rate_ratio: float = 0.95           # open loop: achieved / scheduled arrival rate
     max_littles_law_error: float = 0.15    # |mean in-flight − throughput × mean latency| / the larger
-    min_littles_samples: int = 20          # fewer monitor samples: the Little's-law check is not judged
+    min_samples: int = 20                  # fewer monitor samples: the stalled share and Little's law are not judged
 
 
 def _lag_stats(values_ms: list[float] | np.ndarray) -> dict[str, Any]:
@@ -448,7 +448,7 @@ def integrity(run: ClientRun, rules: IntegrityRules | None = None) -> dict[str, 
     if ll["n"] and ll["max_ms"] > rules.max_loop_lag_ms:
         reasons.append(f"client fell behind: its event loop stalled {ll['max_ms']:.1f} ms "
                        f"(worst of {ll['n']} samples, > {rules.max_loop_lag_ms:g} ms)")
-    elif ll["n"] and ll["share"] > rules.max_loop_lag_share:
+    elif ll["n"] >= rules.min_samples and ll["share"] > rules.max_loop_lag_share:
         reasons.append(f"client fell behind: its event loop stalled {ll['total_ms']:.1f} ms in all, "
                        f"{ll['share']:.1%} of the {window_s:.2f} s window (> {rules.max_loop_lag_share:.0%})")
     arrival: dict[str, Any] = {"mode": run.mode, "requested_rps": run.rate_rps}
@@ -476,7 +476,7 @@ def integrity(run: ClientRun, rules: IntegrityRules | None = None) -> dict[str, 
     lw = littles_law(float(np.mean(run.inflight)) if run.inflight else None, len(ended) / window_s,
                      float(np.mean(lat)) if lat else None, len(run.inflight))
     lw["samples"] = len(run.inflight)
-    lw["judged"] = lw["error"] is not None and len(run.inflight) >= rules.min_littles_samples
+    lw["judged"] = lw["error"] is not None and len(run.inflight) >= rules.min_samples
     bound = max(rules.max_littles_law_error, lw["noise"] or 0.0)
     lw["bound"] = bound
     if lw["judged"] and lw["error"] > bound:
