@@ -253,27 +253,36 @@ def percentile_cell(summary: dict[str, Any], metric: str, p: float, unit: str = 
 _PCOL = re.compile(r"^(?:p(\d+(?:\.\d+)?)|(median))_(.+)_(ms|us|s|pct)$")
 
 
-def labelled_percentiles(df: pd.DataFrame, digits: int = 2) -> pd.DataFrame:
-    """A frame of summaries (one per row, with ``n_<metric>`` and ``max_<metric>_<unit>`` beside them) as a page
-    shows it: every ``p<p>_<metric>_<unit>`` / ``median_…`` cell becomes :func:`percentile_cell` — the percentile
-    with its ``n=``, or ``max of N`` — and the ``n_<metric>`` columns are dropped (each cell says its count)."""
+def labelled_percentiles(df: pd.DataFrame, digits: int = 2, counts: dict[str, str] | None = None) -> pd.DataFrame:
+    """A frame of summaries (one per row) as a page shows it: every ``p<p>_<metric>_<unit>`` / ``median_…`` cell
+    becomes :func:`percentile_cell` — the percentile with its ``n=``, or ``max of N`` with the row's
+    ``max_<metric>_<unit>``. The count of a metric comes from ``counts[metric]`` (a column name, e.g. Phase 7's
+    ``n_gaps``), else ``n_<metric>`` (then dropped: every cell says its count), else — for TTFT, TPOT and E2E —
+    the row's ``completed``; a percentile column with no count anywhere is left as it is."""
     if df.empty:
         return df
+    counts = counts or {}
     out = df.copy()
-    rows = df.to_dict("records")
-    counted: set[str] = set()
+    rows = [{k: (None if _isnan(v) else v) for k, v in r.items()} for r in df.to_dict("records")]
+    drop: set[str] = set()
     for col in df.columns:
         m = _PCOL.match(str(col))
         if not m:
             continue
         p = 50.0 if m.group(2) else float(m.group(1))
         metric, unit = m.group(3), m.group(4)
-        if f"n_{metric}" not in df.columns and metric not in ("ttft", "tpot", "e2el"):
+        if metric in counts:
+            src = counts[metric]
+        elif f"n_{metric}" in df.columns:
+            src = f"n_{metric}"
+            drop.add(src)
+        elif "completed" in df.columns and metric in ("ttft", "tpot", "e2el"):
+            src = "completed"
+        else:
             continue
-        counted.add(f"n_{metric}")
-        out[col] = pd.Series([percentile_cell({k: (None if _isnan(v) else v) for k, v in r.items()}, metric, p, unit,
-                                              digits) for r in rows], index=df.index, dtype=object)
-    return out.drop(columns=[c for c in counted if c in out.columns])
+        out[col] = pd.Series([percentile_cell({**r, f"n_{metric}": r.get(src)}, metric, p, unit, digits)
+                              for r in rows], index=df.index, dtype=object)
+    return out.drop(columns=[c for c in drop if c in out.columns])
 
 
 def _isnan(v: Any) -> bool:

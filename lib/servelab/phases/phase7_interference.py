@@ -475,7 +475,8 @@ def windows_view(res: Phase7Result) -> pd.DataFrame:
         return pd.DataFrame({"note": ["no windows"]})
     cols = ["value", "injection", "window", "duration_s", "n_gaps", "streams", "p50_tpot_ms", "p95_tpot_ms",
             "p99_tpot_ms", "max_tpot_ms", "output_tps", "inject_ttft_ms", "max_waiting", "valid", "reasons", "notes"]
-    return pd.concat(parts, ignore_index=True)[cols]
+    # each percentile with the token gaps it rests on, or "max of N" where too few (windows.csv keeps the numbers)
+    return mx.labelled_percentiles(pd.concat(parts, ignore_index=True)[cols], counts={"tpot": "n_gaps"})
 
 
 def schedule_view(res: Phase7Result) -> pd.DataFrame:

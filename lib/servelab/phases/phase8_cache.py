@@ -281,6 +281,18 @@ def matrix_view(res: "Phase8Result") -> pd.DataFrame:
     return res.matrix[cols]
 
 
+def accepted_view(res: "Phase8Result") -> pd.DataFrame:
+    """The ACCEPTED points relative to the 0 % baseline (``analyse.prefix_cache.accepted_results``), each TTFT
+    percentile with the requests it rests on, or ``max of N`` where too few (``hit_rate_matrix.csv`` keeps the
+    numbers)."""
+    from servelab.analyse.prefix_cache import accepted_results
+    acc = accepted_results(res.matrix)
+    if acc.empty:
+        return acc
+    counts = res.matrix.set_index("case_id")[["n_ttft", "max_ttft_ms"]]
+    return mx.labelled_percentiles(acc.join(counts, on="case_id")).drop(columns=["max_ttft_ms"])
+
+
 def memory_view(res: "Phase8Result") -> pd.DataFrame:
     """The memory breakdown without the raw log lines (kept in ``phase8/memory.csv``)."""
     return res.memory.drop(columns=["line"], errors="ignore")

@@ -28,6 +28,7 @@ from typing import Any
 import pandas as pd
 
 from servelab.analyse.speculative import SpecConfig, net_gain, per_position_frame, spec_row
+from servelab.measure import request_metrics as mx
 from servelab.measure.case import CaseEnv, case_seed, flush_cache, max_request_tokens, read_log_since
 from servelab.measure.client import RequestRecord, run_requests
 from servelab.measure.launch_variants import Snapshot, metrics_snapshot, server_cpu_s, write_run_record
@@ -293,8 +294,11 @@ def performance_view(res: Phase9Result) -> pd.DataFrame:
     """Every point: throughput, TPOT, target forwards, CPU use."""
     cols = ["config", "concurrency", "repeat", "output_throughput", "p50_tpot_ms", "p95_tpot_ms", "p50_ttft_ms",
             "target_forwards", "target_forwards_per_s", "tokens_per_target_forward", "step_ms",
-            "server_cpu_util_cores", "server_cpu_idle_pct", "validity", "reasons"]
-    return res.points[[c for c in cols if c in res.points.columns]].reset_index(drop=True)
+            "server_cpu_util_cores", "server_cpu_idle_pct", "validity", "reasons", "n_tpot", "max_tpot_ms", "n_ttft",
+            "max_ttft_ms"]
+    view = res.points[[c for c in cols if c in res.points.columns]].reset_index(drop=True)
+    # each percentile with its count, or "max of N" where too few values hold it (points.csv keeps the numbers)
+    return mx.labelled_percentiles(view).drop(columns=["max_tpot_ms", "max_ttft_ms"], errors="ignore")
 
 
 def findings(res: Phase9Result) -> list[str]:
