@@ -58,6 +58,9 @@ class Phase1Result:
             row = df[df["case_id"] == cid]
             if not row.empty:
                 out[f"{cid}_{key}"] = row.iloc[0][key]
+                metric = key.split("_")[1]
+                n = row.iloc[0].get(f"n_{metric}")
+                out[f"{cid}_{metric}_samples"] = None if n is None or pd.isna(n) else int(n)
         d2 = df[df["scenario"] == "D2"]
         if not d2.empty:
             out["D2_max_output_tps"] = float(d2["output_throughput"].max())
@@ -237,11 +240,12 @@ def frontier_figure(res: Phase1Result) -> Any:
 
 
 def m1_tables(res: Phase1Result) -> pd.DataFrame:
-    """M1 control vs treatment (and the per-window ITL stats below it)."""
+    """M1 control vs treatment (and the per-window ITL stats below it, each percentile with the gaps it rests on
+    or ``max of N`` where too few)."""
     if res.m1 is None:
         return pd.DataFrame({"note": ["M1 did not run (or failed): no A/B"]})
-    return pd.concat([res.m1["ab"].assign(table="A/B"), res.m1["windows"].assign(table="ITL windows")],
-                     ignore_index=True)
+    windows = mx.labelled_percentiles(res.m1["windows"], counts={"itl": "n"})
+    return pd.concat([res.m1["ab"].assign(table="A/B"), windows.assign(table="ITL windows")], ignore_index=True)
 
 
 def m1_figure(res: Phase1Result) -> Any:
@@ -423,14 +427,14 @@ def findings(res: Phase1Result) -> list[str]:
 # ---------------------------------------------------------------- evidence for the ledger (H4, H6)
 
 M1_H4_FACTOR = 1.2        # the treatment's P95 ITL during the injection over the larger reference, to support H4
-M1_MIN_GAPS = 5           # token gaps needed in the treatment's during window to judge
+M1_MIN_GAPS = mx.min_samples(95)   # token gaps a P95 of the treatment's during window needs (20) to judge
 
 
 def h4_evidence(res: Phase1Result) -> tuple[str, str, dict[str, Any]]:
     """(verdict, summary, numbers) about H4 from the mixed A/B M1: the treatment's P95 ITL *during* the injected
     prefill against the larger of its own *before* window and the control's same window. *supported* when it is
-    ≥ 1.2× that reference, *refuted* below; *inconclusive* without M1, with an INVALID M1 case or fewer than 5
-    token gaps during the injection."""
+    ≥ 1.2× that reference, *refuted* below; *inconclusive* without M1, with an INVALID M1 case or fewer token gaps
+    during the injection than a P95 needs (20, ``request_metrics.min_samples``)."""
     if res.m1 is None:
         return "inconclusive", "M1 (the mixed A/B) did not run", {}
     bad = [f"{c}: {'; '.join(r.verdict.reasons[:2])}" for c in ("M1_control", "M1_treatment")
@@ -453,7 +457,8 @@ def h4_evidence(res: Phase1Result) -> tuple[str, str, dict[str, Any]]:
         return "inconclusive", f"{n} token gaps during the injection (need {M1_MIN_GAPS}) or no reference window", nums
     ref = max(refs)
     nums["ratio"] = round(during / ref, 3)
-    text = (f"M1: background P95 ITL {during:.1f} ms during the injected prefill vs {ref:.1f} ms reference "
+    text = (f"M1: background ITL {mx.percentile_label(95, n)} {during:.1f} ms during the injected prefill vs "
+            f"{ref:.1f} ms reference "
             f"(treatment before {before or float('nan'):.1f} ms, control same window {control or float('nan'):.1f} ms): "
             f"{during / ref:.2f}×, threshold {M1_H4_FACTOR:g}×")
     return ("supported" if during >= M1_H4_FACTOR * ref else "refuted"), text, nums
