@@ -93,16 +93,29 @@ def verdict_of(v: mx.Verdict) -> dict[str, Any]:
     return verdict(v.verdict, v.reasons)
 
 
+def client_integrity(run: Any) -> dict[str, Any]:
+    """``request_metrics.integrity`` of a client run that had its loop-lag monitor on; ``{}`` (not measured) for
+    none, or for a run without monitor samples."""
+    from servelab.measure.client import ClientRun
+    if not isinstance(run, ClientRun) or not run.loop_lag_ns:
+        return {}
+    return mx.integrity(run)
+
+
 def judged_row(records: Sequence[Any], run: Any, definition: str, row_ok: bool, reasons_text: str | None,
                status: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """(pooled metrics, verdict) of a case whose phase judged it as a table row (Phase 8's ACCEPTED/REJECTED,
     Phase 9's validity): the measured requests summarised under ``definition``; VALID only when the row was judged
-    good and the case ran to success; otherwise INVALID with the row's ``"; "``-joined reasons (or the status)."""
+    good, the case ran to success and the client kept up (:func:`client_integrity`); otherwise INVALID with the
+    row's ``"; "``-joined reasons (or the status) and the integrity reasons."""
     measured = [r for r in records if r.role == "measure"]
     pooled = {definition: mx.summarize(measured, max(run.duration_s, 1e-9), definition)} if run and measured else {}
-    ok = row_ok and status == "success"
-    reasons = [x for x in str(reasons_text or "").split("; ") if x] or [f"case status {status}"]
-    return pooled, verdict(VALID if ok else INVALID, [] if ok else reasons)
+    behind = list(client_integrity(run).get("reasons") or [])
+    ok = row_ok and status == "success" and not behind
+    reasons = [x for x in str(reasons_text or "").split("; ") if x]
+    if not reasons and not (row_ok and status == "success"):
+        reasons = [f"case status {status}"]
+    return pooled, verdict(VALID if ok else INVALID, [] if ok else reasons + behind)
 
 
 def is_valid(summary: dict[str, Any]) -> bool:

@@ -362,7 +362,7 @@ async def run_async(specs: list[RequestSpec], cfg: ClientConfig, concurrency: in
                     on_window_start: Callable[[], None] | None = None,
                     make_spec: Callable[[int], RequestSpec] | None = None, min_requests: int = 0,
                     min_duration_s: float = 0.0, max_requests: int = 100_000,
-                    monitor_interval_s: float = MONITOR_INTERVAL_S) -> ClientRun:
+                    monitor_interval_s: float | None = MONITOR_INTERVAL_S) -> ClientRun:
     """Send ``specs`` and return their records.
 
     - closed loop (``rate_rps`` None): ``concurrency`` workers, each sends its next request when the
@@ -373,13 +373,15 @@ async def run_async(specs: list[RequestSpec], cfg: ClientConfig, concurrency: in
       ``concurrency`` in flight; the wait for a slot is recorded (``dispatch_ns - scheduled_ns``), the client's
       own lateness separately (``ready_ns - scheduled_ns``).
     ``injections``: (seconds after the window start, spec) sent on schedule outside the cap (Mixed A/B).
-    ``on_window_start`` is called inside the running loop just after the window opens.
+    ``on_window_start`` is called inside the running loop just after the window opens. ``monitor_interval_s``
+    None: no loop-lag monitor (for a caller that runs many one-request runs side by side in one loop and would
+    otherwise start a monitor for each).
     """
     import aiohttp
     if make_spec is not None and rate_rps is not None:
         raise ValueError("make_spec (a sized run) is for the closed loop only; an open-loop run sends its specs")
-    if min_duration_s < 0 or min_requests < 0 or monitor_interval_s <= 0:
-        raise ValueError("min_duration_s and min_requests must be >= 0 and monitor_interval_s > 0")
+    if min_duration_s < 0 or min_requests < 0 or (monitor_interval_s is not None and monitor_interval_s <= 0):
+        raise ValueError("min_duration_s and min_requests must be >= 0 and monitor_interval_s > 0 (or None)")
     wall_offset = time.time_ns() - time.perf_counter_ns()
     specs = list(specs)
     records = [_new_record(s, cfg, repeat, wall_offset) for s in specs]
@@ -415,6 +417,7 @@ async def run_async(specs: list[RequestSpec], cfg: ClientConfig, concurrency: in
         async def monitor(done: asyncio.Event) -> None:
             # how late each wake-up comes is the time the loop could not run anything: a callback blocked it,
             # parsing or another task hogged it, or the process did not get a core
+            assert monitor_interval_s is not None
             step = int(monitor_interval_s * 1e9)
             due = pc() + step
             while not done.is_set():
@@ -434,7 +437,7 @@ async def run_async(specs: list[RequestSpec], cfg: ClientConfig, concurrency: in
         try:
             cpu0 = time.process_time()
             t0 = pc()
-            mon = asyncio.create_task(monitor(done))
+            mon = asyncio.create_task(monitor(done)) if monitor_interval_s is not None else None
             if on_window_start is not None:
                 on_window_start()
             inj_tasks = [asyncio.create_task(injected(o, s, r, t0)) for o, s, r in inj]
@@ -507,7 +510,8 @@ async def run_async(specs: list[RequestSpec], cfg: ClientConfig, concurrency: in
             t1 = pc()
             cpu1 = time.process_time()
             done.set()
-            await mon
+            if mon is not None:
+                await mon
         finally:
             done.set()
             if mon is not None and not mon.done():
@@ -529,7 +533,7 @@ async def run_async(specs: list[RequestSpec], cfg: ClientConfig, concurrency: in
                   "max_requests": max_requests, "duration_s": dur,
                   "met": len(records) >= min_requests and dur >= min_duration_s}
     return ClientRun(all_records, t0, t1, wall_offset, mode, concurrency, rate_rps, cpu1 - cpu0,
-                     loop_lag_ns=lag_ns, inflight=inflight_samples, monitor_interval_s=monitor_interval_s,
+                     loop_lag_ns=lag_ns, inflight=inflight_samples, monitor_interval_s=monitor_interval_s or 0.0,
                      sizing=sizing)
 
 

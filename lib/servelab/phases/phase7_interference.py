@@ -108,7 +108,7 @@ async def _wave(bg: list[RequestSpec], inj: list[RequestSpec], cfg: ClientConfig
         n = 0
         while not stop.is_set() and queue and n < cap:
             s = queue.pop(0)
-            run = await run_async([s], cfg, concurrency=1)
+            run = await run_async([s], cfg, concurrency=1, monitor_interval_s=None)
             bg_records.extend(run.records)
             n += 1
 
@@ -129,7 +129,7 @@ async def _wave(bg: list[RequestSpec], inj: list[RequestSpec], cfg: ClientConfig
                 schedule.append({"injection": k, "planned_s": (planned - marks.t0_ns) / 1e9, "sent": False,
                                  "reason": "the background had ended (request cap or prompts exhausted)"})
                 continue
-            run = await run_async([s], cfg, concurrency=1)
+            run = await run_async([s], cfg, concurrency=1, monitor_interval_s=None)
             rec = run.records[0]
             inj_records.append(rec)
             prev_end = max(rec.chunk_ns) if rec.chunk_ns else rec.end_ns

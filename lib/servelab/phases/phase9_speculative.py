@@ -137,14 +137,14 @@ def spec_point_summary(cfg: SpecConfig, row: dict[str, Any], records: list[Reque
                        definition: str, repeat: int, repeat_of: str) -> Any:
     """The case summary of a speculative point: the row's verdict, the measured requests' metrics (with the
     acceptance numbers beside them) as repeat ``repeat`` of ``repeat_of``, the row in ``details``."""
-    from servelab.measure.case_record import CaseSummary, judged_row, request_counts
+    from servelab.measure.case_record import CaseSummary, client_integrity, judged_row, request_counts
     pooled, judged = judged_row(records, run, definition, row.get("validity") == "VALID", row.get("reasons"), status)
     rep = {definition: {**pooled[definition], **{k: row.get(k) for k in ACCEPTANCE_KEYS}}} if pooled else {}
     return CaseSummary(
         case_id=row["case_id"], phase="", kind="speculative", status=status,
         verdict=judged, definition=definition, metrics=pooled,
         repeats=[{"repeat": repeat, "metrics": rep}] if rep else [], counts=request_counts(records),
-        repeat_of=repeat_of, details={"config": asdict(cfg),
+        repeat_of=repeat_of, integrity=client_integrity(run), details={"config": asdict(cfg),
                                       "row": {k: v for k, v in row.items() if k not in ("validity", "reasons")}})
 
 
