@@ -126,6 +126,12 @@ def run_spec_point(srv: RunningServer, run_dir: Path, cfg: SpecConfig, concurren
     folder.write_log_excerpt(log_text)
     row = spec_row(srv, cfg, concurrency, repeat, records, run, before, after, cpu0, cpu1, log_text, definition, error)
     row["case_id"] = cid
+    # a client that fell behind makes the point INVALID in its row too, so the table and summary.json agree
+    from servelab.measure.case_record import client_integrity
+    behind = client_integrity(run).get("reasons") or []
+    if behind:
+        row["validity"] = "INVALID"
+        row["reasons"] = "; ".join([x for x in [row.get("reasons") or ""] if x] + list(behind))
     status = "success" if not error else "failed"
     repeat_of = case_id or f"S9_{_slug(cfg.label)}_c{concurrency}"
     folder.write_summary(spec_point_summary(cfg, row, records, run, status, definition, repeat, repeat_of))
