@@ -222,6 +222,13 @@ def test_sizing_loop_meets_both_minimums(paced_server):
     # no minimum count at all: the duration alone decides, on every lane
     run = run_requests([], cfg, concurrency=2, make_spec=src, min_duration_s=0.3)
     assert run.duration_s >= 0.3 and len(run.records) >= 6
+    assert run.loop_lag_ns and len(run.inflight) == len(run.loop_lag_ns) and max(run.inflight) == 2
+    # the monitor turned off (Phase 7/8's one-request runs side by side): no samples, integrity "not measured"
+    from servelab.measure.case_record import client_integrity
+    quiet = run_requests([src(0)], cfg, concurrency=1, monitor_interval_s=None)
+    assert quiet.loop_lag_ns == [] and quiet.inflight == [] and client_integrity(quiet) == {}
+    with pytest.raises(ValueError, match="closed loop only"):
+        run_requests([], cfg, rate_rps=5.0, make_spec=src, min_requests=2)
 
 
 @pytest.mark.slow
