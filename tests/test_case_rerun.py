@@ -115,7 +115,9 @@ def test_the_reproduce_command_on_the_phase1_page_lands_a_new_valid_attempt(tmp_
     assert (summ["case_id"], summ["repeat_of"], summ["phase"]) == ("D1@a2", "D1", "phase1")
     assert summ["details"]["attempt"] == {"n": 2, "of": "D1", "first": "cases/D1"}
     assert summ["details"]["case"] == first_summ["details"]["case"]              # the same matrix point
-    assert summ["counts"]["measured"] == first_summ["counts"]["measured"] == 1
+    # a sized case (docs/case.md#sizing): both attempts send at least the point's count (D1: 11 locally)
+    want = summ["details"]["case"]["num_prompts"]
+    assert want == 11 and summ["counts"]["measured"] >= want and first_summ["counts"]["measured"] >= want
     assert _hashes(first) == before                                             # the first attempt untouched
     meta = json.loads((attempt / "meta.json").read_text())
     assert (meta["attempt"], meta["target"]["name"], meta["case_env"]["seed"]) == (2, "local-tiny", 0)

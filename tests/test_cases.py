@@ -30,13 +30,32 @@ def test_cluster_matrix_is_the_method_table():
     # 128K + 1 output token does not fit a 131072 context: clamped, and the case says why
     assert m["P3"].input_tokens == 131071 and "clamped from 131072" in m["P3"].notes[0]
     assert (m["D1"].input_tokens, m["D1"].output_tokens) == (1024, 1024)
-    assert [m[f"D2_c{c}"].num_prompts for c in (16, 32, 64)] == [16, 32, 64]      # quick: one wave
+    # sized (docs/case.md#sizing): concurrent cases at least two waves; concurrency-1 cases by prompt cost
+    assert [m[f"D2_c{c}"].num_prompts for c in (16, 32, 64)] == [32, 64, 128]
+    assert all(c.min_duration_s == c.min_window_s == 5.0 for c in m.values() if c.scenario != "M1")
+    assert m["M1_control"].min_duration_s == 20.0                        # twice the injection delay
+    assert (m["P1"].num_prompts, m["P2"].num_prompts, m["P3"].num_prompts, m["D1"].num_prompts) == (200, 8, 8, 8)
     tr = m["M1_treatment"]
     assert (tr.concurrency, tr.output_tokens, tr.inject_after_s, tr.inject_input_tokens) == (32, 1024, 10.0, 131071)
     assert m["M1_control"].inject_input_tokens == 0
     # warm-up policy: short prefill and decode points only
     assert {c.case_id for c in m.values() if c.warmup} == {"P1", "D1", "D2_c16", "D2_c32", "D2_c64", "M1_control",
                                                            "M1_treatment"}
+
+
+def test_local_matrix_is_sized_by_prompt_cost():
+    m = {c.case_id: c for c in cs.quick_matrix(load_target("local"))}
+    # many requests for the cheapest concurrency-1 prompt, fewer for the costlier ones, never fewer than 8
+    assert [m[c].num_prompts for c in ("P1", "P2", "P3", "D1")] == [100, 28, 10, 11]
+    assert [m[f"P4_c{c}"].num_prompts for c in (2, 4)] == [4, 8]
+    assert all(c.min_duration_s == 0.5 for c in m.values() if c.scenario != "M1")
+    # the phase parameters override both minimums; P1 keeps the count asked for
+    m2 = {c.case_id: c for c in cs.quick_matrix(load_target("local"), min_duration_s=2.0, min_requests=300)}
+    assert m2["P1"].num_prompts == 300 and m2["P3"].num_prompts == 29 and m2["D2_c4"].min_duration_s == 2.0
+    assert cs.c1_requests(10**6, 1, 65, 100, 10) == cs.C1_MIN_REQUESTS
+    assert cs.c1_requests(64, 1, 74, 5, 10) == 5                       # a minimum below the floor is kept
+    with pytest.raises(ParamError, match="must be >= 0"):
+        cs.quick_matrix(load_target("local"), min_duration_s=-1)
 
 
 def test_local_matrix_fits_the_slots_and_filters():
@@ -87,7 +106,7 @@ def test_matrix_files_policy_and_resume(env, tiny_server):
         assert summ["metrics"]["vllm"]["total_output_tokens"] == r.case.num_prompts * r.case.output_tokens
         assert summ["verdict"]["status"] == r.verdict.verdict and summ["counts"]["measured"] == r.case.num_prompts
     v = {r.case.case_id: r.verdict for r in mr.results}
-    assert v["P1"].verdict == "VALID"
+    assert v["P1"].verdict == "VALID", v["P1"].reasons
     assert v["D2_c4"].verdict == "INVALID" and "window too short" in v["D2_c4"].reasons[0]
     csv = pd.read_csv(env.run_dir / "summary.csv")
     assert len(csv) == 6 and set(csv["definition"]) == {"sglang", "vllm"}

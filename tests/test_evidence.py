@@ -33,6 +33,8 @@ def test_phase1_h4_from_m1_windows_and_h6_from_the_search_stop():
     assert v == "supported" and nums["ratio"] == pytest.approx(30 / 11, abs=1e-3) and "threshold 1.2×" in text
     assert h4_evidence(m1(12.0))[0] == "refuted"
     assert h4_evidence(m1(30.0, n=2))[0] == "inconclusive"
+    assert h4_evidence(m1(30.0, n=19))[0] == "inconclusive"          # a P95 needs 20 gaps
+    assert "P95 (n=40)" in h4_evidence(m1(30.0))[1]
     assert h4_evidence(SimpleNamespace(m1=None))[0] == "inconclusive"
 
     def search(stop: str, statuses: tuple[str, ...] = ("success", "success")) -> SimpleNamespace:

@@ -52,8 +52,11 @@ def case_view(run_dir: Path, case_id: str, definition: str = "vllm") -> tuple[pd
         for metric in ("ttft", "tpot", "itl", "e2e"):
             names = ("e2el", "e2e_latency", "e2e") if metric == "e2e" else (metric,)   # vllm / sglang key names
             row = {"definition": d, "metric": metric}
+            name = next((n for n in names if f"mean_{n}_ms" in s), names[0])
             for stat in ("mean", "p50", "p90", "p95", "p99", "max"):
-                row[stat] = next((s[f"{stat}_{n}_ms"] for n in names if f"{stat}_{n}_ms" in s), None)
+                # a percentile says what it rests on (or is "max of N"): request_metrics.percentile_cell
+                row[stat] = (mx.percentile_cell(s, name, float(stat[1:])) if stat.startswith("p")
+                             else s.get(f"{stat}_{name}_ms"))
             rows.append(row)
     table = pd.DataFrame(rows)
     recs = [r for r in read_records(cdir / "requests.jsonl") if r.role != "warmup"]
@@ -206,11 +209,17 @@ def case_table(run_dir: Path, definition: str = "vllm") -> pd.DataFrame:
                      "verdict": s["verdict"]["status"], "reason": "; ".join(s["verdict"]["reasons"][:1]),
                      "requests": (s.get("counts") or {}).get("measured"), "output_tps": m.get("output_throughput"),
                      "p50_ttft_ms": m.get("p50_ttft_ms"), "p95_ttft_ms": m.get("p95_ttft_ms"),
-                     "p50_tpot_ms": m.get("p50_tpot_ms"), "p95_tpot_ms": m.get("p95_tpot_ms")})
+                     "p50_tpot_ms": m.get("p50_tpot_ms"), "p95_tpot_ms": m.get("p95_tpot_ms"),
+                     "completed": m.get("completed"), **{k: m.get(k) for k in ("n_ttft", "n_tpot", "max_ttft_ms",
+                                                                              "max_tpot_ms")}})
     rows += [{"case_id": "-", "verdict": "not a case summary", "reason": e} for e in errors]
     cols = ["case_id", "phase", "kind", "concurrency", "repeats", "verdict", "reason", "requests", "output_tps",
             "p50_ttft_ms", "p95_ttft_ms", "p50_tpot_ms", "p95_tpot_ms"]
-    return pd.DataFrame(rows, columns=cols)
+    extra = ["completed", "n_ttft", "n_tpot", "max_ttft_ms", "max_tpot_ms"]
+    from servelab.measure import request_metrics as mx
+    # every percentile with its count, or "max of N" where too few values hold it
+    shown = mx.labelled_percentiles(pd.DataFrame(rows, columns=cols + extra))
+    return shown[cols]
 
 
 def capture_summary(run_dir: Path) -> pd.DataFrame:

@@ -268,7 +268,10 @@ def point_row(point: HitPoint, srv: RunningServer, records: list[RequestRecord],
         row.update({"duration_s": run.duration_s, "completed": s["completed"], "failed": s["failed"],
                     "p50_ttft_ms": s["p50_ttft_ms"], "p95_ttft_ms": s["p95_ttft_ms"], "p50_tpot_ms": s["p50_tpot_ms"],
                     "input_throughput": s["input_throughput"], "output_throughput": s["output_throughput"],
-                    "total_token_throughput": s["total_token_throughput"]})
+                    "total_token_throughput": s["total_token_throughput"],
+                    # what the percentiles rest on, and the max a page shows where too few values hold one
+                    "n_ttft": s["n_ttft"], "max_ttft_ms": s["max_ttft_ms"], "n_tpot": s["n_tpot"],
+                    "max_tpot_ms": s["max_tpot_ms"]})
         cached = row.get("counter_cached_tokens")
         if cached is not None and row.get("counter_prompt_tokens") is not None:
             row["computed_prefill_tok_s"] = (row["counter_prompt_tokens"] - cached) / max(run.duration_s, 1e-9)
@@ -282,7 +285,8 @@ def matrix_frame(points: list[PointResult]) -> pd.DataFrame:
     cols = ["case_id", "target_rate", "purpose", "verdict", "counter_hit_rate", "usage_hit_rate", "expected_rate",
             "tolerance_pp", "prefix_tokens", "input_tokens", "output_tokens", "groups", "requests", "cache_prompt",
             "p50_ttft_ms", "p95_ttft_ms", "p50_tpot_ms", "input_throughput", "output_throughput",
-            "computed_prefill_tok_s", "counter_cached_tokens", "counter_prompt_tokens", "usage_cached_tokens",
+            "computed_prefill_tok_s", "n_ttft", "max_ttft_ms", "n_tpot", "max_tpot_ms", "counter_cached_tokens",
+            "counter_prompt_tokens", "usage_cached_tokens",
             "usage_prompt_tokens", "counter_window_matches_requests", "counter_formula", "page_tokens", "definition",
             "reasons"]
     df = pd.DataFrame([p.row for p in points])

@@ -137,7 +137,10 @@ def spec_row(srv: RunningServer, cfg: SpecConfig, concurrency: int, repeat: int,
         s = mx.summarize(measured, max(run.duration_s, 1e-9), definition)
         row.update({"completed": s["completed"], "failed": s["failed"], "output_throughput": s["output_throughput"],
                     "p50_tpot_ms": s["p50_tpot_ms"], "p95_tpot_ms": s["p95_tpot_ms"], "p50_ttft_ms": s["p50_ttft_ms"],
-                    "p50_e2el_ms": s["p50_e2el_ms"], "duration_s": run.duration_s})
+                    "p50_e2el_ms": s["p50_e2el_ms"], "duration_s": run.duration_s,
+                    # what the percentiles rest on, and the max a page shows where too few values hold one
+                    "n_tpot": s["n_tpot"], "max_tpot_ms": s["max_tpot_ms"], "n_ttft": s["n_ttft"],
+                    "max_ttft_ms": s["max_ttft_ms"]})
         if s["failed"]:
             reasons.append(f"{s['failed']} request(s) failed: {s['errors_by_kind']}")
         if s["token_check"]["mismatches"] and not cfg.synth_rates:

@@ -19,8 +19,11 @@ record why).
 
 Rules (``docs/method.md#rules``): one warm-up for short prefill and decode points (P1, D1, D2, M1's background), none for
 the long prefill points (P2, P3, P4, the injection); prefix cache flushed after the warm-up (llama.cpp has no
-flush endpoint: every request then sends ``cache_prompt: false``, recorded in ``meta.json``); quick runs send
-one wave (``num_prompts = C``) once, milestones 3 repeats with the CV checked (≤ 3 %); a failed case is recorded
+flush endpoint: every request then sends ``cache_prompt: false``, recorded in ``meta.json``); every matrix case is
+*sized* (``docs/case.md#sizing``, MLPerf LoadGen's rule): it keeps issuing requests at its concurrency until both
+``min_duration_s`` has passed and ``num_prompts`` requests were sent — concurrency-1 cases get a request count
+scaled by prompt cost (:func:`c1_requests`: many for P1, fewer for the longest prompts), concurrent ones at least two
+waves; quick runs do this once, milestones 3 repeats with the CV checked (≤ 3 %); a failed case is recorded
 and the matrix continues; a server that loses health aborts the run (``ENGINE_CRASH``), keeping what was
 measured; resume skips a case only if its ``meta.json`` says success and its ``requests.jsonl`` re-parses;
 cases not executed are listed.
@@ -52,7 +55,7 @@ from servelab.measure.client import ClientConfig, ClientRun, RequestRecord, read
 from servelab.measure.engine_metrics import Scraper, named_deltas
 from servelab.core.run import emit_progress, human_duration, merge_table, now_iso
 from servelab.target.server import RunningServer, http_json, is_healthy, log_clock
-from servelab.measure.workload import build_workload, engine_tokenizer, token_pool
+from servelab.measure.workload import build_workload, engine_tokenizer, spec_source, token_pool
 
 SUCCESS, FAILED, ENGINE_CRASH, OOM = "success", "failed", "ENGINE_CRASH", "OOM"
 LONG_PREFILL = ("P2", "P3", "P4")          # no same-shape warm-up (expensive 32K/128K points)
@@ -79,16 +82,31 @@ class CaseSpec:
     inject_input_tokens: int = 0     # M1 treatment: the long prefill
     inject_after_s: float = 0.0      # ... sent this long after the measurement window starts
     min_window_s: float = 0.0        # validity: shortest acceptable window
+    min_duration_s: float = 0.0      # sizing: keep issuing until this long has passed AND num_prompts were sent
+                                     # (MLPerf LoadGen min_duration / min_query_count); 0: one fixed wave
 
 
 SCALES: dict[str, dict[str, Any]] = {
     "cluster": {"P1": 1024, "P2": 32768, "P3": 131072, "P4": 32768, "P4_c": (4, 16), "D_in": 1024, "D_out": 1024,
                 "D2_c": (16, 32, 64), "M1_c": 32, "M1_out": 1024, "M1_inject": 131072, "M1_after_s": 10.0,
-                "min_window_s": 5.0},
+                "min_window_s": 5.0, "min_requests": 200, "decode_weight": 50},
     "local": {"P1": 64, "P2": 256, "P3": 768, "P4": 256, "P4_c": (2, 4), "D_in": 64, "D_out": 64,
               "D2_c": (4, 8, 16), "M1_c": 8, "M1_out": 128, "M1_inject": 768, "M1_after_s": 2.0,
-              "min_window_s": 0.5},
+              "min_window_s": 0.5, "min_requests": 100, "decode_weight": 10},
 }
+C1_MIN_REQUESTS = 8          # the fewest requests a concurrency-1 case sends, however long its prompt
+MIN_WAVES = 2                # a concurrent case sends at least this many waves of C requests
+
+
+def c1_requests(input_tokens: int, output_tokens: int, ref_cost: float, min_requests: int,
+                decode_weight: float) -> int:
+    """Requests of a concurrency-1 case, scaled by prompt cost: ``min_requests`` for the cheapest shape
+    (``ref_cost``, P1's), proportionally fewer for costlier ones, never fewer than :data:`C1_MIN_REQUESTS`.
+    A request's cost is its prompt tokens plus ``decode_weight`` × its output tokens (a decoded token costs
+    about that many prefilled ones)."""
+    cost = input_tokens + decode_weight * output_tokens
+    n = round(min_requests * ref_cost / cost) if cost > 0 else min_requests
+    return int(max(min(C1_MIN_REQUESTS, min_requests), min(min_requests, n)))
 
 
 def max_request_tokens(target: Any) -> int | None:
@@ -109,28 +127,51 @@ def _fit(case: CaseSpec, limit: int | None) -> CaseSpec:
     return case
 
 
-def quick_matrix(target: Any, cases: list[str] | None = None) -> list[CaseSpec]:
-    """The fixed quick matrix for ``target`` (scale from ``target.scale``); ``cases`` filters by id or scenario."""
+def quick_matrix(target: Any, cases: list[str] | None = None, min_duration_s: float = 0.0,
+                 min_requests: int = 0) -> list[CaseSpec]:
+    """The fixed quick matrix for ``target`` (scale from ``target.scale``); ``cases`` filters by id or scenario.
+
+    Every case is sized (``docs/case.md#sizing``): ``min_duration_s`` (0: the scale's ``min_window_s``) is both
+    how long it keeps issuing requests and the shortest window its verdict accepts; ``min_requests`` (0: the
+    scale's) is P1's request count, the other concurrency-1 cases get fewer by prompt cost (:func:`c1_requests`),
+    concurrent cases at least :data:`MIN_WAVES` waves. M1 runs at least twice its injection delay, so the
+    background surrounds the injected prefill."""
     scale = getattr(target, "scale", "local")
     if scale not in SCALES:
         raise ValueError(f"target.scale must be one of {sorted(SCALES)}, got {scale!r}")
+    if min_duration_s < 0 or min_requests < 0:
+        from servelab.core.params import ParamError
+        raise ParamError(f"min_duration_s and min_requests must be >= 0 (got {min_duration_s}, {min_requests})")
     s = SCALES[scale]
-    w = s["min_window_s"]
-    out = [CaseSpec("P1", "P1", "prefill", s["P1"], 1, 1, 1, True, "fixed overhead and minimum TTFT"),
-           CaseSpec("P2", "P2", "prefill", s["P2"], 1, 1, 1, False, "mid-length prefill"),
-           CaseSpec("P3", "P3", "prefill", s["P3"], 1, 1, 1, False, "long prefill and memory pressure")]
-    out += [CaseSpec(f"P4_c{c}", "P4", "prefill", s["P4"], 1, c, c, False, "prefill throughput (chunked prefill)",
-                     min_window_s=w) for c in s["P4_c"]]
-    out.append(CaseSpec("D1", "D1", "decode", s["D_in"], s["D_out"], 1, 1, True, "single-request TPOT"))
-    out += [CaseSpec(f"D2_c{c}", "D2", "decode", s["D_in"], s["D_out"], c, c, True, "decode throughput",
-                     min_window_s=w) for c in s["D2_c"]]
-    m1 = dict(input_tokens=s["D_in"], output_tokens=s["M1_out"], concurrency=s["M1_c"], num_prompts=s["M1_c"],
-              warmup=True, min_window_s=w)
-    out.append(CaseSpec("M1_control", "M1", "mixed", purpose="decode background without injection", **m1))
-    out.append(CaseSpec("M1_treatment", "M1", "mixed", purpose="same decode background + one long prefill",
-                        inject_input_tokens=s["M1_inject"], inject_after_s=s["M1_after_s"], **m1))
+    w = float(min_duration_s or s["min_window_s"])
+    nmin = int(min_requests or s["min_requests"])
+    wt = s["decode_weight"]
     limit = max_request_tokens(target)
-    out = [_fit(c, limit) for c in out]
+
+    def c1(case_id: str, scenario: str, kind: str, isl: int, osl: int, warm: bool, purpose: str) -> CaseSpec:
+        c = _fit(CaseSpec(case_id, scenario, kind, isl, osl, 1, 1, warm, purpose, min_window_s=w,
+                          min_duration_s=w), limit)
+        c.num_prompts = c1_requests(c.input_tokens, c.output_tokens, s["P1"] + wt * 1, nmin, wt)
+        return c
+
+    def cc(case_id: str, scenario: str, kind: str, isl: int, osl: int, c: int, warm: bool, purpose: str,
+           dur: float = w, **kw: Any) -> CaseSpec:
+        return _fit(CaseSpec(case_id, scenario, kind, isl, osl, c, MIN_WAVES * c, warm, purpose, min_window_s=dur,
+                             min_duration_s=dur, **kw), limit)
+
+    out = [c1("P1", "P1", "prefill", s["P1"], 1, True, "fixed overhead and minimum TTFT"),
+           c1("P2", "P2", "prefill", s["P2"], 1, False, "mid-length prefill"),
+           c1("P3", "P3", "prefill", s["P3"], 1, False, "long prefill and memory pressure")]
+    out += [cc(f"P4_c{c}", "P4", "prefill", s["P4"], 1, c, False, "prefill throughput (chunked prefill)")
+            for c in s["P4_c"]]
+    out.append(c1("D1", "D1", "decode", s["D_in"], s["D_out"], True, "single-request TPOT"))
+    out += [cc(f"D2_c{c}", "D2", "decode", s["D_in"], s["D_out"], c, True, "decode throughput") for c in s["D2_c"]]
+    m1 = max(w, 2 * s["M1_after_s"])
+    out.append(cc("M1_control", "M1", "mixed", s["D_in"], s["M1_out"], s["M1_c"], True,
+                  "decode background without injection", dur=m1))
+    out.append(cc("M1_treatment", "M1", "mixed", s["D_in"], s["M1_out"], s["M1_c"], True,
+                  "same decode background + one long prefill", dur=m1, inject_input_tokens=s["M1_inject"],
+                  inject_after_s=s["M1_after_s"]))
     if cases:
         known = {c.case_id for c in out} | {c.scenario for c in out}
         for name in cases:
@@ -161,13 +202,15 @@ class CaseEnv:
     log_offsets: dict[str, int] = field(default_factory=dict)
     phase: str = "phase1"            # the phase whose cases these are (written into every summary.json)
     attempt: int = 1                 # 1: cases/<case_id>/; n ≥ 2: a later re-run, cases/<case_id>@a<n>/
+    integrity_rules: mx.IntegrityRules = field(default_factory=mx.IntegrityRules)
 
     def recipe(self) -> dict[str, Any]:
         """The settings a case of this env ran with, as recorded in its ``meta.json`` (``case_env``): with the
         ``CaseSpec`` and the target they are what ``servelab case`` needs to run the case again exactly."""
         return {"repeats": self.repeats, "seed": self.seed, "slo": asdict(self.slo), "api": self.api,
                 "timeout_s": self.timeout_s, "scrape_interval_s": self.scrape_interval_s,
-                "max_cv_pct": self.max_cv_pct, "profiler_attached": self.profiler_attached, "phase": self.phase}
+                "max_cv_pct": self.max_cv_pct, "profiler_attached": self.profiler_attached, "phase": self.phase,
+                "integrity_rules": asdict(self.integrity_rules)}
 
     @property
     def engine(self) -> Any:
@@ -277,19 +320,23 @@ class CaseResult:
     log_events: dict[str, list[str]] = field(default_factory=dict)
     server_deltas: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    integrity: dict[str, Any] = field(default_factory=dict)     # mx.pooled_integrity over the repeats
 
     def row(self, definition: str) -> dict[str, Any]:
         s = self.summaries.get(definition, {})
         keep = ("completed", "failed", "timeouts", "duration_s", "total_input_tokens", "total_output_tokens",
                 "request_throughput", "input_throughput", "output_throughput", "total_token_throughput",
                 "request_goodput", *[f"{st}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el")
-                                     for st in ("mean", "p50", "p95", "p99", "max")], "median_tok_per_s_per_user")
+                                     for st in ("mean", "p50", "p95", "p99", "max")], "median_tok_per_s_per_user",
+                *[f"n_{m}" for m in ("ttft", "tpot", "itl", "e2el")])
         return {"case_id": self.case.case_id, "scenario": self.case.scenario, "kind": self.case.kind,
                 "input_len": self.case.input_tokens, "output_len": self.case.output_tokens,
                 "concurrency": self.case.concurrency, "num_prompts": self.case.num_prompts,
                 "repeats": len(self.repeat_summaries), "status": self.status, "definition": definition,
                 "validity": self.verdict.verdict, "validity_reasons": "; ".join(self.verdict.reasons),
                 "cv_output_throughput_pct": (self.cv.get("output_throughput") or {}).get("cv_pct"),
+                "client_loop_lag_max_ms": (self.integrity.get("loop_lag") or {}).get("max_ms"),
+                "littles_law_error": (self.integrity.get("littles_law") or {}).get("error"),
                 **{k: s.get(k) for k in keep}}
 
 
@@ -305,7 +352,8 @@ def case_is_done(case_dir: Path, expected_measured: int | None = None) -> bool:
         return False
     n = sum(r.role == "measure" for r in recs)
     want = expected_measured if expected_measured is not None else meta.get("expected_measured")
-    return bool(recs) and (want is None or n == want)
+    # a sized case sends at least its num_prompts (more when its minimum duration asked for more)
+    return bool(recs) and (want is None or n >= want)
 
 
 def load_case_result(case: CaseSpec, case_dir: Path) -> CaseResult:
@@ -317,7 +365,7 @@ def load_case_result(case: CaseSpec, case_dir: Path) -> CaseResult:
     return CaseResult(case, meta.get("status", "unknown"), case_dir, summ["metrics"],
                       [r["metrics"] for r in summ["repeats"]], d.get("cv", {}), mx.Verdict(v["status"], v["reasons"]),
                       meta.get("error", ""), meta.get("log_events", {}), d.get("server_deltas", {}),
-                      d.get("extra", {}))
+                      d.get("extra", {}), summ.get("integrity") or {})
 
 
 # ---------------------------------------------------------------- running one case
@@ -338,7 +386,7 @@ def run_case(env: CaseEnv, case: CaseSpec, run_fn: Callable[[CaseEnv, CaseSpec, 
     ``extra_fn(records)`` adds entries to ``CaseResult.extra`` before the summary is written (M1's injection).
     The folder is written through :class:`servelab.measure.case_record.CaseFolder`.
     """
-    expected = case.num_prompts * env.repeats
+    expected = case.num_prompts * env.repeats          # at least (a sized case may send more)
     folder = CaseFolder(env.run_dir, attempt_folder(case.case_id, env.attempt), env.phase, case_kind(case), {
         "case": asdict(case), "repeats": env.repeats, "expected_measured": expected, "engine": env.srv.target.engine,
         "base_url": env.srv.base_url, "api": env.api, "seed": env.seed, "profiler_attached": env.profiler_attached,
@@ -371,9 +419,7 @@ def run_case(env: CaseEnv, case: CaseSpec, run_fn: Callable[[CaseEnv, CaseSpec, 
             if run_fn is not None:
                 run = run_fn(env, case, cfg, rep)
             else:
-                wl = build_workload(case.case_id, case.num_prompts, case.input_tokens, case.output_tokens, env.pool,
-                                    seed=case_seed(env.seed, case.case_id, rep))
-                run = run_requests(wl.requests, cfg, concurrency=case.concurrency, repeat=rep)
+                run = run_wave(env, case, cfg, rep)
             runs.append(run)
             records += run.records
             if rep + 1 < env.repeats and env.engine.flush_cache_path:
@@ -408,7 +454,9 @@ def run_case(env: CaseEnv, case: CaseSpec, run_fn: Callable[[CaseEnv, CaseSpec, 
         result.cv = mx.cv_across_repeats([s["vllm"] for s in rep_summ]) if len(runs) > 1 else {}
         rules = mx.ValidityRules(min_completed=case.num_prompts * len(runs), min_window_s=case.min_window_s,
                                  max_cv_pct=env.max_cv_pct if len(runs) >= 3 else None)
-        result.verdict = mx.validity(result.summaries["vllm"], rules, env.profiler_attached, result.cv)
+        result.integrity = mx.pooled_integrity([mx.integrity(r, env.integrity_rules) for r in runs])
+        result.verdict = mx.validity(result.summaries["vllm"], rules, env.profiler_attached, result.cv,
+                                     result.integrity)
         result.extra["client_cpu_s"] = sum(r.client_cpu_s for r in runs)
         if extra_fn is not None:
             result.extra.update(extra_fn(records))
@@ -433,6 +481,27 @@ def run_case(env: CaseEnv, case: CaseSpec, run_fn: Callable[[CaseEnv, CaseSpec, 
     if result.status == ENGINE_CRASH:
         raise EngineCrash(f"{case.case_id}: engine lost health ({result.error or 'health probe failed'})")
     return result
+
+
+def sizing_kw(env: CaseEnv, case: CaseSpec, repeat: int, role: str = "measure") -> dict[str, Any]:
+    """``run_requests`` arguments of a sized case (``docs/case.md#sizing``): an unbounded prompt source of the case's
+    shape and the two minimums; empty for a fixed wave (``min_duration_s`` 0)."""
+    if case.min_duration_s <= 0:
+        return {}
+    return {"make_spec": spec_source(case.case_id, case.input_tokens, case.output_tokens, env.pool,
+                                     case_seed(env.seed, case.case_id, repeat), role=role),
+            "min_requests": case.num_prompts, "min_duration_s": case.min_duration_s}
+
+
+def run_wave(env: CaseEnv, case: CaseSpec, cfg: ClientConfig, repeat: int) -> ClientRun:
+    """The default wave of a case at its concurrency: ``num_prompts`` requests, or — sized — as many as it takes
+    to meet both ``min_duration_s`` and ``num_prompts``."""
+    kw = sizing_kw(env, case, repeat)
+    if kw:
+        return run_requests([], cfg, concurrency=case.concurrency, repeat=repeat, **kw)
+    wl = build_workload(case.case_id, case.num_prompts, case.input_tokens, case.output_tokens, env.pool,
+                        seed=case_seed(env.seed, case.case_id, repeat))
+    return run_requests(wl.requests, cfg, concurrency=case.concurrency, repeat=repeat)
 
 
 def case_kind(case: CaseSpec) -> str:
@@ -472,7 +541,8 @@ def write_summary(result: CaseResult, folder: CaseFolder, records: list[RequestR
         case_id=folder.case_id, phase=folder.phase, kind=folder.kind, status=result.status,
         verdict=verdict_of(result.verdict), definition="vllm", metrics=result.summaries,
         repeats=[{"repeat": i, "metrics": s} for i, s in enumerate(result.repeat_summaries)],
-        counts=request_counts(records, ("measure",)), details=details, repeat_of=result.case.case_id)
+        counts=request_counts(records, ("measure",)), details=details, repeat_of=result.case.case_id,
+        integrity=result.integrity)
     return folder.write_summary(summary)
 
 

@@ -48,6 +48,8 @@ RUN_STATUSES = ("success", "failed", "ENGINE_CRASH", "OOM", INTERRUPTED)
 KINDS = ("prefill", "decode", "mixed", "search", "interference", "prefix_cache", "speculative")
 REQUIRED = ("schema_version", "case_id", "repeat_of", "phase", "kind", "status", "verdict", "started", "ended",
             "counts", "definition", "metrics", "repeats", "details", "percentile_method")
+# optional keys (schema 1, added without a version bump; docs/case.md#schema-history): absent in older summaries
+OPTIONAL = ("integrity",)
 CASES_INDEX = "cases.json"            # in a run-like record: which case summaries it holds, under which case id
 
 
@@ -73,6 +75,7 @@ class CaseSummary:
     ended: str = ""
     schema_version: int = SCHEMA_VERSION
     percentile_method: str = mx.PERCENTILE_METHOD
+    integrity: dict[str, Any] = field(default_factory=dict)   # mx.integrity: did the client keep up ({}: not measured)
 
     def to_json(self) -> dict[str, Any]:
         """The ``summary.json`` object: ``repeat_of`` defaults to ``case_id``; a repeat is valid only when it says
@@ -82,7 +85,7 @@ class CaseSummary:
         ok = self.verdict.get("status") == VALID
         out["repeats"] = [{"repeat": int(r.get("repeat", i)), "valid": bool(r.get("valid", True)) and ok,
                            "metrics": r.get("metrics") or {}} for i, r in enumerate(self.repeats)]
-        return {k: out[k] for k in REQUIRED}
+        return {**{k: out[k] for k in REQUIRED}, **({"integrity": out["integrity"]} if self.integrity else {})}
 
 
 def verdict(status: str, reasons: Iterable[str] = ()) -> dict[str, Any]:
@@ -96,16 +99,29 @@ def verdict_of(v: mx.Verdict) -> dict[str, Any]:
     return verdict(v.verdict, v.reasons)
 
 
+def client_integrity(run: Any) -> dict[str, Any]:
+    """``request_metrics.integrity`` of a client run that had its loop-lag monitor on; ``{}`` (not measured) for
+    none, or for a run without monitor samples."""
+    from servelab.measure.client import ClientRun
+    if not isinstance(run, ClientRun) or not run.loop_lag_ns:
+        return {}
+    return mx.integrity(run)
+
+
 def judged_row(records: Sequence[Any], run: Any, definition: str, row_ok: bool, reasons_text: str | None,
                status: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """(pooled metrics, verdict) of a case whose phase judged it as a table row (Phase 8's ACCEPTED/REJECTED,
     Phase 9's validity): the measured requests summarised under ``definition``; VALID only when the row was judged
-    good and the case ran to success; otherwise INVALID with the row's ``"; "``-joined reasons (or the status)."""
+    good, the case ran to success and the client kept up (:func:`client_integrity`); otherwise INVALID with the
+    row's ``"; "``-joined reasons (or the status) and the integrity reasons."""
     measured = [r for r in records if r.role == "measure"]
     pooled = {definition: mx.summarize(measured, max(run.duration_s, 1e-9), definition)} if run and measured else {}
-    ok = row_ok and status == "success"
-    reasons = [x for x in str(reasons_text or "").split("; ") if x] or [f"case status {status}"]
-    return pooled, verdict(VALID if ok else INVALID, [] if ok else reasons)
+    behind = list(client_integrity(run).get("reasons") or [])
+    ok = row_ok and status == "success" and not behind
+    reasons = [x for x in str(reasons_text or "").split("; ") if x]
+    if not reasons and not (row_ok and status == "success"):
+        reasons = [f"case status {status}"]
+    return pooled, verdict(VALID if ok else INVALID, [] if ok else reasons + behind)
 
 
 def is_valid(summary: dict[str, Any]) -> bool:
@@ -131,7 +147,7 @@ def summary_problems(obj: Any) -> list[str]:
     if not isinstance(obj, dict):
         return [f"not a JSON object but {type(obj).__name__}"]
     p = [f"missing key '{k}'" for k in REQUIRED if k not in obj]
-    p += [f"unknown key '{k}'" for k in obj if k not in REQUIRED]
+    p += [f"unknown key '{k}'" for k in obj if k not in REQUIRED and k not in OPTIONAL]
     if p:
         return p
     if obj["schema_version"] != SCHEMA_VERSION:
@@ -175,6 +191,12 @@ def summary_problems(obj: Any) -> list[str]:
                 p.append(f"repeats[{i}] is valid in an INVALID case")
     if not isinstance(obj["details"], dict):
         p.append("details must be an object")
+    if "integrity" in obj:
+        g = obj["integrity"]
+        if not isinstance(g, dict) or not isinstance(g.get("ok"), bool) or not isinstance(g.get("reasons"), list):
+            p.append("integrity must be {'ok': bool, 'reasons': [...], ...}")
+        elif not g["ok"] and isinstance(v, dict) and v.get("status") == VALID:
+            p.append("a case whose client fell behind (integrity not ok) cannot be VALID")
     return p
 
 

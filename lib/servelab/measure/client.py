@@ -4,6 +4,8 @@ What it measures, per request (all times ``time.perf_counter_ns()``; wall-clock 
 (perf, wall) anchor pair taken at the start of the run, so both clocks agree exactly):
 
 - ``scheduled_ns``  when the request was due (open loop: its arrival time; closed loop: when a worker freed);
+- ``ready_ns``      open loop: when the client's arrival timer actually fired (``ready - scheduled`` is the
+                    client's own dispatch lag, before any wait for a slot); closed loop: equal to ``scheduled_ns``;
 - ``dispatch_ns``   when it got a concurrency slot (open loop with a cap: ``dispatch - scheduled`` is the
                     client queue time, i.e. the coordinated-omission part a capped client hides);
 - ``send_ns``       just before the HTTP POST; ``headers_ns`` when the response headers arrived;
@@ -17,6 +19,14 @@ Hot path: a read of the socket costs one ``perf_counter_ns()`` and one list appe
 after the run, so parsing never delays the timestamps of other streams. One shared session, unlimited
 connector, one connection per request, ``read_bufsize`` 16 MiB (a 64 KiB buffer makes a 128K prompt client-bound).
 Every request carries ``X-Request-ID`` for correlation with server logs.
+
+Measurement integrity (``docs/metrics.md#integrity``): while the window is open a monitor task wakes every
+``monitor_interval_s`` and records how late it woke (the client's own event-loop lag) and how many requests were
+in flight (for the Little's-law check); both come back in the :class:`ClientRun`.
+
+Sizing (``docs/case.md#sizing``, MLPerf LoadGen's ``min_duration`` / ``min_query_count`` rule): a closed-loop run
+given ``make_spec`` keeps issuing requests at its concurrency until both ``min_requests`` were issued and
+``min_duration_s`` has passed since the window opened, then waits for the requests in flight.
 """
 from __future__ import annotations
 
@@ -73,6 +83,7 @@ class RequestRecord:
     repeat: int = 0
     group: int | None = None
     scheduled_ns: int = 0
+    ready_ns: int = 0                        # open loop: the arrival timer fired (0 in records before it existed)
     dispatch_ns: int = 0
     send_ns: int = 0
     headers_ns: int | None = None
@@ -129,6 +140,10 @@ class ClientRun:
     concurrency: int | None
     rate_rps: float | None
     client_cpu_s: float = 0.0                # process CPU time spent during the window
+    loop_lag_ns: list[int] = field(default_factory=list)     # monitor: how late each wake-up came
+    inflight: list[int] = field(default_factory=list)        # monitor: requests in flight at each wake-up
+    monitor_interval_s: float = 0.0
+    sizing: dict[str, Any] = field(default_factory=dict)     # min_duration_s, min_requests, issued, met
 
     @property
     def duration_s(self) -> float:
@@ -341,25 +356,41 @@ def arrival_offsets_s(n: int, rate_rps: float, kind: str, seed: int) -> np.ndarr
     raise ValueError(f"arrival kind must be 'poisson' or 'constant', not '{kind}'")
 
 
+MONITOR_INTERVAL_S = 0.01                   # the loop-lag monitor's period (100 wake-ups a second)
+
+
 async def run_async(specs: list[RequestSpec], cfg: ClientConfig, concurrency: int | None = None,
                     rate_rps: float | None = None, arrival: str = "poisson", seed: int = 0, repeat: int = 0,
                     injections: list[tuple[float, RequestSpec]] | None = None,
-                    on_window_start: Callable[[], None] | None = None) -> ClientRun:
+                    on_window_start: Callable[[], None] | None = None,
+                    make_spec: Callable[[int], RequestSpec] | None = None, min_requests: int = 0,
+                    min_duration_s: float = 0.0, max_requests: int = 100_000,
+                    monitor_interval_s: float | None = MONITOR_INTERVAL_S) -> ClientRun:
     """Send ``specs`` and return their records.
 
     - closed loop (``rate_rps`` None): ``concurrency`` workers, each sends its next request when the
-      previous one finished (``concurrency`` None = all at once);
+      previous one finished (``concurrency`` None = all at once); with ``make_spec`` (index → spec) the workers
+      go on past ``specs`` until both ``min_requests`` were issued and ``min_duration_s`` has passed since the
+      window opened (never more than ``max_requests``), then the run waits for what is in flight;
     - open loop: arrivals at ``rate_rps`` (``arrival`` poisson | constant, seeded), optionally capped at
-      ``concurrency`` in flight; the wait for a slot is recorded (``dispatch_ns - scheduled_ns``).
+      ``concurrency`` in flight; the wait for a slot is recorded (``dispatch_ns - scheduled_ns``), the client's
+      own lateness separately (``ready_ns - scheduled_ns``).
     ``injections``: (seconds after the window start, spec) sent on schedule outside the cap (Mixed A/B).
+    ``on_window_start`` is called inside the running loop just after the window opens. ``monitor_interval_s``
+    None: no loop-lag monitor (for a caller that runs many one-request runs side by side in one loop and would
+    otherwise start a monitor for each).
     """
     import aiohttp
+    if make_spec is not None and rate_rps is not None:
+        raise ValueError("make_spec (a sized run) is for the closed loop only; an open-loop run sends its specs")
+    if min_duration_s < 0 or min_requests < 0 or (monitor_interval_s is not None and monitor_interval_s <= 0):
+        raise ValueError("min_duration_s and min_requests must be >= 0 and monitor_interval_s > 0 (or None)")
     wall_offset = time.time_ns() - time.perf_counter_ns()
-    n = len(specs)
+    specs = list(specs)
     records = [_new_record(s, cfg, repeat, wall_offset) for s in specs]
     inj = [(off, s, _new_record(s, cfg, repeat, wall_offset)) for off, s in (injections or [])]
     reads: dict[int, ReadLog] = {id(r): ReadLog() for r in records + [r for _, _, r in inj]}
-    bar = _progress(n + len(inj), cfg.progress)
+    bar = _progress(len(specs) + len(inj), cfg.progress)
     # force_close: llama-server (cpp-httplib) may close a kept-alive connection after a streamed response,
     # and a POST written into a closed socket fails ("Can not write request body"); one connection per
     # request (as SGLang bench_serving, which opens a session per request) costs ~0.1 ms on loopback.
@@ -373,11 +404,18 @@ async def run_async(specs: list[RequestSpec], cfg: ClientConfig, concurrency: in
             rec.error_kind, rec.error = "stream", "HTTP 200 but no SSE event"
         parsed.add(id(rec))
 
+    lag_ns: list[int] = []
+    inflight_samples: list[int] = []
+    state = {"inflight": 0}
     async with aiohttp.ClientSession(connector=connector, read_bufsize=READ_BUFSIZE_BYTES,
                                      timeout=aiohttp.ClientTimeout(total=None)) as session:
 
         async def one(spec: RequestSpec, rec: RequestRecord) -> None:
-            await _send(session, spec, cfg, rec, reads[id(rec)])
+            state["inflight"] += 1
+            try:
+                await _send(session, spec, cfg, rec, reads[id(rec)])
+            finally:
+                state["inflight"] -= 1
             if cfg.on_record is not None:         # parsed now (not after the wave) and handed on at once
                 finish(rec)
                 cfg.on_record(rec)
@@ -387,33 +425,78 @@ async def run_async(specs: list[RequestSpec], cfg: ClientConfig, concurrency: in
         async def injected(off_s: float, spec: RequestSpec, rec: RequestRecord, t0: int) -> None:
             rec.scheduled_ns = t0 + int(off_s * 1e9)
             await asyncio.sleep(max(0.0, (rec.scheduled_ns - pc()) / 1e9))
-            rec.dispatch_ns = pc()
+            rec.ready_ns = rec.dispatch_ns = pc()
             await one(spec, rec)
+
+        async def monitor(done: asyncio.Event) -> None:
+            # how late each wake-up comes is the time the loop could not run anything: a callback blocked it,
+            # parsing or another task hogged it, or the process did not get a core
+            assert monitor_interval_s is not None
+            step = int(monitor_interval_s * 1e9)
+            due = pc() + step
+            while not done.is_set():
+                await asyncio.sleep(max(0.0, (due - pc()) / 1e9))
+                now = pc()
+                lag_ns.append(max(0, now - due))
+                inflight_samples.append(state["inflight"])
+                due += step
+                if due <= now:               # a long stall counts once, not again for every missed period
+                    due = now + step
 
         # no cyclic-GC pauses inside the window (restored below); the hot path allocates no tracked objects
         gc_was_enabled = gc.isenabled()
         gc.disable()
+        done = asyncio.Event()
+        mon: asyncio.Task[None] | None = None
         try:
             cpu0 = time.process_time()
             t0 = pc()
+            mon = asyncio.create_task(monitor(done)) if monitor_interval_s is not None else None
             if on_window_start is not None:
                 on_window_start()
             inj_tasks = [asyncio.create_task(injected(o, s, r, t0)) for o, s, r in inj]
             if rate_rps is None:
-                workers = min(concurrency or n, n) if n else 0
+                min_ns = int(min_duration_s * 1e9)
+                n0 = len(specs)
                 next_i = 0
 
-                async def worker() -> None:
-                    nonlocal next_i
-                    while next_i < n:
-                        i = next_i
-                        next_i += 1
-                        rec = records[i]
-                        rec.scheduled_ns = rec.dispatch_ns = pc()
-                        await one(specs[i], rec)
+                def more(i: int) -> bool:
+                    if i < n0:
+                        return True
+                    if make_spec is None or i >= max_requests:
+                        return False
+                    return i < min_requests or pc() - t0 < min_ns
 
+                def take() -> tuple[RequestSpec, RequestRecord] | None:
+                    nonlocal next_i
+                    i = next_i
+                    if not more(i):
+                        return None
+                    next_i += 1
+                    if i >= len(specs):
+                        assert make_spec is not None
+                        spec = make_spec(i)
+                        rec = _new_record(spec, cfg, repeat, wall_offset)
+                        specs.append(spec)
+                        records.append(rec)
+                        reads[id(rec)] = ReadLog()
+                        if bar is not None:
+                            bar.total = len(specs) + len(inj)
+                    return specs[i], records[i]
+
+                async def worker() -> None:
+                    while (item := take()) is not None:
+                        spec, rec = item
+                        rec.scheduled_ns = rec.ready_ns = rec.dispatch_ns = pc()
+                        await one(spec, rec)
+
+                if make_spec is not None:        # sized: the run lasts, whatever the minimum count
+                    workers = concurrency or max(n0, min_requests, 1)
+                else:
+                    workers = min(concurrency or n0, n0) if n0 else 0
                 await asyncio.gather(*(worker() for _ in range(workers)))
             else:
+                n = len(specs)
                 offsets = arrival_offsets_s(n, rate_rps, arrival, seed)
                 sem = asyncio.Semaphore(concurrency) if concurrency else None
                 tasks = []
@@ -431,6 +514,7 @@ async def run_async(specs: list[RequestSpec], cfg: ClientConfig, concurrency: in
                     delay = (rec.scheduled_ns - pc()) / 1e9
                     if delay > 0:
                         await asyncio.sleep(delay)
+                    rec.ready_ns = pc()
                     if sem is not None:
                         await sem.acquire()
                     rec.dispatch_ns = pc()
@@ -439,7 +523,13 @@ async def run_async(specs: list[RequestSpec], cfg: ClientConfig, concurrency: in
             await asyncio.gather(*inj_tasks)
             t1 = pc()
             cpu1 = time.process_time()
+            done.set()
+            if mon is not None:
+                await mon
         finally:
+            done.set()
+            if mon is not None and not mon.done():
+                mon.cancel()
             if gc_was_enabled:
                 gc.enable()
     if bar is not None:
@@ -449,7 +539,15 @@ async def run_async(specs: list[RequestSpec], cfg: ClientConfig, concurrency: in
         if id(rec) not in parsed:
             finish(rec)
     mode = "closed" if rate_rps is None else arrival
-    return ClientRun(all_records, t0, t1, wall_offset, mode, concurrency, rate_rps, cpu1 - cpu0)
+    sizing: dict[str, Any] = {}
+    if make_spec is not None:
+        dur = (t1 - t0) / 1e9
+        sizing = {"min_duration_s": min_duration_s, "min_requests": min_requests, "issued": len(records),
+                  "max_requests": max_requests, "duration_s": dur,
+                  "met": len(records) >= min_requests and dur >= min_duration_s}
+    return ClientRun(all_records, t0, t1, wall_offset, mode, concurrency, rate_rps, cpu1 - cpu0,
+                     loop_lag_ns=lag_ns, inflight=inflight_samples, monitor_interval_s=monitor_interval_s or 0.0,
+                     sizing=sizing)
 
 
 def run_sync(coro_fn: Callable[[], Awaitable[T]]) -> T:

@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 
 from servelab.measure import request_metrics as mx
-from servelab.measure.case import CaseEnv, CaseResult, CaseSpec, case_seed, run_case
+from servelab.measure.case import CaseEnv, CaseResult, CaseSpec, case_seed, run_case, sizing_kw
 from servelab.measure.client import ClientConfig, ClientRun, RequestRecord, run_requests
 from servelab.measure.workload import build_workload
 
@@ -24,16 +24,19 @@ COMPARE_KEYS = ("output_throughput", "p95_ttft_ms", "p95_tpot_ms", "p95_e2el_ms"
 
 
 def m1_run_fn(env: CaseEnv, case: CaseSpec, cfg: ClientConfig, repeat: int) -> ClientRun:
-    """One M1 wave: ``num_prompts`` decode requests at ``concurrency``, plus the injection for the treatment."""
-    wl = build_workload(case.case_id, case.num_prompts, case.input_tokens, case.output_tokens, env.pool,
-                        seed=case_seed(env.seed, case.case_id, repeat), role="measure")
+    """One M1 wave: ``num_prompts`` decode requests at ``concurrency`` (sized: until ``min_duration_s`` has passed
+    too), plus the injection for the treatment."""
+    sized = sizing_kw(env, case, repeat)
+    wl = build_workload(case.case_id, 0 if sized else case.num_prompts, case.input_tokens, case.output_tokens,
+                        env.pool, seed=case_seed(env.seed, case.case_id, repeat), role="measure")
     injections = []
     if case.inject_input_tokens:
         inj = build_workload(case.case_id + "-inject", 1, case.inject_input_tokens, 1, env.pool,
                              seed=case_seed(env.seed, case.case_id + "/inject", repeat), role="inject",
                              start_index=2 * 10**6)
         injections = [(case.inject_after_s, inj.requests[0])]
-    return run_requests(wl.requests, cfg, concurrency=case.concurrency, repeat=repeat, injections=injections)
+    return run_requests(wl.requests, cfg, concurrency=case.concurrency, repeat=repeat, injections=injections,
+                        **sized)
 
 
 def run_m1_case(env: CaseEnv, case: CaseSpec) -> CaseResult:

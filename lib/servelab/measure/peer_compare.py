@@ -246,9 +246,13 @@ def phase1_cases(run_dir: str | Path) -> pd.DataFrame:
         c = (s.get("details") or {}).get("case") or {}
         if not c or c.get("inject_input_tokens"):
             continue
+        reps = max(len(s.get("repeats") or []), 1)
+        # prompts per wave as sent: a sized case (docs/case.md#sizing) may send more than its minimum count
+        measured = (s.get("counts") or {}).get("measured")
+        n = measured // reps if measured and measured % reps == 0 else c.get("num_prompts")
         rows.append({"case_id": s["case_id"], "scenario": c.get("scenario"), "input_len": c.get("input_tokens"),
                      "output_len": c.get("output_tokens"), "concurrency": c.get("concurrency"),
-                     "num_prompts": c.get("num_prompts"), "repeats": max(len(s.get("repeats") or []), 1),
+                     "num_prompts": n, "repeats": reps,
                      "validity": s["verdict"]["status"], "case_dir": str(Path(s["_path"]).parent)})
     cols = ["case_id", "scenario", "input_len", "output_len", "concurrency", "num_prompts", "repeats", "validity",
             "case_dir"]

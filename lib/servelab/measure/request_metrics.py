@@ -21,7 +21,14 @@ Extra, definition-independent: ``itl_per_token`` (each text-chunk gap split over
 server where given, else 1 when chunks == tokens), client queue time and E2E including it.
 
 Percentiles: ``numpy.percentile`` with linear interpolation (numpy's default, as both tools); std with
-ddof=0 as both tools; the coefficient of variation across repeats uses the sample std (ddof=1).
+ddof=0 as both tools; the coefficient of variation across repeats uses the sample std (ddof=1). Every summary
+says how many values each metric's statistics rest on (``n_ttft``, ``n_itl`` …), and a percentile is *shown*
+only through :func:`percentile_label` / :func:`shown_percentile`: a Pp needs at least ``100 / (100 − p)``
+values (P99: 100, P95: 20, P90: 10, P50: 2), below that the page shows "max of N" with the maximum instead.
+
+Measurement integrity (:func:`integrity`, ``docs/metrics.md#integrity``): the client's dispatch lag, its own
+event-loop lag sampled during the window, achieved vs scheduled arrival rate (open loop) and a Little's-law
+check (mean in-flight vs throughput × mean latency); a client that fell behind makes the case INVALID.
 All durations in ms unless the name says otherwise.
 """
 from __future__ import annotations
@@ -29,10 +36,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+import math
+import re
+
 import numpy as np
 import pandas as pd
 
-from servelab.measure.client import RequestRecord
+from servelab.measure.client import ClientRun, RequestRecord
 
 DEFINITIONS = ("sglang", "vllm")
 PERCENTILES = (50, 90, 95, 99)
@@ -168,14 +178,115 @@ def request_frame(records: Iterable[RequestRecord], definition: str, window_star
 
 
 def stats(values: list[float] | np.ndarray, prefix: str, unit: str = "ms") -> dict[str, float | None]:
-    """mean, median, std (ddof 0), p50/p90/p95/p99 (numpy linear), min, max of ``values``; None if empty."""
+    """mean, median, std (ddof 0), p50/p90/p95/p99 (numpy linear), min, max of ``values``; None if empty;
+    ``n_<prefix>``: how many values they rest on."""
     arr = np.asarray(values, dtype=float)
     keys = ["mean", "median", "std", *[f"p{p}" for p in PERCENTILES], "min", "max"]
     if arr.size == 0:
-        return {f"{k}_{prefix}_{unit}": None for k in keys}
+        return {**{f"{k}_{prefix}_{unit}": None for k in keys}, f"n_{prefix}": 0}
     pct = np.percentile(arr, PERCENTILES)
     vals = [arr.mean(), np.median(arr), arr.std(), *pct, arr.min(), arr.max()]
-    return {f"{k}_{prefix}_{unit}": float(v) for k, v in zip(keys, vals)}
+    return {**{f"{k}_{prefix}_{unit}": float(v) for k, v in zip(keys, vals)}, f"n_{prefix}": int(arr.size)}
+
+
+# ---------------------------------------------------------------- percentiles that say what they rest on
+
+def min_samples(p: float) -> int:
+    """Values a Pp needs before it is more than the maximum: at least one value must lie above it,
+    ``ceil(100 / (100 − p))`` (P50: 2, P90: 10, P95: 20, P99: 100, P99.9: 1000)."""
+    if not 0 < p < 100:
+        raise ValueError(f"a percentile is between 0 and 100 (exclusive), got {p}")
+    return math.ceil(round(100.0 / (100.0 - p), 9))
+
+
+def _pname(p: float) -> str:
+    return f"P{p:g}"
+
+
+def percentile_label(p: float, n: int) -> str:
+    """How a Pp over ``n`` values is labelled wherever it is shown: ``P99 (n=250)``; with fewer values than
+    :func:`min_samples` it is no Pp but the largest value, ``max of 8`` (``1 sample`` for one, ``no samples``)."""
+    n = int(n or 0)
+    if n <= 0:
+        return f"{_pname(p)}: no samples"
+    if n == 1:
+        return "1 sample"
+    if n < min_samples(p):
+        return f"max of {n}"
+    return f"{_pname(p)} (n={n})"
+
+
+def metric_count(summary: dict[str, Any], metric: str) -> int:
+    """How many values the statistics of ``metric`` (``ttft``, ``tpot`` …) rest on in a summary; a summary of
+    before the counts were written falls back to its completed requests (one value each for ttft/tpot/e2el)."""
+    n = summary.get(f"n_{metric}")
+    if n is None and metric in ("ttft", "tpot", "e2el", "e2el_incl_queue", "queue_time"):
+        n = summary.get("completed")
+    return int(n or 0)
+
+
+def shown_percentile(summary: dict[str, Any], metric: str, p: float, unit: str = "ms"
+                     ) -> tuple[str, float | None]:
+    """(label, value) of Pp of ``metric`` in a summary as a page shows it: the percentile with ``n=`` when enough
+    values hold it, else ``max of N`` with the maximum (never a Pp that is really one sample)."""
+    n = metric_count(summary, metric)
+    label = percentile_label(p, n)
+    if n and n < min_samples(p):
+        return label, summary.get(f"max_{metric}_{unit}")
+    key = f"p{p:g}_{metric}_{unit}" if p != 50 or f"p50_{metric}_{unit}" in summary else f"median_{metric}_{unit}"
+    return label, summary.get(key)
+
+
+def _short(v: float, digits: int) -> str:
+    return f"{v:.3g}" if 0 < abs(v) < 1 else f"{v:,.{digits}f}"
+
+
+def percentile_cell(summary: dict[str, Any], metric: str, p: float, unit: str = "ms", digits: int = 2) -> str:
+    """One table cell (its column header carries the unit): ``12.34 · P99 (n=250)`` or ``12.34 · max of 8``;
+    ``—`` without values."""
+    label, value = shown_percentile(summary, metric, p, unit)
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "—"
+    return f"{_short(float(value), digits)} · {label}"
+
+
+_PCOL = re.compile(r"^(?:p(\d+(?:\.\d+)?)|(median))_(.+)_(ms|us|s|pct)$")
+
+
+def labelled_percentiles(df: pd.DataFrame, digits: int = 2, counts: dict[str, str] | None = None) -> pd.DataFrame:
+    """A frame of summaries (one per row) as a page shows it: every ``p<p>_<metric>_<unit>`` / ``median_…`` cell
+    becomes :func:`percentile_cell` — the percentile with its ``n=``, or ``max of N`` with the row's
+    ``max_<metric>_<unit>``. The count of a metric comes from ``counts[metric]`` (a column name, e.g. Phase 7's
+    ``n_gaps``), else ``n_<metric>`` (then dropped: every cell says its count), else — for TTFT, TPOT and E2E —
+    the row's ``completed``; a percentile column with no count anywhere is left as it is."""
+    if df.empty:
+        return df
+    counts = counts or {}
+    out = df.copy()
+    rows = [{k: (None if _isnan(v) else v) for k, v in r.items()} for r in df.to_dict("records")]
+    drop: set[str] = set()
+    for col in df.columns:
+        m = _PCOL.match(str(col))
+        if not m:
+            continue
+        p = 50.0 if m.group(2) else float(m.group(1))
+        metric, unit = m.group(3), m.group(4)
+        if metric in counts:
+            src = counts[metric]
+        elif f"n_{metric}" in df.columns:
+            src = f"n_{metric}"
+            drop.add(src)
+        elif "completed" in df.columns and metric in ("ttft", "tpot", "e2el"):
+            src = "completed"
+        else:
+            continue
+        out[col] = pd.Series([percentile_cell({**r, f"n_{metric}": r.get(src)}, metric, p, unit, digits)
+                              for r in rows], index=df.index, dtype=object)
+    return out.drop(columns=[c for c in drop if c in out.columns])
+
+
+def _isnan(v: Any) -> bool:
+    return isinstance(v, float) and math.isnan(v)
 
 
 @dataclass
@@ -275,6 +386,136 @@ def cv_across_repeats(summaries: list[dict[str, Any]],
     return out
 
 
+# ---------------------------------------------------------------- measurement integrity
+
+@dataclass
+class IntegrityRules:
+    """When a run's client is judged to have fallen behind (any one makes the case INVALID)."""
+    max_dispatch_lag_ms: float = 50.0      # worst request: sent this long after it was due
+    max_loop_lag_ms: float = 100.0         # worst monitor wake-up: the client's loop could not run this long
+    max_loop_lag_p99_ms: float = 50.0      # sustained: P99 of the wake-up lags (judged from 100 samples, a P99's own rule)
+    min_rate_ratio: float = 0.95           # open loop: achieved / scheduled arrival rate
+    max_littles_law_error: float = 0.15    # |mean in-flight − throughput × mean latency| / the larger
+    min_samples: int = 20                  # fewer monitor samples: Little's law is not judged
+
+
+def _lag_stats(values_ms: list[float] | np.ndarray) -> dict[str, Any]:
+    arr = np.asarray(values_ms, dtype=float)
+    if arr.size == 0:
+        return {"n": 0, "mean_ms": None, "p99_ms": None, "max_ms": None, "p99_label": percentile_label(99, 0)}
+    return {"n": int(arr.size), "mean_ms": float(arr.mean()), "p99_ms": float(np.percentile(arr, 99)),
+            "max_ms": float(arr.max()), "p99_label": percentile_label(99, int(arr.size))}
+
+
+def dispatch_lag_ms(rec: RequestRecord) -> float:
+    """How late the client sent a request, ms: its arrival timer's lateness (``ready − scheduled``, open loop)
+    plus the time from getting its slot to the POST (``send − dispatch``). The wait for a slot under a
+    concurrency cap is queue time, not lag."""
+    late = max(0, rec.ready_ns - rec.scheduled_ns) if rec.ready_ns and rec.scheduled_ns else 0
+    return (late + max(0, rec.send_ns - rec.dispatch_ns)) / 1e6 if rec.dispatch_ns else late / 1e6
+
+
+def littles_law(mean_inflight: float | None, throughput_rps: float, mean_latency_s: float | None,
+                samples: int = 0) -> dict[str, Any]:
+    """L = λ·W: the mean requests in flight the client sampled against throughput × mean latency; ``error`` is
+    their difference over the larger (0: they agree). ``noise`` is what ``samples`` samples of a count averaging
+    that much can miss by chance (three standard errors of a Poisson count, ``3·sqrt(L/samples)``), relative to the
+    same larger value: a difference within it is not evidence of anything."""
+    if mean_inflight is None or mean_latency_s is None:
+        return {"mean_inflight": mean_inflight, "lambda_w": None, "error": None, "noise": None}
+    lw = throughput_rps * mean_latency_s
+    big = max(abs(mean_inflight), abs(lw))
+    noise = 3.0 * math.sqrt(big / samples) / big if samples and big > 0 else None
+    return {"mean_inflight": float(mean_inflight), "lambda_w": float(lw),
+            "error": float(abs(mean_inflight - lw) / big) if big > 0 else 0.0, "noise": noise}
+
+
+def integrity(run: ClientRun, rules: IntegrityRules | None = None) -> dict[str, Any]:
+    """The measurement-integrity record of one client run, with ``reasons`` (empty: the client kept up).
+
+    - ``dispatch_lag``: per request, :func:`dispatch_lag_ms` (n, mean, P99, max);
+    - ``loop_lag``: the monitor's wake-up lateness during the window (n, mean, P99, max, total stalled ms);
+    - ``arrival``: requested (``rate_rps``), scheduled (the seeded arrivals actually drawn) and achieved (when the
+      client was ready to send them) rates, open loop only;
+    - ``littles_law``: mean in-flight sampled by the monitor vs completed-per-second × mean latency over the
+      window, all requests of the run (injections included: the monitor counts them too).
+    """
+    rules = rules or IntegrityRules()
+    recs = [r for r in run.records if r.send_ns]
+    window_s = max(run.duration_s, 1e-9)
+    dl = _lag_stats([dispatch_lag_ms(r) for r in recs])
+    ll = _lag_stats([x / 1e6 for x in run.loop_lag_ns])
+    ll["total_ms"] = float(sum(run.loop_lag_ns) / 1e6)
+    ll["interval_ms"] = run.monitor_interval_s * 1e3
+    out: dict[str, Any] = {"dispatch_lag": dl, "loop_lag": ll, "window_s": window_s, "requests": len(recs),
+                           "sizing": dict(run.sizing), "rules": dict(rules.__dict__)}
+    reasons: list[str] = []
+    if dl["n"] and dl["max_ms"] > rules.max_dispatch_lag_ms:
+        reasons.append(f"client fell behind: a request was sent {dl['max_ms']:.1f} ms after it was due "
+                       f"(> {rules.max_dispatch_lag_ms:g} ms)")
+    # ~1 ms per wake-up is the loop's own timer granularity (epoll waits in whole ms): the total is reported, not judged
+    ll["share"] = ll["total_ms"] / 1e3 / window_s
+    if ll["n"] and ll["max_ms"] > rules.max_loop_lag_ms:
+        reasons.append(f"client fell behind: its event loop stalled {ll['max_ms']:.1f} ms "
+                       f"(worst of {ll['n']} samples, > {rules.max_loop_lag_ms:g} ms)")
+    elif ll["n"] >= min_samples(99) and ll["p99_ms"] > rules.max_loop_lag_p99_ms:
+        reasons.append(f"client fell behind: its event loop lagged {ll['p99_ms']:.1f} ms at "
+                       f"{ll['p99_label']} (> {rules.max_loop_lag_p99_ms:g} ms)")
+    arrival: dict[str, Any] = {"mode": run.mode, "requested_rps": run.rate_rps}
+    timed = sorted((r.scheduled_ns, r.ready_ns or r.dispatch_ns) for r in run.records
+                   if r.role != "inject" and r.scheduled_ns)
+    if run.rate_rps is not None and len(timed) >= 2:
+        sched_span = (timed[-1][0] - timed[0][0]) / 1e9
+        ready = sorted(t for _, t in timed)
+        ready_span = (ready[-1] - timed[0][0]) / 1e9
+        arrival["scheduled_rps"] = (len(timed) - 1) / sched_span if sched_span > 0 else None
+        arrival["achieved_rps"] = (len(timed) - 1) / ready_span if ready_span > 0 else None
+        if arrival["scheduled_rps"] and arrival["achieved_rps"]:
+            ratio = arrival["achieved_rps"] / arrival["scheduled_rps"]
+            arrival["ratio"] = ratio
+            if ratio < rules.min_rate_ratio:
+                reasons.append(f"client fell behind: achieved arrival rate {arrival['achieved_rps']:.2f} req/s is "
+                               f"{ratio:.0%} of the {arrival['scheduled_rps']:.2f} req/s scheduled "
+                               f"(< {rules.min_rate_ratio:.0%})")
+    else:
+        arrival["achieved_rps"] = len(recs) / window_s
+        arrival["note"] = "closed loop: requests follow completions, no arrival rate was requested"
+    out["arrival"] = arrival
+    ended = [r for r in recs if r.end_ns]
+    lat = [(r.end_ns - r.send_ns) / 1e9 for r in ended]
+    lw = littles_law(float(np.mean(run.inflight)) if run.inflight else None, len(ended) / window_s,
+                     float(np.mean(lat)) if lat else None, len(run.inflight))
+    lw["samples"] = len(run.inflight)
+    lw["judged"] = lw["error"] is not None and len(run.inflight) >= rules.min_samples
+    bound = max(rules.max_littles_law_error, lw["noise"] or 0.0)
+    lw["bound"] = bound
+    if lw["judged"] and lw["error"] > bound:
+        reasons.append(f"Little's law off: the client saw {lw['mean_inflight']:.2f} requests in flight on average, "
+                       f"throughput × mean latency says {lw['lambda_w']:.2f} ({lw['error']:.0%} apart, "
+                       f"> {bound:.0%})")
+    out["littles_law"] = lw
+    out["reasons"] = reasons
+    out["ok"] = not reasons
+    return out
+
+
+def pooled_integrity(per_run: list[dict[str, Any]]) -> dict[str, Any]:
+    """One integrity record over the repeats of a case: the worst of each check, every repeat's reasons (prefixed
+    with the repeat when there are several), ``repeats`` keeps each run's record."""
+    if not per_run:
+        return {"ok": True, "reasons": [], "repeats": []}
+    if len(per_run) == 1:
+        return {**per_run[0], "repeats": []}
+    def worst(key: str, stat: str) -> float | None:
+        vals = [r[key][stat] for r in per_run if r[key].get(stat) is not None]
+        return max(vals) if vals else None
+    reasons = [f"repeat {i}: {x}" for i, r in enumerate(per_run) for x in r["reasons"]]
+    return {"dispatch_lag": {"max_ms": worst("dispatch_lag", "max_ms"), "n": sum(r["dispatch_lag"]["n"] for r in per_run)},
+            "loop_lag": {"max_ms": worst("loop_lag", "max_ms"), "n": sum(r["loop_lag"]["n"] for r in per_run)},
+            "littles_law": {"error": worst("littles_law", "error")},
+            "reasons": reasons, "ok": not reasons, "repeats": per_run}
+
+
 @dataclass
 class ValidityRules:
     """When a case result may be presented as a result (MLPerf-loadgen spirit)."""
@@ -293,9 +534,10 @@ class Verdict:
 
 
 def validity(summary: dict[str, Any], rules: ValidityRules, profiler_attached: bool = False,
-             cv: dict[str, dict[str, float | None]] | None = None) -> Verdict:
+             cv: dict[str, dict[str, float | None]] | None = None,
+             integrity_record: dict[str, Any] | None = None) -> Verdict:
     """VALID, or INVALID with every reason found (short window, too few requests, token mismatch, errors,
-    timeouts, profiler attached, CV over the bound)."""
+    timeouts, profiler attached, CV over the bound, a client that fell behind: ``integrity_record``'s reasons)."""
     reasons = []
     if summary["completed"] < rules.min_completed:
         reasons.append(f"too few completed requests: {summary['completed']} < {rules.min_completed}")
@@ -315,6 +557,7 @@ def validity(summary: dict[str, Any], rules: ValidityRules, profiler_attached: b
         c = (cv.get(rules.cv_key) or {}).get("cv_pct")
         if c is not None and c > rules.max_cv_pct:
             reasons.append(f"CV of {rules.cv_key} across repeats {c:.1f} % > {rules.max_cv_pct} %")
+    reasons += [str(x) for x in (integrity_record or {}).get("reasons") or []]
     return Verdict("INVALID" if reasons else "VALID", reasons)
 
 

@@ -222,6 +222,22 @@ def build_workload(name: str, n: int, input_tokens: int, output_tokens: int, poo
     return Workload(name, reqs, seed, len(pool), "ids", notes)
 
 
+def spec_source(name: str, input_tokens: int, output_tokens: int, pool: list[int], seed: int,
+                role: str = "measure", start_index: int = 0) -> Callable[[int], RequestSpec]:
+    """An unbounded prompt source for a sized run (``docs/case.md#sizing``): ``source(i)`` is request ``i``, a unique
+    token-id prompt of exactly ``input_tokens`` (its own seeded stream, so request ``i`` is the same whatever
+    was asked before it) — the run draws as many as its minimum duration takes."""
+    if input_tokens < 1 or output_tokens < 0:
+        raise WorkloadError(f"input_tokens must be >= 1 and output_tokens >= 0 (got {input_tokens}, {output_tokens})")
+
+    def source(i: int) -> RequestSpec:
+        rng = np.random.default_rng([seed, i])
+        ids, _ = id_prompts(1, input_tokens, pool, rng, start_index + i)[0]
+        return RequestSpec(index=start_index + i, input_tokens=len(ids), output_tokens=output_tokens,
+                           prompt_ids=ids, role=role)
+    return source
+
+
 def build_text_workload(name: str, n: int, input_tokens: int, output_tokens: int, tokenize: TokenizeFn,
                         seed: int, role: str = "measure", start_index: int = 0) -> Workload:
     """Text prompts verified to ``input_tokens`` tokens (with the engine's special tokens) by its tokenizer.

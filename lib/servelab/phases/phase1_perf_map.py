@@ -45,10 +45,12 @@ class Phase1Result:
         return self.matrix.not_executed
 
     def summary(self, definition: str | None = None) -> pd.DataFrame:
-        return self.matrix.frame(definition or self.definition)
+        """The matrix as the page shows it: every percentile with its sample count, or ``max of N`` where too few
+        values hold it (``request_metrics.labelled_percentiles``); ``matrix.frame()`` keeps the numbers."""
+        return mx.labelled_percentiles(self.matrix.frame(definition or self.definition))
 
     def headline(self) -> dict[str, Any]:
-        df = self.summary()
+        df = self.matrix.frame(self.definition)
         out: dict[str, Any] = {"cases": len(self.matrix.results), "definition": self.definition,
                                "valid": int((df["validity"] == "VALID").sum()) if not df.empty else 0,
                                "not_executed": len(self.not_executed), "aborted": self.aborted or None}
@@ -56,6 +58,9 @@ class Phase1Result:
             row = df[df["case_id"] == cid]
             if not row.empty:
                 out[f"{cid}_{key}"] = row.iloc[0][key]
+                metric = key.split("_")[1]
+                n = row.iloc[0].get(f"n_{metric}")
+                out[f"{cid}_{metric}_samples"] = None if n is None or pd.isna(n) else int(n)
         d2 = df[df["scenario"] == "D2"]
         if not d2.empty:
             out["D2_max_output_tps"] = float(d2["output_throughput"].max())
@@ -70,12 +75,15 @@ class Phase1Result:
 
 
 def percentile_table(result: CaseResult) -> pd.DataFrame:
-    """P50/P90/P95/P99/mean/max of TTFT, TPOT, ITL, E2E for one case, both definitions side by side (ms)."""
+    """P50/P90/P95/P99/mean/max of TTFT, TPOT, ITL, E2E for one case, both definitions side by side (ms); each
+    percentile cell says how many values it rests on, or is ``max of N`` where too few do
+    (``request_metrics.percentile_cell``)."""
     rows = []
     for d, s in result.summaries.items():
         for m in ("ttft", "tpot", "itl", "itl_per_token", "e2el"):
-            rows.append({"definition": d, "metric": m, **{st: s.get(f"{st}_{m}_ms")
-                                                         for st in ("mean", "p50", "p90", "p95", "p99", "max")}})
+            rows.append({"definition": d, "metric": m, "n": mx.metric_count(s, m), "mean_ms": s.get(f"mean_{m}_ms"),
+                         **{f"{st}_ms": mx.percentile_cell(s, m, float(st[1:])) for st in ("p50", "p90", "p95", "p99")},
+                         "max_ms": s.get(f"max_{m}_ms")})
     return pd.DataFrame(rows)
 
 
@@ -117,7 +125,8 @@ def run_phase1(ctx: Any, health_timeout_s: float = 900.0) -> Phase1Result:
     if p.get("matrix", "quick") != "quick":
         from servelab.core.params import ParamError
         raise ParamError(f"matrix: only 'quick' exists (got {p.get('matrix')!r})")
-    cases = quick_matrix(ctx.target, list(p.get("cases") or []))
+    cases = quick_matrix(ctx.target, list(p.get("cases") or []), min_duration_s=float(p.get("min_duration_s") or 0),
+                         min_requests=int(p.get("min_requests") or 0))
     slo = mx.SLO(ttft_ms=p.get("slo_ttft_ms") or None, tpot_ms=p.get("slo_tpot_ms") or None)
     env_kw = dict(repeats=int(p.get("repeats", 1)), seed=int(p.get("seed", 0)), slo=slo,
                   progress=bool(p.get("progress", False)), phase=ctx.phase)
@@ -232,11 +241,12 @@ def frontier_figure(res: Phase1Result) -> Any:
 
 
 def m1_tables(res: Phase1Result) -> pd.DataFrame:
-    """M1 control vs treatment (and the per-window ITL stats below it)."""
+    """M1 control vs treatment (and the per-window ITL stats below it, each percentile with the gaps it rests on
+    or ``max of N`` where too few)."""
     if res.m1 is None:
         return pd.DataFrame({"note": ["M1 did not run (or failed): no A/B"]})
-    return pd.concat([res.m1["ab"].assign(table="A/B"), res.m1["windows"].assign(table="ITL windows")],
-                     ignore_index=True)
+    windows = mx.labelled_percentiles(res.m1["windows"], counts={"itl": "n"})
+    return pd.concat([res.m1["ab"].assign(table="A/B"), windows.assign(table="ITL windows")], ignore_index=True)
 
 
 def m1_figure(res: Phase1Result) -> Any:
@@ -450,7 +460,7 @@ def findings(res: Phase1Result) -> list[str]:
     """What Phase 1 found, in sentences for the page's findings box: the three concurrency answers and the stop
     reason, M1's effect on P95 TPOT and output TPS with its validity, the matrix's validity and key numbers."""
     out: list[str] = []
-    df = res.summary()
+    df = res.matrix.frame(res.definition)
     s = res.search
     if s is not None:
         slo = ", ".join(f"P95 {k.split('_')[0].upper()} ≤ {v:g} ms" for k, v in (s.slo or {}).items() if v) or "no SLO"
@@ -479,8 +489,14 @@ def findings(res: Phase1Result) -> list[str]:
                 return f"{metric} not measured"
             pct = "" if r["change_pct"] is None or pd.isna(r["change_pct"]) else f" ({float(r['change_pct']):+.0f} %)"
             return f"{_num(r['control'], digits)} → {_num(r['treatment'], digits)} {unit}{pct}"
-        out.append(f"M1 (one long prefill injected into the decode background): P95 TPOT "
-                   f"{change('p95_tpot_ms', 'ms', 2)}, output TPS {change('output_throughput', 'tok/s', 1)}; "
+        def tail(metric: str, p: float) -> str:
+            # each side's percentile as shown: with its count, or "max of N" where too few values hold it
+            sides = [by_id[k].summaries.get(res.definition, {}) if k in by_id else {}
+                     for k in ("M1_control", "M1_treatment")]
+            shown = [mx.shown_percentile(x, metric, p) for x in sides]
+            return " → ".join(f"{_num(v, 2)} ms ({lab})" for lab, v in shown)
+        out.append(f"M1 (one long prefill injected into the decode background): TPOT tail "
+                   f"{tail('tpot', 95)}, output TPS {change('output_throughput', 'tok/s', 1)}; "
                    f"{validity}.")
         side = m1_serverside(res).get("treatment")
         if side is not None:
@@ -503,11 +519,11 @@ def findings(res: Phase1Result) -> list[str]:
                 f"{r.case_id} ({r.validity_reasons or r.status})" for r in bad.head(4).itertuples()) \
                 + (" …" if len(bad) > 4 else "")
         nums = []
-        for cid, key, label, unit in (("P1", "p50_ttft_ms", "P1 P50 TTFT (prefill floor)", "ms"),
-                                      ("D1", "p50_tpot_ms", "D1 P50 TPOT (single stream)", "ms")):
-            row = df[(df["case_id"] == cid) & (df["validity"] == "VALID")]
-            if not row.empty:
-                nums.append(f"{label} {_num(row.iloc[0][key], 2)} {unit}")
+        for cid, metric, what in (("P1", "ttft", "prefill floor"), ("D1", "tpot", "single stream")):
+            r = by_id.get(cid)
+            if r is not None and r.verdict.verdict == "VALID":
+                lab, v = mx.shown_percentile(r.summaries.get(res.definition, {}), metric, 50)
+                nums.append(f"{cid} {metric.upper()} ({what}) {_num(v, 2)} ms, {lab}")
         d2 = df[(df["scenario"] == "D2") & (df["validity"] == "VALID")]
         if not d2.empty:
             best = d2.loc[d2["output_throughput"].idxmax()]
@@ -521,14 +537,14 @@ def findings(res: Phase1Result) -> list[str]:
 # ---------------------------------------------------------------- evidence for the ledger (H4, H6)
 
 M1_H4_FACTOR = 1.2        # the treatment's P95 ITL during the injection over the larger reference, to support H4
-M1_MIN_GAPS = 5           # token gaps needed in the treatment's during window to judge
+M1_MIN_GAPS = mx.min_samples(95)   # token gaps a P95 of the treatment's during window needs (20) to judge
 
 
 def h4_evidence(res: Phase1Result) -> tuple[str, str, dict[str, Any]]:
     """(verdict, summary, numbers) about H4 from the mixed A/B M1: the treatment's P95 ITL *during* the injected
     prefill against the larger of its own *before* window and the control's same window. *supported* when it is
-    ≥ 1.2× that reference, *refuted* below; *inconclusive* without M1, with an INVALID M1 case or fewer than 5
-    token gaps during the injection."""
+    ≥ 1.2× that reference, *refuted* below; *inconclusive* without M1, with an INVALID M1 case or fewer token gaps
+    during the injection than a P95 needs (20, ``request_metrics.min_samples``)."""
     if res.m1 is None:
         return "inconclusive", "M1 (the mixed A/B) did not run", {}
     bad = [f"{c}: {'; '.join(r.verdict.reasons[:2])}" for c in ("M1_control", "M1_treatment")
@@ -551,7 +567,8 @@ def h4_evidence(res: Phase1Result) -> tuple[str, str, dict[str, Any]]:
         return "inconclusive", f"{n} token gaps during the injection (need {M1_MIN_GAPS}) or no reference window", nums
     ref = max(refs)
     nums["ratio"] = round(during / ref, 3)
-    text = (f"M1: background P95 ITL {during:.1f} ms during the injected prefill vs {ref:.1f} ms reference "
+    text = (f"M1: background ITL {mx.percentile_label(95, n)} {during:.1f} ms during the injected prefill vs "
+            f"{ref:.1f} ms reference "
             f"(treatment before {before or float('nan'):.1f} ms, control same window {control or float('nan'):.1f} ms): "
             f"{during / ref:.2f}×, threshold {M1_H4_FACTOR:g}×")
     return ("supported" if during >= M1_H4_FACTOR * ref else "refuted"), text, nums

@@ -22,6 +22,7 @@ from typing import Any
 import pandas as pd
 
 from servelab.target.hosts import connect
+from servelab.measure import request_metrics as mx
 from servelab.core.paths import samples_root
 from servelab.analyse.telemetry import collectors as C
 from servelab.analyse.telemetry.collectors import display_argv
@@ -238,6 +239,12 @@ def engine_view(ctx: Any, run: Phase2Run) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _finite(v: Any) -> bool:
+    import math
+    import numbers
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(float(v))
+
+
 def headline_metrics(table: pd.DataFrame, metrics: list[str] | None = None) -> pd.DataFrame:
     """The summary narrowed to a few metrics, one row per (metric, case), for reading on the page."""
     metrics = metrics or ["cpu_busy_pct", "hottest_core_busy_pct", "proc_cpu_pct", "hottest_thread_cpu_pct",
@@ -245,7 +252,11 @@ def headline_metrics(table: pd.DataFrame, metrics: list[str] | None = None) -> p
     if table.empty:
         return table
     cols = ["metric", "case", "head_status", "head_n", "head_mean", "head_p95", "head_max", "head_mean_change_pct"]
-    t = table[table.metric.isin(metrics)][cols]
+    t = table[table.metric.isin(metrics)][cols].copy()
+    # the P95 with the samples it rests on, or "max of N" where too few (the summary table keeps the numbers)
+    t["head_p95"] = [mx.percentile_cell({"n_v": int(n), "p95_v_x": p, "max_v_x": m}, "v", 95, "x", 1)
+                     if _finite(n) and _finite(p) and _finite(m) else p
+                     for n, p, m in zip(t["head_n"], t["head_p95"], t["head_max"])]
     return t.sort_values(["metric", "case"], key=lambda s: s.map({m: i for i, m in enumerate(metrics)})
                          if s.name == "metric" else s).reset_index(drop=True)
 

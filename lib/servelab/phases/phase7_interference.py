@@ -109,7 +109,7 @@ async def _wave(bg: list[RequestSpec], inj: list[RequestSpec], cfg: ClientConfig
         n = 0
         while not stop.is_set() and queue and n < cap:
             s = queue.pop(0)
-            run = await run_async([s], cfg, concurrency=1)
+            run = await run_async([s], cfg, concurrency=1, monitor_interval_s=None)
             bg_records.extend(run.records)
             n += 1
 
@@ -130,7 +130,7 @@ async def _wave(bg: list[RequestSpec], inj: list[RequestSpec], cfg: ClientConfig
                 schedule.append({"injection": k, "planned_s": (planned - marks.t0_ns) / 1e9, "sent": False,
                                  "reason": "the background had ended (request cap or prompts exhausted)"})
                 continue
-            run = await run_async([s], cfg, concurrency=1)
+            run = await run_async([s], cfg, concurrency=1, monitor_interval_s=None)
             rec = run.records[0]
             inj_records.append(rec)
             prev_end = max(rec.chunk_ns) if rec.chunk_ns else rec.end_ns
@@ -480,7 +480,8 @@ def windows_view(res: Phase7Result) -> pd.DataFrame:
         return pd.DataFrame({"note": ["no windows"]})
     cols = ["value", "injection", "window", "duration_s", "n_gaps", "streams", "p50_tpot_ms", "p95_tpot_ms",
             "p99_tpot_ms", "max_tpot_ms", "output_tps", "inject_ttft_ms", "max_waiting", "valid", "reasons", "notes"]
-    return pd.concat(parts, ignore_index=True)[cols]
+    # each percentile with the token gaps it rests on, or "max of N" where too few (windows.csv keeps the numbers)
+    return mx.labelled_percentiles(pd.concat(parts, ignore_index=True)[cols], counts={"tpot": "n_gaps"})
 
 
 def schedule_view(res: Phase7Result) -> pd.DataFrame:

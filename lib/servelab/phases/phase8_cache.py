@@ -45,7 +45,9 @@ SCALES: dict[str, dict[str, Any]] = {
 def run_streams(streams: list[list[RequestSpec]], cfg: ClientConfig) -> ClientRun:
     """Every stream's requests one after another, the streams concurrently; one ClientRun over all of them."""
     async def go() -> list[ClientRun]:
-        return list(await asyncio.gather(*(run_async(s, cfg, concurrency=1) for s in streams)))
+        # one loop-lag monitor per stream would be one per request in flight: none (docs/metrics.md#integrity)
+        return list(await asyncio.gather(*(run_async(s, cfg, concurrency=1, monitor_interval_s=None)
+                                           for s in streams)))
     runs = run_sync(go)
     records = [r for run in runs for r in run.records]
     return ClientRun(records, min(r.window_start_ns for r in runs), max(r.window_end_ns for r in runs),
@@ -283,6 +285,18 @@ def matrix_view(res: "Phase8Result") -> pd.DataFrame:
     cols = ["case_id", "target_rate", "verdict", "counter_hit_rate", "usage_hit_rate", "expected_rate",
             "tolerance_pp", "prefix_tokens", "requests", "counter_window_matches_requests", "reasons"]
     return res.matrix[cols]
+
+
+def accepted_view(res: "Phase8Result") -> pd.DataFrame:
+    """The ACCEPTED points relative to the 0 % baseline (``analyse.prefix_cache.accepted_results``), each TTFT
+    percentile with the requests it rests on, or ``max of N`` where too few (``hit_rate_matrix.csv`` keeps the
+    numbers)."""
+    from servelab.analyse.prefix_cache import accepted_results
+    acc = accepted_results(res.matrix)
+    if acc.empty:
+        return acc
+    counts = res.matrix.set_index("case_id")[["n_ttft", "max_ttft_ms"]]
+    return mx.labelled_percentiles(acc.join(counts, on="case_id")).drop(columns=["max_ttft_ms"])
 
 
 def memory_view(res: "Phase8Result") -> pd.DataFrame:

@@ -28,6 +28,7 @@ from typing import Any
 import pandas as pd
 
 from servelab.analyse.speculative import SpecConfig, net_gain, per_position_frame, spec_row
+from servelab.measure import request_metrics as mx
 from servelab.measure.case import CaseEnv, case_seed, flush_cache, max_request_tokens, read_log_since
 from servelab.measure.client import RequestRecord, run_requests
 from servelab.measure.launch_variants import Snapshot, metrics_snapshot, server_cpu_s, write_run_record
@@ -129,6 +130,12 @@ def run_spec_point(srv: RunningServer, run_dir: Path, cfg: SpecConfig, concurren
     folder.write_log_excerpt(log_text)
     row = spec_row(srv, cfg, concurrency, repeat, records, run, before, after, cpu0, cpu1, log_text, definition, error)
     row["case_id"] = cid
+    # a client that fell behind makes the point INVALID in its row too, so the table and summary.json agree
+    from servelab.measure.case_record import client_integrity
+    behind = client_integrity(run).get("reasons") or []
+    if behind:
+        row["validity"] = "INVALID"
+        row["reasons"] = "; ".join([x for x in [row.get("reasons") or ""] if x] + list(behind))
     status = "success" if not error else "failed"
     repeat_of = case_id or f"S9_{_slug(cfg.label)}_c{concurrency}"
     folder.write_summary(spec_point_summary(cfg, row, records, run, status, definition, repeat, repeat_of))
@@ -140,14 +147,14 @@ def spec_point_summary(cfg: SpecConfig, row: dict[str, Any], records: list[Reque
                        definition: str, repeat: int, repeat_of: str) -> Any:
     """The case summary of a speculative point: the row's verdict, the measured requests' metrics (with the
     acceptance numbers beside them) as repeat ``repeat`` of ``repeat_of``, the row in ``details``."""
-    from servelab.measure.case_record import CaseSummary, judged_row, request_counts
+    from servelab.measure.case_record import CaseSummary, client_integrity, judged_row, request_counts
     pooled, judged = judged_row(records, run, definition, row.get("validity") == "VALID", row.get("reasons"), status)
     rep = {definition: {**pooled[definition], **{k: row.get(k) for k in ACCEPTANCE_KEYS}}} if pooled else {}
     return CaseSummary(
         case_id=row["case_id"], phase="", kind="speculative", status=status,
         verdict=judged, definition=definition, metrics=pooled,
         repeats=[{"repeat": repeat, "metrics": rep}] if rep else [], counts=request_counts(records),
-        repeat_of=repeat_of, details={"config": asdict(cfg),
+        repeat_of=repeat_of, integrity=client_integrity(run), details={"config": asdict(cfg),
                                       "row": {k: v for k, v in row.items() if k not in ("validity", "reasons")}})
 
 
@@ -297,8 +304,11 @@ def performance_view(res: Phase9Result) -> pd.DataFrame:
     """Every point: throughput, TPOT, target forwards, CPU use."""
     cols = ["config", "concurrency", "repeat", "output_throughput", "p50_tpot_ms", "p95_tpot_ms", "p50_ttft_ms",
             "target_forwards", "target_forwards_per_s", "tokens_per_target_forward", "step_ms",
-            "server_cpu_util_cores", "server_cpu_idle_pct", "validity", "reasons"]
-    return res.points[[c for c in cols if c in res.points.columns]].reset_index(drop=True)
+            "server_cpu_util_cores", "server_cpu_idle_pct", "validity", "reasons", "n_tpot", "max_tpot_ms", "n_ttft",
+            "max_ttft_ms"]
+    view = res.points[[c for c in cols if c in res.points.columns]].reset_index(drop=True)
+    # each percentile with its count, or "max of N" where too few values hold it (points.csv keeps the numbers)
+    return mx.labelled_percentiles(view).drop(columns=["max_tpot_ms", "max_ttft_ms"], errors="ignore")
 
 
 def findings(res: Phase9Result) -> list[str]:

@@ -12,6 +12,8 @@ from typing import Any
 import pandas as pd
 import plotly.graph_objects as go
 
+from servelab.measure import request_metrics as mx
+
 INVALID_MARKER = dict(symbol="x-open", size=11, color="#c0392b")
 
 
@@ -82,10 +84,15 @@ def percentile_bars(frame: pd.DataFrame, metric: str = "ttft", definition: str =
     fig = go.Figure()
     labels = [f"{c}{' (INVALID)' if v != 'VALID' else ''}" for c, v in zip(df["case_id"], df["validity"])]
     pattern = ["x" if v != "VALID" else "" for v in df["validity"]]
-    for st in ("p50", "p95", "p99"):
-        fig.add_trace(go.Bar(x=labels, y=df[f"{st}_{metric}_ms"], name=st.upper(), marker_pattern_shape=pattern))
+    rows = df.to_dict("records")
+    for p in (50, 95, 99):
+        # each bar is what its label says: the percentile with its count, or the max where too few values hold it
+        shown = [mx.shown_percentile(r, metric, p) for r in rows]
+        fig.add_trace(go.Bar(x=labels, y=[v for _, v in shown], name=f"P{p}", marker_pattern_shape=pattern,
+                             text=[lab for lab, _ in shown], hovertemplate="%{x}: %{y:.3g} ms (%{text})"))
     fig.update_layout(barmode="group", title=f"{metric.upper()} percentiles per case ({definition} definition, "
-                      "numpy linear interpolation)", yaxis_title=f"{metric} (ms)", template="plotly_white")
+                      "numpy linear interpolation; a bar labelled 'max of N' had too few values for that percentile)",
+                      yaxis_title=f"{metric} (ms)", template="plotly_white")
     return fig
 
 
