@@ -50,6 +50,7 @@ class ClientConfig:
     progress: bool = False
     keep_fields: tuple[str, ...] = ()        # top-level event fields kept per chunk (e.g. a server timestamp)
     tcp_quickack: bool = True                # ACK every read at once (see _quickack)
+    headers: dict[str, str] = field(default_factory=dict, repr=False)   # e.g. Authorization (the API key)
 
     @property
     def url(self) -> str:
@@ -278,7 +279,7 @@ def _quickack(resp: Any) -> Any:
 async def _send(session: Any, spec: RequestSpec, cfg: ClientConfig, rec: RequestRecord, reads: ReadLog) -> None:
     import aiohttp
     body = json.dumps(request_body(spec, cfg.engine, cfg.api, cfg.model, cfg.extra_body)).encode()
-    headers = {"Content-Type": "application/json", "X-Request-ID": rec.request_id}
+    headers = {"Content-Type": "application/json", "X-Request-ID": rec.request_id, **cfg.headers}
     pc = time.perf_counter_ns
     rec.send_ns = pc()
     try:
