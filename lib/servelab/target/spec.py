@@ -22,8 +22,8 @@ class Node:
     port: int = 22
     user: str = ""
     key_file: str = ""
-    known_hosts: str = ""            # default: ~/.ssh/known_hosts
-    accept_new_host_key: bool = False  # explicit opt-in; recorded in the manifest
+    known_hosts: str = ""            # default: ~/.ssh/known_hosts + ~/.config/servelab/known_hosts
+    accept_new_host_key: bool = False  # explicit opt-in: the key is saved, then verified; recorded in the manifest
     gpus: int = 0
     netdevs: list[str] = field(default_factory=list)
     hcas: list[str] = field(default_factory=list)
