@@ -67,10 +67,10 @@ def records(work: Path) -> list[dict]:
 
 
 def alive(pid: int) -> bool:
+    """Running, not a zombie (an orphan may stay unreaped on this machine)."""
     try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
         return False
 
 
@@ -151,7 +151,6 @@ def test_sigterm_to_the_kernel_stops_every_node_and_removes_the_work_dirs(nodes,
     assert tagged_pids(tags) and len(private_dirs(work)) == 2      # running, each node in its private folder
     os.kill(kernel, signal.SIGTERM)
     out, err = proc.communicate(timeout=180)
-    print("STDERR", err[-1500:])
     assert proc.returncode != 0
     time.sleep(0.5)
     assert tagged_pids(tags) == set()                               # no process of the run on either node
@@ -330,4 +329,5 @@ def test_api_key_head_refuses_without_it_and_measures_with_it(nodes, tmp_path, m
     for f in run_dir.rglob("*"):
         if f.is_file():
             assert key not in f.read_text(errors="replace"), f
-    assert srv.notes and "/slots" in srv.notes[0] and "behind the API key" in srv.notes[0]
+    assert srv.notes == ["The head listens on 127.0.0.2 only; it mounts /slots (the prompts being served) behind the "
+                         "API key, reachable by every user of that machine."]

@@ -40,6 +40,7 @@ class Phase0Result:
     rank_env: pd.DataFrame = field(default_factory=pd.DataFrame)
     server: dict[str, Any] = field(default_factory=dict)
     exposure: list[str] = field(default_factory=list)     # warnings: reachable head without a key, dev endpoints
+    exposure_notes: list[str] = field(default_factory=list)   # loopback-only exposure (info)
     host_keys: pd.DataFrame = field(default_factory=pd.DataFrame)
 
 
@@ -53,9 +54,9 @@ def exposure_banner(result: Phase0Result) -> Any:
     """The page's warning block for :func:`exposure_warnings` (an info note when there is nothing to warn of)."""
     from servelab.report.banner import banner
     if not result.exposure:
-        return banner("The head listens on loopback only and mounts no development endpoint.", "info",
-                      "Exposure")
-    return banner(" ".join(result.exposure), "warning", "Exposure: who can reach this engine")
+        return banner(" ".join(result.exposure_notes) or "The head listens on loopback only and mounts no "
+                      "development endpoint.", "info", "Exposure")
+    return banner(" ".join(result.exposure + result.exposure_notes), "warning", "Exposure: who can reach this engine")
 
 
 def _kv(rows: dict[str, Any], key: str = "item") -> pd.DataFrame:
@@ -219,6 +220,7 @@ def run_phase0(ctx: PhaseContext, start_engine: bool = True, health_timeout_s: f
         processes_before=procs_before, ports_before=ports_before, processes_started=procs_started,
         ports_opened=ports_opened, leftovers_after=leftovers, rank_env=rank_env, server=server_info,
         exposure=exposure_warnings(target),
+        exposure_notes=engine_for(target.engine).exposure_notes(target, bool(target.api_key_env)),
         host_keys=pd.DataFrame(host_keys, columns=["node", "host", "key_type", "sha256", "check"]))
     write_json_atomic(ctx.phase_dir / "engine_info.json", redact(info))
     facts.to_csv(ctx.phase_dir / "facts.csv", index=False)

@@ -105,7 +105,8 @@ pids_dir = os.path.realpath(os.path.join(state, "pids"))
 def start_ticks(pid):
     try:
         with open("/proc/%d/stat" % pid) as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
+            fields = f.read().rsplit(")", 1)[1].split()
+        return None if fields[0] in ("Z", "X") else int(fields[19])    # a zombie is no longer running
     except (OSError, ValueError, IndexError):
         return None
 

@@ -203,7 +203,8 @@ def start_server(target: Target, log_dir: Path, tracker: hostlib.ProcessTracker,
         tracker.stop_all()
         raise
     return RunningServer(target, base_url, head_plan.port, plans, handles, hosts, logs, model_path, started, ready,
-                         api_key=api_key, notes=engine.exposure_warnings(target, bool(api_key)))
+                         api_key=api_key, notes=engine.exposure_warnings(target, bool(api_key)) +
+                         engine.exposure_notes(target, bool(api_key)))
 
 
 def prepare_nodes(target: Target, hosts: dict[str, Any], run_dir: Path | None = None, phase: str = "") -> None:

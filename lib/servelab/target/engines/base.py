@@ -203,7 +203,7 @@ class EngineAdapter:
             if plan.role != "head":
                 continue
             if self.api_key_env_var:
-                plan.env[self.api_key_env_var] = key
+                plan.env = {**plan.env, self.api_key_env_var: key}     # the head's own copy: workers share env
                 if plan.argv and plan.argv[0] == "docker" and "run" in plan.argv:
                     i = plan.argv.index("run") + 1
                     plan.argv[i:i] = ["-e", self.api_key_env_var]
@@ -217,25 +217,37 @@ class EngineAdapter:
         """Endpoints beyond serving that this launch mounts (profiling, cache flush, slot contents...)."""
         return [p for p in (self.flush_cache_path, self.start_profile_path, self.stop_profile_path) if p]
 
+    @staticmethod
+    def _loopback(host: str) -> bool:
+        return host == "localhost" or host.startswith("127.") or host == "::1"
+
     def exposure_warnings(self, target: Any, api_key: bool) -> list[str]:
-        """Sentences for the page's warning block: a head reachable beyond this machine without an API key, and
-        the development/profiling endpoints it mounts."""
+        """Sentences for the page's warning block (``docs/method.md#exposure``): a head reachable beyond this
+        machine without an API key, development/profiling endpoints on such an address, a key that can only
+        travel on the command line."""
         host = self.bind_host(target)
-        loopback = host == "localhost" or host.startswith("127.") or host == "::1"
         out = []
         dev = self.dev_endpoints(target)
-        if not loopback and not api_key:
+        if not self._loopback(host) and not api_key:
             out.append(f"The head listens on {host} (not loopback) without an API key: anyone who can reach that "
                        f"address can send requests" + (f" and call {', '.join(dev)}" if dev else "") +
                        ". Set api_key_env in the target (docs/method.md#exposure) or bind 127.0.0.1.")
-        elif dev:
-            out.append(f"{self.name} mounts {', '.join(dev)} on {host}" +
-                       (" (behind the API key)" if api_key else "") + ": development/profiling endpoints that "
-                       "change the server's state; keep the address private.")
+        elif dev and not self._loopback(host):
+            out.append(f"{self.name} mounts {', '.join(dev)} on {host} (behind the API key): development/profiling "
+                       "endpoints that change the server's state; keep the address private.")
         if api_key and not self.api_key_env_var:
             out.append(f"{self.name} takes its API key only on its command line ({self.api_key_flag}): it is visible "
                        "in the process list of the head node.")
         return out
+
+    def exposure_notes(self, target: Any, api_key: bool) -> list[str]:
+        """What is exposed but only on loopback (an info note: every local user can still reach it)."""
+        host = self.bind_host(target)
+        dev = self.dev_endpoints(target)
+        if self._loopback(host) and dev:
+            return [f"The head listens on {host} only; it mounts {', '.join(dev)}" +
+                    (" behind the API key" if api_key else "") + ", reachable by every user of that machine."]
+        return []
 
     def max_request_tokens(self, launch: dict[str, Any]) -> int | None:
         """Tokens one request may hold (prompt + output): the context length (None where unset)."""
