@@ -320,6 +320,8 @@ def test_api_key_head_refuses_without_it_and_measures_with_it(nodes, tmp_path, m
         assert all(r.completion_tokens == 8 for r in run.records)
         assert Scraper(srv.base_url + "/metrics", headers=srv.auth_headers).scrape_once()
         # the key is in no process's argv on the node (nor anywhere on this machine)
+        ps = subprocess.run(["ps", "-eo", "args", "--no-headers"], capture_output=True, text=True, check=True).stdout
+        assert "llama-server" in ps and key not in ps
         for d in Path("/proc").iterdir():
             if d.name.isdigit():
                 assert key.encode() not in _cmdline(int(d.name)), _cmdline(int(d.name))[:200]

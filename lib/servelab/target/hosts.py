@@ -294,15 +294,16 @@ class _PidRecords:
                 rows.append({**row, "action": "kept: started from another machine, which may still be running"})
                 continue
             kill.append(rec["path"])
-            rows.append({**row, "processes": rec.get("alive", []),
-                         "action": "stopped (TERM, then KILL)" if rec.get("alive") else "record removed (process gone)"})
+            if rec.get("alive"):          # a record whose processes are all gone is removed without a row
+                rows.append({**row, "processes": rec["alive"], "path": rec["path"],
+                             "action": "stopped (TERM, then KILL)"})
         if kill:
             done = {d["path"]: d for d in self._registry("kill", self.state_dir, str(grace_s), *kill,
                                                           timeout=grace_s * len(kill) + 60)}
-            by_path = dict(zip([p for p in kill], [r for r in rows if "processes" in r]))
-            for path, row in by_path.items():
-                if done.get(path, {}).get("survived"):
-                    row["action"] = f"could not stop pids {done[path]['survived']}"
+            for row in rows:
+                left = done.get(row.pop("path", ""), {}).get("survived")
+                if left:
+                    row["action"] = f"could not stop pids {left}"
         return rows
 
 
