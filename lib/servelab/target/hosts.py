@@ -207,8 +207,10 @@ def _boot_id() -> str:
 
 
 def _start_ticks(pid: int) -> int | None:
+    """A running process's start time in clock ticks since boot; None when gone or a zombie (dead, unreaped)."""
     try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return None if fields[0] in ("Z", "X") else int(fields[19])
     except (OSError, ValueError, IndexError):
         return None
 
