@@ -128,8 +128,11 @@ def test_a_killed_owners_orphan_is_found_by_its_tag_and_swept(tmp_path):
     sleeper = int(pidfile.read_text())
     try:
         assert LocalHost("here", state_dir=str(state)).sweep() == []       # the owner lives: not a leftover
-        owner.kill()
-        owner.wait(10)
+        owner.kill()                        # not waited for yet: a zombie until reaped — still a dead owner
+        deadline = time.monotonic() + 10
+        while running(owner.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert Path(f"/proc/{owner.pid}").exists() and not running(owner.pid)
         time.sleep(0.3)
         assert running(sleeper)                                              # orphaned, still running
         rows = LocalHost("here", state_dir=str(state)).sweep(grace_s=2)
@@ -142,6 +145,7 @@ def test_a_killed_owners_orphan_is_found_by_its_tag_and_swept(tmp_path):
         assert oct((state / "pids").stat().st_mode & 0o777) == "0o700"
     finally:
         owner.kill()
+        owner.wait(10)
         try:
             os.kill(sleeper, 9)
         except ProcessLookupError:
