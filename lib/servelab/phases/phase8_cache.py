@@ -80,7 +80,7 @@ def run_hit_point(srv: RunningServer, run_dir: Path, point: HitPoint, pool: list
     if srv.engine.request_cache_switch:        # the per-request prefix-reuse flag, where the engine has one
         extra[srv.engine.request_cache_switch] = bool(point.cache_prompt)
     cfg = ClientConfig(srv.base_url, srv.target.served_model_name or "default", engine=engine, extra_body=extra,
-                       request_id_prefix=f"{Path(run_dir).name}-{point.case_id}")
+                       request_id_prefix=f"{Path(run_dir).name}-{point.case_id}", headers=srv.auth_headers)
     poller = (SlotsPoller(srv.base_url, interval_s=poll_interval_s, headers=srv.auth_headers)
               if has_slots_endpoint(srv) else None)
     scraper = Scraper(srv.base_url + srv.engine.metrics_path, interval_s=max(poll_interval_s, 0.25),
