@@ -34,8 +34,9 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def start_sshd(d: Path, host: str = "127.0.0.1", extra_config: tuple[str, ...] = ()) -> TestSSHD:
-    """``extra_config``: further sshd_config lines (e.g. ``SetEnv DOCKER_HOST=...`` for the sessions)."""
+def start_sshd(d: Path, host: str = "127.0.0.1", extra_config: tuple[str, ...] = (), port: int = 0) -> TestSSHD:
+    """``extra_config``: further sshd_config lines (e.g. ``SetEnv DOCKER_HOST=...`` for the sessions); ``port``:
+    reuse a given port (e.g. the same address with a new host key, as after a reinstall)."""
     sshd = shutil.which("sshd") or "/usr/sbin/sshd"
     if not Path(sshd).exists():
         raise FileNotFoundError("sshd not installed (Debian package openssh-server; `make system` installs it)")
@@ -45,7 +46,7 @@ def start_sshd(d: Path, host: str = "127.0.0.1", extra_config: tuple[str, ...] =
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / name)], check=True)
     shutil.copy(d / "client_ed25519.pub", d / "authorized_keys")
     os.chmod(d / "authorized_keys", 0o600)
-    port = _free_port(host)
+    port = port or _free_port(host)
     cfg = d / "sshd_config"
     cfg.write_text("\n".join([f"ListenAddress {host}", f"Port {port}", f"HostKey {d / 'host_ed25519'}",
                               f"PidFile {d / 'sshd.pid'}", f"AuthorizedKeysFile {d / 'authorized_keys'}",

@@ -308,7 +308,8 @@ def start_profile(srv: Any, scenario: ProfileScenario, out_dir: str | None = Non
                              before=before, notes=notes)
     url = srv.base_url + engine.start_profile_path
     session.started, session.started_ns = now_iso(), time.time_ns()
-    status, resp = http_json(url, body=body if body is not None else {}, method="POST", timeout=timeout_s)
+    status, resp = http_json(url, body=body if body is not None else {}, method="POST", timeout=timeout_s,
+                             headers=getattr(srv, "auth_headers", None))
     session.start_status, session.start_response = status, resp
     _record(run_dir, phase, f"start profile {scenario.name} ({scenario.case_id})", url, body, session.started,
             status, "")
@@ -334,7 +335,7 @@ def stop_profile(srv: Any, session: ProfileSession, *, force: bool = False, run_
                              f"{session.request_body.get('num_steps') if session.request_body else '?'}")
         session.stopped_ns = time.time_ns()
         return session
-    status, resp = http_json(url, body=None, method="POST", timeout=timeout_s)
+    status, resp = http_json(url, body=None, method="POST", timeout=timeout_s, headers=getattr(srv, "auth_headers", None))
     session.stopped_ns = time.time_ns()
     session.stop_status, session.stop_response = status, resp
     _record(run_dir, phase, f"stop profile {session.scenario.name} ({session.scenario.case_id})", url, None,

@@ -222,12 +222,13 @@ class CaseEnv:
             extra[self.engine.request_cache_switch] = False    # no flush endpoint: no reuse, request by request
         return ClientConfig(self.srv.base_url, self.srv.target.served_model_name or "default",
                             engine=self.srv.target.engine, api=self.api, extra_body=extra, timeout_s=self.timeout_s,
-                            request_id_prefix=f"{self.run_dir.name}-{case_id}", progress=self.progress)
+                            request_id_prefix=f"{self.run_dir.name}-{case_id}", progress=self.progress,
+                            headers=self.srv.auth_headers)
 
 
 def make_env(srv: RunningServer, run_dir: Path, **kw: Any) -> CaseEnv:
     """A ``CaseEnv`` with the token pool taken from the engine's own tokenizer."""
-    tok = engine_tokenizer(srv.base_url, srv.target.engine, srv.engine.tokenize_path)
+    tok = engine_tokenizer(srv.base_url, srv.target.engine, srv.engine.tokenize_path, headers=srv.auth_headers)
     return CaseEnv(srv=srv, run_dir=Path(run_dir), pool=token_pool(tok, seed=kw.get("seed", 0)), **kw)
 
 
@@ -265,7 +266,7 @@ def flush_cache(env: CaseEnv, timeout_s: float = 60.0) -> dict[str, Any]:
     deadline = time.monotonic() + timeout_s
     status, body = 0, None
     while time.monotonic() < deadline:
-        status, body = http_json(env.srv.base_url + path, {}, timeout=timeout_s)
+        status, body = http_json(env.srv.base_url + path, {}, timeout=timeout_s, headers=env.srv.auth_headers)
         if status == 200:
             return {"method": f"POST {path}", "flushed": True, "status": status}
         if status != 400:          # SGLang answers 400 while requests are still running: wait for idle
@@ -400,7 +401,8 @@ def run_case(env: CaseEnv, case: CaseSpec, run_fn: Callable[[CaseEnv, CaseSpec, 
     cfg.on_record = folder.stream_record          # each record on disk as its request completes (Ctrl-C keeps it)
     _, log_path = head_log(env)
     _, log_off = read_log_since(env, 0)
-    scraper = Scraper(env.srv.base_url + env.engine.metrics_path, interval_s=env.scrape_interval_s, timeout_s=5.0)
+    scraper = Scraper(env.srv.base_url + env.engine.metrics_path, interval_s=env.scrape_interval_s, timeout_s=5.0,
+                      headers=env.srv.auth_headers)
     records: list[RequestRecord] = []
     runs: list[ClientRun] = []
     error = ""

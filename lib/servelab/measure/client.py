@@ -63,6 +63,7 @@ class ClientConfig:
     # called with each record as soon as its request completes (parsed): a case streams its records to disk so
     # that what was received survives an interrupt (CaseFolder.stream_record); None: records only at the end
     on_record: Callable[["RequestRecord"], None] | None = field(default=None, compare=False, repr=False)
+    headers: dict[str, str] = field(default_factory=dict, repr=False)   # e.g. Authorization (the API key)
 
     @property
     def url(self) -> str:
@@ -296,7 +297,7 @@ def _quickack(resp: Any) -> Any:
 async def _send(session: Any, spec: RequestSpec, cfg: ClientConfig, rec: RequestRecord, reads: ReadLog) -> None:
     import aiohttp
     body = json.dumps(request_body(spec, cfg.engine, cfg.api, cfg.model, cfg.extra_body)).encode()
-    headers = {"Content-Type": "application/json", "X-Request-ID": rec.request_id}
+    headers = {"Content-Type": "application/json", "X-Request-ID": rec.request_id, **cfg.headers}
     pc = time.perf_counter_ns
     rec.send_ns = pc()
     try:

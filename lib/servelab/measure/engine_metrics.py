@@ -68,6 +68,7 @@ class Scraper:
     url: str
     interval_s: float = 0.5
     timeout_s: float = 2.0
+    headers: dict[str, str] = field(default_factory=dict, repr=False)   # Authorization with an API key
     rows: list[dict[str, Any]] = field(default_factory=list)
     errors: list[dict[str, Any]] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -75,7 +76,7 @@ class Scraper:
 
     def scrape_once(self) -> bool:
         t, wall = time.perf_counter_ns(), time.time_ns()
-        status, text = http_text(self.url, timeout=self.timeout_s)
+        status, text = http_text(self.url, timeout=self.timeout_s, headers=self.headers)
         if status != 200:
             self.errors.append({"ts_ns": t, "wall_ns": wall, "status": status, "error": text[:200]})
             return False

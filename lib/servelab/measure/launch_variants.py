@@ -134,7 +134,7 @@ class Snapshot:
 def metrics_snapshot(srv: RunningServer, timeout_s: float = 10.0) -> Snapshot:
     """One ``GET /metrics`` of the head node (raw text kept: tests recompute deltas from it by hand)."""
     t, wall = time.perf_counter_ns(), time.time_ns()
-    status, text = http_text(srv.base_url + srv.engine.metrics_path, timeout=timeout_s)
+    status, text = http_text(srv.base_url + srv.engine.metrics_path, timeout=timeout_s, headers=srv.auth_headers)
     return Snapshot(t, wall, status, text)
 
 

@@ -30,7 +30,7 @@ def _stream(srv: RunningServer, prompt: list[int], max_tokens: int, on_first: An
     body = {"model": srv.target.served_model_name or "default", "prompt": prompt, "max_tokens": max_tokens,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     req = urllib.request.Request(srv.base_url + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"}, method="POST")
+                                 headers={"Content-Type": "application/json", **srv.auth_headers}, method="POST")
     n, tokens = 0, None
     try:
         with urllib.request.urlopen(req, timeout=300) as r:

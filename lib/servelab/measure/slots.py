@@ -26,6 +26,7 @@ class SlotsPoller:
     base_url: str
     interval_s: float = 0.1
     timeout_s: float = 2.0
+    headers: dict[str, str] = field(default_factory=dict, repr=False)   # Authorization with an API key
     rows: list[dict[str, Any]] = field(default_factory=list)
     errors: list[dict[str, Any]] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -33,7 +34,7 @@ class SlotsPoller:
 
     def poll_once(self) -> bool:
         t = time.perf_counter_ns()
-        status, body = http_json(self.base_url + "/slots", timeout=self.timeout_s)
+        status, body = http_json(self.base_url + "/slots", timeout=self.timeout_s, headers=self.headers)
         if status != 200 or not isinstance(body, list):
             self.errors.append({"ts_ns": t, "status": status, "error": str(body)[:200]})
             return False

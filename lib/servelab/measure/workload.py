@@ -80,13 +80,14 @@ def tokenize_body(engine: str, text: str, add_special: bool) -> dict[str, Any]:
     return engine_for(engine).tokenize_body(text, add_special)
 
 
-def engine_tokenizer(base_url: str, engine: str, tokenize_path: str, timeout_s: float = 60.0) -> TokenizeFn:
+def engine_tokenizer(base_url: str, engine: str, tokenize_path: str, timeout_s: float = 60.0,
+                     headers: dict[str, str] | None = None) -> TokenizeFn:
     """A ``tokenize(text, add_special) -> ids`` function backed by the running engine."""
     adapter = engine_for(engine)
 
     def tokenize(text: str, add_special: bool) -> list[int]:
         status, body = http_json(base_url + tokenize_path, adapter.tokenize_body(text, add_special),
-                                 timeout=timeout_s)
+                                 timeout=timeout_s, headers=headers)
         if status != 200 or not isinstance(body, dict) or "tokens" not in body:
             raise WorkloadError(f"{base_url}{tokenize_path}: tokenize failed (HTTP {status}): {str(body)[:200]}")
         toks = body["tokens"]

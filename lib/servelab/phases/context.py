@@ -77,8 +77,24 @@ def papermill_output(pid: int | None = None) -> Path | None:
     return path if path.is_absolute() else (cwd / path).resolve()
 
 
+def stop_on_sigterm() -> None:
+    """SIGTERM in this process (the kernel: papermill/nbclient terminating it, ``kill PID``) ends the same way as
+    Ctrl-C: a ``KeyboardInterrupt`` in the running cell, so every ``ProcessTracker`` stops what it started, on
+    every node. Only the main thread can install it; elsewhere nothing changes."""
+    import signal
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def _interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum} (SIGTERM)")
+    signal.signal(signal.SIGTERM, _interrupt)
+
+
 def open_phase(notebook_name: str, namespace: dict[str, Any]) -> PhaseContext:
-    """Validate parameters, resolve the target and open the run directory (no other side effect)."""
+    """Validate parameters, resolve the target and open the run directory (no other side effect besides the
+    SIGTERM handler of :func:`stop_on_sigterm`)."""
+    stop_on_sigterm()
     import plotly.io as pio
     # papermill + nbconvert can only render this mimetype pair offline (plotly.js inlined once)
     pio.renderers.default = "plotly_mimetype+notebook"

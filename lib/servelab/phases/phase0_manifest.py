@@ -42,6 +42,24 @@ class Phase0Result:
     rank_env: pd.DataFrame = field(default_factory=pd.DataFrame)
     server: dict[str, Any] = field(default_factory=dict)
     preflight: PreflightReport | None = None
+    exposure: list[str] = field(default_factory=list)     # warnings: reachable head without a key, dev endpoints
+    exposure_notes: list[str] = field(default_factory=list)   # loopback-only exposure (info)
+    host_keys: pd.DataFrame = field(default_factory=pd.DataFrame)
+
+
+def exposure_warnings(target: Any) -> list[str]:
+    """What the target's head exposes, in sentences (``docs/method.md#exposure``): a non-loopback address without
+    an API key, development/profiling endpoints, a key that can only travel on the command line."""
+    return engine_for(target.engine).exposure_warnings(target, bool(target.api_key_env))
+
+
+def exposure_banner(result: Phase0Result) -> Any:
+    """The page's warning block for :func:`exposure_warnings` (an info note when there is nothing to warn of)."""
+    from servelab.report.banner import banner
+    if not result.exposure:
+        return banner(" ".join(result.exposure_notes) or "The head listens on loopback only and mounts no "
+                      "development endpoint.", "info", "Exposure")
+    return banner(" ".join(result.exposure + result.exposure_notes), "warning", "Exposure: who can reach this engine")
 
 
 def _kv(rows: dict[str, Any], key: str = "item") -> pd.DataFrame:
@@ -163,6 +181,7 @@ def run_phase0(ctx: PhaseContext, start_engine: bool = True, health_timeout_s: f
     nodes = {n.name: hostlib.connect(n) for n in target.nodes}
     security = [{"node": h.name, "accepted_new_host_key": k} for h in nodes.values()
                 for k in getattr(h, "accepted_keys", [])]
+    host_keys = [dict(h.host_key, phase=ctx.phase) for h in nodes.values() if getattr(h, "host_key", None)]
     facts = pd.concat([collect_facts(h, raw_dir=raw / name) for name, h in nodes.items()], ignore_index=True)
     procs_before = pd.concat([process_snapshot(h) for h in nodes.values()], ignore_index=True)
     ports_before = pd.concat([port_snapshot(h) for h in nodes.values()], ignore_index=True)
@@ -226,13 +245,17 @@ def run_phase0(ctx: PhaseContext, start_engine: bool = True, health_timeout_s: f
         settings=engine_settings(target.launch, target.engine, info), comm_env=nccl_env(target.env),
         processes_before=procs_before, ports_before=ports_before, processes_started=procs_started,
         ports_opened=ports_opened, leftovers_after=leftovers, rank_env=rank_env, server=server_info,
-        preflight=preflight)
+        preflight=preflight,
+        exposure=exposure_warnings(target),
+        exposure_notes=engine_for(target.engine).exposure_notes(target, bool(target.api_key_env)),
+        host_keys=pd.DataFrame(host_keys, columns=["node", "host", "key_type", "sha256", "check"]))
     write_json_atomic(ctx.phase_dir / "engine_info.json", redact(info))
     facts.to_csv(ctx.phase_dir / "facts.csv", index=False)
     result.settings.to_csv(ctx.phase_dir / "settings.csv", index=False)
     result.model.to_csv(ctx.phase_dir / "model.csv", index=False)
     hosts_section = {n: {r["fact"]: r["value"] for _, r in facts[facts["node"] == n].iterrows()} for n in nodes}
-    update_manifest(ctx.run_dir, hosts=hosts_section, security=security,
+    update_manifest(ctx.run_dir, hosts=hosts_section, security=security, host_keys=host_keys,
+                    exposure=result.exposure,
                     engine={"name": target.engine, **{k: v for k, v in engine_rows.items()}},
                     model={r["field"]: r["value"] for _, r in result.model.iterrows()},
                     launch={"plans": launch_rows, "env": target.env, "settings": target.launch},
@@ -293,6 +316,7 @@ def findings(result: Phase0Result, start_engine: bool = True) -> list[str]:
                    + ", ".join(unverified) + ".")
     if absent:
         out.append("Not present or failed on the nodes: " + ", ".join(absent) + ".")
+    out += [f"Exposure: {w}" for w in result.exposure]
     if not result.rank_env.empty and "verdict" in result.rank_env.columns:
         bad = result.rank_env[result.rank_env["verdict"].isin(["MISSING", "DIFFERENT"])]
         if len(bad):

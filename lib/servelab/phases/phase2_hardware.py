@@ -173,7 +173,7 @@ def run_engine_cases(ctx: Any, case_ids: list[str] | None = None, interval_s: fl
                 cdir = ctx.case_dir(case.case_id)
                 plans = [NodePlan(srv.hosts[n.name], node_specs(n, srv.handles[n.name].pid, interval_s,
                                                                  python=sys.executable if n.kind == "local" else "python3"),
-                                  node=n.name) for n in ctx.target.nodes]
+                                  node=n.name, workdir=n.workdir) for n in ctx.target.nodes]
                 for p in plans:
                     for spec in p.specs:
                         _log(ctx, "executed", spec.argv, f"{case.case_id} {spec.name}", host=p.node, env=dict(spec.env))

@@ -197,8 +197,10 @@ def run_interference(srv: RunningServer, run_dir: Path, spec: InterferenceSpec, 
                          seed=case_seed(seed, spec.case_id + "/inject", 0), role="inject",
                          start_index=2 * 10**6).requests
     interval = poll_interval_s or float(min(0.25, max(0.02, plan.window_estimate_s / 4)))
-    poller = SlotsPoller(srv.base_url, interval_s=interval) if has_slots_endpoint(srv) else None
-    scraper = Scraper(srv.base_url + srv.engine.metrics_path, interval_s=max(interval, 0.05))
+    poller = (SlotsPoller(srv.base_url, interval_s=interval, headers=srv.auth_headers)
+              if has_slots_endpoint(srv) else None)
+    scraper = Scraper(srv.base_url + srv.engine.metrics_path, interval_s=max(interval, 0.05),
+                      headers=srv.auth_headers)
     before = metrics_snapshot(srv)
     cpu0 = server_cpu_s(srv)
     scraper.start()
@@ -325,7 +327,8 @@ def run_variant(target: Any, changes: dict[str, Any], spec: InterferenceSpec, ru
     try:
         with serving(t, log_dir, run_dir, phase, health_timeout_s) as srv:
             srv_ref = srv
-            pool = token_pool(engine_tokenizer(srv.base_url, srv.target.engine, srv.engine.tokenize_path), seed=seed)
+            pool = token_pool(engine_tokenizer(srv.base_url, srv.target.engine, srv.engine.tokenize_path,
+                                               headers=srv.auth_headers), seed=seed)
             res = run_interference(srv, run_dir, case, pool, seed, definition, phase=phase or "phase7",
                                    repeat_of=spec.case_id)
     except Exception as exc:  # a value that cannot serve is recorded, the sweep goes on

@@ -82,10 +82,12 @@ def run_hit_point(srv: RunningServer, run_dir: Path, point: HitPoint, pool: list
     if srv.engine.request_cache_switch:        # the per-request prefix-reuse flag, where the engine has one
         extra[srv.engine.request_cache_switch] = bool(point.cache_prompt)
     cfg = ClientConfig(srv.base_url, srv.target.served_model_name or "default", engine=engine, extra_body=extra,
-                       request_id_prefix=f"{Path(run_dir).name}-{point.case_id}",
+                       request_id_prefix=f"{Path(run_dir).name}-{point.case_id}", headers=srv.auth_headers,
                        on_record=folder.stream_record)     # each record on disk as its request completes
-    poller = SlotsPoller(srv.base_url, interval_s=poll_interval_s) if has_slots_endpoint(srv) else None
-    scraper = Scraper(srv.base_url + srv.engine.metrics_path, interval_s=max(poll_interval_s, 0.25))
+    poller = (SlotsPoller(srv.base_url, interval_s=poll_interval_s, headers=srv.auth_headers)
+              if has_slots_endpoint(srv) else None)
+    scraper = Scraper(srv.base_url + srv.engine.metrics_path, interval_s=max(poll_interval_s, 0.25),
+                      headers=srv.auth_headers)
     t0 = time.perf_counter_ns()
     if poller is not None:
         poller.start()
@@ -215,7 +217,8 @@ def run_phase8(ctx: Any, rates: list[float] | None = None, input_tokens: int = 0
     restart_each = engine_for(served.engine).flush_cache_path is None
 
     def one(srv: RunningServer, pt: HitPoint, flush: dict[str, Any]) -> None:
-        pool = token_pool(engine_tokenizer(srv.base_url, srv.target.engine, srv.engine.tokenize_path), seed=seed)
+        pool = token_pool(engine_tokenizer(srv.base_url, srv.target.engine, srv.engine.tokenize_path,
+                                               headers=srv.auth_headers), seed=seed)
         res = run_hit_point(srv, ctx.run_dir, pt, pool, seed, definition, flush)
         results.append(res)
         kv_parts.append(kv_usage_series(res.slots, res.scrape, srv.target.engine, srv.engine.metric_names,

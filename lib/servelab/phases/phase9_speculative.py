@@ -248,7 +248,8 @@ def run_phase9(ctx: Any, drafts: list[str] | None = None, num_draft_tokens: int 
         try:
             with serving(t, log_dir, ctx.run_dir, ctx.phase, health_timeout_s) as srv:
                 srv_ref = srv
-                pool = token_pool(engine_tokenizer(srv.base_url, srv.target.engine, srv.engine.tokenize_path),
+                pool = token_pool(engine_tokenizer(srv.base_url, srv.target.engine, srv.engine.tokenize_path,
+                                               headers=srv.auth_headers),
                                   seed=seed)
                 for c in cs:
                     for rep in range(max(1, int(repeats))):

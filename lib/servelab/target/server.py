@@ -41,6 +41,13 @@ class RunningServer:
     ready_s: float
     facts: dict[str, Any] = field(default_factory=dict)
     containers: dict[str, containerlib.RunningContainer] = field(default_factory=dict)   # mode=docker, per node
+    api_key: str = field(default="", repr=False)
+    notes: list[str] = field(default_factory=list)      # exposure warnings and the like, for the page
+
+    @property
+    def auth_headers(self) -> dict[str, str]:
+        """``Authorization: Bearer <key>`` when the target has an API key (every call to the server sends it)."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     @property
     def engine(self):
@@ -81,9 +88,9 @@ def http_json(url: str, body: Any = None, method: str | None = None, timeout: fl
         return status, raw
 
 
-def http_text(url: str, timeout: float = 10.0) -> tuple[int, str]:
+def http_text(url: str, timeout: float = 10.0, headers: dict[str, str] | None = None) -> tuple[int, str]:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as r:
             return r.status, r.read().decode(errors="replace")
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode(errors="replace")
@@ -92,16 +99,26 @@ def http_text(url: str, timeout: float = 10.0) -> tuple[int, str]:
 
 
 def plan_launch(target: Target, port: int | None = None) -> tuple[list[LaunchPlan], str]:
-    """The per-node launch plans and the model path (no side effect besides building/caching local artifacts)."""
+    """The per-node launch plans and the model path (no side effect besides building/caching local artifacts).
+    With ``api_key_env`` the head's plan carries the key the engine's own way (adapter ``apply_api_key``)."""
+    try:
+        key = target.api_key()
+    except ValueError as exc:
+        raise ServerError(str(exc)) from None
     port = port or target.port or hostlib.free_port(target.api_host)
-    return engine_for(target.engine).resolve_launch(target, port)
+    engine = engine_for(target.engine)
+    plans, model_path = engine.resolve_launch(target, port)
+    if key:
+        engine.apply_api_key(plans, key)
+    return plans, model_path
 
 
-def wait_healthy(base_url: str, path: str, timeout_s: float, alive: Any = None, log_path: str = "") -> float:
+def wait_healthy(base_url: str, path: str, timeout_s: float, alive: Any = None, log_path: str = "",
+                 headers: dict[str, str] | None = None) -> float:
     """Poll ``base_url+path`` until HTTP 200; fail fast if ``alive()`` turns false. Returns seconds waited."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
-        status, _ = http_json(base_url + path, timeout=2.0)
+        status, _ = http_json(base_url + path, timeout=2.0, headers=headers)
         if status == 200:
             return time.monotonic() - t0
         if alive is not None and not alive():
@@ -157,6 +174,7 @@ def start_server(target: Target, log_dir: Path, tracker: hostlib.ProcessTracker,
     engine = engine_for(target.engine)
     owned = hosts is None
     hosts = hosts or connect_nodes(target)
+    prepare_nodes(target, hosts, run_dir, phase)
     start_checks.before_launch(target, hosts, run_dir, phase, log_dir, close_on_refusal=owned)
     handles: dict[str, hostlib.Handle] = {}
     containers: dict[str, containerlib.RunningContainer] = {}
@@ -164,14 +182,14 @@ def start_server(target: Target, log_dir: Path, tracker: hostlib.ProcessTracker,
     offsets: dict[str, int] = {}                   # where this start's lines begin in each (appended) log
     started = now_iso()
     head_plan = next(p for p in plans if p.role == "head")
+    api_key = target.api_key()
+    remote_logs = _private_log_dirs(target, hosts, tracker, log_dir, logs)
 
     def alive() -> bool:
         return all(hosts[n].is_running(handles[n]) for n in handles)
 
     def launch(plan: LaunchPlan) -> None:
-        node = next(n for n in target.nodes if n.name == plan.node)
-        log = (Path(node.workdir) / "logs" if node.kind == "ssh" and node.workdir else log_dir) / \
-            f"{target.engine}_{plan.node}.log"
+        log = Path(remote_logs.get(plan.node) or log_dir) / f"{target.engine}_{plan.node}.log"
         offsets[plan.node] = start_checks.log_size(hosts[plan.node], log) if target.gate else 0
         argv, note = plan.argv, ""
         if plan.container is not None:      # docker: env file + per-run name; the tracker tears it down
@@ -181,7 +199,7 @@ def start_server(target: Target, log_dir: Path, tracker: hostlib.ProcessTracker,
             plan.argv = c.argv               # srv.plans show what ran: this start's name and env file
             note = f"environment in a mode-0600 env file, removed at stop: {', '.join(plan.container.env) or 'none'}"
         else:
-            h = tracker.start(hosts[plan.node], plan.argv, log, env=plan.env)
+            h = tracker.start(hosts[plan.node], plan.argv, log, env=plan.env, what=f"{target.engine} {plan.role}")
         handles[plan.node], logs[plan.node] = h, str(log)
         if run_dir is not None:
             record_command(run_dir, CommandRecord(label="executed", argv=argv, phase=phase,
@@ -199,13 +217,15 @@ def start_server(target: Target, log_dir: Path, tracker: hostlib.ProcessTracker,
                 wait_tcp(plan.ready_host or "127.0.0.1", plan.ready_port, 120.0, alive, logs[plan.node])
         launch(head_plan)
         ready = wait_healthy(base_url, engine.health_path, health_timeout_s, alive=alive,
-                             log_path=logs[head_plan.node])
+                             log_path=logs[head_plan.node],
+                             headers={"Authorization": f"Bearer {api_key}"} if api_key else None)
         start_checks.after_healthy(target, hosts, logs, log_dir, run_dir, phase, offsets)
     except BaseException:
         tracker.stop_all()
         raise
     return RunningServer(target, base_url, head_plan.port, plans, handles, hosts, logs, model_path, started, ready,
-                         containers=containers)
+                         containers=containers, api_key=api_key, notes=engine.exposure_warnings(target, bool(api_key)) +
+                         engine.exposure_notes(target, bool(api_key)))
 
 
 def log_clock(srv: RunningServer) -> dict[str, Any]:
@@ -223,9 +243,53 @@ def log_clock(srv: RunningServer) -> dict[str, Any]:
             "remote": not srv.target.is_local}
 
 
+def prepare_nodes(target: Target, hosts: dict[str, Any], run_dir: Path | None = None, phase: str = "") -> None:
+    """Before anything starts: each host's pid records carry the run id, what earlier runs left running on each
+    node is stopped (``manifest["swept"]``), and how each node's host key was checked is recorded
+    (``manifest["host_keys"]``)."""
+    run_id = run_dir.name if run_dir is not None else ""
+    swept, keys = [], []
+    for host in hosts.values():
+        if hasattr(host, "run_id"):
+            host.run_id = run_id
+        if hasattr(host, "sweep") and getattr(host, "swept", None) is None:     # once per connection
+            host.swept = host.sweep()
+            swept += [{**row, "by_run": run_id, "phase": phase} for row in host.swept]
+        if getattr(host, "host_key", None):
+            keys.append({**host.host_key, "phase": phase})
+    if run_dir is not None and (swept or keys):
+        from servelab.core.run import update_manifest
+        update_manifest(run_dir, **({"swept": swept} if swept else {}), **({"host_keys": keys} if keys else {}))
+
+
+def _private_log_dirs(target: Target, hosts: dict[str, Any], tracker: hostlib.ProcessTracker, log_dir: Path,
+                      logs: dict[str, str]) -> dict[str, str]:
+    """A private folder per SSH node for this start (``mktemp -d`` under the node's workdir or ``$TMPDIR``); at
+    the tracker's exit, after the engine stopped, each log is copied back into ``log_dir`` (``logs`` then names
+    the local copy) and the folder is removed."""
+    out: dict[str, str] = {}
+    for node in target.nodes:
+        if node.kind != "ssh":
+            continue
+        host = hosts[node.name]
+        out[node.name] = host.private_dir(node.workdir)
+
+        def back(node: str = node.name, host: Any = host) -> None:
+            remote = logs.get(node)
+            try:
+                if remote and remote.startswith(out[node]):
+                    local = Path(log_dir) / Path(remote).name
+                    host.get(remote, local)
+                    logs[node] = str(local)
+            finally:
+                host.remove_private_dir(out[node])
+        tracker.on_exit(f"workdir {node.name} {out[node.name]}", back)
+    return out
+
+
 def is_healthy(srv: RunningServer, timeout: float = 5.0) -> bool:
     """Head answers its health probe AND every node's engine process is alive."""
-    status, _ = http_json(srv.base_url + srv.engine.health_path, timeout=timeout)
+    status, _ = http_json(srv.base_url + srv.engine.health_path, timeout=timeout, headers=srv.auth_headers)
     return status == 200 and all(srv.node_status().values())
 
 
@@ -239,6 +303,8 @@ def stop_server(srv: RunningServer, tracker: hostlib.ProcessTracker, run_dir: Pa
     workers = [n for n in srv.handles if n != head]
     if workers:
         hostlib.fan_out([srv.hosts[n] for n in workers], lambda h: tracker.stop(srv.handles[h.name]))
+    for name in [c[0] for c in tracker.cleanups if c[0].startswith("workdir ")]:
+        tracker.run_cleanup(name)        # logs copied back, the nodes' private folders removed
     cleanup = verify_cleanup(srv)
     released = bool(cleanup["port_free"].all()) if len(cleanup) else None
     info = {"stopped": now_iso(), "port_released": released,
@@ -274,7 +340,7 @@ def engine_info(srv: RunningServer) -> dict[str, Any]:
     """What the engine says about itself (version endpoints), as returned."""
     out: dict[str, Any] = {}
     for path in srv.engine.version_paths:
-        status, body = http_json(srv.base_url + path, timeout=10.0)
+        status, body = http_json(srv.base_url + path, timeout=10.0, headers=srv.auth_headers)
         if status == 200:
             out[path] = body
     return out
@@ -316,7 +382,11 @@ def collect_logs(srv: RunningServer, dest: Path) -> dict[str, str]:
     for node, remote in srv.log_paths.items():
         local = dest / f"{node}.log"
         try:
-            if str(Path(remote).resolve()) != str(local.resolve()):
+            if str(Path(remote).resolve()) == str(local.resolve()):
+                pass
+            elif Path(remote).is_file() and srv.handles[node].stopped:   # already copied back from the node
+                local.write_bytes(Path(remote).read_bytes())
+            else:
                 srv.hosts[node].get(remote, local)
             out[node] = str(local)
         except Exception as exc:

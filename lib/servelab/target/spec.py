@@ -5,6 +5,7 @@ so a typo in a target file fails before anything starts.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,12 +22,13 @@ class Node:
     port: int = 22
     user: str = ""
     key_file: str = ""
-    known_hosts: str = ""            # default: ~/.ssh/known_hosts
-    accept_new_host_key: bool = False  # explicit opt-in; recorded in the manifest
+    known_hosts: str = ""            # default: ~/.ssh/known_hosts + ~/.config/servelab/known_hosts
+    accept_new_host_key: bool = False  # explicit opt-in: the key is saved, then verified; recorded in the manifest
     gpus: int = 0
     netdevs: list[str] = field(default_factory=list)
     hcas: list[str] = field(default_factory=list)
-    workdir: str = ""
+    workdir: str = ""                # the node's private per-run folders go under it (default: its $TMPDIR)
+    state_dir: str = ""              # pid records of what servelab started there (default: ~/.cache/servelab)
 
 
 @dataclass
@@ -45,12 +47,24 @@ class Target:
     gate: dict[str, Any] = field(default_factory=dict)     # transport gate (Phase 5); empty = none
     preflight: dict[str, Any] = field(default_factory=dict)
     scale: str = "local"              # case length scale: local | cluster
+    api_key_env: str = ""             # name of the variable holding the head's API key (never the key itself)
     source: str = ""                  # the file it was read from
 
     @property
     def head(self) -> Node:
         heads = [n for n in self.nodes if n.role == "head"]
         return heads[0] if heads else self.nodes[0]
+
+    def api_key(self) -> str:
+        """The head's API key, read from this process's environment (``api_key_env``); "" when none is set up.
+        A named variable that is unset or empty is an error, before anything starts."""
+        if not self.api_key_env:
+            return ""
+        key = os.environ.get(self.api_key_env, "")
+        if not key.strip() or "\n" in key:
+            raise ValueError(f"target {self.name}: api_key_env names {self.api_key_env}, which is not set (or empty) "
+                             f"here; export {self.api_key_env}=<the key> before running")
+        return key.strip()
 
     @property
     def is_local(self) -> bool:

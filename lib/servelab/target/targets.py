@@ -1,6 +1,7 @@
 """Reading and validating targets: ``load_target('local')`` → :class:`~servelab.target.spec.Target`."""
 from __future__ import annotations
 
+import re
 from dataclasses import fields
 from pathlib import Path
 
@@ -71,6 +72,9 @@ def target_from_dict(raw: dict, source: str = "<dict>") -> Target:
         raise ParamError(f"{source}: scale must be 'local' or 'cluster', not {raw['scale']!r}")
     if isinstance(raw.get("port"), int) and not 0 <= raw["port"] <= 65535:
         raise ParamError(f"{source}: port must be 0..65535, got {raw['port']}")
+    if raw.get("api_key_env") and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(raw["api_key_env"])):
+        raise ParamError(f"{source}: api_key_env is the NAME of an environment variable holding the key (e.g. "
+                         f"SERVELAB_API_KEY), not the key itself")
     if raw["engine"] not in ENGINES:
         raise ParamError(f"{source}: engine '{raw['engine']}' is not one of {sorted(ENGINES)}"
                          f"{did_you_mean(str(raw['engine']), ENGINES)}")

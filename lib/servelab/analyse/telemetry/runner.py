@@ -92,12 +92,14 @@ class CollectorStatus:
 @dataclass
 class NodePlan:
     """The collectors of one node for one case; ``remote_dir`` is where they write on that node
-    (default: the local telemetry folder for a local host; ``/tmp/servelab/telemetry/<case>/<node>``
-    on a remote one, copied back with ``host.read_file`` when the case stops)."""
+    (default: the local telemetry folder for a local host; on a remote one a private folder made for this
+    case — ``host.private_dir(workdir)``, mode 0700 under the node's workdir or ``$TMPDIR`` — copied back with
+    ``host.read_file`` and removed when the case stops)."""
     host: Any
     specs: list[CollectorSpec]
     node: str = ""
     remote_dir: str | None = None
+    workdir: str = ""                # where a remote node's private folder goes ("" = its $TMPDIR)
 
     def __post_init__(self) -> None:
         self.node = self.node or getattr(self.host, "name", "local")
@@ -184,6 +186,7 @@ class TelemetrySession:
     case_dir: Path
     running: list[_Running]
     skipped: list[CollectorStatus]
+    private_dirs: list[tuple[Any, str]] = field(default_factory=list)   # (host, folder): removed at stop
 
     @property
     def telemetry_dir(self) -> Path:
@@ -238,6 +241,12 @@ class TelemetrySession:
             else:
                 st.status = OK
             _write_status(tdir, st)
+        for host, folder in self.private_dirs:      # the raw files are copied back: the node keeps nothing
+            try:
+                host.remove_private_dir(folder)
+            except Exception:  # noqa: BLE001 - a node gone at the end keeps its folder; never hides the results
+                pass
+        self.private_dirs = []
         statuses = self.skipped + [r.status for r in self.running]
         result = TelemetryResult(statuses, tdir)
         if raise_on_failure and not result.ok:
@@ -250,18 +259,55 @@ def start_telemetry(case_dir: Path, plans: list[NodePlan], grace_s: float = 1.0)
 
     Raises ``RequiredCollectorError`` — after stopping what had started and writing every status —
     when a required collector is missing, fails its probe, cannot start or dies within ``grace_s``.
+    Whatever else breaks while starting (a node gone, Ctrl-C, SIGTERM) also stops the collectors already
+    started and removes the nodes' private folders before it propagates.
     """
     tdir = telemetry_dir(case_dir)
-    running: list[_Running] = []
-    skipped: list[CollectorStatus] = []
+    session = TelemetrySession(Path(case_dir), [], [])
+    try:
+        _start_all(session, plans, tdir)
+        if session.running and grace_s > 0:
+            time.sleep(grace_s)
+    except BaseException:
+        session.stop()
+        raise
+    running, skipped = session.running, session.skipped
+    dead = [r for r in running if not r.plan.host.is_running(r.handle)]
+    failed_now = [s for s in skipped if s.required] + [r.status for r in dead if r.spec.required]
+    for s in skipped:
+        _write_status(tdir, s)
+    if failed_now:
+        result = session.stop()
+        reasons = "; ".join(f"{s.node}/{s.collector}: {s.status} — {s.reason}"
+                            for s in result.statuses if s.failed_required)
+        raise RequiredCollectorError(f"required telemetry could not start, the case does not begin: {reasons}",
+                                     result.statuses)
+    return session
+
+
+def _start(host: Any, spec: CollectorSpec, path: str) -> Any:
+    """``host.start`` naming what it starts (for the node's pid record), where the host takes that name."""
+    try:
+        return host.start(spec.argv, path, env=spec.env or None, what=f"collector {spec.name}")
+    except TypeError as exc:
+        if "what" not in str(exc):
+            raise
+        return host.start(spec.argv, path, env=spec.env or None)
+
+
+def _start_all(session: TelemetrySession, plans: list[NodePlan], tdir: Path) -> None:
+    """Probe and start every collector of every node into ``session``; a required collector that cannot start
+    ends the loop (the caller stops what started: collectors 0..k-1)."""
+    running, skipped = session.running, session.skipped
     for plan in plans:
         ndir = tdir / plan.node
         ndir.mkdir(parents=True, exist_ok=True)
         write_json_atomic(ndir / "clock.json", measure_clock_offset(plan.host))
         remote_dir = plan.remote_dir
         if remote_dir is None and getattr(plan.host, "kind", "local") != "local":
-            remote_dir = f"/tmp/servelab/telemetry/{Path(case_dir).name}/{plan.node}"
-        if remote_dir:
+            remote_dir = plan.host.private_dir(plan.workdir)     # mode 0700, a fresh name per case
+            session.private_dirs.append((plan.host, remote_dir))
+        elif remote_dir:
             plan.host.run(["mkdir", "-p", "--", remote_dir], timeout=30)
         remote_dir = remote_dir or str(ndir)
         cache: dict[str, bool] = {}
@@ -302,27 +348,15 @@ def start_telemetry(case_dir: Path, plans: list[NodePlan], grace_s: float = 1.0)
                 local_path.unlink()
             try:
                 st.start_ns = time.time_ns()
-                handle = plan.host.start(spec.argv, remote_path, env=spec.env or None)
+                handle = _start(plan.host, spec, remote_path)
             except Exception as exc:  # noqa: BLE001
                 st.status, st.reason = FAILED_TO_START, f"{type(exc).__name__}: {exc}"
                 skipped.append(st)
+                if spec.required:
+                    return
                 continue
             st.started = True
             running.append(_Running(plan, spec, st, handle, remote_path, local_path))
-    session = TelemetrySession(Path(case_dir), running, skipped)
-    if running and grace_s > 0:
-        time.sleep(grace_s)
-    dead = [r for r in running if not r.plan.host.is_running(r.handle)]
-    failed_now = [s for s in skipped if s.required] + [r.status for r in dead if r.spec.required]
-    for s in skipped:
-        _write_status(tdir, s)
-    if failed_now:
-        result = session.stop()
-        reasons = "; ".join(f"{s.node}/{s.collector}: {s.status} — {s.reason}"
-                            for s in result.statuses if s.failed_required)
-        raise RequiredCollectorError(f"required telemetry could not start, the case does not begin: {reasons}",
-                                     result.statuses)
-    return session
 
 
 def read_statuses(case_dir: Path) -> list[CollectorStatus]:

@@ -41,7 +41,7 @@ COMMON_LAUNCH_KEYS: dict[str, str] = {
     "python": "python interpreter on the node (bare mode)",
     "extra_args": "list of further engine arguments, passed verbatim as argv items",
     "dist_port": "port for multi-node rendezvous",
-    "bind_host": "address the server listens on (default: 127.0.0.1 for local targets, 0.0.0.0 for clusters)",
+    "bind_host": "address the server listens on (default: 127.0.0.1 for a local head, the head node's host over SSH)",
 }
 
 
@@ -63,8 +63,10 @@ class LaunchPlan:
     container: ContainerSpec | None = None   # mode=docker: argv is its `docker run`, env goes in its env file
 
     def shell(self) -> str:
-        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
-        return f"{env} {shlex.join(self.argv)}".strip()
+        """The command as one line for a page: secrets (an API key in the environment or argv) redacted."""
+        from servelab.core.run import redact_argv, redact_env
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in redact_env(self.env).items())
+        return f"{env} {shlex.join(redact_argv(self.argv))}".strip()
 
 
 @dataclass
@@ -194,8 +196,70 @@ class EngineAdapter:
 
     @staticmethod
     def bind_host(target: Any) -> str:
-        """Local targets listen on loopback only; cluster heads must accept the client's connection."""
-        return str(target.launch.get("bind_host") or ("127.0.0.1" if target.is_local else "0.0.0.0"))
+        """The narrowest address that serves the client: loopback for a local head, the head node's own address
+        over SSH (never 0.0.0.0 unless ``launch.bind_host`` asks for it)."""
+        head = target.head
+        return str(target.launch.get("bind_host") or ("127.0.0.1" if head.kind == "local" else head.host))
+
+    # --- API key (docs/method.md#exposure)
+    # the variable the engine reads its API key from; "" = the engine takes it on its command line only
+    api_key_env_var: str = ""
+    api_key_flag: str = "--api-key"
+
+    def apply_api_key(self, plans: list[LaunchPlan], key: str) -> list[str]:
+        """Give the head's plan the API key: through the engine's own variable where it has one (never in argv;
+        a ``docker run`` gets ``-e NAME`` without the value), else as ``--api-key`` (visible in ``ps`` on the
+        node — said in the returned notes)."""
+        notes: list[str] = []
+        for plan in plans:
+            if plan.role != "head":
+                continue
+            if self.api_key_env_var:
+                plan.env = {**plan.env, self.api_key_env_var: key}     # the head's own copy: workers share env
+                if plan.argv and plan.argv[0] == "docker" and "run" in plan.argv:
+                    i = plan.argv.index("run") + 1
+                    plan.argv[i:i] = ["-e", self.api_key_env_var]
+            else:
+                plan.argv += [self.api_key_flag, key]
+                notes.append(f"{self.name} takes its API key only as {self.api_key_flag}: the key is visible in the "
+                             f"process list (ps) of {plan.node}")
+        return notes
+
+    def dev_endpoints(self, target: Any) -> list[str]:
+        """Endpoints beyond serving that this launch mounts (profiling, cache flush, slot contents...)."""
+        return [p for p in (self.flush_cache_path, self.start_profile_path, self.stop_profile_path) if p]
+
+    @staticmethod
+    def _loopback(host: str) -> bool:
+        return host == "localhost" or host.startswith("127.") or host == "::1"
+
+    def exposure_warnings(self, target: Any, api_key: bool) -> list[str]:
+        """Sentences for the page's warning block (``docs/method.md#exposure``): a head reachable beyond this
+        machine without an API key, development/profiling endpoints on such an address, a key that can only
+        travel on the command line."""
+        host = self.bind_host(target)
+        out = []
+        dev = self.dev_endpoints(target)
+        if not self._loopback(host) and not api_key:
+            out.append(f"The head listens on {host} (not loopback) without an API key: anyone who can reach that "
+                       f"address can send requests" + (f" and call {', '.join(dev)}" if dev else "") +
+                       ". Set api_key_env in the target (docs/method.md#exposure) or bind 127.0.0.1.")
+        elif dev and not self._loopback(host):
+            out.append(f"{self.name} mounts {', '.join(dev)} on {host} (behind the API key): development/profiling "
+                       "endpoints that change the server's state; keep the address private.")
+        if api_key and not self.api_key_env_var:
+            out.append(f"{self.name} takes its API key only on its command line ({self.api_key_flag}): it is visible "
+                       "in the process list of the head node.")
+        return out
+
+    def exposure_notes(self, target: Any, api_key: bool) -> list[str]:
+        """What is exposed but only on loopback (an info note: every local user can still reach it)."""
+        host = self.bind_host(target)
+        dev = self.dev_endpoints(target)
+        if self._loopback(host) and dev:
+            return [f"The head listens on {host} only; it mounts {', '.join(dev)}" +
+                    (" behind the API key" if api_key else "") + ", reachable by every user of that machine."]
+        return []
 
     def max_request_tokens(self, launch: dict[str, Any]) -> int | None:
         """Tokens one request may hold (prompt + output): the context length (None where unset)."""

@@ -45,6 +45,10 @@ class LlamaCppAdapter(EngineAdapter):
     flush_cache_path = None          # per-slot prompt cache; requests send cache_prompt=false instead
     version_paths = ("/props", "/v1/models")
     slots_path = "/slots"            # served with --slots (always passed below)
+    api_key_env_var = "LLAMA_API_KEY"   # llama-server reads --api-key from this variable
+
+    def dev_endpoints(self, target: Any) -> list[str]:
+        return ["/slots (the prompts being served)"]
     metric_names = {
         "running": "llamacpp:requests_processing", "waiting": "llamacpp:requests_deferred",
         "prompt_tokens_total": "llamacpp:prompt_tokens_total",
@@ -213,7 +217,7 @@ class LlamaCppAdapter(EngineAdapter):
                                     ready="tcp", ready_port=rpc_port, ready_host=w.host))
         exe = binary or la.get("binary") or "llama-server"
         argv = [str(exe), "-m", str(model_path or target.model), "-a", target.served_model_name or "default",
-                "--host", target.api_host, "--port", str(port),
+                "--host", self.bind_host(target), "--port", str(port),
                 "-c", str(la.get("context_length", 16384)), "-np", str(la.get("parallel", 8)),
                 "-t", str(la.get("threads", 2)), "--metrics", "--slots"]
         if la.get("n_gpu_layers") is not None:

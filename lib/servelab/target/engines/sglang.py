@@ -35,6 +35,7 @@ class SGLangAdapter(EngineAdapter):
     }
     health_path = "/health"
     flush_cache_path = "/flush_cache"
+    api_key_env_var = ""                 # SGLang takes its API key only as --api-key (visible in ps)
     start_profile_path = "/start_profile"
     stop_profile_path = "/stop_profile"
     version_paths = ("/server_info", "/get_server_info", "/model_info")

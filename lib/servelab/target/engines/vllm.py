@@ -46,6 +46,16 @@ class VLLMAdapter(EngineAdapter):
     health_path = "/health"
     flush_cache_path = "/reset_prefix_cache"     # mounted only with VLLM_SERVER_DEV_MODE=1
     start_profile_path = "/start_profile"        # mounted only with a profiler config
+    api_key_env_var = "VLLM_API_KEY"             # read by vllm's API server when --api-key is not given
+
+    def dev_endpoints(self, target: Any) -> list[str]:
+        la = target.launch
+        out = []
+        if la.get("dev_mode") or target.env.get("VLLM_SERVER_DEV_MODE") == "1":
+            out.append("the VLLM_SERVER_DEV_MODE endpoints (/reset_prefix_cache, /sleep, /collective_rpc...)")
+        if la.get("profiler_dir"):
+            out.append("/start_profile, /stop_profile")
+        return out
     stop_profile_path = "/stop_profile"
     version_paths = ("/version", "/v1/models")
     tokenize_path = "/tokenize"
