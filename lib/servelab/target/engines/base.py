@@ -208,19 +208,22 @@ class EngineAdapter:
 
     def apply_api_key(self, plans: list[LaunchPlan], key: str) -> list[str]:
         """Give the head's plan the API key: through the engine's own variable where it has one (never in argv;
-        a ``docker run`` gets ``-e NAME`` without the value), else as ``--api-key`` (visible in ``ps`` on the
-        node — said in the returned notes)."""
+        in docker mode it goes into the container's mode-0600 env file), else as ``--api-key`` (visible in ``ps``
+        on the node — said in the returned notes)."""
         notes: list[str] = []
         for plan in plans:
             if plan.role != "head":
                 continue
-            if self.api_key_env_var:
+            if self.api_key_env_var and plan.container is not None:     # docker: into the 0600 env file
+                plan.container.env = {**plan.container.env, self.api_key_env_var: key}
+            elif self.api_key_env_var:
                 plan.env = {**plan.env, self.api_key_env_var: key}     # the head's own copy: workers share env
-                if plan.argv and plan.argv[0] == "docker" and "run" in plan.argv:
-                    i = plan.argv.index("run") + 1
-                    plan.argv[i:i] = ["-e", self.api_key_env_var]
             else:
-                plan.argv += [self.api_key_flag, key]
+                if plan.container is not None:
+                    plan.container.engine_argv = [*plan.container.engine_argv, self.api_key_flag, key]
+                    plan.argv = plan.container.run_argv()
+                else:
+                    plan.argv += [self.api_key_flag, key]
                 notes.append(f"{self.name} takes its API key only as {self.api_key_flag}: the key is visible in the "
                              f"process list (ps) of {plan.node}")
         return notes
