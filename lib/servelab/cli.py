@@ -116,10 +116,11 @@ def failure_reason(exc: BaseException) -> str:
     return first[:500]
 
 
-def kernel_manager_class(log_path: Path | None = None) -> type:
+def kernel_manager_class(log_path: Path | None = None, env: dict[str, str] | None = None) -> type:
     """Kernels talk to papermill over IPC sockets in the user's private runtime dir: no TCP port is opened (and
     ipykernel has nothing to warn about). The kernel process's own output — its logging, a traceback while it is
-    being shut down after Ctrl-C — goes to ``log_path`` (the phase folder's ``kernel.log``), not the terminal."""
+    being shut down after Ctrl-C — goes to ``log_path`` (the phase folder's ``kernel.log``), not the terminal.
+    ``env`` is added to the kernel's environment (the secrets a derived target names; never on disk or argv)."""
     from jupyter_client.manager import AsyncKernelManager
     from traitlets import default
 
@@ -129,6 +130,8 @@ def kernel_manager_class(log_path: Path | None = None) -> type:
             return "ipc"
 
         async def _async_launch_kernel(self, kernel_cmd: list[str], **kw: Any) -> None:
+            if env:           # the secrets a derived target names as ${NAME}: in the kernel's environment only
+                kw["env"] = {**(kw.get("env") or os.environ), **env}
             if log_path is not None:
                 log_path.parent.mkdir(parents=True, exist_ok=True)
                 log = open(log_path, "ab")          # the child keeps its own copy of the descriptor
@@ -189,16 +192,86 @@ def validate(phase: str, target: str, overrides: dict[str, str]) -> tuple[Path, 
     return nb, params
 
 
-def derived_target(rdir: Path, target: str, launch_over: dict[str, Any]) -> str:
-    """Write the target with ``-p`` launch overrides applied into the run directory; returns its path."""
+def derived_target(rdir: Path, target: str, launch_over: dict[str, Any]) -> tuple[str, dict[str, str]]:
+    """Write the target with ``-p`` launch overrides applied into the run directory; returns its path and the
+    secrets it names.
+
+    The file holds no secret: a secret ``env`` value (by name, or a value that carries one, e.g. a URL with a
+    password) is written as ``${NAME}``, a secret launch argument as ``${SERVELAB_SECRET_ARG_<n>}``, and
+    :func:`servelab.target.targets.load_target` resolves them from the environment. The returned mapping
+    (``NAME`` → value) is what the phase's kernel gets in its environment; to load the file again later, export
+    the same names (``docs/method.md#secrets``)."""
     import yaml
+    from servelab.core.redact import is_secret_name, known_secrets, redact, redact_text, secret_argv_values
     t = load_target(target)
     raw = _with_launch(t, launch_over)
-    raw["description"] = f"{t.description} [-p overrides: {launch_over}]"
+    known = t.secret_values()
+    refs: dict[str, str] = {}
+    for k, v in list(raw.get("env", {}).items()):
+        if is_secret_name(k) or redact_text(str(v), known) != str(v):
+            raw["env"][k] = "${%s}" % k
+            refs[k] = str(v)
+
+    def args(items: list[Any]) -> list[Any]:
+        secret_vals = set(secret_argv_values(items))
+        out = []
+        for a in items:
+            text = str(a)
+            hit = next((sv for sv in secret_vals if sv and sv in text), None)
+            if hit is None and redact_text(text, known) != text:
+                hit = text
+            if hit is not None:
+                name = f"SERVELAB_SECRET_ARG_{len(refs) + 1}"
+                refs[name] = hit
+                out.append(text.replace(hit, "${%s}" % name))
+            else:
+                out.append(a)
+        return out
+
+    launch = raw.get("launch") or {}
+    if isinstance(launch.get("extra_args"), list):
+        launch["extra_args"] = args(launch["extra_args"])
+    if isinstance(launch.get("docker"), dict) and isinstance(launch["docker"].get("extra_args"), list):
+        launch["docker"]["extra_args"] = args(launch["docker"]["extra_args"])
+    known = known_secrets(values=refs.values(), environ=True) + known
+    raw["description"] = redact_text(f"{t.description} [-p overrides: {redact(launch_over, known)}]", known)
     out = rdir / "targets" / f"{t.name}.yaml"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(yaml.safe_dump(raw, sort_keys=False))
-    return str(out)
+    out.write_text("# written by servelab run: the target with -p launch overrides; ${NAME} values come from the\n"
+                   "# environment (secrets are never written here)\n" + yaml.safe_dump(raw, sort_keys=False))
+    return str(out), refs
+
+
+def launch_over_secrets(launch_over: dict[str, Any]) -> dict[str, str]:
+    """Secret values passed as ``-p`` launch overrides (``-p extra_args=[--api-key,X]``)."""
+    from servelab.core.redact import secret_argv_values
+    args = launch_over.get("extra_args") if isinstance(launch_over.get("extra_args"), list) else []
+    return {str(i): v for i, v in enumerate(secret_argv_values(args))}
+
+
+def run_secrets(target: str, extra: dict[str, str] | None = None) -> tuple[str, ...]:
+    """Every secret value a phase on ``target`` may write somewhere (the target's, the process environment's,
+    ``extra``'s) — what the literal scrub of its files replaces."""
+    from servelab.core.redact import known_secrets
+    try:
+        base = load_target(target).secret_values()
+    except ParamError:
+        base = known_secrets()
+    return tuple(sorted({*base, *known_secrets(values=(extra or {}).values())}, key=lambda v: (-len(v), v)))
+
+
+def scrub_phase_outputs(rdir: Path, key: str, known: tuple[str, ...]) -> None:
+    """The last pass over what a phase wrote, before its page is rendered: the executed notebook (text and
+    stream outputs, tracebacks), every text file of the phase folder, the run's own files (manifest, commands,
+    derived targets) — known secret values and secret-looking text replaced (:mod:`servelab.core.redact`)."""
+    from servelab.core.redact import scrub_file, scrub_tree
+    scrub_tree(rdir / key, known)
+    for f in rdir.iterdir():
+        if f.is_file():
+            scrub_file(f, known)
+    for sub in ("targets", "commands"):
+        if (rdir / sub).is_dir():
+            scrub_tree(rdir / sub, known)
 
 
 def execute_phase(phase: str, target: str, run_id: str, overrides: dict[str, str], render: bool = True,
@@ -217,9 +290,13 @@ def execute_phase(phase: str, target: str, run_id: str, overrides: dict[str, str
     specs = notebook_param_specs(nb)
     params: dict[str, Any] = {k: coerce(specs[k], v, "-p") for k, v in phase_over.items()}
     rdir = runlib.init_run(run_id, load_target(target).name)
+    kernel_env: dict[str, str] = {}
+    known = run_secrets(target)
     if launch_over:
-        runlib.update_manifest(rdir, launch_overrides={key: launch_over})
-        target = derived_target(rdir, target, launch_over)
+        runlib.update_manifest(rdir, launch_overrides={key: runlib.redact(launch_over, known)})
+        known = run_secrets(target, launch_over_secrets(launch_over))
+        target, kernel_env = derived_target(rdir, target, launch_over)
+        known = tuple(sorted({*known, *run_secrets(target, kernel_env)}, key=lambda v: (-len(v), v)))
     params.update(run_id=run_id, target=target)
     out_nb = rdir / key / "notebook.ipynb"
     out_nb.parent.mkdir(parents=True, exist_ok=True)
@@ -232,7 +309,7 @@ def execute_phase(phase: str, target: str, run_id: str, overrides: dict[str, str
             pm.execute_notebook(str(nb), str(out_nb), parameters=params, kernel_name="python3",
                                 cwd=str(project_root()), progress_bar=False, execution_timeout=timeout_s,
                                 request_save_on_cell_execute=True,
-                                kernel_manager_class=kernel_manager_class(out_nb.parent / "kernel.log"))
+                                kernel_manager_class=kernel_manager_class(out_nb.parent / "kernel.log", kernel_env))
     except KeyboardInterrupt:
         status, error = "interrupted", None
         runlib.update_manifest(rdir, phases={key: {"status": "interrupted", "ended": runlib.now_iso()}})
@@ -246,6 +323,7 @@ def execute_phase(phase: str, target: str, run_id: str, overrides: dict[str, str
     finally:
         record_phase_commands(rdir, key, nb, out_nb, params, overrides, target, started,
                               0 if status == "success" else 1)
+        scrub_phase_outputs(rdir, key, known)
         m = runlib.read_manifest(rdir)
         entry = m.get("phases", {}).get(key, {})
         entry["wall_s"] = round(time.monotonic() - t0, 1)
@@ -259,7 +337,7 @@ def execute_phase(phase: str, target: str, run_id: str, overrides: dict[str, str
         if render and out_nb.exists():
             render_notebook(out_nb, rdir / key / "report.html",
                             {"run_id": run_id, "phase": key, "target": target, "status": entry.get("status", status),
-                             "error": entry.get("error", ""), "title": f"{key} · {NOTEBOOKS[key]}"})
+                             "error": entry.get("error", ""), "title": f"{key} · {NOTEBOOKS[key]}"}, known=known)
         write_run_index(rdir)
         write_root_index(rdir.parent)
     if error is not None:
@@ -369,10 +447,13 @@ def cmd_render(args: argparse.Namespace) -> int:
         if nb.exists():
             entry = m.get("phases", {}).get(p, {})
             status = entry.get("status", "")
+            known = run_secrets(str(m.get("target", "")) or "local")
+            if nb.resolve().is_relative_to(rdir.resolve()):
+                scrub_phase_outputs(rdir, p, known)        # e.g. a notebook executed with plain papermill
             out = render_notebook(nb, rdir / p / "report.html", {"run_id": args.run_id, "phase": p,
                                                                  "target": m.get("target", ""), "status": status,
                                                                  "error": entry.get("error", ""),
-                                                                 "title": f"{p} · {NOTEBOOKS.get(p, p)}"})
+                                                                 "title": f"{p} · {NOTEBOOKS.get(p, p)}"}, known=known)
             print(out)
     write_run_index(rdir)
     write_root_index(rdir.parent)
@@ -382,14 +463,15 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 def cmd_archive(args: argparse.Namespace) -> int:
     from servelab.report.archive import write_root_index, write_run_index, zip_run
-    from servelab.core.run import run_dir
+    from servelab.core.run import read_manifest, run_dir
     rdir = run_dir(args.run_id)
     if not (rdir / "manifest.json").exists():
         raise ParamError(f"no run '{args.run_id}' under {rdir.parent}")
     print(write_run_index(rdir))
     write_root_index(rdir.parent)
     if args.zip:
-        print(zip_run(rdir))
+        target = str(read_manifest(rdir).get("target", "")) or "local"
+        print(zip_run(rdir, known=run_secrets(target)))       # every text member redacted as it enters
     return 0
 
 

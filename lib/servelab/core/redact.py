@@ -158,11 +158,20 @@ def secret_argv_values(argv: Sequence[Any]) -> list[str]:
     return out
 
 
+def url_secret_values(text: str) -> list[str]:
+    """Passwords of URLs (``scheme://user:PASSWORD@``) and values of secret query parameters in ``text``."""
+    out = [m.group("pw") for m in URL_CREDENTIALS_RE.finditer(text)]
+    out += [m.group("val") for m in QUERY_PARAM_RE.finditer(text)
+            if is_secret_name(m.group("name")) or m.group("name").lower() in _QUERY_SECRET_NAMES]
+    return out
+
+
 def known_secrets(*envs: Mapping[str, Any] | None, argv: Iterable[Any] = (), values: Iterable[Any] = (),
-                  environ: bool = True) -> tuple[str, ...]:
+                  urls: Iterable[Any] = (), environ: bool = True) -> tuple[str, ...]:
     """The secret values to replace wherever they appear: values of secret-named variables of each mapping in
-    ``envs`` (and of the process environment unless ``environ=False``), secret flag values of ``argv``, and
-    ``values`` as given. Longest first; values shorter than :data:`MIN_KNOWN_LEN` are left to the patterns."""
+    ``envs`` (and of the process environment unless ``environ=False``), secret flag values of ``argv``, URL
+    passwords and secret query values inside ``urls``, and ``values`` as given. Longest first; values shorter than
+    :data:`MIN_KNOWN_LEN` are left to the patterns."""
     found: set[str] = set()
     maps = list(envs) + ([os.environ] if environ else [])
     for env in maps:
@@ -170,6 +179,8 @@ def known_secrets(*envs: Mapping[str, Any] | None, argv: Iterable[Any] = (), val
             if is_secret_name(str(k)) and isinstance(v, (str, int, float)) and not isinstance(v, bool):
                 found.add(str(v))
     found.update(secret_argv_values(list(argv)))
+    for text in urls:
+        found.update(url_secret_values(str(text)))
     found.update(str(v) for v in values if v is not None)
     keep = {v.strip() for v in found if len(v.strip()) >= MIN_KNOWN_LEN and _is_value(v.strip())}
     return tuple(sorted(keep, key=lambda v: (-len(v), v)))

@@ -289,7 +289,7 @@ def rank_environments(srv: RunningServer, prefixes: tuple[str, ...] = ENV_PREFIX
     """
     import pandas as pd
     from servelab.core.run import redact_env
-    expected = {k: v for k, v in srv.target.env.items() if k.startswith(prefixes)}
+    expected = redact_env({k: v for k, v in srv.target.env.items() if k.startswith(prefixes)})
     rows = []
     for node, h in srv.handles.items():
         r = srv.hosts[node].run(["sh", "-c", _GROUP_ENV_SCRIPT, "servelab-env", str(h.pid)], timeout=30)
