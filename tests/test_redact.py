@@ -3,6 +3,7 @@ argv forms and the known-value scrub; files, notebooks and zips through the same
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import secrets
 import string
 import zipfile
@@ -161,3 +162,43 @@ def test_zip_members_redacted(outputs, monkeypatch):
             data = z.read(name).decode("utf-8", "replace")
             assert secret not in data and f"pw-{secret[:8]}" not in data, name
         assert json.loads(z.read(f"{rdir.name}/manifest.json"))["run_id"] == "z-1"
+
+
+def test_target_env_refs_resolve_or_fail_in_one_line(tmp_path, monkeypatch):
+    from servelab.core.params import ParamError
+    from servelab.target.targets import load_target
+    t = tmp_path / "t.yaml"
+    t.write_text("name: t\nengine: llamacpp\nmodel: tiny\nenv: {HF_TOKEN: '${HF_TOKEN_X}', PLAIN: 'a$b'}\n"
+                 "launch: {extra_args: ['--api-key=${KEY_X}']}\n")
+    monkeypatch.delenv("HF_TOKEN_X", raising=False)
+    with pytest.raises(ParamError, match=r"env.HF_TOKEN refers to \$\{HF_TOKEN_X\}, which is not set: export"):
+        load_target(str(t))
+    monkeypatch.setenv("HF_TOKEN_X", "value-1")
+    monkeypatch.setenv("KEY_X", "value-2")
+    loaded = load_target(str(t))
+    assert loaded.env == {"HF_TOKEN": "value-1", "PLAIN": "a$b"}
+    assert loaded.launch["extra_args"] == ["--api-key=value-2"]
+    assert set(loaded.secret_values()) >= {"value-1", "value-2"}
+
+
+def test_derived_target_keeps_secrets_out_and_still_loads(outputs, tmp_path, monkeypatch):
+    from servelab.cli import derived_target
+    from servelab.target.targets import load_target
+    tok, key, pw = "hf_" + rand(), rand(), rand()
+    t = tmp_path / "s.yaml"
+    t.write_text(f"name: s\nengine: llamacpp\nmodel: tiny\ndescription: d\n"
+                 f"env: {{HF_TOKEN: {tok}, MIRROR: 'http://u:{pw}@127.0.0.1:9/', NCCL_DEBUG: INFO}}\n"
+                 f"launch: {{threads: 2, extra_args: [--api-key, {key}, --alias, x]}}\n")
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    rdir = runlib.init_run("d-1", "s")
+    path, refs = derived_target(rdir, str(t), {"threads": 4})
+    text = Path(path).read_text()
+    for v in (tok, key, pw):
+        assert v not in text
+    assert "${HF_TOKEN}" in text and "${MIRROR}" in text and "NCCL_DEBUG: INFO" in text
+    assert refs["HF_TOKEN"] == tok and key in refs.values()
+    for k, v in refs.items():
+        monkeypatch.setenv(k, v)
+    again = load_target(path)
+    assert again.env["HF_TOKEN"] == tok and again.launch["extra_args"] == ["--api-key", key, "--alias", "x"]
+    assert again.launch["threads"] == 4
