@@ -260,18 +260,14 @@ def run_secrets(target: str, extra: dict[str, str] | None = None) -> tuple[str, 
     return tuple(sorted({*base, *known_secrets(values=(extra or {}).values())}, key=lambda v: (-len(v), v)))
 
 
-def scrub_phase_outputs(rdir: Path, key: str, known: tuple[str, ...]) -> None:
+def scrub_phase_outputs(rdir: Path, key: str, known: tuple[str, ...], since: float | None = None) -> None:
     """The last pass over what a phase wrote, before its page is rendered: the executed notebook (text and
-    stream outputs, tracebacks), every text file of the phase folder, the run's own files (manifest, commands,
-    derived targets) — known secret values and secret-looking text replaced (:mod:`servelab.core.redact`)."""
-    from servelab.core.redact import scrub_file, scrub_tree
+    stream outputs, tracebacks), every text file of the phase folder, and every other text file of the run written
+    since ``since`` (its cases, manifest, commands, derived targets) — known secret values and secret-looking text
+    replaced (:mod:`servelab.core.redact`)."""
+    from servelab.core.redact import scrub_tree
     scrub_tree(rdir / key, known)
-    for f in rdir.iterdir():
-        if f.is_file():
-            scrub_file(f, known)
-    for sub in ("targets", "commands"):
-        if (rdir / sub).is_dir():
-            scrub_tree(rdir / sub, known)
+    scrub_tree(rdir, known, since=since if since is not None else 0.0)
 
 
 def execute_phase(phase: str, target: str, run_id: str, overrides: dict[str, str], render: bool = True,
@@ -285,6 +281,7 @@ def execute_phase(phase: str, target: str, run_id: str, overrides: dict[str, str
     from servelab.report.html import render_notebook
 
     nb, _ = validate(phase, target, overrides)
+    t0_wall = time.time() - 2.0        # files written from here on are scrubbed (2 s: coarse modification times)
     phase_over, launch_over = split_overrides(phase, target, overrides)
     key = phase.split("_")[0]
     specs = notebook_param_specs(nb)
@@ -323,7 +320,7 @@ def execute_phase(phase: str, target: str, run_id: str, overrides: dict[str, str
     finally:
         record_phase_commands(rdir, key, nb, out_nb, params, overrides, target, started,
                               0 if status == "success" else 1)
-        scrub_phase_outputs(rdir, key, known)
+        scrub_phase_outputs(rdir, key, known, since=t0_wall)
         m = runlib.read_manifest(rdir)
         entry = m.get("phases", {}).get(key, {})
         entry["wall_s"] = round(time.monotonic() - t0, 1)

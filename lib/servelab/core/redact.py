@@ -340,12 +340,17 @@ def scrub_file(path: Path, known: Iterable[str] | None = None) -> bool:
     return True
 
 
-def scrub_tree(root: Path, known: Iterable[str] | None = None) -> list[Path]:
-    """Redact every text file under ``root`` in place (binary files — traces, Parquet — untouched); returns
-    the files that changed."""
+def scrub_tree(root: Path, known: Iterable[str] | None = None, since: float | None = None) -> list[Path]:
+    """Redact every text file under ``root`` in place (binary files — traces, Parquet — untouched), only those
+    modified at or after ``since`` (epoch seconds) when given; returns the files that changed."""
     known = tuple(known_secrets() if known is None else known)
     changed = []
     for f in sorted(Path(root).rglob("*")):
-        if f.is_file() and not f.is_symlink() and is_text_file(f) and scrub_file(f, known):
+        try:
+            if not f.is_file() or f.is_symlink() or not is_text_file(f) or (since is not None and f.stat().st_mtime < since):
+                continue
+        except OSError:
+            continue
+        if scrub_file(f, known):
             changed.append(f)
     return changed

@@ -76,10 +76,12 @@ def read_manifest(rdir: Path) -> dict[str, Any]:
     return json.loads(p.read_text()) if p.exists() else {}
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
+def write_json_atomic(path: Path, obj: Any, known: Any = None) -> None:
+    """Write ``obj`` as JSON (replace atomically), secrets redacted (:func:`servelab.core.redact.redact`: values
+    under secret names, secret argv, ``known`` values — default the process environment's — and secret shapes)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str, ensure_ascii=False))
+    tmp.write_text(json.dumps(redact(obj, known), indent=2, default=str, ensure_ascii=False))
     os.replace(tmp, path)
 
 
