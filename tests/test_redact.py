@@ -202,3 +202,22 @@ def test_derived_target_keeps_secrets_out_and_still_loads(outputs, tmp_path, mon
     again = load_target(path)
     assert again.env["HF_TOKEN"] == tok and again.launch["extra_args"] == ["--api-key", key, "--alias", "x"]
     assert again.launch["threads"] == 4
+
+
+def test_archive_zip_scrubs_the_recorded_targets_secrets(outputs, tmp_path, monkeypatch, capsys):
+    """A target's literal secret in an unnamed context (a log line echoing it) is replaced in the zip: the archive
+    knows the secrets of every target the run recorded, not only the environment's."""
+    from servelab.cli import main
+    secret, arg = rand(), rand()
+    t = tmp_path / "sec.yaml"
+    t.write_text(f"name: sec\nengine: llamacpp\nmodel: tiny\nenv: {{WANDB_API_KEY: {secret}}}\n"
+                 f"launch: {{extra_args: [--hf-token, {arg}]}}\n")
+    rdir = runlib.init_run("arch-1", "sec")
+    runlib.update_manifest(rdir, phases={"phase0": {"status": "success", "params": {"target": str(t)}}})
+    (rdir / "phase0").mkdir()
+    (rdir / "phase0" / "server.log").write_text(f"loaded key {secret} and {arg}\n")
+    assert main(["archive", "arch-1", "--zip"]) == 0
+    with zipfile.ZipFile(outputs / "arch-1.zip") as z:
+        log = z.read("arch-1/phase0/server.log").decode()
+    assert secret not in log and arg not in log and log.count(R) == 2
+    assert secret in (rdir / "phase0" / "server.log").read_text()      # the zip is redacted, the run untouched

@@ -221,7 +221,7 @@ def derived_target(rdir: Path, target: str, launch_over: dict[str, Any]) -> tupl
             if hit is None and redact_text(text, known) != text:
                 hit = text
             if hit is not None:
-                name = f"SERVELAB_SECRET_ARG_{len(refs) + 1}"
+                name = f"SERVELAB_SECRET_ARG_{sum(k.startswith('SERVELAB_SECRET_ARG_') for k in refs) + 1}"
                 refs[name] = hit
                 out.append(text.replace(hit, "${%s}" % name))
             else:
@@ -258,6 +258,34 @@ def run_secrets(target: str, extra: dict[str, str] | None = None) -> tuple[str, 
     except ParamError:
         base = known_secrets()
     return tuple(sorted({*base, *known_secrets(values=(extra or {}).values())}, key=lambda v: (-len(v), v)))
+
+
+def recorded_run_secrets(rdir: Path) -> tuple[str, ...]:
+    """The secret values of every target a run recorded (its manifest's target, each phase's and attempt's
+    ``target`` parameter) and of the process environment — for ``servelab render`` and ``archive --zip``, which
+    run after the phase. A target that no longer loads (a derived one whose ``${NAME}`` is not exported) gives
+    what its file holds literally."""
+    import yaml
+    from servelab.core.redact import known_secrets
+    from servelab.core.run import read_manifest
+    m = read_manifest(rdir)
+    names = {str(m.get("target") or "")}
+    names |= {str((e.get("params") or {}).get("target") or "") for e in (m.get("phases") or {}).values()}
+    names |= {str((a.get("params") or {}).get("target") or "") for a in (m.get("attempts") or [])}
+    found: set[str] = set(known_secrets())
+    for name in sorted(n for n in names if n):
+        try:
+            found.update(load_target(name).secret_values())
+        except ParamError:
+            try:
+                raw = yaml.safe_load(Path(name).read_text()) if Path(name).suffix else None
+            except (OSError, yaml.YAMLError):
+                raw = None
+            if isinstance(raw, dict):
+                launch = raw.get("launch") if isinstance(raw.get("launch"), dict) else {}
+                found.update(known_secrets(raw.get("env") if isinstance(raw.get("env"), dict) else {},
+                                           argv=launch.get("extra_args") or [], environ=False))
+    return tuple(sorted(found, key=lambda v: (-len(v), v)))
 
 
 def scrub_phase_outputs(rdir: Path, key: str, known: tuple[str, ...], since: float | None = None) -> None:
@@ -444,7 +472,7 @@ def cmd_render(args: argparse.Namespace) -> int:
         if nb.exists():
             entry = m.get("phases", {}).get(p, {})
             status = entry.get("status", "")
-            known = run_secrets(str(m.get("target", "")) or "local")
+            known = recorded_run_secrets(rdir)
             if nb.resolve().is_relative_to(rdir.resolve()):
                 scrub_phase_outputs(rdir, p, known)        # e.g. a notebook executed with plain papermill
             out = render_notebook(nb, rdir / p / "report.html", {"run_id": args.run_id, "phase": p,
@@ -460,15 +488,14 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 def cmd_archive(args: argparse.Namespace) -> int:
     from servelab.report.archive import write_root_index, write_run_index, zip_run
-    from servelab.core.run import read_manifest, run_dir
+    from servelab.core.run import run_dir
     rdir = run_dir(args.run_id)
     if not (rdir / "manifest.json").exists():
         raise ParamError(f"no run '{args.run_id}' under {rdir.parent}")
     print(write_run_index(rdir))
     write_root_index(rdir.parent)
     if args.zip:
-        target = str(read_manifest(rdir).get("target", "")) or "local"
-        print(zip_run(rdir, known=run_secrets(target)))       # every text member redacted as it enters
+        print(zip_run(rdir, known=recorded_run_secrets(rdir)))    # every text member redacted as it enters
     return 0
 
 
