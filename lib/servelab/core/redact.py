@@ -334,20 +334,30 @@ def scrub_file(path: Path, known: Iterable[str] | None = None) -> bool:
     new = redact_file_bytes(path.name, data, known)
     if new == data:
         return False
-    tmp = path.with_name(path.name + ".redact.tmp")
-    tmp.write_bytes(new)
-    os.replace(tmp, path)
+    if path.suffix in (".log", ".out", ".err", ".jsonl"):
+        # a log may still be open for appending (the kernel's, a collector's): rewrite the same file, whose
+        # writer keeps appending at its end, rather than replace it with one the writer never sees
+        with open(path, "r+b") as f:
+            f.write(new)
+            f.truncate()
+    else:
+        tmp = path.with_name(path.name + ".redact.tmp")
+        tmp.write_bytes(new)
+        os.replace(tmp, path)
     return True
 
 
-def scrub_tree(root: Path, known: Iterable[str] | None = None, since: float | None = None) -> list[Path]:
+def scrub_tree(root: Path, known: Iterable[str] | None = None, since: float | None = None,
+               exclude: tuple[str, ...] = ()) -> list[Path]:
     """Redact every text file under ``root`` in place (binary files — traces, Parquet — untouched), only those
-    modified at or after ``since`` (epoch seconds) when given; returns the files that changed."""
+    modified at or after ``since`` (epoch seconds) when given, none whose name ends with one of ``exclude``;
+    returns the files that changed."""
     known = tuple(known_secrets() if known is None else known)
     changed = []
     for f in sorted(Path(root).rglob("*")):
         try:
-            if not f.is_file() or f.is_symlink() or not is_text_file(f) or (since is not None and f.stat().st_mtime < since):
+            if not f.is_file() or f.is_symlink() or not is_text_file(f) or f.name.endswith(exclude) \
+                    or (since is not None and f.stat().st_mtime < since):
                 continue
         except OSError:
             continue
