@@ -32,7 +32,7 @@ def test_names_stay_importable_from_run():
     ("DB_PASS", True), ("client_secret", True), ("AWS_SECRET_ACCESS_KEY", True), ("hf-token", True),
     ("max_tokens", False), ("bos_token", False), ("eos_token", False), ("time_to_first_token", False),
     ("total_token_throughput", False), ("itl_per_token", False), ("prompt_token_count", False),
-    ("token_ids", False), ("tokenizer", False), ("first_pass", False), ("author", False), ("NCCL_IB_HCA", False),
+    ("token_ids", False), ("token_check", False), ("tokenizer", False), ("first_pass", False), ("author", False), ("NCCL_IB_HCA", False),
     ("kv_bytes_per_token", False), ("next_token", False)])
 def test_secret_names(name, secret):
     assert rd.is_secret_name(name) is secret
@@ -142,8 +142,12 @@ def test_scrub_tree_leaves_binary(tmp_path):
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "x.csv").write_text(f"k,v\nkey,{secret}\n")
     (tmp_path / "a" / "t.parquet").write_bytes(b"PAR1\0" + secret.encode())
+    (tmp_path / "a" / "c.jsonl").write_text(json.dumps({"argv": ["srv", "--api-key", "k3y-abc"], "n": 1}) + "\n"
+                                            + json.dumps({"token_check": {"checked": 1}}) + "\n")
     changed = rd.scrub_tree(tmp_path, known=(secret,))
-    assert changed == [tmp_path / "a" / "x.csv"]
+    assert changed == [tmp_path / "a" / "c.jsonl", tmp_path / "a" / "x.csv"]
+    rows = [json.loads(line) for line in (tmp_path / "a" / "c.jsonl").read_text().splitlines()]
+    assert rows == [{"argv": ["srv", "--api-key", R], "n": 1}, {"token_check": {"checked": 1}}]
     assert secret not in (tmp_path / "a" / "x.csv").read_text()
     assert secret.encode() in (tmp_path / "a" / "t.parquet").read_bytes()
 
@@ -221,3 +225,11 @@ def test_archive_zip_scrubs_the_recorded_targets_secrets(outputs, tmp_path, monk
         log = z.read("arch-1/phase0/server.log").decode()
     assert secret not in log and arg not in log and log.count(R) == 2
     assert secret in (rdir / "phase0" / "server.log").read_text()      # the zip is redacted, the run untouched
+
+
+def test_json_of_a_case_summary_survives_redaction():
+    """Redacting a real case summary's JSON text leaves valid, identical JSON (nested objects under names like
+    ``token_check`` are data, never a value to hide)."""
+    text = json.dumps({"token_check": {"checked": 1, "mismatches": 0}, "bos_token": "<s>",
+                       "windows": [[1, 2]], "auth": {"mode": "none"}, "itl_per_token_ms": 1.5}, indent=2)
+    assert json.loads(rd.redact_text(text, known=())) == json.loads(text)

@@ -35,8 +35,6 @@ _SECRET_PAIRS = {("api", "key"), ("access", "key"), ("private", "key"), ("secret
 # "token" names a secret (HF_TOKEN, access-token, token) unless it is the model's kind of token
 _TOKENISH = {"bos", "eos", "pad", "unk", "sep", "cls", "mask", "first", "next", "last", "per", "output", "input",
              "prompt", "special", "start", "end", "stop", "new", "generated", "draft", "max", "min", "num", "total"}
-_TOKEN_STAT = {"count", "counts", "id", "ids", "throughput", "latency", "budget", "len", "length", "limit", "rate",
-               "usage", "per", "s", "ms", "type", "index", "text", "logprob", "logprobs", "str"}
 # "pass" names a secret (DB_PASS, SSHPASS) unless it is a pass of a computation
 _PASSISH = {"first", "second", "third", "forward", "backward", "single", "multi", "prefill", "decode", "one", "two",
             "each", "num", "n", "by"}
@@ -58,7 +56,8 @@ def is_secret_name(name: str) -> bool:
         nxt = words[i + 1] if i + 1 < len(words) else ""
         if w in _SECRET_WORDS or (prev, w) in _SECRET_PAIRS:
             return True
-        if w in ("token", "hftoken") and prev not in _TOKENISH and nxt not in _TOKEN_STAT:
+        # token: the last word (HF_TOKEN, access-token, token) or before value/secret — token_check, token_ids are data
+        if w in ("token", "hftoken") and prev not in _TOKENISH and nxt in ("", "value", "secret", "key"):
             return True
         if w in ("pass", "sshpass", "dbpass") and prev not in _PASSISH and nxt not in ("rate", "count", "id", "s"):
             return True
@@ -85,8 +84,10 @@ SECRET_VALUE_RES = [
 ]
 # scheme://user:password@host — the user stays, the password goes
 URL_CREDENTIALS_RE = re.compile(r"(?P<pre>\b[A-Za-z][A-Za-z0-9+.\-]*://[^\s/@:'\"<>]*:)(?P<pw>[^\s/@'\"<>]+)(?=@)")
-# ?token=X / &api_key=X / ;sig=X
-QUERY_PARAM_RE = re.compile(r"(?P<pre>[?&;](?P<name>[A-Za-z0-9_.\-]+)=)(?P<val>[^&#;\s'\"<>]+)")
+# ?token=X / &api_key=X — only inside a URL (scheme://... or an absolute path with a query), never in code
+QUERY_PARAM_RE = re.compile(r"(?P<pre>[?&](?P<name>[A-Za-z0-9_.\-]+)=)(?P<val>[^&#;\s'\"<>]+)")
+URL_RE = re.compile(r"\b[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>`]+")
+PATH_QUERY_RE = re.compile(r"(?<![\w.)\]])/[A-Za-z0-9_\-./]*\?[^\s'\"<>`]+")
 # Authorization: Bearer X / Authorization: Basic X / "Authorization": "Bearer X" / Bearer X
 AUTH_HEADER_RE = re.compile(r"(?P<pre>\b(?:Proxy-)?Authorization[\"']?\s*[:=]\s*[\"']?(?:(?:Bearer|Basic|Token|Digest)\s+)?)"
                             r"(?P<val>[^\s\"',}]+)", re.IGNORECASE)
@@ -96,7 +97,7 @@ FLAG_RE = re.compile(r"(?P<pre>(?<![\w\-])(?P<flag>--?[A-Za-z][A-Za-z0-9_.\-]*)(
                      r"(?P<val>(?!-)[^\s\"']+)")
 # NAME=value, NAME: value, "NAME": "value" (env assignments, YAML, JSON, headers like X-Api-Key: X)
 ASSIGN_RE = re.compile(r"(?P<pre>(?<![\w\-.$])(?P<name>[A-Za-z_][A-Za-z0-9_.\-]*)[\"']?[ \t]*(?:=|:(?!//))[ \t]*[\"']?)"
-                       r"(?P<val>[^\s\"',;&}\]]+)")
+                       r"(?P<val>(?![{\[])[^\s\"',;&}\]]+)")
 
 _NOT_A_SECRET = {"", "none", "null", "true", "false", "yes", "no", "0", "1", "-", "<absent>", REDACTED.lower(),
                  "bearer", "basic", "digest"}
@@ -114,6 +115,15 @@ def _sub_named(rx: re.Pattern[str], text: str, secret: Any) -> str:
     return rx.sub(repl, text)
 
 
+def _secret_query_name(name: str) -> bool:
+    return (is_secret_name(name) or name.lower() in _QUERY_SECRET_NAMES
+            or bool({"sig", "signature", "key", "token"} & set(_words(name))))
+
+
+def _redact_query(url: str) -> str:
+    return _sub_named(QUERY_PARAM_RE, url, lambda m: _secret_query_name(m.group("name")))
+
+
 def redact_patterns(text: str, names: bool = True) -> str:
     """Hide what looks like a secret (by shape, and by name unless ``names=False``); no known values.
 
@@ -123,9 +133,9 @@ def redact_patterns(text: str, names: bool = True) -> str:
     for rx in SECRET_VALUE_RES:
         text = rx.sub(REDACTED, text)
     text = URL_CREDENTIALS_RE.sub(lambda m: m.group("pre") + REDACTED, text)
-    text = _sub_named(QUERY_PARAM_RE, text, lambda m: is_secret_name(m.group("name"))
-                      or m.group("name").lower() in _QUERY_SECRET_NAMES
-                      or bool({"sig", "signature", "key", "token"} & set(_words(m.group("name")))))
+    text = URL_RE.sub(lambda m: _redact_query(m.group(0)), text)
+    if names:
+        text = PATH_QUERY_RE.sub(lambda m: _redact_query(m.group(0)), text)
     text = _sub_named(AUTH_HEADER_RE, text, lambda m: True)
     text = _sub_named(BEARER_RE, text, lambda m: True)
     if names:
@@ -161,8 +171,8 @@ def secret_argv_values(argv: Sequence[Any]) -> list[str]:
 def url_secret_values(text: str) -> list[str]:
     """Passwords of URLs (``scheme://user:PASSWORD@``) and values of secret query parameters in ``text``."""
     out = [m.group("pw") for m in URL_CREDENTIALS_RE.finditer(text)]
-    out += [m.group("val") for m in QUERY_PARAM_RE.finditer(text)
-            if is_secret_name(m.group("name")) or m.group("name").lower() in _QUERY_SECRET_NAMES]
+    for u in [*URL_RE.findall(text), *PATH_QUERY_RE.findall(text)]:
+        out += [m.group("val") for m in QUERY_PARAM_RE.finditer(u) if _secret_query_name(m.group("name"))]
     return out
 
 
@@ -291,6 +301,26 @@ def redact_file_bytes(name: str, data: bytes, known: Iterable[str] | None = None
             return (json.dumps(nb, indent=1, ensure_ascii=False) + "\n").encode()
         except (ValueError, AttributeError, TypeError):
             pass
+    if suffix in (".json", ".jsonl"):
+        # data stays data: parsed and redacted as objects (keys, argv lists, strings), never as text
+        try:
+            text = data.decode("utf-8")
+            if suffix == ".json":
+                obj = json.loads(text)
+                red = redact(obj, known)
+                return data if red == obj else json.dumps(red, indent=2, ensure_ascii=False).encode()
+            lines = text.splitlines(keepends=True)
+            out = []
+            for line in lines:
+                if not line.strip():
+                    out.append(line)
+                    continue
+                obj = json.loads(line)
+                red = redact(obj, known)
+                out.append(line if red == obj else json.dumps(red, ensure_ascii=False) + "\n")
+            return "".join(out).encode()
+        except (UnicodeDecodeError, ValueError):
+            pass                  # not JSON after all (a partial line): as text
     return redact_bytes(data, known, names=suffix not in HTML_SUFFIXES)
 
 
