@@ -233,3 +233,17 @@ def test_json_of_a_case_summary_survives_redaction():
     text = json.dumps({"token_check": {"checked": 1, "mismatches": 0}, "bos_token": "<s>",
                        "windows": [[1, 2]], "auth": {"mode": "none"}, "itl_per_token_ms": 1.5}, indent=2)
     assert json.loads(rd.redact_text(text, known=())) == json.loads(text)
+
+
+def test_figure_hover_text_from_data_is_escaped():
+    """Plotly reads tags in hover text: a value from a record (a case's rejection reason) goes in escaped, so a
+    payload is shown as text (plotly turns the entities back into characters), never read as markup."""
+    import pandas as pd
+    from servelab.analyse.prefix_cache import hit_rate_figure
+    payload = "<img src=x onerror=alert(1)>"
+    m = pd.DataFrame([{"case_id": "H8_hit50", "target_rate": 0.5, "counter_hit_rate": 0.1, "usage_hit_rate": None,
+                       "verdict": "REJECTED", "reasons": payload, "tolerance_pp": 5.0}])
+    fig = hit_rate_figure(m)
+    texts = [t for tr in fig.data for t in (tr.hovertext or ())]
+    assert texts and all(payload not in t for t in texts)
+    assert any("&lt;img src=x onerror=alert(1)&gt;" in t for t in texts)
