@@ -551,6 +551,8 @@ def cmd_import(args: argparse.Namespace) -> int:
         table, added = pc.import_into_run(rdir, args.files)
     except pc.PeerImportError as exc:
         raise ParamError(str(exc)) from None
+    from servelab.core.redact import scrub_tree
+    scrub_tree(rdir / pc.PEERS_DIR, recorded_run_secrets(rdir))      # a peer's file may carry a key or a URL token
     runlib.record_command(rdir, runlib.CommandRecord(
         label="executed", argv=["servelab", "import", *[str(f) for f in args.files], "--run-id", args.run_id],
         phase="phase1", title="import peer benchmark results", cwd=str(Path.cwd()), start=started, end=runlib.now_iso(),
