@@ -266,7 +266,8 @@ def redact(obj: Any, known: Iterable[str] | None = None) -> Any:
 
 TEXT_SUFFIXES = {".json", ".jsonl", ".csv", ".tsv", ".yaml", ".yml", ".txt", ".log", ".md", ".html", ".htm",
                  ".ipynb", ".out", ".err", ".py", ".sh", ".xml", ".svg", ".js", ".env", ".toml", ".cfg", ".ini", ""}
-MAX_SCRUB_BYTES = 256 * 1024 * 1024
+MAX_SCRUB_BYTES = 256 * 1024 * 1024  # beyond: left as it is (read whole into memory otherwise)
+LARGE_BYTES = 16 * 1024 * 1024       # beyond: known values only (a trace is not parsed and searched by pattern)
 
 
 def is_text_file(path: Path) -> bool:
@@ -285,12 +286,17 @@ def redact_bytes(data: bytes, known: Iterable[str] | None = None, names: bool = 
 
 
 def redact_file_bytes(name: str, data: bytes, known: Iterable[str] | None = None) -> bytes:
-    """The bytes of a file called ``name`` redacted as its kind needs: an executed notebook cell by cell, HTML
-    without the name rules, other text files in full, binary files (traces, Parquet, images) unchanged."""
+    """The bytes of a file called ``name`` redacted as its kind needs: an executed notebook cell by cell, JSON as
+    objects, HTML without the name rules, other text files in full, a text file over :data:`LARGE_BYTES` (a trace)
+    by known value only, binary files (Parquet, images, compressed traces) unchanged."""
     suffix = Path(name).suffix.lower()
     if suffix not in TEXT_SUFFIXES:
         return data
     known = tuple(known_secrets() if known is None else known)
+    if len(data) > LARGE_BYTES and suffix not in (".ipynb", ".html", ".htm"):   # a trace: known values only
+        for v in known:
+            data = data.replace(v.encode(), REDACTED.encode())
+        return data
     if suffix == ".ipynb":
         try:
             nb = json.loads(data)
@@ -358,7 +364,10 @@ def scrub_notebook_node(nb: Any, known: Iterable[str] | None = None) -> Any:
 def scrub_file(path: Path, known: Iterable[str] | None = None) -> bool:
     """Redact one text file in place (:func:`redact_file_bytes`); True when it changed."""
     path = Path(path)
-    if not path.is_file() or not is_text_file(path) or path.stat().st_size > MAX_SCRUB_BYTES:
+    if not path.is_file() or not is_text_file(path):
+        return False
+    size = path.stat().st_size
+    if size > MAX_SCRUB_BYTES:
         return False
     data = path.read_bytes()
     new = redact_file_bytes(path.name, data, known)
