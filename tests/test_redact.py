@@ -57,6 +57,7 @@ def test_secret_names(name, secret):
 def test_redact_text_hides(text, hidden, kept):
     out = rd.redact_text(text, known=())
     assert hidden not in out and R in out and kept in out
+    assert rd.might_hold_secrets(text.encode())     # the file pre-check never skips what a rule would hide
 
 
 @pytest.mark.parametrize("text", [
@@ -67,6 +68,11 @@ def test_redact_text_hides(text, hidden, kept):
 ])
 def test_redact_text_leaves_ordinary_text(text):
     assert rd.redact_text(text, known=()) == text
+
+
+def test_precheck_skips_plain_records():
+    rec = json.dumps({"request_id": "r-1", "output_tokens": 64, "itl_ms": [1.5] * 50, "ok": True}).encode()
+    assert not rd.might_hold_secrets(rec) and rd.might_hold_secrets(rec, known=("r-1",))
 
 
 def test_known_value_scrub_anywhere(monkeypatch):

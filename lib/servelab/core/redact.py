@@ -285,6 +285,18 @@ def redact_bytes(data: bytes, known: Iterable[str] | None = None, names: bool = 
     return redact_text(text, known, names).encode("utf-8", errors="surrogateescape")
 
 
+# a superset of everything the rules can hit: a file without any of these (and without a known value) is left
+# as it is without being parsed — requests.jsonl of a large case holds millions of numbers and no secret
+SUSPECT_RE = re.compile(rb"(?i)secret|passw|credential|auth|api[_\-]?key|access[_\-]?key|private[_\-]?key|bearer|"
+                        rb"cookie|token(?![a-z])|pass(?![a-z])|://[^\s/]*@|[?&][\w.\-]*(?:key|sig|code)[\w.\-]*=|"
+                        rb"\bhf_|\bsk-|\bgh[pousr]_|github_pat_|\bxox|AKIA|-----BEGIN")
+
+
+def might_hold_secrets(data: bytes, known: Iterable[str] = ()) -> bool:
+    """False when no rule of :func:`redact_text` can change ``data`` (and no known value is in it)."""
+    return bool(SUSPECT_RE.search(data)) or any(v.encode() in data for v in known if v)
+
+
 def redact_file_bytes(name: str, data: bytes, known: Iterable[str] | None = None) -> bytes:
     """The bytes of a file called ``name`` redacted as its kind needs: an executed notebook cell by cell, JSON as
     objects, HTML without the name rules, other text files in full, a text file over :data:`LARGE_BYTES` (a trace)
@@ -293,6 +305,8 @@ def redact_file_bytes(name: str, data: bytes, known: Iterable[str] | None = None
     if suffix not in TEXT_SUFFIXES:
         return data
     known = tuple(known_secrets() if known is None else known)
+    if not might_hold_secrets(data, known):
+        return data
     if len(data) > LARGE_BYTES and suffix not in (".ipynb", ".html", ".htm"):   # a trace: known values only
         for v in known:
             data = data.replace(v.encode(), REDACTED.encode())
