@@ -253,3 +253,11 @@ def test_figure_hover_text_from_data_is_escaped():
     texts = [t for tr in fig.data for t in (tr.hovertext or ())]
     assert texts and all(payload not in t for t in texts)
     assert any("&lt;img src=x onerror=alert(1)&gt;" in t for t in texts)
+
+
+@pytest.mark.parametrize("name", ["HF_TOKEN", "WANDB_API_KEY", "SESSION_KEY", "db.password", "SSHPASS", "apiKey",
+                                  "clientSecret", "Authorization", "GH_TOKEN", "x-api-key", "signing-key"])
+def test_precheck_covers_every_secret_name(name):
+    assert rd.is_secret_name(name)
+    for text in (f"{name}=abcdefgh", f'{{"{name}": "abcdefgh"}}', f"--{name} abcdefgh"):
+        assert rd.might_hold_secrets(text.encode()), text

@@ -287,7 +287,8 @@ def redact_bytes(data: bytes, known: Iterable[str] | None = None, names: bool = 
 
 # a superset of everything the rules can hit: a file without any of these (and without a known value) is left
 # as it is without being parsed — requests.jsonl of a large case holds millions of numbers and no secret
-SUSPECT_RE = re.compile(rb"(?i)secret|passw|credential|auth|api[_\-]?key|access[_\-]?key|private[_\-]?key|bearer|"
+SUSPECT_RE = re.compile(rb"(?i)secret|passw|credential|auth|(?:api|access|private|session|signing|encryption)"
+                        rb"[_\-.]?key|bearer|"
                         rb"cookie|token(?![a-z])|pass(?![a-z])|://[^\s/]*@|[?&][\w.\-]*(?:key|sig|code)[\w.\-]*=|"
                         rb"\bhf_|\bsk-|\bgh[pousr]_|github_pat_|\bxox|AKIA|-----BEGIN")
 
