@@ -318,8 +318,8 @@ def execute_phase(phase: str, target: str, run_id: str, overrides: dict[str, str
     kernel_env: dict[str, str] = {}
     known = run_secrets(target)
     if launch_over:
-        runlib.update_manifest(rdir, launch_overrides={key: runlib.redact(launch_over, known)})
         known = run_secrets(target, launch_over_secrets(launch_over))
+        runlib.update_manifest(rdir, launch_overrides={key: runlib.redact(launch_over, known)})
         target, kernel_env = derived_target(rdir, target, launch_over)
         known = tuple(sorted({*known, *run_secrets(target, kernel_env)}, key=lambda v: (-len(v), v)))
     params.update(run_id=run_id, target=target)
