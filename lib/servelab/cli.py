@@ -117,10 +117,11 @@ def failure_reason(exc: BaseException) -> str:
     return first[:500]
 
 
-def kernel_manager_class(log_path: Path | None = None) -> type:
+def kernel_manager_class(log_path: Path | None = None, env: dict[str, str] | None = None) -> type:
     """Kernels talk to papermill over IPC sockets in the user's private runtime dir: no TCP port is opened (and
     ipykernel has nothing to warn about). The kernel process's own output — its logging, a traceback while it is
-    being shut down after Ctrl-C — goes to ``log_path`` (the phase folder's ``kernel.log``), not the terminal."""
+    being shut down after Ctrl-C — goes to ``log_path`` (the phase folder's ``kernel.log``), not the terminal.
+    ``env`` is added to the kernel's environment (the secrets a derived target names; never on disk or argv)."""
     from jupyter_client.manager import AsyncKernelManager
     from traitlets import default
 
@@ -130,6 +131,8 @@ def kernel_manager_class(log_path: Path | None = None) -> type:
             return "ipc"
 
         async def _async_launch_kernel(self, kernel_cmd: list[str], **kw: Any) -> None:
+            if env:           # the secrets a derived target names as ${NAME}: in the kernel's environment only
+                kw["env"] = {**(kw.get("env") or os.environ), **env}
             if log_path is not None:
                 log_path.parent.mkdir(parents=True, exist_ok=True)
                 log = open(log_path, "ab")          # the child keeps its own copy of the descriptor
@@ -190,16 +193,110 @@ def validate(phase: str, target: str, overrides: dict[str, str]) -> tuple[Path, 
     return nb, params
 
 
-def derived_target(rdir: Path, target: str, launch_over: dict[str, Any]) -> str:
-    """Write the target with ``-p`` launch overrides applied into the run directory; returns its path."""
+def derived_target(rdir: Path, target: str, launch_over: dict[str, Any]) -> tuple[str, dict[str, str]]:
+    """Write the target with ``-p`` launch overrides applied into the run directory; returns its path and the
+    secrets it names.
+
+    The file holds no secret: a secret ``env`` value (by name, or a value that carries one, e.g. a URL with a
+    password) is written as ``${NAME}``, a secret launch argument as ``${SERVELAB_SECRET_ARG_<n>}``, and
+    :func:`servelab.target.targets.load_target` resolves them from the environment. The returned mapping
+    (``NAME`` → value) is what the phase's kernel gets in its environment; to load the file again later, export
+    the same names (``docs/method.md#secrets``)."""
     import yaml
+    from servelab.core.redact import is_secret_name, known_secrets, redact, redact_text, secret_argv_values
     t = load_target(target)
     raw = _with_launch(t, launch_over)
-    raw["description"] = f"{t.description} [-p overrides: {launch_over}]"
+    known = t.secret_values()
+    refs: dict[str, str] = {}
+    for k, v in list(raw.get("env", {}).items()):
+        if is_secret_name(k) or redact_text(str(v), known) != str(v):
+            raw["env"][k] = "${%s}" % k
+            refs[k] = str(v)
+
+    def args(items: list[Any]) -> list[Any]:
+        secret_vals = set(secret_argv_values(items))
+        out = []
+        for a in items:
+            text = str(a)
+            hit = next((sv for sv in secret_vals if sv and sv in text), None)
+            if hit is None and redact_text(text, known) != text:
+                hit = text
+            if hit is not None:
+                name = f"SERVELAB_SECRET_ARG_{sum(k.startswith('SERVELAB_SECRET_ARG_') for k in refs) + 1}"
+                refs[name] = hit
+                out.append(text.replace(hit, "${%s}" % name))
+            else:
+                out.append(a)
+        return out
+
+    launch = raw.get("launch") or {}
+    if isinstance(launch.get("extra_args"), list):
+        launch["extra_args"] = args(launch["extra_args"])
+    if isinstance(launch.get("docker"), dict) and isinstance(launch["docker"].get("extra_args"), list):
+        launch["docker"]["extra_args"] = args(launch["docker"]["extra_args"])
+    known = known_secrets(values=refs.values(), environ=True) + known
+    raw["description"] = redact_text(f"{t.description} [-p overrides: {redact(launch_over, known)}]", known)
     out = rdir / "targets" / f"{t.name}.yaml"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(yaml.safe_dump(raw, sort_keys=False))
-    return str(out)
+    out.write_text("# written by servelab run: the target with -p launch overrides; ${NAME} values come from the\n"
+                   "# environment (secrets are never written here)\n" + yaml.safe_dump(raw, sort_keys=False))
+    return str(out), refs
+
+
+def launch_over_secrets(launch_over: dict[str, Any]) -> dict[str, str]:
+    """Secret values passed as ``-p`` launch overrides (``-p extra_args=[--api-key,X]``)."""
+    from servelab.core.redact import secret_argv_values
+    args = launch_over.get("extra_args") if isinstance(launch_over.get("extra_args"), list) else []
+    return {str(i): v for i, v in enumerate(secret_argv_values(args))}
+
+
+def run_secrets(target: str, extra: dict[str, str] | None = None) -> tuple[str, ...]:
+    """Every secret value a phase on ``target`` may write somewhere (the target's, the process environment's,
+    ``extra``'s) — what the literal scrub of its files replaces."""
+    from servelab.core.redact import known_secrets
+    try:
+        base = load_target(target).secret_values()
+    except ParamError:
+        base = known_secrets()
+    return tuple(sorted({*base, *known_secrets(values=(extra or {}).values())}, key=lambda v: (-len(v), v)))
+
+
+def recorded_run_secrets(rdir: Path) -> tuple[str, ...]:
+    """The secret values of every target a run recorded (its manifest's target, each phase's and attempt's
+    ``target`` parameter) and of the process environment — for ``servelab render`` and ``archive --zip``, which
+    run after the phase. A target that no longer loads (a derived one whose ``${NAME}`` is not exported) gives
+    what its file holds literally."""
+    import yaml
+    from servelab.core.redact import known_secrets
+    from servelab.core.run import read_manifest
+    m = read_manifest(rdir)
+    names = {str(m.get("target") or "")}
+    names |= {str((e.get("params") or {}).get("target") or "") for e in (m.get("phases") or {}).values()}
+    names |= {str((a.get("params") or {}).get("target") or "") for a in (m.get("attempts") or [])}
+    found: set[str] = set(known_secrets())
+    for name in sorted(n for n in names if n):
+        try:
+            found.update(load_target(name).secret_values())
+        except ParamError:
+            try:
+                raw = yaml.safe_load(Path(name).read_text()) if Path(name).suffix else None
+            except (OSError, yaml.YAMLError):
+                raw = None
+            if isinstance(raw, dict):
+                launch = raw.get("launch") if isinstance(raw.get("launch"), dict) else {}
+                found.update(known_secrets(raw.get("env") if isinstance(raw.get("env"), dict) else {},
+                                           argv=launch.get("extra_args") or [], environ=False))
+    return tuple(sorted(found, key=lambda v: (-len(v), v)))
+
+
+def scrub_phase_outputs(rdir: Path, key: str, known: tuple[str, ...], since: float | None = None) -> None:
+    """The last pass over what a phase wrote, before its page is rendered: the executed notebook (text and
+    stream outputs, tracebacks), every text file of the phase folder, and every other text file of the run written
+    since ``since`` (its cases, manifest, commands, derived targets) — known secret values and secret-looking text
+    replaced (:mod:`servelab.core.redact`)."""
+    from servelab.core.redact import scrub_tree
+    scrub_tree(rdir / key, known)
+    scrub_tree(rdir, known, since=since if since is not None else 0.0)
 
 
 def execute_phase(phase: str, target: str, run_id: str, overrides: dict[str, str], render: bool = True,
@@ -213,14 +310,19 @@ def execute_phase(phase: str, target: str, run_id: str, overrides: dict[str, str
     from servelab.report.html import render_notebook
 
     nb, _ = validate(phase, target, overrides)
+    t0_wall = time.time() - 2.0        # files written from here on are scrubbed (2 s: coarse modification times)
     phase_over, launch_over = split_overrides(phase, target, overrides)
     key = phase.split("_")[0]
     specs = notebook_param_specs(nb)
     params: dict[str, Any] = {k: coerce(specs[k], v, "-p") for k, v in phase_over.items()}
     rdir = runlib.init_run(run_id, load_target(target).name)
+    kernel_env: dict[str, str] = {}
+    known = run_secrets(target)
     if launch_over:
-        runlib.update_manifest(rdir, launch_overrides={key: launch_over})
-        target = derived_target(rdir, target, launch_over)
+        known = run_secrets(target, launch_over_secrets(launch_over))
+        runlib.update_manifest(rdir, launch_overrides={key: runlib.redact(launch_over, known)})
+        target, kernel_env = derived_target(rdir, target, launch_over)
+        known = tuple(sorted({*known, *run_secrets(target, kernel_env)}, key=lambda v: (-len(v), v)))
     params.update(run_id=run_id, target=target)
     out_nb = rdir / key / "notebook.ipynb"
     out_nb.parent.mkdir(parents=True, exist_ok=True)
@@ -237,7 +339,7 @@ def execute_phase(phase: str, target: str, run_id: str, overrides: dict[str, str
             pm.execute_notebook(str(nb), str(out_nb), parameters=params, kernel_name="python3",
                                 cwd=str(project_root()), progress_bar=False, execution_timeout=timeout_s,
                                 request_save_on_cell_execute=True,
-                                kernel_manager_class=kernel_manager_class(out_nb.parent / "kernel.log"))
+                                kernel_manager_class=kernel_manager_class(out_nb.parent / "kernel.log", kernel_env))
     except KeyboardInterrupt:
         status, error = "interrupted", None
         runlib.update_manifest(rdir, phases={key: {"status": "interrupted", "ended": runlib.now_iso()}})
@@ -250,6 +352,7 @@ def execute_phase(phase: str, target: str, run_id: str, overrides: dict[str, str
     finally:
         record_phase_commands(rdir, key, nb, out_nb, params, overrides, target, started,
                               0 if status == "success" else 1)
+        scrub_phase_outputs(rdir, key, known, since=t0_wall)
         wall_s = round(time.monotonic() - t0, 1)
         m = runlib.edit_manifest(rdir, lambda m: m.setdefault("phases", {}).setdefault(key, {}).update(wall_s=wall_s))
         entry = m.get("phases", {}).get(key, {})
@@ -263,14 +366,15 @@ def execute_phase(phase: str, target: str, run_id: str, overrides: dict[str, str
         page_meta = {"run_id": run_id, "phase": key, "target": target, "status": final,
                      "error": entry.get("error", ""), "title": f"{key} · {NOTEBOOKS[key]}"}
         if final != "success" and good is not None and (rdir / key / "report.html").exists():
-            keep_good_page(rdir, key, out_nb, backup, good, final, entry, page_meta if render else None)
+            keep_good_page(rdir, key, out_nb, backup, good, final, entry, page_meta if render else None,
+                           known=known)
         else:
             backup.unlink(missing_ok=True)
             if final == "success":
                 runlib.edit_manifest(rdir, lambda m: [m.get("phases", {}).get(key, {}).pop(k, None)
                                                       for k in ("kept_page", "failed_page")])
             if render and out_nb.exists():
-                render_notebook(out_nb, rdir / key / "report.html", page_meta)
+                render_notebook(out_nb, rdir / key / "report.html", page_meta, known=known)
         write_run_index(rdir)
         write_root_index(rdir.parent)
     if error is not None:
@@ -296,7 +400,7 @@ def kept_good_attempt(rdir: Path, key: str) -> dict[str, Any] | None:
 
 
 def keep_good_page(rdir: Path, key: str, out_nb: Path, backup: Path, good: dict[str, Any], status: str,
-                   entry: dict[str, Any], page_meta: dict[str, Any] | None) -> str:
+                   entry: dict[str, Any], page_meta: dict[str, Any] | None, known: Any = None) -> str:
     """A failed (or interrupted) attempt after a good one: its notebook and page go to
     ``notebook.failed-<n>.ipynb`` / ``report.failed-<n>.html``, the good notebook comes back, the good page stays
     ``report.html`` with a banner naming the failure and linking its page; the manifest's phase entry (which says
@@ -315,7 +419,7 @@ def keep_good_page(rdir: Path, key: str, out_nb: Path, backup: Path, good: dict[
         os.replace(backup, out_nb)
     page = failed_page if page_meta is not None and failed_nb.exists() else None
     if page is not None:
-        render_notebook(failed_nb, pdir / failed_page, page_meta)
+        render_notebook(failed_nb, pdir / failed_page, page_meta, known=known)
     when = str(entry.get("ended") or runlib.now_iso())
     reason = str(entry.get("error") or status)
     mark_later_failure(pdir / "report.html", when, status, reason, page)
@@ -431,6 +535,9 @@ def cmd_render(args: argparse.Namespace) -> int:
         if nb.exists():
             entry = m.get("phases", {}).get(p, {})
             status = entry.get("status", "")
+            known = recorded_run_secrets(rdir)
+            if nb.resolve().is_relative_to(rdir.resolve()):
+                scrub_phase_outputs(rdir, p, known)        # e.g. a notebook executed with plain papermill
             kept = entry.get("kept_page") if not args.notebook else None
             # a kept good page (a later attempt failed) is rendered as the good attempt it is, with its banner
             out = render_notebook(nb, rdir / p / "report.html", {"run_id": args.run_id, "phase": p,
@@ -438,7 +545,7 @@ def cmd_render(args: argparse.Namespace) -> int:
                                                                  "status": kept.get("status", "success") if kept
                                                                  else status,
                                                                  "error": "" if kept else entry.get("error", ""),
-                                                                 "title": f"{p} · {NOTEBOOKS.get(p, p)}"})
+                                                                 "title": f"{p} · {NOTEBOOKS.get(p, p)}"}, known=known)
             if kept:
                 from servelab.report.html import mark_later_failure
                 mark_later_failure(out, str(entry.get("ended") or ""), status, str(entry.get("error") or status),
@@ -459,7 +566,7 @@ def cmd_archive(args: argparse.Namespace) -> int:
     print(write_run_index(rdir))
     write_root_index(rdir.parent)
     if args.zip:
-        print(zip_run(rdir))
+        print(zip_run(rdir, known=recorded_run_secrets(rdir)))    # every text member redacted as it enters
     return 0
 
 
@@ -515,6 +622,8 @@ def cmd_import(args: argparse.Namespace) -> int:
         table, added = pc.import_into_run(rdir, args.files)
     except pc.PeerImportError as exc:
         raise ParamError(str(exc)) from None
+    from servelab.core.redact import scrub_tree
+    scrub_tree(rdir / pc.PEERS_DIR, recorded_run_secrets(rdir))      # a peer's file may carry a key or a URL token
     runlib.record_command(rdir, runlib.CommandRecord(
         label="executed", argv=["servelab", "import", *[str(f) for f in args.files], "--run-id", args.run_id],
         phase="phase1", title="import peer benchmark results", cwd=str(Path.cwd()), start=started, end=runlib.now_iso(),

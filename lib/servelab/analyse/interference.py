@@ -22,6 +22,7 @@ injection, in ms), never by prefill TPS. The case that produces the records is r
 """
 from __future__ import annotations
 
+import html
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -493,7 +494,7 @@ def tradeoff_figure(table: pd.DataFrame):
         return fig.update_layout(title="no valid value")
     ok = ok[ok["rank"].notna()]
     fig.add_trace(go.Scatter(x=ok["p95_tpot_increase_ms"], y=ok["long_request_ttft_ms"], mode="markers+text",
-                             text=[f"#{int(r)} {v}" for r, v in zip(ok["rank"], ok["value"])],
+                             text=[f"#{int(r)} {html.escape(str(v))}" for r, v in zip(ok["rank"], ok["value"])],
                              textposition="top center",
                              marker=dict(size=12, color="#8e44ad"),
                              error_x=dict(type="data", symmetric=False,

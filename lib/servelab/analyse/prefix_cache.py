@@ -31,6 +31,7 @@ The points themselves are run by Phase 8 (``phase8_cache``).
 """
 from __future__ import annotations
 
+import html
 import math
 import re
 from dataclasses import dataclass, field
@@ -361,7 +362,8 @@ def hit_rate_figure(matrix: pd.DataFrame):
                 x=g["target_rate"] * 100, y=g[src].astype(float) * 100, mode="markers",
                 name=f"{'server counters' if src.startswith('counter') else 'per-request usage'} — {verdict}",
                 marker=dict(symbol=sym if verdict == "ACCEPTED" else "x-open", size=12, color=color),
-                hovertext=[f"{c}: {v}<br>{r}" for c, v, r in zip(g["case_id"], g["verdict"], g["reasons"])],
+                hovertext=[f"{html.escape(str(c))}: {html.escape(str(v))}<br>{html.escape(str(r))}"  # plotly reads tags
+                           for c, v, r in zip(g["case_id"], g["verdict"], g["reasons"])],
                 hoverinfo="text"))
     fig.update_layout(title="Prefix-cache hit rate: achieved vs target (REJECTED points are never results)",
                       xaxis_title="target hit rate (%)", yaxis_title="achieved hit rate (%)", template="plotly_white")
@@ -394,7 +396,8 @@ def kv_figure(kv: pd.DataFrame):
         return fig.update_layout(title="KV usage: not exposed by this engine")
     for metric, g in kv.groupby("metric", sort=False):
         fig.add_trace(go.Scatter(x=g["t_s"], y=g["value"] * 100, mode="lines+markers", name=metric,
-                                 marker=dict(size=3), hovertext=g["point"], hoverinfo="text+y"))
+                                 marker=dict(size=3), hovertext=[html.escape(str(p)) for p in g["point"]],
+                                 hoverinfo="text+y"))
     for point, g in kv.groupby("point", sort=False):
         fig.add_vline(x=float(g["t_s"].min()), line_dash="dot", line_color="#95a5a6",
                       annotation_text=str(point), annotation_position="top left")

@@ -25,79 +25,14 @@ from typing import Any, Iterator
 from servelab import __version__
 from servelab.core.params import ParamError
 from servelab.core.paths import outputs_root, project_root
+# one redaction routine for every writer lives in servelab.core.redact; its names stay importable from here
+from servelab.core.redact import (REDACTED, SECRET_NAME_RE, SECRET_VALUE_RES, is_secret_name,  # noqa: F401
+                                  known_secrets, redact, redact_argv, redact_env, redact_html, redact_text)
 
 SCHEMA_VERSION = 1
 LABELS = ("executed", "reproduce", "planned")
 MANIFEST_LOCK = ".manifest.lock"     # flock'ed around every manifest update
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-
-# ---------------------------------------------------------------- secrets
-
-# a whole word of the name (split on _ - .): HF_TOKEN, api-key, db.password — but not max_tokens or prefill_tokens
-SECRET_NAME_RE = re.compile(r"(?:^|[_\-.])(TOKEN|SECRET|PASSWORD|PASSWD|PASS|API[_\-]?KEY|ACCESS[_\-]?KEY|"
-                            r"PRIVATE[_\-]?KEY|SECRET[_\-]?KEY|CREDENTIALS?|AUTH)(?:$|[_\-.])", re.IGNORECASE)
-SECRET_VALUE_RES = [
-    re.compile(r"hf_[A-Za-z0-9]{20,}"),                 # Hugging Face tokens
-    re.compile(r"sk-[A-Za-z0-9_-]{16,}"),               # OpenAI-style keys
-    re.compile(r"gh[pousr]_[A-Za-z0-9]{20,}"),          # GitHub tokens
-    re.compile(r"AKIA[0-9A-Z]{16}"),                    # AWS access key ids
-    re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----"),
-]
-REDACTED = "***REDACTED***"
-
-
-def is_secret_name(name: str) -> bool:
-    return bool(SECRET_NAME_RE.search(name))
-
-
-def redact_text(text: str) -> str:
-    for rx in SECRET_VALUE_RES:
-        text = rx.sub(REDACTED, text)
-    return text
-
-
-def redact_env(env: dict[str, str]) -> dict[str, str]:
-    return {k: (REDACTED if is_secret_name(k) else redact_text(str(v))) for k, v in env.items()}
-
-
-def redact_argv(argv: list[str]) -> list[str]:
-    """Hide values of ``--api-key X``, ``--token=X``, ``KEY=secret`` style arguments."""
-    out: list[str] = []
-    hide_next = False
-    for a in argv:
-        a = str(a)
-        if hide_next:
-            out.append(REDACTED)
-            hide_next = False
-            continue
-        if a.startswith("-") and is_secret_name(a.lstrip("-").split("=", 1)[0]):
-            if "=" in a:
-                out.append(a.split("=", 1)[0] + "=" + REDACTED)
-            else:
-                out.append(a)
-                hide_next = True
-            continue
-        m = re.match(r"^([A-Za-z_][A-Za-z0-9_]*)=(.*)$", a)
-        if m and is_secret_name(m.group(1)):
-            out.append(f"{m.group(1)}={REDACTED}")
-            continue
-        out.append(redact_text(a))
-    return out
-
-
-def redact(obj: Any) -> Any:
-    """Recursively redact secrets in a JSON-like object (keys that name secrets, values that look like one)."""
-    if isinstance(obj, dict):
-        return {k: (REDACTED if isinstance(k, str) and is_secret_name(k) and isinstance(v, (str, int, float))
-                    else redact(v)) for k, v in obj.items()}
-    if isinstance(obj, list):
-        if obj and all(isinstance(x, str) for x in obj):
-            return redact_argv(obj)
-        return [redact(x) for x in obj]
-    if isinstance(obj, str):
-        return redact_text(obj)
-    return obj
-
 
 # ---------------------------------------------------------------- ids and directories
 
@@ -143,13 +78,15 @@ def read_manifest(rdir: Path) -> dict[str, Any]:
     return json.loads(p.read_text()) if p.exists() else {}
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """``obj`` as JSON at ``path``, all or nothing: written to a temp file of its own (unique name in the same
-    folder, so concurrent writers never share one), fsynced, then ``os.replace``d over ``path``; the folder is
-    fsynced too so the rename itself survives a crash."""
+def write_json_atomic(path: Path, obj: Any, known: Any = None) -> None:
+    """``obj`` as JSON at ``path``, secrets redacted (:func:`servelab.core.redact.redact`: values under secret
+    names, secret argv, ``known`` values — default the process environment's — and secret shapes), all or
+    nothing: written to a temp file of its own (unique name in the same folder, so concurrent writers never share
+    one), fsynced, then ``os.replace``d over ``path``; the folder is fsynced too so the rename itself survives a
+    crash."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(obj, indent=2, default=str, ensure_ascii=False)
+    text = json.dumps(redact(obj, known), indent=2, default=str, ensure_ascii=False)
     tmp = unique_temp(path)
     try:
         with open(tmp, "x", encoding="utf-8") as f:
@@ -329,8 +266,11 @@ def record_command(rdir: Path, rec: CommandRecord, unique: bool = False) -> Comm
     line written each time a phase runs into the same run)."""
     if rec.label not in LABELS:
         raise ValueError(f"command label must be one of {LABELS}, not '{rec.label}'")
-    rec.argv = redact_argv([str(a) for a in rec.argv])
-    rec.env = redact_env(rec.env)
+    known = known_secrets(rec.env, argv=rec.argv)
+    rec.argv = redact_argv([str(a) for a in rec.argv], known)
+    rec.env = redact_env(rec.env, known)
+    rec.title, rec.cwd, rec.note = (redact_text(x, known) for x in (rec.title, rec.cwd, rec.note))
+    rec.log = redact_text(rec.log, known) if rec.log else rec.log
     if unique and any(r.label == rec.label and r.argv == rec.argv for r in read_commands(rdir, rec.phase)):
         return rec
     rdir.mkdir(parents=True, exist_ok=True)

@@ -35,7 +35,7 @@ from servelab.target.spec import Target
 from servelab.target.targets import target_from_dict
 from servelab.measure.case_record import repeat_frame, write_case_index
 from servelab.measure.engine_metrics import counter_deltas, parse_text
-from servelab.core.run import now_iso, write_json_atomic
+from servelab.core.run import now_iso, redact, write_json_atomic
 from servelab.target.server import RunningServer, http_text
 
 
@@ -196,10 +196,12 @@ def write_run_record(record_dir: Path, run_id: str, target: Target, srv: Running
     record_dir = Path(record_dir)
     record_dir.mkdir(parents=True, exist_ok=True)
     parent = parent_manifest or {}
+    known = target.secret_values()
     plans = []
     if srv is not None:
+        known = tuple(sorted({*known, *(v for p in srv.plans for v in p.secret_values())}, key=lambda v: (-len(v), v)))
         for p in srv.plans:
-            plans.append({"node": p.node, "command": p.shell(), "port": p.port,
+            plans.append({"node": p.node, "command": p.shell(known), "port": p.port,
                           "log": srv.log_paths.get(p.node, "")})
     manifest = {"schema_version": parent.get("schema_version", 1), "run_id": run_id,
                 "tool": parent.get("tool", {}), "python": parent.get("python"), "platform": parent.get("platform"),
@@ -208,7 +210,7 @@ def write_run_record(record_dir: Path, run_id: str, target: Target, srv: Running
                                                              "path": srv.model_path if srv else ""},
                 "launch": {"plans": plans, "env": dict(target.env), "settings": copy.deepcopy(target.launch)},
                 **(extra or {})}
-    write_json_atomic(record_dir / "manifest.json", manifest)
+    write_json_atomic(record_dir / "manifest.json", redact(manifest, known))      # env, argv, URLs: no secrets
     write_case_index(record_dir, cases)
     frame, _ = repeat_frame(record_dir)
     frame.to_csv(record_dir / "summary.csv", index=False)

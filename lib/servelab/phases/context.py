@@ -142,7 +142,24 @@ def finish_phase(ctx: PhaseContext, status: str = "success", headline: dict[str,
     merged = {**m.get("phases", {}).get(ctx.phase, {}), **entry}
     runlib.update_manifest(ctx.run_dir, phases={ctx.phase: merged})
     runlib.write_json_atomic(ctx.phase_dir / "phase.json", runlib.redact(merged))
+    scrub_phase_files(ctx)
     return merged
+
+
+def scrub_phase_files(ctx: PhaseContext) -> None:
+    """Every text file the phase wrote (its folder, and the run's files written since it opened: cases, manifest,
+    commands) through the one redaction routine with the target's known secrets — the same however the notebook
+    runs (``servelab run``, plain papermill, JupyterLab)."""
+    import datetime as dt
+    from servelab.core.redact import scrub_tree
+    known = ctx.target.secret_values()
+    try:
+        since = dt.datetime.fromisoformat(ctx.started).timestamp() - 2.0
+    except (TypeError, ValueError):
+        since = 0.0
+    busy = (".ipynb",)            # the executed notebook is papermill's until the kernel ends (scrubbed after it)
+    scrub_tree(ctx.phase_dir, known, exclude=busy)
+    scrub_tree(ctx.run_dir, known, since=since, exclude=busy)
 
 
 def load_phase_json(run_dir: Path, phase: str) -> dict[str, Any]:

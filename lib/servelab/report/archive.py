@@ -7,7 +7,7 @@ from __future__ import annotations
 import html
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from servelab.core.paths import outputs_root
 from servelab.core.notebooks import NOTEBOOKS
@@ -198,15 +198,27 @@ def _lessons_html(m: dict[str, Any]) -> str:
             "<th>started</th><th>status</th><th>what failed</th><th>parameters</th></tr>" + rows + "</table>")
 
 
-def zip_run(run_dir: Path, out: Path | None = None) -> Path:
-    """One shareable bundle of a run: pages, tables, manifest, commands, logs (no caches)."""
+def zip_run(run_dir: Path, out: Path | None = None, known: Iterable[str] | None = None) -> Path:
+    """One shareable bundle of a run: pages, tables, manifest, commands, logs (no caches).
+
+    Every text member enters the zip through :func:`servelab.core.redact.redact_file_bytes` — the last line of
+    defence: ``known`` secret values (default: the process environment's) and anything that looks like a secret
+    are replaced, whatever wrote the file."""
     import zipfile
+    from servelab.core.redact import MAX_SCRUB_BYTES, is_text_file, known_secrets, redact_file_bytes
+    known = tuple(known_secrets() if known is None else known)
     write_run_index(run_dir)
     out = out or run_dir.parent / f"{run_dir.name}.zip"
     with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_DEFLATED) as z:
         for f in sorted(run_dir.rglob("*")):
-            if f.is_file() and "__pycache__" not in f.parts and f.suffix != ".parquet":
-                z.write(f, Path(run_dir.name) / f.relative_to(run_dir))
+            if f.is_file() and not f.is_symlink() and "__pycache__" not in f.parts and f.suffix != ".parquet":
+                arc = str(Path(run_dir.name) / f.relative_to(run_dir))
+                if not is_text_file(f) or f.stat().st_size > MAX_SCRUB_BYTES:
+                    z.write(f, arc)               # traces, images: binary, streamed as they are
+                    continue
+                info = zipfile.ZipInfo.from_file(f, arc)
+                info.compress_type = zipfile.ZIP_DEFLATED
+                z.writestr(info, redact_file_bytes(f.name, f.read_bytes(), known))
     return out
 
 

@@ -14,12 +14,13 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import nbformat
 
 from servelab.core.paths import project_root
-from servelab.core.run import now_iso, redact_text
+from servelab.core.redact import known_secrets, redact, redact_html, scrub_notebook_node
+from servelab.core.run import now_iso
 from servelab.report.commands import commands_html
 from servelab.report.findings import findings_html
 
@@ -71,24 +72,25 @@ def publish_docs(run_dir: Path, docs_dir: Path | None = None) -> list[Path]:
     return written
 
 
-def render_notebook(executed: Path, out_html: Path, meta: dict[str, Any]) -> Path:
+def render_notebook(executed: Path, out_html: Path, meta: dict[str, Any], known: Iterable[str] | None = None) -> Path:
     """Write ``out_html`` from the executed notebook; ``meta`` (run_id, phase, target, status, title) goes
-    to the page header. Secrets that slipped into outputs are redacted; nbconvert escapes the rest."""
+    to the page header. Secrets are redacted (:mod:`servelab.core.redact`: ``known`` values — default the process
+    environment's — and anything that looks like one) in every cell and output, and once more on the finished
+    page; nbconvert escapes the rest."""
     from nbconvert import HTMLExporter
 
-    nb = nbformat.read(str(executed), as_version=4)
+    known = tuple(known_secrets() if known is None else known)
+    nb = scrub_notebook_node(nbformat.read(str(executed), as_version=4), known)
+    meta = redact(meta, known)
     for cell in nb.cells:
         if cell.cell_type == "markdown":
             cell.source = docs_html_links(cell.source)
         if cell.cell_type == "code":
-            cell.source = redact_text(cell.source)
             for out in cell.get("outputs", []):
-                if "text" in out:
-                    out["text"] = redact_text(out["text"])
                 data = out.get("data", {})
                 if "text/html" in data:
                     text = "".join(data["text/html"]) if isinstance(data["text/html"], list) else data["text/html"]
-                    data["text/html"] = EXTERNAL_SCRIPT_RE.sub("", redact_text(text))
+                    data["text/html"] = EXTERNAL_SCRIPT_RE.sub("", text)
     phase_dir = out_html.parent
     entry = json.loads((phase_dir / "phase.json").read_text()) if (phase_dir / "phase.json").exists() else {}
     phase = meta.get("phase") or phase_dir.name
@@ -100,7 +102,7 @@ def render_notebook(executed: Path, out_html: Path, meta: dict[str, Any]) -> Pat
     exporter = HTMLExporter(template_name="servelab", extra_template_basedirs=[str(TEMPLATES)])
     body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": meta.get("title", executed.stem)}})
     out_html.parent.mkdir(parents=True, exist_ok=True)
-    out_html.write_text(body, encoding="utf-8")
+    out_html.write_text(redact_html(body, known), encoding="utf-8")
     publish_docs(out_html.parent.parent)          # <run>/<phase>/report.html → <run>/docs/
     return out_html
 

@@ -413,7 +413,7 @@ def rank_environments(srv: RunningServer, prefixes: tuple[str, ...] = ENV_PREFIX
     """
     import pandas as pd
     from servelab.core.run import redact_env
-    expected = {k: v for k, v in srv.target.env.items() if k.startswith(prefixes)}
+    expected = redact_env({k: v for k, v in srv.target.env.items() if k.startswith(prefixes)})
     rows = []
     for node, h in srv.handles.items():
         if node in srv.containers:           # the container's own processes, read through the runtime

@@ -50,6 +50,16 @@ class Target:
     api_key_env: str = ""             # name of the variable holding the head's API key (never the key itself)
     source: str = ""                  # the file it was read from
 
+    def secret_values(self) -> tuple[str, ...]:
+        """The secrets this target carries — values of its secret-named ``env`` variables, of secret flags in its
+        launch arguments (``extra_args``, ``docker.extra_args``), credentials in URLs among them — for the literal
+        scrub of everything written (:func:`servelab.core.redact.known_secrets`; process environment included)."""
+        from servelab.core.redact import known_secrets
+        docker = self.launch.get("docker") if isinstance(self.launch.get("docker"), dict) else {}
+        argv = [*(self.launch.get("extra_args") or []), *(docker.get("extra_args") or [])]
+        return known_secrets(self.env, {k: v for k, v in self.launch.items() if isinstance(v, (str, int, float))},
+                             argv=argv, urls=[*self.env.values(), *map(str, argv), self.description])
+
     @property
     def head(self) -> Node:
         heads = [n for n in self.nodes if n.role == "head"]

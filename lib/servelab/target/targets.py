@@ -1,9 +1,11 @@
 """Reading and validating targets: ``load_target('local')`` → :class:`~servelab.target.spec.Target`."""
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import fields
 from pathlib import Path
+from typing import Any, Mapping
 
 import yaml
 
@@ -40,7 +42,44 @@ def load_target(name_or_path: str) -> Target:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
         raise ParamError(f"{path}: not valid YAML: {exc}") from exc
-    return target_from_dict(raw, str(path))
+    return target_from_dict(resolve_env_refs(raw, str(path)), str(path))
+
+
+ENV_REF_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def resolve_env_refs(raw: Any, source: str, environ: Mapping[str, str] | None = None) -> Any:
+    """``${NAME}`` in a target's ``env`` values and launch arguments (``extra_args``, ``docker.extra_args``) is
+    the value of ``NAME`` in the caller's environment: a secret (``HF_TOKEN: ${HF_TOKEN}``) stays out of the file.
+    An unset ``NAME`` is an error before anything starts."""
+    if not isinstance(raw, dict):
+        return raw
+    environ = os.environ if environ is None else environ
+
+    def sub(value: Any, where: str) -> Any:
+        if not isinstance(value, str) or "${" not in value:
+            return value
+
+        def one(m: re.Match[str]) -> str:
+            if m.group(1) not in environ:
+                raise ParamError(f"{source}: {where} refers to ${{{m.group(1)}}}, which is not set: "
+                                 f"export {m.group(1)}=... before running (the file keeps secrets out by naming them)")
+            return environ[m.group(1)]
+        return ENV_REF_RE.sub(one, value)
+
+    out = dict(raw)
+    if isinstance(raw.get("env"), dict):
+        out["env"] = {k: sub(v, f"env.{k}") for k, v in raw["env"].items()}
+    if isinstance(raw.get("launch"), dict):
+        launch = dict(raw["launch"])
+        if isinstance(launch.get("extra_args"), list):
+            launch["extra_args"] = [sub(a, "launch.extra_args") for a in launch["extra_args"]]
+        docker = launch.get("docker")
+        if isinstance(docker, dict) and isinstance(docker.get("extra_args"), list):
+            launch["docker"] = {**docker, "extra_args": [sub(a, "launch.docker.extra_args")
+                                                         for a in docker["extra_args"]]}
+        out["launch"] = launch
+    return out
 
 
 _TYPES = {"str": str, "int": int, "bool": bool, "dict": dict, "list": list, "float": (int, float)}

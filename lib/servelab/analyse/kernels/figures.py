@@ -1,6 +1,7 @@
 """Figures of the kernel deep-dive: the kernels on the critical path per window, and the roofline."""
 from __future__ import annotations
 
+import html
 import math
 
 import numpy as np
@@ -36,7 +37,7 @@ def roofline_figure(roof: pd.DataFrame, gpu: str = "H200", kind: str = "spec") -
         if len(part):
             fig.add_trace(go.Scatter(x=part["intensity_flop_per_byte"], y=part["achieved_tflops"], mode="markers",
                                      marker=dict(size=10, color=color, line=dict(width=1, color="black")),
-                                     name=f"kernels ({prec})", text=part["function"],
+                                     name=f"kernels ({prec})", text=[html.escape(str(f)) for f in part["function"]],  # void k<4>
                                      customdata=np.stack([part["pct_of_roof"], part["bound"]], axis=-1),
                                      hovertemplate="%{text}<br>AI %{x:.2f} flop/B<br>%{y:.2f} TFLOP/s<br>"
                                                    "%{customdata[0]:.0f}% of roof, %{customdata[1]}-bound<extra></extra>"))

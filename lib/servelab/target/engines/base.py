@@ -62,11 +62,19 @@ class LaunchPlan:
     ready_host: str = ""
     container: ContainerSpec | None = None   # mode=docker: argv is its `docker run`, env goes in its env file
 
-    def shell(self) -> str:
-        """The command as one line for a page: secrets (an API key in the environment or argv) redacted."""
-        from servelab.core.run import redact_argv, redact_env
-        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in redact_env(self.env).items())
-        return f"{env} {shlex.join(redact_argv(self.argv))}".strip()
+    def shell(self, known: Sequence[str] | None = None) -> str:
+        """The command as one line for people (pages, tables, records), secrets redacted: secret-named variables,
+        secret flags (``--api-key X``), ``known`` values (default: those of this plan's env and argv, and the
+        process environment's). Never executed: processes are started from :attr:`argv` and :attr:`env`."""
+        from servelab.core.redact import known_secrets, redact_argv, redact_env
+        known = tuple(known_secrets(self.env, argv=self.argv) if known is None else known)
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in redact_env(self.env, known).items())
+        return f"{env} {shlex.join(redact_argv(self.argv, known))}".strip()
+
+    def secret_values(self) -> tuple[str, ...]:
+        """The secret values this plan carries (its env's and its argv's), for a literal scrub elsewhere."""
+        from servelab.core.redact import known_secrets
+        return known_secrets(self.env, argv=self.argv, environ=False)
 
 
 @dataclass
