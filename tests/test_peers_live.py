@@ -96,17 +96,21 @@ def test_bench_serving_beside_our_phase1_case(bench, tiny_server, outputs, tmp_p
     assert "Peers side by side" in page and "no peer result imported into this run" in page
     case_dir = rdir / "cases" / "D2_c4"
     raw = hashlib.sha256((case_dir / "requests.jsonl").read_bytes()).hexdigest()
-    # 2. the reference client, same shape, on the tiny server
+    # 2. the reference client, same shape (our case is sized: as many prompts as it sent), on the tiny server
+    sent = sum(1 for line in (case_dir / "requests.jsonl").read_text().splitlines() if line.strip())
+    assert sent >= 8                                                  # at least two waves of 4 (docs/case.md#sizing)
     out = tmp_path / "bench_serving_D2_c4.jsonl"
-    theirs = be.run_bench_serving(be.bench_serving_argv(py, tiny_server.base_url, "tiny", tok_dir, 64, 64, 4, 4, out,
-                                                        extra=["--extra-request-body", '{"cache_prompt": false}']), out)
-    assert theirs["completed"] == 4 and theirs["total_output_tokens"] == 4 * 64
+    theirs = be.run_bench_serving(be.bench_serving_argv(py, tiny_server.base_url, "tiny", tok_dir, 64, 64, sent, 4,
+                                                        out, extra=["--extra-request-body", '{"cache_prompt": false}']),
+                                  out)
+    assert theirs["completed"] == sent and theirs["total_output_tokens"] == sent * 64
     # 3. import it into the run
     capsys.readouterr()
     assert main(["import", str(out), "--run-id", "peers"]) == 0
     said = capsys.readouterr().out.strip().splitlines()
     assert said[0].startswith("sglang bench_serving: peers/files/bench_serving_D2_c4.jsonl — 64→64 tokens, "
-                              "concurrency 4, rate inf, 4 prompts; 4 requests completed → same shape as our D2_c4")
+                              f"concurrency 4, rate inf, {sent} prompts; {sent} requests completed → same shape as our "
+                              "D2_c4")
     assert said[1].startswith("re-run phase 1 (servelab run phase1 --target local-tiny --run-id peers -p "
                               "'cases=[\"D2_c4\"]' -p search=false --resume)")
     assert (rdir / "peers" / "files" / out.name).read_bytes() == out.read_bytes()
