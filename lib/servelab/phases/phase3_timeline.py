@@ -185,11 +185,15 @@ def headline(p: Phase3) -> dict[str, Any]:
 
 
 def live_capture(ctx: Any, capture: bool, trace_dir: str) -> tuple[str, pd.DataFrame]:
-    """Capture on the target's engine when it can write traces (vLLM, SGLang) and no ``trace_dir`` was given.
+    """Capture on the target's engine when it can write traces (vLLM, SGLang) and no ``trace_dir`` was given: the
+    four scenarios, one engine start (``measure.live_capture.capture_live``). The capture analysed by the rest of
+    the page is the mixed scenario's (it answers Q10); ``ctx.captures`` keeps all of them for the one-clock view.
 
-    Returns the folder to analyse ("" = the recorded sample) and a table of what was captured, or why not.
+    Returns the folder to analyse ("" = the recorded sample) and one row per scenario: what was captured, or why
+    not.
     """
     from servelab.measure.live_capture import can_capture, capture_live
+    ctx.captures = []
     if trace_dir:
         return trace_dir, pd.DataFrame([{"capture": "not run", "reason": f"analysing the given trace_dir {trace_dir}"}])
     if not capture:
@@ -198,11 +202,39 @@ def live_capture(ctx: Any, capture: bool, trace_dir: str) -> tuple[str, pd.DataF
         return "", pd.DataFrame([{"capture": "not run",
                                   "reason": f"the {ctx.target.engine} engine has no torch profiler endpoint; "
                                             f"use a vLLM or SGLang target (e.g. local-vllm) for a live capture"}])
-    folder, res = capture_live(ctx)
-    rows = [{"capture": res.meta.get("scenario", {}).get("name", "decode_control") if isinstance(res.meta.get("scenario"), dict)
-             else "decode_control", "node": f.node, "file": f.name, "kind": f.kind, "bytes": f.size_bytes,
-             "complete": res.wait.complete} for f in res.files]
-    return str(folder), pd.DataFrame(rows)
+    caps = capture_live(ctx)
+    ctx.captures = caps
+    table = captured_table(caps, ctx.run_dir)
+    table.to_csv(ctx.phase_dir / "captures.csv", index=False)
+    mixed = [c for c in caps if c.scenario.name == "mixed_treatment" and c.result is not None]
+    ok = [c for c in caps if c.result is not None]
+    if not ok:
+        raise RuntimeError("no scenario was captured: " + "; ".join(f"{c.scenario.name}: {c.error}" for c in caps))
+    return str((mixed or ok)[0].profiles), table
+
+
+def captured_table(caps: list[Any], run_dir: Path) -> pd.DataFrame:
+    """One row per scenario: its case folder, what ran (cache flush, warm-up, requests, chunks timed), the trace
+    files collected (worker / frontend), whether the capture is complete, and the error when it failed."""
+    rows = []
+    for c in caps:
+        recs = c.drive.records if c.drive else []
+        files = c.result.files if c.result else []
+        measured = [r for r in recs if r.role not in ("warmup",)]
+        hit = (c.drive.marks.get("prefix_hit_rate_ppm", -1) if c.drive else -1)
+        rows.append({
+            "scenario": c.scenario.name, "case": str(Path(c.case_dir).relative_to(run_dir)),
+            "workload": c.scenario.description, "cache_flushed": bool(c.prep.get("cache_flush", {}).get("flushed")),
+            "warmup_requests": int(c.prep.get("warmup", {}).get("requests", 0)),
+            "requests": len(measured), "requests_ok": sum(1 for r in measured if r.ok),
+            "chunks_timed": sum(len(r.chunk_ns) for r in measured),
+            "worker_traces": sum(1 for f in files if f.kind == "worker"),
+            "frontend_traces": sum(1 for f in files if f.kind == "frontend"),
+            "trace_MiB": round(sum(f.size_bytes for f in files) / 2**20, 2),
+            "prefix_hit_pct": round(hit / 1e4, 1) if hit >= 0 else None,
+            "complete": bool(c.result.wait.complete) if c.result else False,
+            "verdict": "INVALID: profiled (never compared)", "error": c.error})
+    return pd.DataFrame(rows)
 
 
 def _short(text: str, limit: int = 400) -> str:
