@@ -179,12 +179,13 @@ def attribute_stalls(gaps: pl.DataFrame, steps: pl.DataFrame, threshold_ms: floa
         rows.append({"request_id": g["request_id"], "role": g["role"], "chunk": g["k"], "gap_start_ns": a,
                      "gap_ms": round(g["gap_ms"], 3), "threshold_ms": round(threshold_ms, 3),
                      "steps_overlapping": ov.height, "longest_step": describe_step(ov.row(0, named=True)) if ov.height
-                     else "", "prefill_tokens": pre, "step_cover_pct": round(100 * covered / (b - a), 1) if b > a else 0.0,
+                     else "", "longest_step_ms": round(float(ov["dur_ms"][0]), 3) if ov.height else None,
+                     "prefill_tokens": pre, "step_cover_pct": round(100 * covered / (b - a), 1) if b > a else 0.0,
                      "cause": cause, "steps": "; ".join(named[:4]) + (f"; … {len(named) - 4} more" if len(named) > 4
                                                                         else "")})
     schema = {"request_id": pl.String, "role": pl.String, "chunk": pl.Int64, "gap_start_ns": pl.Int64,
               "gap_ms": pl.Float64, "threshold_ms": pl.Float64, "steps_overlapping": pl.Int64,
-              "longest_step": pl.String, "prefill_tokens": pl.Int64, "step_cover_pct": pl.Float64, "cause": pl.String,
+              "longest_step": pl.String, "longest_step_ms": pl.Float64, "prefill_tokens": pl.Int64, "step_cover_pct": pl.Float64, "cause": pl.String,
               "steps": pl.String}
     return pl.DataFrame(rows, schema=schema)
 
@@ -269,6 +270,8 @@ def one_clock(records: Sequence[Any], windows: pl.DataFrame, same_host: bool = T
     """Join a case's client records (``RequestRecord`` with chunk arrivals) and its trace's step windows."""
     steps = engine_steps(windows)
     gaps = client_gaps(records)
+    if not same_host:       # no shared clock: placing the two sides on one timeline would be made up
+        records, gaps = [], gaps.head(0)
     span = (int(steps["start_ns"].min()), int(steps["end_ns"].max())) if steps.height else None
     p99, n, basis = steady_p99(gaps, injection_windows(records), span)
     stalls = attribute_stalls(gaps, steps, p99) if p99 is not None else attribute_stalls(gaps.head(0), steps, 0.0)
