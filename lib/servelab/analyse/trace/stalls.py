@@ -185,8 +185,8 @@ def attribute_stalls(gaps: pl.DataFrame, steps: pl.DataFrame, threshold_ms: floa
                                                                         else "")})
     schema = {"request_id": pl.String, "role": pl.String, "chunk": pl.Int64, "gap_start_ns": pl.Int64,
               "gap_ms": pl.Float64, "threshold_ms": pl.Float64, "steps_overlapping": pl.Int64,
-              "longest_step": pl.String, "longest_step_ms": pl.Float64, "prefill_tokens": pl.Int64, "step_cover_pct": pl.Float64, "cause": pl.String,
-              "steps": pl.String}
+              "longest_step": pl.String, "longest_step_ms": pl.Float64, "prefill_tokens": pl.Int64,
+              "step_cover_pct": pl.Float64, "cause": pl.String, "steps": pl.String}
     return pl.DataFrame(rows, schema=schema)
 
 

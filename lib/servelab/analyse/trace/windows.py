@@ -15,7 +15,7 @@ from servelab.analyse.trace.load import RankTrace
 
 # SGLang model-runner steps, the H200 samples' ``*_step_i`` / ``mixed_prefill_chunk_N``, ProfilerStep#N, and the
 # ``execute_<n>_context_<c>(..)_generation_<g>(..)`` spans of TraceLens-patched vLLM/SGLang traces, and vLLM's own
-# per-step ``execute_context_<c>(<tokens>)_generation_<g>(<tokens>)`` worker annotation (vLLM 0.32 workers, while the profiler runs)
+# per-step ``execute_context_<c>(<tokens>)_generation_<g>(<tokens>)`` worker annotation (vLLM 0.32, while profiling)
 DEFAULT_WINDOW_REGEX = r"^(draft )?step\[|_step_\d+$|prefill_chunk|^ProfilerStep#\d+$|^execute_(\d+_)?context_\d+"
 
 # first match wins; evaluated on the annotation name
