@@ -186,27 +186,28 @@ def decode_drive(drive: Drive, scenario: ProfileScenario, pool: _Pool, trace_dir
 
 def mixed_drive(drive: Drive, scenario: ProfileScenario, pool: _Pool, trace_dir: Path, prefix: str,
                 keep_alive_s: float = 300.0) -> Callable[[Callable[[], Any]], Drive]:
-    """mixed_treatment: the decode-control background; once a background stream has read
-    ``inject_after_steps`` chunks after the start (that many decode steps ran in the capture), one
-    ``inject_isl_tokens → inject_osl_tokens`` request is injected; the background keeps decoding until the
-    worker trace is written."""
+    """mixed_treatment: the decode-control background; the ``inject_isl_tokens → inject_osl_tokens`` request is
+    sent as soon as ``start_profile`` has returned (the profiler is running), so the engine runs the decode steps of
+    the request's transit and admission — ``inject_after_steps`` or more, the trace shows how many — before its
+    prefill, well inside the step window; the background keeps decoding until the worker trace is written.
+    (Waiting for the client to count decode chunks instead is unreliable: an engine may coalesce several steps'
+    tokens into one chunk, and steps the client does not see still use up the window.)"""
     injected: list[threading.Thread] = []
     spec = None
 
-    def maybe_inject(since: dict[int, int]) -> None:
-        if not injected and since and max(since.values()) >= scenario.inject_after_steps:
+    def inject(_: dict[int, int]) -> None:
+        if not injected:
             drive.mark("inject_sent")
             injected.append(drive.thread(spec))
 
     def run(start: Callable[[], Any]) -> Drive:
         nonlocal spec
         spec = pool.specs(1, scenario.inject_isl_tokens, scenario.inject_osl_tokens, "inject")[0]
-        _streams_until_trace(drive, scenario, pool, trace_dir, prefix, start, keep_alive_s, maybe_inject)
+        _streams_until_trace(drive, scenario, pool, trace_dir, prefix, start, keep_alive_s, inject)
         for t in injected:
             t.join(600)
         if not injected:
-            raise CaptureError(f"scenario {scenario.name}: the long prefill was never injected (no background stream "
-                               f"read {scenario.inject_after_steps} chunks after the profile start)")
+            raise CaptureError(f"scenario {scenario.name}: the long prefill was never injected")
         return drive
     return run
 
