@@ -278,6 +278,16 @@ def live_capture(ctx: Any, capture: bool, trace_dir: str) -> tuple[str, pd.DataF
     return str((mixed or ok)[0].profiles), table
 
 
+def _verdict_text(case_dir: Path) -> str:
+    """The profiled case's verdict as its ``summary.json`` records it (``INVALID: profiled …``)."""
+    from servelab.measure.case_record import read_summary
+    try:
+        v = read_summary(case_dir / "summary.json")["verdict"]
+    except (OSError, ValueError) as exc:
+        return f"no summary: {exc}"
+    return f"{v['status']}: {'; '.join(v['reasons'])}" if v["reasons"] else v["status"]
+
+
 def captured_table(caps: list[Any], run_dir: Path) -> pd.DataFrame:
     """One row per scenario: its case folder, what ran (cache flush, warm-up, requests, chunks timed), the trace
     files collected (worker / frontend), whether the capture is complete, and the error when it failed."""
@@ -298,7 +308,7 @@ def captured_table(caps: list[Any], run_dir: Path) -> pd.DataFrame:
             "trace_MiB": round(sum(f.size_bytes for f in files) / 2**20, 2),
             "prefix_hit_pct": round(hit / 1e4, 1) if hit >= 0 else None,
             "complete": bool(c.result.wait.complete) if c.result else False,
-            "verdict": "INVALID: profiled (never compared)", "error": c.error})
+            "verdict": _verdict_text(Path(c.case_dir)), "error": c.error})
     return pd.DataFrame(rows)
 
 
