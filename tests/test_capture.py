@@ -32,7 +32,7 @@ class RemoteLikeHost(LocalHost):
 # ---------------------------------------------------------------- scenarios
 
 def test_capture_scenarios_match_the_method_table():
-    dc, mx, lp = cap.capture_scenarios("cluster", decode_case="D2-c32", mixed_case="M1-treatment", prefill_case="P3")
+    dc, mx, lp, ph = cap.capture_scenarios("cluster", decode_case="D2-c32", mixed_case="M1-treatment", prefill_case="P3")
     # docs/method.md#capture-scenarios: decode control 1K->1K C=32, skip 2, capture 16
     assert (dc.name, dc.case_id, dc.isl_tokens, dc.osl_tokens, dc.concurrency, dc.skip_steps, dc.num_steps,
             dc.trigger) == ("decode_control", "D2-c32", 1024, 1024, 32, 2, 16, "decode_active")
@@ -42,7 +42,11 @@ def test_capture_scenarios_match_the_method_table():
     # long prefill: 128K->1, C=1, 16 steps from the first chunk
     assert (lp.isl_tokens, lp.osl_tokens, lp.concurrency, lp.num_steps, lp.skip_steps, lp.trigger) == \
         (131072, 1, 1, 16, 0, "before_first_chunk")
+    # prefix hit: a long context, ~97 % of it one shared prefix warmed before the capture
+    assert (ph.name, ph.trigger, ph.num_steps) == ("prefix_hit", "before_first_chunk", 16)
+    assert ph.prefix_tokens / ph.isl_tokens > 0.9 and ph.isl_tokens >= 32768
     local = cap.capture_scenarios("local")
+    assert [s.name for s in local] == ["decode_control", "mixed_treatment", "long_prefill", "prefix_hit"]
     assert all(s.isl_tokens + s.osl_tokens <= 2048 for s in local)
     assert local[1].inject_isl_tokens + 1 <= 2048
 
@@ -55,6 +59,13 @@ def test_step_window_is_10_to_32(steps, ok):
     else:
         with pytest.raises(cap.CaptureError, match="10-32"):
             make()
+
+
+def test_prefix_hit_needs_a_shared_prefix_shorter_than_the_prompt():
+    with pytest.raises(cap.CaptureError, match="prefix_tokens"):
+        cap.ProfileScenario("prefix_hit", "H8", 1600, 16, 4, num_steps=16)
+    with pytest.raises(cap.CaptureError, match="prefix_tokens"):
+        cap.ProfileScenario("prefix_hit", "H8", 1600, 16, 4, num_steps=16, prefix_tokens=1600)
 
 
 def test_scenario_rejects_bad_input_and_never_reuses_the_clean_case_folder():

@@ -4,10 +4,11 @@ wait for every rank's trace to be complete, and collect the traces from every no
 The capture rules of ``docs/method.md#profiling`` are built in:
 
 - a capture covers 10 to 32 engine steps after warm-up (``ProfileScenario`` refuses other windows);
-- three scenarios, each bound to the benchmark case it profiles: ``decode_control`` (1K→1K, C=32, skip 2
+- four scenarios, each bound to the benchmark case it profiles: ``decode_control`` (1K→1K, C=32, skip 2
   steps once decode is active, capture 16), ``mixed_treatment`` (same background, 2 pure decode steps,
   then a 128K→1 prefill is injected, 32 steps in all) and ``long_prefill`` (128K→1, C=1, 16 steps from
-  the first chunk);
+  the first chunk) and ``prefix_hit`` (a long shared prefix sent once to warm the cache, then C requests
+  sharing it — a high prefix-cache hit rate — captured, 16 steps from the first chunk);
 - traces are collected from every node (SSH ``get`` for remote nodes, a copy locally) into
   ``cases/<case>/profiles/<node>/`` under the engine's own file names, so rank identity is preserved
   (SGLang ``…-TP-3[-DP-0-PP-1-EP-3].trace.json.gz``, vLLM ``…rank3.<ns>.pt.trace.json.gz``);
@@ -44,7 +45,7 @@ from typing import Any, Callable
 from servelab.target.engines import ProfileError, profile_file
 from servelab.core.run import CommandRecord, now_iso, record_command, write_json_atomic
 
-SCENARIOS = ("decode_control", "mixed_treatment", "long_prefill")
+SCENARIOS = ("decode_control", "mixed_treatment", "long_prefill", "prefix_hit")
 STEP_WINDOW = (10, 32)          # docs/method.md#profiling-lessons: capture only 10 to 32 engine steps after warm-up
 TRIGGERS = ("decode_active", "before_first_chunk")
 CASE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+-]{0,95}$")
@@ -77,6 +78,7 @@ class ProfileScenario:
     inject_isl_tokens: int = 0
     inject_osl_tokens: int = 0
     inject_after_steps: int = 0
+    prefix_tokens: int = 0
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -98,6 +100,9 @@ class ProfileScenario:
             raise CaptureError(f"scenario {self.name}: trigger '{self.trigger}' is not one of {TRIGGERS}")
         if self.name == "mixed_treatment" and self.inject_isl_tokens < 1:
             raise CaptureError("scenario mixed_treatment needs inject_isl_tokens (the injected long prefill)")
+        if self.name == "prefix_hit" and not 0 < self.prefix_tokens < self.isl_tokens:
+            raise CaptureError(f"scenario prefix_hit needs 0 < prefix_tokens < isl_tokens (the shared prefix), got "
+                               f"prefix_tokens={self.prefix_tokens}, isl_tokens={self.isl_tokens}")
         if self.inject_after_steps >= self.num_steps:
             raise CaptureError(f"scenario {self.name}: inject_after_steps={self.inject_after_steps} leaves no "
                                f"captured step after the injection (num_steps={self.num_steps})")
@@ -118,11 +123,13 @@ SCALES = {
     "cluster": (1024, 1024, 32, 131072),     # the reference cluster's lengths (docs/method.md#capture-scenarios)
     "local": (128, 256, 8, 1536),            # fits local-vllm's 2048-token context
 }
+# prefix_hit per scale: (ISL, shared prefix tokens, OSL, C) — a long context of which ~97 % is one cached prefix
+PREFIX_HIT = {"cluster": (32768, 31744, 64, 8), "local": (1600, 1536, 16, 4)}
 
 
 def capture_scenarios(scale: str = "cluster", decode_case: str = "D2-c32", mixed_case: str = "M1-treatment",
-                      prefill_case: str = "P3") -> list[ProfileScenario]:
-    """The three Phase 3 scenarios (``docs/method.md#capture-scenarios``), each bound to its benchmark case id.
+                      prefill_case: str = "P3", prefix_case: str = "H8-prefix") -> list[ProfileScenario]:
+    """The four Phase 3 scenarios (``docs/method.md#capture-scenarios``), each bound to its benchmark case id.
 
     ``scale`` ``cluster`` uses the reference lengths (1K→1K at C=32, 128K→1); ``local`` shrinks them for
     a CPU engine with a 2048-token context. Pass the case ids the benchmark matrix uses.
@@ -130,6 +137,7 @@ def capture_scenarios(scale: str = "cluster", decode_case: str = "D2-c32", mixed
     if scale not in SCALES:
         raise CaptureError(f"scale '{scale}' is not one of {sorted(SCALES)}")
     isl, osl, conc, long_isl = SCALES[scale]
+    p_isl, p_prefix, p_osl, p_conc = PREFIX_HIT[scale]
     return [
         ProfileScenario("decode_control", decode_case, isl, osl, conc, num_steps=16, skip_steps=2,
                         trigger="decode_active",
@@ -142,6 +150,11 @@ def capture_scenarios(scale: str = "cluster", decode_case: str = "D2-c32", mixed
         ProfileScenario("long_prefill", prefill_case, long_isl, 1, 1, num_steps=16, skip_steps=0,
                         trigger="before_first_chunk",
                         description=f"{long_isl}->1, C=1: 16 steps from the first chunk"),
+        ProfileScenario("prefix_hit", prefix_case, p_isl, p_osl, p_conc, num_steps=16, skip_steps=0,
+                        trigger="before_first_chunk", prefix_tokens=p_prefix,
+                        description=f"{p_isl}->{p_osl}, C={p_conc} sharing one {p_prefix}-token prefix (sent once "
+                                    f"before the capture to warm the cache: ~{100 * p_prefix // p_isl}% hit rate); "
+                                    "16 steps from the first chunk"),
     ]
 
 

