@@ -316,7 +316,8 @@ def _lenient_frame(events: list[dict], base_ns: int) -> tuple[pl.DataFrame, list
 
 
 PARALLEL_MIN_BYTES = 64 << 20     # JSON text size from which the chunked streaming parse is used
-CHUNK_BYTES = 24 << 20            # JSON text per decode task (bounds each process's Python objects)
+CHUNK_BYTES = 4 << 20             # JSON text per decode task: 4 MB slices cost ~25 % less CPU than 24 MB (measured,
+#                                  fewer Python objects alive per process) and halve the workers' peak memory
 
 
 def default_workers() -> int:
