@@ -301,8 +301,10 @@ def cpu_thread_busy(rops: RankOps) -> pl.DataFrame:
     """Per CPU thread: union of cpu_op / runtime / python_function intervals over the captured span —
     how busy the launching thread was (annotations excluded; without python tracing, Python time between
     ops is not seen, so this is a lower bound)."""
-    ev = rops.trace.events.filter(pl.col("cat").is_in(["cpu_op", "cuda_runtime", "cuda_driver", "python_function"])
-                                  & pl.col("dur_ns").is_not_null() & pl.col("tid").is_not_null())
+    ev = (rops.trace.events.lazy()
+          .filter(pl.col("cat").is_in(["cpu_op", "cuda_runtime", "cuda_driver", "python_function"])
+                  & pl.col("dur_ns").is_not_null() & pl.col("tid").is_not_null())
+          .select("pid", "tid", "ts_ns", "dur_ns").collect())
     ops = rops.ops
     if ev.height == 0 or ops.height == 0:
         return pl.DataFrame()

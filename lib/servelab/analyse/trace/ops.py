@@ -36,9 +36,9 @@ class RankOps:
 
 def runtime_calls(trace: RankTrace) -> pl.DataFrame:
     """CUDA/HIP runtime and driver API calls: pid, tid, name, ts_ns, end_ns, correlation."""
-    return (trace.events.filter(pl.col("cat").is_in(list(LAUNCH_CATS)) & pl.col("dur_ns").is_not_null())
+    return (trace.events.lazy().filter(pl.col("cat").is_in(list(LAUNCH_CATS)) & pl.col("dur_ns").is_not_null())
             .select("pid", "tid", pl.col("name").cast(pl.String), "ts_ns",
-                    (pl.col("ts_ns") + pl.col("dur_ns")).alias("end_ns"), "correlation"))
+                    (pl.col("ts_ns") + pl.col("dur_ns")).alias("end_ns"), "correlation").collect())
 
 
 def prepare_rank(trace: RankTrace, rules: list[Rule] | None = None, window_regex: str | None = None) -> RankOps:
@@ -49,14 +49,15 @@ def prepare_rank(trace: RankTrace, rules: list[Rule] | None = None, window_regex
     """
     rules = rules if rules is not None else load_rules()
     ev = trace.events
-    ops = (ev.filter(pl.col("cat").is_in(list(GPU_OP_CATS)) & pl.col("dur_ns").is_not_null())
+    # lazy: the filter gathers only the selected columns, not every column of the event frame
+    ops = (ev.lazy().filter(pl.col("cat").is_in(list(GPU_OP_CATS)) & pl.col("dur_ns").is_not_null())
            .select(pl.lit(trace.rank, dtype=pl.Int64).alias("rank"),
                    pl.coalesce("device", "pid").alias("device"), pl.coalesce("stream", "tid").alias("stream"),
                    "cat", "name", "ts_ns", "dur_ns",
                    (pl.col("ts_ns") + pl.col("dur_ns")).alias("end_ns"), "correlation", "external_id",
                    pl.col("coll").cast(pl.String), "in_nelems", "out_nelems", "group_size",
                    pl.col("dtype").cast(pl.String), pl.col("pg_name").cast(pl.String), "pg_ranks", "seq",
-                   "bytes", "graph_id"))
+                   "bytes", "graph_id").collect())
     ops = classify_ops(ops, rules).with_columns(pl.col("name").cast(pl.String), pl.col("cat").cast(pl.String))
     rt = runtime_calls(trace)
     launches = (rt.filter(pl.col("correlation").is_not_null())

@@ -64,12 +64,13 @@ def annotation_windows(trace: RankTrace, regex: str | None = None) -> pl.DataFra
     except re.error as e:
         raise ValueError(f"window regex {rx!r} is invalid: {e}") from e
     ev = trace.events
-    ann = (ev.filter((pl.col("cat") == "user_annotation") & pl.col("dur_ns").is_not_null())
+    # lazy: only the five columns read are gathered (an eager filter copies every column of the event frame)
+    ann = (ev.lazy().filter((pl.col("cat") == "user_annotation") & pl.col("dur_ns").is_not_null())
            .with_columns(pl.col("name").cast(pl.String))
            .filter(pl.col("name").str.contains(rx))
            .select("name", "pid", "tid", pl.col("ts_ns").alias("cpu_start_ns"),
                    (pl.col("ts_ns") + pl.col("dur_ns")).alias("cpu_end_ns"))
-           .sort("pid", "cpu_start_ns", pl.col("cpu_end_ns"), descending=[False, False, True]))
+           .sort("pid", "cpu_start_ns", pl.col("cpu_end_ns"), descending=[False, False, True]).collect())
     if ann.height:
         # innermost only: drop an annotation when the next one (same pid) starts inside it
         nxt_start = ann["cpu_start_ns"].shift(-1)
