@@ -97,7 +97,7 @@ def test_bench_serving_beside_our_phase1_case(bench, tiny_server, outputs, tmp_p
     case_dir = rdir / "cases" / "D2_c4"
     raw = hashlib.sha256((case_dir / "requests.jsonl").read_bytes()).hexdigest()
     # 2. the reference client, same shape (our case is sized: as many prompts as it sent), on the tiny server
-    sent = sum(1 for line in (case_dir / "requests.jsonl").read_text().splitlines() if line.strip())
+    sent = json.loads((case_dir / "summary.json").read_text())["counts"]["measured"]     # warm-up not counted
     assert sent >= 8                                                  # at least two waves of 4 (docs/case.md#sizing)
     out = tmp_path / "bench_serving_D2_c4.jsonl"
     theirs = be.run_bench_serving(be.bench_serving_argv(py, tiny_server.base_url, "tiny", tok_dir, 64, 64, sent, 4,
