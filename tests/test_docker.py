@@ -359,6 +359,36 @@ def test_a_sigkilled_kernel_still_takes_its_container_down(target_file, tmp_path
         remove_private_dir(LocalHost("local"), private)   # the one thing a killed process cannot remove
 
 
+@pytest.mark.slow
+def test_a_container_whose_cli_and_kernel_were_sigkilled_is_removed_by_the_next_sweep(target_file, tmp_path):
+    """As on an SSH node, where no parent-death signal reaches the docker CLI: the CLI is SIGKILLed (the container
+    serves on), then the kernel; the next start's sweep finds the stale record, removes the container by name and
+    the private folder of its env file, and says so in its row."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "lib")}
+    p = subprocess.Popen([sys.executable, "-c", _PHASE, str(target_file), str(tmp_path / "logs"),
+                          str(tmp_path / "run-orphan")], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                         env=env, start_new_session=True)
+    private = ""
+    try:
+        name, private = p.stdout.readline().split()
+        cli = subprocess.run(["pgrep", "-f", f"run --rm --name {name} "], capture_output=True, text=True).stdout.split()
+        assert len(cli) == 1, cli
+        os.kill(int(cli[0]), signal.SIGKILL)
+        time.sleep(1.0)
+        assert containers_of("run-orphan") == [name]               # SIGKILL is not passed on: it still runs
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait(30)
+        assert containers_of("run-orphan") == [name] and Path(private).is_dir()
+        rows = [r for r in LocalHost("local").sweep() if r.get("run_id") == "run-orphan"]
+        assert any(f"container {name} removed" in r["action"] for r in rows), rows
+        assert containers_of("run-orphan") == [] and not Path(private).exists()
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        docker("rm", "-f", *containers_of("run-orphan")) if containers_of("run-orphan") else None
+        remove_private_dir(LocalHost("local"), private)
+
+
 # ---------------------------------------------------------------- no daemon needed
 
 def test_docker_plans_pass_names_only_and_gpus_only_where_the_node_has_gpus():

@@ -27,6 +27,7 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from servelab.core.params import ParamError
+from servelab.target import hosts as hostlib
 from servelab.target.hosts import HostError
 
 # docker's own rule for container names
@@ -293,7 +294,8 @@ def start_container(tracker: Any, host: Any, spec: ContainerSpec, log_path: Any,
         env_file = write_env_file(host, private, spec.env)
         argv = spec.run_argv(name, env_file, run_id)
         running = RunningContainer(host, spec, name, run_id, private, env_file, argv)
-        handle = tracker.start(ContainerHost(host, running), argv, log_path, env={})
+        handle = tracker.start(ContainerHost(host, running), argv, log_path, env={},
+                               what=hostlib.CONTAINER_WHAT.format(name=name, client=spec.client, private=private))
     except BaseException:
         remove_private_dir(host, private)
         raise

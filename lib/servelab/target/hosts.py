@@ -296,9 +296,11 @@ class _PidRecords:
                 rows.append({**row, "action": "kept: started from another machine, which may still be running"})
                 continue
             kill.append(rec["path"])
-            if rec.get("alive"):          # a record whose processes are all gone is removed without a row
-                rows.append({**row, "processes": rec["alive"], "path": rec["path"],
-                             "action": "stopped (TERM, then KILL)"})
+            box = CONTAINER_WHAT_RE.match(rec.get("what") or "")
+            if rec.get("alive") or box:   # a record whose processes are all gone is removed without a row
+                rows.append({**row, "processes": rec.get("alive") or [], "path": rec["path"],
+                             "action": "stopped (TERM, then KILL)" if rec.get("alive") else "client already gone",
+                             **({"container": box.groupdict()} if box else {})})
         if kill:
             done = {d["path"]: d for d in self._registry("kill", self.state_dir, str(grace_s), *kill,
                                                           timeout=grace_s * len(kill) + 60)}
@@ -306,7 +308,26 @@ class _PidRecords:
                 left = done.get(row.pop("path", ""), {}).get("survived")
                 if left:
                     row["action"] = f"could not stop pids {left}"
+                box = row.pop("container", None)
+                if box:                   # the docker CLI's death does not stop its container: remove it too
+                    row["action"] += "; " + self._remove_container(box)
         return rows
+
+    def _remove_container(self, box: dict[str, str]) -> str:
+        """``docker rm -f`` a container an earlier run left (and the private folder of its env file)."""
+        r = self.run([box["client"], "rm", "-f", box["name"]], timeout=120)  # type: ignore[attr-defined]
+        gone = r.exit_code == 0 or "No such container" in (r.stderr or "")
+        if box["private"].rsplit("/", 1)[-1].startswith("servelab-"):
+            self.run(["rm", "-rf", "--", box["private"]], timeout=60)  # type: ignore[attr-defined]
+        return (f"container {box['name']} removed" if gone else
+                f"container {box['name']} could not be removed: {(r.stderr or r.stdout).strip()[:200]}")
+
+
+# how a container's docker CLI process is described in its pid record, so that a sweep can remove the container
+# (the CLI's death — e.g. a SIGKILLed kernel's — leaves it running) and the folder of its env file
+CONTAINER_WHAT = "docker container {name} via {client} (env file in {private})"
+CONTAINER_WHAT_RE = re.compile(r"^docker container (?P<name>[A-Za-z0-9][A-Za-z0-9_.-]*) via (?P<client>\S+) "
+                               r"\(env file in (?P<private>/\S*)\)$")
 
 
 class LocalHost(_PidRecords):
