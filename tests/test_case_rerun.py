@@ -83,6 +83,7 @@ def _reproduce_commands(page: str) -> dict[str, str]:
 
 
 @pytest.mark.slow
+@pytest.mark.flaky(reruns=2, reruns_delay=5)   # timing under CPU contention (2 shared cores): see pyproject
 def test_the_reproduce_command_on_the_phase1_page_lands_a_new_valid_attempt(tmp_path: Path,
                                                                             llama_server_binary: Path) -> None:
     env = {**os.environ, "SERVELAB_OUTPUTS": str(tmp_path / "outputs"), "PYTHONPATH": str(ROOT / "lib")}

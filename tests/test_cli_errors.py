@@ -77,6 +77,7 @@ def _pids(name: str) -> set[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.flaky(reruns=2, reruns_delay=5)   # timing under CPU contention (2 shared cores): see pyproject
 def test_ctrl_c_mid_phase_is_one_line_and_leaves_nothing_running(tmp_path: Path) -> None:
     """Ctrl-C as a terminal sends it (SIGINT to the foreground process group) while Phase 1 measures: one
     'interrupted' line, no traceback (not even the kernel's), the phase marked interrupted, no engine left."""

@@ -199,6 +199,7 @@ def test_sigkill_of_the_kernel_leaves_leftovers_that_the_next_start_sweeps(nodes
 
 # ---------------------------------------------------------------- (c) a collector that fails to start
 
+@pytest.mark.flaky(reruns=2, reruns_delay=5)   # timing under CPU contention (2 shared cores): see pyproject
 def test_a_collector_that_fails_to_start_stops_the_earlier_ones(nodes, tmp_path):
     a, _, known = nodes
     host = SSHHost("head", a.host, a.port, "root", str(a.client_key), str(known), state_dir=str(tmp_path / "state"))

@@ -115,6 +115,7 @@ def test_phase8_cache_matrix_files(run):
     assert len(starts) == len(stops) == len(m)                     # a fresh engine per point (the flush)
 
 
+@pytest.mark.flaky(reruns=2, reruns_delay=5)   # timing under CPU contention (2 shared cores): see pyproject
 def test_phase9_speculative_files(run):
     rdir = _phase_ok(run, "phase9")
     configs = {"off", "draft=self n=3", "draft=random:1 n=3"}

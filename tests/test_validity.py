@@ -274,6 +274,7 @@ def test_slowed_event_loop_makes_the_case_invalid(tiny_server, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.flaky(reruns=2, reruns_delay=5)   # timing under CPU contention (2 shared cores): see pyproject
 def test_quick_matrix_on_local_tiny_is_sized_to_be_valid(tiny_server, tmp_path):
     """The cases that were too short on local-tiny ("measurement window too short: 0.017 s < 0.5 s") now run long
     enough and on enough requests; concurrency-1 percentiles rest on a distribution, with their counts."""
