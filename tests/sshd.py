@@ -66,3 +66,22 @@ def start_sshd(d: Path, host: str = "127.0.0.1", extra_config: tuple[str, ...] =
                 break
         time.sleep(0.05)
     return TestSSHD(host, port, d / "client_ed25519", known, d / "host_ed25519.pub", proc, d)
+
+
+def sshd_pair(tmp_path_factory):
+    """Two real sshd "nodes" on 127.0.0.2 and 127.0.0.3 and one known_hosts holding both host keys (a module
+    fixture's body: ``yield from sshd_pair(tmp_path_factory)``); skips where sshd is not installed."""
+    import pytest
+    try:
+        a = start_sshd(tmp_path_factory.mktemp("sshd-a"), host="127.0.0.2")
+        b = start_sshd(tmp_path_factory.mktemp("sshd-b"), host="127.0.0.3")
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    known = tmp_path_factory.mktemp("kh") / "known_hosts"
+    known.write_text(a.known_hosts.read_text() + b.known_hosts.read_text())
+    try:
+        yield a, b, known
+    finally:
+        a.stop()
+        b.stop()
+

@@ -22,7 +22,7 @@ from servelab.target.server import http_json, start_server, stop_server
 from servelab.target.targets import load_target, target_from_dict
 
 sys.path.insert(0, str(Path(__file__).parent))
-from sshd import start_sshd  # noqa: E402
+from sshd import sshd_pair, start_sshd  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow            # every test here starts sshd and/or a real engine
@@ -30,16 +30,7 @@ pytestmark = pytest.mark.slow            # every test here starts sshd and/or a 
 
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory):
-    try:
-        a = start_sshd(tmp_path_factory.mktemp("sshd-a"), host="127.0.0.2")
-        b = start_sshd(tmp_path_factory.mktemp("sshd-b"), host="127.0.0.3")
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
-    known = tmp_path_factory.mktemp("kh") / "known_hosts"
-    known.write_text(a.known_hosts.read_text() + b.known_hosts.read_text())
-    yield a, b, known
-    a.stop()
-    b.stop()
+    yield from sshd_pair(tmp_path_factory)
 
 
 def _free_port(host: str) -> int:

@@ -18,23 +18,14 @@ from servelab.target.server import (ServerError, collect_logs, http_json, is_hea
                              stop_server)
 
 sys.path.insert(0, str(Path(__file__).parent))
-from sshd import start_sshd  # noqa: E402
+from sshd import sshd_pair  # noqa: E402
 
 pytestmark = pytest.mark.slow            # every test here starts a real engine (and sshd)
 
 
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory, llama_server_binary):
-    try:
-        a = start_sshd(tmp_path_factory.mktemp("sshd-a"), host="127.0.0.2")
-        b = start_sshd(tmp_path_factory.mktemp("sshd-b"), host="127.0.0.3")
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
-    known = tmp_path_factory.mktemp("kh") / "known_hosts"
-    known.write_text(a.known_hosts.read_text() + b.known_hosts.read_text())
-    yield a, b, known
-    a.stop()
-    b.stop()
+    yield from sshd_pair(tmp_path_factory)
 
 
 def two_node_target(a, b, known: Path, work: Path, worker_port: int | None = None, rpc_port: int = 0) -> object:
