@@ -325,7 +325,7 @@ def test_vllm_cpu_case_serverside_end_to_end(tmp_path):
         try:
             assert srv.plans[0].env["VLLM_LOG_STATS_INTERVAL"] == "1"
             env = make_env(srv, tmp_path / "run", phase="phase1", scrape_interval_s=0.25)
-            case = CaseSpec("D_vllm", "D1", "decode", 32, 200, 3, 9, warmup=False)      # ~2 s on this CPU
+            case = CaseSpec("D_vllm", "D1", "decode", 32, 200, 3, 18, warmup=False)     # ~4 s on this CPU: several 1 s stats lines
             res = run_case(env, case)
         finally:
             stop_server(srv, tracker)
