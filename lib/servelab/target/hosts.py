@@ -566,7 +566,13 @@ class SSHHost(_PidRecords):
         return h
 
     def is_running(self, h: Handle) -> bool:
-        code, _, _ = self._exec(f"kill -0 -- -{h.pid} 2>/dev/null", 15)
+        """A member of the started session is alive. ``kill -0`` alone also succeeds on a zombie, and a process that
+        died at once (a collector whose binary is missing) stays one until the node's init reaps it — seen taking
+        over a second on a loaded node — so with ``ps`` on the node, zombies do not count."""
+        pg = int(h.pid)
+        script = (f"if command -v ps >/dev/null 2>&1; then ps -o stat= -s {pg} 2>/dev/null | grep -q '^[^Z]'; "
+                  f"else kill -0 -- -{pg} 2>/dev/null; fi")
+        code, _, _ = self._exec(script, 15)
         return code == 0
 
     def stop(self, h: Handle, grace_s: float = 10.0) -> int | None:
