@@ -409,3 +409,12 @@ def test_smi_input_that_yields_nothing_says_why_in_one_line():
     assert "timestamp" in r and "\n" not in r
     r = parse_smi_csv("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.\n", "n").attrs["reason"]
     assert "none of 1 line(s)" in r
+
+
+def test_rdma_presence_needs_a_port_with_counters():
+    """The presence check of the all-HCA RDMA collector passes exactly where a port has counters (a node with the
+    class folder but no port counters has nothing to sample: ``not present``, not an early exit)."""
+    import glob
+    rc = subprocess.run(C.RDMA_PRESENCE, capture_output=True).returncode
+    assert (rc == 0) == bool(glob.glob("/sys/class/infiniband/*/ports/*/counters/port_xmit_data"))
+    assert C.rdma_counters(None).presence == [C.RDMA_PRESENCE]

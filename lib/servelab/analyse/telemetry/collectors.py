@@ -209,7 +209,7 @@ def rdma_counters(hcas: list[str] | None = None, ports: list[int] | None = None,
                   required: bool = False, python: str = "python3") -> CollectorSpec:
     """RDMA port and hw counters (``port_xmit_data``/``port_rcv_data`` count 4-byte words).
 
-    ``hcas=None`` samples every HCA the node has; the probe then only needs ``/sys/class/infiniband``.
+    ``hcas=None`` samples every HCA the node has; it is present where at least one port has counters.
     """
     probes = [["test", "-d", f"/sys/class/infiniband/{h}/ports/{p}/counters"] for h in hcas for p in (ports or [1])] \
         if hcas else []
@@ -217,7 +217,12 @@ def rdma_counters(hcas: list[str] | None = None, ports: list[int] | None = None,
                                                "files": rdma_counter_paths(hcas, ports)}, python),
                          "rdma_counters.txt", "rdma", required, [python], probes, {}, interval_s,
                          "RDMA port bytes/packets (x4 for data), errors, retransmits, congestion",
-                         {"hcas": list(hcas or [])}, presence=[["test", "-d", "/sys/class/infiniband"]])
+                         {"hcas": list(hcas or [])}, presence=[RDMA_PRESENCE])
+
+
+# an RDMA port with counters, not just the class folder: a node can have /sys/class/infiniband without one (seen
+# on a GPU node without RDMA ports), and sampling nothing is "not present", not a collector that died
+RDMA_PRESENCE = ["sh", "-c", "ls /sys/class/infiniband/*/ports/*/counters/port_xmit_data >/dev/null 2>&1"]
 
 
 def perf_stat(interval_s: float = 5.0, events: list[str] | None = None, required: bool = False) -> CollectorSpec:
