@@ -77,6 +77,7 @@ def test_rendered_page_in_a_browser(phase0_run):
     assert content_fraction(png) > 0.03
     dom = dom_text(page)
     assert "Phase 0" in dom and "freeze the environment" in dom and "sha256" in dom
+    assert "no SSH: the node is the machine servelab runs on" in dom     # the host-key table says why it has no key
     index = screenshot(rdir / "index.html", "run_index", height=800)
     assert content_fraction(index) > 0.01
     assert 'href="phase0/report.html"' in (rdir / "index.html").read_text()

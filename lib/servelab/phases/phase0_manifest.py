@@ -248,7 +248,10 @@ def run_phase0(ctx: PhaseContext, start_engine: bool = True, health_timeout_s: f
         preflight=preflight,
         exposure=exposure_warnings(target),
         exposure_notes=engine_for(target.engine).exposure_notes(target, bool(target.api_key_env)),
-        host_keys=pd.DataFrame(host_keys, columns=["node", "host", "key_type", "sha256", "check"]))
+        host_keys=pd.DataFrame(host_keys + [{"node": h.name, "host": "this machine", "key_type": "—", "sha256": "—",
+                                              "check": "no SSH: the node is the machine servelab runs on"}
+                                             for h in nodes.values() if getattr(h, "kind", "") == "local"],
+                               columns=["node", "host", "key_type", "sha256", "check"]))
     write_json_atomic(ctx.phase_dir / "engine_info.json", redact(info))
     facts.to_csv(ctx.phase_dir / "facts.csv", index=False)
     result.settings.to_csv(ctx.phase_dir / "settings.csv", index=False)
