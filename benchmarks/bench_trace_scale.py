@@ -216,7 +216,7 @@ def run(kind: str, *args: str, timeout: int = 3600) -> dict:
     argv = [sys.executable, __file__, "--worker", kind, *args]
     t0 = time.perf_counter()
     p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=str(ROOT),
-                       env={**os.environ, "PYTHONPATH": str(ROOT / "lib")})
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "lib"), os.environ.get("PYTHONPATH")]))})
     res = {"error": (p.stderr or p.stdout)[-1500:]} if p.returncode else \
         json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("{")][-1])
     res.update(process_s=round(time.perf_counter() - t0, 2), loadavg_1m=[round(la0, 2), round(os.getloadavg()[0], 2)])
@@ -246,8 +246,16 @@ def main() -> int:
     doc: dict = {"benchmark": "servelab trace loader at scale", "command": " ".join([Path(sys.executable).name, *sys.argv]),
                  "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                  "host": {"python": platform.python_version(), "cpus": len(os.sched_getaffinity(0)),
+                          "cpu_model": next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text()
+                                             .splitlines() if ln.startswith("model name")), platform.processor()),
                           "mem_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
                           "loadavg_at_start": os.getloadavg()}, "versions": _versions()}
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:        # after every section: a run cut short keeps what it measured
+        out.write_text(json.dumps(doc, indent=1, default=str))
+
     try:
         # ---- scaling curve: one rank, replicated
         print("scaling curve (parse_trace, one rank)")
@@ -263,6 +271,7 @@ def main() -> int:
                           "gz_mb": round(info["gz_mb"], 1), **r})
             shutil.rmtree(d)
         doc["curve"] = curve
+        save()
         # ---- the big rank: floor, cold, cached
         n = copies_for(src[0], a.rank_mb, work)
         print(f"big rank: {n} copies of {src[0].name} (≈ {a.rank_mb} MB gz)")
@@ -281,6 +290,7 @@ def main() -> int:
         big["cold_over_floor"] = big["ours_cold"].get("wall_s", 0) / big["floor"].get("wall_s", 1)
         big["peak_over_json"] = big["ours_cold"].get("peak_mb", 0) / big["json_mb"]
         doc["big_rank"] = big
+        save()
         shutil.rmtree(one)
         shutil.rmtree(work / "cache1", ignore_errors=True)
         # ---- the capture: --ranks ranks, streamed
@@ -296,7 +306,9 @@ def main() -> int:
             bodies[k % 2]["json_mb"] for k in range(a.ranks)), 1),
             "events": sum(bodies[k % 2]["events"] for k in range(a.ranks)),
             "ours_cold_stream": run("ours", str(cap), str(work / "cache16"), "0")}
+        save()
         doc["capture"]["ours_cached_stream"] = run("ours", str(cap), str(work / "cache16"), "0")
+        save()
         shutil.rmtree(cap)
         shutil.rmtree(work / "cache16", ignore_errors=True)
         # ---- HTA on the largest input it is given here, ours beside it
@@ -321,9 +333,7 @@ def main() -> int:
         if not a.work_dir:
             shutil.rmtree(work, ignore_errors=True)
     doc["host"]["loadavg_at_end"] = os.getloadavg()
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1, default=str))
+    save()
     _plot(doc, out.with_suffix(".html"))
     print(f"written {out} and {out.with_suffix('.html')}")
     return 0
