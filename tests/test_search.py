@@ -103,3 +103,17 @@ def test_real_search_on_tiny_server(tiny_server, tmp_path):
     best = max(res.points, key=lambda p: p.output_tps)
     assert res.max_tps_concurrency == best.concurrency
     assert (tmp_path / "run" / "cases" / "search_c8" / "requests.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_search_points_are_sized_to_their_window(tiny_server, tmp_path):
+    """A point on a fast server keeps issuing until its minimum window has passed: valid, not "window too short"."""
+    import json
+    env = cs.make_env(tiny_server, tmp_path / "run")
+    res = concurrency_search(env, SearchConfig(8, 4, step=4, max_concurrency=4, saturation_gain_pct=-1000,
+                                               regression_pct=1000, min_window_s=0.6), runner=dispatch_case)
+    assert [p.concurrency for p in res.points] == [1, 4]
+    for p in res.points:
+        summ = json.loads((tmp_path / "run" / "cases" / p.case_id / "summary.json").read_text())
+        assert summ["verdict"]["status"] == "VALID", summ["verdict"]
+        assert summ["counts"]["completed"] > p.concurrency          # more than one wave was needed for 0.6 s

@@ -1,6 +1,7 @@
 """Concurrency search (``docs/method.md#search``): C = 1, then add ``step`` (16 on the cluster) with regression fallback.
 
-Each point is a case (``cases/search_c<C>/``) of ``waves × C`` requests at concurrency C, with the warm-up /
+Each point is a case (``cases/search_c<C>/``) of at least ``waves × C`` requests at concurrency C, issued for at
+least ``min_window_s`` (sized like every case), with the warm-up /
 flush policy of decode points. After every point the stop conditions are checked from evidence, in order:
 
 - ``OOM``               the engine log matched the adapter's ``oom`` marker during the point;
@@ -134,8 +135,10 @@ def _progress(env: Any, message: str, **fields: Any) -> None:
 
 
 def search_case(cfg: SearchConfig, c: int) -> CaseSpec:
+    """A point is sized like every case (``docs/case.md#sizing``): it keeps issuing at concurrency C until
+    ``min_window_s`` has passed and ``waves × C`` requests were sent, so a fast point is measured, not INVALID."""
     return CaseSpec(f"search_c{c}", "search", "decode", cfg.input_tokens, cfg.output_tokens, c, cfg.waves * c, True,
-                    "concurrency search point", min_window_s=cfg.min_window_s if c > 1 else 0.0)
+                    "concurrency search point", min_window_s=cfg.min_window_s, min_duration_s=cfg.min_window_s)
 
 
 def concurrency_search(env: CaseEnv, cfg: SearchConfig,
