@@ -289,7 +289,9 @@ def _q10_clock(clock: OneClock) -> tuple[str, str] | None:
            f"{ratio}: " + ("the prefill ran in the same engine step as their decodes, so every decode token of that "
                            "step waited for the whole prefill" if "decode" in worst["longest_step"] else
                            "the engine ran the prefill as a step of its own, and their next decode step waited for it"))
-    ev = (f"one clock (client chunk arrivals and trace steps on the host's wall clock; "
+    where = "on the host's wall clock" if clock.clock.get("shared_clock", True) else \
+        f"on the client's clock: {clock.clock.get('method', '')}"
+    ev = (f"one clock (client chunk arrivals and trace steps {where}; "
           f"{clock.clock.get('bound', '')}); {st['stalls']} gaps above the P99 ({st['steady_basis']}, "
           f"{st['steady_gaps']} gaps) overlapped traced steps, {pre.height} of them a prefill step; "
           f"worst: {worst['request_id']} chunk {worst['chunk']}, steps {worst['steps']}")
