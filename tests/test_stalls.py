@@ -187,7 +187,7 @@ def test_a_remote_nodes_trace_shifted_by_its_measured_offset_gives_the_local_att
     assert oc.steps.drop("rank").equals(local.steps.drop("rank"))
     assert oc.stalls.equals(local.stalls) and oc.stalls.height > 0
     assert oc.ttft.equals(local.ttft) and oc.p99_itl_ms == local.p99_itl_ms
-    assert oc.clock["method"].startswith("client on local, traces from n2: n2: shifted by -7654.322 ms ± 0.250 ms "
+    assert oc.clock["method"].startswith("client on local, traces from n2: shifted by -7654.322 ms ± 0.250 ms "
                                          "(measured in preflight at 2026-11-30T20:00:00.000+00:00")
     assert oc.clock["uncertainty_ms"] == 0.25 and oc.clock["causality_ok"] is True
 

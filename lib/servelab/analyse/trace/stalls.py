@@ -274,10 +274,14 @@ class ClockShift:
         return max((self.uncertainty_ns.get(n, 0) for n in set(self.rank_nodes.values())), default=0) / 1e6
 
     def describe(self) -> str:
-        """``client on local, traces from n2: shifted by -12.345 ms ± 0.210 ms (measured in preflight at …)``."""
+        """``client on local, traces from n2: shifted by -12.345 ms ± 0.210 ms (measured in preflight at …)`` (with
+        several nodes: ``traces from n1, n2: n1 shifted by …; n2 shifted by …``)."""
         nodes = sorted(set(self.rank_nodes.values()))
-        per = "; ".join(f"{n}: shifted by {-self.offsets_ns.get(n, 0) / 1e6:+.3f} ms ± "
-                        f"{self.uncertainty_ns.get(n, 0) / 1e6:.3f} ms" for n in nodes)
+
+        def by(n: str) -> str:
+            return (f"shifted by {-self.offsets_ns.get(n, 0) / 1e6:+.3f} ms ± "
+                    f"{self.uncertainty_ns.get(n, 0) / 1e6:.3f} ms")
+        per = by(nodes[0]) if len(nodes) == 1 else "; ".join(f"{n} {by(n)}" for n in nodes)
         return (f"client on {self.client or 'the servelab machine'}, traces from {', '.join(nodes)}: {per} "
                 f"(measured in preflight at {self.measured_at or 'an unrecorded time'}; client time = node time − "
                 "the node's offset)")
