@@ -177,6 +177,11 @@ def test_a_remote_nodes_trace_shifted_by_its_measured_offset_gives_the_local_att
     refused = _case_clock(case, tmp_path)
     assert not refused.clock["joined"] and refused.stalls.height == 0 and refused.ttft.height == 0
     assert "traces from n2" in refused.clock["method"] and "preflight" in refused.clock["method"]
+    from servelab.phases.phase3_timeline import Phase3, stall_table
+    a = analyse(case / "profiles", cache_dir=tmp_path / "cache")
+    assert "client and trace not joined: traces from n2" in q10(a, refused).evidence        # said where it matters
+    assert stall_table(Phase3(a, pl.DataFrame(), pl.DataFrame(), {}, refused))["note"][0].startswith(
+        "one clock not joined: traces from n2")
     _write_clock(case, "n2", None)
     refused = _case_clock(case, tmp_path)
     assert not refused.clock["joined"] and "n2 (date +%s%N failed)" in refused.clock["method"]

@@ -312,7 +312,9 @@ def q10(a: CaptureAnalysis, clock: OneClock | None = None) -> Answer:
             return Answer("Q10", QUESTIONS[9][1], True, from_clock[0], from_clock[1], _files(a))
         why = ("no prefill work ran between decode steps in the captured windows (capture the mixed scenario: "
                "decode background + injected long prefill)")
-        if clock is not None:
+        if clock is not None and not clock.clock.get("joined", True):
+            why += f"; client and trace not joined: {clock.clock.get('method', '')}"
+        elif clock is not None:
             why += f"; no client-observed stall overlapped a prefill step ({len(clock.steps)} traced steps)"
         return Answer("Q10", QUESTIONS[9][1], False, "not answerable from this capture", why, _files(a))
     hit = it.filter(pl.col("prefill_between_ms") > 0).sort("delay_ms", descending=True)
