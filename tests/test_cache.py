@@ -140,3 +140,40 @@ def test_kv_cache_size_in_the_log_equals_the_model_arithmetic(matrix):
     expected_mib = 2 * 65536 * 64 * 2 * 2 / 2**20
     assert kv["mib"] == pytest.approx(expected_mib) and "2 layers" in kv["detail"]
     assert "not exposed" in memory_breakdown("no such lines", "llamacpp")["detail"].iloc[0]
+
+
+@pytest.mark.slow
+def test_a_point_whose_client_loop_stalled_is_rejected_with_the_integrity_reason(tiny_server, tmp_path, monkeypatch):
+    """Phase 8's loop (every group's requests side by side in one asyncio loop) has one loop-lag monitor: a point
+    whose loop is blocked on purpose for 300 ms is REJECTED (summary INVALID) with the client's reason, and the page's
+    matrix row says the client did not keep up."""
+    import time
+
+    from servelab.analyse.prefix_cache import matrix_frame
+    from servelab.measure.case_record import validate_summary
+    from servelab.phases import phase8_cache
+    real = phase8_cache.run_async
+    blocked: list[bool] = []
+
+    async def slowed(*a, **kw):
+        if not blocked:                    # the first request: hold the whole loop, as a blocking callback would
+            blocked.append(True)
+            time.sleep(0.3)
+        assert kw.get("monitor_interval_s", 0) is None     # no per-request monitor: the loop's one does the work
+        return await real(*a, **kw)
+
+    monkeypatch.setattr(phase8_cache, "run_async", slowed)
+    pool = token_pool(engine_tokenizer(tiny_server.base_url, "llamacpp", "/tokenize"))
+    pt = HitPoint(0.0, ISL, 4, 4, 2, label="H8_stalled")
+    res = run_hit_point(tiny_server, tmp_path / "run", pt, pool, seed=5, flush={"method": "none"})
+    assert blocked
+    row = res.row
+    assert row["verdict"] == "REJECTED" and row["client_kept_up"] == "no" and row["loop_lag_max_ms"] >= 280
+    assert "client fell behind: its event loop stalled" in row["reasons"]
+    s = validate_summary(json.loads((tmp_path / "run" / "cases" / pt.case_id / "summary.json").read_text()))
+    assert s["verdict"]["status"] == "INVALID"
+    assert any(r.startswith("client fell behind: its event loop stalled") for r in s["verdict"]["reasons"])
+    assert "; ".join(s["verdict"]["reasons"]) == row["reasons"]        # each reason once
+    assert s["integrity"]["ok"] is False and s["integrity"]["loop_lag"]["max_ms"] >= 280
+    m = matrix_frame([res])
+    assert m.loc[0, "client_kept_up"] == "no" and "event loop stalled" in m.loc[0, "reasons"]

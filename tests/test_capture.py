@@ -219,6 +219,12 @@ def test_sglang_capture_collects_every_rank_from_every_node(sglang_stub, tmp_pat
     assert [c["label"] for c in cmds] == ["executed"] and cmds[0]["argv"][:4] == ["curl", "-sS", "-X", "POST"]
     assert json.loads(cmds[0]["argv"][-1]) == body
     assert "skip of" not in " ".join(res.session.notes)         # an absolute start_step was given
+    # each node's clock offset to the client is recorded beside the traces: the local head is this machine (0 ± 0);
+    # the SSH worker's comes from the run's preflight, which this run never recorded: null, with the reason
+    clock = json.loads((case_dir / "clock.json").read_text())
+    assert clock["client"] == "node0" and clock["nodes"]["node0"]["offset_ns"] == 0
+    assert clock["nodes"]["node1"] == {"offset_ns": None, "uncertainty_ns": None,
+                                       "reason": "the run's manifest has no preflight"}
 
 
 def test_truncated_trace_is_reported_not_collected(sglang_stub, tmp_path: Path):

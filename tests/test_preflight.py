@@ -376,3 +376,49 @@ def test_phase0_shows_the_preflight_table_and_stops_before_the_engine(tmp_path, 
     assert "eth9" in page[page.index('class="servelab-failed"'):][:3000]
     assert "eth9: no such device" in page and "lo administratively up" in page        # the table is on the page
     assert (rdir / "phase0" / "preflight.csv").exists()
+
+
+@pytest.mark.slow
+def test_the_preflight_clock_offset_of_an_ssh_node_lands_where_the_one_clock_join_reads_it(nodes, tmp_path, outputs):
+    import json
+
+    import polars as pl
+
+    from servelab.analyse.trace.stalls import CASE_CLOCK_FILE, clock_shift, shift_windows
+    from servelab.core.run import update_manifest, write_json_atomic
+    from servelab.measure.capture import case_clock_record
+    a, b, known = nodes
+    t = two_nodes(a, b, known, tmp_path, {}, name="two-node-clock")
+    rdir = init_run("pf-clock", t.name)
+    hosts = connect_nodes(t)
+    try:
+        rep = ensure_preflight(t, hosts, run_dir=rdir, phase="phase3")
+    finally:
+        for h in hosts.values():
+            h.close()
+    m = read_manifest(rdir)["preflight"]
+    vs = {n: m["clock"][n]["vs_client"] for n in ("head", "worker")}
+    # both sshd "nodes" are this machine: offset 0 within the stated uncertainty, measured over a real round trip
+    assert all(v["uncertainty_ns"] > 0 and abs(v["offset_ns"]) <= v["uncertainty_ns"] for v in vs.values()), vs
+    # the capture writes it beside the case's traces …
+    case = tmp_path / "cases" / "M1-profile--profile-mixed_treatment"
+    (case / "profiles" / "worker").mkdir(parents=True)
+    write_json_atomic(case / CASE_CLOCK_FILE, case_clock_record(rdir, t))
+    rec = json.loads((case / CASE_CLOCK_FILE).read_text())
+    assert rec["measured_at"] == rep.when and rec["client"] == "the servelab machine"
+    assert {n: rec["nodes"][n]["offset_ns"] for n in vs} == {n: v["offset_ns"] for n, v in vs.items()}
+    # … and the join reads it from there (no manifest needed) and moves each rank by its node's offset
+    sh = clock_shift(case, {0: "head", 1: "worker"})
+    assert not sh.refused and sh.offsets_ns == {n: v["offset_ns"] for n, v in vs.items()}
+    assert sh.uncertainty_ms == max(v["uncertainty_ns"] for v in vs.values()) / 1e6
+    w = pl.DataFrame({"rank": [0, 1], "cpu_start_ns": [10**18, 10**18], "cpu_end_ns": [10**18 + 5, 10**18 + 5]})
+    assert shift_windows(w, sh)["cpu_start_ns"].to_list() == [10**18 - vs["head"]["offset_ns"],
+                                                              10**18 - vs["worker"]["offset_ns"]]
+    # a manifest without the node's offset to the client: the case records why, and the join refuses with what to do
+    m["clock"]["worker"].pop("vs_client")
+    update_manifest(rdir, preflight=m)
+    write_json_atomic(case / CASE_CLOCK_FILE, case_clock_record(rdir, t))
+    sh = clock_shift(case, {0: "head", 1: "worker"})
+    assert sh.refused.startswith("no clock offset to the client was measured for worker (the run's preflight has no "
+                                 "offset to the client for this node")
+    assert "run with a target whose preflight measures the nodes' clocks" in sh.refused

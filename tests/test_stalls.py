@@ -133,3 +133,86 @@ def test_step_content_reads_each_engines_step_names():
     assert S.step_content("step[EXTEND bs=3 toks=2048]")["prefill_tokens"] == 2048
     assert S.step_content("step[DECODE bs=32]") == {"prefill_reqs": 0, "prefill_tokens": 0, "decode_reqs": 32}
     assert S.step_content("mixed_prefill_chunk_8192")["prefill_tokens"] == 8192
+
+
+# ---------------------------------------------------------------- traces from another node, shifted by its offset
+
+D_NS = 7_654_321_987          # the simulated node's clock runs 7.65 s ahead of the client's
+
+
+def _remote_case(tmp_path, node: str = "n2", ahead_ns: int = D_NS):
+    """The real capture as if its engine ran on ``node``: the node folder renamed and every trace written on a clock
+    ``ahead_ns`` ahead of the client's (Kineto ``baseTimeNanoseconds`` moved by that much; event ``ts`` are relative
+    to it)."""
+    import gzip
+    import json
+    import shutil
+    case = tmp_path / "case"
+    shutil.copytree(SAMPLE, case)
+    (case / "profiles" / "local").rename(case / "profiles" / node)
+    for f in (case / "profiles" / node).glob("*.json.gz"):
+        d = json.loads(gzip.open(f).read())
+        d["baseTimeNanoseconds"] = int(d["baseTimeNanoseconds"]) + ahead_ns
+        f.write_bytes(gzip.compress(json.dumps(d).encode()))
+    return case
+
+
+def _write_clock(case, node: str, offset_ns: int | None, unc_ns: int = 250_000):
+    import json
+    entry = {"offset_ns": offset_ns, "uncertainty_ns": unc_ns, "rtt_ns": 2 * unc_ns, "how": "test"} \
+        if offset_ns is not None else {"offset_ns": None, "uncertainty_ns": None, "reason": "date +%s%N failed"}
+    (case / S.CASE_CLOCK_FILE).write_text(json.dumps({"client": "local", "measured_at": "2026-11-30T20:00:00.000+00:00",
+                                                      "nodes": {node: entry}}))
+
+
+def _case_clock(case, tmp_path):
+    from servelab.phases.phase3_timeline import case_clock
+    return case_clock(case / "profiles", analyse(case / "profiles", cache_dir=tmp_path / "cache"))
+
+
+def test_a_remote_nodes_trace_shifted_by_its_measured_offset_gives_the_local_attribution(live, tmp_path):
+    _, _, local = live
+    case = _remote_case(tmp_path)
+    # without the node's offset the join is refused, saying what to do
+    refused = _case_clock(case, tmp_path)
+    assert not refused.clock["joined"] and refused.stalls.height == 0 and refused.ttft.height == 0
+    assert "traces from n2" in refused.clock["method"] and "preflight" in refused.clock["method"]
+    from servelab.phases.phase3_timeline import Phase3, stall_table
+    a = analyse(case / "profiles", cache_dir=tmp_path / "cache")
+    assert "client and trace not joined: traces from n2" in q10(a, refused).evidence        # said where it matters
+    assert stall_table(Phase3(a, pl.DataFrame(), pl.DataFrame(), {}, refused))["note"][0].startswith(
+        "one clock not joined: traces from n2")
+    _write_clock(case, "n2", None)
+    refused = _case_clock(case, tmp_path)
+    assert not refused.clock["joined"] and "n2 (date +%s%N failed)" in refused.clock["method"]
+    # with it, the stalls, the steps they overlapped and the TTFT split are the unshifted capture's
+    _write_clock(case, "n2", D_NS, unc_ns=250_000)
+    oc = _case_clock(case, tmp_path)
+    assert oc.clock["joined"] and not oc.clock["shared_clock"]
+    assert oc.steps.drop("rank").equals(local.steps.drop("rank"))
+    assert oc.stalls.equals(local.stalls) and oc.stalls.height > 0
+    assert oc.ttft.equals(local.ttft) and oc.p99_itl_ms == local.p99_itl_ms
+    assert oc.clock["method"].startswith("client on local, traces from n2: shifted by -7654.322 ms ± 0.250 ms "
+                                         "(measured in preflight at 2026-11-30T20:00:00.000+00:00")
+    assert oc.clock["uncertainty_ms"] == 0.25 and oc.clock["causality_ok"] is True
+
+
+def test_the_causality_check_allows_the_offsets_uncertainty_and_no_more(live, tmp_path):
+    _, _, local = live
+    md = local.clock["min_delivery_ms"]
+    assert md is not None and md > 0
+    case = _remote_case(tmp_path)
+    # the recorded offset is wrong by (min delivery + 1 ms): the first chunk now lands 1 ms before its prefill ends
+    wrong = D_NS - int((md + 1.0) * 1e6)
+    _write_clock(case, "n2", wrong, unc_ns=2_000_000)          # ± 2 ms covers it
+    oc = _case_clock(case, tmp_path)
+    assert oc.clock["min_delivery_ms"] == pytest.approx(-1.0, abs=0.002)
+    assert oc.clock["causality_ok"] is True and "within the offset's uncertainty" in oc.clock["bound"]
+    _write_clock(case, "n2", wrong, unc_ns=500_000)            # ± 0.5 ms does not
+    oc = _case_clock(case, tmp_path)
+    # a step that ended 1 ms after the first chunk arrived cannot be its prefill within ± 0.5 ms: not identified,
+    # so nothing vouches for the clocks
+    assert oc.clock["causality_ok"] is not True
+    inj = oc.ttft.filter(pl.col("role") == "inject").row(0, named=True)
+    assert not inj["identified"]
+    assert "no later than 0.500 ms" in oc.clock["bound"] and "cannot be bounded" in oc.clock["bound"]

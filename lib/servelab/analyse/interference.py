@@ -316,6 +316,7 @@ class InterferenceResult:
     background: dict[str, Any]       # background summary (definition named)
     server: dict[str, Any] = field(default_factory=dict)
     settings: dict[str, Any] = field(default_factory=dict)
+    integrity: dict[str, Any] = field(default_factory=dict)   # request_metrics.integrity of the wave's loop
 
     def summary_rows(self) -> list[dict[str, Any]]:
         """One row per injection for ``summary.csv`` of a run-like record (repeat = injection)."""

@@ -289,7 +289,7 @@ def matrix_frame(points: list[PointResult]) -> pd.DataFrame:
             "computed_prefill_tok_s", "n_ttft", "max_ttft_ms", "n_tpot", "max_tpot_ms", "counter_cached_tokens",
             "counter_prompt_tokens", "usage_cached_tokens",
             "usage_prompt_tokens", "counter_window_matches_requests", "counter_formula", "page_tokens", "definition",
-            "reasons"]
+            "dispatch_lag_max_ms", "loop_lag_max_ms", "client_kept_up", "reasons"]
     df = pd.DataFrame([p.row for p in points])
     for c in cols:
         if c not in df.columns:

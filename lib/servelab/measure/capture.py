@@ -13,7 +13,10 @@ The capture rules of ``docs/method.md#profiling`` are built in:
   ``cases/<case>/profiles/<node>/`` under the engine's own file names, so rank identity is preserved
   (SGLang ``…-TP-3[-DP-0-PP-1-EP-3].trace.json.gz``, vLLM ``…rank3.<ns>.pt.trace.json.gz``);
 - a profiled case is marked in its ``meta.json`` (``profiled: true``, ``valid_for_comparison: false``):
-  its performance numbers are never compared with clean runs.
+  its performance numbers are never compared with clean runs;
+- each node's clock offset to the client (this machine), as the run's preflight measured it, is written beside
+  the traces (``cases/<case>/clock.json``, :func:`case_clock_record`), so the one-clock join of a case
+  (``analyse.trace.stalls``) can put a remote node's trace on the client's clock without the run manifest.
 
 Engine facts this relies on (checked against the engines' sources; vLLM also against a real server):
 
@@ -533,6 +536,42 @@ class CaptureResult:
         return [f for f in self.files if f.kind == "worker"]
 
 
+CASE_CLOCK_FILE = "clock.json"
+
+
+def case_clock_record(run_dir: Path | None, target: Any) -> dict[str, Any]:
+    """Each node's clock minus the client's (this machine's), for a case's ``clock.json``: a ``local`` node is this
+    machine (0, exactly); an SSH node's offset, uncertainty (half the shortest ``date +%s%N`` round trip) and round
+    trip come from the run's preflight (``manifest["preflight"]["clock"][node]["vs_client"]``, measured when the
+    run's first engine started). A node without one gets ``offset_ns: null`` and the reason; the join then refuses
+    that node's traces (``docs/metrics.md#one-clock``)."""
+    pre: dict[str, Any] = {}
+    if run_dir is not None:
+        from servelab.core.run import read_manifest
+        pre = read_manifest(Path(run_dir)).get("preflight") or {}
+    same = pre.get("target") == getattr(target, "name", None)
+    measured = (pre.get("clock") or {}) if same else {}
+    nodes: dict[str, Any] = {}
+    for node in target.nodes:
+        if node.kind == "local":
+            nodes[node.name] = {"offset_ns": 0, "uncertainty_ns": 0, "rtt_ns": 0, "how": "same machine as the client"}
+            continue
+        vs = (measured.get(node.name) or {}).get("vs_client")
+        if vs and vs.get("offset_ns") is not None:
+            nodes[node.name] = {k: vs.get(k) for k in ("offset_ns", "uncertainty_ns", "rtt_ns", "how")}
+            continue
+        why = ("no run folder, so no preflight was recorded" if run_dir is None else
+               f"the run's preflight is for target '{pre.get('target')}'" if pre and not same else
+               "the run's manifest has no preflight" if not pre else
+               (measured.get(node.name) or {}).get("error") or "the run's preflight has no offset to the client for "
+               "this node (recorded by an older servelab)")
+        nodes[node.name] = {"offset_ns": None, "uncertainty_ns": None, "reason": why}
+    client = next((n.name for n in target.nodes if n.kind == "local"), "")
+    return {"client": client or "the servelab machine", "client_node": client or None, "source": "preflight",
+            "measured_at": pre.get("when", "") if same else "", "target": getattr(target, "name", ""),
+            "note": "offset_ns = node clock − client clock; node time − offset_ns = client time", "nodes": nodes}
+
+
 def capture(srv: Any, scenario: ProfileScenario, case_dir: Path,
             drive: Callable[[Callable[[], ProfileSession]], Any], *, out_dir: str | None = None,
             wait_timeout_s: float = 300.0, run_dir: Path | None = None, phase: str = "",
@@ -564,6 +603,7 @@ def capture(srv: Any, scenario: ProfileScenario, case_dir: Path,
     wait = wait_for_traces(srv, session, timeout_s=wait_timeout_s)
     files = collect_profiles(srv, session, Path(case_dir), wait)
     meta = mark_profiled(Path(case_dir), session, files, wait)
+    write_json_atomic(Path(case_dir) / CASE_CLOCK_FILE, case_clock_record(run_dir, srv.target))
     if not any(f.kind == "worker" for f in files):
         raise CaptureError(f"scenario {scenario.name}: no worker trace appeared in {session.trace_dirs} within "
                            f"{wait_timeout_s:.0f} s (missing {wait.missing_ranks}, broken {wait.broken}); note that an engine "

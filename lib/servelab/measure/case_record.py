@@ -121,7 +121,7 @@ def judged_row(records: Sequence[Any], run: Any, definition: str, row_ok: bool, 
     reasons = [x for x in str(reasons_text or "").split("; ") if x]
     if not reasons and not (row_ok and status == "success"):
         reasons = [f"case status {status}"]
-    return pooled, verdict(VALID if ok else INVALID, [] if ok else reasons + behind)
+    return pooled, verdict(VALID if ok else INVALID, [] if ok else reasons + [b for b in behind if b not in reasons])
 
 
 def is_valid(summary: dict[str, Any]) -> bool:

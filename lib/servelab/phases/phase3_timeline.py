@@ -13,7 +13,7 @@ from servelab.core.paths import cache_root, samples_root
 from servelab.analyse.trace.actions import evidence_actions
 from servelab.analyse.trace.analysis import CaptureAnalysis, analyse, write_tables
 from servelab.analyse.trace.questions import q10, ten_questions
-from servelab.analyse.trace.stalls import OneClock, one_clock, stall_summary
+from servelab.analyse.trace.stalls import OneClock, clock_shift, one_clock, stall_summary
 
 SAMPLE_DIR = ("h200x2", "traces")
 SAMPLE_TEXT = ("2 x NVIDIA H200 (NVLink), TP=2 torch-profiler traces of a random-weight 8-layer transformer, recorded "
@@ -68,14 +68,15 @@ def case_clock(folder: Path, a: CaptureAnalysis) -> OneClock | None:
     req = Path(folder).parent / "requests.jsonl"
     if Path(folder).name != "profiles" or not req.is_file():
         return None
-    return one_clock(read_records(req), a.windows, same_host=_same_host(Path(folder).parent))
+    return one_clock(read_records(req), a.windows, shift=clock_shift(Path(folder).parent, _rank_nodes(a)))
 
 
-def _same_host(case_dir: Path) -> bool:
-    """Client and engine shared a clock when every trace came from the node the client ran on (``local``)."""
-    nodes = {p.name for p in (case_dir / "profiles").iterdir() if p.is_dir()} if (case_dir / "profiles").is_dir() \
-        else set()
-    return nodes <= {"local"}
+def _rank_nodes(a: CaptureAnalysis) -> dict[int, str]:
+    """Each trace rank's node (its sub-folder under ``profiles/``), as the loader identified it."""
+    r = a.ranks
+    if r is None or r.height == 0 or "node" not in r.columns:
+        return {}
+    return {int(k): str(n) for k, n in zip(r["rank"], r["node"]) if k is not None}
 
 
 def _pd(df: pl.DataFrame, round_to: int = 3) -> pd.DataFrame:
@@ -216,6 +217,8 @@ def stall_table(p: Phase3) -> pd.DataFrame:
     if c is None:
         return pd.DataFrame({"note": ["no client records beside this trace (not a live profiled case): no one-clock "
                                       "view"]})
+    if not c.clock.get("joined", True):
+        return pd.DataFrame({"note": [f"one clock not joined: {c.clock.get('method', '')}"]})
     if c.stalls.height == 0:
         return pd.DataFrame({"note": [f"no gap above the steady-state P99 ITL ({c.p99_itl_ms} ms) overlapped the "
                                       f"{c.steps.height} traced steps"]})
@@ -224,7 +227,8 @@ def stall_table(p: Phase3) -> pd.DataFrame:
     t = t.rename(columns={"gap_ms": "gap_ms", "threshold_ms": "p99_itl_ms", "prefill_tokens": "prefill_tokens_in_gap",
                           "steps": "overlapping_steps"})
     t.attrs["caption"] = (f"steady-state P99 ITL {c.p99_itl_ms:.3f} ms from {c.steady_gaps} {c.steady_basis}; "
-                          f"clock: {c.clock.get('bound', '')}")
+                          f"clock: {'' if c.clock.get('shared_clock', True) else c.clock.get('method', '') + '; '}"
+                          f"{c.clock.get('bound', '')}")
     return t
 
 
@@ -365,9 +369,16 @@ def findings(p: Phase3, from_samples: bool | None = None) -> list[str]:
                           f"queueing {r['queueing_ms']:.1f} + prefill {r['prefill_ms']:.1f} + delivery "
                           f"{r['delivery_ms']:.1f} ms" for r in tt.iter_rows(named=True))
         p99 = "-" if st["p99_itl_ms"] is None else f"{st['p99_itl_ms']:.1f} ms"
-        out.append(f"One clock: {p.clock.steps.height} engine steps and {p.clock.gaps.height} client inter-chunk gaps on "
-                   f"the host's wall clock; {st['stalls']} stalls above the steady-state P99 ITL ({p99}), "
-                   f"{st['prefill_stalls']} of them overlapping a prefill step. {split or 'No prefill step identified.'}")
+        ck = p.clock.clock
+        if not ck.get("joined", True):
+            out.append(f"One clock: not joined — {ck.get('method', '')}.")
+        else:
+            where = ("the host's wall clock" if ck.get("shared_clock", True) else
+                     f"the client's clock ({ck.get('method', '')}; causality: {ck.get('bound', '')})")
+            out.append(f"One clock: {p.clock.steps.height} engine steps and {p.clock.gaps.height} client inter-chunk "
+                       f"gaps on {where}; {st['stalls']} stalls above the steady-state P99 ITL ({p99}), "
+                       f"{st['prefill_stalls']} of them overlapping a prefill step. "
+                       f"{split or 'No prefill step identified.'}")
     for r in p.questions.iter_rows(named=True):
         why = "" if r["answerable"] else f" ({str(r['evidence']).split(' — ')[0]})"
         out.append(f"{r['id']} {r['question_en']} {_short(r['answer'])}{why}")

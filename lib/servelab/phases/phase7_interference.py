@@ -42,7 +42,9 @@ from servelab.analyse.interference import (InterferenceResult, InterferenceSpec,
                                            sweep_table, sweep_verdict, timeline_figure, token_chunk_ns, window_table)
 from servelab.measure import request_metrics as mx
 from servelab.measure.case import CaseEnv, case_seed, flush_cache, max_request_tokens
-from servelab.measure.client import ClientConfig, RequestRecord, run_async, run_sync
+from servelab.measure.case_record import client_integrity
+from servelab.measure.client import ClientConfig, ClientRun, RequestRecord, run_async, run_sync
+from servelab.measure.loop_monitor import LoopMonitor
 from servelab.measure.launch_variants import (delta_of, metrics_snapshot, server_cpu_s, snapshot_deltas, write_run_record)
 from servelab.measure.slots import SlotsPoller, has_slots_endpoint
 from servelab.core.run import write_json_atomic
@@ -93,12 +95,24 @@ def default_spec(target: Any, case_id: str = "I7", **over: Any) -> InterferenceS
 # ---------------------------------------------------------------- the wave: background streams and injections
 
 async def _wave(bg: list[RequestSpec], inj: list[RequestSpec], cfg: ClientConfig, spec: InterferenceSpec,
-                sched: Schedule) -> tuple[list[RequestRecord], list[RequestRecord], list[dict[str, Any]], Marks]:
-    """C closed-loop background streams + the injector, in one event loop.
+                sched: Schedule) -> tuple[list[RequestRecord], list[RequestRecord], list[dict[str, Any]], Marks,
+                                          ClientRun]:
+    """C closed-loop background streams + the injector, in one event loop, watched by one loop-lag monitor.
 
     The first injection is due two warm-up TTFTs (every stream past its prefill) plus the settle time after the
-    start; ``Marks.steady_ns`` is then measured from the records (see :func:`steady_from_records`).
+    start; ``Marks.steady_ns`` is then measured from the records (see :func:`steady_from_records`). An injection's
+    record keeps when it was due (``scheduled_ns``) and when its timer woke (``ready_ns``): its lateness is dispatch
+    lag. Returns the records, the schedule, the marks and the loop's ``ClientRun`` (every request, the monitor's
+    samples) for the integrity record.
     """
+    async with LoopMonitor() as mon:
+        out = await _wave_body(bg, inj, cfg, spec, sched)
+    bg_records, inj_records = out[0], out[1]
+    return (*out, mon.client_run(bg_records + inj_records, concurrency=spec.concurrency))
+
+
+async def _wave_body(bg: list[RequestSpec], inj: list[RequestSpec], cfg: ClientConfig, spec: InterferenceSpec,
+                     sched: Schedule) -> tuple[list[RequestRecord], list[RequestRecord], list[dict[str, Any]], Marks]:
     marks = Marks(t0_ns=time.perf_counter_ns())
     stop = asyncio.Event()
     bg_records: list[RequestRecord] = []
@@ -130,8 +144,10 @@ async def _wave(bg: list[RequestSpec], inj: list[RequestSpec], cfg: ClientConfig
                 schedule.append({"injection": k, "planned_s": (planned - marks.t0_ns) / 1e9, "sent": False,
                                  "reason": "the background had ended (request cap or prompts exhausted)"})
                 continue
+            woke = time.perf_counter_ns()
             run = await run_async([s], cfg, concurrency=1, monitor_interval_s=None)
             rec = run.records[0]
+            rec.scheduled_ns, rec.ready_ns = due, woke          # the injection timer's lateness is dispatch lag
             inj_records.append(rec)
             prev_end = max(rec.chunk_ns) if rec.chunk_ns else rec.end_ns
             schedule.append({"injection": k, "planned_s": (planned - marks.t0_ns) / 1e9,
@@ -210,9 +226,10 @@ def run_interference(srv: RunningServer, run_dir: Path, spec: InterferenceSpec, 
     inj_recs: list[RequestRecord] = []
     schedule: list[dict[str, Any]] = []
     marks = Marks()
+    wave_run: ClientRun | None = None
     try:
         if not error:
-            bg_recs, inj_recs, schedule, marks = run_sync(lambda: _wave(bg, inj, cfg, spec, plan))
+            bg_recs, inj_recs, schedule, marks, wave_run = run_sync(lambda: _wave(bg, inj, cfg, spec, plan))
     except KeyboardInterrupt:      # the user stopped it: the records received stay, the case says INTERRUPTED
         folder.interrupt(definition=definition, measured_roles=("background",))
         raise
@@ -264,6 +281,8 @@ def run_interference(srv: RunningServer, run_dir: Path, spec: InterferenceSpec, 
         reasons.append(f"{len(not_sent)} injection(s) not sent: {not_sent[0]['reason']}")
     if injections.empty or not injections["valid"].any():
         reasons.append("no valid injection window")
+    integrity = client_integrity(wave_run)          # the wave loop's one monitor: did the client keep up?
+    reasons += integrity.get("reasons") or []
     verdict = mx.Verdict("INVALID" if reasons else "VALID", reasons)
     server: dict[str, Any] = {}
     try:
@@ -277,7 +296,7 @@ def run_interference(srv: RunningServer, run_dir: Path, spec: InterferenceSpec, 
         server["server_cpu_util_cores"] = (cpu1 - cpu0) / max(wall_s, 1e-9)
     server["window_s"] = wall_s
     res = InterferenceResult(spec, cdir, plan, window_s, windows, injections, chunks, timeline, queue, schedule,
-                             marks, verdict, background, server, dict(srv.target.launch))
+                             marks, verdict, background, server, dict(srv.target.launch), integrity)
     windows.to_csv(cdir / "windows.csv", index=False)
     injections.to_csv(cdir / "injections.csv", index=False)
     if not chunks.empty:
@@ -301,7 +320,7 @@ def interference_summary(res: InterferenceResult, status: str, definition: str, 
     return CaseSummary(
         case_id=res.spec.case_id, phase="", kind="interference", status=status, verdict=verdict_of(res.verdict),
         definition=definition, metrics={definition: res.background} if res.background else {}, repeats=repeats,
-        counts=request_counts(records, ("background",)), repeat_of=repeat_of,
+        counts=request_counts(records, ("background",)), repeat_of=repeat_of, integrity=res.integrity,
         details={"spec": asdict(res.spec), "schedule_plan": asdict(res.schedule_plan), "window_s": res.window_s,
                  "schedule": res.schedule, "marks": asdict(res.marks),
                  "injections": res.injections.to_dict(orient="records"), "server_deltas": res.server})
@@ -487,9 +506,19 @@ def windows_view(res: Phase7Result) -> pd.DataFrame:
     return mx.labelled_percentiles(pd.concat(parts, ignore_index=True)[cols], counts={"tpot": "n_gaps"})
 
 
+def integrity_columns(rec: dict[str, Any]) -> dict[str, Any]:
+    """The client's integrity in a page row: its worst dispatch lag and event-loop stall (ms), whether it kept up
+    ("not measured" for a case recorded without the monitor)."""
+    if not rec:
+        return {"dispatch_lag_max_ms": None, "loop_lag_max_ms": None, "client_kept_up": "not measured"}
+    return {"dispatch_lag_max_ms": (rec.get("dispatch_lag") or {}).get("max_ms"),
+            "loop_lag_max_ms": (rec.get("loop_lag") or {}).get("max_ms"),
+            "client_kept_up": "yes" if rec.get("ok") else "no"}
+
+
 def schedule_view(res: Phase7Result) -> pd.DataFrame:
     """Per value: the warm-up TPOT, the measured window, when the background was steady, the schedule, the
-    server's CPU use, and the case verdict."""
+    server's CPU use, the client's integrity (worst dispatch lag and loop stall) and the case verdict."""
     rows = []
     for p in res.sweep + ([res.confound] if res.confound else []):
         if p.result is None:
@@ -503,6 +532,7 @@ def schedule_view(res: Phase7Result) -> pd.DataFrame:
                      "wave_s": (m.end_ns - m.t0_ns) / 1e9 if m.end_ns else None,
                      "background_requests": r.background.get("completed"),
                      "server_cpu_util_cores": r.server.get("server_cpu_util_cores"),
+                     **integrity_columns(r.integrity),
                      "verdict": r.verdict.verdict, "reasons": "; ".join(r.verdict.reasons),
                      "notes": "; ".join(r.spec.notes)})
     return pd.DataFrame(rows)
@@ -611,6 +641,10 @@ def findings(res: Phase7Result) -> list[str]:
     invalid = [p.label for p in res.sweep if p.result is None or p.result.verdict.verdict != "VALID"]
     if invalid:
         out.append("Values without a VALID run (never ranked): " + ", ".join(invalid) + ".")
+    behind = [(p.label, p.result.integrity["reasons"]) for p in res.sweep + ([res.confound] if res.confound else [])
+              if p.result is not None and (p.result.integrity or {}).get("reasons")]
+    for label, why in behind:
+        out.append(f"{label}: INVALID, the client did not keep up — {'; '.join(why)}.")
     if res.ab is not None:
         out += ab_findings(res.ab, {"p95_tpot_ms": "P95 TPOT during injection",
                                     "output_tps": "output TPS during injection", "p95_ttft_ms": "long-request TTFT"})

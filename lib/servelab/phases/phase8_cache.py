@@ -28,7 +28,9 @@ import pandas as pd
 from servelab.analyse.prefix_cache import (TARGET_RATES, HitPoint, PointResult, h6_evidence, kv_usage_series,
                                            matrix_frame, memory_breakdown, point_row)
 from servelab.measure import request_metrics as mx
+from servelab.measure.case_record import client_integrity
 from servelab.measure.client import ClientConfig, ClientRun, RequestRecord, run_async, run_sync
+from servelab.measure.loop_monitor import LoopMonitor
 from servelab.measure.launch_variants import metrics_snapshot
 from servelab.measure.slots import SlotsPoller, has_slots_endpoint
 from servelab.core.run import write_json_atomic
@@ -43,15 +45,23 @@ SCALES: dict[str, dict[str, Any]] = {
 
 
 def run_streams(streams: list[list[RequestSpec]], cfg: ClientConfig) -> ClientRun:
-    """Every stream's requests one after another, the streams concurrently; one ClientRun over all of them."""
-    async def go() -> list[ClientRun]:
-        # one loop-lag monitor per stream would be one per request in flight: none (docs/metrics.md#integrity)
-        return list(await asyncio.gather(*(run_async(s, cfg, concurrency=1, monitor_interval_s=None)
-                                           for s in streams)))
-    runs = run_sync(go)
-    records = [r for run in runs for r in run.records]
-    return ClientRun(records, min(r.window_start_ns for r in runs), max(r.window_end_ns for r in runs),
-                     runs[0].wall_offset_ns, "closed", len(streams), None, sum(r.client_cpu_s for r in runs))
+    """Every stream's requests one after another, the streams concurrently; one ClientRun over all of them, with
+    the samples of the loop's one loop-lag monitor (``measure.loop_monitor``; not one per request in flight:
+    docs/metrics.md#integrity) — what the point's integrity record judges."""
+    async def stream(specs: list[RequestSpec]) -> list[RequestRecord]:
+        out: list[RequestRecord] = []
+        for spec in specs:
+            out += (await run_async([spec], cfg, concurrency=1, monitor_interval_s=None)).records
+        return out
+
+    async def go() -> tuple[list[RequestRecord], LoopMonitor]:
+        async with LoopMonitor() as mon:
+            recs = await asyncio.gather(*(stream(s) for s in streams))
+        return [r for rs in recs for r in rs], mon
+
+    records, mon = run_sync(go)
+    return mon.client_run(records, concurrency=len(streams),
+                          wall_offset_ns=records[0].wall_offset_ns if records else 0)
 
 
 def run_hit_point(srv: RunningServer, run_dir: Path, point: HitPoint, pool: list[int], seed: int = 0,
@@ -122,10 +132,24 @@ def run_hit_point(srv: RunningServer, run_dir: Path, point: HitPoint, pool: list
     if not slots.empty:
         slots.to_parquet(cdir / "server" / "slots.parquet")
     row = point_row(point, srv, records, run, before, after, definition, error)
+    row.update(integrity_row(client_integrity(run) if run is not None else {}, row))
     status = "success" if not error else "failed"
     folder.write_summary(hit_point_summary(point, row, records, run, status, definition))
     folder.finish(status, error)
     return PointResult(point, cdir, row, records, slots, scrape, t0, flush or {})
+
+
+def integrity_row(rec: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
+    """The client's integrity in the matrix row: worst dispatch lag and event-loop stall (ms), and — when the client
+    fell behind — the row REJECTED with the reason (its numbers measured the client, not the cache)."""
+    out: dict[str, Any] = {"dispatch_lag_max_ms": (rec.get("dispatch_lag") or {}).get("max_ms") if rec else None,
+                           "loop_lag_max_ms": (rec.get("loop_lag") or {}).get("max_ms") if rec else None,
+                           "client_kept_up": ("yes" if rec.get("ok") else "no") if rec else "not measured"}
+    behind = list(rec.get("reasons") or [])
+    if behind:
+        out["verdict"] = "REJECTED"
+        out["reasons"] = "; ".join([x for x in str(row.get("reasons") or "").split("; ") if x] + behind)
+    return out
 
 
 def hit_point_summary(point: HitPoint, row: dict[str, Any], records: list[RequestRecord], run: ClientRun | None,
@@ -138,6 +162,7 @@ def hit_point_summary(point: HitPoint, row: dict[str, Any], records: list[Reques
         case_id=point.case_id, phase="", kind="prefix_cache", status=status,
         verdict=judged, definition=definition, metrics=pooled,
         repeats=[{"repeat": 0, "metrics": pooled}] if pooled else [], counts=request_counts(records),
+        integrity=client_integrity(run) if run is not None else {},
         details={"point": asdict(point), "row": {k: v for k, v in row.items() if k not in ("verdict", "reasons")}})
 
 
@@ -284,10 +309,12 @@ def kv_summary(res: Phase8Result) -> pd.DataFrame:
 # ---------------------------------------------------------------- what the notebook shows
 
 def matrix_view(res: "Phase8Result") -> pd.DataFrame:
-    """The matrix's deciding columns (the full table is ``phase8/hit_rate_matrix.csv``)."""
+    """The matrix's deciding columns, the client's worst event-loop stall and whether it kept up among them (the
+    full table is ``phase8/hit_rate_matrix.csv``)."""
     cols = ["case_id", "target_rate", "verdict", "counter_hit_rate", "usage_hit_rate", "expected_rate",
-            "tolerance_pp", "prefix_tokens", "requests", "counter_window_matches_requests", "reasons"]
-    return res.matrix[cols]
+            "tolerance_pp", "prefix_tokens", "requests", "counter_window_matches_requests", "loop_lag_max_ms",
+            "client_kept_up", "reasons"]
+    return res.matrix[[c for c in cols if c in res.matrix.columns]]
 
 
 def accepted_view(res: "Phase8Result") -> pd.DataFrame:

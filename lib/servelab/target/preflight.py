@@ -358,8 +358,18 @@ def clock_vs_local(host: Any, samples: int = CLOCK_SAMPLES) -> dict[str, Any]:
             "how": f"date +%s%N over the shortest of {samples} round trips"}
 
 
+def _vs_client(raw: Any) -> dict[str, Any]:
+    """``vs_client``: the node's clock minus this machine's (where servelab and its benchmark client run), in ns,
+    with its uncertainty and round trip — what a profiled case uses to put the node's trace on the client's clock
+    (``measure.capture.case_clock_record``). Empty when it was not measured."""
+    if not isinstance(raw, dict) or raw.get("offset_ns") is None:
+        return {}
+    return {"vs_client": {k: raw[k] for k in ("offset_ns", "uncertainty_ns", "rtt_ns", "how")}}
+
+
 def clock_checks(target: Target, hosts: dict[str, Any]) -> tuple[list[Check], dict[str, dict[str, Any]]]:
-    """Each node's clock offset to the head's, with its uncertainty (both measured against this machine)."""
+    """Each node's clock offset to the head's, with its uncertainty (both measured against this machine), and each
+    node's raw offset to this machine (``vs_client``)."""
     required = "max_clock_offset_ms" in target.preflight
     limit = float(target.preflight.get("max_clock_offset_ms", ADVISORY_CLOCK_OFFSET_MS))
     raw = hostlib.fan_out(hosts.values(), clock_vs_local)
@@ -369,7 +379,7 @@ def clock_checks(target: Target, hosts: dict[str, Any]) -> tuple[list[Check], di
     for node in target.nodes:
         c = raw.get(node.name)
         if node.name == head:
-            clock[node.name] = {"offset_ms": 0.0, "uncertainty_ms": 0.0, "reference": True}
+            clock[node.name] = {"offset_ms": 0.0, "uncertainty_ms": 0.0, "reference": True, **_vs_client(c)}
             checks.append(Check(node.name, "clock offset", False, "n/a", "the head: the reference clock"))
             continue
         if isinstance(c, BaseException) or isinstance(h, BaseException) or c is None or h is None or \
@@ -382,7 +392,7 @@ def clock_checks(target: Target, hosts: dict[str, Any]) -> tuple[list[Check], di
         off = (c["offset_ns"] - h["offset_ns"]) / 1e6
         unc = (c["uncertainty_ns"] + h["uncertainty_ns"]) / 1e6
         clock[node.name] = {"offset_ms": round(off, 3), "uncertainty_ms": round(unc, 3), "vs": head,
-                            "how": c["how"]}
+                            "how": c["how"], **_vs_client(c)}
         detail = f"{off:+.3f} ms ± {unc:.3f} ms vs {head} ({c['how']})"
         bad = abs(off) + unc > limit
         checks.append(Check(node.name, "clock offset", required, "failed" if bad else "ok",

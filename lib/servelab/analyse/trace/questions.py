@@ -289,7 +289,9 @@ def _q10_clock(clock: OneClock) -> tuple[str, str] | None:
            f"{ratio}: " + ("the prefill ran in the same engine step as their decodes, so every decode token of that "
                            "step waited for the whole prefill" if "decode" in worst["longest_step"] else
                            "the engine ran the prefill as a step of its own, and their next decode step waited for it"))
-    ev = (f"one clock (client chunk arrivals and trace steps on the host's wall clock; "
+    where = "on the host's wall clock" if clock.clock.get("shared_clock", True) else \
+        f"on the client's clock: {clock.clock.get('method', '')}"
+    ev = (f"one clock (client chunk arrivals and trace steps {where}; "
           f"{clock.clock.get('bound', '')}); {st['stalls']} gaps above the P99 ({st['steady_basis']}, "
           f"{st['steady_gaps']} gaps) overlapped traced steps, {pre.height} of them a prefill step; "
           f"worst: {worst['request_id']} chunk {worst['chunk']}, steps {worst['steps']}")
@@ -310,7 +312,9 @@ def q10(a: CaptureAnalysis, clock: OneClock | None = None) -> Answer:
             return Answer("Q10", QUESTIONS[9][1], True, from_clock[0], from_clock[1], _files(a))
         why = ("no prefill work ran between decode steps in the captured windows (capture the mixed scenario: "
                "decode background + injected long prefill)")
-        if clock is not None:
+        if clock is not None and not clock.clock.get("joined", True):
+            why += f"; client and trace not joined: {clock.clock.get('method', '')}"
+        elif clock is not None:
             why += f"; no client-observed stall overlapped a prefill step ({len(clock.steps)} traced steps)"
         return Answer("Q10", QUESTIONS[9][1], False, "not answerable from this capture", why, _files(a))
     hit = it.filter(pl.col("prefill_between_ms") > 0).sort("delay_ms", descending=True)

@@ -5,7 +5,11 @@ splits into queueing, prefill and delivery.
 The clock. On one host the client and the engine read the same wall clock: the client keeps ``perf_counter_ns``
 per socket read and one ``time.time_ns()`` anchor per drive (``wall = perf + wall_offset_ns``), the torch profiler
 writes absolute event times (Kineto ``baseTimeNanoseconds`` + ``ts``, both on the system clock), which
-``analyse.trace.load`` turns into ``ts_ns``. Nothing is shifted. What can still be off, and how it is bounded:
+``analyse.trace.load`` turns into ``ts_ns``. Nothing is shifted. Traces from another node are on that node's clock:
+each is moved onto the client's by the node's offset the run's preflight measured (``cases/<case>/clock.json``,
+:class:`ClockShift`: ``client time = node time − offset``), and the causality check is widened by that offset's
+uncertainty; a node without a measured offset is not joined (the reason says so). What can still be off, and how
+it is bounded:
 
 - the perf→wall anchor is taken once per drive, so a clock slew during the drive (NTP at most 500 ppm: ≤ 0.5 ms per
   second of drive) shifts late chunks by that much;
@@ -21,8 +25,10 @@ names only differ in the patterns of :func:`step_content`.
 """
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -195,14 +201,16 @@ def unattributed(gaps: pl.DataFrame, steps: pl.DataFrame, threshold_ms: float) -
     return big.filter((pl.col("arr_ns") <= t_lo) | (pl.col("prev_ns") >= t_hi))
 
 
-def ttft_split(records: Sequence[Any], steps: pl.DataFrame, roles: tuple[str, ...] = CLIENT_ROLES) -> pl.DataFrame:
+def ttft_split(records: Sequence[Any], steps: pl.DataFrame, roles: tuple[str, ...] = CLIENT_ROLES,
+               tolerance_ns: int = 0) -> pl.DataFrame:
     """Each request's TTFT split where the trace identifies its prefill step(s): the last step carrying prefill
     tokens that started after the send and ended before the first chunk arrived, plus the earlier prefill-bearing
     steps after the send while their tokens add up to less than the prompt (chunked prefill).
     ``queueing`` = first prefill step start − send, ``prefill`` = its steps' span, ``delivery`` = first chunk − end of
     the last prefill step (detokenise, stream, network). ``identified`` is false (and the split empty) when no such
     step is in the trace; ``shared`` says how many requests' prefills the step carried (a batch prefill is each
-    request's prefill)."""
+    request's prefill). ``tolerance_ns`` (a shifted trace's offset uncertainty) widens the step's allowed span by that
+    much on both sides: within it, a step may end after the first chunk (negative delivery)."""
     pre = steps.filter(pl.col("prefill_tokens").fill_null(0) > 0).sort("end_ns") if steps.height else steps
     rows = []
     for r in records:
@@ -213,7 +221,8 @@ def ttft_split(records: Sequence[Any], steps: pl.DataFrame, roles: tuple[str, ..
             continue
         send, first = r.send_wall_ns, arr[0]
         ttft = (first - send) / 1e6
-        cand = pre.filter((pl.col("start_ns") >= send) & (pl.col("end_ns") <= first)) if pre.height else pre
+        cand = pre.filter((pl.col("start_ns") >= send - tolerance_ns) & (pl.col("end_ns") <= first + tolerance_ns)) \
+            if pre.height else pre
         base = {"request_id": r.request_id, "role": r.role, "input_tokens": r.prompt_tokens or r.expected_input_tokens,
                 "ttft_ms": round(ttft, 3)}
         if cand.height == 0:
@@ -240,6 +249,90 @@ def ttft_split(records: Sequence[Any], steps: pl.DataFrame, roles: tuple[str, ..
     return pl.DataFrame(rows, schema=schema)
 
 
+CASE_CLOCK_FILE = "clock.json"       # written by ``measure.capture`` beside a profiled case's traces
+
+
+@dataclass
+class ClockShift:
+    """How each traced node's times are moved onto the client's clock: ``offsets_ns[node]`` = node clock − client
+    clock, ``uncertainty_ns[node]`` its bound; ``rank_nodes`` maps the trace's ranks to their node. ``refused`` (one
+    line, what to do) when a node's offset was not measured: nothing is joined then."""
+    offsets_ns: dict[str, int] = field(default_factory=dict)
+    uncertainty_ns: dict[str, int] = field(default_factory=dict)
+    rank_nodes: dict[int, str] = field(default_factory=dict)
+    client: str = ""
+    measured_at: str = ""
+    refused: str = ""
+
+    @property
+    def shifted(self) -> bool:
+        return any(self.offsets_ns.get(n) or self.uncertainty_ns.get(n) for n in set(self.rank_nodes.values()))
+
+    @property
+    def uncertainty_ms(self) -> float:
+        """The widest uncertainty among the traced nodes (the causality check is widened by it)."""
+        return max((self.uncertainty_ns.get(n, 0) for n in set(self.rank_nodes.values())), default=0) / 1e6
+
+    def describe(self) -> str:
+        """``client on local, traces from n2: shifted by -12.345 ms ± 0.210 ms (measured in preflight at …)`` (with
+        several nodes: ``traces from n1, n2: n1 shifted by …; n2 shifted by …``)."""
+        nodes = sorted(set(self.rank_nodes.values()))
+
+        def by(n: str) -> str:
+            return (f"shifted by {-self.offsets_ns.get(n, 0) / 1e6:+.3f} ms ± "
+                    f"{self.uncertainty_ns.get(n, 0) / 1e6:.3f} ms")
+        per = by(nodes[0]) if len(nodes) == 1 else "; ".join(f"{n} {by(n)}" for n in nodes)
+        return (f"client on {self.client or 'the servelab machine'}, traces from {', '.join(nodes)}: {per} "
+                f"(measured in preflight at {self.measured_at or 'an unrecorded time'}; client time = node time − "
+                "the node's offset)")
+
+
+def read_case_clock(case_dir: Path) -> dict[str, Any] | None:
+    """A case's ``clock.json`` (each node's offset to the client, from the run's preflight), or None."""
+    p = Path(case_dir) / CASE_CLOCK_FILE
+    return json.loads(p.read_text()) if p.is_file() else None
+
+
+def clock_shift(case_dir: Path, rank_nodes: dict[int, str]) -> ClockShift:
+    """The shift that puts the traces of ``rank_nodes`` (rank → node folder under ``profiles/``) on the client's
+    clock, from the case's ``clock.json``. Without that file only traces from ``local`` (the client's own machine)
+    are joined, unshifted; a node with no measured offset makes the whole join refused, with the reason."""
+    rec = read_case_clock(case_dir)
+    nodes = sorted(set(rank_nodes.values()))
+    if rec is None:
+        other = [n for n in nodes if n != "local"]
+        refused = "" if not other else (
+            f"traces from {', '.join(other)} but no clock offset of that node to the client was recorded with this "
+            f"case ({CASE_CLOCK_FILE} missing): not joined — capture again with a run whose preflight measures the "
+            "nodes' clocks (an SSH target: docs/method.md#preflight)")
+        return ClockShift({n: 0 for n in nodes if n == "local"}, {n: 0 for n in nodes if n == "local"}, rank_nodes,
+                          "local", "", refused)
+    known = rec.get("nodes") or {}
+    offs, uncs, missing = {}, {}, []
+    for n in nodes:
+        c = known.get(n) or {}
+        if c.get("offset_ns") is None:
+            missing.append(f"{n} ({c.get('reason') or 'not in ' + CASE_CLOCK_FILE})")
+            continue
+        offs[n], uncs[n] = int(c["offset_ns"]), int(c.get("uncertainty_ns") or 0)
+    refused = "" if not missing else (
+        f"no clock offset to the client was measured for {', '.join(missing)}: not joined — run with a target whose "
+        "preflight measures the nodes' clocks (every node reachable over SSH when the run starts: "
+        "docs/method.md#preflight), then capture again")
+    return ClockShift(offs, uncs, rank_nodes, str(rec.get("client") or ""), str(rec.get("measured_at") or ""),
+                      refused)
+
+
+def shift_windows(windows: pl.DataFrame, shift: ClockShift) -> pl.DataFrame:
+    """Step windows moved onto the client's clock: every time column of a rank minus its node's offset."""
+    if windows is None or windows.height == 0 or not shift.offsets_ns:
+        return windows
+    by_rank = {r: shift.offsets_ns.get(n, 0) for r, n in shift.rank_nodes.items()}
+    off = pl.col("rank").replace_strict(by_rank, default=0, return_dtype=pl.Int64)
+    cols = [c for c in ("cpu_start_ns", "cpu_end_ns", "gpu_start_ns", "gpu_end_ns") if c in windows.columns]
+    return windows.with_columns([(pl.col(c) - off).alias(c) for c in cols])
+
+
 @dataclass
 class OneClock:
     """One case on one timeline: engine steps, client gaps, the steady-state P99 ITL, the stalls with the steps they
@@ -261,38 +354,69 @@ class OneClock:
         return self.stalls.filter(pl.col("cause") == "prefill") if self.stalls.height else self.stalls
 
 
-def one_clock(records: Sequence[Any], windows: pl.DataFrame, same_host: bool = True) -> OneClock:
-    """Join a case's client records (``RequestRecord`` with chunk arrivals) and its trace's step windows."""
+def one_clock(records: Sequence[Any], windows: pl.DataFrame, same_host: bool = True,
+              shift: ClockShift | None = None) -> OneClock:
+    """Join a case's client records (``RequestRecord`` with chunk arrivals) and its trace's step windows. With
+    ``shift`` each rank's windows are first moved onto the client's clock by its node's measured offset, and the
+    causality check allows that offset's uncertainty; a refused shift (or ``same_host=False`` without one) joins
+    nothing."""
+    refused = shift.refused if shift is not None else ("" if same_host else
+                                                        "client and engine on different hosts: no shared clock; the "
+                                                        "join is not valid")
+    if shift is not None and not refused:
+        windows = shift_windows(windows, shift)
     steps = engine_steps(windows)
     gaps = client_gaps(records)
-    if not same_host:       # no shared clock: placing the two sides on one timeline would be made up
+    if refused:       # no shared clock: placing the two sides on one timeline would be made up
         records, gaps = [], gaps.head(0)
     span = (int(steps["start_ns"].min()), int(steps["end_ns"].max())) if steps.height else None
     p99, n, basis = steady_p99(gaps, injection_windows(records), span)
     stalls = attribute_stalls(gaps, steps, p99) if p99 is not None else attribute_stalls(gaps.head(0), steps, 0.0)
     outside = unattributed(gaps, steps, p99) if p99 is not None else gaps.head(0)
-    split = ttft_split(records, steps)
+    unc = shift.uncertainty_ms if shift is not None and not refused and shift.shifted else 0.0
+    split = ttft_split(records, steps, tolerance_ns=int(unc * 1e6))
     ident = split.filter(pl.col("identified")) if split.height else split
     min_delivery = float(ident["delivery_ms"].min()) if ident.height else None
     starts = ([int(steps["start_ns"].min())] if steps.height else []) + \
         [r.send_wall_ns for r in records if r.role in CLIENT_ROLES]
     t0 = min(starts) if starts else 0
+    shifted = shift is not None and not refused and shift.shifted
     clock = {
-        "shared_clock": same_host,
-        "method": ("client and engine on one host: client chunk times (perf_counter + one wall anchor per drive) and "
-                   "trace times (Kineto baseTimeNanoseconds + ts) are both the system wall clock; nothing shifted"
-                   if same_host else "client and engine on different hosts: no shared clock; the join is not valid"),
+        "shared_clock": not refused and not shifted,
+        "joined": not refused,
+        "method": (refused if refused else shift.describe() if shifted and shift is not None else
+                   "client and engine on one host: client chunk times (perf_counter + one wall anchor per drive) and "
+                   "trace times (Kineto baseTimeNanoseconds + ts) are both the system wall clock; nothing shifted"),
+        "offsets_ms": ({n: round(v / 1e6, 3) for n, v in shift.offsets_ns.items()} if shifted and shift else {}),
+        "uncertainty_ms": round(unc, 3),
+        "measured_at": shift.measured_at if shifted and shift is not None else "",
         "steps": steps.height, "step_span": (steps["span"][0] if steps.height else None),
         "min_delivery_ms": min_delivery,
-        "causality_ok": None if min_delivery is None else min_delivery >= 0,
-        "bound": ("every identified request's first chunk arrived after its prefill step ended (min delivery "
-                  f"{min_delivery:.3f} ms): the residual clock offset is below that plus the anchor drift"
-                  if min_delivery is not None and min_delivery >= 0 else
-                  f"a first chunk arrived {abs(min_delivery):.3f} ms BEFORE its prefill step ended: the clocks disagree "
-                  "by at least that much" if min_delivery is not None else "no request's prefill step identified: "
-                  "the offset cannot be bounded from this case"),
+        # a first chunk cannot arrive before its prefill step ends; with shifted traces, only by more than the
+        # measured offset's uncertainty is that a contradiction
+        "causality_ok": None if min_delivery is None else min_delivery >= -unc,
+        "bound": _bound(min_delivery, unc),
     }
     return OneClock(steps, gaps, p99, n, stalls, split, clock, t0, basis, outside)
+
+
+def _bound(min_delivery: float | None, unc: float) -> str:
+    """The causality check in words (``unc``: the shifted nodes' offset uncertainty, ms; 0 on one host)."""
+    if min_delivery is None:
+        return ("no request's prefill step identified" + (f" (a step counts when it ends no later than {unc:.3f} ms — "
+                "the measured offset's uncertainty — after the first chunk)" if unc else "")
+                + ": the offset cannot be bounded from this case")
+    within = f" ± {unc:.3f} ms (the measured offset's uncertainty)" if unc else ""
+    if min_delivery >= 0:
+        return (f"every identified request's first chunk arrived after its prefill step ended (min delivery "
+                f"{min_delivery:.3f} ms): the residual clock offset is below that plus the anchor drift"
+                + (f", and within ± {unc:.3f} ms (the measured offset's uncertainty)" if unc else ""))
+    if min_delivery >= -unc:
+        return (f"a first chunk arrived {abs(min_delivery):.3f} ms before its prefill step ended on the shifted "
+                f"clock, within the offset's uncertainty{within}: consistent; the residual offset lies in "
+                f"[−{unc:.3f}, {min_delivery:.3f}] ms")
+    return (f"a first chunk arrived {abs(min_delivery):.3f} ms BEFORE its prefill step ended: the clocks disagree by "
+            f"at least that much" + (f", more than the measured offset's uncertainty{within}" if unc else ""))
 
 
 def stall_summary(oc: OneClock) -> dict[str, Any]:
