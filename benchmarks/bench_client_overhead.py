@@ -75,10 +75,12 @@ url, c, tokens, itl_ms, out = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), f
 wl = build_workload("ovh", c, 16, tokens, list(range(1000, 1100)), seed=1)
 run = run_requests(wl.requests, ClientConfig(url, "m", engine="sglang", keep_fields=("server_ts_ns",)),
                    concurrency=c)
-gaps, lag, srv_lag, n, last = [], [], [], 0, 0
+gaps, lag, srv_lag, n, last, within = [], [], [], 0, 0, 0
 for r in run.records:
     idx = [i for i, t in enumerate(r.chunk_text) if t]
     ts = [r.chunk_ns[i] for i in idx]
+    if ts:   # chunks within the stream's run: by its first chunk + (tokens - 1) ITL + one ITL
+        within += sum(t - ts[0] <= tokens * itl_ms * 1e6 for t in ts)
     srv = [r.chunk_extra[i].get("server_ts_ns") for i in idx]
     n += len(ts)
     last = max([last, *ts])
@@ -88,7 +90,8 @@ for r in run.records:
         srv_lag += [(s - (srv[0] + i * itl_ms * 1e6)) / 1e6 for i, s in enumerate(srv)]
 first = min(r.send_ns for r in run.records)
 json.dump({"gaps": gaps, "lag": lag, "srv_lag": srv_lag, "chunks": n, "window_s": (last - first) / 1e9,
-           "completed": sum(r.ok for r in run.records)}, open(out, "w"))
+           "completed": sum(r.ok for r in run.records), "within": within, "event_loop": run.event_loop},
+          open(out, "w"))
 """
 
 
@@ -97,16 +100,20 @@ def pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
-def run_ours(url: str, c: int, tokens: int, itl_ms: float, cpu_list: str, tmp: Path) -> dict:
+def run_ours(url: str, c: int, tokens: int, itl_ms: float, cpu_list: str, tmp: Path,
+             idle_cpu: float | None = None) -> dict:
+    """One wave of ``c`` streams through servelab's client (a child process pinned to ``cpu_list``); the idle run
+    (1 stream, 1 token: start-up and imports) is measured unless ``idle_cpu`` is given."""
     out = tmp / f"ours_{c}.json"
     base = ["taskset", "-c", cpu_list, sys.executable, "-c", OURS_CHILD, str(ROOT / "lib"), url]
-    idle_cpu, _ = run_child(base + ["1", "1", str(itl_ms), str(tmp / "idle.json")])
+    if idle_cpu is None:
+        idle_cpu, _ = run_child(base + ["1", "1", str(itl_ms), str(tmp / "idle.json")])
     cpu, _ = run_child(base + [str(c), str(tokens), str(itl_ms), str(out)])
     d = json.loads(out.read_text())
     lag, srv_lag = d["lag"], d["srv_lag"]
     return summarize("servelab", c, tokens, itl_ms, d["gaps"], d["chunks"], d["window_s"], cpu - idle_cpu,
-                     d["completed"],
-                     extra={"delivery_lag_ms": {"p50": pct(lag, 50), "p99": pct(lag, 99), "max": max(lag, default=0)},
+                     d["completed"], within=d["within"],
+                     extra={"event_loop": d["event_loop"], "idle_cpu_s": idle_cpu,"delivery_lag_ms": {"p50": pct(lag, 50), "p99": pct(lag, 99), "max": max(lag, default=0)},
                             "server_schedule_lag_ms": {"p50": pct(srv_lag, 50), "p99": pct(srv_lag, 99),
                                                        "max": max(srv_lag, default=0)}})
 
@@ -128,7 +135,8 @@ runpy.run_module("sglang.bench_serving", run_name="__main__")
 """
 
 
-def run_bench_serving(url: str, c: int, tokens: int, itl_ms: float, cpu_list: str, tmp: Path) -> dict:
+def run_bench_serving(url: str, c: int, tokens: int, itl_ms: float, cpu_list: str, tmp: Path,
+                      idle_cpu: float | None = None) -> dict:
     import bench_serving_env as be
     from servelab.target.models import resolve_model
     py = be.ensure_bench_serving()
@@ -139,28 +147,161 @@ def run_bench_serving(url: str, c: int, tokens: int, itl_ms: float, cpu_list: st
                                    extra=["--warmup-requests", "0", "--output-details"])
         return ["taskset", "-c", cpu_list, "env", *[f"{k}={v}" for k, v in be.OFFLINE_ENV.items()],
                 bs[0], "-c", BS_WRAPPER, *bs[3:]]
-    idle_cpu, _ = run_child(argv(1, 1, tmp / "bs_idle.jsonl"))
+    if idle_cpu is None:
+        idle_cpu, _ = run_child(argv(1, 1, tmp / "bs_idle.jsonl"))
     out = tmp / f"bs_{c}.jsonl"
+    out.unlink(missing_ok=True)                          # bench_serving appends: one line per run
     cpu, _ = run_child(argv(c, tokens, out))
     d = json.loads(out.read_text().splitlines()[-1])
     gaps = [g * 1000 for per_req in d["itls"] for g in per_req]
-    n_chunks = sum(len(x) + 1 for x in d["itls"])       # first chunk + one per gap
+    got = [itls for itls, ttft in zip(d["itls"], d.get("ttfts") or [1.0] * len(d["itls"])) if ttft]
+    n_chunks = sum(len(x) + 1 for x in got)             # first chunk + one per gap, streams that got one
+    within = 0
+    for per_req in got:                                  # the same "within the stream's run" count as ours
+        cum, within = 0.0, within + 1
+        for g in per_req:
+            cum += g * 1000
+            within += cum <= tokens * itl_ms
     return summarize("sglang bench_serving 0.5.9", c, tokens, itl_ms, gaps, n_chunks, d["duration"], cpu - idle_cpu,
-                     d["completed"], extra={"reported": {k: d.get(k) for k in ("median_itl_ms", "p95_itl_ms",
+                     d["completed"], within=within, extra={"idle_cpu_s": idle_cpu,"reported": {k: d.get(k) for k in ("median_itl_ms", "p95_itl_ms",
                                                                                   "p99_itl_ms", "output_throughput")}})
 
 
 def summarize(client: str, c: int, tokens: int, itl_ms: float, gaps: list[float], n_chunks: int, dur_s: float,
-              cpu_s: float, completed: int, extra: dict) -> dict:
+              cpu_s: float, completed: int, extra: dict, within: int | None = None) -> dict:
     err = [abs(g - itl_ms) for g in gaps]
     offered = c * tokens / (tokens * itl_ms / 1000)
     rate = n_chunks / dur_s if dur_s > 0 else float("nan")
     return {"client": client, "concurrency": c, "tokens_per_stream": tokens, "completed": completed,
             "chunks": n_chunks, "window_s": dur_s, "chunks_per_s": rate, "offered_chunks_per_s": offered,
-            "fraction_of_offered": rate / offered, "itl_error_ms": {"p50": pct(err, 50), "p99": pct(err, 99),
+            "fraction_of_offered": rate / offered,
+            "chunks_within_run": within, "fraction_within_run": within / (c * tokens) if within is not None else None,
+            "itl_error_ms": {"p50": pct(err, 50), "p99": pct(err, 99),
                                                                      "max": max(err, default=0.0)},
             "observed_itl_ms": {"p50": pct(gaps, 50), "p99": pct(gaps, 99)}, "client_cpu_s": cpu_s,
             "client_cpu_us_per_chunk": 1e6 * cpu_s / n_chunks if n_chunks else None, **extra}
+
+
+# ---------------------------------------------------------------- the accurate ceiling (issue #15)
+
+RULE = {"max_p99_itl_error_ms": 1.0, "min_fraction_within_run": 0.99}
+LADDER = (16, 32, 64, 128, 256, 512, 1024, 2048)
+CLIENTS = {"servelab": run_ours, "bench_serving": run_bench_serving}
+PACKAGE_CEILING = ROOT / "lib" / "servelab" / "data" / "client_ceiling.json"
+
+
+def passes(r: dict) -> bool:
+    """The accurate-ceiling rule: p99 |gap − ITL| ≤ 1 ms and ≥ 99 % of offered chunks within the run."""
+    return (r["itl_error_ms"]["p99"] <= RULE["max_p99_itl_error_ms"]
+            and (r["fraction_within_run"] or 0.0) >= RULE["min_fraction_within_run"])
+
+
+def sweep_ceiling(fn, url: str, args: argparse.Namespace, tokens: int, tmp: Path, srv_pid: int,
+                  points: list[dict]) -> dict:
+    """One client's ceiling: the coarse ladder upward until a point fails, then ``--refine`` bisection steps on
+    the stream count between the last pass and the first fail. A failing point is tried once more (the machine
+    stalls now and then; both tries are kept, either passing passes). Returns the ceiling row."""
+    warm = fn(url, 1, 1, args.itl_ms, args.client_cpu, tmp)       # an idle run, then a second (warm) one
+    idle = min(warm["idle_cpu_s"], warm["idle_cpu_s"] + warm["client_cpu_s"])   # the first may pay cold caches
+
+    def point(c: int) -> bool:
+        ok = False
+        for attempt in range(1 + args.retries):
+            s0, load0 = cpu_of(srv_pid), os.getloadavg()[0]
+            r = fn(url, c, tokens, args.itl_ms, args.client_cpu, tmp, idle_cpu=idle)
+            r.update(attempt=attempt, passes=passes(r), server_cpu_s=cpu_of(srv_pid) - s0,
+                     loadavg_1m=[load0, os.getloadavg()[0]])
+            points.append(r)
+            print(json.dumps({k: r[k] for k in ("client", "concurrency", "attempt", "offered_chunks_per_s",
+                                                "fraction_within_run", "itl_error_ms", "client_cpu_us_per_chunk",
+                                                "passes")}), flush=True)
+            if r["passes"]:
+                ok = True
+                break
+        return ok
+
+    lo, hi = 0, None
+    for c in (x for x in LADDER if x <= args.max_streams):
+        if point(c):
+            lo = c
+        else:
+            hi = c
+            break
+    for _ in range(args.refine):
+        if hi is None or hi - lo <= max(1, lo // 16):
+            break
+        mid = (lo + hi) // 2 if lo else max(1, hi // 2)
+        if mid in (lo, hi):
+            break
+        if point(mid):
+            lo = mid
+        else:
+            hi = mid
+    return {"client": warm["client"], "ceiling_streams": lo, "first_failing_streams": hi,
+            "ceiling_chunks_per_s": lo * 1000.0 / args.itl_ms,
+            "achieved_chunks_per_s_at_ceiling": next((r["chunks_per_s"] for r in reversed(points)
+                                                      if r["client"] == warm["client"] and r["concurrency"] == lo
+                                                      and r["passes"]), None),
+            "capped_by_max_streams": hi is None}
+
+
+def ceiling_figure(points: list[dict], ceilings: list[dict], itl_ms: float) -> object:
+    """Streams → client CPU µs per chunk and p99 ITL error, one line per client; failing points hollow."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("client CPU per chunk (µs)", "p99 |gap − ITL| (ms)"))
+    colors = {"servelab": "#1f77b4", "sglang bench_serving 0.5.9": "#d62728"}
+    for client in dict.fromkeys(r["client"] for r in points):
+        rows = sorted((r for r in points if r["client"] == client), key=lambda r: r["concurrency"])
+        x = [r["concurrency"] for r in rows]
+        sym = ["circle" if r["passes"] else "circle-open" for r in rows]
+        cl = next((c for c in ceilings if c["client"] == client), {})
+        name = f"{client} (ceiling {cl.get('ceiling_chunks_per_s', 0):,.0f} chunks/s)"
+        for col, y in ((1, [r["client_cpu_us_per_chunk"] for r in rows]), (2, [r["itl_error_ms"]["p99"] for r in rows])):
+            fig.add_trace(go.Scatter(x=x, y=y, mode="lines+markers", name=name, legendgroup=client,
+                                     showlegend=col == 1, marker={"symbol": sym, "size": 9},
+                                     line={"color": colors.get(client)}), row=1, col=col)
+    fig.add_hline(y=RULE["max_p99_itl_error_ms"], line_dash="dash", row=1, col=2,
+                  annotation_text="accurate-ceiling rule: 1 ms")
+    fig.update_xaxes(type="log", title_text=f"paced streams (one chunk every {itl_ms:g} ms each)")
+    fig.update_yaxes(type="log", row=1, col=2)
+    fig.update_layout(title="Client scaling on one pinned core (hollow: point fails the rule)", height=450)
+    return fig
+
+
+def run_ceiling(args: argparse.Namespace, url: str, srv_pid: int) -> dict:
+    tokens = max(2, round(args.point_s * 1000 / args.itl_ms))
+    points: list[dict] = []
+    ceilings = []
+    with tempfile.TemporaryDirectory() as td:
+        for name in args.clients:
+            ceilings.append(sweep_ceiling(CLIENTS[name], url, args, tokens, Path(td), srv_pid, points))
+    ours = next((c for c in ceilings if c["client"] == "servelab"), None)
+    theirs = next((c for c in ceilings if c["client"] != "servelab"), None)
+    ratio = (ours["ceiling_chunks_per_s"] / theirs["ceiling_chunks_per_s"]
+             if ours and theirs and theirs["ceiling_chunks_per_s"] else None)
+    return {"mode": "ceiling", "rule": RULE, "ladder": list(LADDER), "tokens_per_stream": tokens,
+            "ceilings": ceilings, "ceiling_ratio_servelab_over_bench_serving": ratio, "points": points,
+            "figure": ceiling_figure(points, ceilings, args.itl_ms)}
+
+
+def package_ceiling(out: dict, args: argparse.Namespace, command: str) -> dict:
+    """The data file ``servelab.measure.request_metrics.measured_client_ceiling`` reads (servelab's client only)."""
+    ours = next(c for c in out["ceilings"] if c["client"] == "servelab")
+    cpu_model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                      if ln.startswith("model name")), "unknown") if Path("/proc/cpuinfo").exists() else "unknown"
+    loops = {r.get("event_loop") for r in out["points"] if r["client"] == "servelab"}
+    return {"chunks_per_s": ours["ceiling_chunks_per_s"], "streams": ours["ceiling_streams"],
+            "itl_ms": args.itl_ms, "rule": RULE, "measured": time.strftime("%Y-%m-%d"), "command": command,
+            "machine": {"cpu_model": cpu_model, "nproc": os.cpu_count(), "client_cpu": args.client_cpu,
+                        "server_cpu": args.server_cpu},
+            "event_loop": sorted(x for x in loops if x),
+            "bench_serving_chunks_per_s": next((c["ceiling_chunks_per_s"] for c in out["ceilings"]
+                                                if c["client"] != "servelab"), None)}
+
+
+SERVER_LOOP = "import runpy, sys, uvloop; uvloop.install(); sys.argv = sys.argv[1:]; " \
+              "runpy.run_path(sys.argv[0], run_name='__main__')"
 
 
 def main() -> None:
@@ -172,10 +313,25 @@ def main() -> None:
     ap.add_argument("--client-cpu", default="0")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats; ratios use the medians")
     ap.add_argument("--out", default="bench_client_overhead.json")
+    ap.add_argument("--server-loop", choices=("uvloop", "asyncio"), default="uvloop",
+                    help="the paced server's event loop (uvloop: less server jitter in both clients' error)")
+    ap.add_argument("--ceiling", action="store_true", help="find each client's accurate ceiling (see the docstring)")
+    ap.add_argument("--clients", nargs="+", choices=sorted(CLIENTS), default=["servelab", "bench_serving"])
+    ap.add_argument("--point-s", type=float, default=2.0, help="--ceiling: seconds of paced chunks per point")
+    ap.add_argument("--refine", type=int, default=3, help="--ceiling: bisection steps after the ladder")
+    ap.add_argument("--retries", type=int, default=1, help="--ceiling: tries more for a failing point")
+    ap.add_argument("--max-streams", type=int, default=LADDER[-1])
+    ap.add_argument("--write-package-data", action="store_true",
+                    help=f"--ceiling: write servelab's ceiling to {PACKAGE_CEILING.relative_to(ROOT)}")
     args = ap.parse_args()
+    if args.write_package_data and not (args.ceiling and "servelab" in args.clients):
+        ap.error("--write-package-data needs --ceiling with the servelab client")
+    if not FAST_SSE.exists():
+        ap.error(f"the paced server {FAST_SSE} is missing")
     from servelab.target.hosts import free_port, wait_port_free
     port = free_port()
-    srv = subprocess.Popen(["taskset", "-c", args.server_cpu, sys.executable, str(FAST_SSE), str(port),
+    server = [sys.executable, "-c", SERVER_LOOP] if args.server_loop == "uvloop" else [sys.executable]
+    srv = subprocess.Popen(["taskset", "-c", args.server_cpu, *server, str(FAST_SSE), str(port),
                             str(args.itl_ms)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     results = []
@@ -185,11 +341,32 @@ def main() -> None:
             if http_json(url + "/health", timeout=1)[0] == 200:
                 break
             time.sleep(0.05)
+        if args.ceiling:
+            command = "python benchmarks/bench_client_overhead.py " + " ".join(sys.argv[1:])
+            out = run_ceiling(args, url, srv.pid)
+            fig = out.pop("figure")
+            out.update(tool="benchmarks/bench_client_overhead.py --ceiling", command=command, itl_ms=args.itl_ms,
+                       server_loop=args.server_loop, when=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                       nproc=os.cpu_count(), pinning={"server_cpu": args.server_cpu, "client_cpu": args.client_cpu})
+            Path(args.out).write_text(json.dumps(out, indent=2))
+            html = Path(args.out).with_suffix(".html")
+            fig.write_html(str(html), include_plotlyjs=True)   # offline: plotly inlined
+            for c in out["ceilings"]:
+                print(f"{c['client']}: accurate ceiling {c['ceiling_chunks_per_s']:,.0f} chunks/s "
+                      f"({c['ceiling_streams']} streams; first failing {c['first_failing_streams']})")
+            if out["ceiling_ratio_servelab_over_bench_serving"]:
+                print(f"servelab / bench_serving = {out['ceiling_ratio_servelab_over_bench_serving']:.2f}x")
+            if args.write_package_data:
+                PACKAGE_CEILING.write_text(json.dumps(package_ceiling(out, args, command), indent=2) + "\n")
+                print(f"written {PACKAGE_CEILING}")
+            print(f"written {args.out} and {html}")
+            return
         with tempfile.TemporaryDirectory() as td:
             tmp = Path(td)
             for rep in range(args.repeats):
                 for c in args.concurrency:
-                    order = (run_ours, run_bench_serving) if rep % 2 == 0 else (run_bench_serving, run_ours)
+                    order = tuple(CLIENTS[n] for n in args.clients)
+                    order = order if rep % 2 == 0 else order[::-1]
                     for fn in order:           # alternate who goes first: drift of the machine hits both
                         s0, load0 = cpu_of(srv.pid), os.getloadavg()[0]
                         r = fn(url, c, args.tokens, args.itl_ms, args.client_cpu, tmp)
@@ -207,7 +384,7 @@ def main() -> None:
         vals = [get(r) for r in results if (r["client"] == "servelab") == client_is_ours and r["concurrency"] == c]
         return float(np.median(vals))
     ratios = []
-    for c in args.concurrency:
+    for c in (args.concurrency if len(args.clients) == 2 else []):
         row = {"concurrency": c, "repeats": args.repeats}
         for name, get in (("p99_itl_error_ms", lambda r: r["itl_error_ms"]["p99"]),
                           ("p50_itl_error_ms", lambda r: r["itl_error_ms"]["p50"]),
