@@ -90,7 +90,8 @@ for r in run.records:
         srv_lag += [(s - (srv[0] + i * itl_ms * 1e6)) / 1e6 for i, s in enumerate(srv)]
 first = min(r.send_ns for r in run.records)
 json.dump({"gaps": gaps, "lag": lag, "srv_lag": srv_lag, "chunks": n, "window_s": (last - first) / 1e9,
-           "completed": sum(r.ok for r in run.records), "within": within, "event_loop": run.event_loop},
+           "completed": sum(r.ok for r in run.records), "within": within,
+           "event_loop": getattr(run, "event_loop", "") or "asyncio"},
           open(out, "w"))
 """
 

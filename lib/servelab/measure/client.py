@@ -200,6 +200,9 @@ def split_events(reads: Any) -> list[tuple[int, bytes]]:
     return events
 
 
+_decode = json.JSONDecoder().decode         # the C scanner without json.loads' encoding sniffing per event
+
+
 def parse_stream(rec: RequestRecord, reads: Any, api: str, keep: tuple[str, ...] = ()) -> None:
     """Fill a record's chunk lists, usage, finish reason and stream errors from its raw reads."""
     prev_text, prev_tokens = "", 0
@@ -208,8 +211,8 @@ def parse_stream(rec: RequestRecord, reads: Any, api: str, keep: tuple[str, ...]
             rec.done_ns = t
             continue
         try:
-            data = json.loads(payload)
-        except json.JSONDecodeError:
+            data = _decode(payload.decode())
+        except (json.JSONDecodeError, UnicodeDecodeError):
             rec.error_kind, rec.error = "stream", f"undecodable SSE event: {payload[:200]!r}"
             continue
         if not isinstance(data, dict):
@@ -270,31 +273,35 @@ def parse_stream(rec: RequestRecord, reads: Any, api: str, keep: tuple[str, ...]
 
 # ---------------------------------------------------------------- sending
 
-def _quickack(resp: Any) -> Any:
-    """A function that re-arms TCP_QUICKACK on the response's socket (Linux), or None.
+def _quickack(resp: Any) -> tuple[Callable[[], None], Callable[[], None]] | None:
+    """(re-arm TCP_QUICKACK on the response's socket, release) on Linux, or None.
 
     A server that writes small SSE chunks without TCP_NODELAY (llama.cpp's cpp-httplib) has each write held
     by Nagle until the previous segment is ACKed, and Linux delays ACKs up to 200 ms: measured here, a
     64-token prompt on the tiny model got its first chunk after ~280 ms instead of ~3 ms. Quick-ACKing
     every read removes that client-side artifact; the flag is one-shot, so it is set again after each read
-    (one cheap setsockopt). Servers with TCP_NODELAY (uvicorn: SGLang, vLLM) are unaffected.
+    (one setsockopt). The option is set through one duplicate of the socket's descriptor made per response
+    (same socket; closed by ``release``): uvloop's transport hands out a stand-in whose every ``setsockopt``
+    builds and detaches a new ``socket.socket`` — measured, that doubled the per-read cost of the re-arm.
+    Servers with TCP_NODELAY (uvicorn: SGLang, vLLM) are unaffected.
     """
+    import os
     import socket
     if not hasattr(socket, "TCP_QUICKACK"):
         return None
     try:
         sock = resp.connection.transport.get_extra_info("socket")
-    except AttributeError:
+        dup = socket.socket(fileno=os.dup(sock.fileno()))
+    except (AttributeError, OSError):
         return None
-    if sock is None:
-        return None
+    setopt, level, opt = dup.setsockopt, socket.IPPROTO_TCP, socket.TCP_QUICKACK
 
     def arm() -> None:
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
+            setopt(level, opt, 1)
         except OSError:
             pass
-    return arm
+    return arm, dup.close
 
 
 async def _send(session: Any, spec: RequestSpec, cfg: ClientConfig, rec: RequestRecord, reads: ReadLog) -> None:
@@ -312,20 +319,24 @@ async def _send(session: Any, spec: RequestSpec, cfg: ClientConfig, rec: Request
                 rec.error_kind = "http"
                 rec.error = f"HTTP {resp.status}: {(await resp.text())[:500]}"
             else:
-                arm = _quickack(resp) if cfg.tcp_quickack else None
+                qa = _quickack(resp) if cfg.tcp_quickack else None
                 # the per-read path: readany directly (no async iterator object per read), one clock read,
                 # two appends, and the quick-ACK re-arm where on; an empty read is the end of the body
                 ts_append, data_append, readany = reads.ts.append, reads.data.append, resp.content.readany
-                if arm is None:
+                if qa is None:
                     while data := await readany():
                         ts_append(pc())
                         data_append(data)
                 else:
-                    arm()
-                    while data := await readany():
-                        ts_append(pc())
-                        data_append(data)
+                    arm, release = qa
+                    try:
                         arm()
+                        while data := await readany():
+                            ts_append(pc())
+                            data_append(data)
+                            arm()
+                    finally:
+                        release()
     except asyncio.TimeoutError:
         rec.error_kind, rec.error = "timeout", f"no complete response within {cfg.timeout_s} s"
     except (aiohttp.ClientError, OSError) as exc:
