@@ -21,6 +21,27 @@ Each (client, C) pair runs ``--repeats`` times, interleaved with the order alter
 the medians: a 2-core machine shared with other jobs stalls now and then (our ``server_schedule_lag_ms``
 shows when the *server* was the one stalled; the 1-minute load average is recorded per run).
 Writes a JSON result and prints the ratios (bench_serving / servelab) of p99 ITL error and CPU per chunk.
+``--clients servelab`` runs ours alone (e.g. to compare two versions of the client on one server).
+
+The paced server runs on uvloop by default (``--server-loop``): its own scheduling jitter enters both clients'
+gap errors, and on asyncio it was the larger part of them at 512 streams (``server_schedule_lag_ms``).
+
+**The accurate ceiling** (``--ceiling``, issue #15): per client, the highest offered chunk rate (streams × 1/ITL)
+at which p99 |gap − ITL| ≤ 1 ms AND ≥ 99 % of the offered chunks arrive within the run (a stream's chunk is
+within the run when it arrives within (tokens − 1) × ITL + one ITL of that stream's first chunk; the same count
+from bench_serving's ITL lists). Server on ``--server-cpu``, client on ``--client-cpu``. The stream count climbs
+the ladder 16, 32, … 2048 (each point one wave of ``--point-s`` seconds of paced chunks, a failing point tried
+once more) until a point fails, then ``--refine`` bisection steps between the last pass and the first fail.
+Each point records streams, offered and achieved chunks/s, the fraction within the run, p99 error, CPU µs per
+chunk (the idle run measured once per client) and the server's CPU; the JSON goes to ``--out`` and a plotly
+figure of the scaling curves (streams → CPU per chunk and p99 error, both clients, failing points hollow) to
+the same name with ``.html``. ``--write-package-data`` also writes servelab's ceiling, with this command, the
+date and the machine, to ``lib/servelab/data/client_ceiling.json``, which a case's integrity check compares its
+chunk rate with (``docs/metrics.md#integrity``). The final measurement, on a quiet machine (nothing else
+running; 3-5 minutes):
+
+    python benchmarks/bench_client_overhead.py --ceiling --write-package-data \
+        --out benchmarks/results_client_ceiling_$(date +%Y%m%d).json
 """
 from __future__ import annotations
 
@@ -296,7 +317,7 @@ def package_ceiling(out: dict, args: argparse.Namespace, command: str) -> dict:
             "itl_ms": args.itl_ms, "rule": RULE, "measured": time.strftime("%Y-%m-%d"), "command": command,
             "machine": {"cpu_model": cpu_model, "nproc": os.cpu_count(), "client_cpu": args.client_cpu,
                         "server_cpu": args.server_cpu},
-            "event_loop": sorted(x for x in loops if x),
+            "event_loop": sorted(x for x in loops if x), "capped_by_max_streams": ours["capped_by_max_streams"],
             "bench_serving_chunks_per_s": next((c["ceiling_chunks_per_s"] for c in out["ceilings"]
                                                 if c["client"] != "servelab"), None)}
 
@@ -324,11 +345,17 @@ def main() -> None:
     ap.add_argument("--max-streams", type=int, default=LADDER[-1])
     ap.add_argument("--write-package-data", action="store_true",
                     help=f"--ceiling: write servelab's ceiling to {PACKAGE_CEILING.relative_to(ROOT)}")
+    ap.add_argument("--package-data-path", type=Path, default=PACKAGE_CEILING, help=argparse.SUPPRESS)  # tests
     args = ap.parse_args()
     if args.write_package_data and not (args.ceiling and "servelab" in args.clients):
         ap.error("--write-package-data needs --ceiling with the servelab client")
     if not FAST_SSE.exists():
         ap.error(f"the paced server {FAST_SSE} is missing")
+    import resource                                       # thousands of sockets in the server and the clients
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < 2 * args.max_streams + 256:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard == resource.RLIM_INFINITY
+                                                    else min(hard, 2 * args.max_streams + 256), hard))
     from servelab.target.hosts import free_port, wait_port_free
     port = free_port()
     server = [sys.executable, "-c", SERVER_LOOP] if args.server_loop == "uvloop" else [sys.executable]
@@ -357,9 +384,13 @@ def main() -> None:
                       f"({c['ceiling_streams']} streams; first failing {c['first_failing_streams']})")
             if out["ceiling_ratio_servelab_over_bench_serving"]:
                 print(f"servelab / bench_serving = {out['ceiling_ratio_servelab_over_bench_serving']:.2f}x")
-            if args.write_package_data:
-                PACKAGE_CEILING.write_text(json.dumps(package_ceiling(out, args, command), indent=2) + "\n")
-                print(f"written {PACKAGE_CEILING}")
+            ours = next(c for c in out["ceilings"] if c["client"] == "servelab") if args.write_package_data else None
+            if ours is not None and not ours["ceiling_streams"]:
+                print(f"not written {args.package_data_path}: servelab's client met the rule at no point "
+                      f"(first failing at {ours['first_failing_streams']} streams) — is the machine quiet?")
+            elif ours is not None:
+                args.package_data_path.write_text(json.dumps(package_ceiling(out, args, command), indent=2) + "\n")
+                print(f"written {args.package_data_path}")
             print(f"written {args.out} and {html}")
             return
         with tempfile.TemporaryDirectory() as td:
