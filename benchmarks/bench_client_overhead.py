@@ -11,6 +11,8 @@ Per client and concurrency (one wave of C streams × ``tokens`` chunks):
 - client CPU: CPU seconds of the client process (``wait4`` rusage) minus those of an idle run (1 stream,
   1 token) of the same client, so interpreter start-up and imports are not counted; µs per chunk (both
   include computing their ITL lists and writing them out: bench_serving's ``--output-details``, our gaps);
+  and the CPU of the run itself (``client_run_cpu_us_per_chunk``: process time around our ``run_requests``
+  and the gaps, around bench_serving's one ``asyncio.run``), which carries no start-up noise;
 - ours only: delivery lag = receive wall time − ``server_ts_ns`` (same machine, same clock) p50/p99, and
   server lag (``server_ts`` vs its own schedule) to show whether the *server* kept up.
 The server's own CPU time is reported too: a saturated server invalidates the comparison.
@@ -21,6 +23,32 @@ Each (client, C) pair runs ``--repeats`` times, interleaved with the order alter
 the medians: a 2-core machine shared with other jobs stalls now and then (our ``server_schedule_lag_ms``
 shows when the *server* was the one stalled; the 1-minute load average is recorded per run).
 Writes a JSON result and prints the ratios (bench_serving / servelab) of p99 ITL error and CPU per chunk.
+``--clients servelab`` runs ours alone (e.g. to compare two versions of the client on one server).
+
+The paced server's own scheduling jitter enters both clients' gap errors: on asyncio or uvloop its timers fire in
+whole milliseconds (``server_schedule_lag_ms`` p99 ≈ 0.9 ms even at 16 streams), so by default
+(``--server-loop spin``) it runs on asyncio with a selector that spins the last millisecond before a timer.
+
+**The accurate ceiling** (``--ceiling``, issue #15): per client, the highest offered chunk rate (streams × 1/ITL)
+at which p99 |gap − ITL| ≤ 1 ms in the steady state AND ≥ 99 % of the offered chunks arrive within the run. The
+steady state is every gap that starts once all streams have had their first chunk: while hundreds of
+connections open, the loop is busy with their requests and headers for tens of ms (both clients; measured
+~70 ms for 512 sends here), which is the connection ramp, not the chunk rate; the p99 over all gaps, ramp
+included, is recorded beside it (``itl_error_ms``). A stream's chunk is
+within the run when it arrives within (tokens − 1) × ITL + one ITL of that stream's first chunk (the same
+count from bench_serving's ITL lists). Server on ``--server-cpu``, client on ``--client-cpu``. The stream count climbs
+the ladder 16, 32, … 2048 (each point one wave of ``--point-s`` seconds of paced chunks, a failing point tried
+once more) until a point fails, then ``--refine`` bisection steps between the last pass and the first fail.
+Each point records streams, offered and achieved chunks/s, the fraction within the run, p99 error, CPU µs per
+chunk (the run itself, and the whole process minus one idle run per client) and the server's CPU; the JSON goes to ``--out`` and a plotly
+figure of the scaling curves (streams → CPU per chunk and p99 error, both clients, failing points hollow) to
+the same name with ``.html``. ``--write-package-data`` also writes servelab's ceiling, with this command, the
+date and the machine, to ``lib/servelab/data/client_ceiling.json``, which a case's integrity check compares its
+chunk rate with (``docs/metrics.md#integrity``). The final measurement, on a quiet machine (nothing else
+running; 3-5 minutes):
+
+    python benchmarks/bench_client_overhead.py --ceiling --write-package-data \
+        --out benchmarks/results_client_ceiling_$(date +%Y%m%d).json
 """
 from __future__ import annotations
 
@@ -73,22 +101,38 @@ from servelab.measure.client import ClientConfig, run_requests
 from servelab.measure.workload import build_workload
 url, c, tokens, itl_ms, out = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]), sys.argv[6]
 wl = build_workload("ovh", c, 16, tokens, list(range(1000, 1100)), seed=1)
+import time
+import aiohttp  # noqa: F401  (imported by run_async on first use: not the run's CPU)
+try:
+    import uvloop  # noqa: F401
+except ImportError:
+    pass
+cpu0 = time.process_time()
 run = run_requests(wl.requests, ClientConfig(url, "m", engine="sglang", keep_fields=("server_ts_ns",)),
                    concurrency=c)
-gaps, lag, srv_lag, n, last = [], [], [], 0, 0
+gaps, lag, srv_lag, n, last, within, starts, times = [], [], [], 0, 0, 0, [], []
 for r in run.records:
     idx = [i for i, t in enumerate(r.chunk_text) if t]
     ts = [r.chunk_ns[i] for i in idx]
+    if ts:   # chunks within the stream's run: by its first chunk + (tokens - 1) ITL + one ITL
+        within += sum(t - ts[0] <= tokens * itl_ms * 1e6 for t in ts)
     srv = [r.chunk_extra[i].get("server_ts_ns") for i in idx]
     n += len(ts)
     last = max([last, *ts])
     gaps += [(b - a) / 1e6 for a, b in zip(ts, ts[1:])]
+    starts.append(ts[0] if ts else None)
+    times.append(ts)
     lag += [(t + r.wall_offset_ns - s) / 1e6 for t, s in zip(ts, srv) if s]
     if srv and srv[0]:
         srv_lag += [(s - (srv[0] + i * itl_ms * 1e6)) / 1e6 for i, s in enumerate(srv)]
 first = min(r.send_ns for r in run.records)
-json.dump({"gaps": gaps, "lag": lag, "srv_lag": srv_lag, "chunks": n, "window_s": (last - first) / 1e9,
-           "completed": sum(r.ok for r in run.records)}, open(out, "w"))
+steady_from = max((x for x in starts if x is not None), default=0)   # every stream has had its first chunk
+steady = [(b - a) / 1e6 for ts in times for a, b in zip(ts, ts[1:]) if a >= steady_from]
+json.dump({"cpu_run_s": time.process_time() - cpu0, "gaps": gaps, "steady_gaps": steady, "lag": lag, "srv_lag": srv_lag, "chunks": n,
+           "window_s": (last - first) / 1e9,
+           "completed": sum(r.ok for r in run.records), "within": within,
+           "event_loop": getattr(run, "event_loop", "") or "asyncio"},
+          open(out, "w"))
 """
 
 
@@ -97,16 +141,20 @@ def pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
-def run_ours(url: str, c: int, tokens: int, itl_ms: float, cpu_list: str, tmp: Path) -> dict:
+def run_ours(url: str, c: int, tokens: int, itl_ms: float, cpu_list: str, tmp: Path,
+             idle_cpu: float | None = None) -> dict:
+    """One wave of ``c`` streams through servelab's client (a child process pinned to ``cpu_list``); the idle run
+    (1 stream, 1 token: start-up and imports) is measured unless ``idle_cpu`` is given."""
     out = tmp / f"ours_{c}.json"
     base = ["taskset", "-c", cpu_list, sys.executable, "-c", OURS_CHILD, str(ROOT / "lib"), url]
-    idle_cpu, _ = run_child(base + ["1", "1", str(itl_ms), str(tmp / "idle.json")])
+    if idle_cpu is None:
+        idle_cpu, _ = run_child(base + ["1", "1", str(itl_ms), str(tmp / "idle.json")])
     cpu, _ = run_child(base + [str(c), str(tokens), str(itl_ms), str(out)])
     d = json.loads(out.read_text())
     lag, srv_lag = d["lag"], d["srv_lag"]
     return summarize("servelab", c, tokens, itl_ms, d["gaps"], d["chunks"], d["window_s"], cpu - idle_cpu,
-                     d["completed"],
-                     extra={"delivery_lag_ms": {"p50": pct(lag, 50), "p99": pct(lag, 99), "max": max(lag, default=0)},
+                     d["completed"], within=d["within"], steady_gaps=d["steady_gaps"],
+                     extra={"event_loop": d["event_loop"], "idle_cpu_s": idle_cpu, **run_cpu(d["cpu_run_s"], d["chunks"]),"delivery_lag_ms": {"p50": pct(lag, 50), "p99": pct(lag, 99), "max": max(lag, default=0)},
                             "server_schedule_lag_ms": {"p50": pct(srv_lag, 50), "p99": pct(srv_lag, 99),
                                                        "max": max(srv_lag, default=0)}})
 
@@ -114,7 +162,16 @@ def run_ours(url: str, c: int, tokens: int, itl_ms: float, cpu_list: str, tmp: P
 # fast_sse_server answers every unknown path with an SSE stream; bench_serving 0.5.9 ends with
 # GET /get_server_info and json() on a 200 — so that one GET gets a 404 here. Nothing measured is touched.
 BS_WRAPPER = r"""
-import runpy, sys, requests
+import asyncio, atexit, os, runpy, sys, time, requests
+_arun, _cpu = asyncio.run, [0.0]
+def arun(main, **kw):            # bench_serving's one asyncio.run: sending, streaming, its metrics and output file
+    t = time.process_time()
+    try:
+        return _arun(main, **kw)
+    finally:
+        _cpu[0] += time.process_time() - t
+asyncio.run = arun
+atexit.register(lambda: open(os.environ["BENCH_CPU_OUT"], "w").write(repr(_cpu[0])))
 _get = requests.get
 def get(url, *a, **k):
     if str(url).endswith("/get_server_info"):
@@ -128,7 +185,8 @@ runpy.run_module("sglang.bench_serving", run_name="__main__")
 """
 
 
-def run_bench_serving(url: str, c: int, tokens: int, itl_ms: float, cpu_list: str, tmp: Path) -> dict:
+def run_bench_serving(url: str, c: int, tokens: int, itl_ms: float, cpu_list: str, tmp: Path,
+                      idle_cpu: float | None = None) -> dict:
     import bench_serving_env as be
     from servelab.target.models import resolve_model
     py = be.ensure_bench_serving()
@@ -138,29 +196,217 @@ def run_bench_serving(url: str, c: int, tokens: int, itl_ms: float, cpu_list: st
         bs = be.bench_serving_argv(py, url, "m", tok, 16, toks, n, n, out,
                                    extra=["--warmup-requests", "0", "--output-details"])
         return ["taskset", "-c", cpu_list, "env", *[f"{k}={v}" for k, v in be.OFFLINE_ENV.items()],
+                f"BENCH_CPU_OUT={out}.cpu",
                 bs[0], "-c", BS_WRAPPER, *bs[3:]]
-    idle_cpu, _ = run_child(argv(1, 1, tmp / "bs_idle.jsonl"))
+    if idle_cpu is None:
+        idle_cpu, _ = run_child(argv(1, 1, tmp / "bs_idle.jsonl"))
     out = tmp / f"bs_{c}.jsonl"
+    out.unlink(missing_ok=True)                          # bench_serving appends: one line per run
     cpu, _ = run_child(argv(c, tokens, out))
     d = json.loads(out.read_text().splitlines()[-1])
+    cpu_run = float(Path(f"{out}.cpu").read_text())
     gaps = [g * 1000 for per_req in d["itls"] for g in per_req]
-    n_chunks = sum(len(x) + 1 for x in d["itls"])       # first chunk + one per gap
+    got = [itls for itls, ttft in zip(d["itls"], d.get("ttfts") or [1.0] * len(d["itls"])) if ttft]
+    n_chunks = sum(len(x) + 1 for x in got)             # first chunk + one per gap, streams that got one
+    # steady state, as for ours: gaps that start once every stream has had its first chunk (bench_serving's times
+    # are relative to each request's send; its sends all leave in the same burst, so ttft + Σ itl is the clock)
+    got_ttft = [t for itls, t in zip(d["itls"], d.get("ttfts") or [0.0] * len(d["itls"])) if t]
+    steady_from = max(got_ttft, default=0.0)
+    steady = []
+    for itls, t in zip(d["itls"], d.get("ttfts") or []):
+        if not t:
+            continue
+        for g in itls:
+            if t >= steady_from:
+                steady.append(g * 1000)
+            t += g
+    within = 0
+    for per_req in got:                                  # the same "within the stream's run" count as ours
+        cum, within = 0.0, within + 1
+        for g in per_req:
+            cum += g * 1000
+            within += cum <= tokens * itl_ms
+    reported = {k: d.get(k) for k in ("median_itl_ms", "p95_itl_ms", "p99_itl_ms", "output_throughput")}
     return summarize("sglang bench_serving 0.5.9", c, tokens, itl_ms, gaps, n_chunks, d["duration"], cpu - idle_cpu,
-                     d["completed"], extra={"reported": {k: d.get(k) for k in ("median_itl_ms", "p95_itl_ms",
-                                                                                  "p99_itl_ms", "output_throughput")}})
+                     d["completed"], within=within, steady_gaps=steady,
+                     extra={"idle_cpu_s": idle_cpu, "reported": reported, **run_cpu(cpu_run, n_chunks)})
+
+
+def run_cpu(cpu_s: float, n_chunks: int) -> dict:
+    """CPU of the run itself (process time from the send of the first request to the written result, no start-up
+    or imports): steadier than the whole process minus an idle run when a point has few chunks."""
+    return {"client_run_cpu_s": cpu_s, "client_run_cpu_us_per_chunk": 1e6 * cpu_s / n_chunks if n_chunks else None}
 
 
 def summarize(client: str, c: int, tokens: int, itl_ms: float, gaps: list[float], n_chunks: int, dur_s: float,
-              cpu_s: float, completed: int, extra: dict) -> dict:
+              cpu_s: float, completed: int, extra: dict, within: int | None = None,
+              steady_gaps: list[float] | None = None) -> dict:
     err = [abs(g - itl_ms) for g in gaps]
+    steady = [abs(g - itl_ms) for g in (steady_gaps or [])]
     offered = c * tokens / (tokens * itl_ms / 1000)
     rate = n_chunks / dur_s if dur_s > 0 else float("nan")
     return {"client": client, "concurrency": c, "tokens_per_stream": tokens, "completed": completed,
             "chunks": n_chunks, "window_s": dur_s, "chunks_per_s": rate, "offered_chunks_per_s": offered,
-            "fraction_of_offered": rate / offered, "itl_error_ms": {"p50": pct(err, 50), "p99": pct(err, 99),
+            "fraction_of_offered": rate / offered,
+            "chunks_within_run": within, "fraction_within_run": within / (c * tokens) if within is not None else None,
+            "steady_itl_error_ms": {"n": len(steady), "p50": pct(steady, 50), "p99": pct(steady, 99),
+                                    "max": max(steady, default=0.0)},
+            "itl_error_ms": {"p50": pct(err, 50), "p99": pct(err, 99),
                                                                      "max": max(err, default=0.0)},
             "observed_itl_ms": {"p50": pct(gaps, 50), "p99": pct(gaps, 99)}, "client_cpu_s": cpu_s,
             "client_cpu_us_per_chunk": 1e6 * cpu_s / n_chunks if n_chunks else None, **extra}
+
+
+# ---------------------------------------------------------------- the accurate ceiling (issue #15)
+
+RULE = {"max_p99_itl_error_ms": 1.0, "min_fraction_within_run": 0.99}
+LADDER = (16, 32, 64, 128, 256, 512, 1024, 2048)
+CLIENTS = {"servelab": run_ours, "bench_serving": run_bench_serving}
+PACKAGE_CEILING = ROOT / "lib" / "servelab" / "data" / "client_ceiling.json"
+
+
+def passes(r: dict) -> bool:
+    """The accurate-ceiling rule: steady-state p99 |gap − ITL| ≤ 1 ms (from ≥ 100 gaps) and ≥ 99 % of offered
+    chunks within the run."""
+    steady = r["steady_itl_error_ms"]
+    return (steady["n"] >= 100 and steady["p99"] <= RULE["max_p99_itl_error_ms"]
+            and (r["fraction_within_run"] or 0.0) >= RULE["min_fraction_within_run"])
+
+
+def sweep_ceiling(fn, url: str, args: argparse.Namespace, tokens: int, tmp: Path, srv_pid: int,
+                  points: list[dict]) -> dict:
+    """One client's ceiling: the coarse ladder upward until a point fails, then ``--refine`` bisection steps on
+    the stream count between the last pass and the first fail. A failing point is tried once more (the machine
+    stalls now and then; both tries are kept, either passing passes). Returns the ceiling row."""
+    warm = fn(url, 1, 1, args.itl_ms, args.client_cpu, tmp)       # an idle run, then a second (warm) one
+    idle = min(warm["idle_cpu_s"], warm["idle_cpu_s"] + warm["client_cpu_s"])   # the first may pay cold caches
+
+    def point(c: int) -> bool:
+        ok = False
+        for attempt in range(1 + args.retries):
+            s0, load0 = cpu_of(srv_pid), os.getloadavg()[0]
+            r = fn(url, c, tokens, args.itl_ms, args.client_cpu, tmp, idle_cpu=idle)
+            r.update(attempt=attempt, passes=passes(r), server_cpu_s=cpu_of(srv_pid) - s0,
+                     loadavg_1m=[load0, os.getloadavg()[0]])
+            points.append(r)
+            print(json.dumps({k: r[k] for k in ("client", "concurrency", "attempt", "offered_chunks_per_s",
+                                                "fraction_within_run", "steady_itl_error_ms", "client_run_cpu_us_per_chunk",
+                                                "passes")}), flush=True)
+            if r["passes"]:
+                ok = True
+                break
+        return ok
+
+    lo, hi = 0, None
+    for c in (x for x in LADDER if x <= args.max_streams):
+        if point(c):
+            lo = c
+        else:
+            hi = c
+            break
+    for _ in range(args.refine):
+        if hi is None or hi - lo <= max(1, lo // 16):
+            break
+        mid = (lo + hi) // 2 if lo else max(1, hi // 2)
+        if mid in (lo, hi):
+            break
+        if point(mid):
+            lo = mid
+        else:
+            hi = mid
+    return {"client": warm["client"], "ceiling_streams": lo, "first_failing_streams": hi,
+            "ceiling_chunks_per_s": lo * 1000.0 / args.itl_ms,
+            "achieved_chunks_per_s_at_ceiling": next((r["chunks_per_s"] for r in reversed(points)
+                                                      if r["client"] == warm["client"] and r["concurrency"] == lo
+                                                      and r["passes"]), None),
+            "capped_by_max_streams": hi is None}
+
+
+def ceiling_figure(points: list[dict], ceilings: list[dict], itl_ms: float) -> object:
+    """Streams → client CPU µs per chunk and p99 ITL error, one line per client; failing points hollow."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("client CPU per chunk, the run itself (µs)",
+                                                        "p99 |gap − ITL| in steady state (ms)"))
+    colors = {"servelab": "#1f77b4", "sglang bench_serving 0.5.9": "#d62728"}
+    for client in dict.fromkeys(r["client"] for r in points):
+        rows = sorted((r for r in points if r["client"] == client), key=lambda r: r["concurrency"])
+        x = [r["concurrency"] for r in rows]
+        sym = ["circle" if r["passes"] else "circle-open" for r in rows]
+        cl = next((c for c in ceilings if c["client"] == client), {})
+        name = f"{client} (ceiling {cl.get('ceiling_chunks_per_s', 0):,.0f} chunks/s)"
+        for col, y in ((1, [r["client_run_cpu_us_per_chunk"] for r in rows]),
+                       (2, [r["steady_itl_error_ms"]["p99"] for r in rows])):
+            fig.add_trace(go.Scatter(x=x, y=y, mode="lines+markers", name=name, legendgroup=client,
+                                     showlegend=col == 1, marker={"symbol": sym, "size": 9},
+                                     line={"color": colors.get(client)}), row=1, col=col)
+    fig.add_hline(y=RULE["max_p99_itl_error_ms"], line_dash="dash", row=1, col=2,
+                  annotation_text="accurate-ceiling rule: 1 ms")
+    fig.update_xaxes(type="log", title_text=f"paced streams (one chunk every {itl_ms:g} ms each)")
+    fig.update_yaxes(type="log", row=1, col=2)
+    fig.update_layout(title="Client scaling on one pinned core (hollow: point fails the rule)", height=450)
+    return fig
+
+
+def run_ceiling(args: argparse.Namespace, url: str, srv_pid: int) -> dict:
+    tokens = max(2, round(args.point_s * 1000 / args.itl_ms))
+    points: list[dict] = []
+    ceilings = []
+    with tempfile.TemporaryDirectory() as td:
+        for name in args.clients:
+            ceilings.append(sweep_ceiling(CLIENTS[name], url, args, tokens, Path(td), srv_pid, points))
+    ours = next((c for c in ceilings if c["client"] == "servelab"), None)
+    theirs = next((c for c in ceilings if c["client"] != "servelab"), None)
+    ratio = (ours["ceiling_chunks_per_s"] / theirs["ceiling_chunks_per_s"]
+             if ours and theirs and theirs["ceiling_chunks_per_s"] else None)
+    return {"mode": "ceiling", "rule": RULE, "ladder": list(LADDER), "tokens_per_stream": tokens,
+            "ceilings": ceilings, "ceiling_ratio_servelab_over_bench_serving": ratio, "points": points,
+            "figure": ceiling_figure(points, ceilings, args.itl_ms)}
+
+
+def package_ceiling(out: dict, args: argparse.Namespace, command: str) -> dict:
+    """The data file ``servelab.measure.request_metrics.measured_client_ceiling`` reads (servelab's client only)."""
+    ours = next(c for c in out["ceilings"] if c["client"] == "servelab")
+    cpu_model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                      if ln.startswith("model name")), "unknown") if Path("/proc/cpuinfo").exists() else "unknown"
+    loops = {r.get("event_loop") for r in out["points"] if r["client"] == "servelab"}
+    return {"chunks_per_s": ours["ceiling_chunks_per_s"], "streams": ours["ceiling_streams"],
+            "itl_ms": args.itl_ms, "rule": RULE, "measured": time.strftime("%Y-%m-%d"), "command": command,
+            "machine": {"cpu_model": cpu_model, "nproc": os.cpu_count(), "client_cpu": args.client_cpu,
+                        "server_cpu": args.server_cpu},
+            "event_loop": sorted(x for x in loops if x), "capped_by_max_streams": ours["capped_by_max_streams"],
+            "bench_serving_chunks_per_s": next((c["ceiling_chunks_per_s"] for c in out["ceilings"]
+                                                if c["client"] != "servelab"), None)}
+
+
+SERVER_LOOP = "import runpy, sys, uvloop; uvloop.install(); sys.argv = sys.argv[1:]; " \
+              "runpy.run_path(sys.argv[0], run_name='__main__')"
+# The paced server's timers: epoll (asyncio) and libuv (uvloop) both wait in whole milliseconds, so a chunk due
+# at t is written anywhere in [t, t + ~1 ms] — measured, server_schedule_lag p99 0.9 ms at 16 streams, about the
+# whole 1 ms budget of the ceiling's rule, while the client's own delivery lag was 0.3 ms. "spin": asyncio with an
+# epoll selector that waits 1 ms less than asked and then polls without blocking until the timer is due, so the
+# schedule holds to microseconds; the server's core (its own, pinned) is busy while it spins, so its CPU time
+# then says nothing about its load.
+SERVER_SPIN = r"""
+import asyncio, runpy, selectors, sys, time
+class SpinEpoll(selectors.EpollSelector):
+    def select(self, timeout=None):
+        if timeout is None or timeout <= 0:
+            return super().select(timeout)
+        if timeout > 0.002:
+            return super().select(timeout - 0.001)      # wake early; the loop asks again with what is left
+        end = time.monotonic() + timeout
+        while True:
+            ev = super().select(0)
+            if ev or time.monotonic() >= end:
+                return ev
+class Policy(asyncio.DefaultEventLoopPolicy):
+    def new_event_loop(self):
+        return asyncio.SelectorEventLoop(SpinEpoll())
+asyncio.set_event_loop_policy(Policy())
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
 
 
 def main() -> None:
@@ -172,10 +418,32 @@ def main() -> None:
     ap.add_argument("--client-cpu", default="0")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats; ratios use the medians")
     ap.add_argument("--out", default="bench_client_overhead.json")
+    ap.add_argument("--server-loop", choices=("spin", "uvloop", "asyncio"), default="spin",
+                    help="the paced server's event loop (spin: its timers held to µs, see SERVER_SPIN)")
+    ap.add_argument("--ceiling", action="store_true", help="find each client's accurate ceiling (see the docstring)")
+    ap.add_argument("--clients", nargs="+", choices=sorted(CLIENTS), default=["servelab", "bench_serving"])
+    ap.add_argument("--point-s", type=float, default=2.0, help="--ceiling: seconds of paced chunks per point")
+    ap.add_argument("--refine", type=int, default=3, help="--ceiling: bisection steps after the ladder")
+    ap.add_argument("--retries", type=int, default=1, help="--ceiling: tries more for a failing point")
+    ap.add_argument("--max-streams", type=int, default=LADDER[-1])
+    ap.add_argument("--write-package-data", action="store_true",
+                    help=f"--ceiling: write servelab's ceiling to {PACKAGE_CEILING.relative_to(ROOT)}")
+    ap.add_argument("--package-data-path", type=Path, default=PACKAGE_CEILING, help=argparse.SUPPRESS)  # tests
     args = ap.parse_args()
+    if args.write_package_data and not (args.ceiling and "servelab" in args.clients):
+        ap.error("--write-package-data needs --ceiling with the servelab client")
+    if not FAST_SSE.exists():
+        ap.error(f"the paced server {FAST_SSE} is missing")
+    import resource                                       # thousands of sockets in the server and the clients
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < 2 * args.max_streams + 256:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard == resource.RLIM_INFINITY
+                                                    else min(hard, 2 * args.max_streams + 256), hard))
     from servelab.target.hosts import free_port, wait_port_free
     port = free_port()
-    srv = subprocess.Popen(["taskset", "-c", args.server_cpu, sys.executable, str(FAST_SSE), str(port),
+    server = {"uvloop": [sys.executable, "-c", SERVER_LOOP], "spin": [sys.executable, "-c", SERVER_SPIN],
+              "asyncio": [sys.executable]}[args.server_loop]
+    srv = subprocess.Popen(["taskset", "-c", args.server_cpu, *server, str(FAST_SSE), str(port),
                             str(args.itl_ms)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     results = []
@@ -185,11 +453,36 @@ def main() -> None:
             if http_json(url + "/health", timeout=1)[0] == 200:
                 break
             time.sleep(0.05)
+        if args.ceiling:
+            command = "python benchmarks/bench_client_overhead.py " + " ".join(sys.argv[1:])
+            out = run_ceiling(args, url, srv.pid)
+            fig = out.pop("figure")
+            out.update(tool="benchmarks/bench_client_overhead.py --ceiling", command=command, itl_ms=args.itl_ms,
+                       server_loop=args.server_loop, when=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                       nproc=os.cpu_count(), pinning={"server_cpu": args.server_cpu, "client_cpu": args.client_cpu})
+            Path(args.out).write_text(json.dumps(out, indent=2))
+            html = Path(args.out).with_suffix(".html")
+            fig.write_html(str(html), include_plotlyjs=True)   # offline: plotly inlined
+            for c in out["ceilings"]:
+                print(f"{c['client']}: accurate ceiling {c['ceiling_chunks_per_s']:,.0f} chunks/s "
+                      f"({c['ceiling_streams']} streams; first failing {c['first_failing_streams']})")
+            if out["ceiling_ratio_servelab_over_bench_serving"]:
+                print(f"servelab / bench_serving = {out['ceiling_ratio_servelab_over_bench_serving']:.2f}x")
+            ours = next(c for c in out["ceilings"] if c["client"] == "servelab") if args.write_package_data else None
+            if ours is not None and not ours["ceiling_streams"]:
+                print(f"not written {args.package_data_path}: servelab's client met the rule at no point "
+                      f"(first failing at {ours['first_failing_streams']} streams) — is the machine quiet?")
+            elif ours is not None:
+                args.package_data_path.write_text(json.dumps(package_ceiling(out, args, command), indent=2) + "\n")
+                print(f"written {args.package_data_path}")
+            print(f"written {args.out} and {html}")
+            return
         with tempfile.TemporaryDirectory() as td:
             tmp = Path(td)
             for rep in range(args.repeats):
                 for c in args.concurrency:
-                    order = (run_ours, run_bench_serving) if rep % 2 == 0 else (run_bench_serving, run_ours)
+                    order = tuple(CLIENTS[n] for n in args.clients)
+                    order = order if rep % 2 == 0 else order[::-1]
                     for fn in order:           # alternate who goes first: drift of the machine hits both
                         s0, load0 = cpu_of(srv.pid), os.getloadavg()[0]
                         r = fn(url, c, args.tokens, args.itl_ms, args.client_cpu, tmp)
@@ -207,7 +500,7 @@ def main() -> None:
         vals = [get(r) for r in results if (r["client"] == "servelab") == client_is_ours and r["concurrency"] == c]
         return float(np.median(vals))
     ratios = []
-    for c in args.concurrency:
+    for c in (args.concurrency if len(args.clients) == 2 else []):
         row = {"concurrency": c, "repeats": args.repeats}
         for name, get in (("p99_itl_error_ms", lambda r: r["itl_error_ms"]["p99"]),
                           ("p50_itl_error_ms", lambda r: r["itl_error_ms"]["p50"]),

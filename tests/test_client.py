@@ -139,3 +139,24 @@ def test_runs_inside_a_running_event_loop(tiny_server, pool):
         return run_requests(wl.requests, cfg(tiny_server))
     run = asyncio.run(inside())
     assert all(r.ok and r.completion_tokens == 3 for r in run.records)
+
+
+def test_event_loop_choice_is_recorded_and_both_loops_give_the_same_records(tiny_server, pool):
+    """uvloop where installed (the default), asyncio on request; the run says which it was timed on, and the
+    records are the same either way (exact chunks, usage, [DONE]); a bad choice is one line before any request."""
+    from servelab.measure.client import loop_factory
+    uvloop = pytest.importorskip("uvloop")
+    assert loop_factory("auto") is uvloop.new_event_loop and loop_factory("asyncio") is None
+    with pytest.raises(ValueError, match="'auto', 'uvloop' or 'asyncio'"):
+        loop_factory("trio")
+    wl = build_workload("l", 4, 16, 9, pool, seed=1)
+    runs = {name: run_requests(wl.requests, cfg(tiny_server), concurrency=4, loop=name)
+            for name in ("auto", "asyncio", "uvloop")}
+    assert {k: r.event_loop for k, r in runs.items()} == {"auto": "uvloop", "asyncio": "asyncio", "uvloop": "uvloop"}
+    for run in runs.values():
+        assert all(r.ok and r.completion_tokens == 9 and sum(1 for t in r.chunk_text if t) == 9
+                   and r.done_ns is not None for r in run.records)
+    # inside a running loop (Jupyter) the client's own loop, in its thread, is still the one asked for
+    async def inside():
+        return run_requests(wl.requests, cfg(tiny_server), loop="uvloop")
+    assert asyncio.run(inside()).event_loop == "uvloop"

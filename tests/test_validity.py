@@ -304,3 +304,45 @@ def test_quick_matrix_on_local_tiny_is_sized_to_be_valid(tiny_server, tmp_path):
     assert 10 <= p3["n_ttft"] < 100 and mx.shown_percentile(p3, "ttft", 99)[0] == f"max of {p3['n_ttft']}"
     # the concurrency-1 counts fall with prompt cost
     assert by_id["P1"].case.num_prompts > by_id["P2"].case.num_prompts > by_id["P3"].case.num_prompts
+
+
+# ---------------------------------------------------------------- the client's accurate ceiling
+
+def test_no_measured_ceiling_is_said_and_not_judged(tmp_path):
+    # until a real measurement is committed, no value is invented: the packaged file is absent
+    assert mx.measured_client_ceiling(tmp_path / "absent.json") is None
+    rec = mx.integrity(_run([0.1] * 20, [2] * 100), mx.IntegrityRules(client_ceiling=None))
+    assert rec["ok"] and rec["chunk_rate"]["note"] == "no ceiling measured"
+    bad = tmp_path / "client_ceiling.json"
+    for text in ("{", '{"chunks_per_s": 0}', '{"streams": 3}'):
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=r"client_ceiling\.json.*--ceiling --write-package-data"):
+            mx.measured_client_ceiling(bad)
+
+
+@pytest.mark.slow
+def test_a_case_past_the_client_ceiling_is_invalid(tiny_server, tmp_path):
+    """A real case on llama-server judged against a tiny ceiling written into a temp data file is INVALID and says
+    by how much and measured by what; the same case against no ceiling says "no ceiling measured" and stays VALID."""
+    ceiling = tmp_path / "client_ceiling.json"
+    ceiling.write_text(json.dumps({"chunks_per_s": 5.0, "streams": 1, "itl_ms": 20.0, "measured": "2026-12-01",
+                                   "command": "python benchmarks/bench_client_overhead.py --ceiling (test)"}))
+    case = cs.CaseSpec("D2_c2", "D2", "decode", 32, 64, 2, 4, False, min_window_s=0.5, min_duration_s=0.8)
+    env = cs.make_env(tiny_server, tmp_path / "run",
+                      integrity_rules=mx.IntegrityRules(client_ceiling=mx.measured_client_ceiling(ceiling)))
+    res = cs.run_case(env, case)
+    summ = validate_summary(json.loads((res.case_dir / "summary.json").read_text()))
+    assert res.status == "success" and summ["verdict"]["status"] == "INVALID"
+    past = [r for r in summ["verdict"]["reasons"] if r.startswith("client past its accurate ceiling (")]
+    assert len(past) == 1 and "> 5 measured on one core by python benchmarks/bench_client_overhead.py" in past[0]
+    cr = summ["integrity"]["chunk_rate"]
+    assert cr["chunks_per_s"] > 5.0 and cr["ceiling_chunks_per_s"] == 5.0
+    # the rate judged is the one the case achieved: chunks received in the window / the window
+    assert cr["chunks_per_s"] == pytest.approx(cr["chunks"] / summ["integrity"]["window_s"])
+
+    env2 = cs.make_env(tiny_server, tmp_path / "run2", integrity_rules=mx.IntegrityRules(client_ceiling=None))
+    res2 = cs.run_case(env2, case)
+    summ2 = validate_summary(json.loads((res2.case_dir / "summary.json").read_text()))
+    assert summ2["integrity"]["chunk_rate"]["note"] == "no ceiling measured"
+    assert not any("accurate ceiling" in r for r in summ2["verdict"]["reasons"])
+    assert summ2["verdict"]["status"] == "VALID", summ2["verdict"]

@@ -15,9 +15,11 @@ What it measures, per request (all times ``time.perf_counter_ns()``; wall-clock 
   completions, a separate ``choices: []`` chunk on vLLM/chat), ``[DONE]`` time (missing ``[DONE]`` is
   recorded, not an error), HTTP status, error and its kind (http | timeout | connection | stream).
 
-Hot path: a read of the socket costs one ``perf_counter_ns()`` and one list append — SSE parsing happens
-after the run, so parsing never delays the timestamps of other streams. One shared session, unlimited
-connector, one connection per request, ``read_bufsize`` 16 MiB (a 64 KiB buffer makes a 128K prompt client-bound).
+Hot path: a read of the socket costs one ``perf_counter_ns()`` and two list appends — SSE parsing happens
+after the run, so parsing never delays the timestamps of other streams. The loop is uvloop where installed
+(:func:`loop_factory`; the run records which in ``ClientRun.event_loop``). One shared session, unlimited
+connector, one connection per request, the open-file limit raised for thousands of streams, ``read_bufsize``
+16 MiB (a 64 KiB buffer makes a 128K prompt client-bound).
 Every request carries ``X-Request-ID`` for correlation with server logs.
 
 Measurement integrity (``docs/metrics.md#integrity``): while the window is open a monitor task wakes every
@@ -145,6 +147,7 @@ class ClientRun:
     inflight: list[int] = field(default_factory=list)        # monitor: requests in flight at each wake-up
     monitor_interval_s: float = 0.0
     sizing: dict[str, Any] = field(default_factory=dict)     # min_duration_s, min_requests, issued, met
+    event_loop: str = ""                     # uvloop | asyncio: the loop the run's reads were timed on
 
     @property
     def duration_s(self) -> float:
@@ -197,6 +200,9 @@ def split_events(reads: Any) -> list[tuple[int, bytes]]:
     return events
 
 
+_decode = json.JSONDecoder().decode         # the C scanner without json.loads' encoding sniffing per event
+
+
 def parse_stream(rec: RequestRecord, reads: Any, api: str, keep: tuple[str, ...] = ()) -> None:
     """Fill a record's chunk lists, usage, finish reason and stream errors from its raw reads."""
     prev_text, prev_tokens = "", 0
@@ -205,8 +211,8 @@ def parse_stream(rec: RequestRecord, reads: Any, api: str, keep: tuple[str, ...]
             rec.done_ns = t
             continue
         try:
-            data = json.loads(payload)
-        except json.JSONDecodeError:
+            data = _decode(payload.decode())
+        except (json.JSONDecodeError, UnicodeDecodeError):
             rec.error_kind, rec.error = "stream", f"undecodable SSE event: {payload[:200]!r}"
             continue
         if not isinstance(data, dict):
@@ -267,31 +273,35 @@ def parse_stream(rec: RequestRecord, reads: Any, api: str, keep: tuple[str, ...]
 
 # ---------------------------------------------------------------- sending
 
-def _quickack(resp: Any) -> Any:
-    """A function that re-arms TCP_QUICKACK on the response's socket (Linux), or None.
+def _quickack(resp: Any) -> tuple[Callable[[], None], Callable[[], None]] | None:
+    """(re-arm TCP_QUICKACK on the response's socket, release) on Linux, or None.
 
     A server that writes small SSE chunks without TCP_NODELAY (llama.cpp's cpp-httplib) has each write held
     by Nagle until the previous segment is ACKed, and Linux delays ACKs up to 200 ms: measured here, a
     64-token prompt on the tiny model got its first chunk after ~280 ms instead of ~3 ms. Quick-ACKing
     every read removes that client-side artifact; the flag is one-shot, so it is set again after each read
-    (one cheap setsockopt). Servers with TCP_NODELAY (uvicorn: SGLang, vLLM) are unaffected.
+    (one setsockopt). The option is set through one duplicate of the socket's descriptor made per response
+    (same socket; closed by ``release``): uvloop's transport hands out a stand-in whose every ``setsockopt``
+    builds and detaches a new ``socket.socket`` — measured, that doubled the per-read cost of the re-arm.
+    Servers with TCP_NODELAY (uvicorn: SGLang, vLLM) are unaffected.
     """
+    import os
     import socket
     if not hasattr(socket, "TCP_QUICKACK"):
         return None
     try:
         sock = resp.connection.transport.get_extra_info("socket")
-    except AttributeError:
+        dup = socket.socket(fileno=os.dup(sock.fileno()))
+    except (AttributeError, OSError):
         return None
-    if sock is None:
-        return None
+    setopt, level, opt = dup.setsockopt, socket.IPPROTO_TCP, socket.TCP_QUICKACK
 
     def arm() -> None:
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
+            setopt(level, opt, 1)
         except OSError:
             pass
-    return arm
+    return arm, dup.close
 
 
 async def _send(session: Any, spec: RequestSpec, cfg: ClientConfig, rec: RequestRecord, reads: ReadLog) -> None:
@@ -309,18 +319,24 @@ async def _send(session: Any, spec: RequestSpec, cfg: ClientConfig, rec: Request
                 rec.error_kind = "http"
                 rec.error = f"HTTP {resp.status}: {(await resp.text())[:500]}"
             else:
-                arm = _quickack(resp) if cfg.tcp_quickack else None
-                ts_append, data_append = reads.ts.append, reads.data.append
-                if arm is None:
-                    async for data in resp.content.iter_any():
+                qa = _quickack(resp) if cfg.tcp_quickack else None
+                # the per-read path: readany directly (no async iterator object per read), one clock read,
+                # two appends, and the quick-ACK re-arm where on; an empty read is the end of the body
+                ts_append, data_append, readany = reads.ts.append, reads.data.append, resp.content.readany
+                if qa is None:
+                    while data := await readany():
                         ts_append(pc())
                         data_append(data)
                 else:
-                    arm()
-                    async for data in resp.content.iter_any():
-                        ts_append(pc())
-                        data_append(data)
+                    arm, release = qa
+                    try:
                         arm()
+                        while data := await readany():
+                            ts_append(pc())
+                            data_append(data)
+                            arm()
+                    finally:
+                        release()
     except asyncio.TimeoutError:
         rec.error_kind, rec.error = "timeout", f"no complete response within {cfg.timeout_s} s"
     except (aiohttp.ClientError, OSError) as exc:
@@ -355,6 +371,21 @@ def arrival_offsets_s(n: int, rate_rps: float, kind: str, seed: int) -> np.ndarr
     if kind == "constant":
         return np.arange(n) / rate_rps
     raise ValueError(f"arrival kind must be 'poisson' or 'constant', not '{kind}'")
+
+
+def _ensure_fd_room(streams: int) -> None:
+    """Raise the soft open-file limit towards the hard one when ``streams`` sockets would not fit (a default soft
+    limit of 1024 fails a 2048-stream run with EMFILE half-way); a hard limit too low is the caller's to fix."""
+    try:
+        import resource
+    except ImportError:                          # not on Linux/macOS: nothing to raise
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = streams + 256                         # + the interpreter's own files
+    if soft != resource.RLIM_INFINITY and soft < need:
+        new = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        if new > soft:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
 
 
 MONITOR_INTERVAL_S = 0.01                   # the loop-lag monitor's period (100 wake-ups a second)
@@ -395,6 +426,8 @@ async def run_async(specs: list[RequestSpec], cfg: ClientConfig, concurrency: in
     # force_close: llama-server (cpp-httplib) may close a kept-alive connection after a streamed response,
     # and a POST written into a closed socket fails ("Can not write request body"); one connection per
     # request (as SGLang bench_serving, which opens a session per request) costs ~0.1 ms on loopback.
+    # the pool: no connection limit (a case's concurrency is the limit), and room for thousands of sockets
+    _ensure_fd_room(len(records) + len(inj) if concurrency is None else concurrency + len(inj))
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, ttl_dns_cache=300, force_close=True)
     pc = time.perf_counter_ns
     parsed: set[int] = set()
@@ -548,15 +581,43 @@ async def run_async(specs: list[RequestSpec], cfg: ClientConfig, concurrency: in
                   "met": len(records) >= min_requests and dur >= min_duration_s}
     return ClientRun(all_records, t0, t1, wall_offset, mode, concurrency, rate_rps, cpu1 - cpu0,
                      loop_lag_ns=lag_ns, inflight=inflight_samples, monitor_interval_s=monitor_interval_s or 0.0,
-                     sizing=sizing)
+                     sizing=sizing, event_loop=loop_name())
 
 
-def run_sync(coro_fn: Callable[[], Awaitable[T]]) -> T:
-    """Run a coroutine to completion from sync code, also inside Jupyter (whose loop is already running)."""
+def loop_factory(kind: str = "auto") -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The event loop the client runs on: ``auto`` = uvloop where installed, else asyncio's own; ``uvloop`` (an
+    error if missing) or ``asyncio``. uvloop's libuv loop spends a fraction of asyncio's per wake-up and per read
+    (measured in ``benchmarks/bench_client_overhead.py``), so chunk timestamps wait less behind other streams."""
+    if kind not in ("auto", "uvloop", "asyncio"):
+        raise ValueError(f"event loop must be 'auto', 'uvloop' or 'asyncio', not '{kind}'")
+    if kind == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if kind == "uvloop":
+            raise ValueError("event loop 'uvloop' asked for but uvloop is not installed: pip install uvloop") from None
+        return None
+    return uvloop.new_event_loop
+
+
+def loop_name() -> str:
+    """The running loop's kind (``uvloop`` | ``asyncio``), recorded with each client run."""
+    return "uvloop" if type(asyncio.get_running_loop()).__module__.startswith("uvloop") else "asyncio"
+
+
+def _run_new_loop(coro_fn: Callable[[], Awaitable[T]], loop: str) -> T:
+    with asyncio.Runner(loop_factory=loop_factory(loop)) as runner:
+        return runner.run(coro_fn())  # type: ignore[arg-type]
+
+
+def run_sync(coro_fn: Callable[[], Awaitable[T]], loop: str = "auto") -> T:
+    """Run a coroutine to completion from sync code on a new loop (``loop``: see :func:`loop_factory`), also inside
+    Jupyter (whose loop is already running: the new loop runs in a thread of its own)."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(coro_fn())
+        return _run_new_loop(coro_fn, loop)
     box: dict[str, Any] = {}
 
     async def main() -> T:
@@ -565,7 +626,7 @@ def run_sync(coro_fn: Callable[[], Awaitable[T]]) -> T:
 
     def target() -> None:
         try:
-            box["value"] = asyncio.run(main())
+            box["value"] = _run_new_loop(main, loop)
         except BaseException as exc:  # re-raised in the caller's thread
             box["error"] = exc
 
@@ -588,9 +649,9 @@ def run_sync(coro_fn: Callable[[], Awaitable[T]]) -> T:
     return box["value"]
 
 
-def run_requests(specs: list[RequestSpec], cfg: ClientConfig, **kw: Any) -> ClientRun:
-    """Synchronous wrapper of ``run_async`` (same arguments)."""
-    return run_sync(lambda: run_async(specs, cfg, **kw))
+def run_requests(specs: list[RequestSpec], cfg: ClientConfig, loop: str = "auto", **kw: Any) -> ClientRun:
+    """Synchronous wrapper of ``run_async`` (same arguments) on a new event loop (``loop``: :func:`loop_factory`)."""
+    return run_sync(lambda: run_async(specs, cfg, **kw), loop=loop)
 
 
 def write_records(path: Any, records: list[RequestRecord], mode: str = "w") -> None:

@@ -388,15 +388,62 @@ def cv_across_repeats(summaries: list[dict[str, Any]],
 
 # ---------------------------------------------------------------- measurement integrity
 
+CEILING_DATA = "data/client_ceiling.json"   # written by benchmarks/bench_client_overhead.py --write-package-data
+
+
+def measured_client_ceiling(path: Any = None) -> dict[str, Any] | None:
+    """The client's *accurate ceiling* (``docs/metrics.md#integrity``): the highest chunk rate at which it keeps
+    p99 timestamp error ≤ 1 ms with ≥ 99 % of offered chunks on time, on one pinned core, as measured by
+    ``benchmarks/bench_client_overhead.py --ceiling --write-package-data`` (chunks/s, the command, the date, the
+    machine). ``path`` None: the file packaged with servelab; ``None`` back when no ceiling was measured. A file
+    that is there but holds no positive ``chunks_per_s`` raises ``ValueError`` naming it."""
+    import json
+    if path is None:
+        from importlib import resources
+        res = resources.files("servelab").joinpath(CEILING_DATA)
+        if not res.is_file():
+            return None
+        text, where = res.read_text(), f"servelab/{CEILING_DATA}"
+    else:
+        from pathlib import Path
+        if not Path(path).is_file():
+            return None
+        text, where = Path(path).read_text(), str(path)
+    try:
+        d = json.loads(text)
+        rate = float(d["chunks_per_s"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{where}: not a client-ceiling file ({exc}); rewrite it with "
+                         "benchmarks/bench_client_overhead.py --ceiling --write-package-data") from None
+    if not math.isfinite(rate) or rate <= 0:
+        raise ValueError(f"{where}: chunks_per_s must be > 0, got {d['chunks_per_s']!r}; rewrite it with "
+                         "benchmarks/bench_client_overhead.py --ceiling --write-package-data")
+    return {**d, "chunks_per_s": rate}
+
+
+def chunk_rate(run: ClientRun) -> tuple[int, float]:
+    """(chunks received inside the window, chunks per second over it) of one client run: every SSE event timed,
+    the usage chunk and ``[DONE]`` included — what the client had to timestamp."""
+    lo, hi = run.window_start_ns, run.window_end_ns
+    n = sum(lo <= t <= hi for r in run.records for t in r.chunk_ns)
+    n += sum(1 for r in run.records if r.done_ns is not None and lo <= r.done_ns <= hi)
+    return n, n / max(run.duration_s, 1e-9)
+
+
 @dataclass
 class IntegrityRules:
-    """When a run's client is judged to have fallen behind (any one makes the case INVALID)."""
+    """When a run's client is judged to have fallen behind (any one makes the case INVALID).
+
+    ``client_ceiling``: the measured accurate ceiling (:func:`measured_client_ceiling`, the packaged file by
+    default; pass another, or ``None``, to judge against a different one); a run whose chunk rate exceeds it is
+    INVALID; ``None``: "no ceiling measured", not judged."""
     max_dispatch_lag_ms: float = 50.0      # worst request: sent this long after it was due
     max_loop_lag_ms: float = 100.0         # worst monitor wake-up: the client's loop could not run this long
     max_loop_lag_p99_ms: float = 50.0      # sustained: P99 of the wake-up lags (judged from 100 samples, a P99's own rule)
     min_rate_ratio: float = 0.95           # open loop: achieved / scheduled arrival rate
     max_littles_law_error: float = 0.15    # |mean in-flight − throughput × mean latency| / the larger
     min_samples: int = 20                  # fewer monitor samples: Little's law is not judged
+    client_ceiling: dict[str, Any] | None = field(default_factory=measured_client_ceiling)
 
 
 def _lag_stats(values_ms: list[float] | np.ndarray) -> dict[str, Any]:
@@ -494,6 +541,19 @@ def integrity(run: ClientRun, rules: IntegrityRules | None = None) -> dict[str, 
                        f"throughput × mean latency says {lw['lambda_w']:.2f} ({lw['error']:.0%} apart, "
                        f"> {bound:.0%})")
     out["littles_law"] = lw
+    n_chunks, rate = chunk_rate(run)
+    ceil = rules.client_ceiling
+    cc: dict[str, Any] = {"chunks": n_chunks, "chunks_per_s": rate}
+    if not ceil:
+        cc["note"] = "no ceiling measured"
+    else:
+        cc.update(ceiling_chunks_per_s=ceil["chunks_per_s"], measured=ceil.get("measured"),
+                  command=ceil.get("command"), ratio=rate / ceil["chunks_per_s"])
+        if rate > ceil["chunks_per_s"]:
+            reasons.append(f"client past its accurate ceiling ({rate:,.0f} chunks/s > {ceil['chunks_per_s']:,.0f} "
+                           f"measured on one core by {ceil.get('command') or 'bench_client_overhead.py --ceiling'}"
+                           f"{', ' + str(ceil['measured']) if ceil.get('measured') else ''})")
+    out["chunk_rate"] = cc
     out["reasons"] = reasons
     out["ok"] = not reasons
     return out
@@ -513,6 +573,8 @@ def pooled_integrity(per_run: list[dict[str, Any]]) -> dict[str, Any]:
     return {"dispatch_lag": {"max_ms": worst("dispatch_lag", "max_ms"), "n": sum(r["dispatch_lag"]["n"] for r in per_run)},
             "loop_lag": {"max_ms": worst("loop_lag", "max_ms"), "n": sum(r["loop_lag"]["n"] for r in per_run)},
             "littles_law": {"error": worst("littles_law", "error")},
+            "chunk_rate": {"chunks_per_s": worst("chunk_rate", "chunks_per_s"),
+                           "ceiling_chunks_per_s": per_run[0].get("chunk_rate", {}).get("ceiling_chunks_per_s")},
             "reasons": reasons, "ok": not reasons, "repeats": per_run}
 
 
