@@ -42,12 +42,12 @@ once more) until a point fails, then ``--refine`` bisection steps between the la
 Each point records streams, offered and achieved chunks/s, the fraction within the run, p99 error, CPU µs per
 chunk (the run itself, and the whole process minus one idle run per client) and the server's CPU; the JSON goes to ``--out`` and a plotly
 figure of the scaling curves (streams → CPU per chunk and p99 error, both clients, failing points hollow) to
-the same name with ``.html``. ``--write-package-data`` also writes servelab's ceiling, with this command, the
-date and the machine, to ``lib/servelab/data/client_ceiling.json``, which a case's integrity check compares its
-chunk rate with (``docs/metrics.md#integrity``). The final measurement, on a quiet machine (nothing else
+the same name with ``.html``. ``--save-ceiling`` also writes servelab's ceiling, with this command, the date
+and the machine, to ``client_ceiling.json`` in the servelab cache of this machine (``SERVELAB_CACHE``), which a
+case's integrity check on this machine compares its chunk rate with (``docs/metrics.md#integrity``). The final measurement, on a quiet machine (nothing else
 running; 3-5 minutes):
 
-    python benchmarks/bench_client_overhead.py --ceiling --write-package-data \
+    python benchmarks/bench_client_overhead.py --ceiling --save-ceiling \
         --out benchmarks/results_client_ceiling_$(date +%Y%m%d).json
 """
 from __future__ import annotations
@@ -262,7 +262,11 @@ def summarize(client: str, c: int, tokens: int, itl_ms: float, gaps: list[float]
 RULE = {"max_p99_itl_error_ms": 1.0, "min_fraction_within_run": 0.99}
 LADDER = (16, 32, 64, 128, 256, 512, 1024, 2048)
 CLIENTS = {"servelab": run_ours, "bench_serving": run_bench_serving}
-PACKAGE_CEILING = ROOT / "lib" / "servelab" / "data" / "client_ceiling.json"
+def ceiling_path() -> Path:
+    """Where this machine's ceiling is kept: the servelab cache (a ceiling is the machine's, never packaged)."""
+    from servelab.core.paths import cache_root
+    from servelab.measure.request_metrics import CEILING_FILE
+    return cache_root() / CEILING_FILE
 
 
 def passes(r: dict) -> bool:
@@ -364,7 +368,7 @@ def run_ceiling(args: argparse.Namespace, url: str, srv_pid: int) -> dict:
             "figure": ceiling_figure(points, ceilings, args.itl_ms)}
 
 
-def package_ceiling(out: dict, args: argparse.Namespace, command: str) -> dict:
+def ceiling_record(out: dict, args: argparse.Namespace, command: str) -> dict:
     """The data file ``servelab.measure.request_metrics.measured_client_ceiling`` reads (servelab's client only)."""
     ours = next(c for c in out["ceilings"] if c["client"] == "servelab")
     cpu_model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
@@ -426,12 +430,13 @@ def main() -> None:
     ap.add_argument("--refine", type=int, default=3, help="--ceiling: bisection steps after the ladder")
     ap.add_argument("--retries", type=int, default=1, help="--ceiling: tries more for a failing point")
     ap.add_argument("--max-streams", type=int, default=LADDER[-1])
-    ap.add_argument("--write-package-data", action="store_true",
-                    help=f"--ceiling: write servelab's ceiling to {PACKAGE_CEILING.relative_to(ROOT)}")
-    ap.add_argument("--package-data-path", type=Path, default=PACKAGE_CEILING, help=argparse.SUPPRESS)  # tests
+    ap.add_argument("--save-ceiling", action="store_true",
+                    help="--ceiling: keep servelab's ceiling in this machine's servelab cache, for the cases' verdicts")
+    ap.add_argument("--ceiling-path", type=Path, default=None, help=argparse.SUPPRESS)  # tests
     args = ap.parse_args()
-    if args.write_package_data and not (args.ceiling and "servelab" in args.clients):
-        ap.error("--write-package-data needs --ceiling with the servelab client")
+    if args.save_ceiling and not (args.ceiling and "servelab" in args.clients):
+        ap.error("--save-ceiling needs --ceiling with the servelab client")
+    args.ceiling_path = args.ceiling_path or ceiling_path()
     if not FAST_SSE.exists():
         ap.error(f"the paced server {FAST_SSE} is missing")
     import resource                                       # thousands of sockets in the server and the clients
@@ -468,13 +473,14 @@ def main() -> None:
                       f"({c['ceiling_streams']} streams; first failing {c['first_failing_streams']})")
             if out["ceiling_ratio_servelab_over_bench_serving"]:
                 print(f"servelab / bench_serving = {out['ceiling_ratio_servelab_over_bench_serving']:.2f}x")
-            ours = next(c for c in out["ceilings"] if c["client"] == "servelab") if args.write_package_data else None
+            ours = next(c for c in out["ceilings"] if c["client"] == "servelab") if args.save_ceiling else None
             if ours is not None and not ours["ceiling_streams"]:
-                print(f"not written {args.package_data_path}: servelab's client met the rule at no point "
+                print(f"not written {args.ceiling_path}: servelab's client met the rule at no point "
                       f"(first failing at {ours['first_failing_streams']} streams) — is the machine quiet?")
             elif ours is not None:
-                args.package_data_path.write_text(json.dumps(package_ceiling(out, args, command), indent=2) + "\n")
-                print(f"written {args.package_data_path}")
+                args.ceiling_path.parent.mkdir(parents=True, exist_ok=True)
+                args.ceiling_path.write_text(json.dumps(ceiling_record(out, args, command), indent=2) + "\n")
+                print(f"written {args.ceiling_path}")
             print(f"written {args.out} and {html}")
             return
         with tempfile.TemporaryDirectory() as td:

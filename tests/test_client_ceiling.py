@@ -2,7 +2,7 @@
 servelab's client against the paced SSE server of the developer tools (read in place, skipped where absent),
 server and client pinned to their own cores. Pass/fail of a point depends on the machine's load, so the test
 checks what must hold whatever the numbers: every point's record, a ceiling consistent with its points, the
-figure, and a package-data file written only for a ceiling that was met (and then readable by the integrity
+figure, and a ceiling file written only for a ceiling that was met (and then readable by the integrity
 check)."""
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def test_ceiling_mode_records_points_a_consistent_ceiling_and_the_figure(tmp_pat
     out, pkg = tmp_path / "ceiling.json", tmp_path / "client_ceiling.json"
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_client_overhead.py"), "--ceiling",
                         "--clients", "servelab", "--max-streams", "32", "--point-s", "0.4", "--refine", "1",
-                        "--retries", "0", "--write-package-data", "--package-data-path", str(pkg), "--out", str(out)],
+                        "--retries", "0", "--save-ceiling", "--ceiling-path", str(pkg), "--out", str(out)],
                        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT / "lib")})
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     d = json.loads(out.read_text())

@@ -309,14 +309,14 @@ def test_quick_matrix_on_local_tiny_is_sized_to_be_valid(tiny_server, tmp_path):
 # ---------------------------------------------------------------- the client's accurate ceiling
 
 def test_no_measured_ceiling_is_said_and_not_judged(tmp_path):
-    # until a real measurement is committed, no value is invented: the packaged file is absent
+    # no ceiling measured on this machine: none is assumed (a ceiling is the machine's, never packaged)
     assert mx.measured_client_ceiling(tmp_path / "absent.json") is None
     rec = mx.integrity(_run([0.1] * 20, [2] * 100), mx.IntegrityRules(client_ceiling=None))
     assert rec["ok"] and rec["chunk_rate"]["note"] == "no ceiling measured"
     bad = tmp_path / "client_ceiling.json"
     for text in ("{", '{"chunks_per_s": 0}', '{"streams": 3}'):
         bad.write_text(text)
-        with pytest.raises(ValueError, match=r"client_ceiling\.json.*--ceiling --write-package-data"):
+        with pytest.raises(ValueError, match=r"client_ceiling\.json.*--ceiling --save-ceiling"):
             mx.measured_client_ceiling(bad)
 
 

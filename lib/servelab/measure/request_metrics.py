@@ -388,36 +388,34 @@ def cv_across_repeats(summaries: list[dict[str, Any]],
 
 # ---------------------------------------------------------------- measurement integrity
 
-CEILING_DATA = "data/client_ceiling.json"   # written by benchmarks/bench_client_overhead.py --write-package-data
+CEILING_FILE = "client_ceiling.json"   # in the servelab cache: benchmarks/bench_client_overhead.py --save-ceiling
+SAVE_CEILING = "benchmarks/bench_client_overhead.py --ceiling --save-ceiling"
 
 
 def measured_client_ceiling(path: Any = None) -> dict[str, Any] | None:
     """The client's *accurate ceiling* (``docs/metrics.md#integrity``): the highest chunk rate at which it keeps
-    p99 timestamp error ≤ 1 ms with ≥ 99 % of offered chunks on time, on one pinned core, as measured by
-    ``benchmarks/bench_client_overhead.py --ceiling --write-package-data`` (chunks/s, the command, the date, the
-    machine). ``path`` None: the file packaged with servelab; ``None`` back when no ceiling was measured. A file
-    that is there but holds no positive ``chunks_per_s`` raises ``ValueError`` naming it."""
+    p99 timestamp error ≤ 1 ms with ≥ 99 % of offered chunks on time, on one pinned core, as measured on *this*
+    machine by ``benchmarks/bench_client_overhead.py --ceiling --save-ceiling`` (chunks/s, the command, the date,
+    the machine). ``path`` None: ``client_ceiling.json`` in the servelab cache (``SERVELAB_CACHE``) — a ceiling
+    belongs to the machine the client runs on, so none ships with servelab; ``None`` back when none was measured.
+    A file that is there but holds no positive ``chunks_per_s`` raises ``ValueError`` naming it."""
     import json
+    from pathlib import Path
     if path is None:
-        from importlib import resources
-        res = resources.files("servelab").joinpath(CEILING_DATA)
-        if not res.is_file():
-            return None
-        text, where = res.read_text(), f"servelab/{CEILING_DATA}"
-    else:
-        from pathlib import Path
-        if not Path(path).is_file():
-            return None
-        text, where = Path(path).read_text(), str(path)
+        from servelab.core.paths import cache_root
+        path = cache_root() / CEILING_FILE
+    if not Path(path).is_file():
+        return None
+    text, where = Path(path).read_text(), str(path)
     try:
         d = json.loads(text)
         rate = float(d["chunks_per_s"])
     except (ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{where}: not a client-ceiling file ({exc}); rewrite it with "
-                         "benchmarks/bench_client_overhead.py --ceiling --write-package-data") from None
+        raise ValueError(f"{where}: not a client-ceiling file ({exc}); measure again with {SAVE_CEILING} "
+                         "or delete it") from None
     if not math.isfinite(rate) or rate <= 0:
-        raise ValueError(f"{where}: chunks_per_s must be > 0, got {d['chunks_per_s']!r}; rewrite it with "
-                         "benchmarks/bench_client_overhead.py --ceiling --write-package-data")
+        raise ValueError(f"{where}: chunks_per_s must be > 0, got {d['chunks_per_s']!r}; measure again with "
+                         f"{SAVE_CEILING} or delete it")
     return {**d, "chunks_per_s": rate}
 
 
@@ -434,7 +432,7 @@ def chunk_rate(run: ClientRun) -> tuple[int, float]:
 class IntegrityRules:
     """When a run's client is judged to have fallen behind (any one makes the case INVALID).
 
-    ``client_ceiling``: the measured accurate ceiling (:func:`measured_client_ceiling`, the packaged file by
+    ``client_ceiling``: the measured accurate ceiling (:func:`measured_client_ceiling`, the cache's file by
     default; pass another, or ``None``, to judge against a different one); a run whose chunk rate exceeds it is
     INVALID; ``None``: "no ceiling measured", not judged."""
     max_dispatch_lag_ms: float = 50.0      # worst request: sent this long after it was due
