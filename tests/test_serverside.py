@@ -286,6 +286,10 @@ def test_phase1_page_shows_m1_serverside(tmp_path, monkeypatch, llama_server_bin
     assert any(f.startswith("The engine's own view of M1's treatment window") and "scheduler log lines" in f
                for f in found), found
     assert "engine: scheduler log lines" in page and "slots in use (log)" in page
+    # M1's stalls joined with the prefills llama.cpp's log times, the injected request's TTFT split, memory at start
+    assert "Which requests paid, and for what" in page and "overlapped a logged prefill" in page
+    assert "queueing (ms)" in page and "delivery (ms)" in page and "Memory at start" in page
+    assert any(f.startswith("Stalls in M1's treatment") and "TTFT" in f and "queueing" in f for f in found), found
     nb = json.loads((run / "phase1" / "notebook.ipynb").read_text())
     fig = next(o["data"]["application/vnd.plotly.v1+json"] for c in nb["cells"] if c["cell_type"] == "code"
                and "serverside_figure" in "".join(c["source"]) for o in c["outputs"]
@@ -351,3 +355,43 @@ def test_vllm_cpu_kv_pool_line_real():
     mem = memory_breakdown(body("vllm_cpu_server.log"), "vllm", engine_for("vllm").log_markers)
     kv = mem[mem["component"] == "KV cache"]
     assert len(kv) == 1 and kv.iloc[0]["detail"] == "tokens=524,288"
+
+
+def test_m1_log_join_on_a_real_llamacpp_case():
+    """The real M1 treatment case: decode-stream stalls overlap the injected 768-token prefill the log times; the
+    injected request's TTFT splits into queueing + prefill + delivery that add up to the client's TTFT."""
+    from servelab.analyse.serverside import LOG_PLACEMENT_TOLERANCE_NS, case_serverside, log_join, records_window
+    from servelab.measure.client import read_records
+    case = Path(__file__).resolve().parents[1] / "data" / "samples" / "llamacpp-m1" / "M1_treatment"
+    adapter = engine_for("llamacpp")
+    t0, t1 = records_window(case)
+    side = case_serverside(case, adapter, t0, t1)
+    recs = [r for r in read_records(case / "requests.jsonl") if r.repeat == 0 and r.role != "warmup"]
+    j = log_join(recs, side, adapter)
+    assert j.timed and j.threshold_ms is not None and j.steady_gaps >= 100
+    inject = j.steps.filter(j.steps["prefill_tokens"] == 768)
+    assert inject.height == 1 and inject["dur_ms"][0] == pytest.approx(1789.78)
+    # every stall is above the threshold; those caused by the prefill overlap its logged interval
+    assert j.stalls.height and (j.stalls["gap_ms"] > j.threshold_ms).all()
+    by_prefill = j.stalls.filter(j.stalls["cause"] == "prefill")
+    s, e = inject["start_ns"][0], inject["end_ns"][0]
+    assert by_prefill.height >= 8                                    # every one of the 8 decode streams paid
+    for g in by_prefill.iter_rows(named=True):
+        gap_end = g["gap_start_ns"] + int(g["gap_ms"] * 1e6)
+        assert g["gap_start_ns"] < e and gap_end > s and "768 tok" in g["longest_step"]
+    t = j.ttft.row(0, named=True)
+    assert t["identified"] and t["input_tokens"] == 768
+    assert t["queueing_ms"] + t["prefill_ms"] + t["delivery_ms"] == pytest.approx(t["ttft_ms"], abs=0.01)
+    assert t["queueing_ms"] >= -LOG_PLACEMENT_TOLERANCE_NS / 1e6 and t["delivery_ms"] >= -LOG_PLACEMENT_TOLERANCE_NS / 1e6
+    sm = j.summary()
+    assert sm["stalls"] == j.stalls.height and sm["by_prefill"] == by_prefill.height and sm["ttft_split"] == 1
+
+
+def test_m1_log_join_says_what_a_log_without_timings_allows():
+    """vLLM's and SGLang's logs time no prefill: nothing is attributed, and the note says where to look."""
+    from servelab.analyse.serverside import ServerSide, log_join
+    empty = pd.DataFrame(columns=["event", "wall_ns"])
+    for engine in ("vllm", "sglang"):
+        side = ServerSide("M1_treatment", engine, 0, 1, pd.DataFrame(), empty, pd.DataFrame(), "")
+        j = log_join([], side, engine_for(engine))
+        assert not j.timed and "Phase 3" in j.note and j.summary() == {"timed": False, "note": j.note}

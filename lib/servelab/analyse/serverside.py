@@ -306,3 +306,65 @@ def side_summary(side: ServerSide) -> dict[str, Any]:
             "slots in use max (log)": stat("slots in use (log)", "max"), "scheduler lines": len(side.lines),
             "server TTFT P95 (ms)": (h.loc["ttft", "p95_ms"] if h is not None and "ttft" in h.index else None),
             "notes": "; ".join(side.notes)}
+
+
+# ---------------------------------------------------------------- the M1 join from the engine's log (no trace)
+
+LOG_PLACEMENT_TOLERANCE_NS = 5_000_000     # log lines are placed on the wall clock within a few ms (see ``clock``)
+
+
+@dataclass
+class LogJoin:
+    """Client chunk arrivals joined with the prefills the engine's log times (docs/metrics.md#m1-log-join):
+    ``steps`` (one per logged prefill, in ``analyse.trace.stalls``' step schema), ``stalls`` (every decode-stream gap
+    above the steady-state P99, with the prefills that overlapped it), ``ttft`` (each injected request's TTFT split
+    into queueing, prefill and delivery), the threshold, how many gaps it rests on, and one line of what the log
+    allows (``note``) — the tables are empty where the engine does not time prefills in its log."""
+    steps: Any
+    stalls: Any
+    ttft: Any
+    threshold_ms: float | None
+    steady_gaps: int
+    basis: str
+    note: str
+    timed: bool
+
+    def summary(self) -> dict[str, Any]:
+        if not self.timed:
+            return {"timed": False, "note": self.note}
+        s = self.stalls
+        by_prefill = int((s["cause"] == "prefill").sum()) if s.height else 0
+        worst = s.sort("gap_ms", descending=True).row(0, named=True) if s.height else None
+        ident = self.ttft.filter(self.ttft["identified"]) if self.ttft.height else self.ttft
+        return {"timed": True, "stalls": s.height, "by_prefill": by_prefill,
+                "threshold_ms": self.threshold_ms, "steady_gaps": self.steady_gaps,
+                "worst_gap_ms": worst["gap_ms"] if worst else None,
+                "worst_step": worst["longest_step"] if worst else "",
+                "injected": self.ttft.height, "ttft_split": ident.height}
+
+
+def log_join(records: list[Any], side: ServerSide, adapter: Any, stream_roles: tuple[str, ...] = ("measure",),
+             inject_roles: tuple[str, ...] = ("inject",)) -> LogJoin:
+    """Join one window's client records with the prefills the engine's log times (same host: one wall clock; the
+    log lines' placement error is the tolerance). The steady state is the decode streams' gaps outside every
+    injected request's [send, first chunk]; a stall is a gap above its P99, attributed to the logged prefills it
+    overlapped; an injected request's TTFT splits at its logged prefill."""
+    import polars as pl
+
+    from servelab.analyse.trace import stalls as S
+    empty = pl.DataFrame(schema=S.STEP_SCHEMA)
+    pre = adapter.log_prefills(side.lines)
+    if pre is None:
+        return LogJoin(empty, pl.DataFrame(), pl.DataFrame(), None, 0, "", adapter.log_steps_note, False)
+    steps = pl.DataFrame([{"rank": 0, "window": i, "name": f"task {p['task']}", "kind": "prefill",
+                           "start_ns": p["start_ns"], "end_ns": p["end_ns"],
+                           "dur_ms": (p["end_ns"] - p["start_ns"]) / 1e6, "span": "log",
+                           "prefill_tokens": p["prompt_tokens"], "prefill_reqs": 1, "decode_reqs": None}
+                          for i, p in enumerate(sorted(pre, key=lambda p: p["start_ns"]))],
+                         schema=S.STEP_SCHEMA) if pre else empty
+    gaps = S.client_gaps(records, stream_roles)
+    inj = S.injection_windows([r for r in records if r.role in inject_roles])
+    thr, n, basis = S.steady_p99(gaps, inj, roles=stream_roles)
+    stalls = S.attribute_stalls(gaps, steps, thr) if thr is not None else S.attribute_stalls(gaps.head(0), steps, 0)
+    ttft = S.ttft_split(records, steps, inject_roles, tolerance_ns=LOG_PLACEMENT_TOLERANCE_NS)
+    return LogJoin(steps, stalls, ttft, thr, n, basis, adapter.log_steps_note, True)

@@ -136,7 +136,7 @@ def run_phase1(ctx: Any, health_timeout_s: float = 900.0) -> Phase1Result:
         holder: dict[str, Any] = {"srv": start_server(ctx.target, log_dir, tracker, run_dir=ctx.run_dir,
                                                       phase=ctx.phase, health_timeout_s=health_timeout_s)}
         try:
-            server = {"base_url": holder["srv"].base_url, "info": engine_info(holder["srv"]),
+            server = {"base_url": holder["srv"].base_url, "engine": ctx.target.engine, "info": engine_info(holder["srv"]),
                       "model_path": holder["srv"].model_path, "ready_s": holder["srv"].ready_s}
             env = make_env(holder["srv"], ctx.run_dir, **env_kw)
 
@@ -241,12 +241,120 @@ def frontier_figure(res: Phase1Result) -> Any:
 
 
 def m1_tables(res: Phase1Result) -> pd.DataFrame:
-    """M1 control vs treatment (and the per-window ITL stats below it, each percentile with the gaps it rests on
-    or ``max of N`` where too few)."""
+    """M1 control vs treatment: one row per metric (control, treatment, change)."""
     if res.m1 is None:
         return pd.DataFrame({"note": ["M1 did not run (or failed): no A/B"]})
-    windows = mx.labelled_percentiles(res.m1["windows"], counts={"itl": "n"})
-    return pd.concat([res.m1["ab"].assign(table="A/B"), windows.assign(table="ITL windows")], ignore_index=True)
+    return res.m1["ab"]
+
+
+def m1_windows_table(res: Phase1Result) -> pd.DataFrame:
+    """The background's ITL per window of M1 (before, during and after the injected prefill), each percentile with
+    the gaps it rests on or ``max of N`` where too few."""
+    if res.m1 is None:
+        return pd.DataFrame({"note": ["M1 did not run (or failed): no ITL windows"]})
+    return mx.labelled_percentiles(res.m1["windows"], counts={"itl": "n"})
+
+
+# ---------------------------------------------------------------- M1 stalls and TTFT split from the engine's log
+
+def m1_log_join(res: Phase1Result, sides: dict[str, Any] | None = None) -> Any:
+    """M1 treatment's client chunks joined with the prefills its engine log times (``analyse.serverside.log_join``,
+    docs/metrics.md#m1-log-join); None when M1 did not run or its files are missing."""
+    from servelab.analyse.serverside import log_join
+    from servelab.measure.client import read_records
+    r = case_result(res, "M1_treatment")
+    side = (sides if sides is not None else m1_serverside(res)).get("treatment")
+    if r is None or side is None:
+        return None
+    try:
+        recs = [x for x in read_records(r.case_dir / "requests.jsonl") if x.repeat == 0 and x.role != "warmup"]
+    except OSError:
+        return None
+    return log_join(recs, side, _adapter(r.case_dir))
+
+
+def _short(rid: str) -> str:
+    return "-".join(str(rid).split("-")[-3:])          # measure-0-4 / inject-0-2000000: role, repeat, index
+
+
+def _stall_finding(join: Any) -> str:
+    """One findings line: M1's stalls and what overlapped them, the injected request's TTFT split."""
+    if join is None:
+        return "M1's stalls could not be joined with the engine's log (case files missing)."
+    if not join.timed:
+        return f"Stalls in M1 are not attributed on this page: {join.note}."
+    sm = join.summary()
+    if sm["threshold_ms"] is None:
+        return "M1's decode streams left no steady-state gaps to set a stall threshold."
+    text = (f"Stalls in M1's treatment (decode-stream gaps above the steady-state P99 {sm['threshold_ms']:.1f} ms, "
+            f"from {sm['steady_gaps']} gaps): {sm['stalls']}, {sm['by_prefill']} of them overlapping a logged prefill")
+    sp = join.ttft.filter(join.ttft["identified"]) if join.ttft.height else join.ttft
+    if sp.height:
+        r = sp.row(0, named=True)
+        text += (f"; the injected request's TTFT {r['ttft_ms']:.1f} ms = queueing {r['queueing_ms']:.1f} + prefill "
+                 f"{r['prefill_ms']:.1f} + delivery {r['delivery_ms']:.1f} ms")
+    return text + "."
+
+
+def m1_stall_summary(join: Any) -> pd.DataFrame:
+    """One row per cause: how many decode-stream stalls (gaps above the steady-state P99), on how many streams,
+    the worst gap and the logged prefill that overlapped it."""
+    if join is None:
+        return pd.DataFrame({"note": ["M1 did not run or its case files are missing: no stall attribution"]})
+    if not join.timed:
+        return pd.DataFrame({"note": [join.note]})
+    st = join.stalls.to_pandas()
+    if st.empty:
+        return pd.DataFrame({"note": [f"no decode-stream gap above the steady-state P99 ({join.threshold_ms:.1f} ms "
+                                      f"over {join.steady_gaps} gaps)" if join.threshold_ms is not None
+                                      else "no steady-state gaps to set a threshold"]})
+    st["cause"] = st["cause"].where(st["cause"] == "prefill", "no logged prefill")
+    rows = []
+    for cause, g in st.groupby("cause", sort=False):
+        w = g.sort_values("gap_ms", ascending=False).iloc[0]
+        rows.append({"cause": "overlapped a logged prefill" if cause == "prefill" else "overlapped no logged prefill",
+                     "stalls": len(g), "streams": g["request_id"].nunique(), "worst gap (ms)": round(w["gap_ms"], 1),
+                     "overlapping prefill": w["longest_step"] or "—",
+                     f"threshold: steady P99 (ms, {join.steady_gaps} gaps)": round(join.threshold_ms, 1)})
+    return pd.DataFrame(rows)
+
+
+def m1_stalls_table(join: Any, limit: int = 24) -> pd.DataFrame:
+    """Every stall (longest first, up to ``limit``): stream, chunk, gap, and the logged prefills it overlapped."""
+    if join is None or not join.timed or join.stalls.height == 0:
+        return m1_stall_summary(join)
+    st = join.stalls.to_pandas().sort_values("gap_ms", ascending=False).head(limit)
+    return pd.DataFrame({"stream": st["request_id"].map(_short), "chunk": st["chunk"],
+                         "gap (ms)": st["gap_ms"].round(1), "prefill overlap (% of gap)": st["step_cover_pct"],
+                         "overlapping prefills": st["steps"].replace("", "—")}).reset_index(drop=True)
+
+
+def m1_ttft_split(join: Any) -> pd.DataFrame:
+    """Each injected request's TTFT = queueing (send → slot taken) + prefill (the logged prompt evaluation) +
+    delivery (prefill end → first chunk at the client)."""
+    if join is None or not join.timed:
+        return m1_stall_summary(join)
+    t = join.ttft.to_pandas()
+    if t.empty:
+        return pd.DataFrame({"note": ["no injected request completed in M1's first repeat"]})
+    return pd.DataFrame({"request": t["request_id"].map(_short), "input tokens": t["input_tokens"],
+                         "TTFT (ms)": t["ttft_ms"].round(1), "queueing (ms)": t["queueing_ms"].round(1),
+                         "prefill (ms)": t["prefill_ms"].round(1), "delivery (ms)": t["delivery_ms"].round(1),
+                         "logged prefill": t["prefill_step"].replace("", "not in the log window")})
+
+
+def memory_table(res: Phase1Result, phase_dir: Path) -> pd.DataFrame:
+    """What the engine printed about its memory at start (weights, KV pool, compute buffers; the routine Phase 8
+    uses), from this phase's server log; says so where the engine does not print it at its log level."""
+    from servelab.analyse.prefix_cache import memory_breakdown
+    from servelab.target.engines import engine_for
+    engine = res.server.get("engine")
+    logs = sorted(Path(phase_dir, "server").glob("*.log"))
+    if not logs or not engine:
+        return pd.DataFrame({"note": ["no server log in this phase: memory not read"]})
+    mem = memory_breakdown(logs[0].read_text(errors="replace"), engine, engine_for(engine).log_markers)
+    out = mem.drop(columns=[c for c in ("line",) if c in mem.columns]).rename(columns={"mib": "MiB"})
+    return out.assign(log=logs[0].name)
 
 
 def m1_figure(res: Phase1Result) -> Any:
@@ -509,6 +617,7 @@ def findings(res: Phase1Result) -> list[str]:
                        + (f"; /metrics: {' running, '.join(seen)}" if seen else "; no /metrics scrape inside it")
                        + (f"; slots in use per its log up to {_num(t['slots in use max (log)'], 0)}"
                           if t["slots in use max (log)"] is not None else "") + ".")
+            out.append(_stall_finding(m1_log_join(res, {"treatment": side})))
     elif any(c.startswith("M1") for c in [*by_id, *res.not_executed]):
         out.append("M1 produced no A/B (a side failed or did not run): no statement about interference.")
     if not df.empty:

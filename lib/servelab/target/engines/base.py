@@ -326,6 +326,16 @@ class EngineAdapter:
         return {}
 
     # --- server-side log lines
+    # what the engine's log allows for per-request timing (the Phase 1 M1 join, docs/metrics.md#m1-log-join)
+    log_steps_note: str = ("this engine's log has no per-request or per-step timing: stalls are attributed from "
+                           "the profiler trace in Phase 3")
+
+    def log_prefills(self, lines: Any) -> list[dict[str, Any]] | None:
+        """Each request's prefill as its log places it on the wall clock — ``[{"task", "start_ns", "end_ns",
+        "prompt_tokens"}]`` from the parsed scheduler lines of a window (``analyse.serverside`` frame: ``event``,
+        ``wall_ns`` and the fields) — or None where the log does not time prefills (``log_steps_note`` says why)."""
+        return None
+
     def parse_scheduler_line(self, line: str) -> dict[str, Any] | None:
         """``{"event", field: number, ...}`` for a scheduler/batch line of this engine's log, None for any other
         line. Fields: the regex's named groups, then every ``key: number`` pair after the match, keys lower-cased

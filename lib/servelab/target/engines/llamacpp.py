@@ -112,8 +112,25 @@ class LlamaCppAdapter(EngineAdapter):
     log_time_note = ("llama.cpp prefixes each line with the time since the process started (µs); placed on the "
                      "wall clock by the start time servelab recorded when it launched the process, which precedes "
                      "llama.cpp's own clock start: lines can sit a few ms early")
+    log_steps_note = ("llama.cpp logs each request's prompt evaluation (slot launch, then `prompt eval time = X ms "
+                      "/ N tokens`): its prefill is placed from the launch line for X ms")
     serverside_series = ("running", "waiting", "busy_slots_per_decode")
     log_occupancy = ("slot_launch", "slot_release")
+
+    def log_prefills(self, lines: Any) -> list[dict[str, Any]] | None:
+        """A task's prompt is evaluated right after its slot launch (``launch_slot_``), for the ``prompt eval time``
+        its ``print_timing`` line reports when the task ends: the prefill is [launch, launch + that time]."""
+        if lines is None or len(lines) == 0 or "task" not in lines.columns:
+            return []
+        launch = lines[lines["event"] == "slot_launch"].drop_duplicates("task", keep="last").set_index("task")
+        out = []
+        for r in lines[lines["event"] == "prompt_timing"].itertuples():
+            if r.task not in launch.index or r.prompt_ms != r.prompt_ms:     # no launch line in the window / NaN
+                continue
+            start = int(launch.loc[r.task, "wall_ns"])
+            out.append({"task": int(r.task), "start_ns": start, "end_ns": start + int(float(r.prompt_ms) * 1e6),
+                        "prompt_tokens": int(r.prompt_tokens)})
+        return out
 
     def resolve_launch(self, target: Target, port: int) -> tuple[list[LaunchPlan], str]:
         """Plans with the local artifacts resolved: ``llama-server`` (built and cached unless ``launch.binary``),

@@ -66,6 +66,8 @@ class SGLangAdapter(EngineAdapter):
     # scheduler lines at the log interval (--decode-log-interval, default every 40 decode steps; every prefill
     # batch): "Prefill batch." (mid-2025) and "Prefill batch," (later); "token usage" became "full token usage"
     # with hybrid (SWA/mamba) pools. Fields are read as "key: number" pairs, so new fields do not break parsing.
+    log_steps_note = ("SGLang's `Prefill batch` lines give a batch's new tokens but a time to the second and no "
+                      "duration: stalls are attributed from the profiler trace in Phase 3")
     scheduler_log = {"prefill_batch": r"Prefill batch[.,]", "decode_batch": r"Decode batch[.,]",
                      # KV pool full during decode: requests retracted (back to the queue), not a crash
                      "retract": r"Decode out of memory happened\."}

@@ -87,6 +87,8 @@ class VLLMAdapter(EngineAdapter):
     # the periodic stats line (every VLLM_LOG_STATS_INTERVAL s, default 10, set to 1 by launch_plans unless the
     # target's env says otherwise; printed only after activity)
     scheduler_log = {"stats": r"Avg prompt throughput: "}
+    log_steps_note = ("vLLM logs one stats line per interval (throughputs and queue sizes), no per-request or "
+                      "per-step timing: stalls are attributed from the profiler trace in Phase 3")
     scheduler_fields = {"avg_prompt_throughput": "prompt_tps", "avg_generation_throughput": "gen_tps",
                         "waiting": "queued", "gpu_kv_cache_usage": "kv_usage_pct", "cpu_kv_cache_usage": "kv_usage_pct",
                         "prefix_cache_hit_rate": "prefix_hit_pct"}
