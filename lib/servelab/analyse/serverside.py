@@ -366,5 +366,9 @@ def log_join(records: list[Any], side: ServerSide, adapter: Any, stream_roles: t
     inj = S.injection_windows([r for r in records if r.role in inject_roles])
     thr, n, basis = S.steady_p99(gaps, inj, roles=stream_roles)
     stalls = S.attribute_stalls(gaps, steps, thr) if thr is not None else S.attribute_stalls(gaps.head(0), steps, 0)
-    ttft = S.ttft_split(records, steps, inject_roles, tolerance_ns=LOG_PLACEMENT_TOLERANCE_NS)
+    # an injected request's prefill is the logged one of its own prompt length: a background request's short
+    # prefill logged inside the injection's window must not be taken for (or added to) it
+    sizes = {r.prompt_tokens or r.expected_input_tokens for r in records if r.role in inject_roles}
+    own = steps.filter(pl.col("prefill_tokens").is_in(list(sizes))) if steps.height else steps
+    ttft = S.ttft_split(records, own, inject_roles, tolerance_ns=LOG_PLACEMENT_TOLERANCE_NS)
     return LogJoin(steps, stalls, ttft, thr, n, basis, adapter.log_steps_note, True)
