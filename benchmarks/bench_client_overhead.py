@@ -109,7 +109,7 @@ except ImportError:
     pass
 cpu0 = time.process_time()
 run = run_requests(wl.requests, ClientConfig(url, "m", engine="sglang", keep_fields=("server_ts_ns",)),
-                   concurrency=c)
+                   concurrency=c, loop="auto")     # uvloop where installed, as measured
 gaps, lag, srv_lag, n, last, within, starts, times = [], [], [], 0, 0, 0, [], []
 for r in run.records:
     idx = [i for i, t in enumerate(r.chunk_text) if t]

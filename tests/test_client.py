@@ -142,7 +142,7 @@ def test_runs_inside_a_running_event_loop(tiny_server, pool):
 
 
 def test_event_loop_choice_is_recorded_and_both_loops_give_the_same_records(tiny_server, pool):
-    """uvloop where installed (the default), asyncio on request; the run says which it was timed on, and the
+    """asyncio by default, uvloop on request (``auto``: where installed); the run says which it was timed on, and the
     records are the same either way (exact chunks, usage, [DONE]); a bad choice is one line before any request."""
     from servelab.measure.client import loop_factory
     uvloop = pytest.importorskip("uvloop")
@@ -153,6 +153,7 @@ def test_event_loop_choice_is_recorded_and_both_loops_give_the_same_records(tiny
     runs = {name: run_requests(wl.requests, cfg(tiny_server), concurrency=4, loop=name)
             for name in ("auto", "asyncio", "uvloop")}
     assert {k: r.event_loop for k, r in runs.items()} == {"auto": "uvloop", "asyncio": "asyncio", "uvloop": "uvloop"}
+    assert run_requests(wl.requests, cfg(tiny_server), concurrency=4).event_loop == "asyncio"      # the default
     for run in runs.values():
         assert all(r.ok and r.completion_tokens == 9 and sum(1 for t in r.chunk_text if t) == 9
                    and r.done_ns is not None for r in run.records)

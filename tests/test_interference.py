@@ -56,7 +56,7 @@ def test_injection_windows_match_a_hand_computation(tiny_server, tmp_path):
     assert summ["verdict"]["status"] == res.verdict.verdict and len(summ["repeats"]) == 2       # one per injection
     # the wave's loop had its one loop-lag monitor: the integrity record is measured, in the summary, and judged
     integ = summ["integrity"]
-    assert integ["loop_lag"]["n"] == res.integrity["loop_lag"]["n"] > 50 and integ["requests"] > 2
+    assert integ["loop_lag"]["n"] == res.integrity["loop_lag"]["n"] >= 5 and integ["requests"] > 2     # a 10 ms monitor
     assert integ["littles_law"]["samples"] == integ["loop_lag"]["n"] and integ["littles_law"]["mean_inflight"] > 1
     assert set(integ["reasons"]) <= set(res.verdict.reasons)
     assert [r for r in summ["verdict"]["reasons"] if r.startswith("client fell behind")] == \
