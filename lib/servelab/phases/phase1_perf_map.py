@@ -325,7 +325,8 @@ def m1_stalls_table(join: Any, limit: int = 24) -> pd.DataFrame:
         return m1_stall_summary(join)
     st = join.stalls.to_pandas().sort_values("gap_ms", ascending=False).head(limit)
     return pd.DataFrame({"stream": st["request_id"].map(_short), "chunk": st["chunk"],
-                         "gap (ms)": st["gap_ms"].round(1), "prefill overlap (% of gap)": st["step_cover_pct"],
+                         "gap (ms)": st["gap_ms"].round(1),
+                         "prefill overlap (% of gap)": st["step_cover_pct"].round().astype(int),
                          "overlapping prefills": st["steps"].replace("", "—")}).reset_index(drop=True)
 
 
