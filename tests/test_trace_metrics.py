@@ -12,9 +12,10 @@ import polars as pl
 import pytest
 
 from servelab.analyse.trace import metrics as M
+from servelab.analyse.trace import nccl as N
 from servelab.analyse.trace.analysis import analyse
 from servelab.analyse.trace.load import load_trace
-from servelab.analyse.trace.ops import prepare_rank
+from servelab.analyse.trace.ops import SYNC_REGEX, matches, prepare_rank
 
 H200_TP0 = ("traces", "20261129203606-TP-0.trace.json.gz")
 
@@ -217,6 +218,28 @@ def test_top_kernels_and_breakdown_sum(h200_rank0):
     assert total == pytest.approx(want, abs=1e-6)
     for _kind, g in bd.group_by("kind"):
         assert g["share_pct"].sum() == pytest.approx(100.0)
+
+
+def test_op_table_names_stay_categorical_and_tables_hand_out_strings(h200_rank0):
+    """The op tables of every rank are kept in memory, so name / cat / launcher stay categorical (a code a row,
+    not a ~230-byte kernel name); they still hold the trace's names, the tables built from them hand out
+    plain strings, and a regex evaluated once per distinct name agrees with re.search on every row."""
+    _, doc, r = h200_rank0
+    assert [r.ops.schema[c] for c in ("name", "cat", "launcher")] == [pl.Categorical] * 3
+    assert r.runtime.schema["name"] == pl.Categorical
+    ev = doc["traceEvents"]
+    gpu = [e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    assert Counter(r.ops["name"].to_list()) == Counter(e["name"] for e in gpu)
+    assert Counter(r.ops["cat"].to_list()) == Counter(e["cat"] for e in gpu)
+    top = M.top_kernels([r], top_n=5)
+    assert top.schema["name"] == pl.String and set(top["name"].to_list()) <= {e["name"] for e in gpu}
+    comm = N.comm_ops([r])
+    assert comm.schema["name"] == pl.String and comm["name"].str.contains("nccl").all()
+    gaps = M.gap_intervals(r)
+    assert set(gaps["next_op"].drop_nulls().to_list()) <= {e["name"] for e in gpu}
+    names = r.runtime["name"].to_list()
+    got = r.runtime.select(matches(r.runtime, "name", SYNC_REGEX))["name"].to_list()
+    assert got == [bool(re.search(SYNC_REGEX, n)) for n in names] and 0 < sum(got) < len(got)
 
 
 def test_interference_finds_the_injected_prefill(h200_rank0):

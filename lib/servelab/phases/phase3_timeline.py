@@ -569,7 +569,8 @@ def _trace_kernels(p: Phase3) -> pd.DataFrame:
     ops = [o for o in ops if o.height]
     if not ops:
         return pd.DataFrame(columns=["function", "trace_cls", "trace_ms", "trace_share_pct"])
-    t = pl.concat(ops).group_by("name", "cls").agg(pl.col("dur_ns").sum()).to_pandas()
+    t = (pl.concat(ops, how="vertical_relaxed").group_by("name", "cls").agg(pl.col("dur_ns").sum())
+         .with_columns(pl.col("name").cast(pl.String)).to_pandas())
     t["function"] = t["name"].map(function_base)
     t = t.groupby("function", as_index=False).agg(trace_cls=("cls", "first"), trace_ns=("dur_ns", "sum"))
     t["trace_ms"] = t["trace_ns"] / 1e6

@@ -19,7 +19,7 @@ import numpy as np
 import polars as pl
 
 from servelab.analyse.trace import intervals as iv
-from servelab.analyse.trace.ops import SYNC_REGEX, RankOps
+from servelab.analyse.trace.ops import SYNC_REGEX, RankOps, matches
 from servelab.analyse.trace.taxonomy import short_name
 
 KIND_ORDER = ("prefill", "decode", "mixed", "draft", "other", "all")
@@ -96,7 +96,8 @@ def gap_intervals(rops: RankOps, device: int | None = None, min_gap_ns: int = 0)
     """Every idle hole between busy intervals of a device, classified.
 
     Columns: rank, device, gap_start_ns, gap_end_ns, gap_ns, category (host_bound | other | unknown),
-    next_op (name of the op that ends the gap), launcher, after_sync (a synchronising runtime call ended
+    next_op (name of the op that ends the gap; both it and launcher keep the op table's dtype, categorical
+    from the loader), launcher, after_sync (a synchronising runtime call ended
     inside the gap), window (when the gap lies inside one window's GPU span, else null), position
     (``in_step`` | ``between_steps`` | ``outside``).
     """
@@ -119,11 +120,11 @@ def gap_intervals(rops: RankOps, device: int | None = None, min_gap_ns: int = 0)
         unknown = np.isnan(launch_ts)
         host = (~unknown) & ((launch_ts > gs) | ((~graph) & (launch_end > gs)))
         cat = np.where(unknown, "unknown", np.where(host, "host_bound", "other"))
-        sync = rops.runtime.filter(pl.col("name").str.contains(SYNC_REGEX))["end_ns"].sort().to_numpy()
+        sync = rops.runtime.filter(matches(rops.runtime, "name", SYNC_REGEX))["end_ns"].sort().to_numpy()
         after_sync = (np.searchsorted(sync, ge, side="left") - np.searchsorted(sync, gs, side="right")) > 0 \
             if sync.size else np.zeros(gs.size, dtype=bool)
         nxt_ops = dops.select(pl.col("name").alias("next_op"), "launcher")[nxt] if ts.size else \
-            pl.DataFrame(schema={"next_op": pl.String, "launcher": pl.String})
+            pl.DataFrame(schema={"next_op": dops.schema["name"], "launcher": dops.schema["launcher"]})
         frame = pl.DataFrame({
             "rank": np.full(gs.size, rops.rank, dtype=np.int64), "device": np.full(gs.size, dev[0], dtype=np.int64),
             "gap_start_ns": gs, "gap_end_ns": ge, "gap_ns": ge - gs, "category": cat}).hstack(nxt_ops) \
@@ -217,7 +218,7 @@ def top_kernels(rops: list[RankOps], top_n: int = 10, by_kind: bool = True) -> p
                            .alias("_o"))
             .sort("_o", "rank_in_kind").drop("_o")
             .select("kind", "rank_in_kind", "kernel", "cls", "subclass", "count", "total_ms", "avg_us", "share_pct",
-                    "ranks", "name"))
+                    "ranks", pl.col("name").cast(pl.String)))
 
 
 def device_busy(rops: RankOps, cats: tuple[str, ...] = ("kernel", "gpu_memcpy", "gpu_memset")) -> pl.DataFrame:
@@ -258,7 +259,8 @@ def graph_coverage(rops: list[RankOps]) -> pl.DataFrame:
         per_w = o.group_by("window").agg(pl.len().alias("ops"), pl.col("graph").sum().alias("graph_ops"),
                                          pl.col("dur_ns").sum().alias("ns"),
                                          pl.col("dur_ns").filter(pl.col("graph")).sum().alias("graph_ns"),
-                                         pl.col("launcher").drop_nulls().unique().sort().str.join(", ")
+                                         pl.col("launcher").drop_nulls().unique().cast(pl.String).sort()
+                                         .str.join(", ")
                                          .alias("launchers"))
         parts.append(per_w.join(r.windows.select("window", "kind", "bs"), on="window", how="left")
                      .with_columns(pl.lit(r.rank).alias("rank")))

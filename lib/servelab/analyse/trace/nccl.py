@@ -126,7 +126,7 @@ def comm_ops(rops: list[RankOps]) -> pl.DataFrame:
                           schema={"name": pl.String, "collective": pl.String, "name_dtype": pl.String,
                                   "name_algo": pl.String, "name_proto": pl.String})
     world = {r.rank: (r.trace.meta.get("distributedInfo") or {}).get("world_size") for r in rops}
-    ops = ops.join(parsed, on="name", how="left")
+    ops = ops.join(parsed.with_columns(pl.col("name").cast(ops.schema["name"])), on="name", how="left")
     colls = {c: collective_from_args(c) for c in ops["coll"].drop_nulls().unique().to_list()}
     ops = ops.with_columns(
         pl.coalesce(pl.col("coll").replace_strict(colls, default=None, return_dtype=pl.String), "collective")
@@ -142,9 +142,9 @@ def comm_ops(rops: list[RankOps]) -> pl.DataFrame:
         pl.coalesce("group_size", pl.col("rank").replace_strict(world, default=None, return_dtype=pl.Int64))
         .alias("group_size"),
         pl.col("group_size").is_not_null().alias("group_from_args"))
-    return ops.select("rank", "kind", "window", "name", "subclass", "collective", "dtype", "elem_bytes", "msg_bytes",
-                      "group_size", "group_from_args", "ts_ns", "end_ns", "dur_ns", "graph", "pg_name", "seq",
-                      "name_algo", "name_proto")
+    return ops.select("rank", "kind", "window", pl.col("name").cast(pl.String), "subclass", "collective", "dtype",
+                      "elem_bytes", "msg_bytes", "group_size", "group_from_args", "ts_ns", "end_ns", "dur_ns", "graph",
+                      "pg_name", "seq", "name_algo", "name_proto")
 
 
 def busbw_factor(collective: str | None, n: int | None) -> float | None:

@@ -21,6 +21,11 @@ class RankOps:
     ``ops``: one row per GPU op with ``cls``/``subclass``, ``launcher`` (runtime API name), ``launch_ts_ns``,
     ``launch_end_ns``, ``graph`` (launched by a graph launch), ``window`` and ``kind`` of its step window.
     ``windows``: the step windows with CPU and GPU spans. ``runtime``: runtime/driver API calls.
+
+    ``ops``' ``name``, ``cat`` and ``launcher`` and ``runtime``'s ``name`` keep the event frame's dtype
+    (categorical from the loader: a 4-byte code per row instead of a ~230-byte kernel name, for every rank of a
+    capture). Compare them with ``==`` / ``is_in``; for a regex use :func:`matches` (once per distinct value)
+    or cast to ``pl.String`` first — polars' ``.str`` namespace refuses categoricals.
     """
     trace: RankTrace
     ops: pl.DataFrame
@@ -34,10 +39,19 @@ class RankOps:
         return self.trace.rank
 
 
+def matches(frame: pl.DataFrame, column: str, regex: str) -> pl.Expr:
+    """Whether ``frame[column]`` (categorical or string) matches ``regex`` (``str.contains``), null → False;
+    the regex runs once per distinct value, not once per row."""
+    distinct = frame.get_column(column).drop_nulls().unique().cast(pl.String)
+    hits = distinct.filter(distinct.str.contains(regex)).to_list()
+    return pl.col(column).is_in(hits).fill_null(False)
+
+
 def runtime_calls(trace: RankTrace) -> pl.DataFrame:
-    """CUDA/HIP runtime and driver API calls: pid, tid, name, ts_ns, end_ns, correlation."""
+    """CUDA/HIP runtime and driver API calls: pid, tid, name (the event frame's dtype), ts_ns, end_ns,
+    correlation."""
     return (trace.events.lazy().filter(pl.col("cat").is_in(list(LAUNCH_CATS)) & pl.col("dur_ns").is_not_null())
-            .select("pid", "tid", pl.col("name").cast(pl.String), "ts_ns",
+            .select("pid", "tid", "name", "ts_ns",
                     (pl.col("ts_ns") + pl.col("dur_ns")).alias("end_ns"), "correlation").collect())
 
 
@@ -58,7 +72,7 @@ def prepare_rank(trace: RankTrace, rules: list[Rule] | None = None, window_regex
                    pl.col("coll").cast(pl.String), "in_nelems", "out_nelems", "group_size",
                    pl.col("dtype").cast(pl.String), pl.col("pg_name").cast(pl.String), "pg_ranks", "seq",
                    "bytes", "graph_id").collect())
-    ops = classify_ops(ops, rules).with_columns(pl.col("name").cast(pl.String), pl.col("cat").cast(pl.String))
+    ops = classify_ops(ops, rules)      # name / cat stay categorical: the op tables of all ranks are kept
     rt = runtime_calls(trace)
     launches = (rt.filter(pl.col("correlation").is_not_null())
                 .unique("correlation", keep="first", maintain_order=True))
@@ -69,7 +83,7 @@ def prepare_rank(trace: RankTrace, rules: list[Rule] | None = None, window_regex
                                    pl.col("ts_ns").alias("launch_ts_ns"), pl.col("end_ns").alias("launch_end_ns"),
                                    pl.col("tid").alias("launch_tid"), "window"),
                    on="correlation", how="left")
-    ops = ops.with_columns(pl.col("launcher").str.contains(GRAPH_LAUNCH_REGEX).fill_null(False).alias("graph"))
+    ops = ops.with_columns(matches(ops, "launcher", GRAPH_LAUNCH_REGEX).alias("graph"))
     if not found:
         windows = whole_trace_window(trace, ops)
         ops = ops.with_columns(pl.lit(0, dtype=pl.Int64).alias("window"))
