@@ -15,7 +15,12 @@ Per client and concurrency (one wave of C streams × ``tokens`` chunks):
   and the gaps, around bench_serving's one ``asyncio.run``), which carries no start-up noise;
 - ours only: delivery lag = receive wall time − ``server_ts_ns`` (same machine, same clock) p50/p99, and
   server lag (``server_ts`` vs its own schedule) to show whether the *server* kept up.
+- ours only: the client's own share of the gap error, ``client_own_itl_error_ms`` = |its gap − the server's gap
+  between the same two writes| in the steady state: what the client adds, the paced server's own lateness left out.
 The server's own CPU time is reported too: a saturated server invalidates the comparison.
+``--transport`` picks servelab's HTTP transport (``auto``, the product's default: its own for http://; ``aiohttp``;
+``raw``). ``--start spread`` sends a wave's streams as Poisson arrivals at C per ITL (both clients) instead of all
+at once, so their chunks are not phase-aligned.
 
     python benchmarks/bench_client_overhead.py --concurrency 256 512 --out /tmp/overhead.json
 
@@ -100,6 +105,8 @@ sys.path.insert(0, sys.argv[1])
 from servelab.measure.client import ClientConfig, run_requests
 from servelab.measure.workload import build_workload
 url, c, tokens, itl_ms, out = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]), sys.argv[6]
+transport = sys.argv[7] if len(sys.argv) > 7 else "auto"
+spread = len(sys.argv) > 8 and sys.argv[8] == "spread"
 wl = build_workload("ovh", c, 16, tokens, list(range(1000, 1100)), seed=1)
 import time
 import aiohttp  # noqa: F401  (imported by run_async on first use: not the run's CPU)
@@ -108,9 +115,11 @@ try:
 except ImportError:
     pass
 cpu0 = time.process_time()
-run = run_requests(wl.requests, ClientConfig(url, "m", engine="sglang", keep_fields=("server_ts_ns",)),
-                   concurrency=c, loop="auto")     # uvloop where installed, as measured
-gaps, lag, srv_lag, n, last, within, starts, times = [], [], [], 0, 0, 0, [], []
+run = run_requests(wl.requests, ClientConfig(url, "m", engine="sglang", keep_fields=("server_ts_ns",),
+                                              transport=transport),
+                   concurrency=c, loop="auto",     # uvloop where installed, as measured
+                   **({"rate_rps": c * 1000.0 / itl_ms, "arrival": "poisson", "seed": 1} if spread else {}))
+gaps, lag, srv_lag, n, last, within, starts, times, srvs = [], [], [], 0, 0, 0, [], [], []
 for r in run.records:
     idx = [i for i, t in enumerate(r.chunk_text) if t]
     ts = [r.chunk_ns[i] for i in idx]
@@ -122,16 +131,20 @@ for r in run.records:
     gaps += [(b - a) / 1e6 for a, b in zip(ts, ts[1:])]
     starts.append(ts[0] if ts else None)
     times.append(ts)
+    srvs.append(srv)
     lag += [(t + r.wall_offset_ns - s) / 1e6 for t, s in zip(ts, srv) if s]
     if srv and srv[0]:
         srv_lag += [(s - (srv[0] + i * itl_ms * 1e6)) / 1e6 for i, s in enumerate(srv)]
 first = min(r.send_ns for r in run.records)
 steady_from = max((x for x in starts if x is not None), default=0)   # every stream has had its first chunk
 steady = [(b - a) / 1e6 for ts in times for a, b in zip(ts, ts[1:]) if a >= steady_from]
-json.dump({"cpu_run_s": time.process_time() - cpu0, "gaps": gaps, "steady_gaps": steady, "lag": lag, "srv_lag": srv_lag, "chunks": n,
+# the client's own share of a steady gap's error: its gap minus the server's gap between the same two writes
+own = [abs((ts[k] - ts[k - 1]) - (sv[k] - sv[k - 1])) / 1e6 for ts, sv in zip(times, srvs)
+       for k in range(1, len(ts)) if ts[k - 1] >= steady_from and sv[k] and sv[k - 1]]
+json.dump({"client_own_gap_error": own, "cpu_run_s": time.process_time() - cpu0, "gaps": gaps, "steady_gaps": steady, "lag": lag, "srv_lag": srv_lag, "chunks": n,
            "window_s": (last - first) / 1e9,
            "completed": sum(r.ok for r in run.records), "within": within,
-           "event_loop": getattr(run, "event_loop", "") or "asyncio"},
+           "event_loop": getattr(run, "event_loop", "") or "asyncio", "transport": transport},
           open(out, "w"))
 """
 
@@ -141,6 +154,10 @@ def pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
+TRANSPORT = ["auto"]          # servelab's HTTP transport for this run (--transport)
+START = ["burst"]                # how a wave's C streams start (--start)
+
+
 def run_ours(url: str, c: int, tokens: int, itl_ms: float, cpu_list: str, tmp: Path,
              idle_cpu: float | None = None) -> dict:
     """One wave of ``c`` streams through servelab's client (a child process pinned to ``cpu_list``); the idle run
@@ -148,13 +165,18 @@ def run_ours(url: str, c: int, tokens: int, itl_ms: float, cpu_list: str, tmp: P
     out = tmp / f"ours_{c}.json"
     base = ["taskset", "-c", cpu_list, sys.executable, "-c", OURS_CHILD, str(ROOT / "lib"), url]
     if idle_cpu is None:
-        idle_cpu, _ = run_child(base + ["1", "1", str(itl_ms), str(tmp / "idle.json")])
-    cpu, _ = run_child(base + [str(c), str(tokens), str(itl_ms), str(out)])
+        idle_cpu, _ = run_child(base + ["1", "1", str(itl_ms), str(tmp / "idle.json"), TRANSPORT[0], START[0]])
+    cpu, _ = run_child(base + [str(c), str(tokens), str(itl_ms), str(out), TRANSPORT[0], START[0]])
     d = json.loads(out.read_text())
     lag, srv_lag = d["lag"], d["srv_lag"]
     return summarize("servelab", c, tokens, itl_ms, d["gaps"], d["chunks"], d["window_s"], cpu - idle_cpu,
                      d["completed"], within=d["within"], steady_gaps=d["steady_gaps"],
-                     extra={"event_loop": d["event_loop"], "idle_cpu_s": idle_cpu, **run_cpu(d["cpu_run_s"], d["chunks"]),"delivery_lag_ms": {"p50": pct(lag, 50), "p99": pct(lag, 99), "max": max(lag, default=0)},
+                     extra={"event_loop": d["event_loop"], "transport": d.get("transport"),
+                            "client_own_itl_error_ms": {"n": len(d["client_own_gap_error"]),
+                                                        "p50": pct(d["client_own_gap_error"], 50),
+                                                        "p99": pct(d["client_own_gap_error"], 99),
+                                                        "max": max(d["client_own_gap_error"], default=0.0)},
+                            "idle_cpu_s": idle_cpu, **run_cpu(d["cpu_run_s"], d["chunks"]),"delivery_lag_ms": {"p50": pct(lag, 50), "p99": pct(lag, 99), "max": max(lag, default=0)},
                             "server_schedule_lag_ms": {"p50": pct(srv_lag, 50), "p99": pct(srv_lag, 99),
                                                        "max": max(srv_lag, default=0)}})
 
@@ -193,8 +215,9 @@ def run_bench_serving(url: str, c: int, tokens: int, itl_ms: float, cpu_list: st
     tok = be.ensure_gguf_tokenizer(Path(resolve_model("tiny")), tmp / "tiny-tok")
 
     def argv(n: int, toks: int, out: Path) -> list[str]:
+        rate = ["--request-rate", f"{n * 1000.0 / itl_ms:g}"] if START[0] == "spread" else []
         bs = be.bench_serving_argv(py, url, "m", tok, 16, toks, n, n, out,
-                                   extra=["--warmup-requests", "0", "--output-details"])
+                                   extra=["--warmup-requests", "0", "--output-details", *rate])
         return ["taskset", "-c", cpu_list, "env", *[f"{k}={v}" for k, v in be.OFFLINE_ENV.items()],
                 f"BENCH_CPU_OUT={out}.cpu",
                 bs[0], "-c", BS_WRAPPER, *bs[3:]]
@@ -430,6 +453,11 @@ def main() -> None:
     ap.add_argument("--refine", type=int, default=3, help="--ceiling: bisection steps after the ladder")
     ap.add_argument("--retries", type=int, default=1, help="--ceiling: tries more for a failing point")
     ap.add_argument("--max-streams", type=int, default=LADDER[-1])
+    ap.add_argument("--transport", choices=("auto", "aiohttp", "raw"), default="auto",
+                    help="servelab client's HTTP transport (ClientConfig.transport)")
+    ap.add_argument("--start", choices=("burst", "spread"), default="burst",
+                    help="burst: a wave's C streams all sent at once (phase-aligned: every ITL the server writes C "
+                         "chunks at the same instant); spread: Poisson arrivals at C per ITL, both clients")
     ap.add_argument("--save-ceiling", action="store_true",
                     help="--ceiling: keep servelab's ceiling in this machine's servelab cache, for the cases' verdicts")
     ap.add_argument("--ceiling-path", type=Path, default=None, help=argparse.SUPPRESS)  # tests
@@ -437,6 +465,7 @@ def main() -> None:
     if args.save_ceiling and not (args.ceiling and "servelab" in args.clients):
         ap.error("--save-ceiling needs --ceiling with the servelab client")
     args.ceiling_path = args.ceiling_path or ceiling_path()
+    TRANSPORT[0], START[0] = args.transport, args.start
     if not FAST_SSE.exists():
         ap.error(f"the paced server {FAST_SSE} is missing")
     import resource                                       # thousands of sockets in the server and the clients
@@ -464,6 +493,7 @@ def main() -> None:
             fig = out.pop("figure")
             out.update(tool="benchmarks/bench_client_overhead.py --ceiling", command=command, itl_ms=args.itl_ms,
                        server_loop=args.server_loop, when=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                       start=args.start, servelab_transport=args.transport,
                        nproc=os.cpu_count(), pinning={"server_cpu": args.server_cpu, "client_cpu": args.client_cpu})
             Path(args.out).write_text(json.dumps(out, indent=2))
             html = Path(args.out).with_suffix(".html")
@@ -523,7 +553,9 @@ def main() -> None:
         ratios.append(row)
     out = {"tool": "benchmarks/bench_client_overhead.py", "itl_ms": args.itl_ms, "tokens": args.tokens,
            "pinning": {"server_cpu": args.server_cpu, "client_cpu": args.client_cpu}, "results": results,
-           "ratios": ratios, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "nproc": os.cpu_count()}
+           "ratios": ratios, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "nproc": os.cpu_count(),
+           "start": args.start, "servelab_transport": args.transport,
+           "command": "python benchmarks/bench_client_overhead.py " + " ".join(sys.argv[1:])}
     Path(args.out).write_text(json.dumps(out, indent=2))
     for r in ratios:
         print(f"C={r['concurrency']}: p99 ITL error bench_serving/servelab = "

@@ -47,6 +47,7 @@ from servelab.measure.workload import RequestSpec, request_body
 
 READ_BUFSIZE_BYTES = 16 * 1024 * 1024
 API_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "generate": "/generate"}
+TRANSPORTS = ("aiohttp", "raw", "auto")
 T = TypeVar("T")
 
 
@@ -63,10 +64,25 @@ class ClientConfig:
     progress: bool = False
     keep_fields: tuple[str, ...] = ()        # top-level event fields kept per chunk (e.g. a server timestamp)
     tcp_quickack: bool = True                # ACK every read at once (see _quickack)
+    # the HTTP transport: "aiohttp"; "raw" (measure.http_stream: reads timestamped in the protocol's
+    # data_received, plain http:// only); "auto": raw for http://, aiohttp for https://
+    transport: str = "auto"
     # called with each record as soon as its request completes (parsed): a case streams its records to disk so
     # that what was received survives an interrupt (CaseFolder.stream_record); None: records only at the end
     on_record: Callable[["RequestRecord"], None] | None = field(default=None, compare=False, repr=False)
     headers: dict[str, str] = field(default_factory=dict, repr=False)   # e.g. Authorization (the API key)
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"unknown transport '{self.transport}'; one of {TRANSPORTS}")
+        if self.transport == "raw" and not self.base_url.startswith("http://"):
+            raise ValueError(f"transport 'raw' speaks plain http:// only, not '{self.base_url}'; use 'auto' or "
+                             "'aiohttp' for https")
+
+    @property
+    def raw(self) -> bool:
+        """Whether requests go through the raw transport (``measure.http_stream``)."""
+        return self.transport == "raw" or (self.transport == "auto" and self.base_url.startswith("http://"))
 
     @property
     def url(self) -> str:
@@ -164,11 +180,22 @@ class ReadLog:
     cyclic GC, so the hot path allocates nothing that makes the collector run (measured: tuples per read
     triggered collections that stalled a 512-stream run by tens of ms). Iterating yields (ns, bytes).
     """
-    __slots__ = ("ts", "data")
+    __slots__ = ("ts", "data", "chunked")
 
     def __init__(self) -> None:
         self.ts: list[int] = []
         self.data: list[bytes] = []
+        self.chunked = False        # the raw transport's reads still carry the chunked framing (see body())
+
+    def body(self) -> "ReadLog":
+        """The reads with the chunked transfer coding undone (``measure.http_stream.dechunk``): done when the
+        records are parsed, after the wave, never while other streams are still arriving."""
+        if not self.chunked:
+            return self
+        from servelab.measure.http_stream import dechunk
+        out = ReadLog()
+        out.ts, out.data = dechunk(self.ts, self.data)
+        return out
 
     def append(self, item: tuple[int, bytes]) -> None:
         self.ts.append(item[0])
@@ -305,7 +332,37 @@ def _quickack(resp: Any) -> tuple[Callable[[], None], Callable[[], None]] | None
     return arm, dup.close
 
 
+async def _send_raw(spec: RequestSpec, cfg: ClientConfig, rec: RequestRecord, reads: ReadLog) -> None:
+    """The raw transport (``measure.http_stream``): every read timestamped in the protocol's ``data_received``;
+    the chunked framing is undone when the records are parsed (``ReadLog.body``), after the wave."""
+    from servelab.measure.http_stream import StreamResponse, post_stream
+    body = json.dumps(request_body(spec, cfg.engine, cfg.api, cfg.model, cfg.extra_body)).encode()
+    headers = {"Content-Type": "application/json", "X-Request-ID": rec.request_id, **cfg.headers}
+    resp = StreamResponse()
+    pc = time.perf_counter_ns
+    rec.send_ns = pc()
+    try:
+        await post_stream(cfg.url, body, headers, reads.ts, reads.data, cfg.timeout_s, cfg.tcp_quickack, resp)
+    except TimeoutError:
+        rec.error_kind, rec.error = "timeout", f"no complete response within {cfg.timeout_s} s"
+    except OSError as exc:
+        rec.error_kind, rec.error = "connection", f"{type(exc).__name__}: {exc}"[:500]
+    finally:
+        rec.end_ns = pc()
+        reads.chunked = resp.chunked
+    if resp.status:
+        rec.headers_ns, rec.http_status = resp.headers_ns, resp.status
+    if resp.status and resp.status != 200:
+        rec.error_kind = "http"
+        rec.error = f"HTTP {resp.status}: {b''.join(reads.body().data)[:500].decode(errors='replace')}"
+        reads.ts.clear()
+        reads.data.clear()
+        reads.chunked = False
+
+
 async def _send(session: Any, spec: RequestSpec, cfg: ClientConfig, rec: RequestRecord, reads: ReadLog) -> None:
+    if cfg.raw:
+        return await _send_raw(spec, cfg, rec, reads)
     import aiohttp
     body = json.dumps(request_body(spec, cfg.engine, cfg.api, cfg.model, cfg.extra_body)).encode()
     headers = {"Content-Type": "application/json", "X-Request-ID": rec.request_id, **cfg.headers}
@@ -434,7 +491,7 @@ async def run_async(specs: list[RequestSpec], cfg: ClientConfig, concurrency: in
     parsed: set[int] = set()
 
     def finish(rec: RequestRecord) -> None:
-        parse_stream(rec, reads[id(rec)], cfg.api, cfg.keep_fields)
+        parse_stream(rec, reads[id(rec)].body(), cfg.api, cfg.keep_fields)
         if rec.http_status == 200 and not rec.error_kind and not rec.chunk_ns:
             rec.error_kind, rec.error = "stream", "HTTP 200 but no SSE event"
         parsed.add(id(rec))

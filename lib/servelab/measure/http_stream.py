@@ -1,0 +1,246 @@
+"""A lean streaming HTTP/1.1 POST on an asyncio ``Protocol``: the client's ``raw`` transport for SSE responses.
+
+Why it exists: with aiohttp every socket read goes through its stream reader — a buffer append, a waiter
+future woken, the awaiting task resumed, ``readany`` returning — about 15–20 µs a chunk in Python before the
+client can take the next read. Here each read reaches :meth:`_StreamProtocol.data_received` straight from the
+event loop, and the hot path is one ``perf_counter_ns()``, two list appends and, on Linux, the quick-ACK re-arm.
+The HTTP framing (status line, headers, chunked transfer coding) is undone after the response
+(:func:`dechunk`), mapping every body byte back to the read that delivered it — so a line's timestamp stays the
+read that completed it, exactly as with aiohttp.
+
+Scope: plain ``http://`` (loopback, a cluster's internal address), one connection per request, no redirects,
+no proxies, no TLS (``https`` targets use the aiohttp transport). A response ends at its terminal chunk, at
+its ``Content-Length`` or when the server closes the connection. Header names and values are checked for
+CR/LF before anything is sent, so no caller can inject a header or a second request.
+"""
+from __future__ import annotations
+
+import asyncio
+import bisect
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+from urllib.parse import urlsplit
+
+MAX_HEAD_BYTES = 64 * 1024
+
+
+class HTTPStreamError(OSError):
+    """The connection failed or closed before a complete response head (a ``connection`` error)."""
+
+
+@dataclass
+class StreamResponse:
+    """What the transport learnt: status, lower-cased headers, when the head arrived (perf ns), and whether the
+    body was chunked (the raw reads then still carry the chunk framing until :func:`dechunk`)."""
+    status: int = 0
+    headers: dict[str, str] = field(default_factory=dict)
+    headers_ns: int = 0
+    chunked: bool = False
+
+
+def split_url(url: str) -> tuple[str, int, str]:
+    """(host, port, path with query) of an ``http://`` URL; ValueError for anything else."""
+    u = urlsplit(url)
+    if u.scheme != "http" or not u.hostname:
+        raise ValueError(f"the raw transport speaks plain http://host[:port]/path only, not '{url}' "
+                         "(use transport='aiohttp' for https)")
+    path = (u.path or "/") + (f"?{u.query}" if u.query else "")
+    return u.hostname, u.port or 80, path
+
+
+def request_head(host: str, port: int, path: str, headers: dict[str, str], body_len: int) -> bytes:
+    """The request head; ValueError for a header name or value holding CR, LF or NUL (header injection)."""
+    lines = [f"POST {path} HTTP/1.1", f"Host: {host}:{port}" if ":" not in host else f"Host: [{host}]:{port}",
+             f"Content-Length: {body_len}", "Connection: close"]
+    for k, v in headers.items():
+        if any(c in str(k) + str(v) for c in "\r\n\0") or not str(k) or ":" in str(k):
+            raise ValueError(f"header {k!r} is not a valid HTTP header (CR, LF, NUL or ':' in it)")
+        if str(k).lower() not in ("host", "content-length", "connection", "transfer-encoding"):
+            lines.append(f"{k}: {v}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+def _quickack_arm(transport: asyncio.BaseTransport) -> tuple[Callable[[], None], Callable[[], None]] | None:
+    """(re-arm TCP_QUICKACK, release) through one duplicate of the socket's descriptor (Linux), or None. See
+    ``measure.client._quickack`` for why every read is ACKed at once."""
+    if not hasattr(socket, "TCP_QUICKACK"):
+        return None
+    try:
+        dup = socket.socket(fileno=os.dup(transport.get_extra_info("socket").fileno()))
+    except (AttributeError, OSError):
+        return None
+    setopt, level, opt = dup.setsockopt, socket.IPPROTO_TCP, socket.TCP_QUICKACK
+
+    def arm() -> None:
+        try:
+            setopt(level, opt, 1)
+        except OSError:
+            pass
+    return arm, dup.close
+
+
+class _StreamProtocol(asyncio.Protocol):
+    """Collects one response: the head parsed once, then every body read as (perf ns, bytes) in two lists."""
+
+    def __init__(self, ts: list[int], data: list[bytes], done: asyncio.Future, quickack: bool) -> None:
+        self.ts_append, self.data_append, self.done = ts.append, data.append, done
+        self.quickack, self.arm, self.release = quickack, None, None
+        self.head = b""
+        self.in_body = False
+        self.resp = StreamResponse()
+        self.length = -1                 # Content-Length, -1: none (chunked or until close)
+        self.got = 0
+        self.data = data
+        self.transport: Any = None
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        qa = _quickack_arm(transport) if self.quickack else None
+        if qa is not None:
+            self.arm, self.release = qa
+            self.arm()
+
+    def data_received(self, data: bytes) -> None:
+        t = time.perf_counter_ns()
+        if self.in_body:
+            self._body(t, data)
+        else:
+            self._head(t, data)
+
+    def _body(self, t: int, data: bytes) -> None:
+        self.ts_append(t)
+        self.data_append(data)
+        if self.arm is not None:
+            self.arm()
+        if self.resp.chunked:
+            if data.endswith(b"0\r\n\r\n") and _terminal(self.data):
+                self._finish(None)
+        elif self.length >= 0:
+            self.got += len(data)
+            if self.got >= self.length:
+                self._finish(None)
+
+    def _head(self, t: int, data: bytes) -> None:
+        self.head += data
+        end = self.head.find(b"\r\n\r\n")
+        if end < 0:
+            if len(self.head) > MAX_HEAD_BYTES:
+                self._finish(HTTPStreamError(f"response head longer than {MAX_HEAD_BYTES} bytes"))
+            return
+        lines = self.head[:end].decode("latin-1").split("\r\n")
+        parts = lines[0].split(" ", 2)
+        if len(parts) < 2 or not parts[0].startswith("HTTP/") or not parts[1].isdigit():
+            self._finish(HTTPStreamError(f"not an HTTP response: {lines[0][:100]!r}"))
+            return
+        self.resp.status, self.resp.headers_ns = int(parts[1]), t
+        for line in lines[1:]:
+            k, _, v = line.partition(":")
+            self.resp.headers[k.strip().lower()] = v.strip()
+        self.resp.chunked = "chunked" in self.resp.headers.get("transfer-encoding", "").lower()
+        if not self.resp.chunked and self.resp.headers.get("content-length", "").isdigit():
+            self.length = int(self.resp.headers["content-length"])
+        rest, self.head, self.in_body = self.head[end + 4:], b"", True
+        if rest:
+            self._body(t, rest)
+        elif self.length == 0:
+            self._finish(None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.in_body:
+            self._finish(HTTPStreamError(f"connection closed before a response head{f': {exc}' if exc else ''}"))
+        else:
+            self._finish(None)
+
+    def _finish(self, exc: Exception | None) -> None:
+        if self.release is not None:
+            self.release()
+            self.arm = self.release = None
+        if not self.done.done():
+            if exc is None:
+                self.done.set_result(None)
+            else:
+                self.done.set_exception(exc)
+        if self.transport is not None:
+            self.transport.close()
+
+
+def _chunk_spans(raw: bytes) -> tuple[list[tuple[int, int]], bool]:
+    """The (start, end) offsets of every chunk's data in a chunked body, and whether the terminal chunk came."""
+    spans: list[tuple[int, int]] = []
+    p, n = 0, len(raw)
+    while p < n:
+        eol = raw.find(b"\r\n", p)
+        if eol < 0:
+            break
+        try:
+            size = int(raw[p:eol].split(b";", 1)[0].strip(), 16)
+        except ValueError:
+            break
+        if size == 0:
+            return spans, True
+        start = eol + 2
+        spans.append((start, min(start + size, n)))
+        p = start + size + 2
+    return spans, False
+
+
+def _terminal(data: list[bytes]) -> bool:
+    """Whether the last read ends with the terminal chunk ``0\\r\\n\\r\\n`` right after a complete chunk (its
+    trailing CRLF) — checked only when a read ends like one, and without parsing the body: the framing is undone
+    after the response, never on the hot path nor while other streams are still arriving. Chunk data that itself
+    ends in ``\\r\\n0\\r\\n`` would be taken for the end; an SSE event ends in a blank line, never so."""
+    last = data[-1]
+    if len(last) > 5:
+        return last.endswith(b"\r\n0\r\n\r\n")
+    return len(data) > 1 and (data[-2] + last).endswith(b"\r\n0\r\n\r\n")
+
+
+def dechunk(ts: list[int], data: list[bytes]) -> tuple[list[int], list[bytes]]:
+    """Undo the chunked transfer coding of a body read as ``data`` at times ``ts``: the payload bytes, each
+    kept with the time of the read that delivered it (a read that held only framing yields nothing)."""
+    raw = b"".join(data)
+    ends, acc = [], 0
+    for d in data:
+        acc += len(d)
+        ends.append(acc)
+    out: dict[int, list[bytes]] = {}
+    for s, e in _chunk_spans(raw)[0]:
+        while s < e:
+            i = bisect.bisect_right(ends, s)           # the read holding byte s
+            cut = min(e, ends[i])
+            out.setdefault(i, []).append(raw[s:cut])
+            s = cut
+    keys = sorted(out)
+    return [ts[i] for i in keys], [b"".join(out[i]) for i in keys]
+
+
+async def post_stream(url: str, body: bytes, headers: dict[str, str], ts: list[int], data: list[bytes],
+                      timeout_s: float, quickack: bool = True, resp: StreamResponse | None = None) -> StreamResponse:
+    """POST ``body`` to ``url`` and collect the response body's reads into ``ts``/``data`` (raw; call
+    :func:`dechunk` when ``chunked``) and its head into ``resp`` (filled as it arrives, so a caller keeps what
+    came before a timeout). Raises ``TimeoutError`` past ``timeout_s``, ``OSError`` (incl.
+    :class:`HTTPStreamError`) when the connection fails, ``ValueError`` for a bad URL or header — before anything
+    is sent."""
+    host, port, path = split_url(url)
+    head = request_head(host, port, path, headers, len(body))
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+    proto = _StreamProtocol(ts, data, done, quickack)
+    if resp is not None:
+        proto.resp = resp
+    transport = None
+    try:
+        async with asyncio.timeout(timeout_s):
+            transport, _ = await loop.create_connection(lambda: proto, host, port)
+            transport.write(head + body)
+            await done
+    finally:
+        if transport is not None and not transport.is_closing():
+            transport.close()
+        if proto.release is not None:
+            proto.release()
+            proto.arm = proto.release = None
+    return proto.resp

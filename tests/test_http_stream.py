@@ -1,0 +1,121 @@
+"""The client's raw transport (``measure.http_stream``) against the real llama-server: the same records as the aiohttp
+transport, the chunked framing undone byte for byte with each byte's read time, the same error kinds, and bad input
+refused before anything is sent."""
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+
+import pytest
+
+from servelab.measure.client import ClientConfig, run_requests
+from servelab.measure.http_stream import StreamResponse, dechunk, post_stream, request_head, split_url
+from servelab.measure.workload import build_text_workload, build_workload, engine_tokenizer, request_body, token_pool
+from servelab.target.hosts import free_port
+
+
+def test_bad_input_is_refused_before_anything_is_sent():
+    with pytest.raises(ValueError, match="not a valid HTTP header"):
+        request_head("127.0.0.1", 80, "/v1/completions", {"X-Request-ID": "a\r\nX-Evil: 1"}, 2)
+    with pytest.raises(ValueError, match="not a valid HTTP header"):
+        request_head("127.0.0.1", 80, "/", {"Bad:Name": "v"}, 0)
+    with pytest.raises(ValueError, match="plain http"):
+        split_url("https://127.0.0.1:8443/v1/completions")
+    with pytest.raises(ValueError, match="transport 'raw' speaks plain http:// only"):
+        ClientConfig("https://example.invalid", "m", transport="raw")
+    with pytest.raises(ValueError, match="unknown transport 'h2'"):
+        ClientConfig("http://127.0.0.1:1", "m", transport="h2")
+    assert ClientConfig("https://example.invalid", "m", transport="auto").raw is False
+    assert ClientConfig("http://127.0.0.1:1", "m", transport="auto").raw is True
+    head = request_head("127.0.0.1", 8000, "/v1/completions?x=1", {"Authorization": "Bearer k", "Host": "evil"}, 5)
+    assert head.startswith(b"POST /v1/completions?x=1 HTTP/1.1\r\nHost: 127.0.0.1:8000\r\nContent-Length: 5\r\n")
+    assert b"Host: evil" not in head and head.endswith(b"Authorization: Bearer k\r\n\r\n")
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_server):
+    return engine_tokenizer(tiny_server.base_url, "llamacpp", tiny_server.engine.tokenize_path)
+
+
+@pytest.fixture(scope="module")
+def pool(tok):
+    return token_pool(tok)
+
+
+def cfg(srv, **kw):
+    return ClientConfig(srv.base_url, "tiny", extra_body={"cache_prompt": False}, **kw)
+
+
+@pytest.mark.slow
+def test_raw_and_aiohttp_transports_give_the_same_records(tiny_server, pool, tok):
+    wl = build_workload("t", 12, 48, 21, pool, seed=3)
+    runs = {t: run_requests(wl.requests, cfg(tiny_server, transport=t), concurrency=6) for t in ("aiohttp", "raw")}
+    for a, r in zip(runs["aiohttp"].records, runs["raw"].records):
+        assert r.ok and a.ok
+        assert r.chunk_text == a.chunk_text and r.usage == a.usage and r.finish_reason == a.finish_reason == "length"
+        assert len(r.chunk_ns) == 22 and r.done_ns is not None and r.http_status == 200
+        assert r.send_ns < r.headers_ns <= r.chunk_ns[0] <= r.chunk_ns[-1] <= r.done_ns <= r.end_ns
+    # chat: the usage in its own choices-less chunk, as with aiohttp
+    chat = build_text_workload("chat", 2, 30, 5, tok, seed=2)
+    for r in run_requests(chat.requests, cfg(tiny_server, api="chat", transport="raw"), concurrency=2).records:
+        assert r.ok and r.completion_tokens == 5 and r.chunk_choices[-1] is False and r.usage_ns == r.chunk_ns[-1]
+
+
+@pytest.mark.slow
+def test_dechunk_keeps_every_payload_byte_with_the_read_that_delivered_it(tiny_server, pool):
+    spec = build_workload("d", 1, 20, 9, pool, seed=5).requests[0]
+    body = request_body(spec, "llamacpp", "completions", "tiny", {"cache_prompt": False})
+    ts, data, resp = [], [], StreamResponse()
+    import json
+    asyncio.run(post_stream(tiny_server.base_url + "/v1/completions", json.dumps(body).encode(),
+                            {"Content-Type": "application/json"}, ts, data, 60.0, True, resp))
+    assert resp.status == 200 and resp.chunked and resp.headers["content-type"].startswith("text/event-stream")
+    raw = b"".join(data)
+    # the payload and each payload byte's offset in the raw body, by an independent reading of the chunked coding
+    payload, offsets, p = b"", [], 0
+    while True:
+        eol = raw.index(b"\r\n", p)
+        size = int(raw[p:eol], 16)
+        if size == 0:
+            break
+        payload += raw[eol + 2:eol + 2 + size]
+        offsets += range(eol + 2, eol + 2 + size)
+        p = eol + 2 + size + 2
+    assert payload.count(b"data: ") == 11 and payload.rstrip().endswith(b"data: [DONE]")
+    out_ts, out = dechunk(ts, data)
+    assert b"".join(out) == payload and out_ts == sorted(out_ts)
+    # the same bytes re-cut into k-byte reads (read i at time i): each payload byte keeps its read's time
+    for k in (1, 2, 3, 7, 64):
+        cut = [raw[i:i + k] for i in range(0, len(raw), k)]
+        t2, d2 = dechunk(list(range(len(cut))), cut)
+        expected: dict[int, bytes] = {}
+        for b, off in zip(payload, offsets):
+            expected[off // k] = expected.get(off // k, b"") + bytes([b])
+        assert dict(zip(t2, d2)) == expected and len(t2) == len(expected)
+
+
+@pytest.mark.slow
+def test_raw_transport_error_kinds(tiny_server, pool):
+    too_long = build_workload("x", 1, 3000, 4, pool, seed=1).requests     # > 2048 tokens of a slot
+    r = run_requests(too_long, cfg(tiny_server, transport="raw")).records[0]
+    assert (r.error_kind, r.http_status, r.ok) == ("http", 400, False) and "HTTP 400: {" in r.error
+    dead = ClientConfig(f"http://127.0.0.1:{free_port()}", "tiny", transport="raw")
+    assert run_requests(too_long, dead).records[0].error_kind == "connection"
+    slow = build_workload("s", 1, 16, 1500, pool, seed=2).requests
+    r = run_requests(slow, cfg(tiny_server, transport="raw", timeout_s=0.05)).records[0]
+    assert r.error_kind == "timeout" and not r.ok
+    # a server that accepts, reads and closes without a response head: a connection error, not a hang
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+
+    def close_at_once():
+        c, _ = srv.accept()
+        c.recv(65536)
+        c.close()
+    t = threading.Thread(target=close_at_once, daemon=True)
+    t.start()
+    r = run_requests(too_long, ClientConfig(f"http://127.0.0.1:{port}", "tiny", transport="raw")).records[0]
+    t.join(5)
+    srv.close()
+    assert r.error_kind == "connection" and "before a response head" in r.error
