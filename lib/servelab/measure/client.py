@@ -449,6 +449,24 @@ def _ensure_fd_room(streams: int) -> None:
 MONITOR_INTERVAL_S = 0.01                   # the loop-lag monitor's period (100 wake-ups a second)
 
 
+async def watch_loop(interval_s: float, done: asyncio.Event, on_wake: Callable[[int, int], None]) -> None:
+    """Wake every ``interval_s`` until ``done`` and call ``on_wake(now_ns, lag_ns)`` with how late each wake-up came:
+    the time the loop could not run anything (a callback blocked it, parsing or another task hogged it, or the
+    process did not get a core). A long stall counts once, not again for every period it swallowed. The one
+    implementation of the loop-lag monitor: the client's own (per run) and ``measure.loop_monitor.LoopMonitor``
+    (per phase loop)."""
+    pc = time.perf_counter_ns
+    step = int(interval_s * 1e9)
+    due = pc() + step
+    while not done.is_set():
+        await asyncio.sleep(max(0.0, (due - pc()) / 1e9))
+        now = pc()
+        on_wake(now, max(0, now - due))
+        due += step
+        if due <= now:
+            due = now + step
+
+
 async def run_async(specs: list[RequestSpec], cfg: ClientConfig, concurrency: int | None = None,
                     rate_rps: float | None = None, arrival: str = "poisson", seed: int = 0, repeat: int = 0,
                     injections: list[tuple[float, RequestSpec]] | None = None,
@@ -520,20 +538,13 @@ async def run_async(specs: list[RequestSpec], cfg: ClientConfig, concurrency: in
             rec.ready_ns = rec.dispatch_ns = pc()
             await one(spec, rec)
 
+        def wake(now: int, lag: int) -> None:
+            lag_ns.append(lag)
+            inflight_samples.append(state["inflight"])
+
         async def monitor(done: asyncio.Event) -> None:
-            # how late each wake-up comes is the time the loop could not run anything: a callback blocked it,
-            # parsing or another task hogged it, or the process did not get a core
             assert monitor_interval_s is not None
-            step = int(monitor_interval_s * 1e9)
-            due = pc() + step
-            while not done.is_set():
-                await asyncio.sleep(max(0.0, (due - pc()) / 1e9))
-                now = pc()
-                lag_ns.append(max(0, now - due))
-                inflight_samples.append(state["inflight"])
-                due += step
-                if due <= now:               # a long stall counts once, not again for every missed period
-                    due = now + step
+            await watch_loop(monitor_interval_s, done, wake)
 
         # no cyclic-GC pauses inside the window (restored below); the hot path allocates no tracked objects
         gc_was_enabled = gc.isenabled()

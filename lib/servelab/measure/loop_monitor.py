@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from servelab.measure.client import MONITOR_INTERVAL_S, ClientRun
+from servelab.measure.client import MONITOR_INTERVAL_S, ClientRun, watch_loop
 
 
 @dataclass
@@ -46,19 +46,9 @@ class LoopMonitor:
         if not self.interval_s > 0:
             raise ValueError(f"loop monitor interval must be > 0 s, got {self.interval_s!r}")
 
-    async def _run(self, done: asyncio.Event) -> None:
-        # the same rule as the client's own monitor: a long stall counts once, not again for every missed period
-        pc = time.perf_counter_ns
-        step = int(self.interval_s * 1e9)
-        due = pc() + step
-        while not done.is_set():
-            await asyncio.sleep(max(0.0, (due - pc()) / 1e9))
-            now = pc()
-            self.lag_ns.append(max(0, now - due))
-            self.sample_ns.append(now)
-            due += step
-            if due <= now:
-                due = now + step
+    def _wake(self, now: int, lag: int) -> None:
+        self.lag_ns.append(lag)
+        self.sample_ns.append(now)
 
     async def __aenter__(self) -> "LoopMonitor":
         # the client imports aiohttp inside its first run: ~0.1 s that would block the loop inside the window (the
@@ -69,7 +59,7 @@ class LoopMonitor:
         gc.disable()
         self._cpu0 = time.process_time()
         self.window_start_ns = time.perf_counter_ns()
-        self._task = asyncio.create_task(self._run(self._done))
+        self._task = asyncio.create_task(watch_loop(self.interval_s, self._done, self._wake))
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
