@@ -119,3 +119,22 @@ def test_raw_transport_error_kinds(tiny_server, pool):
     t.join(5)
     srv.close()
     assert r.error_kind == "connection" and "before a response head" in r.error
+    # a server that dies mid-stream (one SSE chunk, then the connection closes without the terminal chunk): a
+    # connection error, and the chunk that came is kept
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+    event = b'data: {"choices":[{"text":"a","index":0}]}\n\n'
+
+    def die_mid_stream():
+        c, _ = srv.accept()
+        c.recv(65536)
+        c.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                  + b"%x\r\n" % len(event) + event + b"\r\n")
+        c.close()
+    t = threading.Thread(target=die_mid_stream, daemon=True)
+    t.start()
+    r = run_requests(too_long, ClientConfig(f"http://127.0.0.1:{port}", "tiny", transport="raw")).records[0]
+    t.join(5)
+    srv.close()
+    assert (r.error_kind, r.http_status, r.ok) == ("connection", 200, False)
+    assert "before the end of the chunked body" in r.error and r.chunk_text == ["a"]

@@ -63,9 +63,19 @@ def test_phase3_captures_four_scenarios_live_and_answers_q10_from_the_mixed_one(
                            profiles=rdir / "cases" / "M1-profile--profile-mixed_treatment" / "profiles")
     from servelab.phases.phase3_timeline import mixed_window_check as real_check
     assert real_check(kept) == ""
+    # the decode-control capture, checked as if it were the mixed one: refused unless a replacement background
+    # stream's prefill happened to land in its window (the steps table, read independently, says which)
     decode_only = SimpleNamespace(scenario=kept.scenario,
                                   profiles=rdir / "cases" / "D2-profile--profile-decode_control" / "profiles")
-    assert "ran outside the" in real_check(decode_only)
+    import re
+    names = [p.name for p in decode_only.profiles.rglob("*rank0*.pt.trace.json.gz")]
+    assert len(names) == 1
+    from servelab.analyse.trace import analyse
+    steps = [str(n) for n in analyse(decode_only.profiles).windows["name"].to_list()]
+    prefilled = any(int(m.group(1)) > 0 for n in steps for m in [re.search(r"execute_context_\d+\((\d+)\)", n)] if m)
+    assert steps and (real_check(decode_only) == "") == prefilled
+    if not prefilled:
+        assert "ran outside the" in real_check(decode_only)
     ranks = (rdir / "phase3" / "trace_ranks.csv").read_text()
     assert "mixed_treatment_rank0" in ranks
     # Q10 answerable from the live mixed capture; the stall table names the prefill step per request

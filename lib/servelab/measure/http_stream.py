@@ -10,7 +10,8 @@ read that completed it, exactly as with aiohttp.
 
 Scope: plain ``http://`` (loopback, a cluster's internal address), one connection per request, no redirects,
 no proxies, no TLS (``https`` targets use the aiohttp transport). A response ends at its terminal chunk, at
-its ``Content-Length`` or when the server closes the connection. Header names and values are checked for
+its ``Content-Length`` or when the server closes the connection (an error when a chunked or sized body
+was cut short: the server died mid-stream). Header names and values are checked for
 CR/LF before anything is sent, so no caller can inject a header or a second request.
 """
 from __future__ import annotations
@@ -116,7 +117,7 @@ class _StreamProtocol(asyncio.Protocol):
         if self.arm is not None:
             self.arm()
         if self.resp.chunked:
-            if data.endswith(b"0\r\n\r\n") and _terminal(self.data):
+            if (data.endswith(b"0\r\n\r\n") or (len(data) < 7 and data.endswith(b"\r\n"))) and _terminal(self.data):
                 self._finish(None)
         elif self.length >= 0:
             self.got += len(data)
@@ -149,10 +150,16 @@ class _StreamProtocol(asyncio.Protocol):
             self._finish(None)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        # after a complete response (terminal chunk, Content-Length reached) ``done`` is already set: no-op
+        why = f": {exc}" if exc else ""
         if not self.in_body:
-            self._finish(HTTPStreamError(f"connection closed before a response head{f': {exc}' if exc else ''}"))
+            self._finish(HTTPStreamError(f"connection closed before a response head{why}"))
+        elif self.resp.chunked and not _chunk_spans(b"".join(self.data))[1]:
+            self._finish(HTTPStreamError(f"connection closed before the end of the chunked body{why}"))
+        elif 0 <= self.got < self.length:
+            self._finish(HTTPStreamError(f"connection closed after {self.got} of {self.length} body bytes{why}"))
         else:
-            self._finish(None)
+            self._finish(None)                 # a body delimited by the connection's close
 
     def _finish(self, exc: Exception | None) -> None:
         if self.release is not None:
@@ -188,14 +195,18 @@ def _chunk_spans(raw: bytes) -> tuple[list[tuple[int, int]], bool]:
 
 
 def _terminal(data: list[bytes]) -> bool:
-    """Whether the last read ends with the terminal chunk ``0\\r\\n\\r\\n`` right after a complete chunk (its
-    trailing CRLF) — checked only when a read ends like one, and without parsing the body: the framing is undone
-    after the response, never on the hot path nor while other streams are still arriving. Chunk data that itself
-    ends in ``\\r\\n0\\r\\n`` would be taken for the end; an SSE event ends in a blank line, never so."""
-    last = data[-1]
-    if len(last) > 5:
-        return last.endswith(b"\r\n0\r\n\r\n")
-    return len(data) > 1 and (data[-2] + last).endswith(b"\r\n0\r\n\r\n")
+    """Whether the body read so far ends with the terminal chunk ``0\\r\\n\\r\\n`` right after a complete chunk (its
+    trailing CRLF), whatever reads it was split over (cpp-httplib writes ``0\\r\\n`` and ``\\r\\n`` apart) — checked
+    only when a read ends like one, on the last few bytes: the framing is undone after the response, never on the
+    hot path nor while other streams are still arriving. Chunk data that itself ends in ``\\r\\n0\\r\\n`` would be
+    taken for the end; an SSE event ends in a blank line, never so. A miss costs nothing: the server's close then
+    ends the response, checked exactly (:meth:`_StreamProtocol.connection_lost`)."""
+    tail = b""
+    for d in reversed(data):
+        tail = d + tail
+        if len(tail) >= 7:
+            break
+    return tail.endswith(b"\r\n0\r\n\r\n") or tail == b"0\r\n\r\n"
 
 
 def dechunk(ts: list[int], data: list[bytes]) -> tuple[list[int], list[bytes]]:
