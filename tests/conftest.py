@@ -115,3 +115,17 @@ def tiny_server(llama_server_binary: Path, tmp_path_factory: pytest.TempPathFact
         srv = start_server(target, logs, tracker, health_timeout_s=60)
         yield srv
         stop_server(srv, tracker)
+
+
+@pytest.fixture(scope="session")
+def tok(tiny_server):
+    """The tiny server's tokenizer (``measure.workload.engine_tokenizer``)."""
+    from servelab.measure.workload import engine_tokenizer
+    return engine_tokenizer(tiny_server.base_url, "llamacpp", tiny_server.engine.tokenize_path)
+
+
+@pytest.fixture(scope="session")
+def pool(tok):
+    """The tiny model's pool of ordinary tokens for exact-length prompts (``measure.workload.token_pool``)."""
+    from servelab.measure.workload import token_pool
+    return token_pool(tok)

@@ -11,19 +11,9 @@ from servelab.measure import request_metrics as mx
 from servelab.measure.client import (READ_BUFSIZE_BYTES, ClientConfig, ReadLog, RequestRecord, _send, arrival_offsets_s,
                              parse_stream, read_records, run_requests, write_records)
 from servelab.target.hosts import free_port
-from servelab.measure.workload import build_text_workload, build_workload, engine_tokenizer, token_pool
+from servelab.measure.workload import build_text_workload, build_workload
 
 pytestmark = pytest.mark.slow            # every test here starts a real engine
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_server):
-    return engine_tokenizer(tiny_server.base_url, "llamacpp", tiny_server.engine.tokenize_path)
-
-
-@pytest.fixture(scope="module")
-def pool(tok):
-    return token_pool(tok)
 
 
 def cfg(srv, **kw):

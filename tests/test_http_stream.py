@@ -11,7 +11,7 @@ import pytest
 
 from servelab.measure.client import ClientConfig, run_requests
 from servelab.measure.http_stream import StreamResponse, dechunk, post_stream, request_head, split_url
-from servelab.measure.workload import build_text_workload, build_workload, engine_tokenizer, request_body, token_pool
+from servelab.measure.workload import build_text_workload, build_workload, request_body
 from servelab.target.hosts import free_port
 
 
@@ -31,16 +31,6 @@ def test_bad_input_is_refused_before_anything_is_sent():
     head = request_head("127.0.0.1", 8000, "/v1/completions?x=1", {"Authorization": "Bearer k", "Host": "evil"}, 5)
     assert head.startswith(b"POST /v1/completions?x=1 HTTP/1.1\r\nHost: 127.0.0.1:8000\r\nContent-Length: 5\r\n")
     assert b"Host: evil" not in head and head.endswith(b"Authorization: Bearer k\r\n\r\n")
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_server):
-    return engine_tokenizer(tiny_server.base_url, "llamacpp", tiny_server.engine.tokenize_path)
-
-
-@pytest.fixture(scope="module")
-def pool(tok):
-    return token_pool(tok)
 
 
 def cfg(srv, **kw):
@@ -95,6 +85,27 @@ def test_dechunk_keeps_every_payload_byte_with_the_read_that_delivered_it(tiny_s
         assert dict(zip(t2, d2)) == expected and len(t2) == len(expected)
 
 
+def one_shot(specs, reply: bytes):
+    """Send ``specs[0]`` through the raw transport to a loopback server that accepts once, reads the request,
+    writes ``reply`` and closes; returns the record."""
+    srv = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        c, _ = srv.accept()
+        c.recv(65536)
+        if reply:
+            c.sendall(reply)
+        c.close()
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        return run_requests(specs, ClientConfig(f"http://127.0.0.1:{srv.getsockname()[1]}", "tiny",
+                                                transport="raw")).records[0]
+    finally:
+        t.join(5)
+        srv.close()
+
+
 @pytest.mark.slow
 def test_raw_transport_error_kinds(tiny_server, pool):
     too_long = build_workload("x", 1, 3000, 4, pool, seed=1).requests     # > 2048 tokens of a slot
@@ -106,35 +117,12 @@ def test_raw_transport_error_kinds(tiny_server, pool):
     r = run_requests(slow, cfg(tiny_server, transport="raw", timeout_s=0.05)).records[0]
     assert r.error_kind == "timeout" and not r.ok
     # a server that accepts, reads and closes without a response head: a connection error, not a hang
-    srv = socket.create_server(("127.0.0.1", 0))
-    port = srv.getsockname()[1]
-
-    def close_at_once():
-        c, _ = srv.accept()
-        c.recv(65536)
-        c.close()
-    t = threading.Thread(target=close_at_once, daemon=True)
-    t.start()
-    r = run_requests(too_long, ClientConfig(f"http://127.0.0.1:{port}", "tiny", transport="raw")).records[0]
-    t.join(5)
-    srv.close()
+    r = one_shot(too_long, b"")
     assert r.error_kind == "connection" and "before a response head" in r.error
     # a server that dies mid-stream (one SSE chunk, then the connection closes without the terminal chunk): a
     # connection error, and the chunk that came is kept
-    srv = socket.create_server(("127.0.0.1", 0))
-    port = srv.getsockname()[1]
     event = b'data: {"choices":[{"text":"a","index":0}]}\n\n'
-
-    def die_mid_stream():
-        c, _ = srv.accept()
-        c.recv(65536)
-        c.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
-                  + b"%x\r\n" % len(event) + event + b"\r\n")
-        c.close()
-    t = threading.Thread(target=die_mid_stream, daemon=True)
-    t.start()
-    r = run_requests(too_long, ClientConfig(f"http://127.0.0.1:{port}", "tiny", transport="raw")).records[0]
-    t.join(5)
-    srv.close()
+    r = one_shot(too_long, b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                 + b"%x\r\n" % len(event) + event + b"\r\n")
     assert (r.error_kind, r.http_status, r.ok) == ("connection", 200, False)
     assert "before the end of the chunked body" in r.error and r.chunk_text == ["a"]

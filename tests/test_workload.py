@@ -6,18 +6,7 @@ import pytest
 
 from servelab.measure.client import ClientConfig, run_requests
 from servelab.target.server import http_json
-from servelab.measure.workload import (RequestSpec, WorkloadError, build_text_workload, build_workload, engine_tokenizer,
-                               exact_text, request_body, token_pool)
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_server):
-    return engine_tokenizer(tiny_server.base_url, "llamacpp", tiny_server.engine.tokenize_path)
-
-
-@pytest.fixture(scope="module")
-def pool(tok):
-    return token_pool(tok)
+from servelab.measure.workload import (RequestSpec, WorkloadError, build_text_workload, build_workload, exact_text, request_body)
 
 
 @pytest.mark.slow

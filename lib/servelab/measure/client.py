@@ -43,6 +43,7 @@ from typing import Any, Awaitable, Callable, TypeVar
 
 import numpy as np
 
+from servelab.measure.http_stream import StreamResponse, dechunk, post_stream, quickack_arm
 from servelab.measure.workload import RequestSpec, request_body
 
 READ_BUFSIZE_BYTES = 16 * 1024 * 1024
@@ -63,7 +64,7 @@ class ClientConfig:
     request_id_prefix: str = "servelab"
     progress: bool = False
     keep_fields: tuple[str, ...] = ()        # top-level event fields kept per chunk (e.g. a server timestamp)
-    tcp_quickack: bool = True                # ACK every read at once (see _quickack)
+    tcp_quickack: bool = True                # ACK every read at once (see http_stream.quickack_arm)
     # the HTTP transport: "aiohttp"; "raw" (measure.http_stream: reads timestamped in the protocol's
     # data_received, plain http:// only); "auto": raw for http://, aiohttp for https://
     transport: str = "auto"
@@ -192,7 +193,6 @@ class ReadLog:
         records are parsed, after the wave, never while other streams are still arriving."""
         if not self.chunked:
             return self
-        from servelab.measure.http_stream import dechunk
         out = ReadLog()
         out.ts, out.data = dechunk(self.ts, self.data)
         return out
@@ -302,40 +302,17 @@ def parse_stream(rec: RequestRecord, reads: Any, api: str, keep: tuple[str, ...]
 # ---------------------------------------------------------------- sending
 
 def _quickack(resp: Any) -> tuple[Callable[[], None], Callable[[], None]] | None:
-    """(re-arm TCP_QUICKACK on the response's socket, release) on Linux, or None.
-
-    A server that writes small SSE chunks without TCP_NODELAY (llama.cpp's cpp-httplib) has each write held
-    by Nagle until the previous segment is ACKed, and Linux delays ACKs up to 200 ms: measured here, a
-    64-token prompt on the tiny model got its first chunk after ~280 ms instead of ~3 ms. Quick-ACKing
-    every read removes that client-side artifact; the flag is one-shot, so it is set again after each read
-    (one setsockopt). The option is set through one duplicate of the socket's descriptor made per response
-    (same socket; closed by ``release``): uvloop's transport hands out a stand-in whose every ``setsockopt``
-    builds and detaches a new ``socket.socket`` — measured, that doubled the per-read cost of the re-arm.
-    Servers with TCP_NODELAY (uvicorn: SGLang, vLLM) are unaffected.
-    """
-    import os
-    import socket
-    if not hasattr(socket, "TCP_QUICKACK"):
-        return None
+    """(re-arm TCP_QUICKACK, release) for an aiohttp response's socket, or None (``http_stream.quickack_arm``)."""
     try:
-        sock = resp.connection.transport.get_extra_info("socket")
-        dup = socket.socket(fileno=os.dup(sock.fileno()))
-    except (AttributeError, OSError):
+        transport = resp.connection.transport
+    except AttributeError:
         return None
-    setopt, level, opt = dup.setsockopt, socket.IPPROTO_TCP, socket.TCP_QUICKACK
-
-    def arm() -> None:
-        try:
-            setopt(level, opt, 1)
-        except OSError:
-            pass
-    return arm, dup.close
+    return quickack_arm(transport)
 
 
 async def _send_raw(spec: RequestSpec, cfg: ClientConfig, rec: RequestRecord, reads: ReadLog) -> None:
     """The raw transport (``measure.http_stream``): every read timestamped in the protocol's ``data_received``;
     the chunked framing is undone when the records are parsed (``ReadLog.body``), after the wave."""
-    from servelab.measure.http_stream import StreamResponse, post_stream
     body = json.dumps(request_body(spec, cfg.engine, cfg.api, cfg.model, cfg.extra_body)).encode()
     headers = {"Content-Type": "application/json", "X-Request-ID": rec.request_id, **cfg.headers}
     resp = StreamResponse()
