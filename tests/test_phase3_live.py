@@ -56,11 +56,13 @@ def test_phase3_captures_four_scenarios_live_and_answers_q10_from_the_mixed_one(
         if (rdir / "phase3" / "rejected-captures").is_dir() else []
     assert int(rows[1]["attempts"]) == 1 + len(aside) and rows[1]["set_aside"].count("attempt ") == len(aside)
     for d in aside:
-        assert "ran outside the" in (d / "rejected.txt").read_text() and (d / "case" / "requests.jsonl").is_file()
+        why = (d / "rejected.txt").read_text()
+        assert ("ran outside the" in why or "no decode in flight" in why) and (d / "case" / "requests.jsonl").is_file()
     assert [p.name for p in (rdir / "cases").iterdir() if "mixed" in p.name] == ["M1-profile--profile-mixed_treatment"]
     # the real check: the kept mixed capture has its prefill inside the traced steps; a decode-only capture does not
-    kept = SimpleNamespace(scenario=SimpleNamespace(name="mixed_treatment", inject_isl_tokens=1536),
-                           profiles=rdir / "cases" / "M1-profile--profile-mixed_treatment" / "profiles")
+    from servelab.measure.capture import capture_scenarios
+    mixed = capture_scenarios("local")[1]
+    kept = SimpleNamespace(scenario=mixed, profiles=rdir / "cases" / "M1-profile--profile-mixed_treatment" / "profiles")
     from servelab.phases.phase3_timeline import mixed_window_check as real_check
     assert real_check(kept) == ""
     # the decode-control capture, checked as if it were the mixed one: refused unless a replacement background
@@ -72,7 +74,10 @@ def test_phase3_captures_four_scenarios_live_and_answers_q10_from_the_mixed_one(
     assert len(names) == 1
     from servelab.analyse.trace import analyse
     steps = [str(n) for n in analyse(decode_only.profiles).windows["name"].to_list()]
-    prefilled = any(int(m.group(1)) > 0 for n in steps for m in [re.search(r"execute_context_\d+\((\d+)\)", n)] if m)
+    def injected(name: str) -> bool:      # more prompt tokens per prefilled request than a background prompt has
+        m = re.search(r"execute_context_(\d+)\((\d+)\)", name)
+        return bool(m) and int(m.group(2)) / max(int(m.group(1)), 1) > mixed.isl_tokens
+    prefilled = any(injected(n) for n in steps)
     assert steps and (real_check(decode_only) == "") == prefilled
     if not prefilled:
         assert "ran outside the" in real_check(decode_only)
@@ -83,14 +88,15 @@ def test_phase3_captures_four_scenarios_live_and_answers_q10_from_the_mixed_one(
     assert q["Q10"]["answerable"] == "true" and "prefill" in q["Q10"]["answer"]
     stalls = list(csv.DictReader(open(rdir / "phase3" / "trace_stalls.csv")))
     pre = [s for s in stalls if s["cause"] == "prefill"]
-    assert pre and all("execute_context_1(1536)" in s["steps"] for s in pre)
+    inj = [n for n in (str(x) for x in analyse(kept.profiles).windows["name"].to_list()) if injected(n)]
+    assert pre and inj and any(inj[0] in s["steps"] for s in pre)
     background = {r.request_id for r in read_records(rdir / "cases" / "M1-profile--profile-mixed_treatment"
                                                      / "requests.jsonl") if r.role == "background"}
     assert {s["request_id"] for s in pre} <= background and len({s["request_id"] for s in pre}) >= 2
     split = {r["role"]: r for r in csv.DictReader(open(rdir / "phase3" / "trace_ttft_split.csv"))}
     assert split["inject"]["identified"] == "true" and float(split["inject"]["delivery_ms"]) >= 0
     page = (rdir / "phase3" / "report.html").read_text()
-    assert "execute_context_1(1536)_generation_8(8)" in page and "prefix_hit" in page
+    assert inj[0] in page and "prefix_hit" in page
 
 
 @pytest.mark.slow

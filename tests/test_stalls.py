@@ -216,3 +216,56 @@ def test_the_causality_check_allows_the_offsets_uncertainty_and_no_more(live, tm
     inj = oc.ttft.filter(pl.col("role") == "inject").row(0, named=True)
     assert not inj["identified"]
     assert "no later than 0.500 ms" in oc.clock["bound"] and "cannot be bounded" in oc.clock["bound"]
+
+
+def _renamed_step(tmp_path, old: str, new: str):
+    """The real capture with one step annotation renamed in its trace (what the engine would have written had that
+    step computed something else)."""
+    import gzip
+    import shutil
+    case = tmp_path / "case"
+    shutil.copytree(SAMPLE, case)
+    renamed = 0
+    for f in (case / "profiles").rglob("*.json.gz"):
+        text = gzip.open(f).read().decode()
+        renamed += text.count(old)
+        f.write_bytes(gzip.compress(text.replace(old, new).encode()))
+    assert renamed
+    return case
+
+
+def test_the_mixed_window_check_wants_the_injected_prefill_not_a_background_one(tmp_path):
+    """A kept mixed capture must trace the injected 1536-token prefill; a replacement background stream's 128-token
+    prefill in the window does not answer Q10, so that capture is refused (and captured again)."""
+    from types import SimpleNamespace
+    from servelab.measure.capture import capture_scenarios
+    from servelab.phases.phase3_timeline import mixed_window_check
+    mixed = capture_scenarios("local")[1]
+    assert (mixed.name, mixed.isl_tokens, mixed.inject_isl_tokens) == ("mixed_treatment", 128, 1536)
+    assert mixed_window_check(SimpleNamespace(scenario=mixed, profiles=SAMPLE / "profiles")) == ""
+    step = "execute_context_1(1536)_generation_8(8)"
+    for name, refused in [("execute_context_1(128)_generation_8(8)", True),       # a background prompt
+                          ("execute_context_2(256)_generation_7(7)", True),       # two of them
+                          ("execute_context_1(512)_generation_8(8)", False),      # a chunk of the injected one
+                          ("execute_context_2(1664)_generation_7(7)", False)]:    # injected + background together
+        case = _renamed_step(tmp_path / name, step, name)
+        why = mixed_window_check(SimpleNamespace(scenario=mixed, profiles=case / "profiles"))
+        assert (why != "") == refused, (name, why)
+        if refused:
+            assert why.startswith("its injected 1536-token prefill ran outside the 32 traced steps") \
+                and "1 traced step(s) prefilled only background prompts of 128 tokens" in why
+    # the prefill as a step of its own, decodes waiting on it (SGLang's EXTEND): a decode step just before it
+    case = _renamed_step(tmp_path / "own-step", step, "execute_context_1(1536)_generation_0(0)")
+    assert mixed_window_check(SimpleNamespace(scenario=mixed, profiles=case / "profiles")) == ""
+    # a real capture on a loaded host: the background had ended during /start_profile, the prefill ran first, alone
+    idle = samples_root() / "vllm-cpu-mixed-no-decode"
+    first = analyse(idle / "profiles", cache_dir=tmp_path / "cache").windows.sort("cpu_start_ns")["name"][0]
+    assert first == "execute_context_1(1536)_generation_0(0)"
+    why = mixed_window_check(SimpleNamespace(scenario=mixed, profiles=idle / "profiles"))
+    assert why.startswith("its injected 1536-token prefill ran with no decode in flight"), why
+    recs = read_records(idle / "requests.jsonl")
+    inject = next(r for r in recs if r.role == "inject")
+    assert not [r for r in recs if r.role == "background" and r.send_wall_ns < inject.send_wall_ns
+                and r.end_ns + r.wall_offset_ns > inject.send_wall_ns]       # the client saw it the same way
+    other = SimpleNamespace(scenario=capture_scenarios("local")[0], profiles=SAMPLE / "profiles")
+    assert mixed_window_check(other) == ""          # only the mixed scenario is checked

@@ -305,22 +305,39 @@ def live_capture(ctx: Any, capture: bool, trace_dir: str) -> tuple[str, pd.DataF
 
 
 def mixed_window_check(cap: Any) -> str:
-    """Why a captured mixed scenario cannot show its injected prefill ("" when it can, for every other scenario,
-    and when the trace's step names say nothing of prefill tokens): the prefill must run inside the traced steps.
-    It misses them when the engine runs the whole step window (32 steps, ~0.1 s on a CPU engine) before the
-    request reaches it — on a loaded host. The analysis caches the trace's columns, so the page's own analysis of
-    the same capture reads them back."""
+    """Why a captured mixed scenario cannot show its injected prefill delaying decode ("" when it can, for every
+    other scenario, and when the trace's step names say nothing of prefill tokens). The injected prefill must run
+    inside the traced steps — a replacement background stream's short prefill there does not count — and with
+    decode in flight: decode requests in its own step, or a decode step just before it. It misses the window when
+    the engine runs all its steps (32, ~0.1 s on a CPU engine) before the request reaches it, and finds no decode
+    when the background streams ended during a slow ``/start_profile`` — both on a loaded host. The analysis
+    caches the trace's columns, so the page's own analysis of the same capture reads them back."""
     if cap.scenario.name != "mixed_treatment":
         return ""
     try:
         steps = engine_steps(analyse(cap.profiles).windows)
     except (OSError, ValueError):
         return ""                     # an unreadable trace is reported by the page's own analysis
-    known = steps.filter(pl.col("prefill_tokens").is_not_null()) if steps.height else steps
-    if known.height == 0 or known.filter(pl.col("prefill_tokens") > 0).height:
+    if steps.height == 0 or steps.filter(pl.col("prefill_tokens").is_not_null()).height == 0:
         return ""
-    return (f"its injected {cap.scenario.inject_isl_tokens}-token prefill ran outside the {steps.height} traced "
-            "steps (the engine ran the whole window before the request reached it)")
+    isl, inj = cap.scenario.isl_tokens, cap.scenario.inject_isl_tokens
+    # more prompt tokens per prefilled request in one step than a background prompt has: the injected prompt (a
+    # chunked one too, one chunk per step)
+    per_req = pl.col("prefill_tokens") / pl.col("prefill_reqs").fill_null(1).clip(lower_bound=1)
+    decoding = (pl.col("decode_reqs").fill_null(0) > 0) | (pl.col("prefill_tokens") == 0)
+    steps = steps.sort("rank", "start_ns").with_columns(
+        injected=(per_req > isl).fill_null(False),
+        with_decode=(pl.col("decode_reqs").fill_null(0) > 0) | decoding.shift(1).over("rank").fill_null(False))
+    hits = steps.filter(pl.col("injected"))
+    if hits.filter(pl.col("with_decode")).height:
+        return ""
+    if hits.height:
+        return (f"its injected {inj}-token prefill ran with no decode in flight (none in its step or the one before "
+                "it: the background streams had ended), so it delayed nothing")
+    small = steps.filter(pl.col("prefill_tokens") > 0).height
+    return (f"its injected {inj}-token prefill ran outside the {steps.height} traced steps (the engine ran the "
+            "whole window before the request reached it)"
+            + (f"; {small} traced step(s) prefilled only background prompts of {isl} tokens" if small else ""))
 
 
 def _verdict_text(case_dir: Path) -> str:
