@@ -101,34 +101,30 @@ def test_an_interrupted_verdict_goes_with_an_interrupted_status():
     assert summary_problems({**base, "status": "INTERRUPTED", "verdict": verdict("INTERRUPTED", [])})
 
 
+@pytest.fixture
+def sigint_raises():
+    """SIGINT raises KeyboardInterrupt in this process, as at a terminal — also where the suite was started with
+    SIGINT ignored (a background job of a non-interactive shell inherits SIG_IGN, and Python then installs no
+    handler, so a self-sent SIGINT would do nothing)."""
+    import signal
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
+
+
 @pytest.mark.slow
 @pytest.mark.flaky(reruns=2, reruns_delay=5)   # timing under CPU contention (2 shared cores): see pyproject
-def test_ctrl_c_mid_case_keeps_the_received_records(tiny_server, tmp_path):
+def test_ctrl_c_mid_case_keeps_the_received_records(tiny_server, tmp_path, sigint_raises):
     """A real SIGINT while a case measures on the real llama-server (once its first records are on disk): the case
     folder keeps them, says INTERRUPTED, the matrix stops with STOPPED_BY_USER, summary.csv has the row, and a
     resumed matrix runs the case again."""
-    import os
-    import signal
-    import threading
-    import time
     from servelab.measure.case_record import read_summary
     from servelab.measure.client import read_records
     from servelab.measure.matrix import dispatch_case
     env = cs.make_env(tiny_server, tmp_path / "run", repeats=3)
     cases = [cs.CaseSpec("D1", "D1", "decode", 32, 200, 1, 4, False)]
     path = env.run_dir / "cases" / "D1" / "requests.jsonl"
-    fired = threading.Event()
-
-    def interrupt_once_records_land() -> None:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if path.is_file() and path.read_text().count("\n") >= 1:
-                fired.set()
-                os.kill(os.getpid(), signal.SIGINT)
-                return
-            time.sleep(0.02)
-
-    threading.Thread(target=interrupt_once_records_land, daemon=True).start()
+    fired = _sigint_when_records_land(path, 1)
     mr = cs.run_matrix(env, cases, case_runner=dispatch_case)
     assert fired.is_set(), "no record reached the disk while the case ran"
     assert mr.aborted == "STOPPED_BY_USER during D1" and mr.not_executed == ["D1"]
@@ -286,7 +282,7 @@ def _sigint_when_records_land(path: Path, min_lines: int = 1):
 
 @pytest.mark.slow
 @pytest.mark.flaky(reruns=2, reruns_delay=5)   # timing under CPU contention (2 shared cores): see pyproject
-def test_ctrl_c_mid_phase8_point_keeps_its_records(tiny_server, tmp_path):
+def test_ctrl_c_mid_phase8_point_keeps_its_records(tiny_server, tmp_path, sigint_raises):
     """The same for a Phase 8 hit-rate point (its own client loop: streams of requests)."""
     from servelab.analyse.prefix_cache import HitPoint
     from servelab.measure.case_record import read_summary
