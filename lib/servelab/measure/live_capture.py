@@ -227,17 +227,21 @@ def mixed_drive(drive: Drive, scenario: ProfileScenario, pool: _Pool, trace_dir:
     injected: list[threading.Thread] = []
     spec = None
 
-    def inject(decoding: int, waited_s: float) -> None:
-        if not injected and (decoding >= scenario.concurrency or waited_s >= INJECT_WAIT_S):
+    def send_inject() -> None:
+        if not injected:
             drive.mark("inject_sent")
             injected.append(drive.thread(spec))
+
+    def inject(decoding: int, waited_s: float) -> None:
+        if decoding >= scenario.concurrency or waited_s >= INJECT_WAIT_S:
+            send_inject()
 
     def run(start: Callable[[], Any]) -> Drive:
         nonlocal spec
         spec = pool.specs(1, scenario.inject_isl_tokens, scenario.inject_osl_tokens, "inject")[0]
         _streams_until_trace(drive, scenario, pool, trace_dir, prefix, start, keep_alive_s, inject)
-        inject(scenario.concurrency, INJECT_WAIT_S)   # the window closed first (a slow /start_profile): sent late,
-        for t in injected:                          # the capture's check says its prefill is not in the trace
+        send_inject()     # the window closed first (a slow /start_profile): sent late, the check refuses the capture
+        for t in injected:
             t.join(600)
         return drive
     return run

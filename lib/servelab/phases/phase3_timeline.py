@@ -324,10 +324,11 @@ def mixed_window_check(cap: Any) -> str:
     # more prompt tokens per prefilled request in one step than a background prompt has: the injected prompt (a
     # chunked one too, one chunk per step)
     per_req = pl.col("prefill_tokens") / pl.col("prefill_reqs").fill_null(1).clip(lower_bound=1)
-    decoding = (pl.col("decode_reqs").fill_null(0) > 0) | (pl.col("prefill_tokens") == 0)
+    has_decode = pl.col("decode_reqs").fill_null(0) > 0
+    decode_step = has_decode | (pl.col("prefill_tokens") == 0)
     steps = steps.sort("rank", "start_ns").with_columns(
         injected=(per_req > isl).fill_null(False),
-        with_decode=(pl.col("decode_reqs").fill_null(0) > 0) | decoding.shift(1).over("rank").fill_null(False))
+        with_decode=has_decode | decode_step.shift(1).over("rank").fill_null(False))
     hits = steps.filter(pl.col("injected"))
     if hits.filter(pl.col("with_decode")).height:
         return ""
