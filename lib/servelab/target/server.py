@@ -199,7 +199,10 @@ def start_server(target: Target, log_dir: Path, tracker: hostlib.ProcessTracker,
             plan.argv = c.argv               # srv.plans show what ran: this start's name and env file
             note = f"environment in a mode-0600 env file, removed at stop: {', '.join(plan.container.env) or 'none'}"
         else:
+            _private_ipc_dir(engine, plan, hosts[plan.node], tracker)
             h = tracker.start(hosts[plan.node], plan.argv, log, env=plan.env, what=f"{target.engine} {plan.role}")
+            if engine.ipc_dir_env in plan.env and engine.ipc_dir_env not in target.env:
+                note = f"{engine.ipc_dir_env}: a private folder for this start's socket files, removed at stop"
         handles[plan.node], logs[plan.node] = h, str(log)
         if run_dir is not None:
             record_command(run_dir, CommandRecord(label="executed", argv=argv, phase=phase,
@@ -262,6 +265,22 @@ def prepare_nodes(target: Target, hosts: dict[str, Any], run_dir: Path | None = 
         update_manifest(run_dir, **({"swept": swept} if swept else {}), **({"host_keys": keys} if keys else {}))
 
 
+IPC_CLEANUP = "engine-ipc"       # tracker clean-up steps that remove a start's IPC folder: "engine-ipc NODE PATH"
+
+
+def _private_ipc_dir(engine: Any, plan: LaunchPlan, host: Any, tracker: hostlib.ProcessTracker) -> None:
+    """Where the engine names a variable for its IPC socket folder (vLLM: ``VLLM_RPC_BASE_PATH``) and the
+    target leaves it unset: a private folder on the node for this start (``mktemp -d`` in its ``$TMPDIR``, a short
+    path: a unix socket's name is limited to 107 bytes), removed when the server stops. Without it every start
+    leaves its socket files in the node's temp folder. Docker plans need none: the container's /tmp goes with it."""
+    var = engine.ipc_dir_env
+    if not var or var in plan.env or not hasattr(host, "private_dir"):
+        return
+    path = host.private_dir()
+    plan.env = {**plan.env, var: path}
+    tracker.on_exit(f"{IPC_CLEANUP} {plan.node} {path}", lambda: host.remove_private_dir(path))
+
+
 def _private_log_dirs(target: Target, hosts: dict[str, Any], tracker: hostlib.ProcessTracker, log_dir: Path,
                       logs: dict[str, str]) -> dict[str, str]:
     """A private folder per SSH node for this start (``mktemp -d`` under the node's workdir or ``$TMPDIR``); at
@@ -303,7 +322,9 @@ def stop_server(srv: RunningServer, tracker: hostlib.ProcessTracker, run_dir: Pa
     workers = [n for n in srv.handles if n != head]
     if workers:
         hostlib.fan_out([srv.hosts[n] for n in workers], lambda h: tracker.stop(srv.handles[h.name]))
-    for name in [c[0] for c in tracker.cleanups if c[0].startswith("workdir ")]:
+    var = srv.engine.ipc_dir_env
+    ipc = {f"{IPC_CLEANUP} {p.node} {p.env[var]}" for p in srv.plans if var and var in p.env}
+    for name in [c[0] for c in tracker.cleanups if c[0].startswith("workdir ") or c[0] in ipc]:
         tracker.run_cleanup(name)        # logs copied back, the nodes' private folders removed
     cleanup = verify_cleanup(srv)
     released = bool(cleanup["port_free"].all()) if len(cleanup) else None

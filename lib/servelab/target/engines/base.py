@@ -125,6 +125,9 @@ class EngineAdapter:
     stop_profile_path: str | None = None
     version_paths: tuple[str, ...] = ()
     slots_path: str | None = None          # per-slot state (prompt progress, KV tokens held), polled while a case runs
+    # the variable naming where the engine creates its IPC socket files (default: the node's temp folder, where
+    # they outlive the process); start_server points it at a private folder per start and removes it at stop
+    ipc_dir_env: str = ""
     metric_names: dict[str, str] = {}      # our name -> engine's Prometheus series name
     log_markers: dict[str, str] = {}       # event -> regex over the server log
     # Phase 7: the one-variable sweep that means something on this engine (first value = its default = the

@@ -46,6 +46,7 @@ class VLLMAdapter(EngineAdapter):
     health_path = "/health"
     flush_cache_path = "/reset_prefix_cache"     # mounted only with VLLM_SERVER_DEV_MODE=1
     start_profile_path = "/start_profile"        # mounted only with a profiler config
+    ipc_dir_env = "VLLM_RPC_BASE_PATH"          # ZMQ ipc:// sockets between API server and engine core
     api_key_env_var = "VLLM_API_KEY"             # read by vllm's API server when --api-key is not given
 
     def dev_endpoints(self, target: Any) -> list[str]:
