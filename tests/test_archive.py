@@ -134,8 +134,12 @@ def test_zip_and_root_index(outputs):
     rdir = runlib.init_run("zipme", "local-tiny")
     (rdir / "phase0").mkdir()
     (rdir / "phase0" / "report.html").write_text("<html>ok</html>")
+    prepared = rdir / "phase3" / "traces" / ".servelab_cache" / "r0.trace.json.gz.v1.parquet.prepared" / "k"
+    prepared.mkdir(parents=True)
+    (prepared / "meta.json").write_text("{}")         # the trace analysis's caches stay out of the bundle
     out = zip_run(rdir)
     names = zipfile.ZipFile(out).namelist()
+    assert not [n for n in names if ".servelab_cache" in n]
     assert "zipme/index.html" in names and "zipme/manifest.json" in names and "zipme/phase0/report.html" in names
     root = write_root_index(outputs).read_text()
     assert 'href="zipme/index.html"' in root

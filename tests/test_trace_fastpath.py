@@ -138,3 +138,74 @@ def test_streaming_analysis_gives_the_same_tables(tmp_path: Path):
     assert all(t.events.height == 0 for t in lean.capture.ranks)
     t0, t1 = full.capture.ranks[0], lean.capture.ranks[0]
     assert t1.reload_events().equals(t0.events)
+
+
+TABLES = ("ranks", "windows", "window_metrics", "summary", "breakdown", "top_kernels", "gaps", "gap_summary",
+          "graph", "launch", "device_busy", "cpu_threads", "collective_skew", "step_skew", "pp", "nccl",
+          "interference", "census", "comm_by_collective", "stages", "stage_steps")
+
+
+def _same_tables(a, b) -> None:
+    from servelab.analyse.trace.actions import evidence_actions
+    from servelab.analyse.trace.questions import ten_questions
+    for name in TABLES:
+        x, y = getattr(a, name), getattr(b, name)
+        if "load_s" in x.columns:
+            x, y = x.drop("load_s", "from_cache"), y.drop("load_s", "from_cache")
+        assert_frame_equal(x, y, check_exact=False, rel_tol=1e-9, abs_tol=1e-9), name
+    assert a.slow_rank == b.slow_rank
+    assert_frame_equal(ten_questions(a), ten_questions(b), check_exact=False)
+    assert_frame_equal(evidence_actions(a), evidence_actions(b), check_exact=False)
+
+
+@pytest.mark.parametrize("sample", ["h200x2", "h200x2-pp2"])
+def test_prepared_cache_gives_the_same_tables_without_reading_events(tmp_path: Path, sample: str):
+    """A second analysis reads each rank's prepared tables from the cache, never its events, and every table,
+    answer and action equals an analysis with no cache at all; the events are still there when asked for."""
+    from servelab.analyse.trace import analyse
+    d = ROOT / "data" / "samples" / sample / "traces"
+    ref = analyse(d, cache=False)
+    first = analyse(d, cache_dir=tmp_path)
+    assert all(t.frame is not None for t in first.capture.ranks)
+    second = analyse(d, cache_dir=tmp_path)
+    assert all(t.from_cache and t.frame is None for t in second.capture.ranks)    # events never read
+    _same_tables(ref, first)
+    _same_tables(ref, second)
+    streamed = analyse(d, cache_dir=tmp_path, keep_events=False)
+    assert all(t.frame is None for t in streamed.capture.ranks)
+    _same_tables(ref, streamed)
+    t = second.capture.ranks[0]
+    assert t.events.equals(ref.capture.ranks[0].events) and t.n_events is None      # read on first use
+    entries = list(tmp_path.glob("*.prepared/*"))
+    assert len(entries) == len(ref.capture.ranks) and all((e / "meta.json").exists() for e in entries)
+
+
+def test_prepared_cache_key_follows_rules_regex_and_the_trace(tmp_path: Path):
+    """Another step regex or kernel rule, a rewritten trace or an incomplete entry is never read as a hit:
+    the tables are prepared again (and equal a cache-free analysis); one entry per trace is kept."""
+    import os
+    import shutil
+    from servelab.analyse.trace import analyse
+    d = tmp_path / "traces"
+    shutil.copytree(ROOT / "data" / "samples" / "h200x2" / "traces", d)
+    cache = tmp_path / "cache"
+    analyse(d, cache_dir=cache)
+
+    def hits(**kw) -> list[bool]:
+        a = analyse(d, cache_dir=cache, **kw)
+        _same_tables(analyse(d, cache=False, **kw), a)
+        return [t.frame is None for t in a.capture.ranks]
+
+    assert hits() == [True, True]
+    rule = [("communication", "AllGather", r"^ncclDevKernel_AllGather")]
+    assert hits(extra_rules=rule) == [False, False] and hits(extra_rules=rule) == [True, True]
+    regex = r"^(?:decode|prefill)_step"
+    assert hits(window_regex=regex) == [False, False] and hits(window_regex=regex) == [True, True]
+    assert all(len(list(p.iterdir())) == 1 for p in cache.glob("*.prepared"))    # the older entries removed
+    assert hits() == [False, False]          # so the default key is prepared again
+    f = sorted(d.glob("*.trace.json.gz"))[0]
+    os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 1_000_000_000))
+    assert hits() == [False, True]            # the touched rank is parsed and prepared again
+    for meta in cache.glob("*.prepared/*/meta.json"):
+        meta.unlink()                        # an entry cut short before its meta.json: not a hit
+    assert hits() == [False, False] and hits() == [True, True]

@@ -27,7 +27,7 @@ def h200(h200x2: Path, tmp_path_factory: pytest.TempPathFactory):
 
 def _shifted(trace, shift_ns: int, node: str, **ident):
     ev = trace.events.with_columns(pl.col("ts_ns") + shift_ns)
-    return dataclasses.replace(trace, events=ev,
+    return dataclasses.replace(trace, frame=ev,
                                identity=dataclasses.replace(trace.identity, node=node, **ident))
 
 
@@ -67,7 +67,7 @@ def test_unmatched_noise_is_flagged(h200):
     idx = ev.filter(is_comm)["_i"].to_list()
     noise = {i: rnd.randint(-2_000_000, 2_000_000) for i in idx}
     ev = ev.with_columns(pl.col("ts_ns") + pl.col("_i").replace_strict(noise, default=0)).drop("_i")
-    noisy = dataclasses.replace(t1, events=ev)
+    noisy = dataclasses.replace(t1, frame=ev)
     same_node = R.align_ranks([prepare_rank(h200.ranks[0]), prepare_rank(noisy)])
     assert same_node.alignment_ok and same_node.offsets_ns == {0: 0, 1: 0}
     assert any("disagrees" in n for n in same_node.notes)
@@ -103,7 +103,7 @@ def test_no_fixed_slow_rank_on_h200_but_an_injected_one_is_found(h200):
     ev = t1.events.with_columns(
         pl.when((pl.col("cat") == "kernel") & pl.col("name").cast(pl.String).str.starts_with("nccl"))
         .then(pl.col("ts_ns") + 300_000).otherwise(pl.col("ts_ns")).alias("ts_ns"))
-    slow = [rops[0], prepare_rank(dataclasses.replace(t1, events=ev))]
+    slow = [rops[0], prepare_rank(dataclasses.replace(t1, frame=ev))]
     cs2 = R.collective_skew(slow, R.align_ranks(slow))
     verdict = R.slow_rank(cs2, None, 2)
     assert verdict["slow_rank"] == 1 and "arrives last" in verdict["evidence"]

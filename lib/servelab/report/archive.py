@@ -198,6 +198,9 @@ def _lessons_html(m: dict[str, Any]) -> str:
             "<th>started</th><th>status</th><th>what failed</th><th>parameters</th></tr>" + rows + "</table>")
 
 
+CACHE_PARTS = {"__pycache__", ".servelab_cache"}     # folders a bundle leaves out: caches, rebuilt on demand
+
+
 def zip_run(run_dir: Path, out: Path | None = None, known: Iterable[str] | None = None) -> Path:
     """One shareable bundle of a run: pages, tables, manifest, commands, logs (no caches).
 
@@ -211,7 +214,7 @@ def zip_run(run_dir: Path, out: Path | None = None, known: Iterable[str] | None 
     out = out or run_dir.parent / f"{run_dir.name}.zip"
     with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_DEFLATED) as z:
         for f in sorted(run_dir.rglob("*")):
-            if f.is_file() and not f.is_symlink() and "__pycache__" not in f.parts and f.suffix != ".parquet":
+            if f.is_file() and not f.is_symlink() and not CACHE_PARTS & set(f.parts) and f.suffix != ".parquet":
                 arc = str(Path(run_dir.name) / f.relative_to(run_dir))
                 if not is_text_file(f) or f.stat().st_size > MAX_SCRUB_BYTES:
                     z.write(f, arc)               # traces, images: binary, streamed as they are

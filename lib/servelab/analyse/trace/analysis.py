@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
-import numpy as np
 import polars as pl
 
 from servelab.analyse.trace import metrics as M
 from servelab.analyse.trace import nccl as N
+from servelab.analyse.trace import prepared as P
 from servelab.analyse.trace import ranks as R
 from servelab.analyse.trace import stages as S
 from servelab.analyse.trace.load import Capture, load_capture
@@ -85,28 +85,42 @@ def analyse(capture: Capture | str | Path, *, window_regex: str | None = None, t
     prepared, its event-level tables (CPU threads, census) computed, and its event frame released before the
     next rank is parsed; the cross-rank steps then work on the per-rank op / window / runtime tables only.
     ``RankTrace.reload_events()`` reads a released frame back from the cache.
+
+    With ``cache``, each rank's prepared tables (op table, windows, runtime calls, CPU thread busy, census) are
+    cached beside its event cache (:mod:`~servelab.analyse.trace.prepared`); a rank found there is analysed
+    without reading its events. Every metric is computed again on every call.
     """
     t = {}
     rules = load_rules(extra_rules)
     prepared: dict[int, RankOps] = {}
     per_rank: dict[int, tuple[pl.DataFrame, pl.DataFrame]] = {}
 
+    def prepare(tr, release: bool) -> RankOps:
+        """The rank's op tables and event-level tables: from the prepared cache (its events never read), else
+        built from its events and cached; ``release`` drops the events afterwards (streaming)."""
+        key = P.prepared_key(tr, rules, window_regex) if cache else None
+        hit = P.read_prepared(tr, key)
+        if hit is None:
+            hit = P.Prepared(prepare_rank(tr, rules, window_regex), pl.DataFrame(), None)
+            hit.cpu_threads, hit.census = M.cpu_thread_busy(hit.rops), M.event_census(tr)
+            P.write_prepared(tr, key, hit)
+            if release:
+                tr.release_events()
+        per_rank[id(tr)] = (hit.cpu_threads, hit.census)
+        return hit.rops
+
     def on_rank(tr) -> None:       # streaming: prepare now, keep the event-level tables, drop the events
-        r = prepare_rank(tr, rules, window_regex)
-        per_rank[id(tr)] = (M.cpu_thread_busy(r), _census_rank(tr))
-        tr.release_events()
-        prepared[id(tr)] = r
+        prepared[id(tr)] = prepare(tr, release=True)
 
     stream = not keep_events and not isinstance(capture, Capture)
     t0 = time.perf_counter()
     cap = capture if isinstance(capture, Capture) else load_capture(capture, cache=cache, cache_dir=cache_dir,
                                                                     profile_id=profile_id, nodes=nodes,
-                                                                    workers=workers,
+                                                                    workers=workers, events=not cache,
                                                                     on_rank=on_rank if stream else None)
     t["load"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    rops = [prepared.pop(id(tr)) if id(tr) in prepared else prepare_rank(tr, rules, window_regex)
-            for tr in cap.ranks]
+    rops = [prepared.pop(id(tr)) if id(tr) in prepared else prepare(tr, release=False) for tr in cap.ranks]
     t["prepare"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     all_gaps = [M.gap_intervals(r) for r in rops]
@@ -153,35 +167,10 @@ def census(cap: Capture, done: dict[int, pl.DataFrame] | None = None) -> pl.Data
     already counted while
     streaming (keyed by ``id(trace)``)."""
     done = done or {}
-    parts = [done[id(t)] if id(t) in done else _census_rank(t) for t in cap.ranks]
-    return _concat(parts).sort("rank", "events", descending=[False, True]).select("rank", "ph", "cat", "events",
-                                                                                     "total_ms")
-
-
-def _census_rank(t) -> pl.DataFrame | None:
-    ev = t.events
-    # counting on the categorical codes with numpy: a group_by over millions of rows costs ~10× more
-    ph = ev["ph"].to_physical().to_numpy().astype(np.int64)
-    cat = ev["cat"].to_physical().to_numpy().astype(np.int64)
-    width = int(cat.max()) + 1 if cat.size else 1
-    key = ph * width + cat
-    if key.size == 0:
-        return None
-    if int(key.max()) >= 50_000_000:      # absurd code ranges: fall back to polars
-        return (ev.group_by(pl.col("ph").cast(pl.String), pl.col("cat").cast(pl.String))
-                .agg(pl.len().cast(pl.Int64).alias("events"), (pl.col("dur_ns").sum() / 1e6).alias("total_ms"))
-                .with_columns(pl.lit(t.rank, dtype=pl.Int64).alias("rank")))
-    dur = ev["dur_ns"].fill_null(0).to_numpy()
-    counts = np.bincount(key)
-    ms = np.bincount(key, weights=dur) / 1e6
-    present = np.flatnonzero(counts)
-    first = np.full(counts.size, -1, dtype=np.int64)
-    first[key[::-1]] = np.arange(key.size, dtype=np.int64)[::-1]
-    rows = first[present]
-    return pl.DataFrame({"rank": np.full(present.size, t.rank, dtype=np.int64),
-                         "ph": ev["ph"].gather(rows).cast(pl.String),
-                         "cat": ev["cat"].gather(rows).cast(pl.String),
-                         "events": counts[present].astype(np.int64), "total_ms": ms[present]})
+    parts = [done[id(t)] if id(t) in done else M.event_census(t) for t in cap.ranks]
+    # ties broken by name: the order of categorical codes (how the per-rank counts come out) is per process
+    return (_concat(parts).sort("rank", "events", "ph", "cat", descending=[False, True, False, False])
+            .select("rank", "ph", "cat", "events", "total_ms"))
 
 
 def write_tables(a: CaptureAnalysis, out_dir: str | Path, extra: dict[str, pl.DataFrame] | None = None

@@ -699,29 +699,44 @@ def _apply_distributed_info(ident: RankIdentity, info: dict | None) -> RankIdent
 
 @dataclass
 class RankTrace:
-    """One rank's parsed trace: the event frame, the file's metadata and who wrote it."""
+    """One rank's parsed trace: the event frame, the file's metadata and who wrote it.
+
+    ``frame`` is the event frame in memory; ``None`` while it has not been read (a Parquet cache hit loaded
+    with ``events=False``: the analysis found the rank's prepared tables in the cache and needs no events).
+    :attr:`events` reads it then, so a caller always gets the full frame. ``n_events`` / ``n_kernels`` are set
+    while the frame is not in memory (not read yet, or released by a streaming analysis)."""
     path: Path
     identity: RankIdentity
-    events: pl.DataFrame
+    frame: pl.DataFrame | None
     meta: dict[str, Any] = field(default_factory=dict)
     load_s: float = 0.0
     from_cache: bool = False
     cache_path: Path | None = None
-    n_events: int | None = None          # set when the event frame was released (streaming analysis)
+    n_events: int | None = None          # set while the event frame is not in memory
     n_kernels: int | None = None
+
+    @property
+    def events(self) -> pl.DataFrame:
+        """The event frame (read from the Parquet cache on first use when it was not read at load; an empty
+        frame once released)."""
+        if self.frame is None:
+            self.frame = self.reload_events()
+            self.n_events = self.n_kernels = None
+        return self.frame
 
     def release_events(self) -> None:
         """Drop the event frame (keeping its row and kernel counts): multi-rank analysis streams rank by rank
         and keeps only the per-rank tables; :meth:`reload_events` reads it back from the Parquet cache."""
         if self.n_events is None:
-            self.n_events = self.events.height
-            self.n_kernels = int((self.events["cat"] == "kernel").sum())
-        self.events = self.events.clear()
+            ev = self.events
+            self.n_events = ev.height
+            self.n_kernels = int((ev["cat"] == "kernel").sum())
+        self.frame = self.frame.clear() if self.frame is not None else _empty_events()
 
     def reload_events(self, columns: list[str] | None = None) -> pl.DataFrame:
         """The event frame (only ``columns`` when given): in memory, else from the Parquet cache, else parsed."""
-        if self.n_events is None:
-            return self.events if columns is None else self.events.select(columns)
+        if self.n_events is None and self.frame is not None:
+            return self.frame if columns is None else self.frame.select(columns)
         if self.cache_path is not None and Path(self.cache_path).exists():
             return pl.read_parquet(self.cache_path, columns=columns)
         frame = parse_trace(self.path)[0]
@@ -734,6 +749,10 @@ class RankTrace:
     @property
     def label(self) -> str:
         return self.identity.label
+
+
+def _empty_events() -> pl.DataFrame:
+    return pl.DataFrame(schema=_SCHEMA)
 
 
 def cache_path_for(path: Path, cache_dir: Path | None = None) -> Path:
@@ -759,18 +778,26 @@ def _writable(d: Path) -> bool:
         return False
 
 
-def _stamp(path: Path) -> dict[str, str]:
+def cache_stamp(path: Path) -> dict[str, str]:
+    """What makes a Parquet cache file valid for a trace: its size, mtime and the parser version."""
     st = path.stat()
     return {"size": str(st.st_size), "mtime_ns": str(st.st_mtime_ns), "parser": str(PARSER_VERSION)}
 
 
-def _read_cache(cpath: Path, stamp: dict[str, str]) -> tuple[pl.DataFrame, dict] | None:
+def _read_cache(cpath: Path, stamp: dict[str, str], events: bool = True
+                ) -> tuple[pl.DataFrame | None, dict, int, int | None] | None:
+    """(frame, trace metadata, events, kernels) from a valid cache file, else None. ``events=False`` reads the
+    file's footer only (frame None; kernels None when an older cache did not record them)."""
     try:
-        md = pq.read_schema(cpath).metadata or {}
+        pmd = pq.read_metadata(cpath)
+        md = pmd.schema.to_arrow_schema().metadata or {}
         if any(md.get(f"servelab.{k}".encode()) != v.encode() for k, v in stamp.items()):
             return None
         meta = json.loads(md[b"servelab.meta"])
-        return pl.read_parquet(cpath), meta    # polars' reader: ~3× faster than pyarrow + from_arrow (measured)
+        kernels = int(md[b"servelab.kernels"]) if b"servelab.kernels" in md else None
+        if not events:
+            return None, meta, pmd.num_rows, kernels
+        return pl.read_parquet(cpath), meta, pmd.num_rows, kernels    # polars' reader: ~3× faster than pyarrow
     except Exception:  # stale/corrupt cache → parse the trace again
         return None
 
@@ -781,6 +808,7 @@ def _write_cache(cpath: Path, frame: pl.DataFrame, meta: dict, stamp: dict[str, 
         table = frame.to_arrow()
         md = {f"servelab.{k}".encode(): v.encode() for k, v in stamp.items()}
         md[b"servelab.meta"] = json.dumps(meta, default=str).encode()
+        md[b"servelab.kernels"] = str(int((frame["cat"] == "kernel").sum())).encode()    # not a stamp key
         table = table.replace_schema_metadata(md)
         tmp = cpath.with_suffix(f".tmp{os.getpid()}")
         pq.write_table(table, tmp, compression="zstd")
@@ -791,22 +819,29 @@ def _write_cache(cpath: Path, frame: pl.DataFrame, meta: dict, stamp: dict[str, 
 
 
 def load_trace(path: str | Path, *, cache: bool = True, cache_dir: str | Path | None = None,
-               node: str | None = None, workers: int | None = None, executor=None) -> RankTrace:
+               node: str | None = None, workers: int | None = None, executor=None,
+               events: bool = True) -> RankTrace:
     """Load one rank's trace (Parquet cache hit when size+mtime+parser version match).
 
     The cache lives in ``.servelab_cache/`` next to the trace, or in ``cache_dir`` / the user cache
-    directory when the trace folder is not writable.
+    directory when the trace folder is not writable. ``events=False``: on a cache hit the event frame is not
+    read now (:attr:`RankTrace.events` reads it on first use); a parsed trace always keeps its frame.
     """
     path = Path(path)
     if not path.is_file():
         raise TraceFormatError(f"{path}: no such trace file")
     t0 = time.perf_counter()
-    stamp = _stamp(path)
+    stamp = cache_stamp(path)
     cpath = cache_path_for(path, Path(cache_dir) if cache_dir else None) if cache else None
-    hit = _read_cache(cpath, stamp) if cpath is not None and cpath.exists() else None
+    hit = _read_cache(cpath, stamp, events) if cpath is not None and cpath.exists() else None
+    n_events = n_kernels = None
     if hit is not None:
-        frame, meta = hit
+        frame, meta, rows, kernels = hit
         from_cache = True
+        if frame is None:
+            n_events = rows
+            n_kernels = kernels if kernels is not None else \
+                int((pl.read_parquet(cpath, columns=["cat"])["cat"] == "kernel").sum())
     else:
         frame, meta = parse_trace(path, workers=workers, executor=executor)
         from_cache = False
@@ -815,8 +850,8 @@ def load_trace(path: str | Path, *, cache: bool = True, cache_dir: str | Path | 
     ident = _apply_distributed_info(identity_from_name(path), meta.get("distributedInfo"))
     if node:
         ident.node = node
-    return RankTrace(path=path, identity=ident, events=frame, meta=meta, load_s=time.perf_counter() - t0,
-                     from_cache=from_cache, cache_path=cpath)
+    return RankTrace(path=path, identity=ident, frame=frame, meta=meta, load_s=time.perf_counter() - t0,
+                     from_cache=from_cache, cache_path=cpath, n_events=n_events, n_kernels=n_kernels)
 
 
 SKIP_DIRS = (CACHE_DIRNAME, *trace_skip_dirs())   # our cache; engines' folders of non-serving traces
@@ -862,7 +897,7 @@ def _cached(path: Path, cache: bool, cache_dir: str | Path | None) -> bool:
     if not cache:
         return False
     cpath = cache_path_for(path, Path(cache_dir) if cache_dir else None)
-    return cpath.exists() and _read_cache_stamp_ok(cpath, _stamp(path))
+    return cpath.exists() and _read_cache_stamp_ok(cpath, cache_stamp(path))
 
 
 def _read_cache_stamp_ok(cpath: Path, stamp: dict[str, str]) -> bool:
@@ -873,13 +908,13 @@ def _read_cache_stamp_ok(cpath: Path, stamp: dict[str, str]) -> bool:
     return all(md.get(f"servelab.{k}".encode()) == v.encode() for k, v in stamp.items())
 
 
-def _load_one(path: Path, cache: bool, cache_dir: str | Path | None, node: str) -> RankTrace:
+def _load_one(path: Path, cache: bool, cache_dir: str | Path | None, node: str, events: bool = True) -> RankTrace:
     """Worker: parse one rank single-process (the pool already uses the CPUs)."""
-    return load_trace(path, cache=cache, cache_dir=cache_dir, node=node, workers=1)
+    return load_trace(path, cache=cache, cache_dir=cache_dir, node=node, workers=1, events=events)
 
 
 def _load_many(todo: list[tuple[Path, str]], cache: bool, cache_dir: str | Path | None, workers: int,
-               done=None) -> list[RankTrace]:
+               done=None, events: bool = True) -> list[RankTrace]:
     """Ranks in order. Big ranks (≥ ``PARALLEL_MIN_BYTES`` of JSON each) are parsed one after another, each
     chunked over one shared pool of ``workers`` processes (memory: one rank's frame plus a few slices at a
     time); several smaller ranks are parsed one rank per worker process."""
@@ -890,20 +925,21 @@ def _load_many(todo: list[tuple[Path, str]], cache: bool, cache_dir: str | Path 
         if ex is not None:
             with ex:
                 return [done(load_trace(p, cache=cache, cache_dir=cache_dir, node=node, workers=workers,
-                                        executor=ex)) for p, node in todo]
+                                        executor=ex, events=events)) for p, node in todo]
     big = sum(sizes.values()) >= PARALLEL_MIN_BYTES
     if workers > 1 and len(need) > 1 and big:
         ex = _spawn_pool(min(workers, len(todo)))
         if ex is not None:
             try:
                 with ex:
-                    futs = [ex.submit(_load_one, p, cache, cache_dir, node) for p, node in todo]
+                    futs = [ex.submit(_load_one, p, cache, cache_dir, node, events) for p, node in todo]
                     return [done(f.result()) for f in futs]
             except TraceFormatError:
                 raise
             except Exception:  # a worker died (e.g. out of memory): load one by one below
                 pass
-    return [done(load_trace(p, cache=cache, cache_dir=cache_dir, node=node, workers=workers)) for p, node in todo]
+    return [done(load_trace(p, cache=cache, cache_dir=cache_dir, node=node, workers=workers, events=events))
+            for p, node in todo]
 
 
 @dataclass
@@ -920,9 +956,9 @@ class Capture:
         for t in self.ranks:
             d = asdict(t.identity)
             d["file"] = Path(d["file"]).name
-            ev = t.events
-            d.update(events=ev.height if t.n_events is None else t.n_events,
-                     kernels=int((ev["cat"] == "kernel").sum()) if t.n_kernels is None else t.n_kernels,
+            in_memory = t.n_events is None          # else: counted at load or at release, the frame not read
+            d.update(events=t.events.height if in_memory else t.n_events,
+                     kernels=int((t.events["cat"] == "kernel").sum()) if in_memory else t.n_kernels,
                      gpu=", ".join(sorted({str(p.get("name")) for p in t.meta.get("deviceProperties") or []
                                           if isinstance(p, dict)})) or None,
                      load_s=round(t.load_s, 3), from_cache=t.from_cache)
@@ -936,7 +972,7 @@ class Capture:
 
 def load_capture(trace_dir: str | Path, *, profile_id: str | None = None, cache: bool = True,
                  cache_dir: str | Path | None = None, nodes: dict[str, str] | None = None,
-                 workers: int | None = None, on_rank=None) -> Capture:
+                 workers: int | None = None, on_rank=None, events: bool = True) -> Capture:
     """Load every rank trace of a capture folder (SGLang per-rank files or vLLM ``rank*.pt.trace.json.gz``).
 
     Frontend traces (vLLM ``async_llm``) are listed but not loaded as ranks. A folder holding several
@@ -946,6 +982,9 @@ def load_capture(trace_dir: str | Path, *, profile_id: str | None = None, cache:
     they are parsed by ``workers`` processes, one rank each (default: usable CPUs, ≤ 8); big ranks are parsed
     one after another, each chunked over the same processes. ``on_rank(trace)`` is called on each rank as soon
     as it is loaded (rank identity settled) — streaming analysis prepares it there and releases its events.
+    ``events=False``: a rank found in the Parquet cache is loaded without its event frame, which
+    :attr:`RankTrace.events` reads on first use (the analysis needs none when the rank's prepared tables are
+    cached too).
     """
     root = Path(trace_dir)
     files = find_trace_files(root)
@@ -987,7 +1026,8 @@ def load_capture(trace_dir: str | Path, *, profile_id: str | None = None, cache:
             on_rank(t)
         return t
 
-    ranks = _load_many(todo, cache, cache_dir, default_workers() if workers is None else max(1, int(workers)), done)
+    ranks = _load_many(todo, cache, cache_dir, default_workers() if workers is None else max(1, int(workers)), done,
+                       events)
     if not ranks:
         raise TraceFormatError(f"{root}: no rank traces found (frontend traces: "
                                f"{', '.join(Path(f.file).name for f in frontend) or 'none'}; set aside: "

@@ -33,7 +33,7 @@ def window_metrics(rops: RankOps, gaps: pl.DataFrame | None = None) -> pl.DataFr
     other_idle_ms, gaps, ops, graph_ops, graph_op_pct, cpu_span_ms, launch_to_gpu_ms.
     ``gaps``: the rank's :func:`gap_intervals` (all gaps, no minimum) when already computed.
     """
-    ops = rops.ops
+    ops = rops.ops.select("device", "window", "cat", "cls", "ts_ns", "end_ns", "graph")  # not every column
     rows = []
     for dev, dops in ops.filter(pl.col("window").is_not_null()).group_by("device", maintain_order=True):
         device = dev[0]
@@ -101,10 +101,12 @@ def gap_intervals(rops: RankOps, device: int | None = None, min_gap_ns: int = 0)
     inside the gap), window (when the gap lies inside one window's GPU span, else null), position
     (``in_step`` | ``between_steps`` | ``outside``).
     """
-    ops = rops.ops if device is None else rops.ops.filter(pl.col("device") == device)
+    ops = rops.ops.select("device", "ts_ns", "end_ns", "launch_ts_ns", "launch_end_ns", "graph", "name", "launcher")
+    ops = ops if device is None else ops.filter(pl.col("device") == device)
     out = []
     for dev, dops in ops.group_by("device", maintain_order=True):
-        dops = dops.sort("ts_ns")
+        if not dops["ts_ns"].is_sorted():          # the op table comes sorted by start: skip a full copy
+            dops = dops.sort("ts_ns")
         ts = dops["ts_ns"].to_numpy()
         s, e = iv.union(ts, dops["end_ns"].to_numpy())
         gs, ge = iv.gaps(s, e)
@@ -119,7 +121,9 @@ def gap_intervals(rops: RankOps, device: int | None = None, min_gap_ns: int = 0)
         launch_end = np.asarray(launch_end, dtype=np.float64)
         unknown = np.isnan(launch_ts)
         host = (~unknown) & ((launch_ts > gs) | ((~graph) & (launch_end > gs)))
-        cat = np.where(unknown, "unknown", np.where(host, "host_bound", "other"))
+        # codes, then names: a numpy array of strings costs ~5× more on a million gaps
+        cat = pl.Series("category", np.where(unknown, 0, np.where(host, 1, 2)).astype(np.int8)).replace_strict(
+            {0: "unknown", 1: "host_bound", 2: "other"}, return_dtype=pl.String)
         sync = rops.runtime.filter(matches(rops.runtime, "name", SYNC_REGEX))["end_ns"].sort().to_numpy()
         after_sync = (np.searchsorted(sync, ge, side="left") - np.searchsorted(sync, gs, side="right")) > 0 \
             if sync.size else np.zeros(gs.size, dtype=bool)
@@ -144,7 +148,7 @@ def _place_gaps(gaps: pl.DataFrame, windows: pl.DataFrame) -> pl.DataFrame:
     if w.height == 0 or gaps.height == 0:
         return gaps.with_columns(pl.lit(None, dtype=pl.Int64).alias("window"), pl.lit(None, dtype=pl.String)
                                  .alias("kind"), pl.lit("outside").alias("position"))
-    j = (gaps.sort("gap_start_ns")
+    j = ((gaps if gaps["gap_start_ns"].is_sorted() else gaps.sort("gap_start_ns"))
          .join_asof(w, left_on="gap_start_ns", right_on="gpu_start_ns", strategy="backward"))
     first, last = int(w["gpu_start_ns"].min()), int(w["gpu_end_ns"].max())
     return (j.with_columns(
@@ -224,7 +228,7 @@ def top_kernels(rops: list[RankOps], top_n: int = 10, by_kind: bool = True) -> p
 def device_busy(rops: RankOps, cats: tuple[str, ...] = ("kernel", "gpu_memcpy", "gpu_memset")) -> pl.DataFrame:
     """Per device of a rank: ops, busy_ms (union of op intervals of ``cats``), window_ms (first start → last
     end), busy_pct, streams."""
-    ops = rops.ops.filter(pl.col("cat").is_in(list(cats)))
+    ops = rops.ops.select("device", "cat", "stream", "ts_ns", "end_ns").filter(pl.col("cat").is_in(list(cats)))
     rows = []
     for dev, d in ops.group_by("device", maintain_order=True):
         s, e = iv.union(d["ts_ns"].to_numpy(), d["end_ns"].to_numpy())
@@ -372,14 +376,15 @@ def comm_by_collective(rops: list[RankOps]) -> pl.DataFrame:
     from servelab.analyse.trace.nccl import parse_comm_name
     rows = []
     for r in rops:
-        comm = r.ops.filter(pl.col("cls") == "communication")
+        ops = r.ops.select("device", "cat", "cls", "name", "kind", "ts_ns", "end_ns")     # not every column
+        comm = ops.filter(pl.col("cls") == "communication")
         if comm.height == 0:
             continue
         coll = {n: (parse_comm_name(n)["collective"] or "other") for n in comm["name"].unique().to_list()}
         comm = comm.with_columns(pl.col("name").replace_strict(coll, return_dtype=pl.String).alias("collective"),
                                  pl.col("kind").fill_null("outside steps"))
         for dev, d in comm.group_by("device", maintain_order=True):
-            dev_ops = r.ops.filter((pl.col("device") == dev[0]) & (pl.col("cat") == "kernel")
+            dev_ops = ops.filter((pl.col("device") == dev[0]) & (pl.col("cat") == "kernel")
                                    & (pl.col("cls") != "communication"))
             cs, ce = iv.union(dev_ops["ts_ns"].to_numpy(), dev_ops["end_ns"].to_numpy())
             for (kind, c), g in d.group_by("kind", "collective", maintain_order=True):
@@ -391,3 +396,31 @@ def comm_by_collective(rops: list[RankOps]) -> pl.DataFrame:
     return pl.DataFrame(rows) if rows else pl.DataFrame(schema={"rank": pl.Int64, "kind": pl.String,
                                                                 "collective": pl.String, "ops": pl.Int64,
                                                                 "comm_ms": pl.Float64, "exposed_ms": pl.Float64})
+
+
+def event_census(t) -> pl.DataFrame | None:
+    """One rank's event census (a :class:`RankTrace`): events and total duration (ms) per (phase type, Kineto
+    category); None for a trace without events."""
+    ev = t.events
+    # counting on the categorical codes with numpy: a group_by over millions of rows costs ~10× more
+    ph = ev["ph"].to_physical().to_numpy().astype(np.int64)
+    cat = ev["cat"].to_physical().to_numpy().astype(np.int64)
+    width = int(cat.max()) + 1 if cat.size else 1
+    key = ph * width + cat
+    if key.size == 0:
+        return None
+    if int(key.max()) >= 50_000_000:      # absurd code ranges: fall back to polars
+        return (ev.group_by(pl.col("ph").cast(pl.String), pl.col("cat").cast(pl.String))
+                .agg(pl.len().cast(pl.Int64).alias("events"), (pl.col("dur_ns").sum() / 1e6).alias("total_ms"))
+                .with_columns(pl.lit(t.rank, dtype=pl.Int64).alias("rank")))
+    dur = ev["dur_ns"].fill_null(0).to_numpy()
+    counts = np.bincount(key)
+    ms = np.bincount(key, weights=dur) / 1e6
+    present = np.flatnonzero(counts)
+    first = np.full(counts.size, -1, dtype=np.int64)
+    first[key[::-1]] = np.arange(key.size, dtype=np.int64)[::-1]
+    rows = first[present]
+    return pl.DataFrame({"rank": np.full(present.size, t.rank, dtype=np.int64),
+                         "ph": ev["ph"].gather(rows).cast(pl.String),
+                         "cat": ev["cat"].gather(rows).cast(pl.String),
+                         "events": counts[present].astype(np.int64), "total_ms": ms[present]})

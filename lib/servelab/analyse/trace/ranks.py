@@ -285,7 +285,7 @@ def slow_rank(coll_skew: pl.DataFrame, steps: pl.DataFrame, n_ranks: int,
     chance = 100.0 / max(n_ranks, 1)
     need = max(threshold_pct, 2 * chance) if n_ranks > 2 else threshold_pct + 25
     if coll_skew is not None and coll_skew.height:
-        top = coll_skew.sort("last_arrival_pct", descending=True, nulls_last=True).row(0, named=True)
+        top = coll_skew.sort("last_arrival_pct", "rank", descending=[True, False], nulls_last=True).row(0, named=True)
         if top["last_arrival_pct"] is not None and top["last_arrival_pct"] >= need \
                 and (top["late_p50_us"] or 0) >= min_late_us and top["collectives"] >= min_samples:
             out.update(slow_rank=top["rank"], evidence=(
@@ -297,7 +297,8 @@ def slow_rank(coll_skew: pl.DataFrame, steps: pl.DataFrame, n_ranks: int,
                                f"{top['collectives']} collectives, median lateness {top['late_p50_us']:.1f} µs (a "
                                f"fixed slow rank needs ≥ {need:.0f}% and ≥ {min_late_us:g} µs)")
     if steps is not None and steps.height:
-        vc = steps["last_rank"].value_counts().sort("count", descending=True).row(0)
+        # a tie goes to the lower rank (value_counts' order is not stable from run to run)
+        vc = steps["last_rank"].value_counts().sort("count", "last_rank", descending=[True, False]).row(0)
         pct = 100 * vc[1] / steps.height
         med_skew = float(steps["end_skew_us"].median())
         if pct >= need and med_skew >= min_late_us and steps.height >= min_samples:
