@@ -16,7 +16,7 @@ Measured (each beside the load average when it ran):
 - ``floor``: ISA-L gunzip + msgspec typed decode of the fields the analysis reads (a Struct), the events
   array split in halves by byte range and decoded by as many processes as cores — no frame, no analysis;
 - ``ours_cold``: ``analyse()`` + ten questions + actions, parsing the trace and writing its Parquet cache;
-- ``ours_cached``: the same from the Parquet cache;
+- ``ours_cached``: the same from the Parquet cache and each rank's prepared tables (median of three runs);
 - ``hta``: HolisticTraceAnalysis ``TraceAnalysis`` + temporal / overlap / kernel / idle breakdowns on the
   largest replicated input it is given here (``--hta-copies``), with ours on the same input;
 - ``capture_16``: the ``--ranks``-rank capture, ``analyse(keep_events=False)`` (rank by rank into Parquet,
@@ -286,7 +286,11 @@ def main() -> int:
                "gz_mb": round((one / src[0].name).stat().st_size / 2**20, 1), "copies": n}
         big["floor"] = run("floor", str(one / src[0].name))
         big["ours_cold"] = run("ours", str(one), str(work / "cache1"), "1")
-        big["ours_cached"] = run("ours", str(one), str(work / "cache1"), "1")
+        cached = sorted((run("ours", str(one), str(work / "cache1"), "1") for _ in range(3)),
+                        key=lambda r: r.get("wall_s", float("inf")))
+        big["ours_cached"] = cached[1]                       # the median of three
+        big["ours_cached_wall_s"] = [r.get("wall_s") for r in cached]
+        big["cached_under_2s"] = big["ours_cached"].get("wall_s", 99) < 2.0
         big["cold_over_floor"] = big["ours_cold"].get("wall_s", 0) / big["floor"].get("wall_s", 1)
         big["peak_over_json"] = big["ours_cold"].get("peak_mb", 0) / big["json_mb"]
         doc["big_rank"] = big
@@ -329,6 +333,7 @@ def main() -> int:
             if "wall_s" in h["hta"] and "wall_s" in h["ours_cold"]:
                 h["speedup_cold"] = h["hta"]["wall_s"] / h["ours_cold"]["wall_s"]
                 h["speedup_cached"] = h["hta"]["wall_s"] / h["ours_cached"]["wall_s"]
+                h["memory_ratio_cold"] = h["hta"]["peak_mb"] / h["ours_cold"]["peak_mb"]
     finally:
         if not a.work_dir:
             shutil.rmtree(work, ignore_errors=True)
