@@ -199,10 +199,9 @@ def start_server(target: Target, log_dir: Path, tracker: hostlib.ProcessTracker,
             plan.argv = c.argv               # srv.plans show what ran: this start's name and env file
             note = f"environment in a mode-0600 env file, removed at stop: {', '.join(plan.container.env) or 'none'}"
         else:
-            _private_ipc_dir(engine, plan, hosts[plan.node], tracker)
-            h = tracker.start(hosts[plan.node], plan.argv, log, env=plan.env, what=f"{target.engine} {plan.role}")
-            if engine.ipc_dir_env in plan.env and engine.ipc_dir_env not in target.env:
+            if _private_ipc_dir(engine, plan, hosts[plan.node], tracker):
                 note = f"{engine.ipc_dir_env}: a private folder for this start's socket files, removed at stop"
+            h = tracker.start(hosts[plan.node], plan.argv, log, env=plan.env, what=f"{target.engine} {plan.role}")
         handles[plan.node], logs[plan.node] = h, str(log)
         if run_dir is not None:
             record_command(run_dir, CommandRecord(label="executed", argv=argv, phase=phase,
@@ -268,17 +267,19 @@ def prepare_nodes(target: Target, hosts: dict[str, Any], run_dir: Path | None = 
 IPC_CLEANUP = "engine-ipc"       # tracker clean-up steps that remove a start's IPC folder: "engine-ipc NODE PATH"
 
 
-def _private_ipc_dir(engine: Any, plan: LaunchPlan, host: Any, tracker: hostlib.ProcessTracker) -> None:
+def _private_ipc_dir(engine: Any, plan: LaunchPlan, host: Any, tracker: hostlib.ProcessTracker) -> str | None:
     """Where the engine names a variable for its IPC socket folder (vLLM: ``VLLM_RPC_BASE_PATH``) and the
     target leaves it unset: a private folder on the node for this start (``mktemp -d`` in its ``$TMPDIR``, a short
     path: a unix socket's name is limited to 107 bytes), removed when the server stops. Without it every start
-    leaves its socket files in the node's temp folder. Docker plans need none: the container's /tmp goes with it."""
+    leaves its socket files in the node's temp folder. Docker plans need none: the container's /tmp goes with it.
+    Returns the folder, or None when none was made."""
     var = engine.ipc_dir_env
     if not var or var in plan.env or not hasattr(host, "private_dir"):
-        return
+        return None
     path = host.private_dir()
     plan.env = {**plan.env, var: path}
     tracker.on_exit(f"{IPC_CLEANUP} {plan.node} {path}", lambda: host.remove_private_dir(path))
+    return path
 
 
 def _private_log_dirs(target: Target, hosts: dict[str, Any], tracker: hostlib.ProcessTracker, log_dir: Path,

@@ -101,8 +101,8 @@ def analyse(capture: Capture | str | Path, *, window_regex: str | None = None, t
         key = P.prepared_key(tr, rules, window_regex) if cache else None
         hit = P.read_prepared(tr, key)
         if hit is None:
-            hit = P.Prepared(prepare_rank(tr, rules, window_regex), pl.DataFrame(), None)
-            hit.cpu_threads, hit.census = M.cpu_thread_busy(hit.rops), M.event_census(tr)
+            rops = prepare_rank(tr, rules, window_regex)
+            hit = P.Prepared(rops, M.cpu_thread_busy(rops), M.event_census(tr))
             P.write_prepared(tr, key, hit)
             if release:
                 tr.release_events()

@@ -897,15 +897,7 @@ def _cached(path: Path, cache: bool, cache_dir: str | Path | None) -> bool:
     if not cache:
         return False
     cpath = cache_path_for(path, Path(cache_dir) if cache_dir else None)
-    return cpath.exists() and _read_cache_stamp_ok(cpath, cache_stamp(path))
-
-
-def _read_cache_stamp_ok(cpath: Path, stamp: dict[str, str]) -> bool:
-    try:
-        md = pq.read_schema(cpath).metadata or {}
-    except Exception:
-        return False
-    return all(md.get(f"servelab.{k}".encode()) == v.encode() for k, v in stamp.items())
+    return cpath.exists() and _read_cache(cpath, cache_stamp(path), events=False) is not None
 
 
 def _load_one(path: Path, cache: bool, cache_dir: str | Path | None, node: str, events: bool = True) -> RankTrace:
