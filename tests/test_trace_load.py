@@ -7,6 +7,9 @@ import gzip
 import json
 import os
 import shutil
+import subprocess
+import sys
+import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -227,11 +230,29 @@ def test_chunked_parallel_parse_equals_serial(h200_dir: Path, monkeypatch: pytes
     serial, meta_s = L._parse_serial(path)
     monkeypatch.setattr(L, "PARALLEL_MIN_BYTES", 0)
     monkeypatch.setattr(L, "CHUNK_BYTES", 3 << 20)
+    spills = lambda: set(Path(tempfile.gettempdir()).glob(f"{L._SPILL_PREFIX}{os.getpid()}-*"))  # noqa: E731
+    before = spills()
     par = L._parse_parallel(path, workers=2)
     assert par is not None, "parallel parse fell back"
     frame, meta_p = par
     assert frame.equals(serial)
     assert meta_p == meta_s
+    assert spills() == before, "the workers' slice folder was left behind"
+
+
+def test_a_slice_folder_left_by_a_dead_process_is_removed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """A parse killed before its clean-up leaves its folder; the next parse removes it (its pid is gone), and
+    leaves a live process's folder alone."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    stale = tmp_path / f"{L._SPILL_PREFIX}{dead}-x1"
+    live = tmp_path / f"{L._SPILL_PREFIX}{os.getpid()}-x2"
+    for d in (stale, live):
+        d.mkdir()
+        (d / "0000000.arrow").write_bytes(b"x")
+    mine = Path(L._spill_dir())
+    assert not stale.exists() and live.exists() and mine.parent == tmp_path
 
 
 def test_merged_and_graph_capture_files_are_set_aside(h200_dir: Path, tmp_path: Path):
