@@ -11,6 +11,7 @@ for the server to start. The tiny model can only sample printable-ASCII tokens a
 from __future__ import annotations
 
 import dataclasses
+import getpass
 import gzip
 import hashlib
 import json
@@ -42,14 +43,20 @@ def vllm(tmp_path_factory: pytest.TempPathFactory):
     logs = tmp_path_factory.mktemp("vllm-logs")
     with ProcessTracker() as tracker:
         before = _temp_sockets()
+        dist_before = _temp_files("vllm_dist_*")
         srv = start_server(target, logs, tracker, health_timeout_s=300)
-        _STATE.update(tracker=tracker, temp_sockets_before=before, stopped=False)
+        _STATE.update(tracker=tracker, temp_sockets_before=before, dist_files_before=dist_before, stopped=False)
         yield srv, tiny_hf_info(model), prof
         if not _STATE["stopped"]:
             stop_server(srv, tracker)
 
 
 _STATE: dict = {}          # the module server's tracker, the temp folder's sockets before it, whether it stopped
+
+
+def _temp_files(pattern: str) -> set[str]:
+    """Names in this machine's temp folder matching ``pattern``."""
+    return {p.name for p in Path(tempfile.gettempdir()).glob(pattern)}
 
 
 def _temp_sockets() -> set[str]:
@@ -330,7 +337,15 @@ def test_socket_files_live_in_a_private_folder_removed_at_stop(vllm):
     assert ours, f"no socket files in {folder}: vLLM no longer reads VLLM_RPC_BASE_PATH?"
     new_in_tmp = _temp_sockets() - _STATE["temp_sockets_before"]
     assert not {p.name for p in ours} & new_in_tmp
+    # the folder is also its TMPDIR: the FileStore file of this start is there, none new in the temp folder;
+    # torch inductor's cache stays where it is by default
+    env = srv.plans[0].env
+    assert env["TMPDIR"] == str(folder)
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == f"{tempfile.gettempdir()}/torchinductor_{getpass.getuser()}"
+    assert list(folder.glob("vllm_dist_*")), f"no vllm_dist_* in {folder}: vLLM no longer uses a FileStore here?"
+    assert not _temp_files("vllm_dist_*") - _STATE["dist_files_before"]
     _STATE["stopped"] = True
     info = stop_server(srv, _STATE["tracker"])
     assert info["port_released"] and not folder.exists()
     assert not {p.name for p in ours} & _temp_sockets()
+    assert not _temp_files("vllm_dist_*") - _STATE["dist_files_before"]

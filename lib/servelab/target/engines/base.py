@@ -128,6 +128,10 @@ class EngineAdapter:
     # the variable naming where the engine creates its IPC socket files (default: the node's temp folder, where
     # they outlive the process); start_server points it at a private folder per start and removes it at stop
     ipc_dir_env: str = ""
+    # True: that private folder is also the process's TMPDIR (files the engine makes through ``tempfile`` that it
+    # never removes: vLLM's torch.distributed FileStore ``vllm_dist_<uuid>``, one per start), with torch
+    # inductor's cache pinned to where it is without this, so compiled kernels survive between starts
+    private_tmp: bool = False
     metric_names: dict[str, str] = {}      # our name -> engine's Prometheus series name
     log_markers: dict[str, str] = {}       # event -> regex over the server log
     # Phase 7: the one-variable sweep that means something on this engine (first value = its default = the

@@ -47,6 +47,7 @@ class VLLMAdapter(EngineAdapter):
     flush_cache_path = "/reset_prefix_cache"     # mounted only with VLLM_SERVER_DEV_MODE=1
     start_profile_path = "/start_profile"        # mounted only with a profiler config
     ipc_dir_env = "VLLM_RPC_BASE_PATH"          # ZMQ ipc:// sockets between API server and engine core
+    private_tmp = True                           # vllm_dist_<uuid> FileStore files (utils/network_utils.py)
     api_key_env_var = "VLLM_API_KEY"             # read by vllm's API server when --api-key is not given
 
     def dev_endpoints(self, target: Any) -> list[str]:
