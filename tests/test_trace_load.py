@@ -229,7 +229,9 @@ def test_chunked_parallel_parse_equals_serial(h200_dir: Path, monkeypatch: pytes
     path = h200_dir / TP1
     serial, meta_s = L._parse_serial(path)
     monkeypatch.setattr(L, "PARALLEL_MIN_BYTES", 0)
-    monkeypatch.setattr(L, "CHUNK_BYTES", 3 << 20)
+    monkeypatch.setattr(L, "CHUNK_BYTES", 1 << 20)
+    monkeypatch.setattr(L, "SPILL_GROUP", 2)     # several groups of slices per worker, interleaved
+    assert L._json_size_hint(path) >= 8 << 20, "the sample is too small to give each worker two groups"
     spills = lambda: set(Path(tempfile.gettempdir()).glob(f"{L._SPILL_PREFIX}{os.getpid()}-*"))  # noqa: E731
     before = spills()
     par = L._parse_parallel(path, workers=2)
