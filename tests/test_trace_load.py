@@ -242,6 +242,22 @@ def test_chunked_parallel_parse_equals_serial(h200_dir: Path, monkeypatch: pytes
     assert spills() == before, "the workers' slice folder was left behind"
 
 
+def test_workers_keep_their_columns_when_the_temp_folder_cannot_take_them(h200_dir: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch,
+                                                                         tmp_path: Path):
+    """A spill write that fails (here: the folder does not exist; on a node, a full or small /tmp) is not a
+    parse failure: the workers return their columns through the pool instead, same frame."""
+    path = h200_dir / TP1
+    serial, _ = L._parse_serial(path)
+    monkeypatch.setattr(L, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(L, "CHUNK_BYTES", 1 << 20)
+    monkeypatch.setattr(L, "SPILL_GROUP", 2)
+    monkeypatch.setattr(L, "_spill_dir", lambda: str(tmp_path / "gone" / "servelab-parse-x"))
+    par = L._parse_parallel(path, workers=2)
+    assert par is not None, "the parse fell back to the serial path"
+    assert par[0].equals(serial)
+
+
 def test_a_slice_folder_left_by_a_dead_process_is_removed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     """A parse killed before its clean-up leaves its folder; the next parse removes it (its pid is gone), and
     leaves a live process's folder alone."""

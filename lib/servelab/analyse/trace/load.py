@@ -552,19 +552,29 @@ def _decode_share(path: str, chunk_bytes: int, k: int, n: int, spill: str | None
 
     Returns (the trace's top-level fields as ``_Trace`` when k == 0, else None; [(slice index, (frame, metadata
     events))]), or None when the layout is not the expected one or a slice needs the lenient decoder.
-    ``spill``: a folder; each slice's frame is written there as Arrow IPC at once and its file name stands in
-    for the frame (a worker then holds one slice at a time and returns a few kB instead of pickling its
-    share of the columns through a pipe at the end)."""
+    ``spill``: a folder; each group's frame is written there as Arrow IPC at once and its file name stands in
+    for the frame (a worker then holds one group at a time and returns a few kB instead of pickling its
+    share of the columns through a pipe at the end). When a write fails (a full or small temp folder), the
+    worker keeps its frames in memory from then on and returns them."""
     gc_was = gc.isenabled()
     gc.disable()
     try:
         parts: list = []
         group: list = []            # spill: decoded slices of the current group, not yet written
+        spilling = [spill is not None]
 
         def flush() -> None:
-            f = os.path.join(spill, f"{group[0][0]:07d}.arrow")
-            pl.concat([g[1][0] for g in group], how="diagonal_relaxed").write_ipc(f, compression="uncompressed")
-            parts.append((group[0][0], (f, [m for g in group for m in g[1][1]])))
+            frame = pl.concat([g[1][0] for g in group], how="diagonal_relaxed")
+            meta = [m for g in group for m in g[1][1]]
+            if spilling[0]:
+                f = os.path.join(spill, f"{group[0][0]:07d}.arrow")
+                try:
+                    frame.write_ipc(f, compression="uncompressed")
+                    frame = f
+                except (OSError, pl.exceptions.PolarsError):
+                    spilling[0] = False
+                    Path(f).unlink(missing_ok=True)
+            parts.append((group[0][0], (frame, meta)))
             group.clear()
 
         def decoded(i: int, data: bytes) -> None:
@@ -658,7 +668,8 @@ def _parse_chunked_with(ex, path: Path, workers: int) -> tuple[pl.DataFrame, dic
                 # memory-mapped Arrow reads and one conversion: polars' read_ipc per file took 4× as long
                 import pyarrow as pa
                 import pyarrow.ipc as pa_ipc
-                table = pa.concat_tables([pa_ipc.open_file(pa.memory_map(p[1][0])).read_all() for p in parts],
+                table = pa.concat_tables([pa_ipc.open_file(pa.memory_map(p[1][0])).read_all()
+                                          if isinstance(p[1][0], str) else p[1][0].to_arrow() for p in parts],
                                          promote_options="default")
                 frame = _finish_frame(pl.from_arrow(table, rechunk=True))
                 del table
