@@ -454,10 +454,11 @@ def _meta_dict(trace: _Trace, meta_events: list[dict]) -> dict[str, Any]:
 #
 # Big traces are never held whole: the JSON text is gunzipped as a stream, cut into ``CHUNK_BYTES`` slices of
 # the ``traceEvents`` array at ``}, {`` separators, and each slice is decoded (typed msgspec) into columns.
-# With ``workers`` processes, each one streams the whole file itself and decodes slices k, k + n, k + 2n, ...
-# (ISA-L gunzips 1.8 GB in 0.65 s here, less than handing the text from a parent through pipes cost: 5 s of
-# the parent's CPU for the same file), so nothing but the decoded columns crosses a process boundary. Only
-# one slice of Python objects per process exists at a time. A cut that falls inside a string or nested list
+# With ``workers`` processes, each one streams the whole file itself and decodes its groups of ``SPILL_GROUP``
+# consecutive slices, groups k, k + n, k + 2n, ... (ISA-L gunzips 1.8 GB in 0.65 s here, less than handing
+# the text from a parent through pipes cost: 5 s of the parent's CPU for the same file); each group's columns
+# go to an Arrow file in a private temporary folder, which the main process maps and concatenates in order.
+# Only one slice of Python objects per process exists at a time. A cut that falls inside a string or nested list
 # leaves a slice that is not valid JSON — detected by the decoder, and the whole file then goes to the serial
 # path. The cuts depend only on the text and ``CHUNK_BYTES``, so every process cuts the same slices.
 
