@@ -201,10 +201,9 @@ def start_server(target: Target, log_dir: Path, tracker: hostlib.ProcessTracker,
             plan.argv = c.argv               # srv.plans show what ran: this start's name and env file
             note = f"environment in a mode-0600 env file, removed at stop: {', '.join(plan.container.env) or 'none'}"
         else:
-            if _private_ipc_dir(engine, plan, hosts[plan.node], tracker):
-                tmp = " and TMPDIR (torch inductor's cache pinned)" if plan.env.get("TMPDIR") == \
-                    plan.env[engine.ipc_dir_env] else ""
-                note = (f"{engine.ipc_dir_env}{tmp}: a private folder for this start's socket and temporary files, "
+            private = _private_ipc_dir(engine, plan, hosts[plan.node], tracker)
+            if private:
+                note = (f"{' and '.join(private)}: a private folder for this start's socket and temporary files, "
                         "removed at stop")
             h = tracker.start(hosts[plan.node], plan.argv, log, env=plan.env, what=f"{target.engine} {plan.role}")
         handles[plan.node], logs[plan.node] = h, str(log)
@@ -272,26 +271,27 @@ def prepare_nodes(target: Target, hosts: dict[str, Any], run_dir: Path | None = 
 IPC_CLEANUP = "engine-ipc"       # tracker clean-up steps that remove a start's IPC folder: "engine-ipc NODE PATH"
 
 
-def _private_ipc_dir(engine: Any, plan: LaunchPlan, host: Any, tracker: hostlib.ProcessTracker) -> str | None:
+def _private_ipc_dir(engine: Any, plan: LaunchPlan, host: Any, tracker: hostlib.ProcessTracker) -> list[str]:
     """Where the engine names a variable for its IPC socket folder (vLLM: ``VLLM_RPC_BASE_PATH``) and the
     target leaves it unset: a private folder on the node for this start (``mktemp -d`` in its ``$TMPDIR``, a short
     path: a unix socket's name is limited to 107 bytes), removed when the server stops. Without it every start
     leaves its socket files in the node's temp folder. An engine with ``private_tmp`` also gets the folder as
     its ``TMPDIR`` (unless the target sets one), and ``TORCHINDUCTOR_CACHE_DIR`` pinned to the node's
     ``<temp>/torchinductor_<user>``, torch's default, so a start does not recompile. Docker plans need none:
-    the container's /tmp goes with it. Returns the folder, or None when none was made."""
+    the container's /tmp goes with it. Returns the variables pointed at the folder (none when none was made)."""
     var = engine.ipc_dir_env
     if not var or var in plan.env or not hasattr(host, "private_dir"):
-        return None
+        return []
     path = host.private_dir()
-    env = {**plan.env, var: path}
+    env, names = {**plan.env, var: path}, [var]
     if engine.private_tmp and "TMPDIR" not in plan.env:
         env["TMPDIR"] = path
+        names.append("TMPDIR (torch inductor's cache pinned)")
         user = getattr(host, "user", "") or getpass.getuser()
         env.setdefault("TORCHINDUCTOR_CACHE_DIR", f"{posixpath.dirname(path)}/torchinductor_{user}")
     plan.env = env
     tracker.on_exit(f"{IPC_CLEANUP} {plan.node} {path}", lambda: host.remove_private_dir(path))
-    return path
+    return names
 
 
 def _private_log_dirs(target: Target, hosts: dict[str, Any], tracker: hostlib.ProcessTracker, log_dir: Path,

@@ -28,6 +28,8 @@ import hashlib
 import json
 import os
 import re
+import shutil
+import tempfile
 import time
 import zlib
 from dataclasses import asdict, dataclass, field
@@ -38,6 +40,8 @@ from typing import Any
 import msgspec
 import numpy as np
 import polars as pl
+import pyarrow as pa
+import pyarrow.ipc as pa_ipc
 import pyarrow.parquet as pq
 
 try:  # ISA-L gunzip is ~1.6x faster than zlib (measured); zlib is the fallback
@@ -156,8 +160,6 @@ def _int_column(values: list, name: str) -> pl.Series:
         s = pl.Series(name, values, dtype=pl.Int64)
     except (TypeError, OverflowError, pl.exceptions.PolarsError):
         s = pl.Series(name, [v if v.__class__ is int else None for v in values], dtype=pl.Int64)
-    if s.dtype != pl.Int64:     # pragma: no cover - defensive: polars kept an inferred type
-        s = s.cast(pl.Int64, strict=False)
     missing = s == _MISSING_INT
     return s.set(missing, None) if missing.any() else s
 
@@ -634,8 +636,6 @@ _SPILL_PREFIX = "servelab-parse-"
 def _spill_dir() -> str:
     """A private temporary folder for the workers' slices, named with this process's id; folders left by a
     process that no longer exists (killed before its clean-up ran) are removed first."""
-    import shutil
-    import tempfile
     root = Path(tempfile.gettempdir())
     for d in root.glob(f"{_SPILL_PREFIX}*-*"):
         pid = d.name[len(_SPILL_PREFIX):].split("-", 1)[0]
@@ -645,7 +645,6 @@ def _spill_dir() -> str:
 
 
 def _parse_chunked_with(ex, path: Path, workers: int) -> tuple[pl.DataFrame, dict[str, Any]] | None:
-    import shutil
     n = max(1, workers) if ex is not None else 1
     spill = _spill_dir() if ex is not None else None
     try:
@@ -667,8 +666,6 @@ def _parse_chunked_with(ex, path: Path, workers: int) -> tuple[pl.DataFrame, dic
         if parts:
             if spill:
                 # memory-mapped Arrow reads and one conversion: polars' read_ipc per file took 4× as long
-                import pyarrow as pa
-                import pyarrow.ipc as pa_ipc
                 table = pa.concat_tables([pa_ipc.open_file(pa.memory_map(p[1][0])).read_all()
                                           if isinstance(p[1][0], str) else p[1][0].to_arrow() for p in parts],
                                          promote_options="default")
