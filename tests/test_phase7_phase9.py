@@ -124,6 +124,12 @@ def test_phase9_speculative_files(run):
     assert p["window_matches_requests"].all()
     gain = pd.read_csv(rdir / "phase9" / "net_gain.csv")
     assert {(r.config, r.concurrency) for r in gain.itertuples()} == {(c, k) for c in configs - {"off"} for k in (1, 4)}
+    for r in gain.itertuples():                      # a pair without VALID points on both sides says why, no number
+        valid = {cfg: (p[(p["config"] == cfg) & (p["concurrency"] == r.concurrency)]["validity"] == "VALID").any()
+                 for cfg in (r.config, "off")}
+        assert (r.verdict == "invalid") == (not all(valid.values())), (r.config, r.concurrency, r.reasons)
+        assert pd.isna(r.net_gain_pct) if r.verdict == "invalid" else not pd.isna(r.net_gain_pct)
+        assert (r.verdict == "invalid") == (isinstance(r.reasons, str) and bool(r.reasons))
     pos = pd.read_csv(rdir / "phase9" / "per_position.csv")
     assert set(pos["config"]) == configs - {"off"} and set(pos["position"]) == {0, 1, 2}
     assert json.loads((rdir / "phase9" / "phase9.json").read_text())["errors"] in ({}, [])

@@ -143,10 +143,30 @@ def test_net_gain_hand_built():
         {"config": "spec", "concurrency": 1, "repeat": 0, "validity": "VALID", "output_throughput": 150.0,
          "p50_tpot_ms": 7.0, "p95_tpot_ms": 8.0, "step_ms": 18.0, "tokens_per_target_forward": 2.5,
          "acceptance_rate": 0.6, "mean_accept_length": 2.5},
-        {"config": "spec", "concurrency": 4, "repeat": 0, "validity": "INVALID", "output_throughput": 999.0},
+        {"config": "spec", "concurrency": 4, "repeat": 0, "validity": "INVALID", "output_throughput": 999.0,
+         "reasons": "1 request(s) failed: {'timeout': 1}"},
     ])
     g = net_gain(pts)
-    assert len(g) == 1                                       # the invalid point and the missing baseline drop out
+    assert list(zip(g["config"], g["concurrency"])) == [("spec", 1), ("spec", 4)]
+    bad = g.iloc[1]                                          # an invalid point and a missing baseline: kept, no gain
+    assert bad["verdict"] == "invalid" and pd.isna(bad["net_gain_pct"])
+    assert bad["reasons"] == "spec at C=4: no VALID repeat (1 request(s) failed: {'timeout': 1}); off did not run at C=4"
     r = g.iloc[0]
     assert r["net_gain_pct"] == pytest.approx(50.0) and r["draft_overhead_ms_per_step"] == pytest.approx(8.0)
     assert r["verdict"] == "gain"
+
+
+def test_findings_name_a_point_that_could_not_be_compared():
+    """An invalid pair stays on the page: the findings give its reason instead of a number, and the winner comes
+    from the comparable pairs only."""
+    from servelab.phases.phase9_speculative import Phase9Result, findings
+    gain = pd.DataFrame([
+        {"config": "d", "concurrency": 1, "acceptance_rate": 0.5, "mean_accept_length": 2.0, "output_tps_off": 10.0,
+         "output_tps_spec": 12.0, "net_gain_pct": 20.0, "verdict": "gain", "reasons": ""},
+        {"config": "d", "concurrency": 4, "acceptance_rate": None, "mean_accept_length": None, "output_tps_off": None,
+         "output_tps_spec": None, "net_gain_pct": None, "verdict": "invalid", "reasons": "d at C=4: no VALID repeat"},
+    ])
+    text = findings(Phase9Result([], pd.DataFrame(), gain, pd.DataFrame()))
+    assert text[0] == ("d: acceptance 50.0 %, mean acceptance length 2.00; net output-TPS gain against off +20.0 % at "
+                       "C=1, none at C=4 (d at C=4: no VALID repeat).")
+    assert text[1].startswith("The winning config is d at C=1 (+20.0 % output TPS")

@@ -154,8 +154,12 @@ def spec_row(srv: RunningServer, cfg: SpecConfig, concurrency: int, repeat: int,
 # ---------------------------------------------------------------- net gain vs the baseline
 
 def net_gain(points: pd.DataFrame) -> pd.DataFrame:
-    """Per speculative config and concurrency, against ``off`` at the same concurrency (means over repeats):
-    output-TPS gain, TPOT change, draft overhead per target step, acceptance — never acceptance alone."""
+    """Per speculative config and concurrency, against ``off`` at the same concurrency (means over the VALID
+    repeats): output-TPS gain, TPOT change, draft overhead per target step, acceptance — never acceptance alone.
+
+    Every speculative (config, concurrency) that ran has a row: where either side has no VALID repeat the row's
+    verdict is ``invalid``, its gain empty and ``reasons`` says which side failed and why (a point does not vanish
+    from the table because it could not be compared)."""
     if points.empty:
         return pd.DataFrame()
     ok = points[points["validity"] == "VALID"]
@@ -163,10 +167,15 @@ def net_gain(points: pd.DataFrame) -> pd.DataFrame:
             "acceptance_rate", "mean_accept_length", "server_cpu_idle_pct"]
     mean = ok.groupby(["config", "concurrency"], sort=False)[[k for k in keys if k in ok.columns]].mean()
     rows = []
-    for (config, c), r in mean.iterrows():
-        if config == "off" or ("off", c) not in mean.index:
+    for (config, c) in points[["config", "concurrency"]].drop_duplicates().itertuples(index=False):
+        if config == "off":
             continue
-        b = mean.loc[("off", c)]
+        missing = [_why_not_valid(points, side, c) for side in (config, "off") if (side, c) not in mean.index]
+        if missing:
+            rows.append({"config": config, "concurrency": c, "net_gain_pct": None, "verdict": "invalid",
+                         "reasons": "; ".join(missing)})
+            continue
+        r, b = mean.loc[(config, c)], mean.loc[("off", c)]
         reps = ok[(ok["config"] == config) & (ok["concurrency"] == c)]
         breps = ok[(ok["config"] == "off") & (ok["concurrency"] == c)]
         gain = 100.0 * (r["output_throughput"] / b["output_throughput"] - 1) if b["output_throughput"] else None
@@ -187,8 +196,21 @@ def net_gain(points: pd.DataFrame) -> pd.DataFrame:
                      "cpu_idle_pct_off": b.get("server_cpu_idle_pct"),
                      "cpu_idle_pct_spec": r.get("server_cpu_idle_pct"),
                      "repeats": int(len(reps)), "repeat_range": spread,
-                     "verdict": "gain" if gain is not None and gain > 0 else "loss"})
-    return pd.DataFrame(rows)
+                     "verdict": "gain" if gain is not None and gain > 0 else "loss", "reasons": ""})
+    cols = ["config", "concurrency", "acceptance_rate", "mean_accept_length", "output_tps_off", "output_tps_spec",
+            "net_gain_pct", "p50_tpot_off_ms", "p50_tpot_spec_ms", "step_ms_off", "step_ms_spec",
+            "draft_overhead_ms_per_step", "tokens_per_target_forward_off", "tokens_per_target_forward_spec",
+            "cpu_idle_pct_off", "cpu_idle_pct_spec", "repeats", "repeat_range", "verdict", "reasons"]
+    return pd.DataFrame(rows, columns=cols)
+
+
+def _why_not_valid(points: pd.DataFrame, config: str, c: Any) -> str:
+    """One clause: why ``config`` at concurrency ``c`` has no VALID repeat (its points' reasons, or that none ran)."""
+    side = points[(points["config"] == config) & (points["concurrency"] == c)]
+    if side.empty:
+        return f"{config} did not run at C={c}"
+    why = sorted({str(x) for x in side.get("reasons", pd.Series(dtype=str)).dropna() if str(x)})
+    return f"{config} at C={c}: no VALID repeat" + (f" ({'; '.join(why)})" if why else "")
 
 
 def per_position_frame(points: pd.DataFrame) -> pd.DataFrame:
@@ -211,8 +233,9 @@ def gain_figure(gain: pd.DataFrame):
         return fig.update_layout(title="no speculative config measured against the baseline")
     for config, g in gain.groupby("config", sort=False):
         fig.add_trace(go.Bar(x=[f"C={c}" for c in g["concurrency"]], y=g["net_gain_pct"], name=str(config),
-                             text=[f"acc {a:.0%}, len {l:.2f}" if a is not None and not pd.isna(a) else "no drafts"
-                                   for a, l in zip(g["acceptance_rate"], g["mean_accept_length"])],
+                             text=["not comparable (invalid)" if v == "invalid"
+                                   else f"acc {a:.0%}, len {l:.2f}" if a is not None and not pd.isna(a) else "no drafts"
+                                   for a, l, v in zip(g["acceptance_rate"], g["mean_accept_length"], g["verdict"])],
                              textposition="outside"))
     fig.add_hline(y=0, line_color="#7f8c8d")
     fig.update_layout(barmode="group", title="Net output-throughput gain vs speculation off, per concurrency "

@@ -319,15 +319,18 @@ def findings(res: Phase9Result) -> list[str]:
     from servelab.report.findings import ab_findings
     out = []
     g = res.gain
-    if g.empty:
+    if g.empty or (g["verdict"] == "invalid").all():
         out.append("No speculative config has a VALID point next to a VALID speculation-off point: no net gain.")
-    else:
+    if not g.empty:
         for config, rows in g.groupby("config", sort=False):
-            acc = rows["acceptance_rate"].astype(float)
-            out.append(f"{config}: acceptance {100 * acc.mean():.1f} %, mean acceptance length "
-                       f"{rows['mean_accept_length'].astype(float).mean():.2f}; net output-TPS gain against off "
+            acc = rows["acceptance_rate"].astype(float).dropna()
+            ln = rows["mean_accept_length"].astype(float).dropna()
+            head = (f"{config}: acceptance {100 * acc.mean():.1f} %, mean acceptance length {ln.mean():.2f}; "
+                    if len(acc) and len(ln) else f"{config}: ")
+            out.append(head + "net output-TPS gain against off "
                        + ", ".join(f"{r.net_gain_pct:+.1f} % at C={r.concurrency}" if not pd.isna(r.net_gain_pct)
-                                   else f"— at C={r.concurrency}" for r in rows.itertuples()) + ".")
+                                   else f"none at C={r.concurrency} ({r.reasons or 'no VALID pair'})"
+                                   for r in rows.itertuples()) + ".")
         best = g.dropna(subset=["net_gain_pct"])
         if not best.empty:
             b = best.loc[best["net_gain_pct"].astype(float).idxmax()]
