@@ -8,7 +8,7 @@ SYSTEM_PACKAGES := cmake ninja-build g++ openssh-server sysstat numactl ethtool 
 
 .PHONY: demo test lint env system clean-outputs
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py lib/servelab/analyse/trace/_scan.c
 	$(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q -e .

@@ -9,12 +9,22 @@ Modules: load (parse + Parquet cache + rank identity), taxonomy (kernel classes)
 ops (per-rank GPU op table), metrics, ranks (alignment, skew, PP), nccl (forensics), nsys (Nsight Systems),
 questions, actions, figures, analysis (compose). The Phase 3 notebook calls ``servelab.phases.phase3_timeline``.
 """
-from servelab.analyse.trace.actions import evidence_actions
-from servelab.analyse.trace.analysis import CaptureAnalysis, analyse, write_tables
-from servelab.analyse.trace.load import (Capture, RankIdentity, RankTrace, TraceFormatError, identity_from_name, load_capture,
-                                 load_trace, parse_trace)
-from servelab.analyse.trace.questions import ten_questions
-from servelab.analyse.trace.taxonomy import CLASSES, Rule, classify_names, load_rules
+# names resolved on first use (PEP 562): a trace-parsing worker process imports ``load`` alone, without the
+# analysis modules (0.2 s less to start each worker)
+_EXPORTS = {"evidence_actions": "actions", "CaptureAnalysis": "analysis", "analyse": "analysis",
+            "write_tables": "analysis", "Capture": "load", "RankIdentity": "load", "RankTrace": "load",
+            "TraceFormatError": "load", "identity_from_name": "load", "load_capture": "load", "load_trace": "load",
+            "parse_trace": "load", "ten_questions": "questions", "CLASSES": "taxonomy", "Rule": "taxonomy",
+            "classify_names": "taxonomy", "load_rules": "taxonomy"}
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from importlib import import_module
+    return getattr(import_module(f"{__name__}.{module}"), name)
+
 
 __all__ = ["analyse", "CaptureAnalysis", "write_tables", "evidence_actions", "ten_questions", "load_trace",
            "load_capture", "parse_trace", "Capture", "RankTrace", "RankIdentity", "TraceFormatError",
