@@ -4,7 +4,7 @@
 PY      ?= python3
 VENV    ?= .venv
 STAMP   := $(VENV)/.installed
-SYSTEM_PACKAGES := cmake ninja-build g++ openssh-server sysstat numactl ethtool chromium fonts-dejavu-core fonts-wqy-zenhei iproute2 procps util-linux docker.io
+SYSTEM_PACKAGES := cmake ninja-build gcc g++ python3-dev openssh-server sysstat numactl ethtool chromium fonts-dejavu-core fonts-wqy-zenhei iproute2 procps util-linux docker.io
 
 .PHONY: demo test lint env system clean-outputs
 
@@ -12,21 +12,25 @@ $(STAMP): pyproject.toml setup.py lib/servelab/analyse/trace/_scan.c
 	$(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q -e .
+	@$(VENV)/bin/python -c "import servelab.analyse.trace._scan" 2>/dev/null || echo "warning: the trace scanner \
+	was not compiled (no C compiler or Python headers): traces parse about 3x slower. Install gcc and python3-dev \
+	(make system), then: rm $(STAMP) && make env"
 	touch $(STAMP)
 
 env: $(STAMP)
 
-# Debian packages the tests need (real sshd, sysstat, headless chromium, the llama.cpp toolchain).
+# Debian packages the tests need (real sshd, sysstat, headless chromium, the llama.cpp toolchain, the C compiler
+# and Python headers of the trace scanner).
 # Installed only where missing; needs root (as on CI and the dev machines).
 system:
 	@missing=""; for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then echo "installing:$$missing"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; fi
 
-demo: $(STAMP) system
+demo: system $(STAMP)
 	$(VENV)/bin/servelab demo
 
-test: $(STAMP) system lint
+test: system $(STAMP) lint
 	$(VENV)/bin/servelab build --tiny-only
 	$(VENV)/bin/python -m pytest -q
 

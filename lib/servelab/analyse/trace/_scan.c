@@ -518,8 +518,19 @@ static cur_t event(cur_t p, cur_t end, event_t *e)
     }
 }
 
+/* the output columns: three strings (int32 offsets + text), eight int64 columns (ts / dur as integer ns), the
+ * special rows, and the eight int64 columns' validity bitmaps (Arrow's layout: bit i of byte i / 8) */
 enum { C_PH_OFF, C_PH, C_CAT_OFF, C_CAT, C_NAME_OFF, C_NAME, C_PID, C_TID, C_TS, C_DUR, C_EXT, C_CORR,
-       C_BYTES, C_GRAPH, C_SPECIAL, NCOL };
+       C_BYTES, C_GRAPH, C_SPECIAL, C_VALID, NCOL = C_VALID + 8 };
+
+#define MAX_US 9.2e15           /* µs: beyond this, ns overflow int64 (the value is absent) */
+
+/* µs → int64 ns exactly as load.py's numpy version: floor, then the fraction's ns rounded half to even */
+static inline int64_t us_to_ns(double v)
+{
+    double w = floor(v);
+    return (int64_t)w * 1000 + (int64_t)rint((v - w) * 1000.0);
+}
 
 static unsigned hex4(cur_t s)
 {
@@ -609,9 +620,9 @@ static int put_str(buf_t *off, buf_t *data, const str_t *s)
 PyDoc_STRVAR(scan_doc,
 "scan(data: bytes) -> tuple | None\n\n"
 "One ``[ {event}, ... ]`` slice → (n, ph offsets, ph bytes, cat offsets, cat bytes, name offsets, name bytes,\n"
-"pid, tid, ts, dur, external id, correlation, bytes, graph id, special rows): int32 offsets, int64 / float64\n"
-"columns as bytes, and (row, start, end) int64 triples of the events to decode with msgspec. None when the\n"
-"slice needs the msgspec decoder.");
+"pid, tid, ts ns, dur ns, external id, correlation, bytes, graph id, special rows, then the validity bitmaps\n"
+"of the eight int64 columns): int32 offsets, int64 columns as bytes, (row, start, end) int64 triples of the\n"
+"events to decode with msgspec. None when the slice needs the msgspec decoder.");
 
 static PyObject *scan(PyObject *self, PyObject *arg)
 {
@@ -667,11 +678,17 @@ static PyObject *scan(PyObject *self, PyObject *arg)
                 e.graph = MISSING_INT;
             if (!((clen == 10 && (!memcmp(cs, "gpu_memcpy", 10) || !memcmp(cs, "gpu_memset", 10)))))
                 e.nbytes = MISSING_INT;
-            if (buf_put(&col[C_PID], &e.pid, 8) < 0 || buf_put(&col[C_TID], &e.tid, 8) < 0
-                || buf_put(&col[C_TS], &e.ts, 8) < 0 || buf_put(&col[C_DUR], &e.dur, 8) < 0
-                || buf_put(&col[C_EXT], &e.ext, 8) < 0 || buf_put(&col[C_CORR], &e.corr, 8) < 0
-                || buf_put(&col[C_BYTES], &e.nbytes, 8) < 0 || buf_put(&col[C_GRAPH], &e.graph, 8) < 0)
-                goto nomem;
+            int ts_ok = fabs(e.ts) < MAX_US, dur_ok = fabs(e.dur) < MAX_US;
+            int64_t v[8] = {e.pid, e.tid, ts_ok ? us_to_ns(e.ts) : 0, dur_ok ? us_to_ns(e.dur) : 0,
+                            e.ext, e.corr, e.nbytes, e.graph};
+            int ok[8] = {e.pid != MISSING_INT, e.tid != MISSING_INT, ts_ok, dur_ok, e.ext != MISSING_INT,
+                         e.corr != MISSING_INT, e.nbytes != MISSING_INT, e.graph != MISSING_INT};
+            for (int i = 0; i < 8; i++) {
+                if (buf_put(&col[C_PID + i], &v[i], 8) < 0 || ((n & 7) == 0 && buf_put(&col[C_VALID + i], &zero, 1) < 0))
+                    goto nomem;
+                if (ok[i])
+                    col[C_VALID + i].p[n >> 3] |= (char)(1 << (n & 7));
+            }
             if (e.special) {
                 int64_t t[3] = {n, (int64_t)(start - base), (int64_t)(p - base)};
                 if (buf_put(&col[C_SPECIAL], t, sizeof(t)) < 0)

@@ -94,7 +94,7 @@ def write_prepared(trace: RankTrace, key: str | None, p: Prepared) -> bool:
         kept = []
         for name, df in frames.items():
             if df is not None and df.width:
-                df.write_parquet(tmp / f"{name}.parquet", compression="lz4")
+                df.write_parquet(tmp / f"{name}.parquet", compression="lz4", statistics=False)
                 kept.append(name)
         (tmp / "meta.json").write_text(json.dumps({"tables": kept, "window_regex": p.rops.window_regex,
                                                    "windows_found": p.rops.windows_found,
