@@ -58,12 +58,17 @@ def test_every_config_and_concurrency_ran(phase9):
     for r in real.itertuples():
         assert r.validity == "VALID" or all(x.startswith(("client fell behind", "Little's law off"))
                                             for x in r.reasons.split("; ")), (r.config, r.reasons)
-    # net gain exists at every concurrency for every speculative config (never only C=1) — wherever that config
-    # and speculation-off both have a VALID point there: a gain is never computed from a point the client starved
+    # every speculative config has a net-gain row at every concurrency (never only C=1); the gain is a number
+    # wherever that config and speculation-off both have a VALID point there — a gain is never computed from a
+    # point the client starved: such a pair is "invalid" and says why
     valid = {(r.config, r.concurrency) for r in p.itertuples() if r.validity == "VALID"}
-    expected = {(c, k) for c in p["config"].unique() if c != "off" for k in (1, 3)
-                if (c, k) in valid and ("off", k) in valid}
-    assert {(r.config, r.concurrency) for r in res.gain.itertuples()} == expected
+    pairs = {(c, k) for c in p["config"].unique() if c != "off" for k in (1, 3)}
+    assert {(r.config, r.concurrency) for r in res.gain.itertuples()} == pairs
+    for r in res.gain.itertuples():
+        comparable = (r.config, r.concurrency) in valid and ("off", r.concurrency) in valid
+        assert (r.verdict != "invalid") == comparable, (r.config, r.concurrency, r.reasons)
+        assert (not pd.isna(r.net_gain_pct)) == comparable
+        assert bool(r.reasons) == (not comparable)
 
 
 def test_every_point_summary_follows_the_case_schema_and_feeds_the_ab(phase9):
