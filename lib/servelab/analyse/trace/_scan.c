@@ -270,13 +270,29 @@ static int to_double(cur_t p, cur_t q, double *out)
     return 1;
 }
 
+/* after a member or an element: whitespace, then ',' (go on: the cursor past it and the whitespace after it,
+ * *done = 0) or the closer (*done = 1, the cursor past it); anything else is not JSON (NULL) */
+static cur_t next_member(cur_t p, cur_t end, char closer, int *done)
+{
+    p = ws(p, end);
+    if (p < end && *p == ',') {
+        *done = 0;
+        return ws(p + 1, end);
+    }
+    if (p < end && *p == closer) {
+        *done = 1;
+        return p + 1;
+    }
+    return NULL;
+}
+
 static cur_t skip_value(cur_t p, cur_t end, int depth);
 
 static cur_t skip_object(cur_t p, cur_t end, int depth)
 {
     cur_t s0;
     size_t len;
-    int plain;
+    int plain, done;
     p = ws(p + 1, end);
     if (p < end && *p == '}')
         return p + 1;
@@ -287,36 +303,25 @@ static cur_t skip_object(cur_t p, cur_t end, int depth)
         if (p >= end || *p != ':')
             return NULL;
         p = skip_value(ws(p + 1, end), end, depth + 1);
-        if (!p)
+        if (!p || !(p = next_member(p, end, '}', &done)))
             return NULL;
-        p = ws(p, end);
-        if (p < end && *p == ',') {
-            p = ws(p + 1, end);
-            continue;
-        }
-        if (p < end && *p == '}')
-            return p + 1;
-        return NULL;
+        if (done)
+            return p;
     }
 }
 
 static cur_t skip_array(cur_t p, cur_t end, int depth)
 {
+    int done;
     p = ws(p + 1, end);
     if (p < end && *p == ']')
         return p + 1;
     for (;;) {
         p = skip_value(p, end, depth + 1);
-        if (!p)
+        if (!p || !(p = next_member(p, end, ']', &done)))
             return NULL;
-        p = ws(p, end);
-        if (p < end && *p == ',') {
-            p = ws(p + 1, end);
-            continue;
-        }
-        if (p < end && *p == ']')
-            return p + 1;
-        return NULL;
+        if (done)
+            return p;
     }
 }
 
@@ -422,7 +427,7 @@ static cur_t args_object(cur_t p, cur_t end, event_t *e)
 {
     cur_t s0;
     size_t len;
-    int plain;
+    int plain, done;
     if (p >= end || *p != '{')
         return NULL;
     p = ws(p + 1, end);
@@ -451,16 +456,10 @@ static cur_t args_object(cur_t p, cur_t end, event_t *e)
             p = skip_value(p, end, 2);
         } else
             p = skip_value(p, end, 2);
-        if (!p)
+        if (!p || !(p = next_member(p, end, '}', &done)))
             return NULL;
-        p = ws(p, end);
-        if (p < end && *p == ',') {
-            p = ws(p + 1, end);
-            continue;
-        }
-        if (p < end && *p == '}')
-            return p + 1;
-        return NULL;
+        if (done)
+            return p;
     }
 }
 
@@ -468,7 +467,7 @@ static cur_t event(cur_t p, cur_t end, event_t *e)
 {
     cur_t s0;
     size_t len;
-    int plain;
+    int plain, done;
     static const unsigned char empty[1] = {0};
     e->ph.s0 = e->cat.s0 = e->name.s0 = empty;
     e->ph.len = e->cat.len = e->name.len = 0;
@@ -505,16 +504,10 @@ static cur_t event(cur_t p, cur_t end, event_t *e)
             p = args_object(p, end, e);
         else
             p = skip_value(p, end, 1);
-        if (!p)
+        if (!p || !(p = next_member(p, end, '}', &done)))
             return NULL;
-        p = ws(p, end);
-        if (p < end && *p == ',') {
-            p = ws(p + 1, end);
-            continue;
-        }
-        if (p < end && *p == '}')
-            return p + 1;
-        return NULL;
+        if (done)
+            return p;
     }
 }
 
@@ -632,6 +625,7 @@ static PyObject *scan(PyObject *self, PyObject *arg)
         return NULL;
     PyObject *result = NULL;
     buf_t *col = cols;
+    int done;
     for (int i = 0; i < NCOL; i++)
         col[i].n = 0;
     if (view.len > INT32_MAX - 1)
@@ -695,16 +689,10 @@ static PyObject *scan(PyObject *self, PyObject *arg)
                     goto nomem;
             }
             n++;
-            p = ws(p, end);
-            if (p < end && *p == ',') {
-                p = ws(p + 1, end);
-                continue;
-            }
-            if (p < end && *p == ']') {
-                p++;
+            if (!(p = next_member(p, end, ']', &done)))
+                goto fallback;
+            if (done)
                 break;
-            }
-            goto fallback;
         }
     }
     if (ws(p, end) != end)

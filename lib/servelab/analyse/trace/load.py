@@ -175,9 +175,9 @@ def _int_column(values: list, name: str) -> pl.Series:
     return s.set(missing, None) if missing.any() else s
 
 
-def _float_ns_column(values: list | np.ndarray, name: str) -> pl.Series:
+def _float_ns_column(values: list, name: str) -> pl.Series:
     """µs floats (``-inf`` = absent) → Int64 ns; a value beyond the int64 ns range (±292 years) is absent too."""
-    arr = values if isinstance(values, np.ndarray) else pl.Series(values, dtype=pl.Float64).to_numpy()
+    arr = pl.Series(values, dtype=pl.Float64).to_numpy()
     missing = ~(np.abs(arr) < _MAX_US)
     s = pl.Series(name, _us_to_ns(np.where(missing, 0.0, arr) if missing.any() else arr))
     return s.set(pl.Series(missing), None) if missing.any() else s
