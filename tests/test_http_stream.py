@@ -126,3 +126,36 @@ def test_raw_transport_error_kinds(tiny_server, pool):
                  + b"%x\r\n" % len(event) + event + b"\r\n")
     assert (r.error_kind, r.http_status, r.ok) == ("connection", 200, False)
     assert "before the end of the chunked body" in r.error and r.chunk_text == ["a"]
+
+
+def test_a_complete_response_costs_nothing_more_when_its_connection_closes(monkeypatch):
+    """After the terminal chunk the response is done; its connection's close must not re-parse the body on the
+    hot path (that took ~0.1 ms a stream and made the last chunks of a burst of completions late by ms)."""
+    from servelab.measure import http_stream as hs
+    loop = asyncio.new_event_loop()
+    try:
+        done = loop.create_future()
+        ts: list[int] = []
+        data: list[bytes] = []
+        proto = hs._StreamProtocol(ts, data, done, quickack=False)
+
+        class Transport:
+            closed = False
+
+            def close(self) -> None:
+                self.closed = True
+        proto.connection_made(Transport())
+        event = b'data: {"choices":[{"text":"a","index":0}]}\n\n'
+        proto.data_received(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        proto.data_received(b"%x\r\n%s\r\n" % (len(event), event))
+        proto.data_received(b"0\r\n\r\n")
+        assert done.done() and done.exception() is None and proto.transport.closed
+
+        def no_parsing(raw: bytes) -> None:
+            raise AssertionError("the body was parsed again when the connection closed")
+        monkeypatch.setattr(hs, "_chunk_spans", no_parsing)
+        proto.connection_lost(None)
+        assert done.exception() is None
+        assert len(data) == 2 and len(ts) == 2          # both body reads kept, for the parse after the wave
+    finally:
+        loop.close()
