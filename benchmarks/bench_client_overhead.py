@@ -1,8 +1,17 @@
 """How much does the *client* distort what it measures? servelab's client vs SGLang bench_serving 0.5.9.
 
-Target: the developer tool ``fast_sse_server.py`` (``FAST_SSE``) in paced mode — every stream gets one token every ``ITL_MS`` on
-an absolute schedule and each chunk carries ``server_ts_ns`` (its wall-clock write time). The server is pinned
+Target: ``benchmarks/paced_sse_server.py`` — every stream gets one token every ``ITL_MS`` on an absolute schedule,
+each chunk carries ``server_ts_ns`` (its wall-clock write time), and one loop writes every due chunk in a stable
+order, so the server's own gap error stays in the tens of µs on a quiet core (an asyncio server with a timer per
+stream jittered by milliseconds at 512 streams, more than the 1 ms asked of the client). The server is pinned
 to one core, the client under test to another (``taskset``), one client at a time, in the same run.
+
+Three readers (``--clients``): servelab's client; SGLang bench_serving 0.5.9 (the peer); and the **floor**, a bare
+epoll reader (``FLOOR_CHILD``: one recv and one clock read per readiness, nothing parsed until the wave is over)
+— what no client on this core can beat, so the error it sees is the server's, the kernel's and the machine's.
+The machine's own stalls are probed on both cores before and after (``machine_stalls``: a loop that only reads
+the clock; every gap over 0.2 ms is time the core was taken away — on a 2-vCPU VM that is milliseconds a
+second, and every reader's timestamps inherit it).
 
 Per client and concurrency (one wave of C streams × ``tokens`` chunks):
 - ITL error vs the server's schedule: ``|observed gap − ITL_MS|`` p50 / p99 / max, over every chunk gap
@@ -13,10 +22,11 @@ Per client and concurrency (one wave of C streams × ``tokens`` chunks):
   include computing their ITL lists and writing them out: bench_serving's ``--output-details``, our gaps);
   and the CPU of the run itself (``client_run_cpu_us_per_chunk``: process time around our ``run_requests``
   and the gaps, around bench_serving's one ``asyncio.run``), which carries no start-up noise;
-- ours only: delivery lag = receive wall time − ``server_ts_ns`` (same machine, same clock) p50/p99, and
+- ours and the floor: delivery lag = receive wall time − ``server_ts_ns`` (same machine, same clock) p50/p99, and
   server lag (``server_ts`` vs its own schedule) to show whether the *server* kept up.
-- ours only: the client's own share of the gap error, ``client_own_itl_error_ms`` = |its gap − the server's gap
-  between the same two writes| in the steady state: what the client adds, the paced server's own lateness left out.
+- ours and the floor: the client's own share of the gap error, ``client_own_itl_error_ms`` = |its gap − the
+  server's gap between the same two writes| in the steady state: what the client adds, the paced server's own
+  lateness left out; and the server's own, ``server_itl_error_ms`` = |server gap − ITL| over the same gaps.
 The server's own CPU time is reported too: a saturated server invalidates the comparison.
 ``--transport`` picks servelab's HTTP transport (``auto``, the product's default: its own for http://; ``aiohttp``;
 ``raw``). ``--start spread`` sends a wave's streams as Poisson arrivals at C per ITL (both clients) instead of all
@@ -27,12 +37,12 @@ at once, so their chunks are not phase-aligned.
 Each (client, C) pair runs ``--repeats`` times, interleaved with the order alternating, and the ratios use
 the medians: a 2-core machine shared with other jobs stalls now and then (our ``server_schedule_lag_ms``
 shows when the *server* was the one stalled; the 1-minute load average is recorded per run).
-Writes a JSON result and prints the ratios (bench_serving / servelab) of p99 ITL error and CPU per chunk.
+Writes a JSON result (per concurrency: each reader's medians, bench_serving / servelab and servelab / floor
+ratios) and prints each reader's median p99 error.
 ``--clients servelab`` runs ours alone (e.g. to compare two versions of the client on one server).
 
-The paced server's own scheduling jitter enters both clients' gap errors: on asyncio or uvloop its timers fire in
-whole milliseconds (``server_schedule_lag_ms`` p99 ≈ 0.9 ms even at 16 streams), so by default
-(``--server-loop spin``) it runs on asyncio with a selector that spins the last millisecond before a timer.
+``--server-script`` runs another paced server with the same arguments (e.g. an asyncio one, with
+``--server-loop spin|uvloop|asyncio`` choosing its event loop) to compare targets.
 
 **The accurate ceiling** (``--ceiling``, issue #15): per client, the highest offered chunk rate (streams × 1/ITL)
 at which p99 |gap − ITL| ≤ 1 ms in the steady state AND ≥ 99 % of the offered chunks arrive within the run. The
@@ -70,7 +80,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "lib"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-FAST_SSE = ROOT.parent / "shared" / "tools" / "fast_sse_server.py"
+PACED_SERVER = ROOT / "benchmarks" / "paced_sse_server.py"
 
 
 def cpu_of(pid: int) -> float:
@@ -107,6 +117,7 @@ from servelab.measure.workload import build_workload
 url, c, tokens, itl_ms, out = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]), sys.argv[6]
 transport = sys.argv[7] if len(sys.argv) > 7 else "auto"
 spread = len(sys.argv) > 8 and sys.argv[8] == "spread"
+quickack = not (len(sys.argv) > 9 and sys.argv[9] == "off")
 wl = build_workload("ovh", c, 16, tokens, list(range(1000, 1100)), seed=1)
 import time
 import aiohttp  # noqa: F401  (imported by run_async on first use: not the run's CPU)
@@ -116,7 +127,7 @@ except ImportError:
     pass
 cpu0 = time.process_time()
 run = run_requests(wl.requests, ClientConfig(url, "m", engine="sglang", keep_fields=("server_ts_ns",),
-                                              transport=transport),
+                                              transport=transport, tcp_quickack=quickack),
                    concurrency=c, loop="auto",     # uvloop where installed, as measured
                    **({"rate_rps": c * 1000.0 / itl_ms, "arrival": "poisson", "seed": 1} if spread else {}))
 gaps, lag, srv_lag, n, last, within, starts, times, srvs = [], [], [], 0, 0, 0, [], [], []
@@ -141,12 +152,136 @@ steady = [(b - a) / 1e6 for ts in times for a, b in zip(ts, ts[1:]) if a >= stea
 # the client's own share of a steady gap's error: its gap minus the server's gap between the same two writes
 own = [abs((ts[k] - ts[k - 1]) - (sv[k] - sv[k - 1])) / 1e6 for ts, sv in zip(times, srvs)
        for k in range(1, len(ts)) if ts[k - 1] >= steady_from and sv[k] and sv[k - 1]]
-json.dump({"client_own_gap_error": own, "cpu_run_s": time.process_time() - cpu0, "gaps": gaps, "steady_gaps": steady, "lag": lag, "srv_lag": srv_lag, "chunks": n,
+# the server's own gap error over the same steady gaps: what a perfect client would measure (the floor)
+srv_err = [abs((sv[k] - sv[k - 1]) / 1e6 - itl_ms) for ts, sv in zip(times, srvs)
+           for k in range(1, len(ts)) if ts[k - 1] >= steady_from and sv[k] and sv[k - 1]]
+json.dump({"client_own_gap_error": own, "server_gap_error": srv_err, "cpu_run_s": time.process_time() - cpu0, "gaps": gaps, "steady_gaps": steady, "lag": lag, "srv_lag": srv_lag, "chunks": n,
            "window_s": (last - first) / 1e9,
            "completed": sum(r.ok for r in run.records), "within": within,
            "event_loop": getattr(run, "event_loop", "") or "asyncio", "transport": transport},
           open(out, "w"))
 """
+
+
+# The floor: the least a reader can do — non-blocking sockets on one epoll, one recv per readiness and one
+# perf_counter_ns per recv, nothing parsed until the wave is over (then each event gets the time of the read that
+# completed it, as ours does). No HTTP client, no asyncio. What it measures is the server, the kernel and this
+# machine's own stalls (a vCPU descheduled for milliseconds shows in every client alike): no client on this core
+# can do better, so it is the physical floor of the error in the same run.
+FLOOR_CHILD = r"""
+import bisect, gc, json, random, re, select, socket, sys, time
+url, c, tokens, itl_ms, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
+spread = len(sys.argv) > 6 and sys.argv[6] == "spread"
+host, port = url.split("//", 1)[1].rsplit(":", 1)
+port = int(port)
+pc = time.perf_counter_ns
+wall_offset = time.time_ns() - pc()
+rng = random.Random(1)
+at, t = [], 0.0
+for _ in range(c):                      # spread: Poisson arrivals at C per ITL, as the clients' --start spread
+    at.append(t)
+    t += rng.expovariate(c * 1000.0 / itl_ms) if spread else 0.0
+body = json.dumps({"model": "m", "prompt": list(range(1000, 1016)), "max_tokens": tokens, "stream": True,
+                   "ignore_eos": True}).encode()
+req = (b"POST /v1/completions HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+       b"Connection: close\r\n\r\n" % (host.encode(), port, len(body))) + body
+ep = select.epoll()
+socks, reads, send_ns = {}, {}, {}
+buf = bytearray(65536)
+view = memoryview(buf)
+gc.disable()
+cpu0 = time.process_time()
+t0 = pc()
+pending = list(range(c))
+open_ = 0
+while pending or open_:
+    now = pc()
+    while pending and t0 + at[pending[0]] * 1e9 <= now:
+        i = pending.pop(0)
+        s = socket.create_connection((host, port))
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        s.sendall(req)
+        s.setblocking(False)
+        send_ns[s.fileno()] = pc()
+        socks[s.fileno()] = s
+        reads[s.fileno()] = []
+        ep.register(s.fileno(), select.EPOLLIN)
+        open_ += 1
+    timeout = 0 if pending else 1.0
+    for fd, _ in ep.poll(timeout):
+        try:
+            k = socks[fd].recv_into(buf)         # into one preallocated buffer: no allocation of a large bytes
+        except BlockingIOError:
+            continue
+        if k:
+            reads[fd].append((pc(), bytes(view[:k])))
+        else:
+            ep.unregister(fd)
+            socks[fd].close()
+            open_ -= 1
+cpu_run = time.process_time() - cpu0
+TS = re.compile(rb'"server_ts_ns":(\d+)')
+gaps, lag, srv_lag, n, last, within, starts, times, srvs = [], [], [], 0, 0, 0, [], [], []
+for fd, rd in reads.items():
+    buf = b"".join(d for _, d in rd)
+    ends = []
+    acc = 0
+    for _, d in rd:
+        acc += len(d)
+        ends.append(acc)
+    ts, srv = [], []
+    for m in TS.finditer(buf):
+        e = buf.find(b"\n\n", m.end())
+        if e < 0:
+            break
+        ts.append(rd[min(bisect.bisect_right(ends, e + 1), len(rd) - 1)][0])   # the read holding its last byte
+        srv.append(int(m.group(1)))
+    if ts:
+        within += sum(x - ts[0] <= tokens * itl_ms * 1e6 for x in ts)
+    n += len(ts)
+    last = max([last, *ts])
+    gaps += [(b - a) / 1e6 for a, b in zip(ts, ts[1:])]
+    starts.append(ts[0] if ts else None)
+    times.append(ts)
+    srvs.append(srv)
+    lag += [(x + wall_offset - y) / 1e6 for x, y in zip(ts, srv)]
+    if srv:
+        srv_lag += [(y - (srv[0] + i * itl_ms * 1e6)) / 1e6 for i, y in enumerate(srv)]
+first = min(send_ns.values())
+steady_from = max((x for x in starts if x is not None), default=0)
+steady = [(b - a) / 1e6 for ts in times for a, b in zip(ts, ts[1:]) if a >= steady_from]
+own = [abs((ts[k] - ts[k - 1]) - (sv[k] - sv[k - 1])) / 1e6 for ts, sv in zip(times, srvs)
+       for k in range(1, len(ts)) if ts[k - 1] >= steady_from]
+srv_err = [abs((sv[k] - sv[k - 1]) / 1e6 - itl_ms) for ts, sv in zip(times, srvs)
+           for k in range(1, len(ts)) if ts[k - 1] >= steady_from]
+json.dump({"client_own_gap_error": own, "server_gap_error": srv_err, "cpu_run_s": cpu_run, "gaps": gaps,
+           "steady_gaps": steady, "lag": lag, "srv_lag": srv_lag, "chunks": n, "window_s": (last - first) / 1e9,
+           "completed": sum(1 for t in times if len(t) == tokens), "within": within, "event_loop": "epoll",
+           "transport": "bare sockets"}, open(out, "w"))
+"""
+
+
+# The machine's own stalls on a core: a loop that only reads the clock, pinned there; any gap between two reads
+# longer than 0.2 ms is time the core was taken away (a hypervisor descheduling the vCPU, an interrupt storm).
+# Whatever a client does, its timestamps inherit these.
+STALL_PROBE = r"""
+import json, sys, time
+pc, end, gaps = time.perf_counter_ns, time.perf_counter_ns() + float(sys.argv[1]) * 1e9, []
+last = pc()
+while last < end:
+    now = pc()
+    if now - last > 200_000:
+        gaps.append((now - last) / 1e6)
+    last = now
+print(json.dumps({"seconds": float(sys.argv[1]), "stalls_over_0_2ms": len(gaps), "stalled_ms": sum(gaps),
+                  "longest_ms": max(gaps, default=0.0), "over_1ms": sum(g > 1 for g in gaps)}))
+"""
+
+
+def stall_probe(cpu_list: str, seconds: float = 3.0) -> dict:
+    """How much of ``seconds`` the core(s) ``cpu_list`` were taken away from a process spinning on the clock."""
+    _, text = run_child(["taskset", "-c", cpu_list, sys.executable, "-c", STALL_PROBE, str(seconds)])
+    return json.loads(text.strip().splitlines()[-1])
 
 
 def pct(values: list[float], q: float) -> float:
@@ -156,29 +291,46 @@ def pct(values: list[float], q: float) -> float:
 
 TRANSPORT = ["auto"]          # servelab's HTTP transport for this run (--transport)
 START = ["burst"]                # how a wave's C streams start (--start)
+QUICKACK = ["on"]                # servelab's ClientConfig.tcp_quickack (--quickack)
 
 
 def run_ours(url: str, c: int, tokens: int, itl_ms: float, cpu_list: str, tmp: Path,
              idle_cpu: float | None = None) -> dict:
     """One wave of ``c`` streams through servelab's client (a child process pinned to ``cpu_list``); the idle run
     (1 stream, 1 token: start-up and imports) is measured unless ``idle_cpu`` is given."""
-    out = tmp / f"ours_{c}.json"
     base = ["taskset", "-c", cpu_list, sys.executable, "-c", OURS_CHILD, str(ROOT / "lib"), url]
+    return _child_wave("servelab", base, [TRANSPORT[0], START[0], QUICKACK[0]], c, tokens, itl_ms, tmp, idle_cpu)
+
+
+def run_floor(url: str, c: int, tokens: int, itl_ms: float, cpu_list: str, tmp: Path,
+              idle_cpu: float | None = None) -> dict:
+    """One wave of ``c`` streams read by the bare epoll reader (``FLOOR_CHILD``): the floor of the error."""
+    base = ["taskset", "-c", cpu_list, sys.executable, "-c", FLOOR_CHILD, url]
+    return _child_wave(FLOOR_NAME, base, [START[0]], c, tokens, itl_ms, tmp, idle_cpu)
+
+
+FLOOR_NAME = "floor: bare epoll reader"
+KEY = {"servelab": "servelab", "sglang bench_serving 0.5.9": "bench_serving", FLOOR_NAME: "floor"}
+
+
+def _child_wave(client: str, base: list[str], tail: list[str], c: int, tokens: int, itl_ms: float, tmp: Path,
+                idle_cpu: float | None) -> dict:
+    out = tmp / f"{client.split(':')[0]}_{c}.json"
     if idle_cpu is None:
-        idle_cpu, _ = run_child(base + ["1", "1", str(itl_ms), str(tmp / "idle.json"), TRANSPORT[0], START[0]])
-    cpu, _ = run_child(base + [str(c), str(tokens), str(itl_ms), str(out), TRANSPORT[0], START[0]])
+        idle_cpu, _ = run_child(base + ["1", "1", str(itl_ms), str(tmp / "idle.json"), *tail])
+    cpu, _ = run_child(base + [str(c), str(tokens), str(itl_ms), str(out), *tail])
     d = json.loads(out.read_text())
-    lag, srv_lag = d["lag"], d["srv_lag"]
-    return summarize("servelab", c, tokens, itl_ms, d["gaps"], d["chunks"], d["window_s"], cpu - idle_cpu,
+
+    def dist(v: list[float]) -> dict:
+        return {"n": len(v), "p50": pct(v, 50), "p99": pct(v, 99), "max": max(v, default=0.0)}
+    return summarize(client, c, tokens, itl_ms, d["gaps"], d["chunks"], d["window_s"], cpu - idle_cpu,
                      d["completed"], within=d["within"], steady_gaps=d["steady_gaps"],
                      extra={"event_loop": d["event_loop"], "transport": d.get("transport"),
-                            "client_own_itl_error_ms": {"n": len(d["client_own_gap_error"]),
-                                                        "p50": pct(d["client_own_gap_error"], 50),
-                                                        "p99": pct(d["client_own_gap_error"], 99),
-                                                        "max": max(d["client_own_gap_error"], default=0.0)},
-                            "idle_cpu_s": idle_cpu, **run_cpu(d["cpu_run_s"], d["chunks"]),"delivery_lag_ms": {"p50": pct(lag, 50), "p99": pct(lag, 99), "max": max(lag, default=0)},
-                            "server_schedule_lag_ms": {"p50": pct(srv_lag, 50), "p99": pct(srv_lag, 99),
-                                                       "max": max(srv_lag, default=0)}})
+                            "client_own_itl_error_ms": dist(d["client_own_gap_error"]),
+                            "server_itl_error_ms": dist(d["server_gap_error"]),
+                            "idle_cpu_s": idle_cpu, **run_cpu(d["cpu_run_s"], d["chunks"]),
+                            "delivery_lag_ms": {k: v for k, v in dist(d["lag"]).items() if k != "n"},
+                            "server_schedule_lag_ms": {k: v for k, v in dist(d["srv_lag"]).items() if k != "n"}})
 
 
 # fast_sse_server answers every unknown path with an SSE stream; bench_serving 0.5.9 ends with
@@ -284,7 +436,7 @@ def summarize(client: str, c: int, tokens: int, itl_ms: float, gaps: list[float]
 
 RULE = {"max_p99_itl_error_ms": 1.0, "min_fraction_within_run": 0.99}
 LADDER = (16, 32, 64, 128, 256, 512, 1024, 2048)
-CLIENTS = {"servelab": run_ours, "bench_serving": run_bench_serving}
+CLIENTS = {"servelab": run_ours, "bench_serving": run_bench_serving, "floor": run_floor}
 def ceiling_path() -> Path:
     """Where this machine's ceiling is kept: the servelab cache (a ceiling is the machine's, never packaged)."""
     from servelab.core.paths import cache_root
@@ -355,7 +507,7 @@ def ceiling_figure(points: list[dict], ceilings: list[dict], itl_ms: float) -> o
     from plotly.subplots import make_subplots
     fig = make_subplots(rows=1, cols=2, subplot_titles=("client CPU per chunk, the run itself (µs)",
                                                         "p99 |gap − ITL| in steady state (ms)"))
-    colors = {"servelab": "#1f77b4", "sglang bench_serving 0.5.9": "#d62728"}
+    colors = {"servelab": "#1f77b4", "sglang bench_serving 0.5.9": "#d62728", FLOOR_NAME: "#7f7f7f"}
     for client in dict.fromkeys(r["client"] for r in points):
         rows = sorted((r for r in points if r["client"] == client), key=lambda r: r["concurrency"])
         x = [r["concurrency"] for r in rows]
@@ -383,12 +535,15 @@ def run_ceiling(args: argparse.Namespace, url: str, srv_pid: int) -> dict:
         for name in args.clients:
             ceilings.append(sweep_ceiling(CLIENTS[name], url, args, tokens, Path(td), srv_pid, points))
     ours = next((c for c in ceilings if c["client"] == "servelab"), None)
-    theirs = next((c for c in ceilings if c["client"] != "servelab"), None)
+    theirs = next((c for c in ceilings if KEY[c["client"]] == "bench_serving"), None)
+    floor = next((c for c in ceilings if KEY[c["client"]] == "floor"), None)
     ratio = (ours["ceiling_chunks_per_s"] / theirs["ceiling_chunks_per_s"]
              if ours and theirs and theirs["ceiling_chunks_per_s"] else None)
+    of_floor = (ours["ceiling_chunks_per_s"] / floor["ceiling_chunks_per_s"]
+                if ours and floor and floor["ceiling_chunks_per_s"] else None)
     return {"mode": "ceiling", "rule": RULE, "ladder": list(LADDER), "tokens_per_stream": tokens,
-            "ceilings": ceilings, "ceiling_ratio_servelab_over_bench_serving": ratio, "points": points,
-            "figure": ceiling_figure(points, ceilings, args.itl_ms)}
+            "ceilings": ceilings, "ceiling_ratio_servelab_over_bench_serving": ratio,
+            "ceiling_ratio_servelab_over_floor": of_floor, "points": points}
 
 
 def ceiling_record(out: dict, args: argparse.Namespace, command: str) -> dict:
@@ -403,7 +558,9 @@ def ceiling_record(out: dict, args: argparse.Namespace, command: str) -> dict:
                         "server_cpu": args.server_cpu},
             "event_loop": sorted(x for x in loops if x), "capped_by_max_streams": ours["capped_by_max_streams"],
             "bench_serving_chunks_per_s": next((c["ceiling_chunks_per_s"] for c in out["ceilings"]
-                                                if c["client"] != "servelab"), None)}
+                                                if KEY[c["client"]] == "bench_serving"), None),
+            "floor_chunks_per_s": next((c["ceiling_chunks_per_s"] for c in out["ceilings"]
+                                        if KEY[c["client"]] == "floor"), None)}
 
 
 SERVER_LOOP = "import runpy, sys, uvloop; uvloop.install(); sys.argv = sys.argv[1:]; " \
@@ -445,16 +602,24 @@ def main() -> None:
     ap.add_argument("--client-cpu", default="0")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats; ratios use the medians")
     ap.add_argument("--out", default="bench_client_overhead.json")
-    ap.add_argument("--server-loop", choices=("spin", "uvloop", "asyncio"), default="spin",
-                    help="the paced server's event loop (spin: its timers held to µs, see SERVER_SPIN)")
+    ap.add_argument("--server-script", type=Path, default=PACED_SERVER,
+                    help="the paced server (default: benchmarks/paced_sse_server.py; another script must take the same "
+                         "PORT ITL_MS arguments and stamp server_ts_ns the same way)")
+    ap.add_argument("--server-loop", choices=("own", "spin", "uvloop", "asyncio"), default="own",
+                    help="own: run the script as it is; for an asyncio server script: its event loop (spin: asyncio "
+                         "with timers held to µs, see SERVER_SPIN)")
     ap.add_argument("--ceiling", action="store_true", help="find each client's accurate ceiling (see the docstring)")
-    ap.add_argument("--clients", nargs="+", choices=sorted(CLIENTS), default=["servelab", "bench_serving"])
+    ap.add_argument("--clients", nargs="+", choices=sorted(CLIENTS), default=["servelab", "bench_serving", "floor"],
+                    help="the readers, run in this order (floor: the bare epoll reader, see FLOOR_CHILD)")
     ap.add_argument("--point-s", type=float, default=2.0, help="--ceiling: seconds of paced chunks per point")
     ap.add_argument("--refine", type=int, default=3, help="--ceiling: bisection steps after the ladder")
     ap.add_argument("--retries", type=int, default=1, help="--ceiling: tries more for a failing point")
     ap.add_argument("--max-streams", type=int, default=LADDER[-1])
     ap.add_argument("--transport", choices=("auto", "aiohttp", "raw"), default="auto",
                     help="servelab client's HTTP transport (ClientConfig.transport)")
+    ap.add_argument("--quickack", choices=("on", "off"), default="on",
+                    help="servelab's client: ACK every read at once (on: the product's default, see "
+                         "measure.http_stream.quickack_arm) or leave ACKs to the kernel's delayed-ACK timer")
     ap.add_argument("--start", choices=("burst", "spread"), default="burst",
                     help="burst: a wave's C streams all sent at once (phase-aligned: every ITL the server writes C "
                          "chunks at the same instant); spread: Poisson arrivals at C per ITL, both clients")
@@ -465,9 +630,9 @@ def main() -> None:
     if args.save_ceiling and not (args.ceiling and "servelab" in args.clients):
         ap.error("--save-ceiling needs --ceiling with the servelab client")
     args.ceiling_path = args.ceiling_path or ceiling_path()
-    TRANSPORT[0], START[0] = args.transport, args.start
-    if not FAST_SSE.exists():
-        ap.error(f"the paced server {FAST_SSE} is missing")
+    TRANSPORT[0], START[0], QUICKACK[0] = args.transport, args.start, args.quickack
+    if not args.server_script.is_file():
+        ap.error(f"the paced server {args.server_script} is missing")
     import resource                                       # thousands of sockets in the server and the clients
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and soft < 2 * args.max_streams + 256:
@@ -476,8 +641,8 @@ def main() -> None:
     from servelab.target.hosts import free_port, wait_port_free
     port = free_port()
     server = {"uvloop": [sys.executable, "-c", SERVER_LOOP], "spin": [sys.executable, "-c", SERVER_SPIN],
-              "asyncio": [sys.executable]}[args.server_loop]
-    srv = subprocess.Popen(["taskset", "-c", args.server_cpu, *server, str(FAST_SSE), str(port),
+              "asyncio": [sys.executable], "own": [sys.executable]}[args.server_loop]
+    srv = subprocess.Popen(["taskset", "-c", args.server_cpu, *server, str(args.server_script), str(port),
                             str(args.itl_ms)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     results = []
@@ -487,17 +652,19 @@ def main() -> None:
             if http_json(url + "/health", timeout=1)[0] == 200:
                 break
             time.sleep(0.05)
+        stalls = {"before": {"client_core": stall_probe(args.client_cpu), "server_core": stall_probe(args.server_cpu)}}
         if args.ceiling:
             command = "python benchmarks/bench_client_overhead.py " + " ".join(sys.argv[1:])
             out = run_ceiling(args, url, srv.pid)
-            fig = out.pop("figure")
+            stalls["after"] = {"client_core": stall_probe(args.client_cpu), "server_core": stall_probe(args.server_cpu)}
+            out["machine_stalls"] = stalls
             out.update(tool="benchmarks/bench_client_overhead.py --ceiling", command=command, itl_ms=args.itl_ms,
                        server_loop=args.server_loop, when=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                       start=args.start, servelab_transport=args.transport,
+                       start=args.start, servelab_transport=args.transport, servelab_quickack=args.quickack,
                        nproc=os.cpu_count(), pinning={"server_cpu": args.server_cpu, "client_cpu": args.client_cpu})
-            Path(args.out).write_text(json.dumps(out, indent=2))
+            Path(args.out).write_text(json.dumps(out, indent=2))       # the numbers first, then the figure
             html = Path(args.out).with_suffix(".html")
-            fig.write_html(str(html), include_plotlyjs=True)   # offline: plotly inlined
+            ceiling_figure(out["points"], out["ceilings"], args.itl_ms).write_html(str(html), include_plotlyjs=True)
             for c in out["ceilings"]:
                 print(f"{c['client']}: accurate ceiling {c['ceiling_chunks_per_s']:,.0f} chunks/s "
                       f"({c['ceiling_streams']} streams; first failing {c['first_failing_streams']})")
@@ -526,42 +693,55 @@ def main() -> None:
                         results.append(r)
                         print(json.dumps({k: r[k] for k in ("client", "concurrency", "repeat", "chunks_per_s",
                                                             "itl_error_ms", "client_cpu_us_per_chunk")}), flush=True)
+        stalls["after"] = {"client_core": stall_probe(args.client_cpu), "server_core": stall_probe(args.server_cpu)}
     finally:
         srv.terminate()
         srv.wait(10)
         wait_port_free("127.0.0.1", port, 5)
     import numpy as np
 
-    def med(client_is_ours: bool, c: int, get) -> float:
-        vals = [get(r) for r in results if (r["client"] == "servelab") == client_is_ours and r["concurrency"] == c]
-        return float(np.median(vals))
+    def med(client: str, c: int, get) -> float:
+        vals = [get(r) for r in results if r["client"] == client and r["concurrency"] == c]
+        return float(np.median(vals)) if vals else float("nan")
     ratios = []
-    for c in (args.concurrency if len(args.clients) == 2 else []):
+    present = {KEY[r["client"]]: r["client"] for r in results}
+    for c in args.concurrency:
         row = {"concurrency": c, "repeats": args.repeats}
-        for name, get in (("p99_itl_error_ms", lambda r: r["itl_error_ms"]["p99"]),
-                          ("p50_itl_error_ms", lambda r: r["itl_error_ms"]["p50"]),
-                          ("chunks_per_s", lambda r: r["chunks_per_s"]),
-                          ("client_cpu_us_per_chunk", lambda r: r["client_cpu_us_per_chunk"])):
-            row[f"servelab_median_{name}"] = med(True, c, get)
-            row[f"bench_serving_median_{name}"] = med(False, c, get)
-        row["p99_itl_error_ratio_bench_serving_over_servelab"] = \
-            row["bench_serving_median_p99_itl_error_ms"] / max(row["servelab_median_p99_itl_error_ms"], 1e-9)
-        row["cpu_per_chunk_ratio_bench_serving_over_servelab"] = \
-            row["bench_serving_median_client_cpu_us_per_chunk"] / max(row["servelab_median_client_cpu_us_per_chunk"], 1e-9)
-        row["chunks_per_s_ratio_servelab_over_bench_serving"] = \
-            row["servelab_median_chunks_per_s"] / max(row["bench_serving_median_chunks_per_s"], 1e-9)
+        for key, client in present.items():
+            for name, get in (("p99_itl_error_ms", lambda r: r["itl_error_ms"]["p99"]),
+                              ("p50_itl_error_ms", lambda r: r["itl_error_ms"]["p50"]),
+                              ("p99_steady_itl_error_ms", lambda r: r["steady_itl_error_ms"]["p99"]),
+                              ("chunks_per_s", lambda r: r["chunks_per_s"]),
+                              ("client_cpu_us_per_chunk", lambda r: r["client_cpu_us_per_chunk"]),
+                              ("client_run_cpu_us_per_chunk", lambda r: r["client_run_cpu_us_per_chunk"])):
+                row[f"{key}_median_{name}"] = med(client, c, get)
+        if "servelab" in present and "bench_serving" in present:
+            row["p99_itl_error_ratio_bench_serving_over_servelab"] = \
+                row["bench_serving_median_p99_itl_error_ms"] / max(row["servelab_median_p99_itl_error_ms"], 1e-9)
+            row["cpu_per_chunk_ratio_bench_serving_over_servelab"] = \
+                row["bench_serving_median_client_cpu_us_per_chunk"] / max(row["servelab_median_client_cpu_us_per_chunk"], 1e-9)
+            row["run_cpu_per_chunk_ratio_bench_serving_over_servelab"] = \
+                row["bench_serving_median_client_run_cpu_us_per_chunk"] / max(
+                    row["servelab_median_client_run_cpu_us_per_chunk"], 1e-9)
+            row["chunks_per_s_ratio_servelab_over_bench_serving"] = \
+                row["servelab_median_chunks_per_s"] / max(row["bench_serving_median_chunks_per_s"], 1e-9)
+        if "servelab" in present and "floor" in present:    # how far above what no client here can beat
+            row["p99_itl_error_ratio_servelab_over_floor"] = \
+                row["servelab_median_p99_itl_error_ms"] / max(row["floor_median_p99_itl_error_ms"], 1e-9)
         ratios.append(row)
     out = {"tool": "benchmarks/bench_client_overhead.py", "itl_ms": args.itl_ms, "tokens": args.tokens,
+           "machine_stalls": stalls,
            "pinning": {"server_cpu": args.server_cpu, "client_cpu": args.client_cpu}, "results": results,
            "ratios": ratios, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "nproc": os.cpu_count(),
-           "start": args.start, "servelab_transport": args.transport,
+           "start": args.start, "servelab_transport": args.transport, "servelab_quickack": args.quickack,
            "command": "python benchmarks/bench_client_overhead.py " + " ".join(sys.argv[1:])}
     Path(args.out).write_text(json.dumps(out, indent=2))
     for r in ratios:
-        print(f"C={r['concurrency']}: p99 ITL error bench_serving/servelab = "
-              f"{r['p99_itl_error_ratio_bench_serving_over_servelab']:.2f}x, CPU per chunk bench_serving/servelab = "
-              f"{r['cpu_per_chunk_ratio_bench_serving_over_servelab']:.2f}x, chunks/s servelab/bench_serving = "
-              f"{r['chunks_per_s_ratio_servelab_over_bench_serving']:.2f}x")
+        parts = [f"{k} {r[f'{k}_median_p99_itl_error_ms']:.2f} ms" for k in present]
+        print(f"C={r['concurrency']}: median p99 |gap - ITL|: " + ", ".join(parts)
+              + (f"; CPU of the run per chunk bench_serving/servelab = "
+                 f"{r['run_cpu_per_chunk_ratio_bench_serving_over_servelab']:.2f}x"
+                 if "run_cpu_per_chunk_ratio_bench_serving_over_servelab" in r else ""))
     print(f"written {args.out}")
 
 

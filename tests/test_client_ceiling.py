@@ -1,6 +1,5 @@
 """The accurate-ceiling mode of ``benchmarks/bench_client_overhead.py`` (issue #15), run for real on a short ladder:
-servelab's client against the paced SSE server of the developer tools (read in place, skipped where absent),
-server and client pinned to their own cores. Pass/fail of a point depends on the machine's load, so the test
+servelab's client and the bare-reader floor against the benchmarks' paced SSE server, server and client pinned to their own cores. Pass/fail of a point depends on the machine's load, so the test
 checks what must hold whatever the numbers: every point's record, a ceiling consistent with its points, the
 figure, and a ceiling file written only for a ceiling that was met (and then readable by the integrity
 check)."""
@@ -17,44 +16,56 @@ import pytest
 from servelab.measure import request_metrics as mx
 
 ROOT = Path(__file__).resolve().parents[1]
-PACED_SERVER = Path(os.environ.get("SERVELAB_SHARED", ROOT.parent / "shared")) / "tools" / "fast_sse_server.py"
 
 
 @pytest.mark.slow
 def test_ceiling_mode_records_points_a_consistent_ceiling_and_the_figure(tmp_path):
-    if not PACED_SERVER.exists():
-        pytest.skip(f"the paced SSE server (a developer tool) is not at {PACED_SERVER}")
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("the ceiling pins server and client to two different cores")
     out, pkg = tmp_path / "ceiling.json", tmp_path / "client_ceiling.json"
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_client_overhead.py"), "--ceiling",
-                        "--clients", "servelab", "--max-streams", "32", "--point-s", "0.4", "--refine", "1",
+                        "--clients", "servelab", "floor", "--max-streams", "32", "--point-s", "0.4", "--refine", "1",
                         "--retries", "0", "--save-ceiling", "--ceiling-path", str(pkg), "--out", str(out)],
                        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT / "lib")})
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     d = json.loads(out.read_text())
     assert d["rule"] == {"max_p99_itl_error_ms": 1.0, "min_fraction_within_run": 0.99}
     assert d["tokens_per_stream"] == 20                      # 0.4 s of chunks at one every 20 ms
+    # the machine's own stalls on both pinned cores, before and after the sweep
+    for when in ("before", "after"):
+        for core in ("client_core", "server_core"):
+            st = d["machine_stalls"][when][core]
+            assert st["seconds"] == 3.0 and st["stalls_over_0_2ms"] >= st["over_1ms"] >= 0
+            assert st["longest_ms"] <= st["stalled_ms"] + 1e-9
     pts = d["points"]
-    assert pts and all(r["client"] == "servelab" and r["event_loop"] in ("uvloop", "asyncio") for r in pts)
+    assert {r["client"] for r in pts} == {"servelab", "floor: bare epoll reader"}
     for r in pts:
+        assert r["event_loop"] in (("uvloop", "asyncio") if r["client"] == "servelab" else ("epoll",))
         assert r["offered_chunks_per_s"] == pytest.approx(r["concurrency"] * 50)
         assert 0 <= r["fraction_within_run"] <= 1 and r["chunks"] <= r["concurrency"] * 20
         steady = r["steady_itl_error_ms"]                # gaps once every stream had its first chunk
         assert 0 < steady["n"] <= r["concurrency"] * 19 and steady["p99"] <= r["itl_error_ms"]["max"] + 1e-9
         assert r["passes"] == (steady["n"] >= 100 and steady["p99"] <= 1.0 and r["fraction_within_run"] >= 0.99)
-    (c,) = d["ceilings"]
-    passed = [r["concurrency"] for r in pts if r["passes"]]
-    failed = [r["concurrency"] for r in pts if not r["passes"]]
-    # the ceiling is the highest passing stream count below the first failure (0 when none passed)
-    assert c["ceiling_streams"] == max([x for x in passed if not failed or x < min(failed)], default=0)
-    assert c["ceiling_chunks_per_s"] == c["ceiling_streams"] * 50
-    assert c["capped_by_max_streams"] == (not failed)
+        # the paced server's own gap error over the same gaps: what a perfect client would see
+        assert r["server_itl_error_ms"]["n"] == steady["n"] and r["server_itl_error_ms"]["p50"] >= 0
+    for c in d["ceilings"]:
+        mine = [r for r in pts if r["client"] == c["client"]]
+        passed = [r["concurrency"] for r in mine if r["passes"]]
+        failed = [r["concurrency"] for r in mine if not r["passes"]]
+        # the ceiling is the highest passing stream count below the first failure (0 when none passed)
+        assert c["ceiling_streams"] == max([x for x in passed if not failed or x < min(failed)], default=0)
+        assert c["ceiling_chunks_per_s"] == c["ceiling_streams"] * 50
+        assert c["capped_by_max_streams"] == (not failed)
+    ours, floor = d["ceilings"]
+    assert d["ceiling_ratio_servelab_over_floor"] == (
+        pytest.approx(ours["ceiling_chunks_per_s"] / floor["ceiling_chunks_per_s"]) if floor["ceiling_chunks_per_s"]
+        else None)
     html = out.with_suffix(".html").read_text()
     assert "client CPU per chunk, the run itself" in html and "accurate-ceiling rule: 1 ms" in html and "servelab (ceiling" in html
-    if c["ceiling_streams"]:
+    assert "floor: bare epoll reader (ceiling" in html
+    if ours["ceiling_streams"]:
         got = mx.measured_client_ceiling(pkg)
-        assert got["chunks_per_s"] == c["ceiling_chunks_per_s"] and "--ceiling" in got["command"]
+        assert got["chunks_per_s"] == ours["ceiling_chunks_per_s"] and "--ceiling" in got["command"]
         assert got["measured"] and got["machine"]["nproc"] == os.cpu_count()
     else:                                                    # nothing met the rule: no value is invented
         assert not pkg.exists() and "not written" in p.stdout

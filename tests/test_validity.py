@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import time
@@ -26,8 +25,8 @@ from servelab.measure.client import ClientConfig, ClientRun, RequestRecord, read
 from servelab.measure.workload import spec_source
 
 ROOT = Path(__file__).resolve().parents[1]
-# a developer tool, not part of the product: an OpenAI-compatible SSE server that paces its tokens exactly
-PACED_SERVER = Path(os.environ.get("SERVELAB_SHARED", ROOT.parent / "shared")) / "tools" / "fast_sse_server.py"
+# the benchmarks' paced target (not part of the product): an OpenAI-compatible SSE server that paces its tokens
+PACED_SERVER = ROOT / "benchmarks" / "paced_sse_server.py"
 POOL = list(range(1000, 1400))
 
 
@@ -174,11 +173,10 @@ def test_summary_schema_integrity_is_optional_and_consistent(tmp_path):
 @pytest.fixture(scope="module")
 def paced_server():
     """The paced SSE server (one token every 20 ms per stream) on a free loopback port; stopped afterwards."""
-    if not PACED_SERVER.is_file():
-        pytest.skip(f"the paced SSE server of the developer tools is absent ({PACED_SERVER})")
     from servelab.target.hosts import free_port
     port = free_port()
-    proc = subprocess.Popen([sys.executable, str(PACED_SERVER), str(port), "20"], stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen([sys.executable, str(PACED_SERVER), str(port), "20", "--spin-ms", "0"],
+                            stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 20
