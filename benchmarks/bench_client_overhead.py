@@ -543,7 +543,17 @@ def run_ceiling(args: argparse.Namespace, url: str, srv_pid: int) -> dict:
                 if ours and floor and floor["ceiling_chunks_per_s"] else None)
     return {"mode": "ceiling", "rule": RULE, "ladder": list(LADDER), "tokens_per_stream": tokens,
             "ceilings": ceilings, "ceiling_ratio_servelab_over_bench_serving": ratio,
-            "ceiling_ratio_servelab_over_floor": of_floor, "points": points}
+            "ceiling_ratio_servelab_over_floor": of_floor, "machine_limited": machine_limited(ours, floor),
+            "points": points}
+
+
+def machine_limited(ours: dict | None, floor: dict | None) -> str | None:
+    """Why these ceilings are the machine's, not the clients' — when the bare reader, which does the least any
+    reader can, got no higher than servelab's client (its cores stalled at any load) — or None."""
+    if ours is None or floor is None or floor["ceiling_streams"] > ours["ceiling_streams"]:
+        return None
+    return (f"the bare reader's ceiling ({floor['ceiling_streams']} streams) is not above servelab's "
+            f"({ours['ceiling_streams']}): this machine's stalls, not the clients, set these ceilings")
 
 
 def ceiling_record(out: dict, args: argparse.Namespace, command: str) -> dict:
@@ -670,8 +680,12 @@ def main() -> None:
                       f"({c['ceiling_streams']} streams; first failing {c['first_failing_streams']})")
             if out["ceiling_ratio_servelab_over_bench_serving"]:
                 print(f"servelab / bench_serving = {out['ceiling_ratio_servelab_over_bench_serving']:.2f}x")
+            if out["machine_limited"]:
+                print(out["machine_limited"])
             ours = next(c for c in out["ceilings"] if c["client"] == "servelab") if args.save_ceiling else None
-            if ours is not None and not ours["ceiling_streams"]:
+            if ours is not None and out["machine_limited"]:
+                print(f"not written {args.ceiling_path}: {out['machine_limited']} — measure on a quiet machine")
+            elif ours is not None and not ours["ceiling_streams"]:
                 print(f"not written {args.ceiling_path}: servelab's client met the rule at no point "
                       f"(first failing at {ours['first_failing_streams']} streams) — is the machine quiet?")
             elif ours is not None:

@@ -63,9 +63,11 @@ def test_ceiling_mode_records_points_a_consistent_ceiling_and_the_figure(tmp_pat
     html = out.with_suffix(".html").read_text()
     assert "client CPU per chunk, the run itself" in html and "accurate-ceiling rule: 1 ms" in html and "servelab (ceiling" in html
     assert "floor: bare epoll reader (ceiling" in html
-    if ours["ceiling_streams"]:
+    # a floor no higher than servelab's ceiling says the machine set both, and nothing is kept for the cases
+    assert (d["machine_limited"] is not None) == (floor["ceiling_streams"] <= ours["ceiling_streams"])
+    if ours["ceiling_streams"] and not d["machine_limited"]:
         got = mx.measured_client_ceiling(pkg)
         assert got["chunks_per_s"] == ours["ceiling_chunks_per_s"] and "--ceiling" in got["command"]
         assert got["measured"] and got["machine"]["nproc"] == os.cpu_count()
-    else:                                                    # nothing met the rule: no value is invented
+    else:                                  # nothing met the rule, or the machine set it: no value is kept
         assert not pkg.exists() and "not written" in p.stdout
