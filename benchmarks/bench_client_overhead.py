@@ -186,7 +186,8 @@ body = json.dumps({"model": "m", "prompt": list(range(1000, 1016)), "max_tokens"
 req = (b"POST /v1/completions HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
        b"Connection: close\r\n\r\n" % (host.encode(), port, len(body))) + body
 ep = select.epoll()
-socks, reads, send_ns = {}, {}, {}
+socks, stream_of = {}, {}                # by descriptor (reused once closed); reads, sends by stream
+reads, send_ns = [[] for _ in range(c)], [0] * c
 buf = bytearray(65536)
 view = memoryview(buf)
 gc.disable()
@@ -202,9 +203,8 @@ while pending or open_:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         s.sendall(req)
         s.setblocking(False)
-        send_ns[s.fileno()] = pc()
-        socks[s.fileno()] = s
-        reads[s.fileno()] = []
+        send_ns[i] = pc()
+        socks[s.fileno()], stream_of[s.fileno()] = s, i
         ep.register(s.fileno(), select.EPOLLIN)
         open_ += 1
     timeout = 0 if pending else 1.0
@@ -214,24 +214,24 @@ while pending or open_:
         except BlockingIOError:
             continue
         if k:
-            reads[fd].append((pc(), bytes(view[:k])))
+            reads[stream_of[fd]].append((pc(), bytes(view[:k])))
         else:
             ep.unregister(fd)
-            socks[fd].close()
+            socks.pop(fd).close()
             open_ -= 1
 cpu_run = time.process_time() - cpu0
 TS = re.compile(rb'"server_ts_ns":(\d+)')
 gaps, lag, srv_lag, n, last, within, starts, times, srvs = [], [], [], 0, 0, 0, [], [], []
-for fd, rd in reads.items():
-    buf = b"".join(d for _, d in rd)
+for rd in reads:
+    raw = b"".join(d for _, d in rd)
     ends = []
     acc = 0
     for _, d in rd:
         acc += len(d)
         ends.append(acc)
     ts, srv = [], []
-    for m in TS.finditer(buf):
-        e = buf.find(b"\n\n", m.end())
+    for m in TS.finditer(raw):
+        e = raw.find(b"\n\n", m.end())
         if e < 0:
             break
         ts.append(rd[min(bisect.bisect_right(ends, e + 1), len(rd) - 1)][0])   # the read holding its last byte
@@ -247,7 +247,7 @@ for fd, rd in reads.items():
     lag += [(x + wall_offset - y) / 1e6 for x, y in zip(ts, srv)]
     if srv:
         srv_lag += [(y - (srv[0] + i * itl_ms * 1e6)) / 1e6 for i, y in enumerate(srv)]
-first = min(send_ns.values())
+first = min(send_ns)
 steady_from = max((x for x in starts if x is not None), default=0)
 steady = [(b - a) / 1e6 for ts in times for a, b in zip(ts, ts[1:]) if a >= steady_from]
 own = [abs((ts[k] - ts[k - 1]) - (sv[k] - sv[k - 1])) / 1e6 for ts, sv in zip(times, srvs)
