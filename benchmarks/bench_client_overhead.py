@@ -333,8 +333,9 @@ def _child_wave(client: str, base: list[str], tail: list[str], c: int, tokens: i
                             "server_schedule_lag_ms": {k: v for k, v in dist(d["srv_lag"]).items() if k != "n"}})
 
 
-# fast_sse_server answers every unknown path with an SSE stream; bench_serving 0.5.9 ends with
-# GET /get_server_info and json() on a 200 — so that one GET gets a 404 here. Nothing measured is touched.
+# bench_serving 0.5.9 ends with GET /get_server_info and json() on a 200; a paced server has no such endpoint
+# (another --server-script may stream on any path), so that one GET is answered 404 here, without a request.
+# Nothing measured is touched.
 BS_WRAPPER = r"""
 import asyncio, atexit, os, runpy, sys, time, requests
 _arun, _cpu = asyncio.run, [0.0]
