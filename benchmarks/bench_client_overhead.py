@@ -109,6 +109,38 @@ def run_child(argv: list[str], timeout_s: float = 600) -> tuple[float, str]:
         return ru.ru_utime + ru.ru_stime, text
 
 
+# What both child readers write for the parent, from each stream's chunk times (perf ns, ``times``), the server's
+# stamps of the same chunks (``srvs``) and the stream's perf → wall offset (``wall_offsets``); also given: ``first``
+# (the first send), ``cpu_run`` (None: up to the end of this, from ``cpu0``), ``completed``, ``event_loop``,
+# ``transport``, ``tokens``, ``itl_ms``, ``out``.
+WAVE_SUMMARY = r"""
+gaps, lag, srv_lag, n, last, within, starts = [], [], [], 0, 0, 0, []
+for ts, srv, wall_offset in zip(times, srvs, wall_offsets):
+    if ts:   # chunks within the stream's run: by its first chunk + (tokens - 1) ITL + one ITL
+        within += sum(t - ts[0] <= tokens * itl_ms * 1e6 for t in ts)
+    n += len(ts)
+    last = max([last, *ts])
+    gaps += [(b - a) / 1e6 for a, b in zip(ts, ts[1:])]
+    starts.append(ts[0] if ts else None)
+    lag += [(t + wall_offset - s) / 1e6 for t, s in zip(ts, srv) if s]
+    if srv and srv[0]:
+        srv_lag += [(s - (srv[0] + i * itl_ms * 1e6)) / 1e6 for i, s in enumerate(srv)]
+steady_from = max((x for x in starts if x is not None), default=0)   # every stream has had its first chunk
+steady = [(b - a) / 1e6 for ts in times for a, b in zip(ts, ts[1:]) if a >= steady_from]
+# the client's own share of a steady gap's error: its gap minus the server's gap between the same two writes
+own = [abs((ts[k] - ts[k - 1]) - (sv[k] - sv[k - 1])) / 1e6 for ts, sv in zip(times, srvs)
+       for k in range(1, len(ts)) if ts[k - 1] >= steady_from and sv[k] and sv[k - 1]]
+# the server's own gap error over the same steady gaps: what a perfect client would measure
+srv_err = [abs((sv[k] - sv[k - 1]) / 1e6 - itl_ms) for ts, sv in zip(times, srvs)
+           for k in range(1, len(ts)) if ts[k - 1] >= steady_from and sv[k] and sv[k - 1]]
+cpu_run = time.process_time() - cpu0 if cpu_run is None else cpu_run
+json.dump({"client_own_gap_error": own, "server_gap_error": srv_err, "cpu_run_s": cpu_run, "gaps": gaps,
+           "steady_gaps": steady, "lag": lag, "srv_lag": srv_lag, "chunks": n, "window_s": (last - first) / 1e9,
+           "completed": completed, "within": within, "event_loop": event_loop, "transport": transport},
+          open(out, "w"))
+"""
+
+
 OURS_CHILD = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1])
@@ -130,37 +162,14 @@ run = run_requests(wl.requests, ClientConfig(url, "m", engine="sglang", keep_fie
                                               transport=transport, tcp_quickack=quickack),
                    concurrency=c, loop="auto",     # uvloop where installed, as measured
                    **({"rate_rps": c * 1000.0 / itl_ms, "arrival": "poisson", "seed": 1} if spread else {}))
-gaps, lag, srv_lag, n, last, within, starts, times, srvs = [], [], [], 0, 0, 0, [], [], []
-for r in run.records:
-    idx = [i for i, t in enumerate(r.chunk_text) if t]
-    ts = [r.chunk_ns[i] for i in idx]
-    if ts:   # chunks within the stream's run: by its first chunk + (tokens - 1) ITL + one ITL
-        within += sum(t - ts[0] <= tokens * itl_ms * 1e6 for t in ts)
-    srv = [r.chunk_extra[i].get("server_ts_ns") for i in idx]
-    n += len(ts)
-    last = max([last, *ts])
-    gaps += [(b - a) / 1e6 for a, b in zip(ts, ts[1:])]
-    starts.append(ts[0] if ts else None)
-    times.append(ts)
-    srvs.append(srv)
-    lag += [(t + r.wall_offset_ns - s) / 1e6 for t, s in zip(ts, srv) if s]
-    if srv and srv[0]:
-        srv_lag += [(s - (srv[0] + i * itl_ms * 1e6)) / 1e6 for i, s in enumerate(srv)]
+times = [[r.chunk_ns[i] for i, t in enumerate(r.chunk_text) if t] for r in run.records]
+srvs = [[r.chunk_extra[i].get("server_ts_ns") for i, t in enumerate(r.chunk_text) if t] for r in run.records]
+wall_offsets = [r.wall_offset_ns for r in run.records]
 first = min(r.send_ns for r in run.records)
-steady_from = max((x for x in starts if x is not None), default=0)   # every stream has had its first chunk
-steady = [(b - a) / 1e6 for ts in times for a, b in zip(ts, ts[1:]) if a >= steady_from]
-# the client's own share of a steady gap's error: its gap minus the server's gap between the same two writes
-own = [abs((ts[k] - ts[k - 1]) - (sv[k] - sv[k - 1])) / 1e6 for ts, sv in zip(times, srvs)
-       for k in range(1, len(ts)) if ts[k - 1] >= steady_from and sv[k] and sv[k - 1]]
-# the server's own gap error over the same steady gaps: what a perfect client would measure (the floor)
-srv_err = [abs((sv[k] - sv[k - 1]) / 1e6 - itl_ms) for ts, sv in zip(times, srvs)
-           for k in range(1, len(ts)) if ts[k - 1] >= steady_from and sv[k] and sv[k - 1]]
-json.dump({"client_own_gap_error": own, "server_gap_error": srv_err, "cpu_run_s": time.process_time() - cpu0, "gaps": gaps, "steady_gaps": steady, "lag": lag, "srv_lag": srv_lag, "chunks": n,
-           "window_s": (last - first) / 1e9,
-           "completed": sum(r.ok for r in run.records), "within": within,
-           "event_loop": getattr(run, "event_loop", "") or "asyncio", "transport": transport},
-          open(out, "w"))
-"""
+cpu_run = None          # ours: the run and the gaps below (time.process_time() - cpu0 at the end)
+completed = sum(r.ok for r in run.records)
+event_loop = getattr(run, "event_loop", "") or "asyncio"
+""" + WAVE_SUMMARY
 
 
 # The floor: the least a reader can do — non-blocking sockets on one epoll, one recv per readiness and one
@@ -221,7 +230,7 @@ while pending or open_:
             open_ -= 1
 cpu_run = time.process_time() - cpu0
 TS = re.compile(rb'"server_ts_ns":(\d+)')
-gaps, lag, srv_lag, n, last, within, starts, times, srvs = [], [], [], 0, 0, 0, [], [], []
+times, srvs = [], []
 for rd in reads:
     raw = b"".join(d for _, d in rd)
     ends = []
@@ -236,29 +245,13 @@ for rd in reads:
             break
         ts.append(rd[min(bisect.bisect_right(ends, e + 1), len(rd) - 1)][0])   # the read holding its last byte
         srv.append(int(m.group(1)))
-    if ts:
-        within += sum(x - ts[0] <= tokens * itl_ms * 1e6 for x in ts)
-    n += len(ts)
-    last = max([last, *ts])
-    gaps += [(b - a) / 1e6 for a, b in zip(ts, ts[1:])]
-    starts.append(ts[0] if ts else None)
     times.append(ts)
     srvs.append(srv)
-    lag += [(x + wall_offset - y) / 1e6 for x, y in zip(ts, srv)]
-    if srv:
-        srv_lag += [(y - (srv[0] + i * itl_ms * 1e6)) / 1e6 for i, y in enumerate(srv)]
+wall_offsets = [wall_offset] * c
 first = min(send_ns)
-steady_from = max((x for x in starts if x is not None), default=0)
-steady = [(b - a) / 1e6 for ts in times for a, b in zip(ts, ts[1:]) if a >= steady_from]
-own = [abs((ts[k] - ts[k - 1]) - (sv[k] - sv[k - 1])) / 1e6 for ts, sv in zip(times, srvs)
-       for k in range(1, len(ts)) if ts[k - 1] >= steady_from]
-srv_err = [abs((sv[k] - sv[k - 1]) / 1e6 - itl_ms) for ts, sv in zip(times, srvs)
-           for k in range(1, len(ts)) if ts[k - 1] >= steady_from]
-json.dump({"client_own_gap_error": own, "server_gap_error": srv_err, "cpu_run_s": cpu_run, "gaps": gaps,
-           "steady_gaps": steady, "lag": lag, "srv_lag": srv_lag, "chunks": n, "window_s": (last - first) / 1e9,
-           "completed": sum(1 for t in times if len(t) == tokens), "within": within, "event_loop": "epoll",
-           "transport": "bare sockets"}, open(out, "w"))
-"""
+completed = sum(1 for t in times if len(t) == tokens)
+event_loop, transport = "epoll", "bare sockets"
+""" + WAVE_SUMMARY
 
 
 # The machine's own stalls on a core: a loop that only reads the clock, pinned there; any gap between two reads

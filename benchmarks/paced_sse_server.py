@@ -103,11 +103,9 @@ class PacedServer:
         if not data:
             self.close(c)
             return
-        if c.left:          # a client that sends while its stream runs: kept for after the stream
-            c.inbuf += data
-            return
         c.inbuf += data
-        self.requests(c)
+        if not c.left:      # what a client sends while its stream runs waits for the stream's end
+            self.requests(c)
 
     def requests(self, c: Conn) -> None:
         """Answer every complete request in the buffer; a POST starts a stream and waits for it to end."""

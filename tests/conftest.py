@@ -118,6 +118,38 @@ def tiny_server(llama_server_binary: Path, tmp_path_factory: pytest.TempPathFact
 
 
 @pytest.fixture(scope="session")
+def paced_sse():
+    """Start the benchmarks' paced SSE server (``benchmarks/paced_sse_server.py``, no spinning: tests share the
+    cores): ``paced_sse(itl_ms)`` → its ``http://127.0.0.1:PORT`` base URL, one server per ITL for the session,
+    all stopped at its end."""
+    import subprocess
+    import sys
+    from servelab.target.hosts import free_port
+    from servelab.target.server import wait_healthy
+    procs: dict[float, tuple[subprocess.Popen, str]] = {}
+
+    def start(itl_ms: float) -> str:
+        if itl_ms not in procs:
+            port = free_port()
+            proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "paced_sse_server.py"), str(port),
+                                     str(itl_ms), "--spin-ms", "0"], stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL)
+            procs[itl_ms] = proc, f"http://127.0.0.1:{port}"
+            wait_healthy(procs[itl_ms][1], "/health", 20, alive=lambda: proc.poll() is None)
+        return procs[itl_ms][1]
+    try:
+        yield start
+    finally:
+        for proc, _ in procs.values():
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture(scope="session")
 def tok(tiny_server):
     """The tiny server's tokenizer (``measure.workload.engine_tokenizer``)."""
     from servelab.measure.workload import engine_tokenizer

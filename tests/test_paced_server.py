@@ -21,27 +21,8 @@ ITL_MS = 5.0
 
 
 @pytest.fixture(scope="module")
-def port():
-    p = free_port()
-    proc = subprocess.Popen([sys.executable, str(SERVER), str(p), str(ITL_MS), "--spin-ms", "0"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                c = http.client.HTTPConnection("127.0.0.1", p, timeout=2)
-                c.request("GET", "/health")
-                assert c.getresponse().read() == b"ok"
-                c.close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    pytest.fail(f"the paced server did not come up: {proc.stderr.read() if proc.poll() else ''}")
-                time.sleep(0.05)
-        yield p
-    finally:
-        proc.terminate()
-        proc.wait(10)
+def port(paced_sse):
+    return int(paced_sse(ITL_MS).rsplit(":", 1)[1])
 
 
 def stream(conn: http.client.HTTPConnection, n: int) -> tuple[int, list[dict], bytes, int]:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,8 +23,6 @@ from servelab.measure.client import ClientConfig, ClientRun, RequestRecord, read
 from servelab.measure.workload import spec_source
 
 ROOT = Path(__file__).resolve().parents[1]
-# the benchmarks' paced target (not part of the product): an OpenAI-compatible SSE server that paces its tokens
-PACED_SERVER = ROOT / "benchmarks" / "paced_sse_server.py"
 POOL = list(range(1000, 1400))
 
 
@@ -171,32 +167,9 @@ def test_summary_schema_integrity_is_optional_and_consistent(tmp_path):
 # ---------------------------------------------------------------- real servers
 
 @pytest.fixture(scope="module")
-def paced_server():
+def paced_server(paced_sse):
     """The paced SSE server (one token every 20 ms per stream) on a free loopback port; stopped afterwards."""
-    from servelab.target.hosts import free_port
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, str(PACED_SERVER), str(port), "20", "--spin-ms", "0"],
-                            stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 20
-        import urllib.request
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).read()
-                break
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    pytest.fail("the paced SSE server did not come up")
-                time.sleep(0.05)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    return paced_sse(20.0)
 
 
 @pytest.mark.slow
