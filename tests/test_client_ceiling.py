@@ -48,6 +48,7 @@ def test_ceiling_mode_records_points_a_consistent_ceiling_and_the_figure(tmp_pat
         assert r["passes"] == (steady["n"] >= 100 and steady["p99"] <= 1.0 and r["fraction_within_run"] >= 0.99)
         # the paced server's own gap error over the same gaps: what a perfect client would see
         assert r["server_itl_error_ms"]["n"] == steady["n"] and r["server_itl_error_ms"]["p50"] >= 0
+        assert 0 < r["client_read_cpu_us_per_chunk"] <= r["client_run_cpu_us_per_chunk"]   # the reads: part of the run
     for c in d["ceilings"]:
         mine = [r for r in pts if r["client"] == c["client"]]
         passed = [r["concurrency"] for r in mine if r["passes"]]
@@ -71,3 +72,42 @@ def test_ceiling_mode_records_points_a_consistent_ceiling_and_the_figure(tmp_pat
         assert got["measured"] and got["machine"]["nproc"] == os.cpu_count()
     else:                                  # nothing met the rule, or the machine set it: no value is kept
         assert not pkg.exists() and "not written" in p.stdout
+
+
+@pytest.mark.slow
+def test_repeats_mode_pairs_each_wave_with_the_floor_and_splits_read_cpu(tmp_path):
+    """The default mode: servelab and the floor one after the other per repeat; each wave's CPU of the reads
+    alone is part of its run's CPU; the paired count is the floor-passing repeats servelab also passed."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("the benchmark pins server and client to two different cores")
+    out = tmp_path / "overhead.json"
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_client_overhead.py"), "--clients",
+                        "servelab", "floor", "--concurrency", "16", "--repeats", "2", "--tokens", "10", "--out",
+                        str(out)], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(ROOT / "lib")})
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    d = json.loads(out.read_text())
+    rs = d["results"]
+    assert sorted((r["client"], r["repeat"]) for r in rs) == sorted(
+        (c, k) for c in ("servelab", "floor: bare epoll reader") for k in (0, 1))
+    for r in rs:
+        assert r["chunks"] == 160 and r["completed"] == 16
+        assert 0 < r["client_read_cpu_us_per_chunk"] <= r["client_run_cpu_us_per_chunk"]
+    bco = _bench_module()
+    (row,) = d["ratios"]
+    for key, name in (("servelab", "servelab"), ("floor", "floor: bare epoll reader")):
+        assert row[f"{key}_waves_passing"] == sum(bco.passes(r) for r in rs if r["client"] == name)
+    ok = {(r["repeat"], r["client"]): bco.passes(r) for r in rs}
+    floor_ok = [k for k in (0, 1) if ok[(k, "floor: bare epoll reader")]]
+    assert row["paired_repeats"] == 2 and row["repeats_floor_passes"] == len(floor_ok)
+    assert row["repeats_servelab_passes_where_floor_passes"] == sum(ok[(k, "servelab")] for k in floor_ok)
+    assert f"servelab passed {row['repeats_servelab_passes_where_floor_passes']} of the {len(floor_ok)}" in p.stdout
+
+
+def _bench_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_client_overhead",
+                                                  ROOT / "benchmarks" / "bench_client_overhead.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
