@@ -645,8 +645,8 @@ def main() -> None:
     ap.add_argument("--transport", choices=("auto", "aiohttp", "raw"), default="auto",
                     help="servelab client's HTTP transport (ClientConfig.transport)")
     ap.add_argument("--quickack", choices=("on", "off"), default="on",
-                    help="servelab's client: ACK every read at once (on: the product's default, see "
-                         "measure.http_stream.quickack_arm) or leave ACKs to the kernel's delayed-ACK timer")
+                    help="servelab's client: no delayed ACKs on the response (on: the product's default, one "
+                         "setting per request, see measure.http_stream.quickack_once) or leave ACKs to the kernel")
     ap.add_argument("--start", choices=("burst", "spread"), default="burst",
                     help="burst: a wave's C streams all sent at once (phase-aligned: every ITL the server writes C "
                          "chunks at the same instant); spread: Poisson arrivals at C per ITL, both clients")

@@ -18,10 +18,10 @@ Two levels:
    development, other jobs); measured here, the *same* client's median TTFT ranged 30–310 ms and its median
    TPOT 0.8–39 ms across back-to-back runs whenever another process took a core. bench_serving also opens one HTTP session
    per request and sends text (re-tokenized by the server), we send token ids on a shared session. Our
-   client runs here with ``tcp_quickack=False``: llama-server writes without TCP_NODELAY, so a client that
-   delays its ACKs (bench_serving does, like any default socket) sees sporadic ~200 ms Nagle stalls; ours
-   quick-ACKs by default and then measured median E2E 2.5x lower on this shape — a transport artifact, not a
-   metric definition, so both clients get the same TCP behaviour for this comparison. Even so, bench_serving's
+   client runs here with ``tcp_quickack=False``, bench_serving's TCP behaviour (any default socket): a stock
+   llama-server writes without TCP_NODELAY (the one built here sets it), and a client that delays its ACKs
+   can then see ~40-200 ms Nagle stalls — a transport artifact, not a metric definition, so both clients get
+   the same TCP behaviour for this comparison. Even so, bench_serving's
    median TTFT came out 1.5–4.2x ours at this shape (e.g. 28 vs 118 ms), which is why TTFT and E2E get the
    wider factor; the cause is on the client side of the request (it opens a session and a connection per
    request and sends a text prompt) and not settled here. Level 1

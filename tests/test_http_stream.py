@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+import time
 
 import pytest
 
 from servelab.measure.client import ClientConfig, run_requests
-from servelab.measure.http_stream import StreamResponse, dechunk, post_stream, request_head, split_url
+from servelab.measure.http_stream import (StreamResponse, dechunk, post_stream, quickack_once, request_head,
+                                          split_url)
 from servelab.measure.workload import build_text_workload, build_workload, request_body
 from servelab.target.hosts import free_port
 
@@ -137,7 +139,7 @@ def test_a_complete_response_costs_nothing_more_when_its_connection_closes(monke
         done = loop.create_future()
         ts: list[int] = []
         data: list[bytes] = []
-        proto = hs._StreamProtocol(ts, data, done, quickack=False)
+        proto = hs._StreamProtocol(ts, data, done)
 
         class Transport:
             closed = False
@@ -159,3 +161,50 @@ def test_a_complete_response_costs_nothing_more_when_its_connection_closes(monke
         assert len(data) == 2 and len(ts) == 2          # both body reads kept, for the parse after the wave
     finally:
         loop.close()
+
+
+def _nagle_stream(quickack: bool, chunks: int = 30, itl_s: float = 0.01) -> list[float]:
+    """A writer with Nagle on (no TCP_NODELAY, as a stock cpp-httplib) speaks first, the reader answers at once —
+    which puts the reader's socket in Linux's delayed-ACK ("pingpong") mode — then the writer sends ``chunks`` small
+    writes ``itl_s`` apart. Returns the reader's gaps between reads (ms)."""
+    ls = socket.socket()
+    ls.bind(("127.0.0.1", 0))
+    ls.listen()
+
+    def writer() -> None:
+        c, _ = ls.accept()
+        with c:
+            c.sendall(b"hello")
+            c.recv(100)
+            t0 = time.perf_counter()
+            for i in range(1, chunks + 1):
+                while time.perf_counter() < t0 + i * itl_s:
+                    time.sleep(0.0005)
+                c.send(b"data: %03d\n\n" % i)
+    th = threading.Thread(target=writer)
+    th.start()
+    ts = []
+    try:
+        with socket.create_connection(ls.getsockname()) as s:
+            s.recv(5)
+            s.sendall(b"request")
+            if quickack:
+                assert quickack_once(s)
+            while d := s.recv(4096):
+                ts.append(time.perf_counter())
+    finally:
+        th.join()
+        ls.close()
+    return [(b - a) * 1e3 for a, b in zip(ts, ts[1:])]
+
+
+@pytest.mark.skipif(not hasattr(socket, "TCP_QUICKACK"), reason="TCP_QUICKACK is Linux's")
+@pytest.mark.flaky(reruns=2, reruns_delay=1)     # a 20 ms stall of a shared 2-core machine would look like one
+def test_one_quickack_after_the_request_keeps_every_ack_immediate():
+    """What the client relies on (``http_stream.quickack_once``): set once after this side's last send, the
+    kernel ACKs every later small segment at once, so a Nagle writer is never held for a delayed ACK (>= 40 ms);
+    without it the same exchange stalls."""
+    without = _nagle_stream(quickack=False)
+    assert max(without) >= 38, f"the control did not stall (max gap {max(without):.1f} ms): not in delayed-ACK mode"
+    once = _nagle_stream(quickack=True)
+    assert max(once) < 30, f"a gap of {max(once):.1f} ms with one quick-ACK after the send"

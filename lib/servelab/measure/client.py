@@ -43,7 +43,7 @@ from typing import Any, Awaitable, Callable, TypeVar
 
 import numpy as np
 
-from servelab.measure.http_stream import StreamResponse, dechunk, post_stream, quickack_arm
+from servelab.measure.http_stream import StreamResponse, dechunk, post_stream, quickack_once
 from servelab.measure.workload import RequestSpec, request_body
 
 READ_BUFSIZE_BYTES = 16 * 1024 * 1024
@@ -64,7 +64,7 @@ class ClientConfig:
     request_id_prefix: str = "servelab"
     progress: bool = False
     keep_fields: tuple[str, ...] = ()        # top-level event fields kept per chunk (e.g. a server timestamp)
-    tcp_quickack: bool = True                # ACK every read at once (see http_stream.quickack_arm)
+    tcp_quickack: bool = True                # no delayed ACKs on the response (http_stream.quickack_once)
     # the HTTP transport: "aiohttp"; "raw" (measure.http_stream: reads timestamped in the protocol's
     # data_received, plain http:// only); "auto": raw for http://, aiohttp for https://
     transport: str = "auto"
@@ -301,15 +301,6 @@ def parse_stream(rec: RequestRecord, reads: Any, api: str, keep: tuple[str, ...]
 
 # ---------------------------------------------------------------- sending
 
-def _quickack(resp: Any) -> tuple[Callable[[], None], Callable[[], None]] | None:
-    """(re-arm TCP_QUICKACK, release) for an aiohttp response's socket, or None (``http_stream.quickack_arm``)."""
-    try:
-        transport = resp.connection.transport
-    except AttributeError:
-        return None
-    return quickack_arm(transport)
-
-
 async def _send_raw(spec: RequestSpec, cfg: ClientConfig, rec: RequestRecord, reads: ReadLog) -> None:
     """The raw transport (``measure.http_stream``): every read timestamped in the protocol's ``data_received``;
     the chunked framing is undone when the records are parsed (``ReadLog.body``), after the wave."""
@@ -354,24 +345,14 @@ async def _send(session: Any, spec: RequestSpec, cfg: ClientConfig, rec: Request
                 rec.error_kind = "http"
                 rec.error = f"HTTP {resp.status}: {(await resp.text())[:500]}"
             else:
-                qa = _quickack(resp) if cfg.tcp_quickack else None
+                if cfg.tcp_quickack and resp.connection is not None and resp.connection.transport is not None:
+                    quickack_once(resp.connection.transport)      # the request is written: see quickack_once
                 # the per-read path: readany directly (no async iterator object per read), one clock read,
-                # two appends, and the quick-ACK re-arm where on; an empty read is the end of the body
+                # two appends; an empty read is the end of the body
                 ts_append, data_append, readany = reads.ts.append, reads.data.append, resp.content.readany
-                if qa is None:
-                    while data := await readany():
-                        ts_append(pc())
-                        data_append(data)
-                else:
-                    arm, release = qa
-                    try:
-                        arm()
-                        while data := await readany():
-                            ts_append(pc())
-                            data_append(data)
-                            arm()
-                    finally:
-                        release()
+                while data := await readany():
+                    ts_append(pc())
+                    data_append(data)
     except asyncio.TimeoutError:
         rec.error_kind, rec.error = "timeout", f"no complete response within {cfg.timeout_s} s"
     except (aiohttp.ClientError, OSError) as exc:

@@ -3,7 +3,8 @@
 Why it exists: with aiohttp every socket read goes through its stream reader — a buffer append, a waiter
 future woken, the awaiting task resumed, ``readany`` returning — about 15–20 µs a chunk in Python before the
 client can take the next read. Here each read reaches :meth:`_StreamProtocol.data_received` straight from the
-event loop, and the hot path is one ``perf_counter_ns()``, two list appends and, on Linux, the quick-ACK re-arm.
+event loop, and the hot path is one ``perf_counter_ns()`` and two list appends (the quick-ACK switch is set once
+per request, :func:`quickack_once`).
 The HTTP framing (status line, headers, chunked transfer coding) is undone after the response
 (:func:`dechunk`), mapping every body byte back to the read that delivered it — so a line's timestamp stays the
 read that completed it, exactly as with aiohttp.
@@ -18,11 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import os
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 from urllib.parse import urlsplit
 
 MAX_HEAD_BYTES = 64 * 1024
@@ -64,41 +64,39 @@ def request_head(host: str, port: int, path: str, headers: dict[str, str], body_
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
-def quickack_arm(transport: Any) -> tuple[Callable[[], None], Callable[[], None]] | None:
-    """(re-arm TCP_QUICKACK on the transport's socket, release) on Linux, or None — for both of the client's
-    transports.
+def quickack_once(sock: Any) -> bool:
+    """Make sure the kernel does not delay this connection's ACKs: set ``TCP_QUICKACK`` once, after the request
+    was written (Linux; False elsewhere or when the option cannot be set). ``sock``: a socket or a transport.
 
-    A server that writes small SSE chunks without TCP_NODELAY (llama.cpp's cpp-httplib) has each write held
-    by Nagle until the previous segment is ACKed, and Linux delays ACKs up to 200 ms: measured here, a
-    64-token prompt on the tiny model got its first chunk after ~280 ms instead of ~3 ms. Quick-ACKing
-    every read removes that client-side artifact; the flag is one-shot, so it is set again after each read
-    (one setsockopt). The option is set through one duplicate of the socket's descriptor made per response
-    (same socket; closed by ``release``): uvloop's transport hands out a stand-in whose every ``setsockopt``
-    builds and detaches a new ``socket.socket`` — measured, that doubled the per-read cost of the re-arm.
-    Servers with TCP_NODELAY (uvicorn: SGLang, vLLM) are unaffected.
+    Why: a server that writes small SSE chunks without ``TCP_NODELAY`` (cpp-httplib's default, llama.cpp built
+    without it) has each write held by Nagle until the previous segment is ACKed. Linux delays an ACK (40 ms and
+    more) only in its interactive ("pingpong") mode, which a socket enters when it sends data soon after
+    receiving some — a request written on a connection that has just received (a kept-alive connection's next
+    request, a server that speaks first) — and leaves when ``TCP_QUICKACK`` is set or a delayed-ACK timer fires.
+    Out of that mode, reading a small pushed segment ACKs it at once. So one setting after the request — this
+    side's last send — keeps every ACK of the response immediate; it is not undone until this side sends again,
+    which a streaming client does not. Measured on Linux 6.18 (a socket that received before it sent, then
+    read 40 chunks 20 ms apart from a Nagle writer): with no quick-ACK one or two gaps of 41 ms; set once after
+    the send, none (max 20.5 ms) — the same as re-arming after every read, which the client did before at
+    ~2 µs of CPU a read (``tests/test_http_stream.py`` repeats this). First observed: a 64-token prompt on the
+    tiny model got its first chunk after ~280 ms instead of ~3 ms on a kept-alive connection.
     """
     if not hasattr(socket, "TCP_QUICKACK"):
-        return None
+        return False
+    if not hasattr(sock, "setsockopt"):
+        sock = sock.get_extra_info("socket")
     try:
-        dup = socket.socket(fileno=os.dup(transport.get_extra_info("socket").fileno()))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
     except (AttributeError, OSError):
-        return None
-    setopt, level, opt = dup.setsockopt, socket.IPPROTO_TCP, socket.TCP_QUICKACK
-
-    def arm() -> None:
-        try:
-            setopt(level, opt, 1)
-        except OSError:
-            pass
-    return arm, dup.close
+        return False
+    return True
 
 
 class _StreamProtocol(asyncio.Protocol):
     """Collects one response: the head parsed once, then every body read as (perf ns, bytes) in two lists."""
 
-    def __init__(self, ts: list[int], data: list[bytes], done: asyncio.Future, quickack: bool) -> None:
+    def __init__(self, ts: list[int], data: list[bytes], done: asyncio.Future) -> None:
         self.ts_append, self.data_append, self.done = ts.append, data.append, done
-        self.quickack, self.arm, self.release = quickack, None, None
         self.head = b""
         self.in_body = False
         self.resp = StreamResponse()
@@ -109,10 +107,6 @@ class _StreamProtocol(asyncio.Protocol):
 
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
-        qa = quickack_arm(transport) if self.quickack else None
-        if qa is not None:
-            self.arm, self.release = qa
-            self.arm()
 
     def data_received(self, data: bytes) -> None:
         t = time.perf_counter_ns()
@@ -124,8 +118,6 @@ class _StreamProtocol(asyncio.Protocol):
     def _body(self, t: int, data: bytes) -> None:
         self.ts_append(t)
         self.data_append(data)
-        if self.arm is not None:
-            self.arm()
         if self.resp.chunked:
             if (data.endswith(b"0\r\n\r\n") or (len(data) < 7 and data.endswith(b"\r\n"))) and _terminal(self.data):
                 self._finish(None)
@@ -177,9 +169,6 @@ class _StreamProtocol(asyncio.Protocol):
             self._finish(None)                 # a body delimited by the connection's close
 
     def _finish(self, exc: Exception | None) -> None:
-        if self.release is not None:
-            self.release()
-            self.arm = self.release = None
         if not self.done.done():
             if exc is None:
                 self.done.set_result(None)
@@ -254,7 +243,7 @@ async def post_stream(url: str, body: bytes, headers: dict[str, str], ts: list[i
     head = request_head(host, port, path, headers, len(body))
     loop = asyncio.get_running_loop()
     done: asyncio.Future = loop.create_future()
-    proto = _StreamProtocol(ts, data, done, quickack)
+    proto = _StreamProtocol(ts, data, done)
     if resp is not None:
         proto.resp = resp
     transport = None
@@ -262,11 +251,10 @@ async def post_stream(url: str, body: bytes, headers: dict[str, str], ts: list[i
         async with asyncio.timeout(timeout_s):
             transport, _ = await loop.create_connection(lambda: proto, host, port)
             transport.write(head + body)
+            if quickack:
+                quickack_once(transport)
             await done
     finally:
         if transport is not None and not transport.is_closing():
             transport.close()
-        if proto.release is not None:
-            proto.release()
-            proto.arm = proto.release = None
     return proto.resp
