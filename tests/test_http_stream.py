@@ -190,7 +190,7 @@ def _nagle_stream(quickack: bool, chunks: int = 30, itl_s: float = 0.01) -> list
             s.sendall(b"request")
             if quickack:
                 assert quickack_once(s)
-            while d := s.recv(4096):
+            while s.recv(4096):
                 ts.append(time.perf_counter())
     finally:
         th.join()
