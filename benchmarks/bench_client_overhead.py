@@ -291,6 +291,9 @@ def pct(values: list[float], q: float) -> float:
 TRANSPORT = ["auto"]          # servelab's HTTP transport for this run (--transport)
 START = ["burst"]                # how a wave's C streams start (--start)
 QUICKACK = ["on"]                # servelab's ClientConfig.tcp_quickack (--quickack)
+# bench_serving's python and tokenizer directory (--bench-serving-python / --bench-serving-tokenizer); None: the venv
+# benchmarks/bench_serving_env.py builds and the tiny model's tokenizer converted from its GGUF
+BENCH_SERVING: dict[str, str | None] = {"python": None, "tokenizer": None}
 
 
 def run_ours(url: str, c: int, tokens: int, itl_ms: float, cpu_list: str, tmp: Path,
@@ -365,8 +368,8 @@ def run_bench_serving(url: str, c: int, tokens: int, itl_ms: float, cpu_list: st
                       idle_cpu: float | None = None) -> dict:
     import bench_serving_env as be
     from servelab.target.models import resolve_model
-    py = be.ensure_bench_serving()
-    tok = be.ensure_gguf_tokenizer(Path(resolve_model("tiny")), tmp / "tiny-tok")
+    py = BENCH_SERVING["python"] or be.ensure_bench_serving()
+    tok = BENCH_SERVING["tokenizer"] or be.ensure_gguf_tokenizer(Path(resolve_model("tiny")), tmp / "tiny-tok")
 
     def argv(n: int, toks: int, out: Path) -> list[str]:
         rate = ["--request-rate", f"{n * 1000.0 / itl_ms:g}"] if START[0] == "spread" else []
@@ -652,12 +655,18 @@ def main() -> None:
                          "chunks at the same instant); spread: Poisson arrivals at C per ITL, both clients")
     ap.add_argument("--save-ceiling", action="store_true",
                     help="--ceiling: keep servelab's ceiling in this machine's servelab cache, for the cases' verdicts")
+    ap.add_argument("--bench-serving-python", default=None,
+                    help="a python that imports sglang.bench_serving 0.5.9 (default: the venv bench_serving_env.py "
+                         "builds from the package registry, for a machine without one)")
+    ap.add_argument("--bench-serving-tokenizer", default=None,
+                    help="bench_serving's tokenizer directory (default: converted from the tiny model's GGUF)")
     ap.add_argument("--ceiling-path", type=Path, default=None, help=argparse.SUPPRESS)  # tests
     args = ap.parse_args()
     if args.save_ceiling and not (args.ceiling and "servelab" in args.clients):
         ap.error("--save-ceiling needs --ceiling with the servelab client")
     args.ceiling_path = args.ceiling_path or ceiling_path()
     TRANSPORT[0], START[0], QUICKACK[0] = args.transport, args.start, args.quickack
+    BENCH_SERVING.update(python=args.bench_serving_python, tokenizer=args.bench_serving_tokenizer)
     if not args.server_script.is_file():
         ap.error(f"the paced server {args.server_script} is missing")
     import resource                                       # thousands of sockets in the server and the clients
