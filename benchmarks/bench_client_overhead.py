@@ -130,6 +130,9 @@ for ts, srv, wall_offset in zip(times, srvs, wall_offsets):
         srv_lag += [(s - (srv[0] + i * itl_ms * 1e6)) / 1e6 for i, s in enumerate(srv)]
 steady_from = max((x for x in starts if x is not None), default=0)   # every stream has had its first chunk
 steady = [(b - a) / 1e6 for ts in times for a, b in zip(ts, ts[1:]) if a >= steady_from]
+# the same without each stream's last gap: when a wave's streams all end in one tick, every completion's work on the
+# loop (the request's task resuming, its connection closed) delays the last chunks of the streams still running
+steady_but_last = [(b - a) / 1e6 for ts in times for a, b in zip(ts[:-1], ts[1:-1]) if a >= steady_from]
 # the client's own share of a steady gap's error: its gap minus the server's gap between the same two writes
 own = [abs((ts[k] - ts[k - 1]) - (sv[k] - sv[k - 1])) / 1e6 for ts, sv in zip(times, srvs)
        for k in range(1, len(ts)) if ts[k - 1] >= steady_from and sv[k] and sv[k - 1]]
@@ -139,7 +142,7 @@ srv_err = [abs((sv[k] - sv[k - 1]) / 1e6 - itl_ms) for ts, sv in zip(times, srvs
 cpu_run = time.process_time() - cpu0 if cpu_run is None else cpu_run
 json.dump({"client_own_gap_error": own, "server_gap_error": srv_err, "cpu_run_s": cpu_run, "gaps": gaps,
            "cpu_window_s": cpu_window,
-           "steady_gaps": steady, "lag": lag, "srv_lag": srv_lag, "chunks": n, "window_s": (last - first) / 1e9,
+           "steady_gaps": steady, "steady_gaps_but_last": steady_but_last, "lag": lag, "srv_lag": srv_lag, "chunks": n, "window_s": (last - first) / 1e9,
            "completed": completed, "within": within, "event_loop": event_loop, "transport": transport},
           open(out, "w"))
 """
@@ -329,6 +332,8 @@ def _child_wave(client: str, base: list[str], tail: list[str], c: int, tokens: i
                      d["completed"], within=d["within"], steady_gaps=d["steady_gaps"],
                      extra={"event_loop": d["event_loop"], "transport": d.get("transport"),
                             "client_own_itl_error_ms": dist(d["client_own_gap_error"]),
+                            "steady_itl_error_ms_without_last_gaps": dist([abs(g - itl_ms)
+                                                                           for g in d["steady_gaps_but_last"]]),
                             "server_itl_error_ms": dist(d["server_gap_error"]),
                             "idle_cpu_s": idle_cpu, **run_cpu(d["cpu_run_s"], d["chunks"]),
                             "client_read_cpu_us_per_chunk": 1e6 * d["cpu_window_s"] / d["chunks"] if d["chunks"]

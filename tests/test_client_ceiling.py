@@ -93,6 +93,8 @@ def test_repeats_mode_pairs_each_wave_with_the_floor_and_splits_read_cpu(tmp_pat
     for r in rs:
         assert r["chunks"] == 160 and r["completed"] == 16
         assert 0 < r["client_read_cpu_us_per_chunk"] <= r["client_run_cpu_us_per_chunk"]
+        # every stream's last gap starts in the steady state: the same gaps but those 16
+        assert r["steady_itl_error_ms_without_last_gaps"]["n"] == r["steady_itl_error_ms"]["n"] - 16
     bco = _bench_module()
     (row,) = d["ratios"]
     for key, name in (("servelab", "servelab"), ("floor", "floor: bare epoll reader")):
