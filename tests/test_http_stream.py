@@ -208,3 +208,40 @@ def test_one_quickack_after_the_request_keeps_every_ack_immediate():
     assert max(without) >= 38, f"the control did not stall (max gap {max(without):.1f} ms): not in delayed-ACK mode"
     once = _nagle_stream(quickack=True)
     assert max(once) < 30, f"a gap of {max(once):.1f} ms with one quick-ACK after the send"
+
+
+def test_completions_are_handed_over_one_per_turn_of_the_loop(monkeypatch):
+    """A wave's streams that end together: each complete response waits its turn in the run's CompletionQueue —
+    one per turn of the loop, which polls the sockets between turns — and its connection's close in the meantime
+    neither finishes it twice nor parses its body again."""
+    from servelab.measure import http_stream as hs
+
+    class Transport:
+        closed = False
+
+        def close(self) -> None:
+            self.closed = True
+
+    def no_parsing(raw: bytes) -> None:
+        raise AssertionError("the body was parsed again when the connection closed")
+
+    async def main() -> list[int]:
+        loop = asyncio.get_running_loop()
+        queue = hs.CompletionQueue(loop)
+        protos = []
+        for _ in range(3):
+            p = hs._StreamProtocol([], [], loop.create_future(), queue)
+            p.connection_made(Transport())
+            p.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n")
+            p.data_received(b"ok")                        # complete: queued, not finished
+            protos.append(p)
+        monkeypatch.setattr(hs, "_chunk_spans", no_parsing)
+        protos[2].connection_lost(None)                   # the server closed first: nothing to do yet
+        seen = [sum(p.done.done() for p in protos)]
+        for _ in range(3):
+            await asyncio.sleep(0)                        # one turn of the loop
+            seen.append(sum(p.done.done() for p in protos))
+        assert all(p.done.exception() is None and p.transport.closed for p in protos)
+        assert not queue.queue and not queue.scheduled
+        return seen
+    assert asyncio.run(main()) == [0, 1, 2, 3]

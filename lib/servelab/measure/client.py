@@ -43,7 +43,7 @@ from typing import Any, Awaitable, Callable, TypeVar
 
 import numpy as np
 
-from servelab.measure.http_stream import StreamResponse, dechunk, post_stream, quickack_once
+from servelab.measure.http_stream import CompletionQueue, StreamResponse, dechunk, post_stream, quickack_once
 from servelab.measure.workload import RequestSpec, request_body
 
 READ_BUFSIZE_BYTES = 16 * 1024 * 1024
@@ -301,7 +301,8 @@ def parse_stream(rec: RequestRecord, reads: Any, api: str, keep: tuple[str, ...]
 
 # ---------------------------------------------------------------- sending
 
-async def _send_raw(spec: RequestSpec, cfg: ClientConfig, rec: RequestRecord, reads: ReadLog) -> None:
+async def _send_raw(spec: RequestSpec, cfg: ClientConfig, rec: RequestRecord, reads: ReadLog,
+                    completions: CompletionQueue | None = None) -> None:
     """The raw transport (``measure.http_stream``): every read timestamped in the protocol's ``data_received``;
     the chunked framing is undone when the records are parsed (``ReadLog.body``), after the wave."""
     body = json.dumps(request_body(spec, cfg.engine, cfg.api, cfg.model, cfg.extra_body)).encode()
@@ -310,7 +311,8 @@ async def _send_raw(spec: RequestSpec, cfg: ClientConfig, rec: RequestRecord, re
     pc = time.perf_counter_ns
     rec.send_ns = pc()
     try:
-        await post_stream(cfg.url, body, headers, reads.ts, reads.data, cfg.timeout_s, cfg.tcp_quickack, resp)
+        await post_stream(cfg.url, body, headers, reads.ts, reads.data, cfg.timeout_s, cfg.tcp_quickack, resp,
+                          completions)
     except TimeoutError:
         rec.error_kind, rec.error = "timeout", f"no complete response within {cfg.timeout_s} s"
     except OSError as exc:
@@ -328,9 +330,10 @@ async def _send_raw(spec: RequestSpec, cfg: ClientConfig, rec: RequestRecord, re
         reads.chunked = False
 
 
-async def _send(session: Any, spec: RequestSpec, cfg: ClientConfig, rec: RequestRecord, reads: ReadLog) -> None:
+async def _send(session: Any, spec: RequestSpec, cfg: ClientConfig, rec: RequestRecord, reads: ReadLog,
+                completions: CompletionQueue | None = None) -> None:
     if cfg.raw:
-        return await _send_raw(spec, cfg, rec, reads)
+        return await _send_raw(spec, cfg, rec, reads, completions)
     import aiohttp
     body = json.dumps(request_body(spec, cfg.engine, cfg.api, cfg.model, cfg.extra_body)).encode()
     headers = {"Content-Type": "application/json", "X-Request-ID": rec.request_id, **cfg.headers}
@@ -474,6 +477,9 @@ async def run_async(specs: list[RequestSpec], cfg: ClientConfig, concurrency: in
 
     lag_ns: list[int] = []
     inflight_samples: list[int] = []
+    # the raw transport's completions, one per turn of the loop (http_stream.CompletionQueue): a wave's streams
+    # that end together do not delay the last chunks of the others
+    completions = CompletionQueue(asyncio.get_running_loop())
     state = {"inflight": 0}
     async with aiohttp.ClientSession(connector=connector, read_bufsize=READ_BUFSIZE_BYTES,
                                      timeout=aiohttp.ClientTimeout(total=None)) as session:
@@ -481,7 +487,7 @@ async def run_async(specs: list[RequestSpec], cfg: ClientConfig, concurrency: in
         async def one(spec: RequestSpec, rec: RequestRecord) -> None:
             state["inflight"] += 1
             try:
-                await _send(session, spec, cfg, rec, reads[id(rec)])
+                await _send(session, spec, cfg, rec, reads[id(rec)], completions)
             finally:
                 state["inflight"] -= 1
             if cfg.on_record is not None:         # parsed now (not after the wave) and handed on at once
