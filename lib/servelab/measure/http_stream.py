@@ -79,8 +79,9 @@ def quickack_once(sock: Any) -> bool:
     which a streaming client does not. Measured on Linux 6.18 (a socket that received before it sent, then
     read 40 chunks 20 ms apart from a Nagle writer): with no quick-ACK one or two gaps of 41 ms; set once after
     the send, none (max 20.5 ms) — the same as re-arming after every read, which the client did before at
-    2–7 µs of CPU a read (this VM; an H200 host) (``tests/test_http_stream.py`` repeats this). First observed: a 64-token prompt on the
-    tiny model got its first chunk after ~280 ms instead of ~3 ms on a kept-alive connection.
+    2–7 µs of CPU a read (the development VM; an H200 host); ``tests/test_http_stream.py`` repeats this. First
+    observed: a 64-token prompt on the tiny model got its first chunk after ~280 ms instead of ~3 ms on a
+    kept-alive connection.
     """
     if not hasattr(socket, "TCP_QUICKACK"):
         return False
