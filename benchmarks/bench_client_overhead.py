@@ -145,11 +145,10 @@ own = [abs((ts[k] - ts[k - 1]) - (sv[k] - sv[k - 1])) / 1e6 for ts, sv in zip(ti
 srv_err = [abs((sv[k] - sv[k - 1]) / 1e6 - itl_ms) for ts, sv in zip(times, srvs)
            for k in range(1, len(ts)) if ts[k - 1] >= steady_from and sv[k] and sv[k - 1]]
 cpu_run = time.process_time() - cpu0 if cpu_run is None else cpu_run
-json.dump({"client_own_gap_error": own, "server_gap_error": srv_err, "cpu_run_s": cpu_run, "gaps": gaps,
-           "cpu_window_s": cpu_window,
-           "steady_gaps": steady, "steady_gaps_but_last": steady_but_last, "lag": lag, "srv_lag": srv_lag, "chunks": n, "window_s": (last - first) / 1e9,
-           "completed": completed, "within": within, "event_loop": event_loop, "transport": transport},
-          open(out, "w"))
+json.dump({"client_own_gap_error": own, "server_gap_error": srv_err, "cpu_run_s": cpu_run, "cpu_window_s": cpu_window,
+           "gaps": gaps, "steady_gaps": steady, "steady_gaps_but_last": steady_but_last, "lag": lag, "srv_lag": srv_lag,
+           "chunks": n, "window_s": (last - first) / 1e9, "completed": completed, "within": within,
+           "event_loop": event_loop, "transport": transport}, open(out, "w"))
 """
 
 

@@ -15,6 +15,9 @@ import pytest
 
 from servelab.measure import request_metrics as mx
 
+sys.path.insert(0, str(Path(__file__).parent))
+import benchmod  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -95,7 +98,7 @@ def test_repeats_mode_pairs_each_wave_with_the_floor_and_splits_read_cpu(tmp_pat
         assert 0 < r["client_read_cpu_us_per_chunk"] <= r["client_run_cpu_us_per_chunk"]
         # every stream's last gap starts in the steady state: the same gaps but those 16
         assert r["steady_itl_error_ms_without_last_gaps"]["n"] == r["steady_itl_error_ms"]["n"] - 16
-    bco = _bench_module()
+    bco = benchmod.load("bench_client_overhead")
     (row,) = d["ratios"]
     for key, name in (("servelab", "servelab"), ("floor", "floor: bare epoll reader")):
         assert row[f"{key}_waves_passing"] == sum(bco.passes(r) for r in rs if r["client"] == name)
@@ -105,11 +108,3 @@ def test_repeats_mode_pairs_each_wave_with_the_floor_and_splits_read_cpu(tmp_pat
     assert row["repeats_servelab_passes_where_floor_passes"] == sum(ok[(k, "servelab")] for k in floor_ok)
     assert f"servelab passed {row['repeats_servelab_passes_where_floor_passes']} of the {len(floor_ok)}" in p.stdout
 
-
-def _bench_module():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("bench_client_overhead",
-                                                  ROOT / "benchmarks" / "bench_client_overhead.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod

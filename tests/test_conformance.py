@@ -30,8 +30,8 @@ Two levels:
 """
 from __future__ import annotations
 
-import importlib.util
 import json
+import sys
 import subprocess
 from pathlib import Path
 
@@ -42,21 +42,17 @@ from servelab.measure import request_metrics as mx
 from servelab.measure.client import ClientConfig, run_requests
 from servelab.measure.workload import build_workload, engine_tokenizer, token_pool
 
+sys.path.insert(0, str(Path(__file__).parent))
+import benchmod  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
-
-
-def _bench_env():
-    spec = importlib.util.spec_from_file_location("bench_serving_env", ROOT / "benchmarks" / "bench_serving_env.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory):
     """(module, venv python, tokenizer dir) — skipped with the reason if the reference venv cannot be built."""
-    be = _bench_env()
+    be = benchmod.load("bench_serving_env")
     try:
         py = be.ensure_bench_serving()
         from servelab.target.models import resolve_model

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import html
-import importlib.util
 import json
+import sys
 import re
 from pathlib import Path
 
@@ -20,6 +20,9 @@ from servelab.cli import main
 from servelab.measure import peer_compare as pc
 from servelab.report.findings import format_value
 
+sys.path.insert(0, str(Path(__file__).parent))
+import benchmod  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 CASE = ["-p", 'cases=["D2_c4"]', "-p", "search=false"]
@@ -28,9 +31,7 @@ CASE = ["-p", 'cases=["D2_c4"]', "-p", "search=false"]
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory):
     """(module, venv python, tokenizer dir) — skipped with the reason if the reference venv cannot be built."""
-    spec = importlib.util.spec_from_file_location("bench_serving_env", ROOT / "benchmarks" / "bench_serving_env.py")
-    be = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(be)
+    be = benchmod.load("bench_serving_env")
     try:
         py = be.ensure_bench_serving()
         from servelab.target.models import resolve_model
