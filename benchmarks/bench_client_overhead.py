@@ -376,7 +376,7 @@ runpy.run_module("sglang.bench_serving", run_name="__main__")
 def run_bench_serving(url: str, c: int, tokens: int, itl_ms: float, cpu_list: str, tmp: Path,
                       idle_cpu: float | None = None) -> dict:
     import bench_serving_env as be
-    from servelab.target.models import resolve_model
+    from servelab.deploy.models import resolve_model
     py = BENCH_SERVING["python"] or be.ensure_bench_serving()
     tok = BENCH_SERVING["tokenizer"] or be.ensure_gguf_tokenizer(Path(resolve_model("tiny")), tmp / "tiny-tok")
 
@@ -683,7 +683,7 @@ def main() -> None:
     if soft != resource.RLIM_INFINITY and soft < 2 * args.max_streams + 256:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard == resource.RLIM_INFINITY
                                                     else min(hard, 2 * args.max_streams + 256), hard))
-    from servelab.target.hosts import free_port, wait_port_free
+    from servelab.deploy.hosts import free_port, wait_port_free
     port = free_port()
     server = {"uvloop": [sys.executable, "-c", SERVER_LOOP], "spin": [sys.executable, "-c", SERVER_SPIN],
               "asyncio": [sys.executable], "own": [sys.executable]}[args.server_loop]
@@ -692,7 +692,7 @@ def main() -> None:
     url = f"http://127.0.0.1:{port}"
     results = []
     try:
-        from servelab.target.server import http_json
+        from servelab.deploy.server import http_json
         for _ in range(100):
             if http_json(url + "/health", timeout=1)[0] == 200:
                 break

@@ -85,7 +85,7 @@ def _netdevs_with_stats() -> list[str] | None:
 def run_collectors(specs: list, seconds: float, work: Path) -> dict:
     """Start ``specs`` together on the local host for ``seconds``; CPU share of each and of all."""
     from servelab.analyse.telemetry.runner import NodePlan, RequiredCollectorError, start_telemetry
-    from servelab.target.hosts import LocalHost
+    from servelab.deploy.hosts import LocalHost
     for s in specs:
         s.required = False
     case = Path(tempfile.mkdtemp(dir=work))

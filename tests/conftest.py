@@ -96,7 +96,7 @@ def outputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 @pytest.fixture(scope="session")
 def llama_server_binary() -> Path:
     """The real llama-server, built from the llama-cpp-python sdist (cached; ~6 min the first time)."""
-    from servelab.target.llamacpp_build import ensure_llama_server
+    from servelab.deploy.llamacpp_build import ensure_llama_server
     return ensure_llama_server()
 
 
@@ -104,11 +104,11 @@ def llama_server_binary() -> Path:
 def tiny_server(llama_server_binary: Path, tmp_path_factory: pytest.TempPathFactory):
     """A real llama-server with the tiny random model on 127.0.0.1 (32 slots), shared by a test session.
 
-    Yields a ``servelab.target.server.RunningServer``; ``.base_url`` is the URL, ``.target`` the local-tiny target.
+    Yields a ``servelab.deploy.server.RunningServer``; ``.base_url`` is the URL, ``.target`` the local-tiny target.
     """
-    from servelab.target.hosts import ProcessTracker
-    from servelab.target.targets import load_target
-    from servelab.target.server import start_server, stop_server
+    from servelab.deploy.hosts import ProcessTracker
+    from servelab.deploy.targets import load_target
+    from servelab.deploy.server import start_server, stop_server
     target = load_target("local-tiny")
     logs = tmp_path_factory.mktemp("tiny-server")
     with ProcessTracker() as tracker:
@@ -124,8 +124,8 @@ def paced_sse():
     all stopped at its end."""
     import subprocess
     import sys
-    from servelab.target.hosts import free_port
-    from servelab.target.server import wait_healthy
+    from servelab.deploy.hosts import free_port
+    from servelab.deploy.server import wait_healthy
     procs: dict[float, tuple[subprocess.Popen, str]] = {}
 
     def start(itl_ms: float) -> str:

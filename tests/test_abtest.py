@@ -16,8 +16,8 @@ from servelab.report import ab_figures
 from servelab.report.ab_figures import ab_banner
 from servelab.measure.abtest import (SummaryFormatError, ab_compare, classify_change, compare_cases, diff_manifests,
                              load_run, read_case_summaries, repeat_stats)
-from servelab.target.engines import engine_for
-from servelab.target.targets import load_target
+from servelab.deploy.engines import engine_for
+from servelab.deploy.targets import load_target
 from servelab.core.run import init_run, update_manifest
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -11,7 +11,7 @@ import pytest
 from servelab.core import run as runlib
 from servelab.cli import main
 from servelab.phases.context import PhaseContext
-from servelab.target.targets import load_target
+from servelab.deploy.targets import load_target
 from servelab.report.archive import write_root_index, write_run_index, zip_run
 from servelab.report.ledger import ledger, record_evidence
 from servelab.report.milestones import milestones

@@ -18,7 +18,7 @@ from servelab.core.notebooks import available_phases, notebook_path
 from servelab.core.params import ParamError, notebook_param_specs
 from servelab.core.paths import path_slug
 from servelab.measure.search import ladder
-from servelab.target.targets import target_from_dict
+from servelab.deploy.targets import target_from_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,7 +13,7 @@ import pytest
 from servelab.analyse.prefix_cache import HitPoint, judge_point, kv_usage_series, memory_breakdown, tolerance
 from servelab.phases.phase8_cache import run_hit_point
 from servelab.measure.launch_variants import serving, with_launch
-from servelab.target.targets import load_target
+from servelab.deploy.targets import load_target
 from servelab.measure.workload import engine_tokenizer, token_pool
 
 ISL = 256

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 from servelab.measure import capture as cap
-from servelab.target.engines.vllm import vllm_start_profile_body
-from servelab.target.hosts import LocalHost
-from servelab.target.targets import target_from_dict
-from servelab.target.server import RunningServer
+from servelab.deploy.engines.vllm import vllm_start_profile_body
+from servelab.deploy.hosts import LocalHost
+from servelab.deploy.targets import target_from_dict
+from servelab.deploy.server import RunningServer
 
 
 class RemoteLikeHost(LocalHost):

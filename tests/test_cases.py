@@ -15,7 +15,7 @@ from servelab.measure.case_record import SCHEMA_VERSION, validate_summary
 from servelab.measure.client import read_records
 from servelab.measure.mixed import m1_analysis, run_m1_case
 from servelab.core.params import ParamError
-from servelab.target.targets import load_target
+from servelab.deploy.targets import load_target
 from servelab.measure.matrix import dispatch_case
 from servelab.measure.engine_metrics import named_deltas
 
@@ -122,7 +122,7 @@ def test_matrix_files_policy_and_resume(env, tiny_server):
 
 def _prompt_tokens(srv) -> float:
     from servelab.measure.engine_metrics import parse_text
-    from servelab.target.server import http_text
+    from servelab.deploy.server import http_text
     return next(s["value"] for s in parse_text(http_text(srv.base_url + "/metrics")[1])
                 if s["name"] == "llamacpp:prompt_tokens_total")
 
@@ -164,8 +164,8 @@ def test_m1_injection_lands_in_the_window(env):
 @pytest.mark.slow
 def test_engine_crash_stops_the_run_and_resume_continues(tmp_path):
     """Kill the engine's process group while a case streams: ENGINE_CRASH, run stops, data kept, resume goes on."""
-    from servelab.target.hosts import ProcessTracker
-    from servelab.target.server import start_server, stop_server
+    from servelab.deploy.hosts import ProcessTracker
+    from servelab.deploy.server import start_server, stop_server
     target = load_target("local-tiny")
     run_dir = tmp_path / "run"
     cases = [cs.CaseSpec("P1", "P1", "prefill", 64, 1, 1, 1, True),
@@ -181,7 +181,7 @@ def test_engine_crash_stops_the_run_and_resume_continues(tmp_path):
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
                 from servelab.measure.engine_metrics import parse_text
-                from servelab.target.server import http_text
+                from servelab.deploy.server import http_text
                 body = http_text(srv.base_url + "/metrics", timeout=2)[1]
                 if any(x["name"] == "llamacpp:requests_processing" and x["value"] >= 1 for x in parse_text(body)):
                     break

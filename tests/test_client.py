@@ -10,7 +10,7 @@ import pytest
 from servelab.measure import request_metrics as mx
 from servelab.measure.client import (READ_BUFSIZE_BYTES, ClientConfig, ReadLog, RequestRecord, _send, arrival_offsets_s,
                              parse_stream, read_records, run_requests, write_records)
-from servelab.target.hosts import free_port
+from servelab.deploy.hosts import free_port
 from servelab.measure.workload import build_text_workload, build_workload
 
 pytestmark = pytest.mark.slow            # every test here starts a real engine

@@ -55,7 +55,7 @@ def bench(tmp_path_factory):
     be = benchmod.load("bench_serving_env")
     try:
         py = be.ensure_bench_serving()
-        from servelab.target.models import resolve_model
+        from servelab.deploy.models import resolve_model
         tok = be.ensure_gguf_tokenizer(Path(resolve_model("tiny")), tmp_path_factory.mktemp("tok") / "tiny-tok")
     except Exception as exc:  # e.g. no PyPI access: this reference is optional, the library never needs it
         pytest.skip(f"SGLang bench_serving 0.5.9 venv or tokenizer could not be built: {exc}")

@@ -24,11 +24,11 @@ import pytest
 import yaml
 
 from servelab.core.params import ParamError
-from servelab.target.container import DOCKER_NAME, env_file_text, remove_private_dir, write_env_file, make_private_dir
-from servelab.target.engines import engine_for
-from servelab.target.hosts import LocalHost, ProcessTracker
-from servelab.target.server import http_json, rank_environments, start_server, stop_server, version_argv
-from servelab.target.targets import load_target, target_from_dict
+from servelab.deploy.container import DOCKER_NAME, env_file_text, remove_private_dir, write_env_file, make_private_dir
+from servelab.deploy.engines import engine_for
+from servelab.deploy.hosts import LocalHost, ProcessTracker
+from servelab.deploy.server import http_json, rank_environments, start_server, stop_server, version_argv
+from servelab.deploy.targets import load_target, target_from_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERD = shutil.which("dockerd") or "/usr/sbin/dockerd"
@@ -157,7 +157,7 @@ def image_without_shell(image: str, dockerd: Path) -> str:
 def _write_target(dockerd: Path, image: str, name: str) -> Path:
     """``local-tiny`` in docker mode: the image, the model mounted read-only at its own path, a secret and two
     NCCL variables in the environment. The node has no GPUs, so no ``--gpus``."""
-    from servelab.target.models import resolve_model
+    from servelab.deploy.models import resolve_model
     model = str(resolve_model("tiny"))
     raw = yaml.safe_load((ROOT / "params/targets/local-tiny.yaml").read_text())
     raw["name"] = name
@@ -252,7 +252,7 @@ def test_an_exception_or_ctrl_c_removes_the_container_and_its_env_file(target_fi
 
 @pytest.mark.slow
 def test_an_engine_that_cannot_start_in_the_container_fails_in_one_message_and_leaves_nothing(target_file, tmp_path):
-    from servelab.target.server import ServerError
+    from servelab.deploy.server import ServerError
     target = load_target(str(target_file))
     target.launch = {**target.launch, "binary": "/no/such/llama-server"}
     with ProcessTracker() as tracker:
@@ -304,9 +304,9 @@ def test_two_starts_do_not_collide_on_the_container_name(target_file, tmp_path):
 _PHASE = """
 import sys, time
 from pathlib import Path
-from servelab.target.hosts import ProcessTracker
-from servelab.target.server import start_server
-from servelab.target.targets import load_target
+from servelab.deploy.hosts import ProcessTracker
+from servelab.deploy.server import start_server
+from servelab.deploy.targets import load_target
 target = load_target(sys.argv[1])
 with ProcessTracker() as tracker:
     srv = start_server(target, Path(sys.argv[2]), tracker, run_dir=Path(sys.argv[3]), health_timeout_s=60)
@@ -463,7 +463,7 @@ def test_env_file_on_an_ssh_node_is_written_over_sftp_with_mode_0600(tmp_path):
     """On an SSH node the env file is written through the hosts layer (SFTP: no value in any command line)."""
     sys.path.insert(0, str(Path(__file__).parent))
     from sshd import start_sshd
-    from servelab.target.hosts import SSHHost
+    from servelab.deploy.hosts import SSHHost
     try:
         sshd = start_sshd(tmp_path / "sshd", host="127.0.0.4")
     except (FileNotFoundError, subprocess.CalledProcessError) as exc:

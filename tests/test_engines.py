@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from servelab.target.engines import ADAPTERS, engine_for
+from servelab.deploy.engines import ADAPTERS, engine_for
 from servelab.core.params import ParamError
-from servelab.target.targets import load_target, target_from_dict
+from servelab.deploy.targets import load_target, target_from_dict
 
 
 def flag(argv, name):
@@ -168,7 +168,7 @@ def test_implied_settings_fill_phase0_where_no_server_info_reports():
 
 def test_profile_requests():
     from servelab.measure.live_capture import can_capture
-    from servelab.target.engines import ProfileError
+    from servelab.deploy.engines import ProfileError
     assert [engine_for(e).can_profile for e in ENGINES] == [False, True, True]
     assert not can_capture(load_target("local-tiny")) and can_capture(load_target("example-2node"))
     with pytest.raises(ProfileError, match="no profiler endpoint"):
@@ -225,7 +225,7 @@ def test_trace_identity_on_real_names(samples, thirdparty):
     engine (the analyser's generic rank token applies); vLLM names from a real capture."""
     import gzip
     from servelab.analyse.trace.load import identity_from_name
-    from servelab.target.engines import trace_identity
+    from servelab.deploy.engines import trace_identity
     sg, vl = engine_for("sglang"), engine_for("vllm")
     by_dir: dict = {}
     for f in _sample_traces(samples):

@@ -13,7 +13,7 @@ import pytest
 
 from servelab.core import run as runlib
 from servelab.phases.context import PhaseContext
-from servelab.target.targets import load_target
+from servelab.deploy.targets import load_target
 
 
 def ctx_for(rdir: Path, phase: str) -> PhaseContext:

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from servelab.core.params import ParamError
-from servelab.target.engines import engine_for
-from servelab.target.hosts import LocalHost
-from servelab.target.server import ServerError, plan_launch
-from servelab.target.targets import target_from_dict
+from servelab.deploy.engines import engine_for
+from servelab.deploy.hosts import LocalHost
+from servelab.deploy.server import ServerError, plan_launch
+from servelab.deploy.targets import target_from_dict
 
 
 def cluster(engine: str, **extra) -> object:
@@ -49,15 +49,22 @@ def test_the_key_goes_by_the_engines_variable_never_argv(engine, var):
     assert "s3cret-key" not in head.shell()                             # what a page shows is redacted
 
 
-def test_sglang_has_only_argv_and_says_so():
+def test_sglang_gets_the_key_in_a_private_config_file_never_argv():
+    """SGLang reads no variable for its key; its ``--config`` YAML is merged into the arguments inside the process:
+    the key goes into a mode-0600 file of the start's private folder (start_server writes it there and puts the
+    folder's path in place of SECRET_DIR), so neither argv nor a page carries it."""
+    from servelab.deploy.engines.base import SECRET_DIR
     t = cluster("sglang", api_key_env="SERVELAB_API_KEY")
     plans = engine_for("sglang").launch_plans(t, 30000)
     notes = engine_for("sglang").apply_api_key(plans, "s3cret-key")
     head = next(p for p in plans if p.role == "head")
-    assert head.argv[-2:] == ["--api-key", "s3cret-key"] and "ps" in notes[0]
-    assert "s3cret-key" not in head.shell()
+    assert notes == [] and all("s3cret-key" not in " ".join(p.argv) for p in plans)
+    assert head.argv[-2:] == ["--config", f"{SECRET_DIR}/servelab-api-key.yaml"]
+    assert head.secret_files == {"servelab-api-key.yaml": "api-key: s3cret-key\n"}
+    assert all(not p.secret_files for p in plans if p.role != "head")
+    assert "s3cret-key" not in head.shell() and "s3cret-key" not in repr(head)
     warn = engine_for("sglang").exposure_warnings(t, True)
-    assert any("only on its command line" in w for w in warn)
+    assert not any("only on its command line" in w for w in warn)
     assert any("/flush_cache" in w and "/start_profile" in w for w in warn)
 
 
@@ -70,10 +77,11 @@ def test_docker_gets_the_key_in_its_env_file_never_in_argv():
     assert head.container.env["VLLM_API_KEY"] == "s3cret" and "VLLM_API_KEY" not in head.env
     t = cluster("sglang", launch={"mode": "docker", "docker": {"image": "lmsysorg/sglang"}})
     plans = engine_for("sglang").launch_plans(t, 30000)
-    notes = engine_for("sglang").apply_api_key(plans, "s3cret")      # SGLang has only --api-key: said so
+    notes = engine_for("sglang").apply_api_key(plans, "s3cret")      # in a container: --api-key, said so
     head = next(p for p in plans if p.role == "head")
     assert head.argv[-2:] == ["--api-key", "s3cret"] and head.container.engine_argv[-1] == "s3cret"
     assert notes and "visible in the process list" in notes[0]
+    assert any("only on its command line" in w for w in engine_for("sglang").exposure_warnings(t, True))
 
 
 def test_warnings_for_an_open_head_and_none_for_a_keyed_one():
@@ -102,7 +110,7 @@ def test_api_key_env_is_a_name_and_must_be_set_before_anything_starts(monkeypatc
 ORPHAN = """
 import sys, time
 sys.path.insert(0, sys.argv[1])
-from servelab.target.hosts import LocalHost
+from servelab.deploy.hosts import LocalHost
 h = LocalHost("here", state_dir=sys.argv[2])
 h.run_id = "dead-run"
 h.start(["sh", "-c", "sleep 300 & echo $! > " + sys.argv[3] + "; wait"], sys.argv[2] + "/x.log", what="demo")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from servelab.target.hosts import HostError, LocalHost, ProcessTracker, SSHHost, fan_out
+from servelab.deploy.hosts import HostError, LocalHost, ProcessTracker, SSHHost, fan_out
 
 sys.path.insert(0, str(Path(__file__).parent))
 from sshd import start_sshd  # noqa: E402
@@ -81,7 +81,7 @@ def test_tracker_stops_everything_on_exception(tmp_path):
 def test_tracker_stops_everything_on_ctrl_c(tmp_path):
     """A separate python process starts a sleeper in a tracker, then gets SIGINT: no orphan remains."""
     code = (f"import sys,time; sys.path.insert(0, {str(Path(__file__).parents[1] / 'lib')!r})\n"
-            "from servelab.target.hosts import LocalHost, ProcessTracker\n"
+            "from servelab.deploy.hosts import LocalHost, ProcessTracker\n"
             "with ProcessTracker() as t:\n"
             f"    h = t.start(LocalHost(), ['sleep', '300'], {str(tmp_path / 's.log')!r})\n"
             "    print(h.pid, flush=True)\n"
@@ -98,7 +98,7 @@ def test_tracker_stops_everything_on_ctrl_c(tmp_path):
 def test_child_dies_with_a_killed_parent(tmp_path):
     """Even a SIGKILLed parent (a crashed notebook kernel) leaves no engine behind (PR_SET_PDEATHSIG)."""
     code = (f"import sys,time; sys.path.insert(0, {str(Path(__file__).parents[1] / 'lib')!r})\n"
-            "from servelab.target.hosts import LocalHost\n"
+            "from servelab.deploy.hosts import LocalHost\n"
             f"h = LocalHost().start(['sleep', '300'], {str(tmp_path / 's.log')!r})\n"
             "print(h.pid, flush=True); time.sleep(60)\n")
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

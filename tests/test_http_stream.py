@@ -14,7 +14,7 @@ from servelab.measure.client import ClientConfig, run_requests
 from servelab.measure.http_stream import (StreamResponse, dechunk, post_stream, quickack_once, request_head,
                                           split_url)
 from servelab.measure.workload import build_text_workload, build_workload, request_body
-from servelab.target.hosts import free_port
+from servelab.deploy.hosts import free_port
 
 
 def test_bad_input_is_refused_before_anything_is_sent():

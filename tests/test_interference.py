@@ -20,7 +20,7 @@ from servelab.phases.phase7_interference import default_spec, knob_sweep, run_in
 from servelab.measure.case_record import SCHEMA_VERSION, validate_summary
 from servelab.measure.launch_variants import check_knob_changes_command
 from servelab.core.params import ParamError
-from servelab.target.targets import load_target
+from servelab.deploy.targets import load_target
 from servelab.measure.workload import engine_tokenizer, token_pool
 
 

@@ -21,7 +21,7 @@ from servelab.analyse.kernels import (KernelTableError, NcuFormatError, NcuSpec,
                                       peaks_table, planned_ncu_commands, rank_kernels, read_ncu_csv, roofline,
                                       roofline_figure, stall_reasons, suspect_of, to_base_unit, top_kernels,
                                       top_kernels_figure)
-from servelab.target.targets import load_target
+from servelab.deploy.targets import load_target
 
 NCU = Path(__file__).resolve().parents[1] / "data" / "samples" / "ncu"
 

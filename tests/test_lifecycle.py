@@ -17,9 +17,9 @@ import yaml
 
 from servelab.analyse.telemetry.collectors import CollectorSpec
 from servelab.analyse.telemetry.runner import NodePlan, RequiredCollectorError, read_statuses, start_telemetry
-from servelab.target.hosts import HostError, ProcessTracker, SSHHost, sha256_fingerprint
-from servelab.target.server import http_json, start_server, stop_server
-from servelab.target.targets import load_target, target_from_dict
+from servelab.deploy.hosts import HostError, ProcessTracker, SSHHost, sha256_fingerprint
+from servelab.deploy.server import http_json, start_server, stop_server
+from servelab.deploy.targets import load_target, target_from_dict
 
 sys.path.insert(0, str(Path(__file__).parent))
 from sshd import sshd_pair, start_sshd  # noqa: E402
@@ -285,7 +285,7 @@ def test_api_key_head_refuses_without_it_and_measures_with_it(nodes, tmp_path, m
     from servelab.measure.client import run_requests
     from servelab.measure.engine_metrics import Scraper
     from servelab.measure.workload import build_workload
-    from servelab.target.server import http_text
+    from servelab.deploy.server import http_text
     a, _, known = nodes
     key = "sk-servelab-" + os.urandom(12).hex()
     monkeypatch.setenv("SERVELAB_TEST_API_KEY", key)

@@ -6,9 +6,9 @@ import urllib.request
 
 import pytest
 
-from servelab.target import llamacpp_build
-from servelab.target.models import write_tiny_gguf, file_digest
-from servelab.target.server import http_json, http_text
+from servelab.deploy import llamacpp_build
+from servelab.deploy.models import write_tiny_gguf, file_digest
+from servelab.deploy.server import http_json, http_text
 
 
 def test_tiny_model_is_deterministic(tmp_path):

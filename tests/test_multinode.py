@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from servelab.target.hosts import ProcessTracker
-from servelab.target.targets import target_from_dict
-from servelab.target.server import (ServerError, collect_logs, http_json, is_healthy, rank_environments, start_server,
+from servelab.deploy.hosts import ProcessTracker
+from servelab.deploy.targets import target_from_dict
+from servelab.deploy.server import (ServerError, collect_logs, http_json, is_healthy, rank_environments, start_server,
                              stop_server)
 
 sys.path.insert(0, str(Path(__file__).parent))

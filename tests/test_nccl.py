@@ -11,9 +11,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from servelab.target.hosts import LocalHost
-from servelab.target.nccl_gate import GateRefused, check_gate, enforce_gate, validate_gate
-from servelab.target.nccl_info import classify_transport, parse_info, transport_table
+from servelab.deploy.hosts import LocalHost
+from servelab.deploy.nccl_gate import GateRefused, check_gate, enforce_gate, validate_gate
+from servelab.deploy.nccl_info import classify_transport, parse_info, transport_table
 from servelab.analyse.nccl.msgsize import from_trace, model_message_sizes, place_on_curves
 from servelab.analyse.nccl.perf_log import parse_log, parse_run, runs_frame, runs_table
 from servelab.analyse.nccl.perf_tests import launch_argv, perf_argv, run_tests
@@ -291,8 +291,8 @@ PUBLIC = Path(__file__).parent / "data" / "nccl_public"
 
 
 def test_info_any_hostname_and_channels_without_init_lines_pass_the_gate():
-    from servelab.target.nccl_gate import check_gate
-    from servelab.target.nccl_info import parse_info
+    from servelab.deploy.nccl_gate import check_gate
+    from servelab.deploy.nccl_info import parse_info
     head = (PUBLIC / "nccl707_a100_header.log").read_text()          # real: host 10-90-43-152, NCCL 2.7.6
     # channel lines in NCCL 2.7's format for that node (constructed: the issue excerpt kept here has none)
     chans = "".join(f"10-90-43-152:120890:121560 [{r}] NCCL INFO Channel 00 : {(r + 3) % 4}[0] -> {r}[0] [receive] "
@@ -308,7 +308,7 @@ def test_info_any_hostname_and_channels_without_init_lines_pass_the_gate():
 
 
 def test_info_fqdn_host_and_mpirun_tag_prefix():
-    from servelab.target.nccl_info import parse_info
+    from servelab.deploy.nccl_info import parse_info
     text = ("[1,0]<stdout>:gpu-node.cluster.local:4242:4300 [0] NCCL INFO ncclCommInitRank comm 0x55aa rank 0 nranks 2 "
             "cudaDev 0 busId 7000 - Init COMPLETE\n"
             "[1,0]<stdout>:gpu-node.cluster.local:4242:4300 [0] NCCL INFO Channel 00/0 : 0[7000] -> 1[7000] [send] "
@@ -318,8 +318,8 @@ def test_info_fqdn_host_and_mpirun_tag_prefix():
 
 
 def test_info_real_tagged_ibext_and_redacted_host_logs():
-    from servelab.target.nccl_gate import check_gate
-    from servelab.target.nccl_info import parse_info, transport_table
+    from servelab.deploy.nccl_gate import check_gate
+    from servelab.deploy.nccl_info import parse_info, transport_table
     info = parse_info((PUBLIC / "nccl1453_tagged_ibext.log").read_text())
     assert len(info.channels) == 6 and set(info.channels.transport) == {"NET/IB"} and info.channels.gdrdma.all()
     assert info.channels["rank"].unique().tolist() == [0]
@@ -329,8 +329,8 @@ def test_info_real_tagged_ibext_and_redacted_host_logs():
 
 
 def test_info_that_yields_nothing_says_why_in_one_line():
-    from servelab.target.nccl_gate import check_gate
-    from servelab.target.nccl_info import parse_info
+    from servelab.deploy.nccl_gate import check_gate
+    from servelab.deploy.nccl_info import parse_info
     assert "empty" in parse_info("").reason
     r = parse_info("hello\nworld\n").reason
     assert "none of 2 line(s)" in r and "\n" not in r

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from servelab.target.hosts import free_port
+from servelab.deploy.hosts import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVER = ROOT / "benchmarks" / "paced_sse_server.py"

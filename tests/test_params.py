@@ -7,7 +7,7 @@ import pytest
 
 from servelab.core.params import ParamError, notebook_param_specs, parse_overrides, resolve_phase_params
 
-from servelab.target.targets import load_target, target_from_dict
+from servelab.deploy.targets import load_target, target_from_dict
 from servelab.core.notebooks import notebook_path
 
 ROOT = Path(__file__).resolve().parents[1]

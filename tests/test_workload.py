@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from servelab.measure.client import ClientConfig, run_requests
-from servelab.target.server import http_json
+from servelab.deploy.server import http_json
 from servelab.measure.workload import (RequestSpec, WorkloadError, build_text_workload, build_workload, exact_text, request_body)
 
 

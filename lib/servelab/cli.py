@@ -25,7 +25,7 @@ from typing import Any
 
 from servelab.core.params import ParamError, coerce, notebook_param_specs, parse_overrides, resolve_phase_params
 
-from servelab.target.targets import available_targets, load_target
+from servelab.deploy.targets import available_targets, load_target
 from servelab.core.notebooks import NOTEBOOKS, available_phases, notebook_path
 from servelab.core.paths import project_root
 
@@ -149,7 +149,7 @@ def kernel_manager_class(log_path: Path | None = None, env: dict[str, str] | Non
 def split_overrides(phase: str, target: str, overrides: dict[str, str]) -> tuple[dict[str, str], dict[str, Any]]:
     """``-p`` keys are phase parameters or, where the phase has no such key, launch settings of the target's
     engine (``-p tp_size=8``). Anything else is an error naming the closest key of either kind."""
-    from servelab.target.engines import engine_for
+    from servelab.deploy.engines import engine_for
     from servelab.core.params import did_you_mean
     nb = notebook_path(phase)
     t = load_target(target)
@@ -167,7 +167,7 @@ def split_overrides(phase: str, target: str, overrides: dict[str, str]) -> tuple
                              f"{phase.split('_')[0]} parameters: {', '.join(sorted(phase_keys))}; "
                              f"{t.engine} launch settings: {', '.join(sorted(launch_keys))}")
     if launch_over:
-        from servelab.target.targets import target_from_dict
+        from servelab.deploy.targets import target_from_dict
         target_from_dict(_with_launch(t, launch_over), f"{target} with -p {launch_over}")   # validates the combination
     return phase_over, launch_over
 
@@ -183,7 +183,7 @@ def _with_launch(t: Any, launch_over: dict[str, Any]) -> dict[str, Any]:
 
 def validate(phase: str, target: str, overrides: dict[str, str]) -> tuple[Path, dict[str, Any]]:
     """Resolve and check everything a phase run needs; no side effect. Returns (notebook, parameters)."""
-    from servelab.target.engines import engine_for
+    from servelab.deploy.engines import engine_for
     nb = notebook_path(phase)
     phase_over, _ = split_overrides(phase, target, overrides)
     params = resolve_phase_params(nb, phase.split("_")[0], overrides=phase_over)
@@ -199,7 +199,7 @@ def derived_target(rdir: Path, target: str, launch_over: dict[str, Any]) -> tupl
 
     The file holds no secret: a secret ``env`` value (by name, or a value that carries one, e.g. a URL with a
     password) is written as ``${NAME}``, a secret launch argument as ``${SERVELAB_SECRET_ARG_<n>}``, and
-    :func:`servelab.target.targets.load_target` resolves them from the environment. The returned mapping
+    :func:`servelab.deploy.targets.load_target` resolves them from the environment. The returned mapping
     (``NAME`` → value) is what the phase's kernel gets in its environment; to load the file again later, export
     the same names (``docs/method.md#secrets``)."""
     import yaml
@@ -487,8 +487,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         phases = [p for p in args.phases.split(",") if p]
     for p in phases:
         validate(p, args.target, {})
-    from servelab.target.llamacpp_build import ensure_llama_server
-    from servelab.target.models import resolve_model
+    from servelab.deploy.llamacpp_build import ensure_llama_server
+    from servelab.deploy.models import resolve_model
     t0 = time.monotonic()
     ensure_llama_server(progress=_say)
     model = load_target(args.target).model
@@ -640,8 +640,8 @@ def cmd_params(args: argparse.Namespace) -> int:
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    from servelab.target.llamacpp_build import ensure_llama_server
-    from servelab.target.models import gemma_model, tiny_model
+    from servelab.deploy.llamacpp_build import ensure_llama_server
+    from servelab.deploy.models import gemma_model, tiny_model
     t0 = time.monotonic()
     print(ensure_llama_server(progress=_say), f"({time.monotonic() - t0:.1f} s)")
     print(tiny_model())

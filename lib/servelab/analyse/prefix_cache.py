@@ -44,8 +44,8 @@ import pandas as pd
 from servelab.measure import request_metrics as mx
 from servelab.measure.client import ClientRun, RequestRecord
 from servelab.measure.launch_variants import Snapshot, delta_of, snapshot_deltas
-from servelab.target.engines import ADAPTERS, engine_for
-from servelab.target.server import RunningServer
+from servelab.deploy.engines import ADAPTERS, engine_for
+from servelab.deploy.server import RunningServer
 
 TARGET_RATES = (0.0, 0.2, 0.5, 0.8)
 PURPOSES = {0.0: "pure compute baseline", 0.2: "low-reuse traffic", 0.5: "medium shared prefix",

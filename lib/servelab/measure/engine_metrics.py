@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 from prometheus_client.parser import text_string_to_metric_families
 
-from servelab.target.server import http_text
+from servelab.deploy.server import http_text
 
 class PrometheusParseError(ValueError):
     """A /metrics body is not valid Prometheus text format (the first bad line's number given)."""

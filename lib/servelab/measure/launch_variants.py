@@ -30,13 +30,13 @@ import pandas as pd
 
 from servelab.core.params import ParamError
 
-from servelab.target.spec import Target
+from servelab.deploy.spec import Target
 
-from servelab.target.targets import target_from_dict
+from servelab.deploy.targets import target_from_dict
 from servelab.measure.case_record import repeat_frame, write_case_index
 from servelab.measure.engine_metrics import counter_deltas, parse_text
 from servelab.core.run import now_iso, redact, write_json_atomic
-from servelab.target.server import RunningServer, http_text
+from servelab.deploy.server import RunningServer, http_text
 
 
 def with_launch(target: Target, changes: dict[str, Any], name_suffix: str = "") -> Target:
@@ -57,7 +57,7 @@ def with_launch(target: Target, changes: dict[str, Any], name_suffix: str = "") 
 
 def launch_argv(target: Target) -> list[str]:
     """The head node's engine command for ``target`` (builds/caches local artifacts, starts nothing)."""
-    from servelab.target.server import plan_launch
+    from servelab.deploy.server import plan_launch
     plans, _ = plan_launch(target, port=target.port or 1)
     return next(p for p in plans if p.role == "head").argv
 
@@ -87,7 +87,7 @@ def check_knob_changes_command(target: Target, knob: str, values: list[Any]) -> 
 
 
 def _launch_keys(target: Target) -> set[str]:
-    from servelab.target.engines import engine_for
+    from servelab.deploy.engines import engine_for
     return engine_for(target.engine).launch_keys()
 
 
@@ -95,8 +95,8 @@ def _launch_keys(target: Target) -> set[str]:
 def serving(target: Target, log_dir: Path, run_dir: Path | None = None, phase: str = "",
             health_timeout_s: float = 300.0) -> Iterator[RunningServer]:
     """Start ``target``'s engine (commands recorded as executed when ``run_dir`` is given); always stop it."""
-    from servelab.target.hosts import ProcessTracker
-    from servelab.target.server import start_server, stop_server
+    from servelab.deploy.hosts import ProcessTracker
+    from servelab.deploy.server import start_server, stop_server
     with ProcessTracker() as tracker:
         srv = start_server(target, Path(log_dir), tracker, run_dir=run_dir, phase=phase,
                            health_timeout_s=health_timeout_s)

@@ -40,9 +40,9 @@ from servelab.measure.capture import CaptureError, CaptureResult, ProfileScenari
 from servelab.measure.case_record import INVALID, CaseFolder, CaseSummary, request_counts, verdict
 from servelab.measure.client import ReadLog, RequestRecord, parse_stream
 from servelab.measure.workload import RequestSpec, build_workload, engine_tokenizer, request_body, token_pool
-from servelab.target.engines import engine_for
-from servelab.target.hosts import ProcessTracker
-from servelab.target.server import RunningServer, http_json, start_server, stop_server
+from servelab.deploy.engines import engine_for
+from servelab.deploy.hosts import ProcessTracker
+from servelab.deploy.server import RunningServer, http_json, start_server, stop_server
 
 SCENARIO_KIND = {"decode_control": "decode", "mixed_treatment": "mixed", "long_prefill": "prefill",
                  "prefix_hit": "prefix_cache"}

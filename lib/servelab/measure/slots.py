@@ -12,7 +12,7 @@ from typing import Any
 
 import pandas as pd
 
-from servelab.target.server import RunningServer, http_json
+from servelab.deploy.server import RunningServer, http_json
 
 
 @dataclass

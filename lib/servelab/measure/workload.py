@@ -22,8 +22,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from servelab.target.engines import engine_for
-from servelab.target.server import http_json
+from servelab.deploy.engines import engine_for
+from servelab.deploy.server import http_json
 
 TokenizeFn = Callable[[str, bool], list[int]]
 

@@ -159,9 +159,9 @@ def rerun_case(run_id: str, case_id: str, target: str | None = None, health_time
     docstring. Raises ``ParamError`` before anything starts when the case cannot be re-run, ``ServerError``
     when the engine does not start (the reserved attempt folder is removed again)."""
     from servelab.measure.matrix import dispatch_case
-    from servelab.target.hosts import ProcessTracker
-    from servelab.target.server import start_server, stop_server
-    from servelab.target.targets import load_target
+    from servelab.deploy.hosts import ProcessTracker
+    from servelab.deploy.server import start_server, stop_server
+    from servelab.deploy.targets import load_target
 
     r = recipe or read_recipe(run_id, case_id)
     tgt = load_target(target or r.target)

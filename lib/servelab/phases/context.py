@@ -24,8 +24,8 @@ from servelab.core.notebooks import notebook_path
 from servelab.core.params import notebook_param_specs, resolve_phase_params
 from servelab.report.findings import format_value
 from servelab.report.tables import register_table_display
-from servelab.target.spec import Target
-from servelab.target.targets import load_target
+from servelab.deploy.spec import Target
+from servelab.deploy.targets import load_target
 
 
 @dataclass

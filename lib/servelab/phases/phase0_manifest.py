@@ -14,15 +14,15 @@ from typing import Any
 
 import pandas as pd
 
-from servelab.target import hosts as hostlib
-from servelab.target.engines import engine_for
-from servelab.target.facts import (collect_facts, gguf_facts, nccl_env, port_snapshot, process_snapshot,
+from servelab.deploy import hosts as hostlib
+from servelab.deploy.engines import engine_for
+from servelab.deploy.facts import (collect_facts, gguf_facts, nccl_env, port_snapshot, process_snapshot,
                             snapshot_diff)
-from servelab.target.models import file_digest
+from servelab.deploy.models import file_digest
 from servelab.phases.context import PhaseContext, log_command
 from servelab.core.run import redact, update_manifest, write_json_atomic
-from servelab.target.preflight import PreflightFailed, PreflightReport, ensure_preflight
-from servelab.target.server import (connect_nodes, engine_info, is_healthy, plan_launch, rank_environments,
+from servelab.deploy.preflight import PreflightFailed, PreflightReport, ensure_preflight
+from servelab.deploy.server import (connect_nodes, engine_info, is_healthy, plan_launch, rank_environments,
                                     start_server, stop_server, version_argv)
 
 

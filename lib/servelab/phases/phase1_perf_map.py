@@ -113,9 +113,9 @@ def resumable(runner: Callable[[CaseEnv, CaseSpec], CaseResult], skipped: list[s
 
 def run_phase1(ctx: Any, health_timeout_s: float = 900.0) -> Phase1Result:
     """Start the engine, run the matrix (and the search), stop the engine; write the phase tables."""
-    from servelab.target.hosts import ProcessTracker
+    from servelab.deploy.hosts import ProcessTracker
     from servelab.phases.context import log_command
-    from servelab.target.server import engine_info, start_server, stop_server
+    from servelab.deploy.server import engine_info, start_server, stop_server
 
     p = ctx.params
     definition = p.get("definition", "vllm")
@@ -348,7 +348,7 @@ def memory_table(res: Phase1Result, phase_dir: Path) -> pd.DataFrame:
     """What the engine printed about its memory at start (weights, KV pool, compute buffers; the routine Phase 8
     uses), from this phase's server log; says so where the engine does not print it at its log level."""
     from servelab.analyse.prefix_cache import memory_breakdown
-    from servelab.target.engines import engine_for
+    from servelab.deploy.engines import engine_for
     engine = res.server.get("engine")
     logs = sorted(Path(phase_dir, "server").glob("*.log"))
     if not logs or not engine:
@@ -371,7 +371,7 @@ def m1_figure(res: Phase1Result) -> Any:
 def _adapter(case_dir: Path) -> Any:
     import json
 
-    from servelab.target.engines import engine_for
+    from servelab.deploy.engines import engine_for
     return engine_for(json.loads((case_dir / "meta.json").read_text())["engine"])
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import pandas as pd
 
-from servelab.target.hosts import connect
+from servelab.deploy.hosts import connect
 from servelab.measure import request_metrics as mx
 from servelab.core.paths import samples_root
 from servelab.analyse.telemetry import collectors as C
@@ -155,9 +155,9 @@ def run_engine_cases(ctx: Any, case_ids: list[str] | None = None, interval_s: fl
     import dataclasses
 
     from servelab.measure.case import EngineCrash, make_env, quick_matrix
-    from servelab.target.hosts import ProcessTracker
+    from servelab.deploy.hosts import ProcessTracker
     from servelab.measure.matrix import dispatch_case
-    from servelab.target.server import start_server, stop_server
+    from servelab.deploy.server import start_server, stop_server
 
     plan = collector_plan(ctx, interval_s)
     specs_cases = [dataclasses.replace(c, case_id=f"hw-{c.case_id}")
@@ -226,7 +226,7 @@ def engine_view(ctx: Any, run: Phase2Run) -> pd.DataFrame:
     queued requests, KV usage, slots or batch lines from its log, server TTFT P95 (docs/metrics.md#server-side).
     A case without an engine (the CPU workloads) has no row; none at all is said in one row."""
     from servelab.analyse.serverside import case_serverside, side_summary
-    from servelab.target.engines import engine_for
+    from servelab.deploy.engines import engine_for
     rows = []
     for c in run.cases:
         cdir = Path(ctx.run_dir) / "cases" / c.case_id

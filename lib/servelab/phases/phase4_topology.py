@@ -46,7 +46,7 @@ def run_phase4(ctx: Any, model_config: str, cluster_target: str, layouts: Sequen
     ``decode_tokens`` = ``concurrency``. Writes ``feasibility.csv``, ``memory.csv``, ``comm.csv`` and
     ``launch_commands.csv`` in the phase folder.
     """
-    from servelab.target.targets import load_target
+    from servelab.deploy.targets import load_target
     from servelab.phases.context import log_command
     cfg = load_model_config(model_config)
     base = load_target(cluster_target)

@@ -10,8 +10,8 @@ from typing import Any
 
 import pandas as pd
 
-from servelab.target.nccl_gate import GateVerdict, check_gate, verdict_table
-from servelab.target.nccl_info import NcclInfo, parse_info, parse_info_files, transport_table
+from servelab.deploy.nccl_gate import GateVerdict, check_gate, verdict_table
+from servelab.deploy.nccl_info import NcclInfo, parse_info, parse_info_files, transport_table
 from servelab.analyse.nccl.msgsize import model_message_sizes, place_on_curves
 from servelab.analyse.nccl.perf_log import NcclTestRun, parse_file, runs_frame, runs_table
 from servelab.core.paths import samples_root

@@ -48,9 +48,9 @@ from servelab.measure.loop_monitor import LoopMonitor
 from servelab.measure.launch_variants import (delta_of, metrics_snapshot, server_cpu_s, snapshot_deltas, write_run_record)
 from servelab.measure.slots import SlotsPoller, has_slots_endpoint
 from servelab.core.run import write_json_atomic
-from servelab.target.server import RunningServer, is_healthy, log_clock
+from servelab.deploy.server import RunningServer, is_healthy, log_clock
 from servelab.measure.workload import RequestSpec, build_workload
-from servelab.target.engines import engine_for
+from servelab.deploy.engines import engine_for
 
 SCALES: dict[str, dict[str, Any]] = {
     "cluster": {"background_input_tokens": 1024, "background_output_tokens": 1024, "concurrency": 32,

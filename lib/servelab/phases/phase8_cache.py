@@ -34,8 +34,8 @@ from servelab.measure.loop_monitor import LoopMonitor
 from servelab.measure.launch_variants import metrics_snapshot
 from servelab.measure.slots import SlotsPoller, has_slots_endpoint
 from servelab.core.run import write_json_atomic
-from servelab.target.engines import engine_for
-from servelab.target.server import RunningServer
+from servelab.deploy.engines import engine_for
+from servelab.deploy.server import RunningServer
 from servelab.measure.workload import RequestSpec, build_workload
 
 SCALES: dict[str, dict[str, Any]] = {

@@ -33,8 +33,8 @@ from servelab.measure.case import CaseEnv, case_seed, flush_cache, max_request_t
 from servelab.measure.client import RequestRecord, run_requests
 from servelab.measure.launch_variants import Snapshot, metrics_snapshot, server_cpu_s, write_run_record
 from servelab.core.run import write_json_atomic
-from servelab.target.engines import engine_for
-from servelab.target.server import RunningServer, is_healthy
+from servelab.deploy.engines import engine_for
+from servelab.deploy.server import RunningServer, is_healthy
 from servelab.measure.workload import build_workload
 
 SCALES: dict[str, dict[str, Any]] = {

@@ -69,7 +69,7 @@ def _planned_points(run_dir: Path) -> list[str] | None:
     """The quick matrix of the run's target (None when the target cannot be loaded here)."""
     try:
         from servelab.measure.case import quick_matrix
-        from servelab.target.targets import load_target
+        from servelab.deploy.targets import load_target
         return [c.case_id for c in quick_matrix(load_target(str(read_manifest(run_dir).get("target", ""))))]
     except Exception:
         return None

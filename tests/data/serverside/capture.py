@@ -18,9 +18,9 @@ from pathlib import Path
 
 from servelab.measure.client import ClientConfig, run_requests
 from servelab.measure.workload import build_workload, engine_tokenizer, token_pool
-from servelab.target.hosts import ProcessTracker
-from servelab.target.server import http_text, start_server, stop_server
-from servelab.target.targets import load_target
+from servelab.deploy.hosts import ProcessTracker
+from servelab.deploy.server import http_text, start_server, stop_server
+from servelab.deploy.targets import load_target
 
 RUNNING = re.compile(r"^(?:llamacpp:requests_processing|vllm:num_requests_running)(?:\{[^}]*\})? (\S+)", re.M)
 
@@ -35,7 +35,7 @@ def main(which: str, out: Path) -> None:
     target = load_target("local-tiny" if which == "llamacpp" else "local-vllm")
     extra = {}
     if which == "vllm":
-        from servelab.target.vllm_cpu import resolve_vllm_cpu
+        from servelab.deploy.vllm_cpu import resolve_vllm_cpu
         model, launch = resolve_vllm_cpu(target.model, target.launch)
         target = dataclasses.replace(target, model=model, launch=launch)
     else:

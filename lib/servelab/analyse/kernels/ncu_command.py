@@ -10,7 +10,7 @@ from typing import Any, Sequence
 import pandas as pd
 
 from servelab.analyse.kernels.ranking import function_base
-from servelab.target.engines import engine_for
+from servelab.deploy.engines import engine_for
 
 
 SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "Occupancy", "LaunchStats", "WarpStateStats",

@@ -4,7 +4,7 @@ Raw output lands in ``<case_dir>/telemetry/<node>/<raw_name>``, next to one
 ``<collector>.status.json`` per collector and a ``clock.json`` per node (the node clock's offset from
 this machine's, measured around a ``date +%s%N`` call, so samples can be put on the client's clock).
 
-The host objects are duck-typed (the interface of ``servelab.target.hosts``)::
+The host objects are duck-typed (the interface of ``servelab.deploy.hosts``)::
 
     host.name
     host.run(argv, env=None, cwd=None, timeout=None) -> Result(exit_code, stdout, stderr)

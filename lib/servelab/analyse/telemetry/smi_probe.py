@@ -22,7 +22,7 @@ from servelab.analyse.telemetry.runner import NodePlan, RequiredCollectorError, 
 
 def probe(out: Path, seconds: float, interval_s: float) -> tuple[int, str]:
     """Run the collector for ``seconds``; return (exit status, text to print)."""
-    from servelab.target.hosts import LocalHost
+    from servelab.deploy.hosts import LocalHost
     case_dir = Path(out)
     try:
         session = start_telemetry(case_dir, [NodePlan(LocalHost(), [nvidia_smi(interval_s, required=True)],

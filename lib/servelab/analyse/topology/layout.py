@@ -10,9 +10,9 @@ import pandas as pd
 
 from servelab.analyse.topology.model import ModelConfig
 from servelab.core.params import ParamError
-from servelab.target.engines import engine_for
-from servelab.target.spec import Target
-from servelab.target.targets import target_from_dict
+from servelab.deploy.engines import engine_for
+from servelab.deploy.spec import Target
+from servelab.deploy.targets import target_from_dict
 
 
 @dataclass(frozen=True)

@@ -58,8 +58,8 @@ except ImportError:  # pragma: no cover - built by `pip install -e .` wherever a
     _native = None
 
 from servelab.core.paths import cache_root
-from servelab.target.engines import engine_for, trace_identity, trace_name_hints, trace_skip_dirs
-from servelab.target.engines.base import name_rank_tokens
+from servelab.deploy.engines import engine_for, trace_identity, trace_name_hints, trace_skip_dirs
+from servelab.deploy.engines.base import name_rank_tokens
 
 PARSER_VERSION = 1
 CACHE_DIRNAME = ".servelab_cache"

@@ -1,10 +1,10 @@
-"""What ``servelab.target.server.start_server`` checks around every engine start — fail-closed.
+"""What ``servelab.deploy.server.start_server`` checks around every engine start — fail-closed.
 
-- :func:`before_launch`: the per-node preflight (``servelab.target.preflight``), once per run and target, after
+- :func:`before_launch`: the per-node preflight (``servelab.deploy.preflight``), once per run and target, after
   every node is connected and **before any process is started**; a failed required check raises
   ``PreflightFailed`` with its one-line reason (recorded in ``manifest["preflight"]``).
 - :func:`prepare`: a target that declares ``gate:`` starts its engine with ``NCCL_DEBUG=INFO`` and the ``INIT`` and
-  ``NET`` subsystems (``servelab.target.nccl_gate.GATE_ENV``).
+  ``NET`` subsystems (``servelab.deploy.nccl_gate.GATE_ENV``).
 - :func:`after_healthy`: once the engine answers its health probe, every node's engine log is collected into
   ``<log_dir>/nccl-gate/`` and judged by ``gate_from_folder``; a refusal (a violation, or no rank printed NCCL
   INFO lines) raises ``GateRefused`` — the caller stops the engine — and the verdict is recorded in
@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from servelab.core.run import now_iso
-from servelab.target.nccl_gate import GateRefused, gate_from_folder, with_gate_env
-from servelab.target.preflight import PreflightReport, ensure_preflight
-from servelab.target.spec import Target
+from servelab.deploy.nccl_gate import GateRefused, gate_from_folder, with_gate_env
+from servelab.deploy.preflight import PreflightReport, ensure_preflight
+from servelab.deploy.spec import Target
 
 GATE_LOG_DIR = "nccl-gate"
 

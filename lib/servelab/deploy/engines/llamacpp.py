@@ -8,17 +8,17 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from servelab.target.engines.base import EngineAdapter, LaunchPlan, docker_plan
+from servelab.deploy.engines.base import EngineAdapter, LaunchPlan, docker_plan
 from servelab.core.params import ParamError
-from servelab.target.spec import Target
+from servelab.deploy.spec import Target
 
 
 def resolve_local_artifacts(target: Target) -> tuple[str, str]:
     """(llama-server binary, model path), building/assembling them if needed. In a container the binary is the
     image's (``launch.binary`` or ``llama-server`` on its PATH); the model file is the node's, mounted at the same
     path (``launch.docker.extra_args: ["-v", "/models:/models:ro"]``)."""
-    from servelab.target.llamacpp_build import ensure_llama_server
-    from servelab.target.models import resolve_model
+    from servelab.deploy.llamacpp_build import ensure_llama_server
+    from servelab.deploy.models import resolve_model
     if target.launch.get("mode") == "docker":
         binary = target.launch.get("binary") or "llama-server"
     else:
@@ -139,13 +139,13 @@ class LlamaCppAdapter(EngineAdapter):
         draft = None
         spec = target.launch.get("spec") or {}
         if spec.get("draft_model"):
-            from servelab.target.models import resolve_model
+            from servelab.deploy.models import resolve_model
             draft = str(resolve_model(spec["draft_model"]))
         rpc = None
         if len(target.nodes) > 1 and target.launch.get("mode") == "docker":
             rpc = target.launch.get("rpc_binary") or "ggml-rpc-server"
         elif len(target.nodes) > 1:
-            from servelab.target.llamacpp_build import rpc_server
+            from servelab.deploy.llamacpp_build import rpc_server
             rpc = target.launch.get("rpc_binary") or str(rpc_server())
         return self.launch_plans(target, port, binary=binary, model_path=model, draft_path=draft,
                                  rpc_binary=rpc), model
@@ -165,7 +165,7 @@ class LlamaCppAdapter(EngineAdapter):
         """A local llama.cpp target's model is a known key (built on first use) or an existing GGUF file."""
         from pathlib import Path
 
-        from servelab.target.models import MODELS
+        from servelab.deploy.models import MODELS
         if not target.is_local or target.model in MODELS:
             return
         if not Path(str(target.model)).expanduser().is_file():
@@ -274,7 +274,7 @@ def draft_model_path(draft: str, target: Any) -> str:
     tiny model's vocabulary (generated once into the model cache), else a path."""
     from pathlib import Path
 
-    from servelab.target.models import models_dir, resolve_model, write_tiny_gguf
+    from servelab.deploy.models import models_dir, resolve_model, write_tiny_gguf
     if draft == "self":
         return str(resolve_model(target.model))
     if draft.startswith("random:"):

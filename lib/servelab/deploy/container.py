@@ -27,8 +27,8 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from servelab.core.params import ParamError
-from servelab.target import hosts as hostlib
-from servelab.target.hosts import HostError
+from servelab.deploy import hosts as hostlib
+from servelab.deploy.hosts import HostError
 
 # docker's own rule for container names
 DOCKER_NAME = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.-]*$")

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from servelab.target.engines.base import EngineAdapter, LaunchPlan, ProfileError, ProfileRequest
-from servelab.target.engines.llamacpp import LlamaCppAdapter
-from servelab.target.engines.sglang import SGLangAdapter
-from servelab.target.engines.vllm import VLLMAdapter
+from servelab.deploy.engines.base import EngineAdapter, LaunchPlan, ProfileError, ProfileRequest
+from servelab.deploy.engines.llamacpp import LlamaCppAdapter
+from servelab.deploy.engines.sglang import SGLangAdapter
+from servelab.deploy.engines.vllm import VLLMAdapter
 from servelab.core.params import ParamError, did_you_mean
 
 ADAPTERS: dict[str, type[EngineAdapter]] = {"llamacpp": LlamaCppAdapter, "sglang": SGLangAdapter,

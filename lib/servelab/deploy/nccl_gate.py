@@ -14,7 +14,7 @@ exists (a single-node run has none and cannot prove anything about the rails); n
 another transport than NET/IB; every NET/IB channel says GDRDMA; on each host the NET/IB channels
 together use every required HCA (HCA names come from the ``NET/IB : Using [i]<hca>:<port>`` line).
 
-Enforced at every engine start of a target that declares a gate (``servelab.target.start_checks``): the engine
+Enforced at every engine start of a target that declares a gate (``servelab.deploy.start_checks``): the engine
 starts with :data:`GATE_ENV` added to its environment, and once it is healthy :func:`gate_from_folder` judges the
 rank logs collected from every node — the same function that judges any folder of rank logs.
 """
@@ -27,7 +27,7 @@ from typing import Any
 
 import pandas as pd
 
-from servelab.target.nccl_info import NcclInfo, parse_info, parse_info_files, transport_table
+from servelab.deploy.nccl_info import NcclInfo, parse_info, parse_info_files, transport_table
 
 GATE_KEYS = {"required_hcas", "require", "expected_ranks"}
 # what a gated engine starts with: INIT names the ranks (ncclCommInitRank), NET the transports and HCAs

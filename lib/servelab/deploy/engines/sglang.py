@@ -1,15 +1,18 @@
 """SGLang adapter: ``python -m sglang.launch_server`` (bare or in docker), multi-node, profiling, metrics.
 
-Flag names are those of current SGLang releases (``python3 -m sglang.launch_server --help``).
+Flag names, metric names, log lines and trace names are those SGLang 0.5.23 really uses (the ``local-sglang``
+target runs it on this machine's CPU: ``servelab.deploy.sglang_cpu``).
 """
 from __future__ import annotations
 
+import dataclasses
+import os
 import re
 from pathlib import Path
 from typing import Any
 
-from servelab.target.engines.base import EngineAdapter, LaunchPlan, ProfileError, ProfileRequest, docker_plan
-from servelab.target.spec import Target
+from servelab.deploy.engines.base import EngineAdapter, LaunchPlan, ProfileError, ProfileRequest, docker_plan
+from servelab.deploy.spec import Target
 
 # trace files of SGLang's profiler: ``[prefix-]{profile_id}-TP-{tp}[-DP-{dp}][-PP-{pp}][-EP-{ep}][-{stage}]
 # .trace.json.gz`` per rank, ``merged-….trace.json.gz`` (every rank in one file), ``…-TP-{tp}-memory….pickle``.
@@ -32,10 +35,20 @@ class SGLangAdapter(EngineAdapter):
         "moe_a2a_backend": "--moe-a2a-backend (deepep...)", "disable_overlap_schedule": "--disable-overlap-schedule",
         "trust_remote_code": "--trust-remote-code", "enable_metrics": "--enable-metrics (default on)",
         "hicache_ratio": "--hicache-ratio", "page_size": "--page-size",
+        "device": "--device (cpu: SGLANG_USE_CPU_ENGINE=1 and one core per rank, SGLANG_CPU_OMP_THREADS_BIND)",
+        "dtype": "--dtype", "max_total_tokens": "--max-total-tokens (the KV pool; on CPU it sizes itself from free RAM)",
+        "sleep_on_idle": "--sleep-on-idle (an idle scheduler otherwise spins a core)",
+        "cpu_threads_bind": "SGLANG_CPU_OMP_THREADS_BIND: the cores of each rank, '|'-separated (device cpu)",
     }
+    positive_int_keys = (*EngineAdapter.positive_int_keys, "max_total_tokens")
     health_path = "/health"
     flush_cache_path = "/flush_cache"
-    api_key_env_var = ""                 # SGLang takes its API key only as --api-key (visible in ps)
+    # SGLang reads no variable for its key; --api-key on the command line would be visible in ps. Its --config YAML
+    # file is merged into the arguments inside the process: the key goes there, in a mode-0600 file in this start's
+    # private folder, removed at stop. SGLang also prints every server argument at start (api_key included): its
+    # log is written in that private folder too and copied back redacted (server.start_server).
+    api_key_config = ("--config", "servelab-api-key.yaml", "api-key: {key}\n")
+    logs_api_key = True
     start_profile_path = "/start_profile"
     stop_profile_path = "/stop_profile"
     version_paths = ("/server_info", "/get_server_info", "/model_info")
@@ -85,6 +98,26 @@ class SGLangAdapter(EngineAdapter):
     trace_skip_dirs = ("graph_capture_profile",)      # CUDA-graph capture traces, not serving steps
     trace_profile_id_shared = True
 
+    def resolve_launch(self, target: Target, port: int) -> tuple[list[LaunchPlan], str]:
+        """A local target naming the CPU build (``launch.python: sglang-cpu`` or ``model: tiny-hf``) gets it
+        installed/generated first (``sglang_cpu``); anything else launches as configured."""
+        if target.is_local:
+            from servelab.deploy.sglang_cpu import needs_sglang_cpu, resolve_sglang_cpu
+            if needs_sglang_cpu(target.model, target.launch):
+                model, launch = resolve_sglang_cpu(target.model, target.launch)
+                return self.launch_plans(dataclasses.replace(target, model=model, launch=launch), port), model
+        return self.launch_plans(target, port), target.model
+
+    @staticmethod
+    def cpu_threads_bind(launch: dict[str, Any], ranks: int) -> str:
+        """``SGLANG_CPU_OMP_THREADS_BIND`` for ``ranks`` CPU ranks: ``launch.cpu_threads_bind`` as given, else one
+        core per rank (``0|1``), wrapping around this machine's cores (SGLang otherwise asserts that ranks <=
+        NUMA nodes)."""
+        if launch.get("cpu_threads_bind"):
+            return str(launch["cpu_threads_bind"])
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        return "|".join(str(cores[r % len(cores)]) for r in range(ranks))
+
     def launch_plans(self, target: Target, port: int) -> list[LaunchPlan]:
         """One plan per node: the same server argv plus ``--nnodes/--node-rank/--dist-init-addr``."""
         la = target.launch
@@ -107,7 +140,8 @@ class SGLangAdapter(EngineAdapter):
                "max_running_requests": "--max-running-requests", "cuda_graph_max_bs": "--cuda-graph-max-bs",
                "kv_cache_dtype": "--kv-cache-dtype", "attention_backend": "--attention-backend",
                "moe_runner_backend": "--moe-runner-backend", "moe_a2a_backend": "--moe-a2a-backend",
-               "hicache_ratio": "--hicache-ratio", "page_size": "--page-size"}
+               "hicache_ratio": "--hicache-ratio", "page_size": "--page-size", "device": "--device",
+               "dtype": "--dtype", "max_total_tokens": "--max-total-tokens"}
         for key, flag in opt.items():
             if la.get(key) is not None:
                 base += [flag, str(la[key])]
@@ -119,6 +153,8 @@ class SGLangAdapter(EngineAdapter):
             base += ["--disable-overlap-schedule"]
         if la.get("trust_remote_code"):
             base += ["--trust-remote-code"]
+        if la.get("sleep_on_idle"):
+            base += ["--sleep-on-idle"]
         if la.get("enable_metrics", True):
             base += ["--enable-metrics"]
         if la.get("nvtx_markers"):
@@ -135,6 +171,10 @@ class SGLangAdapter(EngineAdapter):
         env = dict(target.env)
         if la.get("profiler_dir"):
             env["SGLANG_TORCH_PROFILER_DIR"] = str(la["profiler_dir"])
+        if la.get("device") == "cpu":
+            env.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+            if t["tp"] * t["pp"] > 1 or la.get("cpu_threads_bind"):
+                env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", self.cpu_threads_bind(la, t["tp"] * t["pp"]))
         plans = []
         nnodes = len(target.nodes)
         head = target.head

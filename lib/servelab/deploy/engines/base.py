@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from servelab.core.params import ParamError, reject_unknown
-from servelab.target.container import ContainerSpec, container_spec, validate_docker
+from servelab.deploy.container import ContainerSpec, container_spec, validate_docker
 
 # launch keys every engine understands (meaning documented per key)
 COMMON_LAUNCH_KEYS: dict[str, str] = {
@@ -46,6 +46,7 @@ COMMON_LAUNCH_KEYS: dict[str, str] = {
 
 
 TOPOLOGY_KEYS = ("tp_size", "pp_size", "dp_size", "ep_size")
+SECRET_DIR = "{servelab-secret-dir}"      # in a LaunchPlan's argv: the start's private folder of its secret_files
 
 
 @dataclass
@@ -61,6 +62,9 @@ class LaunchPlan:
     ready_port: int = 0              # for ready=tcp
     ready_host: str = ""
     container: ContainerSpec | None = None   # mode=docker: argv is its `docker run`, env goes in its env file
+    # files holding secrets (name -> content), written mode 0600 into this start's private folder on the node and
+    # removed at stop; argv names each as SECRET_DIR + "/" + name (start_server puts the folder's path there)
+    secret_files: dict[str, str] = field(default_factory=dict, repr=False)
 
     def shell(self, known: Sequence[str] | None = None) -> str:
         """The command as one line for people (pages, tables, records), secrets redacted: secret-named variables,
@@ -220,6 +224,11 @@ class EngineAdapter:
     # the variable the engine reads its API key from; "" = the engine takes it on its command line only
     api_key_env_var: str = ""
     api_key_flag: str = "--api-key"
+    # or a file the engine reads its arguments from: (flag, file name, content with {key}) — see LaunchPlan.secret_files
+    api_key_config: tuple[str, str, str] | None = None
+    # the engine prints its API key into its own log (its arguments at start): with a key, the log is written in the
+    # start's private folder and copied back redacted at stop (server.start_server)
+    logs_api_key: bool = False
 
     def apply_api_key(self, plans: list[LaunchPlan], key: str) -> list[str]:
         """Give the head's plan the API key: through the engine's own variable where it has one (never in argv;
@@ -233,6 +242,10 @@ class EngineAdapter:
                 plan.container.env = {**plan.container.env, self.api_key_env_var: key}
             elif self.api_key_env_var:
                 plan.env = {**plan.env, self.api_key_env_var: key}     # the head's own copy: workers share env
+            elif self.api_key_config and plan.container is None:       # a 0600 file in the start's private folder
+                flag, name, content = self.api_key_config
+                plan.secret_files = {**plan.secret_files, name: content.format(key=key)}
+                plan.argv += [flag, f"{SECRET_DIR}/{name}"]
             else:
                 if plan.container is not None:
                     plan.container.engine_argv = [*plan.container.engine_argv, self.api_key_flag, key]
@@ -265,7 +278,7 @@ class EngineAdapter:
         elif dev and not self._loopback(host):
             out.append(f"{self.name} mounts {', '.join(dev)} on {host} (behind the API key): development/profiling "
                        "endpoints that change the server's state; keep the address private.")
-        if api_key and not self.api_key_env_var:
+        if api_key and not self.api_key_env_var and not (self.api_key_config and target.launch.get("mode") != "docker"):
             out.append(f"{self.name} takes its API key only on its command line ({self.api_key_flag}): it is visible "
                        "in the process list of the head node.")
         return out
@@ -420,7 +433,7 @@ class EngineAdapter:
 def docker_plan(plan: LaunchPlan, launch: dict[str, Any], base_name: str, node_gpus: int = 0) -> LaunchPlan:
     """``plan`` run in a container (``launch.mode: docker``): its argv becomes ``docker run`` (host network and IPC,
     ``--gpus`` where the node has GPUs, the devices; the environment by an env file, never by value), its
-    environment moves into the container. ``target/container.py`` starts and stops it."""
+    environment moves into the container. ``deploy/container.py`` starts and stops it."""
     spec = container_spec(launch, plan.argv, plan.env, base_name, node_gpus)
     plan.argv, plan.env, plan.container = spec.run_argv(), {}, spec
     return plan

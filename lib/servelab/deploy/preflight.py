@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from servelab.core.run import now_iso
-from servelab.target import hosts as hostlib
-from servelab.target.spec import Node, Target
+from servelab.deploy import hosts as hostlib
+from servelab.deploy.spec import Node, Target
 
 PREFLIGHT_KEYS = {"devices": list, "hcas": (bool, list), "netdevs": (bool, list), "ports_free": list,
                   "gpus_idle": bool, "disk_free_gb": (int, float), "max_clock_offset_ms": (int, float)}

@@ -1,4 +1,4 @@
-"""Reading and validating targets: ``load_target('local')`` → :class:`~servelab.target.spec.Target`."""
+"""Reading and validating targets: ``load_target('local')`` → :class:`~servelab.deploy.spec.Target`."""
 from __future__ import annotations
 
 import os
@@ -11,10 +11,10 @@ import yaml
 
 from servelab.core.params import ParamError, did_you_mean, reject_unknown
 from servelab.core.paths import project_root
-from servelab.target.engines import ADAPTERS, engine_for
-from servelab.target.nccl_gate import validate_gate
-from servelab.target.preflight import validate_preflight
-from servelab.target.spec import Node, Target
+from servelab.deploy.engines import ADAPTERS, engine_for
+from servelab.deploy.nccl_gate import validate_gate
+from servelab.deploy.preflight import validate_preflight
+from servelab.deploy.spec import Node, Target
 
 ENGINES = set(ADAPTERS)
 
