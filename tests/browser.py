@@ -159,6 +159,7 @@ class DevTools:
 
     def __enter__(self) -> "DevTools":
         self._profile = tempfile.TemporaryDirectory(prefix="servelab-chromium-")
+        self.profile = self._profile.name           # in the browser's command line: how its processes are found
         self.log = Path(self._profile.name) / "chromium.log"
 
         def above_9(fd: int) -> int:      # bash's `3<&N 4>&M` below must not clobber one with the other

@@ -1,6 +1,7 @@
 """The JupyterLab explorer: run/case/rank/window selectors over the same compute and figure functions."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -93,6 +94,27 @@ def test_explorer_without_a_run_says_so(tmp_path):
     for name in ("run", "case", "definition", "capture", "rank", "window"):
         assert part(ui, name).disabled, name
     assert part(ui, "case-out").outputs == () and part(ui, "trace-out").outputs == ()
+
+
+def test_explorer_skips_a_capture_that_is_gone(tmp_path):
+    """A run whose Phase 3 capture folder no longer holds traces (moved or deleted since): the explorer opens on
+    the next capture that analyses — the bundled sample — and says which it skipped and why; the run has no
+    measured case, and the case half says so."""
+    run = tmp_path / "outputs" / "gone"
+    (run / "phase3").mkdir(parents=True)
+    (tmp_path / "moved").mkdir()
+    (run / "manifest.json").write_text(json.dumps({"run_id": "gone", "target": "local-tiny",
+                                                    "created": "2026-12-01T00:00:00+00:00", "phases": {}}))
+    (run / "phase3" / "trace_analysis.json").write_text(json.dumps({"trace_dir": str(tmp_path / "moved")}))
+    ui = explorer(root=tmp_path / "outputs")
+    assert note_text(part(ui, "run-note")) == "gone: 0 measured cases (0 VALID), 2 captures"
+    assert note_text(part(ui, "case-note")).startswith("this run has no measured case")
+    assert part(ui, "case").disabled and part(ui, "case-out").outputs == ()
+    assert part(ui, "capture").label == "sample: h200x2/traces" and plotly_of(part(ui, "trace-out"))["data"]
+    note = note_text(part(ui, "trace-note"))
+    assert note == (f"sample: h200x2/traces: the first capture that analyses; skipped Phase 3's capture — "
+                    f"{tmp_path / 'moved'} (TraceFormatError: {tmp_path / 'moved'}: no *.json / *.json.gz trace "
+                    f"files in this folder)"), note
 
 
 def test_first_valid_case_picks_in_run_order():

@@ -43,6 +43,25 @@ def checkout_listing() -> dict[str, tuple[int, int]]:
     return out
 
 
+def still_running(markers: list[str], wait_s: float) -> list[str]:
+    """Processes whose command line or environment holds one of ``markers``, after waiting up to ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = []
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit() or int(proc.name) == os.getpid():
+                continue
+            try:
+                seen = (proc / "cmdline").read_bytes() + b"\0" + (proc / "environ").read_bytes()
+            except OSError:
+                continue
+            if any(m.encode() in seen for m in markers):
+                found.append(f"{proc.name}: {(proc / 'cmdline').read_bytes()[:200]!r}")
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)
+
+
 def start_jupyter_lab(tracker, tmp: Path, env: dict[str, str]) -> str:
     """``jupyter lab`` on 127.0.0.1 serving the checkout, its token in the environment (never in argv), every
     file it keeps (settings, workspaces, runtime, checkpoints) under ``tmp``; autosave off, so the notebook
@@ -133,8 +152,12 @@ def kernel_ready(page: DevTools, timeout: float = 90) -> None:
 
 def settle(page: DevTools, until: str, what: str, timeout: float = 60) -> dict:
     """Wait until the explorer's state satisfies ``until`` (a JS expression over ``s``, the STATE object) and the
-    kernel is idle; the state."""
-    page.wait_for(f"(() => {{ const s = {STATE}; return !s.busy && ({until}); }})()", timeout, what)
+    kernel is idle; the state. On a timeout the error shows the state the page was left in."""
+    try:
+        page.wait_for(f"(() => {{ const s = {STATE}; return !s.busy && ({until}); }})()", timeout, what)
+    except AssertionError as exc:
+        state = page.eval(STATE)
+        raise AssertionError(f"{exc}; the explorer shows {json.dumps(state, ensure_ascii=False)[:3000]}") from None
     return page.eval(STATE)
 
 
@@ -173,12 +196,18 @@ def test_explorer_in_a_live_jupyterlab(outputs, llama_server_binary, tmp_path):
     if not chromium():
         pytest.skip("chromium not installed (Debian package chromium; `make system` installs it)")
     from servelab.deploy.hosts import ProcessTracker
+    began, took = time.monotonic(), {}
+
+    def lap(step: str) -> None:      # where the test's time goes (printed; `pytest -s` shows it)
+        took[step] = round(time.monotonic() - began - sum(took.values()), 1)
+        print(f"{step}: {took[step]} s", flush=True)
     pp2 = read_only_copy(SAMPLES / "h200x2-pp2") / "traces"
     assert main(["run", "phase1", "--target", "local-tiny", "--run-id", "live", "-p", 'cases=["P1","D1"]',
                  "-p", "search=false", "--no-render"]) == 0
     assert main(["run", "phase3", "--target", "local-tiny", "--run-id", "live", "-p", f"trace_dir={pp2}",
                  "--no-render"]) == 0
     summaries = {c: json.loads((outputs / "live" / "cases" / c / "summary.json").read_text()) for c in ("P1", "D1")}
+    lap("the run made (Phase 1 P1 + D1, Phase 3 over the PP=2 sample)")
     verdict = {c: summaries[c]["verdict"]["status"] for c in summaries}
     # the explorer opens on the first VALID case in run order, else on the first case, saying it is not a result
     # (on a loaded machine the client's own stalls can make both cases INVALID: the run is shown as it is)
@@ -188,20 +217,26 @@ def test_explorer_in_a_live_jupyterlab(outputs, llama_server_binary, tmp_path):
     cache = tmp_path / "cache"
     env = {"JUPYTER_TOKEN": secrets.token_hex(24), "SERVELAB_OUTPUTS": str(outputs), "SERVELAB_CACHE": str(cache),
            "JUPYTER_CONFIG_DIR": str(tmp_path / "jconfig"), "JUPYTER_RUNTIME_DIR": str(tmp_path / "jruntime"),
+           "JUPYTER_DATA_DIR": str(tmp_path / "jdata"),
            "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / "lab-settings"),
            "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "lab-workspaces"), "IPYTHONDIR": str(tmp_path / "ipython"),
            "PYTHONPYCACHEPREFIX": str(tmp_path / "pycache")}
     before = checkout_listing()
     with ProcessTracker() as tracker, DevTools(width=1500, height=1100) as page:
+        profile = page.profile
         url = start_jupyter_lab(tracker, tmp_path, env)
+        lap("jupyter lab up")
         page.navigate(f"{url}/lab/tree/{NOTEBOOK}?token={env['JUPYTER_TOKEN']}")
         kernel_ready(page)
+        lap("the notebook open, its kernel idle")
         # Run All, from the menu
         page.click_at(*page.center(".lm-MenuBar-item", "Run"))
         page.click_at(*page.center(".lm-Menu-item .lm-Menu-itemLabel", "Run All Cells"))
 
         # it opens drawn: the first VALID case, the first capture (Phase 3's), both figures
         s = settle(page, "s.case_plot && s.trace_plot && s.trace_plot.lines > 0", "the explorer drawn after Run All", 120)
+        lap("Run All: the explorer drawn")
+        page.center(".servelab-case-out")             # scrolled into view for the screenshot
         page.screenshot("explore_live_open")
         assert s["run"] == "live" and s["case"] == f"{opens_on} · phase1 · {verdict[opens_on]}", s
         assert s["cases"] == [f"P1 · phase1 · {verdict['P1']}", f"D1 · phase1 · {verdict['D1']}"], s["cases"]
@@ -211,7 +246,7 @@ def test_explorer_in_a_live_jupyterlab(outputs, llama_server_binary, tmp_path):
         else:
             assert s["case_note"].startswith(f"no VALID case in this run; {opens_on} · phase1 · {verdict[opens_on]} ("
                                              ) and "): not a result" in s["case_note"], s["case_note"]
-        assert s["captures"] == [f"{pp2} · analysed by Phase 3", "sample: h200x2/traces"], s["captures"]
+        assert s["captures"] == [f"Phase 3's capture — {pp2}", "sample: h200x2/traces"], s["captures"]
         assert s["capture"] == s["captures"][0] and s["ranks"] == ["all ranks", "rank 0", "rank 1"], s
         assert s["readout"].startswith("0.0 – 100.0 % of ") and not s["readout_cut"], s["readout"]
         assert s["trace_plot"]["traces"] >= 2 and "GPU timeline by kernel class — 2 ranks" in s["trace_plot"]["title"]
@@ -239,6 +274,7 @@ def test_explorer_in_a_live_jupyterlab(outputs, llama_server_binary, tmp_path):
         drag_window(page, 25, 50)
         s = settle(page, "!s.readout.startsWith('0.0 – 100.0') && !s.readout.includes(' – 100.0 %') && s.trace_plot "
                          "&& s.trace_plot.range", "the window redrawn")
+        page.center(".servelab-window")
         page.screenshot("explore_live_window")
         lo, hi = (float(v) for v in s["readout"].split(" %")[0].split(" – "))
         t0, t1 = (float(v) for v in s["readout"].split(": ")[1].rstrip(" ms").split(" – "))
@@ -257,7 +293,10 @@ def test_explorer_in_a_live_jupyterlab(outputs, llama_server_binary, tmp_path):
         assert s["trace_plot"]["lines"] > 0
 
         assert s["error_outputs"] == [] and s["log_entries"] == 0 and page.errors == [], (s, page.errors)
+        lap("case, capture, rank, window, empty window picked and checked")
         log = (tmp_path / "jupyter.log").read_text()
         assert "Traceback" not in log, log[-3000:]
+    # everything the test started is gone: jupyter lab, its kernel (own session), the browser and its helpers
+    assert not still_running([str(tmp_path), profile], 15), "processes left running"
     assert checkout_listing() == before, "files written or changed under the checkout"
     assert list((cache / "traces").glob("*.parquet")), "the trace caches went elsewhere than SERVELAB_CACHE"

@@ -228,6 +228,10 @@ def one_line(exc: BaseException | str, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
 def note_html(text: str, kind: str = "info") -> str:
     """A note line of the explorer (escaped): ``info`` grey, ``warn`` amber, ``error`` red."""
     color = {"info": "#333", "warn": "#8a5300", "error": "#b00020"}[kind]
@@ -382,15 +386,15 @@ def explorer(root: Path | None = None, run_id: str | None = None) -> Any:
         def fill() -> None:
             case_dd.options = [(f"{r.case_id} · {r.phase} · {r.verdict}", r.case_id) for r in choices.itertuples()]
             case_dd.value = first_valid_case(choices)[0]
-            trace_dd.options = [(capture_label(f, rdir) + (" · analysed by Phase 3" if f == p3 else ""), str(f))
+            trace_dd.options = [(("Phase 3's capture — " if f == p3 else "") + capture_label(f, rdir), str(f))
                                 for f, _ in folders]
             trace_dd.value = str(folders[0][0]) if folders else None
         quietly(fill)
         case_dd.disabled = def_dd.disabled = choices.empty
         trace_dd.disabled = rank_dd.disabled = window.disabled = not folders
         valid = int((choices["verdict"] == "VALID").sum())
-        run_note.value = note_html(f"{run_dd.value}: {len(choices)} measured cases ({valid} VALID), "
-                                   f"{len(folders)} captures")
+        run_note.value = note_html(f"{run_dd.value}: {plural(len(choices), 'measured case')} ({valid} VALID), "
+                                   f"{plural(len(folders), 'capture')}")
         draw_case()
         if not folders:
             state["why_no_capture"] = ("no capture to show: this run profiled no case, Phase 3 did not run here, "
@@ -409,8 +413,8 @@ def explorer(root: Path | None = None, run_id: str | None = None) -> Any:
             state["why_no_capture"] = "no capture of this run analyses: " + "; ".join(skipped)
         draw_trace()
         if skipped and state["analysis"] is not None:
-            trace_note.value = note_html(f"{trace_note.value and trace_dd.label}: the first capture that analyses; "
-                                         f"skipped {'; '.join(skipped)}", "warn")
+            trace_note.value = note_html(f"{trace_dd.label}: the first capture that analyses; skipped "
+                                         f"{'; '.join(skipped)}", "warn")
 
     run_dd.observe(pick_run, "value")
     case_dd.observe(draw_case, "value")
