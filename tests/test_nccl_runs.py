@@ -1,4 +1,4 @@
-"""Phase 5 runs nccl-tests: the plan and its one-line refusals, the runner on a stand-in binary that prints real
+"""Phase 5 runs nccl-tests: the run plan and its one-line refusals, the runner on a stand-in binary that prints real
 recorded logs, and the real 1 × H200 sweep recorded with the runner (data/samples/h200x1-nccl-sweep/) read back:
 per-run verdicts, the sweep table under the noise rule, the env check, the winners."""
 from __future__ import annotations
@@ -95,7 +95,7 @@ def test_env_check_reached_and_other_value():
     assert sw.env_check(data).verdict.tolist() == ["reached NCCL"]
 
 
-# ---------------------------------------------------------------- the plan and its refusals
+# ---------------------------------------------------------------- the run plan and its refusals
 
 def test_plan_scopes_ids_env_and_what_is_left_out():
     nodes = [Node("head", role="head", host="10.0.0.1", gpus=3), Node("worker", role="worker", host="10.0.0.2", gpus=3)]

@@ -1,7 +1,7 @@
 """Run nccl-tests on a target's nodes: per node, across nodes through a launcher template, the one-variable NCCL
 environment sweeps and the intra-node P2P matrix (``docs/method.md#comm-runs``).
 
-The plan is made and checked first, nothing started: every run is an argv list (never a shell string) with the
+The run plan is made and checked first, nothing started: every run is an argv list (never a shell string) with the
 environment it adds, the node it runs on and what it measures —
 
 - ``node``: ``<coll>_perf -b 8K -e 64M -f 2 -g <gpus>`` on each node alone (one process, all its GPUs);
@@ -160,7 +160,7 @@ def parse_sweep(specs: Iterable[str] | dict[str, Any]) -> list[Setting]:
 
 @dataclass
 class PlannedRun:
-    """One nccl-tests invocation of the plan."""
+    """One nccl-tests invocation of the run plan."""
     run_id: str
     scope: str                 # node | cross-node | p2p | env-check
     node: str                  # where argv runs (the head for cross-node runs)
@@ -309,7 +309,7 @@ def plan_runs(nodes: list[Any], bin_dir: str, collectives: list[str] | None = No
 
 
 def check_plan(plan: NcclPlan, hosts: dict[str, Any], launcher: list[str] | None = None) -> list[str]:
-    """Before anything runs: every binary the plan uses is an executable file on every node it runs on (a
+    """Before anything runs: every binary the run plan uses is an executable file on every node it runs on (a
     cross-node run's on every node it covers), and the launcher is found on the head. One line per problem."""
     need: dict[str, set[str]] = {}
     for r in plan.runs:
@@ -358,7 +358,7 @@ class RunResult:
 def execute(plan: NcclPlan, hosts: dict[str, Any], out_dir: Path, tracker: Any, workdirs: dict[str, str] | None = None,
             on_result: Callable[[RunResult], None] | None = None,
             progress: Callable[[int, int, PlannedRun], None] | None = None, poll_s: float = 0.2) -> list[RunResult]:
-    """Run the plan in order, one run at a time. Each run is started through ``tracker`` on its node (its own
+    """Run the run plan in order, one run at a time. Each run is started through ``tracker`` on its node (its own
     process group, its log in a private folder there), stopped at its ``timeout_s``; its log is copied to
     ``out_dir/logs/<run_id>.log`` and its record appended to ``out_dir/runs.jsonl`` before the next starts. The
     private folders are removed at the end (or by the tracker's exit on Ctrl-C)."""

@@ -86,9 +86,9 @@ def plan_runs(ctx: Any, nccl_tests_bin: str = "", collectives: list[str] | None 
 
 
 def run_tests(ctx: Any, runs: CommRuns, launcher: list[str] | None = None) -> CommRuns:
-    """Run the plan on the target's nodes, or — when it is not to run here — point at the recorded 1 × H200 sweep
+    """Run the run plan on the target's nodes, or — when it is not to run here — point at the recorded 1 × H200 sweep
     (``ctx.sweep_from_samples``) and record every planned command as ``planned``. Before anything starts every
-    node is connected and every binary the plan uses checked (one line naming the first problem). Each run is a
+    node is connected and every binary the run plan uses checked (one line naming the first problem). Each run is a
     tracked process; its command, environment, exit code and log are recorded as ``executed`` as soon as it ends,
     its log kept under ``nccl_runs/logs/``."""
     from servelab.core.run import emit_progress
@@ -464,7 +464,7 @@ def run_summary(runs: CommRuns, res: SweepResult | None = None) -> pd.DataFrame:
     rows = [("source", "executed on the target in this run" if runs.execute else
              "recorded sample data/samples/" + SWEEP_SAMPLE + " (not measured in this run)")]
     if runs.why_not_run:
-        rows.append(("why nothing ran here", runs.why_not_run + "; every command of the plan is recorded as planned"))
+        rows.append(("why nothing ran here", runs.why_not_run + "; every command of the run plan is recorded as planned"))
     rows += [(f"planned {scope} runs", int(count.get(scope, 0))) for scope in nt.SCOPES]
     rows.append(("nccl-tests folder", plan.bin_dir))
     if res is not None and not res.runs.empty:
