@@ -101,13 +101,14 @@ def test_plan_scopes_ids_env_and_what_is_left_out():
     nodes = [Node("head", role="head", host="10.0.0.1", gpus=3), Node("worker", role="worker", host="10.0.0.2", gpus=3)]
     plan = nt.plan_runs(nodes, "/opt/nt/build", ["all_reduce"], {"NCCL_ALGO": ["Ring", "Tree"], "NCCL_CROSS_NIC": [0, 1]},
                         repeats=2, launcher=["mpirun", "-np", "{nranks}", "-H", "{hosts}", "{env:-x}", "{cmd}"],
-                        env={"NCCL_IB_HCA": "mlx5_0", "HF_TOKEN": "hf_secret", "OMP_NUM_THREADS": "4"})
+                        env={"NCCL_IB_HCA": "mlx5_0", "HF_TOKEN": "hf_secret", "OMP_NUM_THREADS": "4",
+                             "UCX_NET_PASSWORD": "pw"})
     scopes = pd.Series([r.scope for r in plan.runs]).value_counts().to_dict()
     # per node: (baseline + Ring + Tree) x 2 repeats; across: (baseline + 4 settings) x 2; p2p: 3 pairs per node
     assert scopes == {"node": 12, "cross-node": 10, "p2p": 6, "env-check": 6}
     assert len({r.run_id for r in plan.runs}) == len(plan.runs)
     assert all(r.env.get("NCCL_IB_HCA") == "mlx5_0" and "HF_TOKEN" not in r.env and "OMP_NUM_THREADS" not in r.env
-               for r in plan.runs)
+               and "UCX_NET_PASSWORD" not in r.env and "pw" not in " ".join(r.argv) for r in plan.runs)
     assert not any(r.variable == "NCCL_CROSS_NIC" for r in plan.runs if r.scope == "node")
     tree = next(r for r in plan.runs if r.scope == "cross-node" and r.setting == "NCCL_ALGO=Tree")
     assert tree.argv[:5] == ["mpirun", "-np", "6", "-H", "10.0.0.1:3,10.0.0.2:3"]

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from servelab.core.params import did_you_mean
-from servelab.core.run import now_iso
+from servelab.core.run import is_secret_name, now_iso
 
 COLLECTIVES = {
     "all_reduce": "all_reduce_perf",
@@ -195,8 +195,8 @@ class NcclPlan:
 
 def comm_env(env: dict[str, str] | None) -> dict[str, str]:
     """The target's communication variables (``NCCL_*``, ``UCX_*``, ``GLOO_*``, ``NVSHMEM_*``) — the settings the
-    engine runs with — and nothing else."""
-    return {k: str(v) for k, v in (env or {}).items() if k.startswith(COMM_ENV_PREFIXES)}
+    engine runs with — and nothing else: never one whose name says secret (a launcher puts them in its argv)."""
+    return {k: str(v) for k, v in (env or {}).items() if k.startswith(COMM_ENV_PREFIXES) and not is_secret_name(k)}
 
 
 def plan_runs(nodes: list[Any], bin_dir: str, collectives: list[str] | None = None,

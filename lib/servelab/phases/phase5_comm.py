@@ -75,8 +75,7 @@ def plan_runs(ctx: Any, nccl_tests_bin: str = "", collectives: list[str] | None 
     if not execute:
         why = "nccl_tests_bin is not set"
         if not any(getattr(n, "gpus", 0) for n in picked):
-            why = (f"target {ctx.target.name} declares no GPUs and nccl_tests_bin is not set (its commands are planned "
-                   "with one GPU per node)")
+            why = f"target {ctx.target.name} declares no GPUs and nccl_tests_bin is not set"
     table = pd.DataFrame([{"scope": r.scope, "node": r.node, "collective": r.collective, "setting": r.setting,
                            "repeat": r.repeat, "ranks": r.ranks, "GPU pair": r.pair or "-",
                            "command": " ".join(f"{k}={v}" for k, v in r.env.items()) + (" " if r.env else "")
@@ -493,14 +492,14 @@ def sweep_findings(runs: CommRuns, res: SweepResult) -> list[str]:
                    + (f"; {len(bad)} not ok ({'; '.join(f'{r.run_id}: {r.status}' for r in bad.head(3).itertuples())})"
                       if len(bad) else ", every run ok") + ".")
     else:
-        out.append(f"Nothing ran on the target ({runs.why_not_run}): its {len(runs.plan.runs)} nccl-tests commands "
-                   "are recorded as planned, and the sweep shown is the recorded 1 × H200 one (one rank: NCCL runs no "
-                   "algorithm there, so no setting can change anything).")
+        out.append(f"Nothing ran on the target: {runs.why_not_run}. Its {len(runs.plan.runs)} nccl-tests commands are "
+                   "recorded as planned (one GPU per node where a node declares none), and the sweep shown is the "
+                   "recorded 1 × H200 one — one rank, where NCCL runs no algorithm, so no setting can change anything.")
     if not res.env.empty:
         miss = res.env[res.env.verdict != "reached NCCL"]
         if len(miss):
             out.append(f"NCCL did not report reading {', '.join(sorted(set(miss.setting)))} in the NCCL_DEBUG=INFO runs on "
-                       f"{', '.join(sorted(set(miss.node)))} ({int(miss.ranks.max())} rank(s)){src}: the sweep's runs "
+                       f"{', '.join(sorted(set(miss.node)))}, {int(miss.ranks.max())} rank(s) each: the sweep's runs "
                        "with those settings measured NCCL's own choice, whatever their numbers say.")
         else:
             out.append(f"Every swept variable reached NCCL{src} (its INFO log names each value).")
