@@ -12,6 +12,7 @@ import polars as pl
 from servelab.core.paths import cache_root, samples_root
 from servelab.analyse.trace.actions import evidence_actions
 from servelab.analyse.trace.analysis import CaptureAnalysis, analyse, write_tables
+from servelab.analyse.trace.experts import capture_expert_counts, expert_imbalance
 from servelab.analyse.trace.questions import q10, ten_questions
 from servelab.analyse.trace.stalls import OneClock, clock_shift, engine_steps, one_clock, stall_summary
 
@@ -47,13 +48,16 @@ def run_analysis(ctx: Any, trace_dir: str = "", window_regex: str = "", top_n: i
     a = analyse(folder, window_regex=window_regex or None, top_n=int(top_n), min_gap_us=float(min_gap_us),
                 profile_id=profile_id or None, cache_dir=cache_dir)
     clock = case_clock(folder, a)
-    q = ten_questions(a)
+    experts = capture_expert_counts(folder)       # the engine's expert counts recorded with this capture (MoE)
+    q = ten_questions(a, experts)
     if clock is not None:      # Q10 from the one clock too (a CPU trace has no kernels for the GPU-side answer)
         row = pl.DataFrame([asdict(q10(a, clock))]).with_columns(
             pl.lit(q.filter(pl.col("id") == "Q10")["question_en"][0]).alias("question_en")).select(q.columns)
         q = pl.concat([q.filter(pl.col("id") != "Q10"), row])
     act = evidence_actions(a)
     extra = {"questions": q, "actions": act}
+    if experts is not None:
+        extra["expert_imbalance"] = expert_imbalance(experts)
     if clock is not None:
         extra.update({"stalls": clock.stalls, "ttft_split": clock.ttft, "engine_steps": clock.steps})
     files = write_tables(a, ctx.phase_dir, extra)
