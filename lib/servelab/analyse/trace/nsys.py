@@ -1,5 +1,7 @@
-"""Nsight Systems: the ``nsys profile`` / ``nsys stats`` command lines of ``docs/method.md#capture-scenarios``, and an importer of
-``nsys stats --format csv`` reports.
+"""Nsight Systems: the ``nsys profile`` / ``nsys stats`` / ``nsys recipe`` command lines of
+``docs/method.md#capture-scenarios``, a capture bound to its case id with the ``nsys profile`` command per node recorded
+as planned and as executed, an importer of ``nsys stats --format csv`` reports (kernels, CUDA API, NVTX, OS runtime)
+and of the NCCL / GPU-utilisation recipes' outputs.
 
 Column names follow the Nsight Systems analysis guide (``nsys stats`` report names; ``cuda_gpu_kern_sum``: ``Time
 (%),Total Time (ns),Instances,Avg (ns),
@@ -121,6 +123,9 @@ REPORTS: dict[str, ReportSpec] = {
                                      "Proj Avg": "proj_avg_ns", "Proj Med": "proj_med_ns", "Proj Min": "proj_min_ns",
                                      "Proj Max": "proj_max_ns", "Proj StdDev": "proj_stddev_ns",
                                      "Total GPU Ops": "gpu_ops", "Avg GPU Ops": "avg_gpu_ops"}),
+    # OS runtime (libc/pthread calls) of the traced processes: where the host threads blocked (poll, futex, sleeps)
+    "osrt_sum": ReportSpec(("Time (%)", "Total Time", "Num Calls", "Avg", "Med", "Min", "Max", "StdDev", "Name"),
+                           _stats_rename("Num Calls", "calls", "Name")),
     "cuda_gpu_trace": ReportSpec(("Start", "Duration", "Name"),
                                  {"Start": "start_ns", "Duration": "duration_ns", "CorrId": "correlation",
                                   "Device": "device", "Strm": "stream", "Name": "name", "Bytes": "bytes"}),
@@ -176,7 +181,8 @@ def read_stats_csv(path: str | Path, report: str | None = None) -> pl.DataFrame:
     for j, (b, u) in enumerate(zip(bases, units)):
         out = spec.rename.get(b, re.sub(r"[^0-9a-z]+", "_", b.lower()).strip("_"))
         vals = [r[j] if j < len(r) else "" for r in body]
-        numeric = ("instances", "calls", "gpu_ops", "correlation", "device", "stream", "bytes")
+        # "Device" is a name in real cuda_gpu_trace output ("NVIDIA H200 (0)"), not a number
+        numeric = ("instances", "calls", "gpu_ops", "correlation", "stream", "bytes")
         if u in _UNIT_NS or u == "%" or out.endswith("_ns") or out in numeric:
             scale = _UNIT_NS.get(u, 1) if u != "%" else 1
             try:
@@ -232,3 +238,205 @@ def read_stats_dir(folder: str | Path, base: str | None = None) -> dict[str, pl.
         if name and (base is None or p.stem.startswith(base)):
             out[name] = read_stats_csv(p, name)
     return out
+
+
+# ------------------------------------------------------------------------------------------------ OS runtime
+
+def osrt_summary(osrt_sum: pl.DataFrame, top_n: int = 10) -> pl.DataFrame:
+    """The ``osrt_sum`` report's top calls by total time: name, calls, total_ms, avg_us, max_ms, time_pct. The
+    host threads' blocking calls (``poll``, ``pthread_cond_timedwait``, ``futex``-backed waits) dominate an idle
+    process; look at what blocks *during* the steps (``--capture-range`` keeps the report to the window)."""
+    if osrt_sum.height == 0:
+        return osrt_sum
+    return (osrt_sum.sort("total_time_ns", descending=True).head(top_n)
+            .select("name", "calls", (pl.col("total_time_ns") / 1e6).alias("total_ms"),
+                    (pl.col("avg_ns") / 1e3).alias("avg_us"), (pl.col("max_ns") / 1e6).alias("max_ms"),
+                    pl.col("time_pct")))
+
+
+# ------------------------------------------------------------------------------------------------ recipes
+#
+# ``nsys recipe <name> --input <report>.nsys-rep --output <dir> [--csv]`` (Nsight Systems 2023.4+) writes a folder
+# holding ``<dir>.nsys-analysis`` (JSON naming the recipe) and its tables as parquet (``--csv``: also CSV, for the
+# stats recipes). The recipes and their tables, as Nsight Systems 2023.4.4 writes them (times in ns):
+#
+# - ``nccl_sum`` (NCCL Summary): the NCCL API ranges that NCCL's own NVTX annotations (domain "NCCL") mark —
+#   ``all_stats`` (Text, Count, Mean, Std (approx), Min, Q1/Median/Q3 (approx), Max, Sum) and ``rank_stats`` (the
+#   same per report file, with Rank, File);
+# - ``nccl_gpu_proj_sum``: the same ranges projected onto the GPU (the kernels they launched);
+# - ``cuda_gpu_time_util_map`` / ``nccl_gpu_time_util_map``: ``analysis.parquet``, the capture cut into bins
+#   (Duration = the bin's start, ns from the session start), per bin the % of the bin a GPU was busy with any kernel
+#   (Kernel; the NCCL map: All, and split into NCCL and Compute kernels), per PID, Device ID, File;
+# - ``gpu_time_util``: ``analysis.parquet``, the stretches where a GPU's utilisation fell below ``--threshold``
+#   (Row#, In-Use %, Duration, Start, PID, Device ID, Context ID, File; here Duration is the stretch's length).
+#
+# Newer Nsight Systems adds ``nccl_gpu_overlap_trace`` (per NCCL kernel, its overlap with compute); 2023.4.4 has no
+# such recipe, so the overlap is taken from ``nccl_gpu_time_util_map`` (below).
+
+RECIPE_NAMES = ("nccl_sum", "nccl_gpu_proj_sum", "cuda_gpu_time_util_map", "nccl_gpu_time_util_map",
+                "gpu_time_util", "nccl_gpu_overlap_trace")
+_STAT_COLS = {"Text": "name", "Count": "count", "Mean": "mean_ns", "Std (approx)": "std_ns", "Std": "std_ns",
+              "Min": "min_ns", "Q1 (approx)": "q1_ns", "Q1": "q1_ns", "Median (approx)": "median_ns",
+              "Median": "median_ns", "Q3 (approx)": "q3_ns", "Q3": "q3_ns", "Max": "max_ns", "Sum": "total_ns",
+              "Rank": "rank", "File": "file"}
+_UTIL_COLS = {"Duration": "bin_start_ns", "Kernel": "kernel_pct", "All": "all_pct", "NCCL": "nccl_pct",
+              "Compute": "compute_pct", "PID": "pid", "Device ID": "device", "File": "file",
+              "Row#": "row", "In-Use": "in_use_pct", "Start": "start_ns", "Context ID": "context"}
+
+
+def recipe_name(folder: str | Path) -> str | None:
+    """The recipe a ``nsys recipe`` output folder holds, from its ``*.nsys-analysis`` file."""
+    import json
+    for f in sorted(Path(folder).glob("*.nsys-analysis")):
+        try:
+            return json.loads(f.read_text()).get("RecipeName")
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def read_recipe(folder: str | Path) -> dict[str, pl.DataFrame]:
+    """One ``nsys recipe`` output folder → {table: frame} with snake_case columns (``all_stats``, ``rank_stats``
+    for the stats recipes; ``analysis`` for the maps). Raises :class:`NsysReportError` naming the folder when it
+    is not a recipe output this module knows."""
+    folder = Path(folder)
+    name = recipe_name(folder)
+    if name not in RECIPE_NAMES:
+        raise NsysReportError(f"{folder}: not an nsys recipe output of {', '.join(RECIPE_NAMES)} "
+                              f"(its .nsys-analysis names {name!r})")
+    out: dict[str, pl.DataFrame] = {}
+    for table in ("all_stats", "rank_stats", "analysis"):
+        pq = folder / f"{table}.parquet"
+        if not pq.exists():
+            continue
+        df = pl.read_parquet(pq)
+        df = df.drop([c for c in df.columns if c.startswith("__index_level")])
+        cols = _STAT_COLS if table != "analysis" else \
+            ({**_UTIL_COLS, "Duration": "duration_ns"} if name == "gpu_time_util" else _UTIL_COLS)
+        df = df.rename({c: cols.get(c, re.sub(r"[^0-9a-z]+", "_", c.lower()).strip("_")) for c in df.columns})
+        out[table] = df
+    if not out:
+        raise NsysReportError(f"{folder}: recipe {name} but none of all_stats / rank_stats / analysis .parquet")
+    return out
+
+
+def read_recipes(folder: str | Path) -> dict[str, dict[str, pl.DataFrame]]:
+    """Every recipe output folder directly under ``folder`` → {recipe name: tables}."""
+    out: dict[str, dict[str, pl.DataFrame]] = {}
+    for d in sorted(p for p in Path(folder).iterdir() if p.is_dir()):
+        if recipe_name(d) in RECIPE_NAMES:
+            out[recipe_name(d)] = read_recipe(d)
+    return out
+
+
+def nccl_summary(recipe: dict[str, pl.DataFrame]) -> pl.DataFrame:
+    """The NCCL Summary (``nccl_sum``; or ``nccl_gpu_proj_sum``, the GPU side) as the page shows it: collective,
+    calls, total_ms, mean_us, median_us, max_us, share_pct of all NCCL time."""
+    s = recipe.get("all_stats")
+    if s is None or s.height == 0:
+        return pl.DataFrame()
+    total = s["total_ns"].sum()
+    return (s.select(pl.col("name").alias("collective"), pl.col("count").alias("calls"),
+                     (pl.col("total_ns") / 1e6).alias("total_ms"), (pl.col("mean_ns") / 1e3).alias("mean_us"),
+                     (pl.col("median_ns") / 1e3).alias("median_us"), (pl.col("max_ns") / 1e3).alias("max_us"),
+                     (100 * pl.col("total_ns") / total).alias("share_pct"))
+            .sort("total_ms", descending=True))
+
+
+def gpu_utilisation(recipe: dict[str, pl.DataFrame]) -> pl.DataFrame:
+    """From ``cuda_gpu_time_util_map`` or ``nccl_gpu_time_util_map``: per GPU (device, pid), the bins, the bin width,
+    the mean utilisation over the bins and the share of bins that are idle (0 %) or saturated (≥ 95 %). The
+    recipe's utilisation of a bin is the % of its time covered by kernels."""
+    a = recipe.get("analysis")
+    if a is None or a.height == 0:
+        return pl.DataFrame()
+    col = "kernel_pct" if "kernel_pct" in a.columns else "all_pct"
+    width = (a.sort("bin_start_ns").group_by("device", "pid", maintain_order=True)
+             .agg(pl.col("bin_start_ns").diff().median().alias("bin_ns")))
+    g = a.group_by("device", "pid", maintain_order=True).agg(
+        pl.len().alias("bins"), pl.col(col).mean().alias("util_mean_pct"),
+        (100 * (pl.col(col) == 0).mean()).alias("idle_bins_pct"),
+        (100 * (pl.col(col) >= 95).mean()).alias("busy_bins_pct"),
+        *([pl.col("nccl_pct").mean().alias("nccl_mean_pct"), pl.col("compute_pct").mean().alias("compute_mean_pct")]
+          if "nccl_pct" in a.columns else []))
+    return g.join(width, on=["device", "pid"]).with_columns((pl.col("bin_ns") / 1e6).alias("bin_ms")).drop("bin_ns")
+
+
+def nccl_overlap(recipe: dict[str, pl.DataFrame]) -> pl.DataFrame:
+    """Communication/computation overlap per bin from ``nccl_gpu_time_util_map``: the recipe gives, per bin, the %
+    of time covered by any kernel (All), by NCCL kernels and by the others (Compute), each a union over the GPU's
+    streams, so NCCL + Compute − All is the % of the bin where both ran at once. Per GPU: nccl_pct and
+    overlapped_pct (summed over bins, as % of one bin), and overlap_of_nccl_pct = the share of NCCL time that ran
+    beside compute (100 − the exposed share)."""
+    a = recipe.get("analysis")
+    if a is None or a.height == 0 or "nccl_pct" not in a.columns:
+        return pl.DataFrame()
+    # the recipe rounds each % to 0.1: so is the difference (no float noise in "no overlap")
+    a = a.with_columns((pl.col("nccl_pct") + pl.col("compute_pct") - pl.col("all_pct")).round(1).clip(lower_bound=0)
+                       .alias("both_pct"))
+    g = a.group_by("device", "pid", maintain_order=True).agg(
+        pl.len().alias("bins"), (pl.col("nccl_pct") > 0).sum().alias("bins_with_nccl"),
+        pl.col("nccl_pct").sum().alias("nccl_pct_sum"), pl.col("both_pct").sum().alias("both_pct_sum"))
+    return g.with_columns(pl.when(pl.col("nccl_pct_sum") > 0)
+                          .then(100 * pl.col("both_pct_sum") / pl.col("nccl_pct_sum")).otherwise(None)
+                          .alias("overlap_of_nccl_pct"))
+
+
+def nsys_recipe_argv(recipe: str, report: str, output: str, csv: bool = True, nsys: str = "nsys",
+                     extra: Sequence[str] = ()) -> list[str]:
+    """``nsys recipe <recipe> --input <report> --output <dir>`` (``--csv`` only for the stats recipes, which
+    take it)."""
+    if recipe not in RECIPE_NAMES:
+        raise ValueError(f"recipe {recipe!r}: expected one of {', '.join(RECIPE_NAMES)}")
+    argv = [nsys, "recipe", recipe, "--input", report, "--output", output, "--force-overwrite"]
+    if csv and recipe in ("nccl_sum", "nccl_gpu_proj_sum"):
+        argv.append("--csv")
+    return [*argv, *extra]
+
+
+# ------------------------------------------------------------------------------------------------ capture
+
+@dataclass
+class NsysCapture:
+    """One node's ``nsys profile`` of a case: the report is named after the case id (and the node), so every file
+    it leads to (``.nsys-rep``, ``nsys stats`` CSVs, recipe folders) says which case it profiled."""
+    case_id: str
+    node: str
+    argv: list[str]
+    report: str                          # the -o base: <out_dir>/<case_id>.<node>
+    status: str = "planned"              # planned | executed | failed
+    exit_code: int | None = None
+    start: str | None = None
+    end: str | None = None
+
+    @property
+    def report_file(self) -> str:
+        return self.report + ".nsys-rep"
+
+
+def plan_nsys_captures(case_id: str, nodes: Sequence[str], app_argv: Sequence[str], out_dir: str,
+                       **profile_kw) -> list[NsysCapture]:
+    """The ``nsys profile`` command of each node for one case (``nsys_profile_argv`` with ``profile_kw``), its report
+    ``<out_dir>/<case_id>.<node>``. Raises ValueError for a case id or node name that cannot name a file."""
+    bad = [x for x in (case_id, *nodes) if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._=+-]{0,95}", x or "")]
+    if bad:
+        raise ValueError(f"case id / node {bad[0]!r}: 1-96 letters, digits and . _ = + - (it names the report file)")
+    out = []
+    for node in nodes:
+        report = f"{out_dir.rstrip('/')}/{case_id}.{node}"
+        out.append(NsysCapture(case_id, node, nsys_profile_argv(app_argv, report, **profile_kw), report))
+    return out
+
+
+def record_nsys_captures(run_dir: Path, phase: str, captures: Sequence[NsysCapture]) -> None:
+    """Each capture's ``nsys profile`` command into the run's ``commands.jsonl``: label ``planned`` while it has not
+    run, ``executed`` (with its exit code and times) once it has."""
+    from servelab.core.run import CommandRecord, record_command
+    for c in captures:
+        done = c.status != "planned"
+        record_command(run_dir, CommandRecord(
+            label="executed" if done else "planned", argv=list(c.argv), phase=phase, host=c.node,
+            title=f"nsys profile of case {c.case_id} on {c.node}", start=c.start, end=c.end, exit_code=c.exit_code,
+            note=f"report {c.report_file}" + (f"; {c.status}" if done else "; run it on the node, then "
+                                                                            "nsys stats / nsys recipe")),
+                       unique=not done)
