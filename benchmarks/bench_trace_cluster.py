@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "lib"))
 from bench_trace_scale import copies_for, make_rank, write_rank_body  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,7 +107,7 @@ def main() -> int:
     ap.add_argument("--run", nargs="+", help="(internal) one configuration in this process")
     ap.add_argument("--ranks", type=int, default=64)
     ap.add_argument("--rank-mb", type=float, default=4.0, help="gzip MB of each synthetic rank")
-    ap.add_argument("--workers", default="1,4,8")
+    ap.add_argument("--workers", default="8,4,1", help="cluster sizes, run in this order (the slowest last)")
     ap.add_argument("--label", default="", help="where it ran")
     ap.add_argument("--work-dir", default="")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / f"trace_cluster_{time.strftime('%Y%m%d')}.json"))
@@ -119,7 +120,12 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="bench-trace-cluster-", dir=a.work_dir or None))
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "label": a.label,
+    try:
+        from servelab.analyse.trace import _scan  # noqa: F401
+        scanner = True
+    except ImportError:
+        scanner = False
+    doc = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "label": a.label, "scanner_compiled": scanner,
            "when": time.strftime("%Y-%m-%dT%H:%M:%S"), "nproc": os.cpu_count(),
            "machine": {"python": platform.python_version(), "platform": platform.platform()}, "runs": {}}
 
