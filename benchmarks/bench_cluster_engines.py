@@ -89,7 +89,8 @@ def bench_dask(workers: int, tasks: int) -> dict:
     from distributed import Client
     port = _free_port()
     addr = f"tcp://127.0.0.1:{port}"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent),
+                                                                      os.environ.get("PYTHONPATH")]))}
     procs = []
     t0 = time.perf_counter()
     try:
@@ -219,6 +220,7 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--tasks", type=int, default=2000)
     ap.add_argument("--label", default="", help="where it ran, e.g. vm-2cores")
+    ap.add_argument("--engines", default="dask,ray", help="which to measure (a machine without Ray: dask)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" /
                                          f"cluster_engines_{time.strftime('%Y%m%d')}.json"))
     a = ap.parse_args()
@@ -230,7 +232,7 @@ def main() -> int:
            "when": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                                                                     "platform": platform.platform()},
            "workers": a.workers, "results": {}}
-    for engine in ("dask", "ray"):
+    for engine in a.engines.split(","):
         la = os.getloadavg()[0]
         t0 = time.perf_counter()
         p = subprocess.run([sys.executable, __file__, "--engine", engine, "--workers", str(a.workers), "--tasks",
