@@ -122,6 +122,8 @@ def main() -> int:
         print(json.dumps(child(url, kind, n, per, tokens, a.itl_ms, cpu_list(a.client_cpus))))
         return 0
     import resource
+    import signal
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))      # a timeout stops the servers too (finally below)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     from servelab.deploy.hosts import free_port
