@@ -32,7 +32,7 @@ demo: system $(STAMP)
 
 test: system $(STAMP) lint
 	$(VENV)/bin/pip install -q -e '.[cluster]'
-	$(VENV)/bin/servelab build --tiny-only
+	$(VENV)/bin/servelab build --tiny-only --sglang
 	$(VENV)/bin/python -m pytest -q
 
 # The architecture and the code style, checked: import contracts (pyproject [tool.importlinter]) and ruff.
