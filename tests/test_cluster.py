@@ -1,6 +1,6 @@
 """Phase 3 over a real Dask cluster started by the tests: a scheduler and workers on loopback, and workers on two
 sshd test nodes (127.0.0.2 / .3) each holding only its own rank files. The tables equal the single-process path's on
-the real captures of data/samples; a worker killed mid-parse makes its rank retried once, then missing with the
+the real captures of data/samples (H200 GPU and SGLang-on-CPU); a worker killed mid-parse makes its rank retried once, then missing with the
 reason; nothing is left running, and a killed controller's workers are swept by the next start."""
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = ROOT / "data" / "samples"
 CAPTURES = {"h200x2": SAMPLES / "h200x2" / "traces", "h200x2-tp2-graph": SAMPLES / "h200x2-tp2-graph" / "traces",
             "h200x2-pp2": SAMPLES / "h200x2-pp2" / "traces",
-            "pp2_slowstage": SAMPLES / "pp2_slowstage" / "stage1_slow" / "traces"}
+            "pp2_slowstage": SAMPLES / "pp2_slowstage" / "stage1_slow" / "traces",
+            "sglang-cpu-tp2": SAMPLES / "sglang-cpu-tp2" / "traces", "sglang-cpu-pp2": SAMPLES / "sglang-cpu-pp2" / "traces"}
 
 sys.path.insert(0, str(Path(__file__).parent))
 from sshd import sshd_pair  # noqa: E402
