@@ -123,6 +123,17 @@ def test_tables_equal_the_local_path(local_cluster, capture, tmp_path):
     assert len(list((folder / ".servelab_cache").glob("*.parquet"))) == len(want.rops)
 
 
+@pytest.mark.slow
+def test_a_folder_no_node_has_is_one_line(local_cluster, tmp_path):
+    from servelab.analyse.trace.cluster import analyse_on_cluster
+    from servelab.analyse.trace.load import TraceFormatError
+    with pytest.raises(TraceFormatError) as e:
+        analyse_on_cluster(local_cluster, str(tmp_path / "nowhere"))
+    msg = str(e.value)
+    assert "\n" not in msg and "no *.json / *.json.gz trace files on any node" in msg
+    assert "Node local: " in msg and "no such folder on this node" in msg
+
+
 def _kill_on_start(cluster, rank_index: int, attempts: set[int], killed: list, stop: threading.Event) -> None:
     """Watch the scheduler; SIGKILL the worker process that holds rank ``rank_index``'s task of each attempt in
     ``attempts`` as soon as it is processing it."""

@@ -91,8 +91,7 @@ def _analyse_on_cluster(ctx: Any, cluster: str, folder: Path, cache_dir: Path | 
             a = analyse_on_cluster(c, str(folder), cache_dir=str(cache_dir) if cache_dir else None, **kw)
         finally:
             c.close()
-    a.cluster_notes = [f"cluster: {c.spec.describe() if c.spec else cluster} ({c.address}); "
-                       f"{len(c.node_names) or len(set(a.placement['host']))} node(s)", *a.cluster_notes]
+    a.cluster_notes = [f"Cluster: {c.spec.describe() if c.spec else cluster} ({c.address}).", *a.cluster_notes]
     return a
 
 

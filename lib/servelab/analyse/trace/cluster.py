@@ -112,18 +112,18 @@ def _plan(listings: dict[str, dict], trace_dir: str, profile_id: str | None, clu
     for host, lst in listings.items():
         name = cluster.node_name(host)
         if "error" in lst:
-            notes.append(f"node {name}: {lst['error']}")
+            notes.append(f"Node {name}: {lst['error']}.")
             continue
         for f in lst["files"]:
             if f["rel"] in seen:
                 notes.append(f"{f['rel']} is on nodes {seen[f['rel']]} and {name} (shared storage): parsed once, on "
-                             f"{seen[f['rel']]}")
+                             f"{seen[f['rel']]}.")
                 continue
             seen[f["rel"]] = name
             found.append({**f, "host": host, "node_name": name})
     if not found:
         raise TraceFormatError(f"{trace_dir}: no *.json / *.json.gz trace files on any node of the cluster"
-                               + (f" ({'; '.join(notes)})" if notes else ""))
+                               + (f" ({'; '.join(n.rstrip('.') for n in notes)})" if notes else ""))
     multi = len({f["host"] for f in found}) > 1
     idents = {f["path"] + "@" + f["host"]: identity_from_name(f["path"]) for f in found}
     ids = sorted({i.profile_id for i in idents.values()
