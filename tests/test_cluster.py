@@ -304,3 +304,31 @@ def test_killed_controller_leaves_nothing_running(nodes, tmp_path):
         c = open_cluster("nodes:1", tracker, tmp_path / "l2", target=target_from_dict(spec))
         c.close()
     assert not any(Path(rec).exists() for _, _, rec in started)    # swept: the dead owner's records are cleared
+
+
+SIGTERMED_CONTROLLER = textwrap.dedent("""
+    import json, sys, time
+    from servelab.deploy.cluster import open_cluster
+    from servelab.deploy.hosts import ProcessTracker
+    with ProcessTracker() as tracker:
+        c = open_cluster("local:2", tracker, sys.argv[1])
+        print(json.dumps([h.pid for _, h in tracker.entries]), flush=True)
+        time.sleep(600)
+""")
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_local_cluster(tmp_path):
+    """SIGTERM to the controller (a run being terminated) stops the scheduler and the workers through the tracker."""
+    pytest.importorskip("distributed")
+    proc = subprocess.Popen([sys.executable, "-c", SIGTERMED_CONTROLLER, str(tmp_path / "logs")],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        pids = json.loads(proc.stdout.readline())
+        assert len(pids) == 2 and not any(gone(p) for p in pids)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert all(gone(p) for p in pids)
