@@ -240,3 +240,26 @@ def test_recipe_argv():
     assert "--csv" not in nsys.nsys_recipe_argv("cuda_gpu_time_util_map", "r.nsys-rep", "out")
     with pytest.raises(ValueError, match="expected one of"):
         nsys.nsys_recipe_argv("nope", "r", "o")
+
+
+def test_phase3_section_shows_nccl_utilisation_overlap_osrt(tmp_path: Path):
+    """Phase 3's Nsight Systems section on the real H200 folder (stats/ and recipes/ beside each other): the NCCL
+    summary, GPU utilisation, overlap and OS-runtime tables written and shown (no trace kernels to match here)."""
+    from types import SimpleNamespace
+
+    import pandas as pd
+
+    from servelab.phases import phase3_timeline as phase3
+    ctx = SimpleNamespace(phase_dir=tmp_path)
+    imp = phase3.nsys_import(ctx, SimpleNamespace(analysis=SimpleNamespace(rops=[])), str(H200), top_n=3)
+    assert imp.recipes == ["cuda_gpu_time_util_map", "gpu_time_util", "nccl_gpu_proj_sum", "nccl_gpu_time_util_map",
+                           "nccl_sum"]
+    assert pd.read_csv(tmp_path / "nsys_nccl.csv")["calls"].tolist() == [24]
+    assert pd.read_csv(tmp_path / "nsys_gpu_util.csv")["nccl_mean_pct"].tolist() == [0.84]
+    assert pd.read_csv(tmp_path / "nsys_overlap.csv")["overlap_of_nccl_pct"].tolist() == [0]
+    assert pd.read_csv(tmp_path / "nsys_osrt.csv")["name"].iloc[0] == "poll"
+    page = phase3.nsys_view(imp).data
+    for caption in ("NCCL summary (recipe nccl_sum", "GPU utilisation (recipe nccl_gpu_time_util_map",
+                    "Communication/computation overlap", "OS runtime (osrt_sum"):
+        assert caption in page
+    assert "Some Nsight Systems reports missing" not in page

@@ -600,6 +600,8 @@ def capture(srv: Any, scenario: ProfileScenario, case_dir: Path,
                 stop_profile(srv, holder[0], force=True, run_dir=run_dir, phase=phase)
             except CaptureError:
                 pass
+        if experts:            # the recorder is stopped too (its record says what it got); never masks the error
+            expert_record.end(srv, experts[0], Path(case_dir), list_trace_dir, run_dir, phase)
         raise
     if not holder:
         raise CaptureError(f"scenario {scenario.name}: the drive function returned without calling start()")

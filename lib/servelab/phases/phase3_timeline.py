@@ -2,6 +2,8 @@
 and write every table into the phase folder (``trace_*.csv`` / ``.json``) for tests and reports."""
 from __future__ import annotations
 
+import dataclasses
+import html
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -632,6 +634,12 @@ class NsysImport:
     reports: dict[str, pl.DataFrame]
     kernels: pd.DataFrame        # nsys kernel summary, classified, with the trace's time for the same kernel
     classes: pd.DataFrame        # kernel time share per class: nsys vs the trace
+    # the method's other Nsight Systems reports, when the folder holds them (empty otherwise)
+    nccl: pd.DataFrame = dataclasses.field(default_factory=pd.DataFrame)       # nccl_sum (NCCL's NVTX API ranges)
+    gpu_util: pd.DataFrame = dataclasses.field(default_factory=pd.DataFrame)   # cuda/nccl_gpu_time_util_map
+    overlap: pd.DataFrame = dataclasses.field(default_factory=pd.DataFrame)    # from nccl_gpu_time_util_map
+    osrt: pd.DataFrame = dataclasses.field(default_factory=pd.DataFrame)       # osrt_sum, top calls
+    recipes: list = dataclasses.field(default_factory=list)
 
 
 def nsys_howto(trace_dir: str = "") -> str:
@@ -640,7 +648,9 @@ def nsys_howto(trace_dir: str = "") -> str:
     prof = display(nsys_profile_argv(["<the engine's launch command>"], "/data/nsys/report"))
     stats = display(nsys_stats_argv("/data/nsys/report.nsys-rep"))
     return (f"Profile the engine under Nsight Systems: {prof} — then export the summaries as CSV: {stats} "
-            "(writes report_cuda_gpu_kern_sum.csv, report_cuda_api_sum.csv, report_nvtx_sum.csv) and re-run this "
+            "(writes report_cuda_gpu_kern_sum.csv, report_cuda_api_sum.csv, report_nvtx_sum.csv; add osrt_sum for "
+            "the OS runtime, and nsys recipe nccl_sum / nccl_gpu_time_util_map --input /data/nsys/report.nsys-rep "
+            "--output /data/nsys/<recipe> for the NCCL summary, GPU utilisation and overlap) and re-run this "
             "phase with -p nsys_dir=/data/nsys.")
 
 
@@ -670,10 +680,13 @@ def nsys_import(ctx: Any, p: Phase3, nsys_dir: str = "", top_n: int = 10) -> Nsy
         return None
     from servelab.analyse.kernels import function_base
     from servelab.analyse.trace.nsys import NsysReportError, class_breakdown, kernel_summary, read_stats_dir
+    from servelab.analyse.trace import nsys as ns
     folder = Path(nsys_dir).expanduser()
     if not folder.is_dir():
         raise NsysReportError(f"nsys_dir {folder}: no such folder")
     reports = read_stats_dir(folder)
+    if not reports and (folder / "stats").is_dir():          # <dir>/stats/*.csv beside <dir>/recipes/<recipe>/
+        reports = read_stats_dir(folder / "stats")
     if "cuda_gpu_kern_sum" not in reports:
         raise NsysReportError(f"nsys_dir {folder}: no <base>_cuda_gpu_kern_sum.csv among "
                               f"{sorted(x.name for x in folder.glob('*.csv')) or 'no CSV files'}")
@@ -693,7 +706,22 @@ def nsys_import(ctx: Any, p: Phase3, nsys_dir: str = "", top_n: int = 10) -> Nsy
     classes = classes.sort_values("nsys_ms", ascending=False, na_position="last").reset_index(drop=True)
     kernels.to_csv(ctx.phase_dir / "nsys_kernels.csv", index=False)
     classes.to_csv(ctx.phase_dir / "nsys_classes.csv", index=False)
-    return NsysImport(str(folder), reports, kernels.round(3), classes.round(3))
+    recipes = {}
+    for where in (folder, folder / "recipes"):
+        if where.is_dir():
+            recipes.update(ns.read_recipes(where))
+    extra = {"nccl": ns.nccl_summary(recipes["nccl_sum"]) if "nccl_sum" in recipes else pl.DataFrame(),
+             "gpu_util": ns.gpu_utilisation(recipes.get("nccl_gpu_time_util_map")
+                                            or recipes.get("cuda_gpu_time_util_map") or {}),
+             "overlap": ns.nccl_overlap(recipes.get("nccl_gpu_time_util_map") or {}),
+             "osrt": ns.osrt_summary(reports["osrt_sum"]) if "osrt_sum" in reports else pl.DataFrame()}
+    out = {}
+    for name, df in extra.items():
+        t = df.to_pandas().round(3) if df.height else pd.DataFrame()
+        if not t.empty:
+            t.to_csv(ctx.phase_dir / f"nsys_{name}.csv", index=False)
+        out[name] = t
+    return NsysImport(str(folder), reports, kernels.round(3), classes.round(3), recipes=sorted(recipes), **out)
 
 
 def nsys_view(imp: NsysImport | None) -> Any:
@@ -710,5 +738,24 @@ def nsys_view(imp: NsysImport | None) -> Any:
     text = (f"From {imp.folder}: {found}. {matched} of the {len(imp.kernels)} top Nsight Systems kernels are in this "
             "trace too (same function name); shares are of each side's own kernel time, so a capture of a different "
             "run or length compares by share, not by milliseconds.")
-    return HTML(banner_html(text, "info", "Nsight Systems stats imported") + table_html(imp.kernels)
-                + "<p><b>Kernel time per class</b> (the trace taxonomy on both sides)</p>" + table_html(imp.classes))
+    parts = [banner_html(text, "info", "Nsight Systems stats imported"), table_html(imp.kernels),
+             "<p><b>Kernel time per class</b> (the trace taxonomy on both sides)</p>", table_html(imp.classes)]
+    sections = (
+        ("nccl", "NCCL summary (recipe nccl_sum: NCCL's own NVTX ranges, one per API call; times of the calls, not "
+                 "of their kernels)"),
+        ("gpu_util", "GPU utilisation (recipe nccl_gpu_time_util_map, else cuda_gpu_time_util_map: % of each time bin "
+                     "covered by kernels, averaged over the bins)"),
+        ("overlap", "Communication/computation overlap (from nccl_gpu_time_util_map: NCCL + compute − all = the % of a "
+                    "bin where both ran; overlap_of_nccl_pct = the share of NCCL time that ran beside compute)"),
+        ("osrt", "OS runtime (osrt_sum: the host threads' libc/pthread calls by total time)"))
+    for key, caption in sections:
+        t = getattr(imp, key)
+        if not t.empty:
+            parts += [f"<p><b>{html.escape(caption)}</b></p>", table_html(t)]
+    missing = [k for k, _ in sections if getattr(imp, k).empty]
+    if missing:
+        parts.append(banner_html("Not in this folder: " + ", ".join(missing) + " — run nsys stats -r osrt_sum and "
+                                 "nsys recipe nccl_sum / nccl_gpu_time_util_map on the report (servelab.analyse.trace."
+                                 "nsys.nsys_recipe_argv) and put their folders beside the CSVs.", "info",
+                                 "Some Nsight Systems reports missing"))
+    return HTML("".join(parts))
