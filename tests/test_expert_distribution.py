@@ -104,3 +104,23 @@ def test_bad_files_name_themselves(tmp_path: Path):
         read_expert_dump(other)
     with pytest.raises(ExpertDumpError, match="no expert-distribution dump files"):
         read_expert_dump([])
+
+
+PER_PASS = SAMPLE / "expert_distribution_recorder_1796210558.815732_0.pt"
+TORCH_PER_PASS_SUMS = [[0, 0, 29, 49, 0, 1, 0, 19], [0, 49, 0, 0, 0, 49, 0, 0]]   # torch.load, records summed
+
+
+def test_reads_the_real_per_pass_dump_like_torch(tmp_path: Path):
+    raw = read_torch_dump(PER_PASS)
+    assert set(raw) == {"records", "last_physical_to_logical_map"} and len(raw["records"]) == 8
+    assert [r["forward_pass_id"] for r in raw["records"]] == list(range(10, 18))
+    assert raw["last_physical_to_logical_map"].dtype == np.int64
+    ec = read_expert_dump(PER_PASS)
+    assert (ec.mode, ec.passes, ec.ranks) == ("per_pass", 8, [0]) and ec.counts.tolist() == TORCH_PER_PASS_SUMS
+    # a per-pass recording is one file per rank: find_expert_dumps takes every rank's file of the last dump
+    (tmp_path / PER_PASS.name).write_bytes(PER_PASS.read_bytes())
+    (tmp_path / PER_PASS.name.replace("_0.pt", "_1.pt")).write_bytes(PER_PASS.read_bytes())
+    both = read_expert_dump(find_expert_dumps(tmp_path))
+    assert both.counts.tolist() == (2 * np.array(TORCH_PER_PASS_SUMS)).tolist()
+    with pytest.raises(ExpertDumpError, match="different recorder modes"):
+        read_expert_dump([DUMP, PER_PASS])
