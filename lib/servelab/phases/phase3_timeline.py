@@ -57,7 +57,21 @@ def run_analysis(ctx: Any, trace_dir: str = "", window_regex: str = "", top_n: i
     if clock is not None:
         extra.update({"stalls": clock.stalls, "ttft_split": clock.ttft, "engine_steps": clock.steps})
     files = write_tables(a, ctx.phase_dir, extra)
+    if hasattr(ctx, "add_source"):
+        if ctx.from_samples:
+            ctx.add_source("samples", f"2 × H200 torch-profiler traces ({_rel(folder)}), not this run's engine")
+        else:
+            ctx.add_source("live", f"the capture in {folder}")
     return Phase3(a, q, act, files, clock)
+
+
+def _rel(folder: Path) -> str:
+    """``data/samples/…`` for a folder of the shipped samples, the path itself otherwise."""
+    from servelab.core.paths import project_root
+    try:
+        return str(Path(folder).resolve().relative_to(project_root()))
+    except ValueError:
+        return str(folder)
 
 
 def case_clock(folder: Path, a: CaptureAnalysis) -> OneClock | None:

@@ -87,6 +87,13 @@ def run_phase6(ctx: Any, kernel_source: str = "", ncu_csv: Sequence[str] = (), t
         res.ncu_metrics.to_csv(ctx.phase_dir / "ncu_metrics.csv", index=False)
         res.derived.to_csv(ctx.phase_dir / "ncu_derived.csv", index=False)
         res.roof.to_csv(ctx.phase_dir / "roofline.csv", index=False)
+    if hasattr(ctx, "add_source"):
+        if ctx.from_samples:
+            ctx.add_source("samples", f"kernels of {Path(source).name} and ncu CSVs "
+                           f"({', '.join(Path(f).name for f in files) or 'none'}): 2 × H200 random-weight toy models "
+                           "(data/samples/h200x2-pp2, data/samples/ncu), not this run's engine")
+        else:
+            ctx.add_source("live", f"kernels of {source}")
     ranked.to_csv(ctx.phase_dir / "kernels_ranked.csv", index=False)
     top.to_csv(ctx.phase_dir / "top_kernels.csv", index=False)
     return res

@@ -13,12 +13,15 @@ from typing import Any
 
 # key suffix → unit shown (longest suffixes first)
 UNITS: tuple[tuple[str, str], ...] = (
-    ("_tok_s", "tok/s"), ("_tps", "tok/s"), ("_rps", "req/s"), ("_gbps", "GB/s"), ("_gib", "GiB"), ("_mib", "MiB"),
-    ("_mb", "MB"), ("_gb", "GB"), ("_pct", "%"), ("_ms", "ms"), ("_us", "µs"), ("_ns", "ns"), ("_s", "s"),
+    ("_tok_per_s", "tok/s"), ("_tok_s", "tok/s"), ("_tps", "tok/s"), ("_rps", "req/s"), ("_per_s", "/s"),
+    ("_tflops", "TFLOP/s"), ("_gbps", "GB/s"), ("_gib", "GiB"), ("_mib", "MiB"), ("_kib", "KiB"), ("_mb", "MB"),
+    ("_gb", "GB"), ("_bytes", "bytes"), ("_mhz", "MHz"), ("_pct", "%"), ("_ms", "ms"), ("_us", "µs"),
+    ("_ns", "ns"), ("_ps", "/s"), ("_s", "s"),
 )
 WORDS = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2e": "E2E", "tps": "TPS", "kv": "KV", "slo": "SLO",
          "nccl": "NCCL", "gpu": "GPU", "cpu": "CPU", "p50": "P50", "p90": "P90", "p95": "P95", "p99": "P99",
-         "cv": "CV", "pp": "PP", "tp": "TP", "ab": "A/B", "id": "id", "busbw": "bus bandwidth", "comm": "comm"}
+         "cv": "CV", "pp": "PP", "tp": "TP", "ab": "A/B", "id": "id", "busbw": "bus bandwidth", "comm": "comm",
+         "e2el": "E2E", "rss": "RSS"}
 
 
 def split_unit(key: str) -> tuple[str, str]:
@@ -68,18 +71,39 @@ def headline_rows(headline: dict[str, Any]) -> list[tuple[str, str]]:
     for key, value in headline.items():
         label, unit = split_unit(str(key))
         text = format_value(value)
-        rows.append((label, f"{text} {unit}".strip() if text != "—" and unit else text))
+        numeric = isinstance(value, (int, float)) or hasattr(value, "item")
+        rows.append((label, f"{text} {unit}".strip() if text != "—" and unit and numeric else text))
     return rows
 
 
+SOURCE_STYLE = {"live": ("#e3f3e4", "#1b5e20", "Measured live"),
+                "samples": ("#fff4ce", "#7a5c00", "Recorded sample data — not measured in this run"),
+                "model": ("#ece6f6", "#4a2b7a", "Model only — nothing measured")}
+
+
+def source_badge_html(phase_entry: dict[str, Any]) -> str:
+    """Where the page's numbers come from, at its top: one badge per source (measured live on the target,
+    recorded sample data, a model), each saying which (``report.run_summary.phase_sources``)."""
+    from servelab.report.run_summary import phase_sources
+    rows = []
+    for s in phase_sources(phase_entry):
+        bg, fg, title = SOURCE_STYLE[s["kind"]]
+        rows.append(f'<div class="servelab-source servelab-source-{html.escape(s["kind"])}" style="background:{bg};'
+                    f'border-left:5px solid {fg};padding:4px 10px;margin:4px 0"><b style="color:{fg}">'
+                    f'{html.escape(title)}</b>: {html.escape(str(s.get("what") or ""))}</div>')
+    return "".join(rows)
+
+
 def findings_html(phase_entry: dict[str, Any]) -> str:
-    """The box: the phase's finding sentences, then its headline numbers (labels and units in words)."""
+    """The box: where its numbers come from (badges), the phase's finding sentences, then its headline numbers
+    (labels and units in words)."""
     sentences = [s for s in phase_entry.get("findings") or [] if str(s).strip()]
     rows = headline_rows(phase_entry.get("headline") or {})
     if not sentences and not rows:
         return ""
-    parts = ['<section class="servelab-findings" aria-label="findings"><h2>Findings</h2>']
-    if phase_entry.get("from_samples"):
+    parts = ['<section class="servelab-findings" aria-label="findings">', source_badge_html(phase_entry),
+             "<h2>Findings</h2>"]
+    if phase_entry.get("from_samples") and not phase_entry.get("sources"):
         parts.append("<p><b>From recorded sample data</b>, not measured in this run.</p>")
     if sentences:
         parts.append("<ul>" + "".join(f"<li>{html.escape(str(s))}</li>" for s in sentences) + "</ul>")
