@@ -201,7 +201,8 @@ def _cases_html(run_dir: Path) -> str:
                     f"<td>{html.escape(versions)}</td></tr>")
     for e in errors[:8]:
         rows.append(f"<tr><td colspan='6' class='bad'><small>{html.escape(e)}</small></td></tr>")
-    return ("<h2 id='measured-cases'>Measured cases</h2><p><small>From each case's <code>cases/&lt;case&gt;/summary.json</code>; a case "
+    return ("<h2 id='measured-cases'>Measured cases</h2><p><small>From each case's "
+            "<code>cases/&lt;case&gt;/summary.json</code>; a case "
             "is a result only when its verdict is VALID.</small></p><table><tr><th>phase</th><th>cases</th>"
             "<th>VALID</th><th>INVALID</th><th>INVALID cases (first reason)</th><th>summary schema</th></tr>"
             + "".join(rows) + "</table>")

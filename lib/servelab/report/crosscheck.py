@@ -259,7 +259,9 @@ def findings(run_dir: str | Path, phases: tuple[str, ...] | None = None) -> list
     ms = measurements(run_dir)
     out = []
     q = max_tps_question(run_dir, ms)
-    involve = (lambda *ps: phases is None or any(p in phases for p in ps))
+
+    def involve(*ps: str | None) -> bool:
+        return phases is None or any(p in phases for p in ps)
     if q is not None and involve("phase1"):
         s, m = q["search"], q["matrix"]
         if q["verdict"] == "disagree":
