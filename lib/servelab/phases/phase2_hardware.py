@@ -76,13 +76,15 @@ def node_specs(node: Any, pid: int | None, interval_s: float = 1.0, python: str 
 
 
 def collector_plan(ctx: Any, interval_s: float = 1.0) -> pd.DataFrame:
-    """Per node: every collector, required or optional, and its command (engine pid shown as <pid>)."""
+    """Per node: every collector, required or optional, what it records and the program it runs. The complete
+    commands — with the engine's pid, known once it started — are in the commands section as executed."""
     rows = []
     for node in ctx.target.nodes:
         for s in node_specs(node, 999999, interval_s):
+            progs = [Path(p).name for p in s.requires] or [Path(display_argv(s.argv)[0]).name]
             rows.append({"node": node.name, "role": node.role, "collector": s.name,
                          "required": "required" if s.required else "optional", "what": s.description,
-                         "command": " ".join(display_argv(s.argv)).replace("999999", "<pid>")})
+                         "programs": ", ".join(dict.fromkeys(progs)), "every (s)": s.interval_s})
     return pd.DataFrame(rows)
 
 

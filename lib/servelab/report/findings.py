@@ -157,6 +157,9 @@ def ab_findings(ab: Any, metrics: dict[str, str] | None = None) -> list[str]:
                 if metrics is not None and r.metric not in metrics:
                     continue
                 label = (metrics or {}).get(r.metric) or split_unit(r.metric)[0]
+                if r.verdict == "invalid":         # an INVALID side's change is not a result: no number for it
+                    items.append(f"{label} not compared (an INVALID side)")
+                    continue
                 delta = "" if r.delta_pct is None or math.isnan(r.delta_pct) else f" {r.delta_pct:+.1f} %"
                 band = "" if r.noise_band_pct is None or math.isnan(r.noise_band_pct) \
                     else f", noise band ±{r.noise_band_pct:.1f} %"

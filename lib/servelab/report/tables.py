@@ -130,10 +130,18 @@ def display_frame(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def flat(df: pd.DataFrame) -> pd.DataFrame:
-    """The index becomes columns when it carries labels; a plain 0..N index is dropped."""
+    """The index becomes columns when it carries labels (a named index, or unnamed labels that are not row
+    numbers: they become an ``item`` column); row numbers — a RangeIndex, or integers left over from a filter or a
+    ``groupby().head()`` — are dropped."""
     out = df
-    if not isinstance(out.index, pd.RangeIndex) or out.index.name is not None:
+    names = [n for n in out.index.names if n is not None]
+    if isinstance(out.index, pd.MultiIndex) or names:
         out = out.reset_index()
+    elif not isinstance(out.index, pd.RangeIndex):
+        if pd.api.types.is_integer_dtype(out.index.dtype):
+            out = out.reset_index(drop=True)
+        else:
+            out = out.reset_index(names="item")
     if isinstance(out.columns, pd.MultiIndex):
         out = out.copy()
         out.columns = [" ".join(str(p) for p in col if str(p)) for col in out.columns]
