@@ -151,7 +151,9 @@ def finish_phase(ctx: PhaseContext, status: str = "success", headline: dict[str,
     open the page), what was not executed."""
     entry = {"status": status, "ended": runlib.now_iso(), "headline": headline or {}, "findings": findings or [],
              "from_samples": ctx.from_samples, "not_executed": not_executed or [], "notes": ctx.notes,
-             "sources": list(ctx.sources)}
+             "sources": list(ctx.sources) or [
+                 {"kind": "samples", "what": "recorded sample data (data/samples)"} if ctx.from_samples else
+                 {"kind": "live", "what": f"measured on {ctx.target.name}"}]}
     m = runlib.read_manifest(ctx.run_dir)
     merged = {**m.get("phases", {}).get(ctx.phase, {}), **entry}
     runlib.update_manifest(ctx.run_dir, phases={ctx.phase: merged})

@@ -358,7 +358,7 @@ def headline(run: Phase2Run, table: pd.DataFrame) -> dict[str, Any]:
             b = busy.get(r.case)
             mean = "" if b is None or b.head_mean == "-" else f"machine busy mean {float(b.head_mean):.1f} %, "
             hot = (f"hottest core P95 {float(r.head_p95):.1f} % (n={n})" if n >= min_samples(95)
-                   else f"hottest core {float(r.head_max):.1f} % (max of {n} samples)")
+                   else f"hottest core {float(r.head_max):.1f} % (max of {n} sample{'' if n == 1 else 's'})")
             out[f"{r.case}_cpu"] = mean + hot
     missing = sorted({s.collector for c in run.cases for s in c.statuses if s.status not in (OK,)})
     out["collectors_not_ok"] = ", ".join(missing) or "none"

@@ -176,9 +176,17 @@ def findings(res: Phase6Result, from_samples: bool = False, run_dir: Path | None
     out = [f"Kernel table{src}: {Path(res.source).name}; {len(res.ranked):,} kernels ranked."]
     p3 = phase3_trace(run_dir)
     if p3 and not same_capture(res.source, p3):
+        traces = sorted(x for x in Path(p3).glob("*.json*") if x.is_file())
+        redo = ""
+        if traces and run_dir is not None:
+            from servelab.core.run import read_manifest
+            import shlex
+            target = read_manifest(Path(run_dir)).get("target") or "local"
+            redo = (" To rank Phase 3's capture: " + shlex.join(["servelab", "run", "phase6", "--target", str(target),
+                                                                 "--run-id", Path(run_dir).name, "-p",
+                                                                 f"kernel_source={traces[0]}"]) + ".")
         out.append(f"Not the capture of Phase 3: this page ranks the kernels of {_shown_path(res.source)}, Phase 3 of "
-                   f"this run analysed {_shown_path(p3)} — kernel shares here and there are of different runs; pass "
-                   "kernel_source=<Phase 3's trace_top_kernels.csv> to rank Phase 3's capture.")
+                   f"this run analysed {_shown_path(p3)} — kernel shares here and there are of different runs." + redo)
     for window, g in res.top.groupby("window", sort=False):
         out.append(f"Top kernels of {window} (share of the window's kernel time): " + "; ".join(
             f"{_short_name(str(r.function))} ({r.suspect}, {r.share_pct:.1f} %"

@@ -339,7 +339,8 @@ def findings(res: Phase9Result, run_dir: Path | None = None) -> list[str]:
             b = best.loc[best["net_gain_pct"].astype(float).idxmax()]
             comp = res.ab.comparison if res.ab is not None else None
             tps = comp[comp["metric"] == "output_tps"] if comp is not None and not comp.empty else None
-            noise = tps is not None and not tps.empty and not set(tps["verdict"]) <= {"no repeats", "no data"}
+            noise = tps is not None and not tps.empty and not set(tps["verdict"]) <= {"no repeats", "no data",
+                                                                                        "invalid"}
             what = (f"{b['config']} at C={b['concurrency']} ({b['net_gain_pct']:+.1f} % output TPS, "
                     f"{b['output_tps_off']:,.1f} → {b['output_tps_spec']:,.1f} tok/s)")
             if not noise:

@@ -24,6 +24,15 @@ WORDS = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2e": "E2E", "tps": "TPS
          "e2el": "E2E", "rss": "RSS"}
 
 
+# names that hold a fraction in [0, 1]: every page shows them as a percentage (one unit per quantity across a run)
+FRACTION_SUFFIXES = ("hit_rate", "acceptance_rate", "_fraction", "_frac", "_share")
+
+
+def is_fraction_key(name: Any) -> bool:
+    n = "_".join(str(name).strip().lower().replace("(", " ").replace(")", " ").split())
+    return n.endswith(FRACTION_SUFFIXES) and "pct" not in n and "%" not in str(name)
+
+
 def split_unit(key: str) -> tuple[str, str]:
     """``P1_p50_ttft_ms`` → (``P1 P50 TTFT``, ``ms``)."""
     unit = ""
@@ -52,11 +61,10 @@ def format_value(value: Any) -> str:
             return "0"
         if a >= 1000:
             return f"{value:,.0f}"
-        if a >= 100:
-            return f"{value:.1f}"
-        if a >= 1:
-            return f"{value:.2f}"
-        return f"{value:.3g}"
+        text = f"{value:.1f}" if a >= 100 else (f"{value:.2f}" if a >= 1 else f"{value:.3g}")
+        if 1 <= a < 100 and value != round(value) and float(text) == round(value):
+            return f"{value:.6g}"        # a value that is not whole never reads as a count (1.000244, not 1.00)
+        return text
     if hasattr(value, "item"):              # numpy scalars
         return format_value(value.item())
     if isinstance(value, (list, tuple)):
@@ -70,6 +78,9 @@ def headline_rows(headline: dict[str, Any]) -> list[tuple[str, str]]:
     rows = []
     for key, value in headline.items():
         label, unit = split_unit(str(key))
+        if is_fraction_key(key) and isinstance(value, (int, float)) and not isinstance(value, bool) \
+                and 0 <= value <= 1:
+            value, unit = 100 * value, "%"
         text = format_value(value)
         numeric = isinstance(value, (int, float)) or hasattr(value, "item")
         rows.append((label, f"{text} {unit}".strip() if text != "—" and unit and numeric else text))

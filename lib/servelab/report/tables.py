@@ -28,7 +28,7 @@ from typing import Any
 
 import pandas as pd
 
-from servelab.report.findings import format_value, split_unit
+from servelab.report.findings import format_value, is_fraction_key, split_unit
 
 MAX_ROWS = 200                 # rows shown on the page for a table that asks for more than the excerpt
 LONG_ROWS = 40                 # beyond this a table is a dump: an excerpt on the page, the whole table as a file
@@ -41,8 +41,6 @@ WRAP_CHARS = 36                # a longer cell wraps (anywhere, if it has no spa
 # the last word of a column that holds an identifier, not a quantity: shown without thousands separators
 ID_WORDS = frozenset({"id", "ids", "pid", "ppid", "tid", "lwp", "port", "task", "slot", "rank", "seed", "index",
                       "idx", "core", "gpu", "device", "chunk", "step", "repeat", "attempt", "stream", "commit"})
-# column names holding a fraction in [0, 1]: shown as a percentage
-FRACTION_SUFFIXES = ("hit_rate", "acceptance_rate", "_fraction", "_frac", "_share")
 KEY_COLUMNS = frozenset({"case", "case_id", "config", "run", "window", "node", "metric", "definition", "phase",
                          "collector", "kernel", "name", "rank", "scenario", "point", "variant", "layout", "label"})
 
@@ -66,8 +64,8 @@ def is_id_column(name: Any) -> bool:
 
 
 def is_fraction_column(name: Any) -> bool:
-    n = _norm(name)
-    return n.endswith(FRACTION_SUFFIXES) and "pct" not in n and "%" not in str(name)
+    """A column holding a fraction in [0, 1] (``FRACTION_SUFFIXES``): shown as a percentage."""
+    return is_fraction_key(name)
 
 
 def _number(v: Any) -> float | None:
@@ -216,8 +214,9 @@ def _table(shown: pd.DataFrame, cols: list[str]) -> str:
     for row in shown[cols].itertuples(index=False, name=None):
         cells = []
         for v in row:
-            long = len(v) > WRAP_CHARS and " " not in v[:WRAP_CHARS]
-            style = ' style="overflow-wrap:anywhere;min-width:12em"' if long else ""
+            # a word longer than a wrapped line (a path, a flag list, a kernel name) may break anywhere
+            long = len(v) > WRAP_CHARS and max((len(w) for w in v.split()), default=0) > WRAP_CHARS
+            style = ' style="overflow-wrap:anywhere;word-break:break-all;min-width:12em"' if long else ""
             cells.append(f"<td{style}>{html.escape(v)}</td>")
         rows.append("<tr>" + "".join(cells) + "</tr>")
     return (f'<table class="dataframe servelab-fit"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody>'
