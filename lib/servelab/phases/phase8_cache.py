@@ -302,11 +302,14 @@ def write_phase8_tables(phase_dir: Path, res: Phase8Result) -> None:
 
 
 def kv_summary(res: Phase8Result) -> pd.DataFrame:
-    """Peak and mean KV usage per point and metric (fractions), with the source named."""
+    """Peak and mean KV usage per point and metric (in % of the KV pool, as the findings say it), with the source
+    named (``kv_usage.csv`` keeps the fractions)."""
     if res.kv.empty:
         return pd.DataFrame({"note": ["no KV usage samples (engine exposes neither a KV gauge nor /slots)"]})
-    return (res.kv.groupby(["point", "metric", "source"], sort=False)["value"]
-            .agg(peak="max", mean="mean", samples="count").reset_index())
+    out = (res.kv.groupby(["point", "metric", "source"], sort=False)["value"]
+           .agg(peak="max", mean="mean", samples="count").reset_index())
+    return out.assign(peak=100 * out["peak"], mean=100 * out["mean"]).rename(
+        columns={"peak": "peak (%)", "mean": "mean (%)"})
 
 
 # ---------------------------------------------------------------- what the notebook shows

@@ -75,6 +75,15 @@ def _summary_html(run_dir: Path) -> str:
             + ("<h2>Verdicts for the whole run</h2>" + "".join(items) if items else "") + "</section>")
 
 
+def _headline_note(entry: dict[str, Any]) -> str:
+    """Above a headline whose numbers are not (all) measured on this target: whose numbers they are."""
+    other = [s for s in phase_sources(entry) if s["kind"] != "live"]
+    if not other:
+        return ""
+    return "".join(f'<small><span class="badge badge-{BADGE_CLASS[s["kind"]]}">{html.escape(SOURCE_KINDS[s["kind"]])}'
+                   f"</span> {html.escape(str(s.get('what') or ''))}</small><br>" for s in other)
+
+
 def write_run_index(run_dir: Path) -> Path:
     """``outputs/<run_id>/index.html``: the run summary, then the phases with status, data badges, headline
     numbers and links."""
@@ -104,7 +113,7 @@ def write_run_index(run_dir: Path) -> Path:
         rows.append(f"<tr><td>{link}<br><small>{html.escape(NOTEBOOKS.get(phase, ''))}</small></td>"
                     f'<td class="{_status_class(status)}">{html.escape(status)}{samples}{why}</td>'
                     f"<td><small>{html.escape(str(e.get('started', '')))}<br>{html.escape(str(e.get('ended', '')))}"
-                    f"</small></td><td>{_headline(headline)}</td>"
+                    f"</small></td><td>{_headline_note(e)}{_headline(headline)}</td>"
                     f"<td>{html.escape(', '.join(map(str, not_exec))) or '-'}</td></tr>")
     tool = m.get("tool", {})
     body_ledger = _cases_html(run_dir) + _ledger_html(run_dir) + _milestones_html(run_dir) + _lessons_html(m)

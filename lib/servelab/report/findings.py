@@ -21,16 +21,17 @@ UNITS: tuple[tuple[str, str], ...] = (
 WORDS = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2e": "E2E", "tps": "TPS", "kv": "KV", "slo": "SLO",
          "nccl": "NCCL", "gpu": "GPU", "cpu": "CPU", "p50": "P50", "p90": "P90", "p95": "P95", "p99": "P99",
          "cv": "CV", "pp": "PP", "tp": "TP", "ab": "A/B", "id": "id", "busbw": "bus bandwidth", "comm": "comm",
-         "e2el": "E2E", "rss": "RSS"}
+         "e2el": "E2E", "rss": "RSS", "mib": "MiB"}
 
 
 # names that hold a fraction in [0, 1]: every page shows them as a percentage (one unit per quantity across a run)
 FRACTION_SUFFIXES = ("hit_rate", "acceptance_rate", "_fraction", "_frac", "_share")
+FRACTION_KEYS = frozenset({"target_rate", "expected_rate", "kv_peak_active", "kv_usage", "kv_active"})
 
 
 def is_fraction_key(name: Any) -> bool:
     n = "_".join(str(name).strip().lower().replace("(", " ").replace(")", " ").split())
-    return n.endswith(FRACTION_SUFFIXES) and "pct" not in n and "%" not in str(name)
+    return (n.endswith(FRACTION_SUFFIXES) or n in FRACTION_KEYS) and "pct" not in n and "%" not in str(name)
 
 
 def split_unit(key: str) -> tuple[str, str]:
@@ -41,6 +42,7 @@ def split_unit(key: str) -> tuple[str, str]:
         if key.lower().endswith(suffix) and len(key) > len(suffix):
             base, unit = key[: -len(suffix)], u
             break
+    base = base.replace("_per_s_", "/s_")                # median_tok_per_s_per_user → median tok/s per user
     words = [WORDS.get(w.lower(), w) for w in base.split("_") if w]
     return " ".join(words), unit
 
