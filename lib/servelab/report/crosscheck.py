@@ -85,7 +85,8 @@ def rel_se(summary: dict[str, Any]) -> float | None:
     if n and mean and std is not None and mean > 0:
         out = (std / mean) / math.sqrt(n)
     cv = ((summary.get("details") or {}).get("cv") or {}).get("output_throughput") or {}
-    k = summary.get("repeats") or 1
+    reps = summary.get("repeats")
+    k = len(reps) if isinstance(reps, (list, tuple)) else int(reps or 1)
     if cv.get("cv_pct") is not None and k >= 2:
         out = max(out or 0.0, cv["cv_pct"] / 100 / math.sqrt(k))
     return out

@@ -94,7 +94,7 @@ def _missing(value: Any) -> bool:
 
 def _id_text(value: Any) -> str:
     x = _number(value)
-    if x is not None and x == int(x):
+    if x is not None and math.isfinite(x) and x == int(x):
         return str(int(x))
     return format_value(value)
 
@@ -116,7 +116,7 @@ def display_frame(df: pd.DataFrame) -> pd.DataFrame:
         has_unit = bool(unit) or "(" in name
         if is_id_column(col):
             cells = ["—" if _missing(v) else _id_text(v) for v in values]
-        elif nums and not has_unit and all(x == int(x) and abs(x) < 2**53 for x in nums):
+        elif nums and not has_unit and all(math.isfinite(x) and abs(x) < 2**53 and x == int(x) for x in nums):
             cells = ["—" if _missing(v) else (format_value(int(x)) if (x := _number(v)) is not None
                                               else format_value(v)) for v in values]
         else:
