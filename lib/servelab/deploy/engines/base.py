@@ -136,6 +136,8 @@ class EngineAdapter:
     # never removes: vLLM's torch.distributed FileStore ``vllm_dist_<uuid>``, one per start), with torch
     # inductor's cache pinned to where it is without this, so compiled kernels survive between starts
     private_tmp: bool = False
+    # stop: SIGTERM to the server process alone first, letting it stop its own children (hosts.Handle)
+    term_leader_first: bool = False
     metric_names: dict[str, str] = {}      # our name -> engine's Prometheus series name
     log_markers: dict[str, str] = {}       # event -> regex over the server log
     # Phase 7: the one-variable sweep that means something on this engine (first value = its default = the
@@ -314,6 +316,12 @@ class EngineAdapter:
         with a note per change for the page. Default: none."""
         return {}, []
 
+    def speculation_unsupported(self, target: Any) -> str:
+        """Why Phase 9 cannot run speculative decoding on ``target`` (one line), or "" when it can: said before
+        anything starts. Default: servelab builds no speculative launch for this engine."""
+        return (f"servelab builds speculative-decoding launches for llama.cpp and SGLang, not {self.name}: set "
+                "launch.spec on two targets and compare their runs with servelab.measure.abtest")
+
     def spec_launch_changes(self, target: Any, draft: str | None, num_draft_tokens: int, draft_min: int = 0,
                             synth_rates: Sequence[float] = ()) -> dict[str, Any]:
         """Launch settings that serve ``target`` with draft-model speculative decoding (``draft`` a draft key) or
@@ -331,6 +339,14 @@ class EngineAdapter:
         """(per-node launch plans, model path the engine loads). Engines whose local runs need artifacts
         (a built binary, an assembled model, a CPU build) resolve them here."""
         return self.launch_plans(target, port), target.model
+
+    def prepare(self, target: Any, progress: Callable[[str], Any] = lambda _: None) -> str:
+        """Build, install or assemble what a start of ``target`` needs on this machine, ahead of time (``servelab
+        demo``/``build``); returns one line saying what is ready. Default: what :meth:`resolve_launch` resolves."""
+        progress(f"{self.name}: preparing the target {getattr(target, 'name', '')} (the first time this installs or "
+                 "builds what it needs; cached afterwards)")
+        _, model = self.resolve_launch(target, 0)
+        return f"{self.name} and model {model} ready"
 
     def launch_plans(self, target: Any, port: int) -> list[LaunchPlan]:
         raise NotImplementedError

@@ -49,6 +49,9 @@ class SGLangAdapter(EngineAdapter):
     # log is written in that private folder too and copied back redacted (server.start_server).
     api_key_config = ("--config", "servelab-api-key.yaml", "api-key: {key}\n")
     logs_api_key = True
+    # a TERM to every process kills the scheduler first; the server then sleeps 5 s for "crash diagnostics" and is
+    # killed at the grace's end. A TERM to the server alone shuts it down with its children in ~5 s.
+    term_leader_first = True
     start_profile_path = "/start_profile"
     stop_profile_path = "/stop_profile"
     version_paths = ("/server_info", "/get_server_info", "/model_info")
@@ -63,6 +66,10 @@ class SGLangAdapter(EngineAdapter):
         "retracted": "sglang:num_retracted_reqs", "ttft_seconds": "sglang:time_to_first_token_seconds",
         "itl_seconds": "sglang:inter_token_latency_seconds", "e2e_seconds": "sglang:e2e_request_latency_seconds",
         "queue_seconds": "sglang:queue_time_seconds", "is_cuda_graph": "sglang:is_cuda_graph",
+        # seen on SGLang 0.5.23: a per-request TPOT histogram, and the memory gauges of its pools
+        "tpot_seconds": "sglang:request_time_per_output_token_seconds",
+        "weight_memory_gb": "sglang:weight_memory_usage_gb", "kv_memory_gb": "sglang:kv_cache_memory_usage_gb",
+        "graph_memory_gb": "sglang:graph_memory_usage_gb", "kv_pool_tokens": "sglang:max_total_num_tokens",
     }
     interference_sweep = ("chunked_prefill_size", (8192, 4096, 2048))
     confound_setting = {"cuda_graph_max_bs": 8}
@@ -92,7 +99,7 @@ class SGLangAdapter(EngineAdapter):
     log_time = ("wall", r"\[(?P<ts>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)[^\]]*\]", "%Y-%m-%d %H:%M:%S")
     log_time_note = "SGLang stamps each line with the server's local time to the second"
     serverside_series = ("running", "waiting", "kv_usage", "retracted")
-    histogram_series = ("ttft_seconds", "queue_seconds", "itl_seconds", "e2e_seconds")
+    histogram_series = ("ttft_seconds", "queue_seconds", "itl_seconds", "tpot_seconds", "e2e_seconds")
 
     trace_name_hints = (r"-TP-\d+",)
     trace_skip_dirs = ("graph_capture_profile",)      # CUDA-graph capture traces, not serving steps
@@ -189,6 +196,34 @@ class SGLangAdapter(EngineAdapter):
                 plan = docker_plan(plan, la, f"servelab-sglang-{node.name}", node.gpus)
             plans.append(plan)
         return plans
+
+    def speculation_unsupported(self, target: Any) -> str:
+        """On CPU SGLang cannot speculate: its speculative workers need sgl-kernel's CPU helpers (NGRAM imports
+        ``sgl_kernel.speculative.reconstruct_indices_from_tree_mask``, EAGLE/STANDALONE call
+        ``fill_accept_out_cache_loc_cpu`` ...), and no CPU build of sgl-kernel is published — seen with SGLang
+        0.5.23 and ``--speculative-algorithm NGRAM``: the scheduler dies at start on that import."""
+        if target.launch.get("device") == "cpu":
+            return ("SGLang on CPU cannot speculate: its speculative workers need sgl-kernel's CPU helpers "
+                    "(sgl_kernel.speculative.reconstruct_indices_from_tree_mask for NGRAM, fill_accept_out_cache_loc_cpu "
+                    "for EAGLE/STANDALONE), and no CPU build of sgl-kernel is published (SGLang 0.5.23's scheduler "
+                    "dies at start on that import); run Phase 9 on a GPU target")
+        return ""
+
+    def spec_launch_changes(self, target: Any, draft: str | None, num_draft_tokens: int, draft_min: int = 0,
+                            synth_rates: Any = ()) -> dict[str, Any]:
+        """``launch.spec`` for Phase 9's on/off comparison: a draft model served as SGLang's ``STANDALONE`` draft
+        (``self`` = the target's own model), ``num_draft_tokens`` drafted per step in a chain (topk 1)."""
+        from servelab.core.params import ParamError
+        if draft is None:
+            return {"spec": None}
+        if synth_rates:
+            raise ParamError("synthetic acceptance rates (synth_rates) exist in llama.cpp only")
+        if draft.startswith("random:"):
+            raise ParamError(f"draft {draft!r}: random drafts are generated for llama.cpp's tiny GGUF only; give "
+                             "SGLang a draft model path (or self)")
+        path = target.model if draft == "self" else draft
+        return {"spec": {"algorithm": "STANDALONE", "draft_model": path, "num_steps": int(num_draft_tokens),
+                         "topk": 1, "num_draft_tokens": int(num_draft_tokens) + 1}}
 
     def one_batch_bench_argv(self, target: Any, batch_size: int = 1, input_len: int = 1024,
                              output_len: int = 8) -> list[str]:
