@@ -51,7 +51,7 @@ def _summary_html(run_dir: Path) -> str:
     from servelab.report import run_summary as rs
     try:
         facts, sources, verdicts = rs.facts(run_dir), rs.sources_rows(run_dir), rs.verdicts(run_dir)
-    except Exception as exc:       # the index is still written; the summary says why it is missing
+    except (OSError, ValueError, KeyError, TypeError) as exc:   # the index is still written; it says why
         return (f"<section class='summary' id='run-summary'><h2>Run summary</h2><p class='bad'>could not be built: "
                 f"{html.escape(type(exc).__name__)}: {html.escape(str(exc))}</p></section>")
     rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in facts)

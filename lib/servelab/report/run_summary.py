@@ -60,7 +60,7 @@ def _target(m: dict[str, Any], run_dir: Path) -> Any:
             if isinstance(cand, Path) and not cand.is_file():
                 continue
             return load_target(str(cand))
-        except Exception:                 # a target that no longer loads: the summary says unknown
+        except (ValueError, OSError, KeyError, TypeError):    # a target that no longer loads: said unknown
             continue
     return None
 
