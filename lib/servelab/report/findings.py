@@ -21,7 +21,7 @@ UNITS: tuple[tuple[str, str], ...] = (
 WORDS = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2e": "E2E", "tps": "TPS", "kv": "KV", "slo": "SLO",
          "nccl": "NCCL", "gpu": "GPU", "cpu": "CPU", "p50": "P50", "p90": "P90", "p95": "P95", "p99": "P99",
          "cv": "CV", "pp": "PP", "tp": "TP", "ab": "A/B", "id": "id", "busbw": "bus bandwidth", "comm": "comm",
-         "e2el": "E2E", "rss": "RSS", "mib": "MiB"}
+         "e2el": "E2E", "rss": "RSS", "mib": "MiB", "gib": "GiB", "c": "C"}
 
 
 # names that hold a fraction in [0, 1]: every page shows them as a percentage (one unit per quantity across a run)
