@@ -73,10 +73,14 @@ def give_torch_cpu_recorder_functions():
 
 
 class _FirstRecorderImport:
+    done = False
+
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != EXPERT_RECORDER_MODULE:
+        # stays in sys.meta_path (removing itself here would make the import system skip the next finder for this
+        # one import): a flag makes every later call a no-op
+        if self.done or fullname != EXPERT_RECORDER_MODULE:
             return None
-        sys.meta_path.remove(self)
+        self.done = True
         give_torch_cpu_recorder_functions()
         return None
 
