@@ -185,3 +185,46 @@ def test_m4_without_greedy_outputs_is_not_measured_and_a_profiled_side_is_refuse
     update_manifest(rdir, phases={"phase7": {"status": "success"}})
     m4 = milestones(rdir)[3]
     assert m4.checks[2].status == "fail" and "B launched with nvtx_markers" in m4.checks[2].detail
+
+
+def test_a_silent_or_failing_engine_is_recorded_not_waited_on(outputs):
+    """Failure paths of the probe on loopback: a port nothing listens on (the first request fails at once and nothing
+    more is sent) and a server answering HTTP 500 (every request tried, each error kept); either decides nothing."""
+    import socket
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from types import SimpleNamespace
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    target = SimpleNamespace(engine="vllm", model="tiny-hf", served_model_name="tiny-hf")
+    srv = SimpleNamespace(engine=engine_for("vllm"), base_url=f"http://127.0.0.1:{closed}", target=target,
+                          auth_headers={})
+    out = cx.greedy_probe(srv, timeout_s=5)
+    errs = [o["error"] for o in out["outputs"]]
+    assert "did not answer a request within 5 s" in errs[0] and all(e.startswith("not sent: ") for e in errs[1:])
+    assert cx.correctness_verdict(cx.compare_greedy(load("vllm_a"), out))[0] == "not decidable"
+
+    class Fail(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(500)
+            self.end_headers()
+            self.wfile.write(b'{"error": "boom"}')
+
+        def log_message(self, *a):
+            pass
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Fail)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        srv.base_url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        rdir = init_run("probe-500", "local-tiny")
+        out = cx.greedy_probe(srv, prompts=cx.PROMPTS[:2], timeout_s=5, run_dir=rdir, phase="phase7")
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert [o["error"] for o in out["outputs"]] == ['HTTP 500: {\'error\': \'boom\'}; HTTP 500: {\'error\': \'boom\'}'] * 2
+    from servelab.core.run import read_commands
+    rec = read_commands(rdir, "phase7")
+    assert len(rec) == 1 and rec[0].exit_code == 1 and rec[0].argv[:4] == ["curl", "-sS", "-X", "POST"]

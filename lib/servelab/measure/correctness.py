@@ -73,11 +73,19 @@ def greedy_probe(srv: Any, prompts: Sequence[str] = PROMPTS, max_tokens: int = M
     model = srv.target.served_model_name or "default"
     started, t0 = now_iso(), time.perf_counter()
     outputs: list[dict[str, Any]] = []
+    silent = ""                   # once the engine has not answered at all, nothing more is sent (no wait per prompt)
     for i, prompt in enumerate(prompts):
         runs: list[dict[str, Any]] = []
         for _ in range(max(1, int(repeats))):
+            if silent:
+                runs.append({"error": f"not sent: {silent}"})
+                continue
             status, body = http_json(url, eng.greedy_body(model, prompt, int(max_tokens)), timeout=timeout_s,
                                      headers=srv.auth_headers)
+            if status == 0:
+                silent = f"the engine did not answer a request within {timeout_s:g} s (no connection or timeout)"
+                runs.append({"error": silent})
+                continue
             if status != 200:
                 runs.append({"error": f"HTTP {status}: {str(body)[:300]}"})
                 continue
@@ -93,7 +101,7 @@ def greedy_probe(srv: Any, prompts: Sequence[str] = PROMPTS, max_tokens: int = M
                         "tokens": first.get("tokens"), "logprobs": first.get("logprobs"), "text": first.get("text"),
                         "finish_reason": first.get("finish_reason"), "logprobs_note": first.get("logprobs_note", ""),
                         "repeats": len(runs), "stable": stable,
-                        "repeat_keys": [] if stable else [k for k in keys], "error": "; ".join(errors)})
+                        "repeat_keys": [] if stable else list(keys), "error": "; ".join(errors)})
     out = {"engine": srv.target.engine, "model": srv.target.model, "served_model_name": model,
            "endpoint": eng.greedy_path, "max_tokens": int(max_tokens), "temperature": 0.0, "repeats": int(repeats),
            "started": started, "ended": now_iso(), "seconds": round(time.perf_counter() - t0, 3),
