@@ -1,7 +1,7 @@
 """Phase 3 on a live engine: start it once with its torch profiler configured, then capture the four scenarios of
 ``docs/method.md#capture-scenarios`` one after the other, each after a cache flush and a short warm-up:
 
-- ``decode_control``: C streams decoding → start → skip 2 steps → capture 16;
+- ``decode_control``: C streams decoding → start → skip 2 steps → capture ``steps`` (10 by default);
 - ``mixed_treatment``: C streams decoding → start → after ``inject_after_steps`` decode chunks one long prefill
   is injected; the streams keep decoding until the engine has written the worker trace;
 - ``long_prefill``: start, then one long prompt alone;
@@ -36,7 +36,8 @@ from typing import Any, Callable
 
 from servelab.core.run import CommandRecord, now_iso, record_command
 from servelab.measure import request_metrics as mx
-from servelab.measure.capture import CaptureError, CaptureResult, ProfileScenario, capture, capture_scenarios
+from servelab.measure.capture import (DEFAULT_STEPS, CaptureError, CaptureResult, ProfileScenario, capture,
+                                      capture_scenarios)
 from servelab.measure.case_record import INVALID, CaseFolder, CaseSummary, request_counts, verdict
 from servelab.measure.client import ReadLog, RequestRecord, parse_stream
 from servelab.measure.workload import RequestSpec, build_workload, engine_tokenizer, request_body, token_pool
@@ -424,7 +425,7 @@ def capture_one(srv: RunningServer, scenario: ProfileScenario, run_dir: Path, ph
 
 def capture_live(ctx: Any, health_timeout_s: float = 900.0, scenarios: tuple[str, ...] | None = None,
                  seed: int = 0, check: Callable[[ScenarioCapture], str] | None = None,
-                 attempts: int = 5) -> list[ScenarioCapture]:
+                 attempts: int = 5, steps: int = DEFAULT_STEPS) -> list[ScenarioCapture]:
     """Start the target's engine once with its profiler writing under the phase folder, capture every scenario
     (all four by default) — each after a cache flush and a short warm-up — and stop the engine on every exit
     path. Returns one ``ScenarioCapture`` per scenario, in order (a failed one carries its error).
@@ -433,13 +434,14 @@ def capture_live(ctx: Any, health_timeout_s: float = 900.0, scenarios: tuple[str
     scenario's injected prefill fell outside the traced steps because the engine ran the whole window before the
     request reached it (a loaded host). Such an attempt is set aside (:func:`set_aside`, the reason in the phase's
     notes) and the scenario captured again, at most ``attempts`` times in all; the last attempt is kept
-    whatever its check says, and its ``rejected`` lists the earlier ones."""
+    whatever its check says, and its ``rejected`` lists the earlier ones. ``steps`` is each capture's window of engine
+    steps (5–32; the mixed one holds more, :func:`servelab.measure.capture.mixed_steps`)."""
     raw = ctx.phase_dir / "engine-profiles"
     raw.mkdir(parents=True, exist_ok=True)
     target = dataclasses.replace(ctx.target, launch={**ctx.target.launch, "profiler_dir": str(raw)})
     scale = "cluster" if target.scale == "cluster" else "local"
     chosen = [s for s in capture_scenarios(scale, decode_case="D2-profile", mixed_case="M1-profile",
-                                           prefill_case="P3-profile", prefix_case="H8-profile")
+                                           prefill_case="P3-profile", prefix_case="H8-profile", steps=steps)
               if scenarios is None or s.name in scenarios]
     out: list[ScenarioCapture] = []
     with ProcessTracker() as tracker:

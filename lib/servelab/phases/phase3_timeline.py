@@ -74,7 +74,7 @@ def run_analysis(ctx: Any, trace_dir: str = "", window_regex: str = "", top_n: i
         row = pl.DataFrame([asdict(q10(a, clock))]).with_columns(
             pl.lit(q.filter(pl.col("id") == "Q10")["question_en"][0]).alias("question_en")).select(q.columns)
         q = pl.concat([q.filter(pl.col("id") != "Q10"), row])
-    act = evidence_actions(a)
+    act = evidence_actions(a, run_dir=getattr(ctx, "run_dir", None))
     extra = {"questions": q, "actions": act}
     if experts is not None:
         extra["expert_imbalance"] = expert_imbalance(experts)
@@ -407,8 +407,10 @@ def live_capture(ctx: Any, capture: bool, trace_dir: str) -> tuple[str, pd.DataF
         return "", pd.DataFrame([{"capture": "not run",
                                   "reason": f"the {ctx.target.engine} engine has no torch profiler endpoint; "
                                             f"use a vLLM or SGLang target (e.g. local-vllm) for a live capture"}])
+    from servelab.measure.capture import DEFAULT_STEPS
     chosen = tuple(ctx.params.get("scenarios") or ()) or None
-    caps = capture_live(ctx, scenarios=chosen, check=mixed_window_check)
+    steps = ctx.params.get("capture_steps") or DEFAULT_STEPS
+    caps = capture_live(ctx, scenarios=chosen, check=mixed_window_check, steps=steps)
     ctx.captures = caps
     table = captured_table(caps, ctx.run_dir)
     table.to_csv(ctx.phase_dir / "captures.csv", index=False)
@@ -466,9 +468,21 @@ def _verdict_text(case_dir: Path) -> str:
     return f"{v['status']}: {'; '.join(v['reasons'])}" if v["reasons"] else v["status"]
 
 
+def _window_note(c: Any) -> str:
+    """How the capture's window ended: the engine stopped after its steps, or the workload ended first."""
+    if c.result is None:
+        return "not captured"
+    ended = [n for n in c.result.session.notes if n.startswith("the workload ended before")]
+    if ended:
+        return f"fewer than {c.scenario.num_steps} steps: the workload ended first and /stop_profile wrote the steps run"
+    return (f"the engine's own step window: {c.scenario.skip_steps} skipped, then at most {c.scenario.num_steps} "
+            "traced")
+
+
 def captured_table(caps: list[Any], run_dir: Path) -> pd.DataFrame:
-    """One row per scenario: its case folder, what ran (cache flush, warm-up, requests, chunks timed), the trace
-    files collected (worker / frontend), whether the capture is complete, and the error when it failed."""
+    """One row per scenario: its case folder, the engine steps it holds (skipped after the trigger, captured, and
+    whether the workload ended first), what ran (cache flush, warm-up, requests, chunks timed), the trace files
+    collected (worker / frontend), whether the capture is complete, and the error when it failed."""
     rows = []
     for c in caps:
         recs = c.drive.records if c.drive else []
@@ -477,7 +491,9 @@ def captured_table(caps: list[Any], run_dir: Path) -> pd.DataFrame:
         hit = (c.drive.marks.get("prefix_hit_rate_ppm", -1) if c.drive else -1)
         rows.append({
             "scenario": c.scenario.name, "case": str(Path(c.case_dir).relative_to(run_dir)),
-            "workload": c.scenario.description, "cache_flushed": bool(c.prep.get("cache_flush", {}).get("flushed")),
+            "workload": c.scenario.description, "skipped_steps": c.scenario.skip_steps,
+            "captured_steps": c.scenario.num_steps, "window": _window_note(c),
+            "cache_flushed": bool(c.prep.get("cache_flush", {}).get("flushed")),
             "warmup_requests": int(c.prep.get("warmup", {}).get("requests", 0)),
             "requests": len(measured), "requests_ok": sum(1 for r in measured if r.ok),
             "chunks_timed": sum(len(r.chunk_ns) for r in measured),

@@ -97,17 +97,23 @@ def model_label(cfg: ModelConfig, target: Any) -> str:
     return text
 
 
-MEASURE_CASES = ("D1", "D2_c4")      # the cases each layout is measured with live: single-stream TPOT, C=4 throughput
+def measure_cases(target: Any) -> tuple[str, ...]:
+    """The cases each layout is measured with live by default — the method's test order for a layout after its
+    smoke test: C=1 decode latency (D1), then throughput at the scale's decode concurrencies (D2 at C=16/32/64 on
+    the cluster, 4/8/16 locally)."""
+    from servelab.measure.case import SCALES
+    cs = SCALES.get(getattr(target, "scale", "cluster"), SCALES["cluster"])["D2_c"]
+    return ("D1", *(f"D2_c{c}" for c in cs))
 
 
-def measure_layouts(ctx: Any, layouts: Sequence[str], cases: Sequence[str] = MEASURE_CASES, repeats: int = 3,
+def measure_layouts(ctx: Any, layouts: Sequence[str], cases: Sequence[str] = (), repeats: int = 3,
                     health_timeout_s: float = 900.0) -> list[str]:
     """Measure each layout live on the phase's own target (``ctx.target``, e.g. ``local-sglang``): the target with the
     layout's launch settings (the engine adapter's notation) and nothing else changed, served once, the ``cases``
     of the quick matrix measured ``repeats`` times (``cases/<layout>-<case>/``), then stopped; each layout becomes a
     run-like record (``phase4/layouts/<layout>/``) that the measured comparison reads as a run — the first layout is
-    the baseline, and only the layout keys may differ between records (the one-variable rule). Returns the record
-    folders, in the order given."""
+    the baseline, and only the layout keys may differ between records (the one-variable rule). ``cases`` empty:
+    :func:`measure_cases`. Returns the record folders, in the order given."""
     from servelab.core.params import ParamError
     from servelab.core.paths import path_slug
     from servelab.core.run import read_manifest
@@ -119,7 +125,7 @@ def measure_layouts(ctx: Any, layouts: Sequence[str], cases: Sequence[str] = MEA
     lays = [parse_layout(x) for x in layouts]
     if len({lay.label for lay in lays}) != len(lays):
         raise ParamError(f"measure_layouts names a layout twice: {list(layouts)}")
-    specs = quick_matrix(target, list(cases))
+    specs = quick_matrix(target, list(cases or measure_cases(target)))
     parent = read_manifest(ctx.run_dir)
     records: list[str] = []
     for lay in lays:

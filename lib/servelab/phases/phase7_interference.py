@@ -464,7 +464,8 @@ def run_phase7(ctx: Any, knob: str = "", values: list[Any] | None = None, spec_o
 
 
 def write_phase7_tables(phase_dir: Path, res: Phase7Result) -> None:
-    """``sweep.csv``, ``injections.csv`` / ``windows.csv`` (all values), ``ab_*.csv``, ``phase7.json``."""
+    """``sweep.csv``, ``injections.csv`` / ``windows.csv`` (all values), ``ab_*.csv`` (differences, comparison, the
+    greedy outputs compared, the seven questions), ``phase7.json``."""
     from servelab.core.run import write_json_atomic as wj
     phase_dir.mkdir(parents=True, exist_ok=True)
     res.table.to_csv(phase_dir / "sweep.csv", index=False)
@@ -476,8 +477,8 @@ def write_phase7_tables(phase_dir: Path, res: Phase7Result) -> None:
     if win:
         pd.concat(win, ignore_index=True).to_csv(phase_dir / "windows.csv", index=False)
     if res.ab is not None:
-        res.ab.differences.to_csv(phase_dir / "ab_differences.csv", index=False)
-        res.ab.comparison.to_csv(phase_dir / "ab_comparison.csv", index=False)
+        from servelab.measure.abtest import write_ab_tables
+        write_ab_tables(res.ab, phase_dir)
     if res.confound_ab is not None:
         res.confound_ab.differences.to_csv(phase_dir / "ab_confounded_differences.csv", index=False)
     wj(phase_dir / "phase7.json", {"headline": res.headline(), "notes": res.notes})
@@ -604,6 +605,21 @@ def ab_questions(res: Phase7Result) -> pd.DataFrame:
     return res.ab.questions if res.ab is not None else pd.DataFrame({"note": ["no A/B"]})
 
 
+def ab_correctness(res: Phase7Result) -> pd.DataFrame:
+    """Per value against the baseline: the greedy outputs of the same fixed prompts compared token for token — the
+    verdict (``no regression`` / ``regression`` / ``not decidable`` / ``not measured``) with its counts."""
+    from servelab.measure.correctness import greedy_summary
+    if res.ab is None:
+        return pd.DataFrame({"note": ["no A/B"]})
+    return greedy_summary(res.ab.correctness)
+
+
+def ab_correctness_prompts(res: Phase7Result) -> pd.DataFrame:
+    """The same comparison prompt by prompt (every row in ``phase7/ab_correctness.csv``)."""
+    from servelab.measure.correctness import prompts_view
+    return prompts_view(res.ab.correctness if res.ab is not None else None)
+
+
 def ab_delta_figure(res: Phase7Result):
     from servelab.report import ab_figures
     import plotly.graph_objects as go
@@ -653,6 +669,8 @@ def findings(res: Phase7Result) -> list[str]:
     if res.ab is not None:
         out += ab_findings(res.ab, {"p95_tpot_ms": "P95 TPOT during injection",
                                     "output_tps": "output TPS during injection", "p95_ttft_ms": "long-request TTFT"})
+        from servelab.measure.correctness import verdict_sentences
+        out += verdict_sentences(res.ab.correctness, res.ab.runs[0].label)
     else:
         out.append("The A/B over the sweep did not run: " + ("; ".join(res.notes) or "fewer than two records") + ".")
     if res.confound_ab is not None:

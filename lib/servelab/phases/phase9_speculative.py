@@ -289,12 +289,15 @@ def run_phase9(ctx: Any, drafts: list[str] | None = None, num_draft_tokens: int 
 
 
 def write_phase9_tables(phase_dir: Path, res: Phase9Result) -> None:
-    """``points.csv`` (every config × concurrency × repeat), ``net_gain.csv``, ``per_position.csv``,
-    ``phase9.json``."""
+    """``points.csv`` (every config × concurrency × repeat), ``net_gain.csv``, ``per_position.csv``, the A/B's
+    ``ab_*.csv`` (differences, comparison, the greedy outputs compared, the seven questions), ``phase9.json``."""
     phase_dir.mkdir(parents=True, exist_ok=True)
     res.points.to_csv(phase_dir / "points.csv", index=False)
     res.gain.to_csv(phase_dir / "net_gain.csv", index=False)
     res.per_position.to_csv(phase_dir / "per_position.csv", index=False)
+    if res.ab is not None:
+        from servelab.measure.abtest import write_ab_tables
+        write_ab_tables(res.ab, phase_dir)
     write_json_atomic(phase_dir / "phase9.json", {"headline": res.headline(), "errors": res.errors,
                                                   "configs": [asdict(c) for c in res.configs]})
 
@@ -306,6 +309,21 @@ def acceptance_view(res: Phase9Result) -> pd.DataFrame:
             "log_generated", "log_matches_counters", "validity", "reasons"]
     p = res.points[res.points["speculative"].astype(bool)] if not res.points.empty else res.points
     return p[[c for c in cols if c in p.columns]].reset_index(drop=True)
+
+
+def ab_correctness(res: Phase9Result) -> pd.DataFrame:
+    """Per config against speculation off: the greedy outputs of the same fixed prompts compared token for token
+    (speculative decoding that verifies greedily should leave them identical), the verdict with its counts."""
+    from servelab.measure.correctness import greedy_summary
+    if res.ab is None:
+        return pd.DataFrame({"note": ["no A/B: fewer than two configs ran"]})
+    return greedy_summary(res.ab.correctness)
+
+
+def ab_correctness_prompts(res: Phase9Result) -> pd.DataFrame:
+    """The same comparison prompt by prompt (every row in ``phase9/ab_correctness.csv``)."""
+    from servelab.measure.correctness import prompts_view
+    return prompts_view(res.ab.correctness if res.ab is not None else None)
 
 
 def performance_view(res: Phase9Result) -> pd.DataFrame:
@@ -364,6 +382,8 @@ def findings(res: Phase9Result, run_dir: Path | None = None) -> list[str]:
                            "are outside the noise.")
     if res.ab is not None:
         out += ab_findings(res.ab, {"output_tps": "output TPS", "p95_tpot_ms": "P95 TPOT"})
+        from servelab.measure.correctness import verdict_sentences
+        out += verdict_sentences(res.ab.correctness, res.ab.runs[0].label)
     else:
         out.append("No A/B: fewer than two configs ran.")
     if res.errors:
