@@ -37,7 +37,8 @@ from typing import Any, Callable
 from servelab.core.run import CommandRecord, now_iso, record_command
 from servelab.measure import request_metrics as mx
 from servelab.measure.capture import CaptureError, CaptureResult, ProfileScenario, capture, capture_scenarios
-from servelab.measure.case_record import INVALID, CaseFolder, CaseSummary, request_counts, verdict
+from servelab.measure.case_record import INVALID, CaseSummary, request_counts, verdict
+from servelab.measure.case_runner import CaseRun
 from servelab.measure.client import ReadLog, RequestRecord, parse_stream
 from servelab.measure.workload import RequestSpec, build_workload, engine_tokenizer, request_body, token_pool
 from servelab.deploy.engines import engine_for
@@ -67,6 +68,7 @@ class Drive:
     records: list[RequestRecord] = field(default_factory=list)
     marks: dict[str, int] = field(default_factory=dict)       # name -> wall ns (profile start, injection …)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    on_record: Callable[[RequestRecord], None] | None = None     # each record as its request ends (to disk)
 
     def mark(self, name: str) -> None:
         self.marks[name] = time.time_ns()
@@ -106,6 +108,8 @@ class Drive:
             rec.error_kind, rec.error = "stream", "HTTP 200 but no SSE event"
         with self.lock:
             self.records.append(rec)
+        if self.on_record is not None:
+            self.on_record(rec)
         return rec
 
     def thread(self, spec: RequestSpec, on_read: Callable[[int], None] | None = None) -> threading.Thread:
@@ -310,15 +314,18 @@ def _post_recorded(srv: RunningServer, run_dir: Path, phase: str, path: str, tit
     return status
 
 
-def flush_and_warm(srv: RunningServer, drive: Drive, pool: _Pool, run_dir: Path, phase: str,
-                   scenario: ProfileScenario) -> dict[str, Any]:
-    """The adapter's cache flush (recorded), then ``WARMUP_REQUESTS`` tiny requests (recorded, role warmup)."""
+def recorded_flush(srv: RunningServer, run_dir: Path, phase: str, scenario: ProfileScenario) -> dict[str, Any]:
+    """The adapter's cache flush before a capture, recorded as an executed command (its curl equivalent)."""
     path = srv.engine.flush_cache_path
-    if path:
-        status = _post_recorded(srv, run_dir, phase, path, f"flush the prefix cache before {scenario.name}")
-        flush = {"method": f"POST {path}", "flushed": status == 200, "status": status}
-    else:
-        flush = {"method": "none", "flushed": False, "reason": f"{srv.target.engine} has no cache flush endpoint"}
+    if not path:
+        return {"method": "none", "flushed": False, "reason": f"{srv.target.engine} has no cache flush endpoint"}
+    status = _post_recorded(srv, run_dir, phase, path, f"flush the prefix cache before {scenario.name}")
+    return {"method": f"POST {path}", "flushed": status == 200, "status": status}
+
+
+def recorded_warmup(srv: RunningServer, drive: Drive, pool: _Pool, run_dir: Path, phase: str,
+                    scenario: ProfileScenario) -> list[RequestRecord]:
+    """``WARMUP_REQUESTS`` tiny requests through the drive (role warmup), recorded as an executed command."""
     isl, osl = WARMUP_TOKENS
     start = now_iso()
     recs = [drive.send(s) for s in pool.specs(WARMUP_REQUESTS, isl, osl, "warmup")]
@@ -331,8 +338,7 @@ def flush_and_warm(srv: RunningServer, drive: Drive, pool: _Pool, run_dir: Path,
         host="local", start=start, end=now_iso(), exit_code=0 if all(r.ok for r in recs) else 1,
         note="sent by servelab.measure.live_capture (streaming, every chunk timed); the prompt ids are the "
              "workload's, shown here as zeros"))
-    return {"cache_flush": flush, "warmup": {"requests": len(recs), "ok": all(r.ok for r in recs),
-                                             "input_tokens": isl, "output_tokens": osl}}
+    return recs
 
 
 @dataclass
@@ -370,32 +376,39 @@ def set_aside(cap: ScenarioCapture, raw: Path, attempt: int, reason: str) -> Pat
 def capture_one(srv: RunningServer, scenario: ProfileScenario, run_dir: Path, phase: str, pool: _Pool,
                 raw: Path, wait_timeout_s: float = 180.0) -> ScenarioCapture:
     """Flush, warm up, capture ``scenario`` and write its profiled case (``meta.json`` marked profiled,
-    ``requests.jsonl`` with every chunk's arrival, ``summary.json`` INVALID: profiled)."""
-    folder = CaseFolder(run_dir, scenario.profiled_case_id, phase, SCENARIO_KIND[scenario.name],
-                        meta={"scenario": scenario.name, "scenario_spec": dataclasses.asdict(scenario),
-                              "bound_case_id": scenario.case_id, "profiled": True, "valid_for_comparison": False,
-                              "target": srv.target.name, "engine": srv.target.engine})
-    drive = Drive(srv, scenario.profiled_case_id)
-    prep = flush_and_warm(srv, drive, pool, run_dir, phase, scenario)
-    prefix = scenario.profile_prefix
-    if scenario.name == "decode_control":
-        fn = decode_drive(drive, scenario, pool, raw, prefix)
-    elif scenario.name == "mixed_treatment":
-        fn = mixed_drive(drive, scenario, pool, raw, prefix)
-    elif scenario.name == "long_prefill":
-        fn = prefill_drive(drive, scenario, pool)
-    else:
-        fn = prefix_drive(drive, scenario, pool)
-    res, error = None, ""
-    try:
-        res = capture(srv, scenario, folder.dir, fn, wait_timeout_s=wait_timeout_s, run_dir=run_dir, phase=phase)
-    except CaptureError as exc:
-        error = str(exc)
-    records = sorted(drive.records, key=lambda r: r.send_ns)
-    folder.meta = json.loads((folder.dir / "meta.json").read_text())   # keep what mark_profiled wrote
-    folder.write_requests(records)
+    ``requests.jsonl`` with every chunk's arrival, ``summary.json`` INVALID: profiled), through the case runner
+    (:class:`servelab.measure.case_runner.CaseRun`)."""
     measured_roles = ("background", "inject", "measure")
-    measured = [r for r in records if r.role in measured_roles]
+    case = CaseRun(srv, run_dir, scenario.profiled_case_id, phase, SCENARIO_KIND[scenario.name],
+                   meta={"scenario": scenario.name, "scenario_spec": dataclasses.asdict(scenario),
+                         "bound_case_id": scenario.case_id, "profiled": True, "valid_for_comparison": False,
+                         "target": srv.target.name, "engine": srv.target.engine}, measured_roles=measured_roles)
+    drive = Drive(srv, scenario.profiled_case_id, on_record=case.folder.stream_record)
+    res, error = None, ""
+    isl, osl = WARMUP_TOKENS
+    with case:
+        case.flush(lambda: recorded_flush(srv, run_dir, phase, scenario))
+        warm = recorded_warmup(srv, drive, pool, run_dir, phase, scenario)
+        case.warm_up(lambda: warm, input_tokens=isl, output_tokens=osl)
+        prefix = scenario.profile_prefix
+        if scenario.name == "decode_control":
+            fn = decode_drive(drive, scenario, pool, raw, prefix)
+        elif scenario.name == "mixed_treatment":
+            fn = mixed_drive(drive, scenario, pool, raw, prefix)
+        elif scenario.name == "long_prefill":
+            fn = prefill_drive(drive, scenario, pool)
+        else:
+            fn = prefix_drive(drive, scenario, pool)
+        try:
+            res = capture(srv, scenario, case.dir, fn, wait_timeout_s=wait_timeout_s, run_dir=run_dir, phase=phase)
+        except CaptureError as exc:
+            error = str(exc)
+        finally:        # the case's records: every request the drive sent (warm-up included), in send order
+            case.records = sorted(drive.records, key=lambda r: r.send_ns)
+    error = error or case.error
+    case.reload_meta()                                  # keep what mark_profiled wrote
+    prep = {"cache_flush": case.meta.get("cache_flush", {}), "warmup": case.meta.get("warmup", {})}
+    measured = [r for r in case.records if r.role in measured_roles]
     span = (max((r.end_ns for r in measured), default=0) - min((r.send_ns for r in measured), default=0)) / 1e9
     metrics = {"vllm": mx.summarize(measured, max(span, 1e-9), "vllm", roles=measured_roles)} if measured else {}
     status = "success" if res is not None and not error else "failed"
@@ -403,14 +416,14 @@ def capture_one(srv: RunningServer, scenario: ProfileScenario, run_dir: Path, ph
     details = {"scenario": dataclasses.asdict(scenario), **prep, "marks_wall_ns": drive.marks,
                "clock": {"wall_offset_ns": drive.wall_offset_ns,
                          "note": "chunk arrival wall ns = perf_counter ns + wall_offset_ns (one anchor per drive)"},
-               "profile": folder.meta.get("profile", {}), "error": error}
-    folder.write_summary(CaseSummary(scenario.profiled_case_id, phase, SCENARIO_KIND[scenario.name], status,
-                                     verdict(INVALID, reasons), "vllm", metrics,
-                                     [{"repeat": 0, "valid": False, "metrics": metrics}],
-                                     counts=request_counts(records, measured_roles), details=details,
-                                     repeat_of=scenario.profiled_case_id))
-    folder.finish(status, error, profiled=True, valid_for_comparison=False, **prep)
-    return ScenarioCapture(scenario, folder.dir, res, drive, prep, error)
+               "profile": case.meta.get("profile", {}), "error": error}
+    case.close(CaseSummary(scenario.profiled_case_id, phase, SCENARIO_KIND[scenario.name], status,
+                           verdict(INVALID, reasons), "vllm", metrics,
+                           [{"repeat": 0, "valid": False, "metrics": metrics}],
+                           counts=request_counts(case.records, measured_roles), details=details,
+                           repeat_of=scenario.profiled_case_id), status, error, profiled=True,
+               valid_for_comparison=False)
+    return ScenarioCapture(scenario, case.dir, res, drive, prep, error)
 
 
 def capture_live(ctx: Any, health_timeout_s: float = 900.0, scenarios: tuple[str, ...] | None = None,

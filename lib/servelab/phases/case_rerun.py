@@ -15,8 +15,9 @@ the re-run goes to ``<run>/<phase>/server/<case_id>@a<n>/``; the engine launch a
 recorded as ``executed`` commands of the case's phase, so its page lists them when it is rendered again.
 
 Supported: Phase 1 cases (matrix points and concurrency-search points). A Phase 2 ``hw-`` replay needs its
-hardware collectors around the case and other phases write their cases through their own routines: re-running
-those is refused with a reason (``ParamError``). The layout and the rules for users: ``docs/case.md#attempts``.
+hardware collectors around the case and the other phases build their waves from their phase's settings (no recipe
+in ``meta.json``): re-running those is refused with a reason (``ParamError``). The layout and the rules for users:
+``docs/case.md#attempts``.
 """
 from __future__ import annotations
 
@@ -102,7 +103,7 @@ def read_recipe(run_id: str, case_id: str) -> CaseRecipe:
     if phase not in SUPPORTED_PHASES:
         why = ("a Phase 2 replay needs the hardware collectors around it: run the phase again "
                f"(servelab run phase2 --run-id {run_id})" if phase == "phase2" else
-               f"{phase or 'its phase'} writes its cases through its own routine: run the phase again")
+               f"{phase or 'its phase'} builds its wave from the phase's settings: run the phase again")
         raise ParamError(f"case '{case_id}' is a {phase or 'unknown-phase'} case: re-running one case is not "
                          f"supported yet for it (only Phase 1 cases); {why}")
     raw = meta.get("case")

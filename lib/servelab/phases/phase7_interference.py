@@ -41,14 +41,15 @@ from servelab.analyse.interference import (InterferenceResult, InterferenceSpec,
                                            mean_clean_gap_ms, plan_schedule, prefill_chunks, steady_from_records,
                                            sweep_table, sweep_verdict, timeline_figure, token_chunk_ns, window_table)
 from servelab.measure import request_metrics as mx
-from servelab.measure.case import CaseEnv, case_seed, flush_cache, max_request_tokens
+from servelab.measure.case import case_seed, max_request_tokens
 from servelab.measure.case_record import client_integrity
+from servelab.measure.case_runner import CaseRun, Warmup
 from servelab.measure.client import ClientConfig, ClientRun, RequestRecord, run_async, run_sync
 from servelab.measure.loop_monitor import LoopMonitor
-from servelab.measure.launch_variants import (delta_of, metrics_snapshot, server_cpu_s, snapshot_deltas, write_run_record)
-from servelab.measure.slots import SlotsPoller, has_slots_endpoint
+from servelab.measure.engine_metrics import gauge_series
+from servelab.measure.launch_variants import delta_of, snapshot_deltas, write_run_record
 from servelab.core.run import write_json_atomic
-from servelab.deploy.server import RunningServer, is_healthy, log_clock
+from servelab.deploy.server import RunningServer
 from servelab.measure.workload import RequestSpec, build_workload
 from servelab.deploy.engines import engine_for
 
@@ -173,82 +174,52 @@ def run_interference(srv: RunningServer, run_dir: Path, spec: InterferenceSpec, 
 
     Files: ``cases/<case_id>/{meta.json, requests.jsonl, server/{metrics.parquet, slots.parquet,
     metrics_{before,after}.prom, engine_log_excerpt.txt}, windows.csv, injections.csv, summary.json}``, written
-    through the case contract (:class:`servelab.measure.case_record.CaseFolder`): one repeat per injection.
+    through the case runner (:class:`servelab.measure.case_runner.CaseRun`): one repeat per injection.
     ``repeat_of``: the case this one is a variant of (a sweep value runs ``I7`` as ``I7_<label>``).
     """
-    from servelab.measure.case import read_log_since
-    from servelab.measure.case_record import CaseFolder
-    from servelab.measure.engine_metrics import Scraper, gauge_series
-    folder = CaseFolder(run_dir, spec.case_id, phase, "interference", {
+    case = CaseRun(srv, run_dir, spec.case_id, phase, "interference", {
         "spec": asdict(spec), "engine": srv.target.engine, "base_url": srv.base_url, "launch": srv.target.launch,
-        "definition": definition})
-    cdir, meta = folder.dir, folder.meta
-    if not is_healthy(srv):
-        folder.finish("ENGINE_CRASH", "engine unhealthy before the case")
-        raise RuntimeError(f"{spec.case_id}: engine unhealthy before the case")
-    env = CaseEnv(srv=srv, run_dir=Path(run_dir), pool=pool, seed=seed)
-    cfg = env.client_config(spec.case_id)
-    cfg.on_record = folder.stream_record          # each record on disk as its request completes (Ctrl-C keeps it)
-    _, log_off = read_log_since(env, 0)
-    # decode warm-up at the background's shape (docs/method.md#warmup: decode points yes, the long prefill no)
-    wl_w = build_workload(spec.case_id + "-warmup", spec.concurrency, spec.background_input_tokens, 8, pool,
-                          seed=case_seed(seed, spec.case_id + "/warmup", 0), role="warmup", start_index=10**6)
-    wrun = run_sync(lambda: run_async(wl_w.requests, cfg, concurrency=spec.concurrency))
-    error = ""
-    try:
-        plan = plan_schedule(spec, wrun.records)
-    except RuntimeError as exc:
-        error, plan = str(exc), Schedule(0.0, 0.0, 0.0, 0.0, 0.0)
-    meta["schedule_plan"] = asdict(plan)
-    meta["cache_flush"] = flush_cache(env)
-    n_bg = spec.concurrency * (spec.max_background_requests or 200)
-    bg = build_workload(spec.case_id, n_bg, spec.background_input_tokens, spec.background_output_tokens, pool,
-                        seed=case_seed(seed, spec.case_id, 0), role="background").requests
-    # stagger the streams: equal lengths would keep them in lockstep, all between two requests at the same
-    # moment — an injection landing there would hide behind their new prefills instead of stalling tokens
-    step = spec.background_output_tokens // spec.concurrency
-    for i in range(1, min(spec.concurrency, len(bg))):
-        bg[i] = replace(bg[i], output_tokens=max(2, spec.background_output_tokens - i * step))
-    inj = build_workload(spec.case_id + "-inject", spec.n_injections, spec.inject_input_tokens, 1, pool,
-                         seed=case_seed(seed, spec.case_id + "/inject", 0), role="inject",
-                         start_index=2 * 10**6).requests
-    interval = poll_interval_s or float(min(0.25, max(0.02, plan.window_estimate_s / 4)))
-    poller = (SlotsPoller(srv.base_url, interval_s=interval, headers=srv.auth_headers)
-              if has_slots_endpoint(srv) else None)
-    scraper = Scraper(srv.base_url + srv.engine.metrics_path, interval_s=max(interval, 0.05),
-                      headers=srv.auth_headers)
-    before = metrics_snapshot(srv)
-    cpu0 = server_cpu_s(srv)
-    scraper.start()
-    if poller is not None:
-        poller.start()
+        "definition": definition}, definition=definition, measured_roles=("background",))
+    cdir, meta = case.dir, case.meta
+    plan = Schedule(0.0, 0.0, 0.0, 0.0, 0.0)
     bg_recs: list[RequestRecord] = []
     inj_recs: list[RequestRecord] = []
     schedule: list[dict[str, Any]] = []
     marks = Marks()
     wave_run: ClientRun | None = None
-    try:
-        if not error:
+    plan_error = ""
+    with case:
+        cfg = case.client_config()
+        # decode warm-up at the background's shape (docs/method.md#warmup: decode points yes, the long prefill no)
+        wrecs = case.warm_up(case.client_warmup(cfg, pool, Warmup(
+            spec.concurrency, spec.background_input_tokens, 8, case_seed(seed, spec.case_id + "/warmup", 0),
+            spec.concurrency)))
+        try:
+            plan = plan_schedule(spec, wrecs)
+        except RuntimeError as exc:
+            plan_error = str(exc)
+        meta["schedule_plan"] = asdict(plan)
+        case.flush()
+        n_bg = spec.concurrency * (spec.max_background_requests or 200)
+        bg = build_workload(spec.case_id, n_bg, spec.background_input_tokens, spec.background_output_tokens, pool,
+                            seed=case_seed(seed, spec.case_id, 0), role="background").requests
+        # stagger the streams: equal lengths would keep them in lockstep, all between two requests at the same
+        # moment — an injection landing there would hide behind their new prefills instead of stalling tokens
+        step = spec.background_output_tokens // spec.concurrency
+        for i in range(1, min(spec.concurrency, len(bg))):
+            bg[i] = replace(bg[i], output_tokens=max(2, spec.background_output_tokens - i * step))
+        inj = build_workload(spec.case_id + "-inject", spec.n_injections, spec.inject_input_tokens, 1, pool,
+                             seed=case_seed(seed, spec.case_id + "/inject", 0), role="inject",
+                             start_index=2 * 10**6).requests
+        interval = poll_interval_s or float(min(0.25, max(0.02, plan.window_estimate_s / 4)))
+        case.open_window(server_cpu=True)
+        case.watch(scrape_interval_s=max(interval, 0.05), poll_interval_s=interval)
+        if not plan_error:
             bg_recs, inj_recs, schedule, marks, wave_run = run_sync(lambda: _wave(bg, inj, cfg, spec, plan))
-    except KeyboardInterrupt:      # the user stopped it: the records received stay, the case says INTERRUPTED
-        folder.interrupt(definition=definition, measured_roles=("background",))
-        raise
-    except Exception as exc:
-        error = f"{type(exc).__name__}: {exc}"
-    finally:
-        slots = poller.stop() if poller is not None else pd.DataFrame()
-        scrape = scraper.stop()
-    after = metrics_snapshot(srv)
-    cpu1 = server_cpu_s(srv)
-    records = list(wrun.records) + bg_recs + inj_recs
-    # raw data first
-    folder.write_requests(records)
-    folder.write_metrics(scrape, before, after)
+        case.add(bg_recs + inj_recs)
+    error = plan_error or case.error
+    records, scrape, slots, before, after = case.records, case.scrape, case.slots, case.before, case.after
     write_json_atomic(cdir / "server" / "marks.json", asdict(marks))
-    if not slots.empty:
-        slots.to_parquet(cdir / "server" / "slots.parquet")
-    log_text, _ = read_log_since(env, log_off)
-    folder.write_log_excerpt(log_text, clock=log_clock(srv))
     t0 = marks.t0_ns or (records[0].send_ns if records else 0)
     names = srv.engine.metric_names
     gaps = background_gaps(records)
@@ -284,13 +255,15 @@ def run_interference(srv: RunningServer, run_dir: Path, spec: InterferenceSpec, 
     integrity = client_integrity(wave_run)          # the wave loop's one monitor: did the client keep up?
     reasons += integrity.get("reasons") or []
     verdict = mx.Verdict("INVALID" if reasons else "VALID", reasons)
-    server: dict[str, Any] = {}
+    server: dict[str, Any] = {"error": "the case stopped before its counter window opened"}
     try:
-        deltas = snapshot_deltas(before, after)
-        server = {k: delta_of(deltas, v) for k, v in names.items() if k.endswith("_total")}
+        if before is not None and after is not None:
+            deltas = snapshot_deltas(before, after)
+            server = {k: delta_of(deltas, v) for k, v in names.items() if k.endswith("_total")}
     except ValueError as exc:
         server = {"error": str(exc)}
-    wall_s = (after.ts_ns - before.ts_ns) / 1e9
+    wall_s = (after.ts_ns - before.ts_ns) / 1e9 if before is not None and after is not None else 0.0
+    cpu0, cpu1 = case.cpu
     if cpu0 is not None and cpu1 is not None:
         server["server_cpu_s"] = cpu1 - cpu0
         server["server_cpu_util_cores"] = (cpu1 - cpu0) / max(wall_s, 1e-9)
@@ -304,8 +277,7 @@ def run_interference(srv: RunningServer, run_dir: Path, spec: InterferenceSpec, 
     status = "success" if not error else "failed"
     if status != "success" and verdict.verdict == "VALID":
         res.verdict = mx.Verdict("INVALID", [f"case status {status}"])
-    folder.write_summary(interference_summary(res, status, definition, records, repeat_of))
-    folder.finish(status, error)
+    case.close(interference_summary(res, status, definition, records, repeat_of), status, error)
     return res
 
 

@@ -29,12 +29,14 @@ import pandas as pd
 
 from servelab.analyse.speculative import SpecConfig, net_gain, per_position_frame, spec_row
 from servelab.measure import request_metrics as mx
-from servelab.measure.case import CaseEnv, case_seed, flush_cache, max_request_tokens, read_log_since
+from servelab.measure.case import case_seed, max_request_tokens
+from servelab.measure.case_record import CaseSummary, client_integrity, judged_row, request_counts
+from servelab.measure.case_runner import CaseRun, Warmup
 from servelab.measure.client import RequestRecord, run_requests
-from servelab.measure.launch_variants import Snapshot, metrics_snapshot, server_cpu_s, write_run_record
+from servelab.measure.launch_variants import Snapshot, write_run_record
 from servelab.core.run import write_json_atomic
 from servelab.deploy.engines import engine_for
-from servelab.deploy.server import RunningServer, is_healthy
+from servelab.deploy.server import RunningServer
 from servelab.measure.workload import build_workload
 
 SCALES: dict[str, dict[str, Any]] = {
@@ -86,68 +88,45 @@ def run_spec_point(srv: RunningServer, run_dir: Path, cfg: SpecConfig, concurren
     """Warm-up, flush, snapshot, ``concurrency`` decode requests, snapshot; raw data first, then the row.
 
     The measured requests use the same seed in every config, so speculation on and off decode the same prompts.
-    Written through the case contract (:class:`servelab.measure.case_record.CaseFolder`): one folder per
+    Written through the case runner (:class:`servelab.measure.case_runner.CaseRun`): one folder per
     repeat, ``repeat_of`` = the config at this concurrency (``S9_<config>_c<C>``).
     """
-    from servelab.measure.case_record import CaseFolder
     cid = case_id or f"S9_{_slug(cfg.label)}_c{concurrency}_r{repeat}"
-    folder = CaseFolder(run_dir, cid, phase, "speculative", {
+    case = CaseRun(srv, run_dir, cid, phase, "speculative", {
         "config": asdict(cfg), "concurrency": concurrency, "repeat": repeat, "engine": srv.target.engine,
-        "launch": srv.target.launch, "definition": definition})
-    cdir = folder.dir
-    if not is_healthy(srv):
-        folder.finish("ENGINE_CRASH", "engine unhealthy before the case")
-        raise RuntimeError(f"{cid}: engine unhealthy before the case")
-    env = CaseEnv(srv=srv, run_dir=Path(run_dir), pool=pool, seed=seed)
-    ccfg = env.client_config(cid)
-    ccfg.on_record = folder.stream_record         # each record on disk as its request completes (Ctrl-C keeps it)
-    wl_w = build_workload(cid + "-warmup", 1, input_tokens, min(output_tokens, 8), pool,
-                          seed=case_seed(seed, f"S9-warmup-c{concurrency}", repeat), role="warmup", start_index=10**6)
-    records = list(run_requests(wl_w.requests, ccfg, concurrency=1).records)
-    folder.meta["cache_flush"] = flush_cache(env)
-    # the same prompts for every config (seed independent of the config)
-    wl = build_workload(cid, concurrency, input_tokens, output_tokens, pool,
-                        seed=case_seed(seed, f"S9-c{concurrency}", repeat))
-    log_off = settled_log_offset(env)
-    before = metrics_snapshot(srv)
-    cpu0 = server_cpu_s(srv)
-    error = ""
+        "launch": srv.target.launch, "definition": definition}, definition=definition, settle_log=True)
     run = None
-    try:
+    with case:
+        ccfg = case.client_config()
+        case.warm_up(case.client_warmup(ccfg, pool, Warmup(1, input_tokens, min(output_tokens, 8),
+                                                           case_seed(seed, f"S9-warmup-c{concurrency}", repeat))))
+        case.flush()
+        # the same prompts for every config (seed independent of the config)
+        wl = build_workload(cid, concurrency, input_tokens, output_tokens, pool,
+                            seed=case_seed(seed, f"S9-c{concurrency}", repeat))
+        case.mark_log()                   # the excerpt holds the measured requests' lines only (spec_row reads them)
+        case.open_window(server_cpu=True)
         run = run_requests(wl.requests, ccfg, concurrency=concurrency, repeat=repeat)
-        records += run.records
-    except KeyboardInterrupt:      # the user stopped it: the records received stay, the case says INTERRUPTED
-        folder.interrupt(definition=definition)
-        raise
-    except Exception as exc:
-        error = f"{type(exc).__name__}: {exc}"
-    after = metrics_snapshot(srv)
-    cpu1 = server_cpu_s(srv)
-    settled_log_offset(env)                      # the last requests' lines are written
-    log_text, _ = read_log_since(env, log_off)
-    folder.write_requests(records)
-    folder.write_metrics(before=before, after=after)
-    folder.write_log_excerpt(log_text)
-    row = spec_row(srv, cfg, concurrency, repeat, records, run, before, after, cpu0, cpu1, log_text, definition, error)
+        case.add(run.records)
+    records, error, (cpu0, cpu1) = case.records, case.error, case.cpu
+    row = spec_row(srv, cfg, concurrency, repeat, records, run, case.before, case.after, cpu0, cpu1, case.log_text,
+                   definition, error)
     row["case_id"] = cid
     # a client that fell behind makes the point INVALID in its row too, so the table and summary.json agree
-    from servelab.measure.case_record import client_integrity
     behind = client_integrity(run).get("reasons") or []
     if behind:
         row["validity"] = "INVALID"
         row["reasons"] = "; ".join([x for x in [row.get("reasons") or ""] if x] + list(behind))
     status = "success" if not error else "failed"
     repeat_of = case_id or f"S9_{_slug(cfg.label)}_c{concurrency}"
-    folder.write_summary(spec_point_summary(cfg, row, records, run, status, definition, repeat, repeat_of))
-    folder.finish(status, error)
-    return SpecPoint(cfg, concurrency, repeat, cdir, row, records, before, after)
+    case.close(spec_point_summary(cfg, row, records, run, status, definition, repeat, repeat_of), status)
+    return SpecPoint(cfg, concurrency, repeat, case.dir, row, records, case.before, case.after)
 
 
 def spec_point_summary(cfg: SpecConfig, row: dict[str, Any], records: list[RequestRecord], run: Any, status: str,
                        definition: str, repeat: int, repeat_of: str) -> Any:
     """The case summary of a speculative point: the row's verdict, the measured requests' metrics (with the
     acceptance numbers beside them) as repeat ``repeat`` of ``repeat_of``, the row in ``details``."""
-    from servelab.measure.case_record import CaseSummary, client_integrity, judged_row, request_counts
     pooled, judged = judged_row(records, run, definition, row.get("validity") == "VALID", row.get("reasons"), status)
     rep = {definition: {**pooled[definition], **{k: row.get(k) for k in ACCEPTANCE_KEYS}}} if pooled else {}
     return CaseSummary(
@@ -160,21 +139,6 @@ def spec_point_summary(cfg: SpecConfig, row: dict[str, Any], records: list[Reque
 
 ACCEPTANCE_KEYS = ("acceptance_rate", "mean_accept_length", "tokens_per_target_forward", "step_ms",
                    "server_cpu_idle_pct")
-
-
-def settled_log_offset(env: CaseEnv, quiet_s: float = 0.1, timeout_s: float = 2.0) -> int:
-    """The engine log's length once it stopped growing for ``quiet_s`` (llama.cpp logs from a background
-    thread: a request's last line can land a few ms after its response)."""
-    import time
-    _, off = read_log_since(env, 0)
-    t_end = time.monotonic() + timeout_s
-    while time.monotonic() < t_end:
-        time.sleep(quiet_s)
-        _, new = read_log_since(env, 0)
-        if new == off:
-            break
-        off = new
-    return off
 
 
 def _slug(text: str) -> str:
