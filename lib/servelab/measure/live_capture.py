@@ -119,8 +119,9 @@ class Drive:
 
 
 def _worker_trace_written(srv: RunningServer, trace_dir: Path, prefix: str) -> bool:
-    """Whether a worker trace of this session (file name starting with ``prefix``) is in ``trace_dir``."""
-    return any((srv.engine.profile_file(p.name) or {}).get("kind") == "worker" for p in trace_dir.glob(f"{prefix}*"))
+    """Whether a worker trace of this session (file name starting with ``prefix``) is in ``trace_dir`` or a folder
+    below it (SGLang writes each session into its own sub-folder, ``profile_request``'s ``output_dir``)."""
+    return any((srv.engine.profile_file(p.name) or {}).get("kind") == "worker" for p in trace_dir.rglob(f"{prefix}*"))
 
 
 class _Pool:

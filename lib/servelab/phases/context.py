@@ -133,11 +133,15 @@ def log_command(ctx: PhaseContext, label: str, argv: list[str], title: str = "",
 
 
 def finish_phase(ctx: PhaseContext, status: str = "success", headline: dict[str, Any] | None = None,
-                 not_executed: list[str] | None = None, findings: list[str] | None = None) -> dict[str, Any]:
+                 not_executed: list[str] | None = None, findings: list[str] | None = None,
+                 error: str = "") -> dict[str, Any]:
     """Close the phase in the manifest: status, end time, headline numbers, the findings in sentences (they
-    open the page), what was not executed."""
+    open the page), what was not executed; a phase that did not succeed says why in one line (``error``: the
+    terminal, the manifest and the top of the page show it)."""
     entry = {"status": status, "ended": runlib.now_iso(), "headline": headline or {}, "findings": findings or [],
              "from_samples": ctx.from_samples, "not_executed": not_executed or [], "notes": ctx.notes}
+    if status != "success":
+        entry["error"] = error or f"the phase ended {status} without a recorded reason"
     m = runlib.read_manifest(ctx.run_dir)
     merged = {**m.get("phases", {}).get(ctx.phase, {}), **entry}
     runlib.update_manifest(ctx.run_dir, phases={ctx.phase: merged})

@@ -222,6 +222,9 @@ def run_phase0(ctx: PhaseContext, start_engine: bool = True, health_timeout_s: f
     leftovers = snapshot_diff(procs_before, procs_after, ["node", "pid"])
     started_pids = set(zip(procs_started["node"], procs_started["pid"]))
     leftovers = leftovers[[(n, p) in started_pids for n, p in zip(leftovers["node"], leftovers["pid"])]]
+    # a zombie has exited (its parent, the stopped engine, is gone and this machine's init has not reaped it yet):
+    # it holds no memory, port or device, so it is not a process left running
+    leftovers = leftovers[~leftovers["state"].astype(str).str.startswith("Z")]
     for h in nodes.values():
         h.close()
 
@@ -264,6 +267,15 @@ def run_phase0(ctx: PhaseContext, start_engine: bool = True, health_timeout_s: f
                     launch={"plans": launch_rows, "env": target.env, "settings": target.launch},
                     rank_env=rank_env.to_dict(orient="records"))
     return result
+
+
+def verdict(result: Phase0Result) -> tuple[str, str]:
+    """(status, why): Phase 0 fails when a process the engine started outlived its stop."""
+    left = result.leftovers_after
+    if left.empty:
+        return "success", ""
+    what = ", ".join(f"{r.node} pid {r.pid} ({str(r.command)[:60]})" for r in left.head(3).itertuples())
+    return "failed", f"{len(left)} process(es) the engine started were still running after it stopped: {what}"
 
 
 def findings(result: Phase0Result, start_engine: bool = True) -> list[str]:

@@ -7,7 +7,7 @@
  *   - the whole slice → None when the text is not strict JSON, or a typed field has another type (the caller
  *     then decodes the slice with msgspec, which also produces the error or sends the file to the lenient path);
  *   - one event → a "special" row (its byte span is returned) when fields beyond the columns are needed:
- *     metadata events (ph "M"), string pid / tid (the pid label), collectives ("Collective name" a string, and
+ *     metadata events (ph "M"), string pid / tid (the pid label), gloo collectives (name "gloo:..."), collectives ("Collective name" a string, and
  *     their args). The caller decodes those few events with msgspec for what the columns do not hold.
  * Strings are unescaped (a lone surrogate hands the slice back); valid UTF-8 is copied as is.
  *
@@ -665,6 +665,11 @@ static PyObject *scan(PyObject *self, PyObject *arg)
                 goto fallback;
             if (r < 0)
                 goto nomem;
+            {   /* a gloo collective ("gloo:all_reduce"): its Input Dims / Input type are read by the decoder */
+                size_t name0 = ((int32_t *)col[C_NAME_OFF].p)[n], nlen = col[C_NAME].n - name0;
+                if (nlen > 5 && !memcmp(col[C_NAME].p + name0, "gloo:", 5))
+                    e.special = 1;
+            }
             /* bytes only on memcpy / memset rows, graph id only on kernels (the decoded category) */
             size_t cat0 = ((int32_t *)col[C_CAT_OFF].p)[n], clen = col[C_CAT].n - cat0;
             const char *cs = col[C_CAT].p + cat0;

@@ -61,7 +61,7 @@ from servelab.core.paths import cache_root
 from servelab.deploy.engines import engine_for, trace_identity, trace_name_hints, trace_skip_dirs
 from servelab.deploy.engines.base import name_rank_tokens
 
-PARSER_VERSION = 1
+PARSER_VERSION = 2                        # 2: gloo collectives carry their collective args
 CACHE_DIRNAME = ".servelab_cache"
 _MISSING_INT = -(2**63)  # sentinel of absent integer fields (ids can legitimately be -1)
 _MISSING_F = float("-inf")
@@ -93,9 +93,34 @@ class _Args(msgspec.Struct, frozen=True, gc=False):
     graph_id: Any = msgspec.field(default=None, name="graph id")
     meta_name: Any = msgspec.field(default=None, name="name")      # ph "M" process/thread names
     labels: Any = None                                              # ph "M" process_labels
+    input_dims: Any = msgspec.field(default=None, name="Input Dims")    # record_shapes: read for gloo collectives
+    input_type: Any = msgspec.field(default=None, name="Input type")
 
 
 _EMPTY_ARGS = _Args()
+
+GLOO_PREFIX = "gloo:"      # torch's gloo backend: one annotation per collective on its worker thread
+_GLOO_TYPES = {"long int": "long", "int": "int", "float": "float", "double": "double", "c10::BFloat16": "bfloat16",
+               "c10::Half": "half", "unsigned char": "uint8", "signed char": "int8", "bool": "bool", "short int": "short"}
+
+
+def _gloo_collective(e: "_Event") -> None:
+    """A ``gloo:<collective>`` annotation (torch's CPU collectives: ``gloo:all_reduce``, ``gloo:all_gather``,
+    ``gloo:broadcast``, ``gloo:send``...) carries its tensor's ``Input Dims`` / ``Input type`` but no ``Collective
+    name``: give it the collective args a c10d/NCCL event has (collective, elements of its first input, dtype), in
+    place, so the communication analysis reads CPU-only captures like GPU ones."""
+    a = e.args
+    if a.coll is not None:
+        return
+    dims = a.input_dims[0] if isinstance(a.input_dims, list) and a.input_dims else None
+    nelems = None
+    if isinstance(dims, list) and all(v.__class__ is int for v in dims):
+        nelems = 1
+        for v in dims:
+            nelems *= v
+    ty = a.input_type[0] if isinstance(a.input_type, list) and a.input_type else None
+    e.args = msgspec.structs.replace(a, coll=e.name[len(GLOO_PREFIX):], in_nelems=nelems,
+                                     dtype=_GLOO_TYPES.get(ty, ty) if isinstance(ty, str) else None)
 
 
 class _Event(msgspec.Struct, gc=False):
@@ -209,6 +234,8 @@ def _events_to_frame(events: list[_Event], base_ns: int, categorical: bool = Tru
         "cat": _str_column(list(map(ag("cat"), events)), "cat"),
         "name": _str_column(list(map(ag("name"), events)), "name"),
     }
+    for i in cols["name"].str.starts_with(GLOO_PREFIX).arg_true().to_list():
+        _gloo_collective(events[i])
     pid_raw = list(map(ag("pid"), events))
     cols["pid"] = _int_column(pid_raw, "pid")
     cols["tid"] = _int_column(list(map(ag("tid"), events)), "tid")
@@ -328,7 +355,8 @@ def _lenient_frame(events: list[dict], base_ns: int) -> tuple[pl.DataFrame, list
         args = _Args(
             **{k: as_int(a.get(src, _MISSING_INT)) for k, src in _INT_ARG_FIELDS.items()},
             **{k: (str(a[src]) if a.get(src) is not None else None) for k, src in _STR_ARG_FIELDS.items()},
-            pg_ranks=a.get("Process Group Ranks"), meta_name=a.get("name"), labels=a.get("labels"))
+            pg_ranks=a.get("Process Group Ranks"), meta_name=a.get("name"), labels=a.get("labels"),
+            input_dims=a.get("Input Dims"), input_type=a.get("Input type"))
         pid, tid = e.get("pid", _MISSING_INT), e.get("tid", _MISSING_INT)
         typed.append(_Event(
             ph=str(e.get("ph", "")), cat=str(e.get("cat", "")), name=str(e.get("name", "")),
@@ -600,6 +628,9 @@ def _scan_slice(data: bytes) -> tuple[pl.DataFrame, list[dict]] | None:
         except (msgspec.DecodeError, msgspec.ValidationError):
             return None
         rows = spans[:, 0].tolist()
+        for e in events:
+            if e.name.startswith(GLOO_PREFIX):
+                _gloo_collective(e)
         meta = [{"name": e.name, "pid": e.pid, "tid": e.tid,
                  "args": {"name": e.args.meta_name, "labels": e.args.labels}} for e in events if e.ph == "M"]
         sparse = {"pid_label": [e.pid if isinstance(e.pid, str) else None for e in events]}

@@ -19,7 +19,7 @@ import numpy as np
 import polars as pl
 
 from servelab.analyse.trace import intervals as iv
-from servelab.analyse.trace.ops import SYNC_REGEX, RankOps, matches
+from servelab.analyse.trace.ops import KERNEL_CATS, SYNC_REGEX, RankOps, matches
 from servelab.analyse.trace.taxonomy import short_name
 
 KIND_ORDER = ("prefill", "decode", "mixed", "draft", "other", "all")
@@ -39,7 +39,7 @@ def window_metrics(rops: RankOps, gaps: pl.DataFrame | None = None) -> pl.DataFr
         device = dev[0]
         all_ops = ops.filter(pl.col("device") == device)
         s_all, e_all = iv.union(all_ops["ts_ns"].to_numpy(), all_ops["end_ns"].to_numpy())
-        comp = all_ops.filter((pl.col("cat") == "kernel") & (pl.col("cls") != "communication"))
+        comp = all_ops.filter(pl.col("cat").is_in(list(KERNEL_CATS)) & (pl.col("cls") != "communication"))
         s_cmp, e_cmp = iv.union(comp["ts_ns"].to_numpy(), comp["end_ns"].to_numpy())
         spans = (dops.group_by("window").agg(
             pl.col("ts_ns").min().alias("g0"), pl.col("end_ns").max().alias("g1"), pl.len().alias("ops"),
@@ -225,7 +225,7 @@ def top_kernels(rops: list[RankOps], top_n: int = 10, by_kind: bool = True) -> p
                     "ranks", pl.col("name").cast(pl.String)))
 
 
-def device_busy(rops: RankOps, cats: tuple[str, ...] = ("kernel", "gpu_memcpy", "gpu_memset")) -> pl.DataFrame:
+def device_busy(rops: RankOps, cats: tuple[str, ...] = (*KERNEL_CATS, "gpu_memcpy", "gpu_memset")) -> pl.DataFrame:
     """Per device of a rank: ops, busy_ms (union of op intervals of ``cats``), window_ms (first start → last
     end), busy_pct, streams."""
     ops = rops.ops.select("device", "cat", "stream", "ts_ns", "end_ns").filter(pl.col("cat").is_in(list(cats)))
@@ -384,7 +384,7 @@ def comm_by_collective(rops: list[RankOps]) -> pl.DataFrame:
         comm = comm.with_columns(pl.col("name").replace_strict(coll, return_dtype=pl.String).alias("collective"),
                                  pl.col("kind").fill_null("outside steps"))
         for dev, d in comm.group_by("device", maintain_order=True):
-            dev_ops = ops.filter((pl.col("device") == dev[0]) & (pl.col("cat") == "kernel")
+            dev_ops = ops.filter((pl.col("device") == dev[0]) & pl.col("cat").is_in(list(KERNEL_CATS))
                                    & (pl.col("cls") != "communication"))
             cs, ce = iv.union(dev_ops["ts_ns"].to_numpy(), dev_ops["end_ns"].to_numpy())
             for (kind, c), g in d.group_by("kind", "collective", maintain_order=True):

@@ -135,13 +135,16 @@ def comm_ops(rops: list[RankOps]) -> pl.DataFrame:
     sizes = {d: dtype_bytes(d) for d in ops["dtype"].drop_nulls().unique().to_list()}
     ops = ops.with_columns(pl.col("dtype").replace_strict(sizes, default=None, return_dtype=pl.Int64)
                            .alias("elem_bytes"))
-    # nccl-tests' S: all-gather counts the gathered output, the others the input
     ops = ops.with_columns(
-        pl.when(pl.col("collective") == "AllGather").then(pl.col("out_nelems")).otherwise(pl.col("in_nelems"))
-        .mul(pl.col("elem_bytes")).alias("msg_bytes"),
         pl.coalesce("group_size", pl.col("rank").replace_strict(world, default=None, return_dtype=pl.Int64))
         .alias("group_size"),
         pl.col("group_size").is_not_null().alias("group_from_args"))
+    # nccl-tests' S: all-gather counts the gathered output (a gloo all-gather records only its input: input × group),
+    # the others the input
+    gathered = pl.coalesce("out_nelems", pl.col("in_nelems") * pl.col("group_size"))
+    ops = ops.with_columns(
+        pl.when(pl.col("collective") == "AllGather").then(gathered).otherwise(pl.col("in_nelems"))
+        .mul(pl.col("elem_bytes")).alias("msg_bytes"))
     return ops.select("rank", "kind", "window", pl.col("name").cast(pl.String), "subclass", "collective", "dtype",
                       "elem_bytes", "msg_bytes", "group_size", "group_from_args", "ts_ns", "end_ns", "dur_ns", "graph",
                       "pg_name", "seq", "name_algo", "name_proto")

@@ -1,4 +1,11 @@
-"""Per-rank GPU op table: kernels / memcpy / memset with their class, launching runtime call and step window."""
+"""Per-rank device op table: kernels / memcpy / memset with their class, launching runtime call and step window.
+
+A rank whose trace holds no GPU op at all (an engine on CPU: SGLang or vLLM with ``--device cpu``) gets the same
+table from its CPU work instead (:func:`cpu_device_ops`): the outermost ``cpu_op`` events of the threads that run
+the steps (the model forward, ``aten::linear`` ...) play the kernels, each on its thread as its stream, and the
+collectives that torch's gloo backend runs on its worker threads (``gloo:all_reduce`` ...) play the communication
+kernels. Every metric then reads a CPU capture as it reads a GPU one; the page says which it was.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -33,6 +40,7 @@ class RankOps:
     runtime: pl.DataFrame
     window_regex: str | None = None
     windows_found: bool = True
+    device: str = "gpu"          # "cpu": the trace has no GPU op; ``ops`` are its CPU work (cpu_device_ops)
 
     @property
     def rank(self) -> int:
@@ -55,6 +63,50 @@ def runtime_calls(trace: RankTrace) -> pl.DataFrame:
                     (pl.col("ts_ns") + pl.col("dur_ns")).alias("end_ns"), "correlation").collect())
 
 
+_OP_COLUMNS = ("rank", "device", "stream", "cat", "name", "ts_ns", "dur_ns", "end_ns", "correlation", "external_id",
+               "coll", "in_nelems", "out_nelems", "group_size", "dtype", "pg_name", "pg_ranks", "seq", "bytes",
+               "graph_id")
+# the op-table categories that are device work: GPU kernels; for an engine on CPU its forward's ops and gloo's
+# collectives (a GPU trace's op table holds neither of the last two: the filter is the same for both)
+KERNEL_CATS = ("kernel", "cpu_op", "user_annotation")
+COLLECTIVE_CALL_REGEX = r"^c10d::"     # the forward thread's call into a collective (enqueue, wait): not compute
+GLOO_REGEX = r"^gloo:"
+
+
+def outermost(frame: pl.DataFrame) -> pl.DataFrame:
+    """Rows (pid, tid, ts_ns, end_ns) not nested in an earlier row of the same thread: the top level of each
+    thread's call tree."""
+    f = frame.sort("pid", "tid", "ts_ns", pl.col("end_ns"), descending=[False, False, False, True])
+    reach = f.select(pl.col("end_ns").cum_max().shift(1).over("pid", "tid").alias("reach"))["reach"]
+    return f.filter(reach.is_null() | (f["ts_ns"] >= reach))
+
+
+def cpu_device_ops(trace: RankTrace, windows: pl.DataFrame) -> pl.DataFrame:
+    """The device op table of a CPU-only trace: the outermost ``cpu_op`` events of every thread that holds a step
+    window (its collective calls ``c10d::*`` left out: the gloo work itself is counted), plus every gloo collective
+    annotation (``gloo:all_reduce`` ..., on gloo's worker threads, with the collective args the loader gave it).
+    Without step windows, the threads with the most cpu_op time stand for the forward. Columns as the GPU table's
+    (device = the process, stream = the thread, no launching call, no graph)."""
+    ev = trace.events.lazy().filter(pl.col("dur_ns").is_not_null())
+    threads = (windows.select("pid", "tid").drop_nulls().unique() if windows.height and "tid" in windows.columns
+               else None)
+    cpu = ev.filter(pl.col("cat") == "cpu_op").with_columns((pl.col("ts_ns") + pl.col("dur_ns")).alias("end_ns"))
+    if threads is None or threads.height == 0:
+        busiest = (cpu.group_by("pid", "tid").agg(pl.col("dur_ns").sum()).sort("dur_ns", descending=True)
+                   .head(1).collect())
+        threads = busiest.select("pid", "tid")
+    cpu = cpu.join(threads.lazy().with_columns(pl.col("pid").cast(pl.Int64), pl.col("tid").cast(pl.Int64)),
+                   on=["pid", "tid"], how="inner").collect()
+    top = outermost(cpu)
+    top = top.filter(~top["name"].cast(pl.String).str.contains(COLLECTIVE_CALL_REGEX))
+    gloo = (ev.filter(pl.col("name").cast(pl.String).str.contains(GLOO_REGEX))
+            .with_columns((pl.col("ts_ns") + pl.col("dur_ns")).alias("end_ns")).collect())
+    both = pl.concat([top, gloo], how="diagonal_relaxed") if gloo.height else top
+    return both.select(pl.lit(trace.rank, dtype=pl.Int64).alias("rank"), pl.col("pid").alias("device"),
+                       pl.col("tid").alias("stream"), "pid", *[c for c in _OP_COLUMNS[3:] if c in both.columns]
+                       ).sort("ts_ns")
+
+
 def prepare_rank(trace: RankTrace, rules: list[Rule] | None = None, window_regex: str | None = None) -> RankOps:
     """Build the GPU op table of one rank and attribute every op to its step window.
 
@@ -72,22 +124,36 @@ def prepare_rank(trace: RankTrace, rules: list[Rule] | None = None, window_regex
                    pl.col("coll").cast(pl.String), "in_nelems", "out_nelems", "group_size",
                    pl.col("dtype").cast(pl.String), pl.col("pg_name").cast(pl.String), "pg_ranks", "seq",
                    "bytes", "graph_id").collect())
-    ops = classify_ops(ops, rules)      # name / cat stay categorical: the op tables of all ranks are kept
-    rt = runtime_calls(trace)
-    launches = (rt.filter(pl.col("correlation").is_not_null())
-                .unique("correlation", keep="first", maintain_order=True))
     windows = annotation_windows(trace, window_regex)
     found = windows.height > 0
-    launches = assign_launches(launches, windows)
-    ops = ops.join(launches.select("correlation", pl.col("name").alias("launcher"),
-                                   pl.col("ts_ns").alias("launch_ts_ns"), pl.col("end_ns").alias("launch_end_ns"),
-                                   pl.col("tid").alias("launch_tid"), "window"),
-                   on="correlation", how="left")
-    ops = ops.with_columns(matches(ops, "launcher", GRAPH_LAUNCH_REGEX).alias("graph"))
+    rt = runtime_calls(trace)
+    device = "gpu"
+    if ops.height == 0:                  # no GPU op at all: an engine on CPU
+        device = "cpu"
+        cpu = cpu_device_ops(trace, windows)
+        ops = (assign_launches(cpu.rename({"pid": "_pid"}).with_columns(pl.col("_pid").alias("pid")), windows)
+               .drop("pid").rename({"_pid": "pid"}) if cpu.height else cpu)
+        ops = classify_ops(ops.with_columns(pl.col("cat").cast(ops.schema["cat"]), pl.col("name")), rules) \
+            if ops.height else classify_ops(ops, rules)
+        ops = ops.with_columns(pl.lit(None, dtype=pl.String).alias("launcher"),
+                               pl.col("ts_ns").alias("launch_ts_ns"), pl.col("end_ns").alias("launch_end_ns"),
+                               pl.col("stream").alias("launch_tid"),
+                               *([] if "window" in ops.columns else [pl.lit(None, dtype=pl.Int64).alias("window")]),
+                               pl.lit(False).alias("graph")).drop("pid")
+    else:
+        ops = classify_ops(ops, rules)      # name / cat stay categorical: the op tables of all ranks are kept
+        launches = (rt.filter(pl.col("correlation").is_not_null())
+                    .unique("correlation", keep="first", maintain_order=True))
+        launches = assign_launches(launches, windows)
+        ops = ops.join(launches.select("correlation", pl.col("name").alias("launcher"),
+                                       pl.col("ts_ns").alias("launch_ts_ns"), pl.col("end_ns").alias("launch_end_ns"),
+                                       pl.col("tid").alias("launch_tid"), "window"),
+                       on="correlation", how="left")
+        ops = ops.with_columns(matches(ops, "launcher", GRAPH_LAUNCH_REGEX).alias("graph"))
     if not found:
         windows = whole_trace_window(trace, ops)
         ops = ops.with_columns(pl.lit(0, dtype=pl.Int64).alias("window"))
     ops = ops.join(windows.select("window", "kind"), on="window", how="left").sort("ts_ns")
     windows = window_spans(windows, ops)
     return RankOps(trace=trace, ops=ops, windows=windows, runtime=rt, window_regex=window_regex,
-                   windows_found=found)
+                   windows_found=found, device=device)

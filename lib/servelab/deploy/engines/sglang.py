@@ -49,6 +49,9 @@ class SGLangAdapter(EngineAdapter):
     # log is written in that private folder too and copied back redacted (server.start_server).
     api_key_config = ("--config", "servelab-api-key.yaml", "api-key: {key}\n")
     logs_api_key = True
+    # a TERM to every process kills the scheduler first; the server then sleeps 5 s for "crash diagnostics" and is
+    # killed at the grace's end. A TERM to the server alone shuts it down with its children in ~5 s.
+    term_leader_first = True
     start_profile_path = "/start_profile"
     stop_profile_path = "/stop_profile"
     version_paths = ("/server_info", "/get_server_info", "/model_info")
@@ -63,6 +66,10 @@ class SGLangAdapter(EngineAdapter):
         "retracted": "sglang:num_retracted_reqs", "ttft_seconds": "sglang:time_to_first_token_seconds",
         "itl_seconds": "sglang:inter_token_latency_seconds", "e2e_seconds": "sglang:e2e_request_latency_seconds",
         "queue_seconds": "sglang:queue_time_seconds", "is_cuda_graph": "sglang:is_cuda_graph",
+        # seen on SGLang 0.5.23: a per-request TPOT histogram, and the memory gauges of its pools
+        "tpot_seconds": "sglang:request_time_per_output_token_seconds",
+        "weight_memory_gb": "sglang:weight_memory_usage_gb", "kv_memory_gb": "sglang:kv_cache_memory_usage_gb",
+        "graph_memory_gb": "sglang:graph_memory_usage_gb", "kv_pool_tokens": "sglang:max_total_num_tokens",
     }
     interference_sweep = ("chunked_prefill_size", (8192, 4096, 2048))
     confound_setting = {"cuda_graph_max_bs": 8}
@@ -92,7 +99,7 @@ class SGLangAdapter(EngineAdapter):
     log_time = ("wall", r"\[(?P<ts>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)[^\]]*\]", "%Y-%m-%d %H:%M:%S")
     log_time_note = "SGLang stamps each line with the server's local time to the second"
     serverside_series = ("running", "waiting", "kv_usage", "retracted")
-    histogram_series = ("ttft_seconds", "queue_seconds", "itl_seconds", "e2e_seconds")
+    histogram_series = ("ttft_seconds", "queue_seconds", "itl_seconds", "tpot_seconds", "e2e_seconds")
 
     trace_name_hints = (r"-TP-\d+",)
     trace_skip_dirs = ("graph_capture_profile",)      # CUDA-graph capture traces, not serving steps
