@@ -43,7 +43,7 @@ def case_view(run_dir: Path, case_id: str, definition: str = "vllm") -> tuple[pd
     import plotly.graph_objects as go
 
     from servelab.measure import request_metrics as mx
-    from servelab.measure.client import read_records
+    from servelab.measure.records import read_records
     from servelab.measure.case_record import read_summary
     cdir = run_dir / "cases" / case_id
     pooled = read_summary(cdir / "summary.json")["metrics"]

@@ -31,7 +31,7 @@ import numpy as np
 import pandas as pd
 
 from servelab.measure import request_metrics as mx
-from servelab.measure.client import RequestRecord
+from servelab.measure.records import RequestRecord
 
 WINDOWS = ("before", "during", "after")
 

@@ -116,7 +116,7 @@ def _start_shift_ns(case_dir: Path, lines: pd.DataFrame, adapter: Any) -> int:
     p = Path(case_dir) / "requests.jsonl"
     if not pair or lines.empty or not (lines["clock"] == "elapsed").any() or not p.is_file():
         return 0
-    from servelab.measure.client import read_records
+    from servelab.measure.records import read_records
     sends = [r.send_ns + r.wall_offset_ns for r in read_records(p) if r.send_ns]
     first = lines.loc[(lines["event"] == pair[0]) & (lines["clock"] == "elapsed"), "wall_ns"]
     if not sends or first.empty:
@@ -258,7 +258,7 @@ def records_window(case_dir: Path, repeat: int = 0) -> tuple[int, int]:
     """(first scheduled send of a measured request — of any request where none has the role ``measure`` — , last
     stream end) of a case's requests of one repeat, warm-up left out, on the wall clock (ns): the window a client
     timeline of that repeat spans."""
-    from servelab.measure.client import read_records
+    from servelab.measure.records import read_records
     recs = [r for r in read_records(Path(case_dir) / "requests.jsonl") if r.repeat == repeat and r.role != "warmup"]
     if not recs:
         raise ValueError(f"{case_dir}: no measured requests in repeat {repeat}")

@@ -53,7 +53,8 @@ from servelab.measure import request_metrics as mx
 from servelab.measure.case_record import CaseFolder, CaseSummary, read_summary, request_counts, verdict_of
 from servelab.measure.case_runner import (ENGINE_CRASH, CaseRun, EngineCrash, Warmup, client_config, flush_cache,
                                           head_log, log_events)
-from servelab.measure.client import ClientConfig, ClientRun, RequestRecord, read_records, run_requests
+from servelab.measure.client import ClientConfig, run_requests
+from servelab.measure.records import ClientRun, RequestRecord, read_records
 from servelab.measure.engine_metrics import named_deltas
 from servelab.core.run import emit_progress, human_duration, merge_table, now_iso
 from servelab.deploy.server import RunningServer, is_healthy

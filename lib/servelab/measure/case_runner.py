@@ -30,7 +30,8 @@ import pandas as pd
 
 from servelab.deploy.server import RunningServer, http_json, is_healthy, log_clock
 from servelab.measure.case_record import CaseFolder, CaseSummary
-from servelab.measure.client import ClientConfig, RequestRecord, run_requests
+from servelab.measure.client import ClientConfig, run_requests
+from servelab.measure.records import RequestRecord
 from servelab.measure.engine_metrics import Scraper
 from servelab.measure.launch_variants import Snapshot, metrics_snapshot, server_cpu_s
 from servelab.measure.slots import SlotsPoller, has_slots_endpoint

@@ -39,7 +39,8 @@ from servelab.measure import request_metrics as mx
 from servelab.measure.capture import CaptureError, CaptureResult, ProfileScenario, capture, capture_scenarios
 from servelab.measure.case_record import INVALID, CaseSummary, request_counts, verdict
 from servelab.measure.case_runner import CaseRun
-from servelab.measure.client import ReadLog, RequestRecord, parse_stream
+from servelab.measure.client import ReadLog, parse_stream
+from servelab.measure.records import RequestRecord
 from servelab.measure.workload import RequestSpec, build_workload, engine_tokenizer, request_body, token_pool
 from servelab.deploy.engines import engine_for
 from servelab.deploy.hosts import ProcessTracker

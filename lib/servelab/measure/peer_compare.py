@@ -46,7 +46,7 @@ import pandas as pd
 from servelab.core.run import now_iso, write_json_atomic
 from servelab.measure import peer_results as pr
 from servelab.measure import request_metrics as mx
-from servelab.measure.client import RequestRecord, read_records
+from servelab.measure.records import RequestRecord, read_records
 
 PEER_DEFINITIONS = ("sglang", "vllm", "aiperf", "guidellm")
 TOOLS = {"sglang": "sglang bench_serving", "vllm": "vllm bench serve", "aiperf": "aiperf", "guidellm": "guidellm"}

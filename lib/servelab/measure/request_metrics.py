@@ -42,7 +42,7 @@ import re
 import numpy as np
 import pandas as pd
 
-from servelab.measure.client import ClientRun, RequestRecord
+from servelab.measure.records import ClientRun, RequestRecord
 
 DEFINITIONS = ("sglang", "vllm")
 PERCENTILES = (50, 90, 95, 99)

@@ -261,7 +261,7 @@ def m1_log_join(res: Phase1Result, sides: dict[str, Any] | None = None) -> Any:
     """M1 treatment's client chunks joined with the prefills its engine log times (``analyse.serverside.log_join``,
     docs/metrics.md#m1-log-join); None when M1 did not run or its files are missing."""
     from servelab.analyse.serverside import log_join
-    from servelab.measure.client import read_records
+    from servelab.measure.records import read_records
     r = case_result(res, "M1_treatment")
     side = (sides if sides is not None else m1_serverside(res)).get("treatment")
     if r is None or side is None:

@@ -64,7 +64,7 @@ def case_clock(folder: Path, a: CaptureAnalysis) -> OneClock | None:
     """The one clock of a profiled case: when ``folder`` is a case's ``profiles/`` folder and the case kept its
     client records (``requests.jsonl`` with every chunk's arrival), join them with the trace's steps. None
     otherwise (a bare trace folder, the recorded sample)."""
-    from servelab.measure.client import read_records
+    from servelab.measure.records import read_records
     req = Path(folder).parent / "requests.jsonl"
     if Path(folder).name != "profiles" or not req.is_file():
         return None

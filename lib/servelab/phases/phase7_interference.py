@@ -44,7 +44,8 @@ from servelab.measure import request_metrics as mx
 from servelab.measure.case import case_seed, max_request_tokens
 from servelab.measure.case_record import client_integrity
 from servelab.measure.case_runner import CaseRun, Warmup
-from servelab.measure.client import ClientConfig, ClientRun, RequestRecord, run_async, run_sync
+from servelab.measure.client import ClientConfig, run_async, run_sync
+from servelab.measure.records import ClientRun, RequestRecord
 from servelab.measure.loop_monitor import LoopMonitor
 from servelab.measure.engine_metrics import gauge_series
 from servelab.measure.launch_variants import delta_of, snapshot_deltas, write_run_record
@@ -526,7 +527,7 @@ def baseline_serverside(res: Phase7Result):
     import plotly.graph_objects as go
 
     from servelab.analyse.serverside import case_serverside
-    from servelab.measure.client import read_records
+    from servelab.measure.records import read_records
     from servelab.report.perf_figures import client_over_server
     b = res.baseline
     if b is None:

@@ -31,7 +31,8 @@ from servelab.measure import request_metrics as mx
 from servelab.measure.case import case_seed
 from servelab.measure.case_record import client_integrity
 from servelab.measure.case_runner import CaseRun, flush_cache
-from servelab.measure.client import ClientConfig, ClientRun, RequestRecord, run_async, run_sync
+from servelab.measure.client import ClientConfig, run_async, run_sync
+from servelab.measure.records import ClientRun, RequestRecord
 from servelab.measure.loop_monitor import LoopMonitor
 from servelab.core.run import write_json_atomic
 from servelab.deploy.engines import engine_for

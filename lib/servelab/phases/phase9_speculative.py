@@ -32,7 +32,8 @@ from servelab.measure import request_metrics as mx
 from servelab.measure.case import case_seed, max_request_tokens
 from servelab.measure.case_record import CaseSummary, client_integrity, judged_row, request_counts
 from servelab.measure.case_runner import CaseRun, Warmup
-from servelab.measure.client import RequestRecord, run_requests
+from servelab.measure.client import run_requests
+from servelab.measure.records import RequestRecord
 from servelab.measure.launch_variants import Snapshot, write_run_record
 from servelab.core.run import write_json_atomic
 from servelab.deploy.engines import engine_for
