@@ -84,7 +84,7 @@ def _netdevs_with_stats() -> list[str] | None:
 
 def run_collectors(specs: list, seconds: float, work: Path) -> dict:
     """Start ``specs`` together on the local host for ``seconds``; CPU share of each and of all."""
-    from servelab.analyse.telemetry.runner import NodePlan, RequiredCollectorError, start_telemetry
+    from servelab.measure.telemetry.runner import NodePlan, RequiredCollectorError, start_telemetry
     from servelab.deploy.hosts import LocalHost
     for s in specs:
         s.required = False
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=60.0, help="how long each measurement runs")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
-    from servelab.analyse.telemetry.collectors import default_collectors
+    from servelab.measure.telemetry.collectors import default_collectors
 
     stand = _standin()
     work = Path(tempfile.mkdtemp(prefix="bench-telemetry-"))

@@ -16,14 +16,14 @@ import pandas as pd
 import pytest
 
 from servelab.deploy.hosts import LocalHost as BaseLocalHost
-from servelab.analyse.telemetry import collectors as C
+from servelab.measure.telemetry import collectors as C
 from servelab.analyse.telemetry.frames import make_frame
 from servelab.analyse.telemetry.load import load_case_telemetry
 from servelab.analyse.telemetry.parse_dcgm import parse_dcgm_dmon
 from servelab.analyse.telemetry.parse_net import (ethtool_rates, increments, parse_ethtool_blocks, parse_ethtool_s,
                                           parse_rdma_blocks, rdma_rates)
 from servelab.analyse.telemetry.parse_smi import parse_smi_csv
-from servelab.analyse.telemetry.runner import (NOT_PRESENT, OK, PROBE_FAILED, NodePlan, RequiredCollectorError,
+from servelab.measure.telemetry.runner import (NOT_PRESENT, OK, PROBE_FAILED, NodePlan, RequiredCollectorError,
                                        read_statuses, start_telemetry)
 from servelab.analyse.telemetry.summary import answer_questions, compare_cases, summarize_case, write_metric_csvs
 from servelab.analyse.telemetry.windows import CaseWindow, coverage, slice_window
@@ -291,7 +291,7 @@ def test_window_uses_interval_midpoints():
 
 def test_summary_head_worker_changes_and_dash(tmp_path):
     from servelab.analyse.telemetry.load import CaseTelemetry
-    from servelab.analyse.telemetry.runner import CollectorStatus
+    from servelab.measure.telemetry.runner import CollectorStatus
     s = 10**9
     statuses = [CollectorStatus("head", "mpstat", True, OK, started=True, raw_file="head/mpstat.txt"),
                 CollectorStatus("w1", "mpstat", True, OK, started=True, raw_file="w1/mpstat.txt"),

@@ -24,13 +24,13 @@ import pandas as pd
 from servelab.deploy.hosts import connect
 from servelab.measure import request_metrics as mx
 from servelab.core.paths import samples_root
-from servelab.analyse.telemetry import collectors as C
-from servelab.analyse.telemetry.collectors import display_argv
+from servelab.measure.telemetry import collectors as C
+from servelab.measure.telemetry.collectors import display_argv
 from servelab.analyse.telemetry.figures import timeseries_figure
 from servelab.analyse.telemetry.frames import nan_to_dash
 from servelab.analyse.telemetry.load import CaseTelemetry, load_case_telemetry
 from servelab.analyse.telemetry.parse_smi import parse_smi_csv
-from servelab.analyse.telemetry.runner import (NOT_CONFIGURED, OK, CollectorStatus, NodePlan, RequiredCollectorError,
+from servelab.measure.telemetry.runner import (NOT_CONFIGURED, OK, CollectorStatus, NodePlan, RequiredCollectorError,
                                        start_telemetry)
 from servelab.analyse.telemetry.summary import (CATALOG, answer_questions, compare_cases, coverage_table, status_table,
                                         summarize_case, write_metric_csvs)

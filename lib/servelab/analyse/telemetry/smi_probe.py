@@ -16,8 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-from servelab.analyse.telemetry.collectors import nvidia_smi
-from servelab.analyse.telemetry.runner import NodePlan, RequiredCollectorError, start_telemetry
+from servelab.measure.telemetry.collectors import nvidia_smi
+from servelab.measure.telemetry.runner import NodePlan, RequiredCollectorError, start_telemetry
 
 
 def probe(out: Path, seconds: float, interval_s: float) -> tuple[int, str]:

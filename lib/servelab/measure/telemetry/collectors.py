@@ -1,6 +1,6 @@
 """Collector specs: what each Phase 2 collector runs on a node, as argv lists, and whether it is required.
 
-A ``CollectorSpec`` is data only — the runner (``servelab.analyse.telemetry.runner``) starts it for a case on a
+A ``CollectorSpec`` is data only — the runner (``servelab.measure.telemetry.runner``) starts it for a case on a
 host and stops it after. Every argv is a list (``shlex.join`` only for display). Sysstat tools and
 nvidia-smi get ``TZ=UTC LC_ALL=C S_TIME_FORMAT=ISO`` so that their wall-clock stamps parse without
 guessing the node's time zone or locale.
@@ -86,7 +86,7 @@ class CollectorSpec:
 def display_argv(argv: list[str]) -> list[str]:
     """argv for logs and pages: a ``python3 -c <sampler source>`` shows the source's file name instead."""
     if len(argv) > 2 and argv[1] == "-c" and "def run_files" in argv[2]:
-        return [argv[0], "-c", "<servelab/telemetry/sampler_program.py>", *argv[3:]]
+        return [argv[0], "-c", "<servelab/measure/telemetry/sampler_program.py>", *argv[3:]]
     if len(argv) == 6 and argv[:2] == ["sh", "-c"] and argv[2] == SAR_JSON_SCRIPT:
         return ["sh", "-c", f"<sar -n {argv[4]} -o FILE {argv[5]}; on stop: sadf -j FILE -- -n {argv[4]}>"]
     return list(argv)
