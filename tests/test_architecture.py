@@ -97,3 +97,24 @@ def test_the_product_points_at_nothing_outside_itself() -> None:
     found = [f"{p.relative_to(ROOT)}:{i}" for p in paths if "egg-info" not in str(p)
              for i, line in enumerate(p.read_text().splitlines(), 1) if OUTSIDE.search(line)]
     assert found == []
+
+
+# where "vllm" / "sglang" may stand as a whole string: the engine adapters, the engines' own installs, and the one
+# place that names the two metric definitions (request_metrics.Definition)
+ENGINE_NAME_HOMES = ("deploy/engines/", "deploy/vllm_cpu.py", "deploy/sglang_cpu.py", "measure/request_metrics.py")
+
+
+def test_metric_definitions_are_named_as_definitions_not_as_engines() -> None:
+    """A metric definition in the code is ``request_metrics.Definition`` (``SGLANG_BENCH``, ``VLLM_BENCH``), never the
+    bare engine name: ``summaries["vllm"]`` read as "the vLLM engine's summary" to a newcomer."""
+    import ast
+    lib = ROOT / "lib" / "servelab"
+    found = []
+    for p in lib.rglob("*.py"):
+        rel = p.relative_to(lib).as_posix()
+        if rel.startswith(ENGINE_NAME_HOMES):
+            continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Constant) and node.value in ("vllm", "sglang"):
+                found.append(f"{rel}:{node.lineno}")
+    assert found == []

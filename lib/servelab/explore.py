@@ -16,6 +16,7 @@ from typing import Any
 import pandas as pd
 
 from servelab.core.paths import outputs_root
+from servelab.measure import request_metrics as mx
 
 
 def list_runs(root: Path | None = None) -> pd.DataFrame:
@@ -38,11 +39,10 @@ def list_cases(run_dir: Path) -> list[str]:
     return sorted(p.parent.name for p in (run_dir / "cases").glob("*/summary.json"))
 
 
-def case_view(run_dir: Path, case_id: str, definition: str = "vllm") -> tuple[pd.DataFrame, Any]:
+def case_view(run_dir: Path, case_id: str, definition: str = mx.VLLM_BENCH) -> tuple[pd.DataFrame, Any]:
     """One case: its percentile table (both definitions) and the per-request TTFT/E2E scatter over time."""
     import plotly.graph_objects as go
 
-    from servelab.measure import request_metrics as mx
     from servelab.measure.records import read_records
     from servelab.measure.case_record import read_summary
     cdir = run_dir / "cases" / case_id
@@ -103,7 +103,7 @@ def explorer(root: Path | None = None, run_id: str | None = None) -> Any:
     run_dd = w.Dropdown(options=options, description="run",
                         value=run_id if run_id in options else (options[0] if options else None))
     case_dd = w.Dropdown(options=[], description="case")
-    def_dd = w.Dropdown(options=["vllm", "sglang"], description="definition")
+    def_dd = w.Dropdown(options=[mx.VLLM_BENCH.value, mx.SGLANG_BENCH.value], description="definition")
     trace_dd = w.Dropdown(options=[], description="capture")
     rank_dd = w.Dropdown(options=[("all", None)], description="rank")
     window = w.FloatRangeSlider(value=(0.0, 100.0), min=0.0, max=100.0, step=0.5, description="window %")
@@ -194,7 +194,7 @@ def run_phases(run_dir: Path) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["phase", "status", "from_samples", "started", "ended", "page", "headline"])
 
 
-def case_table(run_dir: Path, definition: str = "vllm") -> pd.DataFrame:
+def case_table(run_dir: Path, definition: str = mx.VLLM_BENCH) -> pd.DataFrame:
     """Every measured case of the run from its ``summary.json``: phase, kind, concurrency, repeats, verdict
     (first reason), requests, output TPS and P50/P95 TTFT / TPOT in ``definition``. Summaries that do not
     follow the case schema are listed with their problem."""
@@ -216,7 +216,6 @@ def case_table(run_dir: Path, definition: str = "vllm") -> pd.DataFrame:
     cols = ["case_id", "phase", "kind", "concurrency", "repeats", "verdict", "reason", "requests", "output_tps",
             "p50_ttft_ms", "p95_ttft_ms", "p50_tpot_ms", "p95_tpot_ms"]
     extra = ["completed", "n_ttft", "n_tpot", "max_ttft_ms", "max_tpot_ms"]
-    from servelab.measure import request_metrics as mx
     # every percentile with its count, or "max of N" where too few values hold it
     shown = mx.labelled_percentiles(pd.DataFrame(rows, columns=cols + extra))
     return shown[cols]

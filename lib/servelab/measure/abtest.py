@@ -56,6 +56,7 @@ import pandas as pd
 
 from servelab.core.run import read_manifest, run_dir
 from servelab.measure.case_record import SummarySchemaError, repeat_frame, summary_paths
+from servelab.measure.request_metrics import SGLANG_BENCH
 
 # metric → True when higher is better
 METRICS: dict[str, bool] = {"output_tps": True, "p95_ttft_ms": False, "p95_tpot_ms": False, "p95_e2e_ms": False}
@@ -211,7 +212,7 @@ class CaseSummaries:
     notes: list[str] = field(default_factory=list)
 
 
-def read_case_summaries(rdir: str | Path, definition: str = "sglang", metrics: Sequence[str] = tuple(METRICS),
+def read_case_summaries(rdir: str | Path, definition: str = SGLANG_BENCH, metrics: Sequence[str] = tuple(METRICS),
                         label: str = "") -> CaseSummaries:
     """Per-repeat case metrics of a run directory or run-like record, from its case summaries (the case schema,
     :mod:`servelab.measure.case_record`): one row per repeat, ``valid`` from the case verdict (and the repeat's own
@@ -422,7 +423,7 @@ class ABResult:
 
 def ab_compare(runs: Sequence[str | Path | RunRef], variable: str | Sequence[str] = "",
                answers: dict[str, str] | None = None, accepted: Sequence[str] = (), k: float = 2.0,
-               definition: str = "sglang", metrics: dict[str, bool] | None = None) -> ABResult:
+               definition: str = SGLANG_BENCH, metrics: dict[str, bool] | None = None) -> ABResult:
     """Compare two or more runs: the first is the baseline (A), each other is compared with it."""
     refs = [load_run(r) for r in runs]
     if len(refs) < 2:

@@ -358,11 +358,11 @@ def run_case(env: CaseEnv, case: CaseSpec, run_fn: Callable[[CaseEnv, CaseSpec, 
         measured = [x for r in runs for x in r.records]
         result.repeat_summaries = rep_summ
         result.summaries = mx.both_definitions(measured, pooled_dur, env.slo)
-        result.cv = mx.cv_across_repeats([s["vllm"] for s in rep_summ]) if len(runs) > 1 else {}
+        result.cv = mx.cv_across_repeats([s[mx.VLLM_BENCH] for s in rep_summ]) if len(runs) > 1 else {}
         rules = mx.ValidityRules(min_completed=case.num_prompts * len(runs), min_window_s=case.min_window_s,
                                  max_cv_pct=env.max_cv_pct if len(runs) >= 3 else None)
         result.integrity = mx.pooled_integrity([mx.integrity(r, env.integrity_rules) for r in runs])
-        result.verdict = mx.validity(result.summaries["vllm"], rules, env.profiler_attached, result.cv,
+        result.verdict = mx.validity(result.summaries[mx.VLLM_BENCH], rules, env.profiler_attached, result.cv,
                                      result.integrity)
         result.extra["client_cpu_s"] = sum(r.client_cpu_s for r in runs)
         if extra_fn is not None:
@@ -371,15 +371,15 @@ def run_case(env: CaseEnv, case: CaseSpec, run_fn: Callable[[CaseEnv, CaseSpec, 
         result.status = OOM
     elif not healthy:
         result.status = ENGINE_CRASH
-    elif error or not runs or result.summaries["vllm"]["failed"]:
+    elif error or not runs or result.summaries[mx.VLLM_BENCH]["failed"]:
         result.status = FAILED
     if result.status != SUCCESS and result.verdict.verdict == "VALID":
         result.verdict = mx.Verdict("INVALID", [f"case status {result.status}"])
     if error and not result.error:
         result.error = error
     if not error and result.status == FAILED and runs:
-        result.error = f"{result.summaries['vllm']['failed']} request(s) failed: " \
-                       f"{result.summaries['vllm']['errors_by_kind']}"
+        result.error = f"{result.summaries[mx.VLLM_BENCH]['failed']} request(s) failed: " \
+                       f"{result.summaries[mx.VLLM_BENCH]['errors_by_kind']}"
     # the client's own measurement windows on the wall clock: Phase 2 slices telemetry to exactly these
     windows = [[r.window_start_ns + r.wall_offset_ns, r.window_end_ns + r.wall_offset_ns] for r in runs]
     run.close(case_summary(result, run.folder, records, attempt=env.attempt), result.status, result.error,
@@ -447,7 +447,7 @@ def case_summary(result: CaseResult, folder: CaseFolder, records: list[RequestRe
         details["attempt"] = {"n": attempt, "of": result.case.case_id, "first": f"cases/{result.case.case_id}"}
     return CaseSummary(
         case_id=folder.case_id, phase=folder.phase, kind=folder.kind, status=result.status,
-        verdict=verdict_of(result.verdict), definition="vllm", metrics=result.summaries,
+        verdict=verdict_of(result.verdict), definition=mx.VLLM_BENCH, metrics=result.summaries,
         repeats=[{"repeat": i, "metrics": s} for i, s in enumerate(result.repeat_summaries)],
         counts=request_counts(records, ("measure",)), details=details, repeat_of=result.case.case_id,
         integrity=result.integrity)

@@ -294,7 +294,7 @@ class CaseFolder:
         self._raw_written = True
         return path
 
-    def interrupt(self, reason: str = "stopped by the user (Ctrl-C)", definition: str = "vllm",
+    def interrupt(self, reason: str = "stopped by the user (Ctrl-C)", definition: str = mx.VLLM_BENCH,
                   details: dict[str, Any] | None = None, measured_roles: tuple[str, ...] = ("measure",)
                   ) -> dict[str, Any]:
         """The case was stopped mid-way: the streamed records are fsynced and kept as they are, ``summary.json``
@@ -419,7 +419,7 @@ def read_summaries(run_dir: str | Path, phase: str | None = None, errors: list[s
     return out
 
 
-def repeat_frame(run_dir: str | Path, definition: str = "vllm", metrics: Sequence[str] | None = None,
+def repeat_frame(run_dir: str | Path, definition: str = mx.VLLM_BENCH, metrics: Sequence[str] | None = None,
                  aliases: dict[str, str] | None = None, phase: str | None = None
                  ) -> tuple[pd.DataFrame, list[str]]:
     """One row per repeat of every case: ``case_id`` (the case it repeats, or its A/B case id in a record),

@@ -33,6 +33,7 @@ from servelab.measure.case_record import CaseFolder, CaseSummary
 from servelab.measure.client import ClientConfig, run_requests
 from servelab.measure.records import RequestRecord
 from servelab.measure.engine_metrics import Scraper
+from servelab.measure.request_metrics import VLLM_BENCH
 from servelab.measure.launch_variants import Snapshot, metrics_snapshot, server_cpu_s
 from servelab.measure.slots import SlotsPoller, has_slots_endpoint
 from servelab.measure.workload import build_workload
@@ -150,7 +151,7 @@ class CaseRun:
     logs a request's last lines after its response)."""
 
     def __init__(self, srv: RunningServer, run_dir: str | Path, case_id: str, phase: str, kind: str,
-                 meta: dict[str, Any] | None = None, *, definition: str = "vllm",
+                 meta: dict[str, Any] | None = None, *, definition: str = VLLM_BENCH,
                  measured_roles: tuple[str, ...] = ("measure",), interrupt_details: dict[str, Any] | None = None,
                  settle_log: bool = False) -> None:
         self.srv, self.run_dir = srv, Path(run_dir)

@@ -412,7 +412,7 @@ def capture_one(srv: RunningServer, scenario: ProfileScenario, run_dir: Path, ph
     prep = {"cache_flush": case.meta.get("cache_flush", {}), "warmup": case.meta.get("warmup", {})}
     measured = [r for r in case.records if r.role in measured_roles]
     span = (max((r.end_ns for r in measured), default=0) - min((r.send_ns for r in measured), default=0)) / 1e9
-    metrics = {"vllm": mx.summarize(measured, max(span, 1e-9), "vllm", roles=measured_roles)} if measured else {}
+    metrics = {mx.VLLM_BENCH: mx.summarize(measured, max(span, 1e-9), mx.VLLM_BENCH, roles=measured_roles)} if measured else {}
     status = "success" if res is not None and not error else "failed"
     reasons = [PROFILED_REASON] + ([error] if error else [])
     details = {"scenario": dataclasses.asdict(scenario), **prep, "marks_wall_ns": drive.marks,
@@ -420,7 +420,7 @@ def capture_one(srv: RunningServer, scenario: ProfileScenario, run_dir: Path, ph
                          "note": "chunk arrival wall ns = perf_counter ns + wall_offset_ns (one anchor per drive)"},
                "profile": case.meta.get("profile", {}), "error": error}
     case.close(CaseSummary(scenario.profiled_case_id, phase, SCENARIO_KIND[scenario.name], status,
-                           verdict(INVALID, reasons), "vllm", metrics,
+                           verdict(INVALID, reasons), mx.VLLM_BENCH, metrics,
                            [{"repeat": 0, "valid": False, "metrics": metrics}],
                            counts=request_counts(case.records, measured_roles), details=details,
                            repeat_of=scenario.profiled_case_id), status, error, profiled=True,

@@ -92,7 +92,7 @@ def search_config(target: Any, params: dict[str, Any], cases: list[CaseSpec]) ->
     step = int(params.get("search_step") or (16 if target.scale == "cluster" else 4))
     return SearchConfig(input_tokens=scale["D_in"], output_tokens=scale["D_out"], step=step,
                         max_concurrency=int(params.get("search_max_concurrency") or 64),
-                        definition=params.get("definition", "vllm"), min_window_s=scale["min_window_s"])
+                        definition=params.get("definition", mx.VLLM_BENCH), min_window_s=scale["min_window_s"])
 
 
 def resumable(runner: Callable[[CaseEnv, CaseSpec], CaseResult], skipped: list[str]
@@ -118,7 +118,7 @@ def run_phase1(ctx: Any, health_timeout_s: float = 900.0) -> Phase1Result:
     from servelab.deploy.server import engine_info, start_server, stop_server
 
     p = ctx.params
-    definition = p.get("definition", "vllm")
+    definition = p.get("definition", mx.VLLM_BENCH)
     if definition not in mx.DEFINITIONS:
         from servelab.core.params import ParamError
         raise ParamError(f"definition must be one of {mx.DEFINITIONS}, got {definition!r}")

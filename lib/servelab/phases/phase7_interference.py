@@ -169,7 +169,7 @@ async def _wave_body(bg: list[RequestSpec], inj: list[RequestSpec], cfg: ClientC
 
 
 def run_interference(srv: RunningServer, run_dir: Path, spec: InterferenceSpec, pool: list[int], seed: int = 0,
-                     definition: str = "vllm", poll_interval_s: float = 0.0, phase: str = "phase7",
+                     definition: str = mx.VLLM_BENCH, poll_interval_s: float = 0.0, phase: str = "phase7",
                      repeat_of: str = "") -> InterferenceResult:
     """Warm up, plan, run the background streams with their injections; raw data first, then the tables.
 
@@ -303,7 +303,7 @@ def interference_summary(res: InterferenceResult, status: str, definition: str, 
 
 
 def run_variant(target: Any, changes: dict[str, Any], spec: InterferenceSpec, run_dir: Path, record_root: Path,
-                label: str, log_dir: Path, phase: str = "", seed: int = 0, definition: str = "vllm",
+                label: str, log_dir: Path, phase: str = "", seed: int = 0, definition: str = mx.VLLM_BENCH,
                 parent_manifest: dict[str, Any] | None = None, health_timeout_s: float = 300.0
                 ) -> tuple[InterferenceResult | None, Path, str]:
     """Serve ``target`` with ``changes``, run the case as ``<case_id>_<label>``, write the run-like record."""
@@ -335,7 +335,7 @@ def run_variant(target: Any, changes: dict[str, Any], spec: InterferenceSpec, ru
 
 
 def knob_sweep(target: Any, knob: str, values: list[Any], spec: InterferenceSpec, run_dir: Path, record_root: Path,
-               log_dir: Path, phase: str = "", seed: int = 0, definition: str = "vllm",
+               log_dir: Path, phase: str = "", seed: int = 0, definition: str = mx.VLLM_BENCH,
                parent_manifest: dict[str, Any] | None = None) -> list[SweepPoint]:
     """The same case for each value of ONE launch setting, the engine restarted per value (first = baseline)."""
     from servelab.measure.launch_variants import check_knob_changes_command
@@ -391,7 +391,7 @@ def default_confound_setting(target: Any) -> dict[str, Any]:
 
 def run_phase7(ctx: Any, knob: str = "", values: list[Any] | None = None, spec_over: dict[str, Any] | None = None,
                confound_setting: dict[str, Any] | None = None, slo_tpot_ms: float = 0.0, seed: int = 0,
-               definition: str = "vllm", answers: dict[str, str] | None = None) -> Phase7Result:
+               definition: str = mx.VLLM_BENCH, answers: dict[str, str] | None = None) -> Phase7Result:
     """The interference case under each value of one knob (first value = baseline), the A/B over the values,
     and — with ``confound_setting`` — one deliberately confounded variant (the knob's second value plus that
     setting) compared with the baseline so the page shows how a two-variable A/B is flagged."""

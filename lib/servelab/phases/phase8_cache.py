@@ -66,7 +66,7 @@ def run_streams(streams: list[list[RequestSpec]], cfg: ClientConfig) -> ClientRu
 
 
 def run_hit_point(srv: RunningServer, run_dir: Path, point: HitPoint, pool: list[int], seed: int = 0,
-                  definition: str = "vllm", flush: dict[str, Any] | None = None,
+                  definition: str = mx.VLLM_BENCH, flush: dict[str, Any] | None = None,
                   poll_interval_s: float = 0.1, phase: str = "phase8") -> PointResult:
     """Run one hit-rate point on a freshly flushed engine: pre-warm, measure, judge; raw data written first.
 
@@ -167,7 +167,7 @@ class Phase8Result:
 
 def run_phase8(ctx: Any, rates: list[float] | None = None, input_tokens: int = 0, output_tokens: int = 0,
                groups: int = 0, requests_per_group: int = 0, bad_point: bool = True, seed: int = 0,
-               definition: str = "vllm", swa_full: bool = True, health_timeout_s: float = 300.0) -> Phase8Result:
+               definition: str = mx.VLLM_BENCH, swa_full: bool = True, health_timeout_s: float = 300.0) -> Phase8Result:
     """The hit-rate matrix on ``ctx.target``: a fresh engine (or a flush) per point, plus an optional
     deliberately bad point (the 50 % workload sent with ``cache_prompt: false`` on llama.cpp — the engine
     reuses nothing, so the achieved rate misses and the point must be REJECTED)."""
@@ -319,7 +319,7 @@ def point_requests(res: Phase8Result, case_id: str) -> pd.DataFrame:
         return pd.DataFrame({"note": [f"no point {case_id}"]})
     rows = [{"request_id": r.request_id, "role": r.role, "group": r.group, "prompt_tokens": r.prompt_tokens,
              "cached_tokens": r.cached_tokens,
-             "ttft_ms": mx.request_metrics(r, "vllm").ttft_ms} for r in p.records]
+             "ttft_ms": mx.request_metrics(r, mx.VLLM_BENCH).ttft_ms} for r in p.records]
     return pd.DataFrame(rows)
 
 

@@ -84,7 +84,7 @@ class SpecPoint:
 
 
 def run_spec_point(srv: RunningServer, run_dir: Path, cfg: SpecConfig, concurrency: int, input_tokens: int,
-                   output_tokens: int, pool: list[int], seed: int = 0, repeat: int = 0, definition: str = "vllm",
+                   output_tokens: int, pool: list[int], seed: int = 0, repeat: int = 0, definition: str = mx.VLLM_BENCH,
                    case_id: str = "", phase: str = "phase9") -> SpecPoint:
     """Warm-up, flush, snapshot, ``concurrency`` decode requests, snapshot; raw data first, then the row.
 
@@ -174,7 +174,7 @@ def _rounded(v: Any, digits: int) -> float | None:
 
 def run_phase9(ctx: Any, drafts: list[str] | None = None, num_draft_tokens: int = 3,
                concurrencies: list[int] | None = None, input_tokens: int = 0, output_tokens: int = 0,
-               repeats: int = 1, synth_rates: list[float] | None = None, seed: int = 0, definition: str = "vllm",
+               repeats: int = 1, synth_rates: list[float] | None = None, seed: int = 0, definition: str = mx.VLLM_BENCH,
                health_timeout_s: float = 300.0, answers: dict[str, str] | None = None) -> Phase9Result:
     """Speculation off, then each draft config, each served once; every concurrency measured on each."""
     from servelab.measure.abtest import ab_compare
