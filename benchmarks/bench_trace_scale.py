@@ -163,7 +163,7 @@ def worker_ours(trace_dir: str, cache_dir: str, keep_events: str) -> dict:
 
 def worker_parse(path: str) -> dict:
     t0 = time.perf_counter()
-    from servelab.analyse.trace.load import parse_trace
+    from servelab.analyse.trace.chunked import parse_trace
     t_import = time.perf_counter() - t0
     t0 = time.perf_counter()
     frame, _ = parse_trace(path)

@@ -14,7 +14,7 @@ import polars as pl
 import pytest
 from polars.testing import assert_frame_equal
 
-from servelab.analyse.trace import load as L
+from servelab.analyse.trace import chunked as C, decode as D
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,12 +72,12 @@ def traces(request) -> list[Path]:
 
 
 def test_chunked_parse_equals_reference_on_real_traces(traces: list[Path], monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(L, "PARALLEL_MIN_BYTES", 0)
-    monkeypatch.setattr(L, "CHUNK_BYTES", 256 << 10)
+    monkeypatch.setattr(C, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(C, "CHUNK_BYTES", 256 << 10)
     checked = 0
     for path in traces:
-        serial, meta_s = L._parse_serial(path)
-        fast = L._parse_parallel(path, workers=1)
+        serial, meta_s = D._parse_serial(path)
+        fast = C._parse_parallel(path, workers=1)
         if fast is None:      # a layout the chunker does not cut (e.g. a top-level list): serial is used
             continue
         frame, meta_f = fast
@@ -93,13 +93,13 @@ def test_chunked_parse_equals_reference_on_real_traces(traces: list[Path], monke
 def test_parse_trace_uses_the_chunked_path_and_is_identical(traces: list[Path], monkeypatch: pytest.MonkeyPatch):
     """parse_trace on a 'big' file (threshold lowered) goes through the chunker in-process (workers=1)."""
     path = traces[0]
-    serial, _ = L._parse_serial(path)
-    monkeypatch.setattr(L, "PARALLEL_MIN_BYTES", 0)
-    monkeypatch.setattr(L, "CHUNK_BYTES", 64 << 10)
+    serial, _ = D._parse_serial(path)
+    monkeypatch.setattr(C, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(C, "CHUNK_BYTES", 64 << 10)
     calls = []
-    orig = L._parse_chunked_with
-    monkeypatch.setattr(L, "_parse_chunked_with", lambda *a: calls.append(a) or orig(*a))
-    frame, _ = L.parse_trace(path, workers=1)
+    orig = C._parse_chunked_with
+    monkeypatch.setattr(C, "_parse_chunked_with", lambda *a: calls.append(a) or orig(*a))
+    frame, _ = C.parse_trace(path, workers=1)
     assert calls and frame.equals(serial)
 
 
@@ -109,10 +109,10 @@ def test_cut_inside_a_string_falls_back(tmp_path: Path, monkeypatch: pytest.Monk
             "args": {"correlation": i}} for i in range(200)]
     p = tmp_path / "odd.trace.json"
     p.write_text(json.dumps({"traceEvents": evs, "baseTimeNanoseconds": 5}))
-    monkeypatch.setattr(L, "PARALLEL_MIN_BYTES", 0)
-    monkeypatch.setattr(L, "CHUNK_BYTES", 1 << 10)
-    assert L._parse_parallel(p, workers=1) is None
-    frame, _ = L.parse_trace(p, workers=1)
+    monkeypatch.setattr(C, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(C, "CHUNK_BYTES", 1 << 10)
+    assert C._parse_parallel(p, workers=1) is None
+    frame, _ = C.parse_trace(p, workers=1)
     assert frame.height == 200 and frame["ts_ns"].to_list()[:2] == [5, 1005]
 
 

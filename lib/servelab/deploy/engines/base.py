@@ -435,7 +435,7 @@ class EngineAdapter:
 
     def trace_identity(self, file_name: str) -> dict[str, Any] | None:
         """The rank identity a trace file's name carries under this engine's naming rules (fields of
-        ``analyse.trace.load.RankIdentity``: engine, role, rank, tp, dp, pp, ep, stage, profile_id, source).
+        ``analyse.trace.identity.RankIdentity``: engine, role, rank, tp, dp, pp, ep, stage, profile_id, source).
         None: the name does not follow this engine's rules."""
         return None
 
