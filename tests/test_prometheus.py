@@ -63,3 +63,15 @@ def test_failed_scrape_is_recorded_not_zero():
     s = Scraper(f"http://127.0.0.1:{free_port()}/metrics", timeout_s=0.5)
     assert s.scrape_once() is False
     assert s.errors and s.errors[0]["status"] == 0 and s.frame().empty
+
+
+def test_a_counter_series_created_inside_the_window_counts_from_zero():
+    """SGLang creates ``sglang:cached_tokens_total{cache_source="device"}`` at its first prefix-cache hit: absent
+    from the first scrape, present in the last — its whole value was counted inside the window."""
+    import pandas as pd
+    rows = [{"ts_ns": 1, "wall_ns": 1, "name": "sglang:prompt_tokens_total", "labels": "", "value": 100.0, "type": "counter"},
+            {"ts_ns": 2, "wall_ns": 2, "name": "sglang:prompt_tokens_total", "labels": "", "value": 6500.0, "type": "counter"},
+            {"ts_ns": 2, "wall_ns": 2, "name": "sglang:cached_tokens_total", "labels": 'cache_source="device"',
+             "value": 6144.0, "type": "counter"}]
+    d = counter_deltas(pd.DataFrame(rows)).set_index("name")["delta"]
+    assert d["sglang:prompt_tokens_total"] == 6400.0 and d["sglang:cached_tokens_total"] == 6144.0

@@ -261,3 +261,12 @@ def test_precheck_covers_every_secret_name(name):
     assert rd.is_secret_name(name)
     for text in (f"{name}=abcdefgh", f'{{"{name}": "abcdefgh"}}', f"--{name} abcdefgh"):
         assert rd.might_hold_secrets(text.encode()), text
+
+
+def test_an_engine_scheduler_line_keeps_its_token_counts():
+    """SGLang's scheduler lines name counts ``#cached-token: 1536``: data, never a secret (the log parser reads them)."""
+    from servelab.core.redact import redact_text
+    line = ("[2026-12-02 09:34:53] Prefill batch, #new-seq: 1, #new-token: 64, #cached-token: 1536, token usage: 0.05, "
+            "#running-req: 0, #queue-req: 0, #pending-token: 0, cpu graph: False, input throughput (token/s): 10.72")
+    assert redact_text(line) == line
+    assert "s3cr3t-value-1" not in redact_text("HF_TOKEN=s3cr3t-value-1 cached-token: 12")

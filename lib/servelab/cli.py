@@ -28,6 +28,7 @@ from servelab.core.params import ParamError, coerce, notebook_param_specs, parse
 from servelab.deploy.targets import available_targets, load_target
 from servelab.core.notebooks import NOTEBOOKS, available_phases, notebook_path
 from servelab.core.paths import project_root
+from servelab.core.run import UNSUPPORTED
 
 # phases the demo runs, in order; those without a live meaning locally read data/samples themselves
 DEMO_PHASES = ("phase0", "phase1", "phase2", "phase3", "phase5", "phase4", "phase6", "phase7", "phase8", "phase9")
@@ -347,8 +348,11 @@ def execute_phase(phase: str, target: str, run_id: str, overrides: dict[str, str
     except Exception as exc:  # the notebook failed: keep everything, mark the phase, still render
         status, error = "failed", exc
         reason = failure_reason(exc)
+        if getattr(exc, "ename", None) == runlib.PhaseUnsupported.__name__:   # the target cannot: said so, no failure
+            status, error = runlib.UNSUPPORTED, None
+            reason = str(getattr(exc, "evalue", "") or reason)
         runlib.edit_manifest(rdir, lambda m: m.setdefault("phases", {}).setdefault(key, {}).update(
-            status="failed", ended=runlib.now_iso(), error=reason))
+            status=status, ended=runlib.now_iso(), error=reason))
     finally:
         record_phase_commands(rdir, key, nb, out_nb, params, overrides, target, started,
                               0 if status == "success" else 1)
@@ -467,7 +471,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"{key}: {status}{_why(rdir, key, status)}")
     print(rdir / key / "report.html")
     print(rdir / "index.html")
-    return 0 if status == "success" else 1
+    return 0 if status in ("success", UNSUPPORTED) else 1
 
 
 def _why(rdir: Path, key: str, status: str) -> str:
@@ -499,7 +503,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         _say(f"[{i}/{len(phases)}] {p} · {NOTEBOOKS.get(p, p)} …")
         rdir, status = execute_phase(p, args.target, run_id, {}, timeout_s=args.timeout)
         _say(f"[{i}/{len(phases)}] {p}: {status} in {time.monotonic() - t:.1f} s{_why(rdir, p, status)}")
-        if status != "success":
+        if status not in ("success", UNSUPPORTED):        # "not supported here" says why and is no failure
             failed.append(p)
     assert rdir is not None
     _say(f"demo finished in {time.monotonic() - t0:.0f} s; {len(phases) - len(failed)} of {len(phases)} phases succeeded"

@@ -48,12 +48,12 @@ class ParamSpec:
     @property
     def rules(self) -> list[tuple[str, str]]:
         """The constraints declared in the help comment: ``[min 1]``, ``[above 0]``, ``[max 1]``,
-        ``[one of vllm, sglang]``, ``[items min 1]``, ``[items max 1]``."""
+        ``[one of vllm, sglang]``, ``[items one of a, b]`` (every item of a list), ``[items min 1]``, ``[items max 1]``."""
         return [(m.group(1), m.group(2).strip()) for m in RULE_RE.finditer(self.help)]
 
 
 # a constraint in a parameter's help comment; numbers without a [min]/[above] are never negative
-RULE_RE = re.compile(r"\[(min|above|max|one of|items min|items max) ([^\]]+)\]")
+RULE_RE = re.compile(r"\[(min|above|max|one of|items one of|items min|items max) ([^\]]+)\]")
 
 
 def notebook_param_specs(notebook: Path) -> dict[str, ParamSpec]:
@@ -137,11 +137,12 @@ def check_rules(spec: ParamSpec, value: Any, where: str) -> None:
         if not any(k in ("min", "above") for k, _ in rules) and value < 0:
             raise ParamError(f"{bad} must be >= 0, got {value!r}  ({spec.help})")
     for kind, arg in rules:
-        if kind == "one of":
+        if kind in ("one of", "items one of"):
             choices = [c.strip() for c in re.split(r"[,|]", arg)]
-            if str(value) not in choices:
-                raise ParamError(f"{bad} must be one of {', '.join(choices)}, got {value!r}"
-                                 f"{did_you_mean(str(value), choices)}")
+            for v in (value if kind == "items one of" else [value]):
+                if str(v) not in choices:
+                    raise ParamError(f"{bad} {'items ' if kind.startswith('items') else ''}must be one of "
+                                     f"{', '.join(choices)}, got {v!r}{did_you_mean(str(v), choices)}")
             continue
         limit = float(arg)
         items = value if kind.startswith("items") else [value]

@@ -34,7 +34,8 @@ _SECRET_PAIRS = {("api", "key"), ("access", "key"), ("private", "key"), ("secret
                  ("session", "key"), ("signing", "key"), ("encryption", "key")}
 # "token" names a secret (HF_TOKEN, access-token, token) unless it is the model's kind of token
 _TOKENISH = {"bos", "eos", "pad", "unk", "sep", "cls", "mask", "first", "next", "last", "per", "output", "input",
-             "prompt", "special", "start", "end", "stop", "new", "generated", "draft", "max", "min", "num", "total"}
+             "prompt", "special", "start", "end", "stop", "new", "generated", "draft", "max", "min", "num", "total",
+             "cached", "pending", "prefill", "decode", "accepted", "rejected", "retracted", "evicted", "used"}
 # "pass" names a secret (DB_PASS, SSHPASS) unless it is a pass of a computation
 _PASSISH = {"first", "second", "third", "forward", "backward", "single", "multi", "prefill", "decode", "one", "two",
             "each", "num", "n", "by"}

@@ -40,6 +40,15 @@ def now_iso() -> str:
     return dt.datetime.now(dt.timezone.utc).astimezone().isoformat(timespec="milliseconds")
 
 
+UNSUPPORTED = "unsupported"      # a phase's status when its target cannot do what it measures (said why, one line)
+
+
+class PhaseUnsupported(RuntimeError):
+    """Raised by a phase before it starts anything when its target cannot do what the phase measures (e.g.
+    speculative decoding on an engine build without it); the message says why in one line. ``servelab run`` and
+    ``servelab demo`` record the phase as ``unsupported`` with that line (not as a failure)."""
+
+
 def new_run_id(name: str = "run") -> str:
     safe = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-") or "run"
     return f"{safe}-{dt.datetime.now():%Y%m%d-%H%M%S}"

@@ -49,6 +49,7 @@ from servelab.deploy.engines import ProfileError, profile_file
 from servelab.core.run import CommandRecord, now_iso, record_command, write_json_atomic
 
 SCENARIOS = ("decode_control", "mixed_treatment", "long_prefill", "prefix_hit")
+AUTO_STOP_GRACE_S = 20.0       # an engine that stops by itself gets this long to write its trace after the workload
 STEP_WINDOW = (10, 32)          # docs/method.md#profiling-lessons: capture only 10 to 32 engine steps after warm-up
 TRIGGERS = ("decode_active", "before_first_chunk")
 CASE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+-]{0,95}$")
@@ -600,7 +601,17 @@ def capture(srv: Any, scenario: ProfileScenario, case_dir: Path,
     if not holder:
         raise CaptureError(f"scenario {scenario.name}: the drive function returned without calling start()")
     session = stop_profile(srv, holder[0], run_dir=run_dir, phase=phase)
-    wait = wait_for_traces(srv, session, timeout_s=wait_timeout_s)
+    if session.auto_stop:
+        # the engine stops by itself after num_steps steps — unless the workload ended first (one long prompt
+        # alone runs a handful of steps, and an idle engine runs none): then it is stopped, which writes the trace
+        wait = wait_for_traces(srv, session, timeout_s=min(wait_timeout_s, AUTO_STOP_GRACE_S))
+        if not any(wait.ready.values()):
+            session.notes.append(f"the workload ended before num_steps={scenario.num_steps} steps ran: /stop_profile "
+                                 f"sent after {AUTO_STOP_GRACE_S:.0f} s so that the engine writes the steps it traced")
+            session = stop_profile(srv, session, force=True, run_dir=run_dir, phase=phase)
+            wait = wait_for_traces(srv, session, timeout_s=wait_timeout_s)
+    else:
+        wait = wait_for_traces(srv, session, timeout_s=wait_timeout_s)
     files = collect_profiles(srv, session, Path(case_dir), wait)
     meta = mark_profiled(Path(case_dir), session, files, wait)
     write_json_atomic(Path(case_dir) / CASE_CLOCK_FILE, case_clock_record(run_dir, srv.target))

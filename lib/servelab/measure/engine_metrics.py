@@ -119,16 +119,22 @@ class Scraper:
 
 
 def counter_deltas(frame: pd.DataFrame) -> pd.DataFrame:
-    """Per counter series (``*_total`` or TYPE counter): first, last, delta over the frame; a reset is flagged."""
+    """Per counter series (``*_total`` or TYPE counter): first, last, delta over the frame; a reset is flagged.
+
+    A series absent from the frame's first scrape and present later was created inside the window (engines create
+    a label set on its first increment: SGLang's ``sglang:cached_tokens_total{cache_source="device"}`` appears with
+    the first prefix-cache hit); it counts from 0, as a Prometheus counter does."""
     if frame.empty:
         return pd.DataFrame(columns=["name", "labels", "first", "last", "delta", "reset"])
     is_counter = (frame["type"] == "counter") | frame["name"].str.endswith("_total")
+    first_scrape = frame["ts_ns"].min()
     rows = []
     for (name, labels), g in frame[is_counter].sort_values("ts_ns").groupby(["name", "labels"], sort=True):
         v = g["value"].to_numpy()
         reset = bool((v[1:] < v[:-1]).any()) if len(v) > 1 else False
-        rows.append({"name": name, "labels": labels, "first": float(v[0]), "last": float(v[-1]),
-                     "delta": float(v[-1] - v[0]), "reset": reset})
+        first = float(v[0]) if g["ts_ns"].iloc[0] <= first_scrape else 0.0
+        rows.append({"name": name, "labels": labels, "first": first, "last": float(v[-1]),
+                     "delta": float(v[-1] - first), "reset": reset})
     return pd.DataFrame(rows)
 
 

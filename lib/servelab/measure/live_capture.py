@@ -119,10 +119,17 @@ class Drive:
         return t
 
 
-def _worker_trace_written(srv: RunningServer, trace_dir: Path, prefix: str) -> bool:
-    """Whether a worker trace of this session (file name starting with ``prefix``) is in ``trace_dir`` or a folder
-    below it (SGLang writes each session into its own sub-folder, ``profile_request``'s ``output_dir``)."""
-    return any((srv.engine.profile_file(p.name) or {}).get("kind") == "worker" for p in trace_dir.rglob(f"{prefix}*"))
+def _trace_files(trace_dir: Path, prefix: str) -> set[Path]:
+    """Files starting with ``prefix`` in ``trace_dir`` or a folder below it (SGLang writes each session into its
+    own sub-folder, ``profile_request``'s ``output_dir``)."""
+    return set(trace_dir.rglob(f"{prefix}*"))
+
+
+def _worker_trace_written(srv: RunningServer, trace_dir: Path, prefix: str, before: set[Path] = frozenset()) -> bool:
+    """Whether a worker trace of this session (file name starting with ``prefix``, not among ``before``: the files
+    there when the session started) is in ``trace_dir`` or below it."""
+    return any((srv.engine.profile_file(p.name) or {}).get("kind") == "worker"
+               for p in _trace_files(trace_dir, prefix) - before)
 
 
 class _Pool:
@@ -183,6 +190,7 @@ def _streams_until_trace(drive: Drive, scenario: ProfileScenario, pool: _Pool, t
             start()
         except BaseException as exc:        # re-raised below, in the caller's thread
             failed.append(exc)
+    before = _trace_files(trace_dir, prefix)         # an earlier session's files are not this one's trace
     starter = threading.Thread(target=run_start, daemon=True, name="servelab-start-profile")
     starter.start()
     try:
@@ -197,7 +205,7 @@ def _streams_until_trace(drive: Drive, scenario: ProfileScenario, pool: _Pool, t
     drive.mark("profile_started")
     started = time.monotonic()
     deadline = started + keep_alive_s
-    while not _worker_trace_written(drive.srv, trace_dir, prefix) and time.monotonic() < deadline:
+    while not _worker_trace_written(drive.srv, trace_dir, prefix, before) and time.monotonic() < deadline:
         keep_c()
         if after_start is not None:
             after_start(sum(n > 0 for n in reads), time.monotonic() - started)
@@ -369,7 +377,7 @@ def set_aside(cap: ScenarioCapture, raw: Path, attempt: int, reason: str) -> Pat
         shutil.rmtree(dest)
     dest.mkdir(parents=True)
     shutil.move(str(cap.case_dir), str(dest / "case"))
-    for f in raw.glob(f"{cap.scenario.profile_prefix}*"):
+    for f in _trace_files(raw, cap.scenario.profile_prefix):    # the session's folder too (SGLang)
         shutil.move(str(f), str(dest / f.name))
     (dest / "rejected.txt").write_text(reason + "\n")
     return dest

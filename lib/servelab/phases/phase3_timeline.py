@@ -293,7 +293,8 @@ def live_capture(ctx: Any, capture: bool, trace_dir: str) -> tuple[str, pd.DataF
         return "", pd.DataFrame([{"capture": "not run",
                                   "reason": f"the {ctx.target.engine} engine has no torch profiler endpoint; "
                                             f"use a vLLM or SGLang target (e.g. local-vllm) for a live capture"}])
-    caps = capture_live(ctx, check=mixed_window_check)
+    chosen = tuple(ctx.params.get("scenarios") or ()) or None
+    caps = capture_live(ctx, scenarios=chosen, check=mixed_window_check)
     ctx.captures = caps
     table = captured_table(caps, ctx.run_dir)
     table.to_csv(ctx.phase_dir / "captures.csv", index=False)

@@ -79,6 +79,47 @@ def run_phase4(ctx: Any, model_config: str, cluster_target: str, layouts: Sequen
     return res
 
 
+MEASURE_CASES = ("D1", "D2_c4")      # the cases each layout is measured with live: single-stream TPOT, C=4 throughput
+
+
+def measure_layouts(ctx: Any, layouts: Sequence[str], cases: Sequence[str] = MEASURE_CASES, repeats: int = 3,
+                    health_timeout_s: float = 900.0) -> list[str]:
+    """Measure each layout live on the phase's own target (``ctx.target``, e.g. ``local-sglang``): the target with the
+    layout's launch settings (the engine adapter's notation) and nothing else changed, served once, the ``cases``
+    of the quick matrix measured ``repeats`` times (``cases/<layout>-<case>/``), then stopped; each layout becomes a
+    run-like record (``phase4/layouts/<layout>/``) that the measured comparison reads as a run — the first layout is
+    the baseline, and only the layout keys may differ between records (the one-variable rule). Returns the record
+    folders, in the order given."""
+    from servelab.core.params import ParamError
+    from servelab.core.paths import path_slug
+    from servelab.core.run import read_manifest
+    from servelab.deploy.engines import engine_for
+    from servelab.measure.case import make_env, quick_matrix, run_case
+    from servelab.measure.launch_variants import serving, with_launch, write_run_record
+    target = ctx.target
+    eng = engine_for(target.engine)
+    lays = [parse_layout(x) for x in layouts]
+    if len({lay.label for lay in lays}) != len(lays):
+        raise ParamError(f"measure_layouts names a layout twice: {list(layouts)}")
+    specs = quick_matrix(target, list(cases))
+    parent = read_manifest(ctx.run_dir)
+    records: list[str] = []
+    for lay in lays:
+        t = with_launch(target, eng.layout_launch_settings(lay), lay.label)
+        tag = path_slug(lay.label)
+        done: list[tuple[str, Any, str]] = []
+        with serving(t, ctx.phase_dir / "server" / tag, ctx.run_dir, ctx.phase, health_timeout_s) as srv:
+            env = make_env(srv, ctx.run_dir, repeats=repeats, phase=ctx.phase, progress=False)
+            for spec in specs:
+                own = type(spec)(**{**spec.__dict__, "case_id": f"{tag}-{spec.case_id}", "notes": list(spec.notes)})
+                res = run_case(env, own)
+                done.append((spec.case_id, res.case_dir, ""))
+            rec = write_run_record(ctx.phase_dir / "layouts" / tag, f"{ctx.run_id}-{tag}", t, srv, done, parent,
+                                   extra={"layout": lay.label})
+        records.append(str(rec))
+    return records
+
+
 def launch_table(res: Phase4Result) -> pd.DataFrame:
     """The planned launch commands per layout and node (recorded as ``planned``; never executed here)."""
     return res.launch[["layout", "node", "command"]].assign(label="planned (not executed)")

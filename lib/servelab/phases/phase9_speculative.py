@@ -176,7 +176,12 @@ def run_phase9(ctx: Any, drafts: list[str] | None = None, num_draft_tokens: int 
                concurrencies: list[int] | None = None, input_tokens: int = 0, output_tokens: int = 0,
                repeats: int = 1, synth_rates: list[float] | None = None, seed: int = 0, definition: str = mx.VLLM_BENCH,
                health_timeout_s: float = 300.0, answers: dict[str, str] | None = None) -> Phase9Result:
-    """Speculation off, then each draft config, each served once; every concurrency measured on each."""
+    """Speculation off, then each draft config, each served once; every concurrency measured on each. A target
+    whose engine cannot speculate raises :class:`PhaseUnsupported` with the reason, before anything starts."""
+    from servelab.core.run import PhaseUnsupported
+    why = engine_for(ctx.target.engine).speculation_unsupported(ctx.target)
+    if why:
+        raise PhaseUnsupported(why)
     from servelab.measure.abtest import ab_compare
     from servelab.measure.launch_variants import serving, with_launch
     from servelab.core.params import ParamError

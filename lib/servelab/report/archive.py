@@ -22,7 +22,7 @@ a{color:#2e6da4}small{color:#666}"""
 
 
 def _status_class(status: str) -> str:
-    return {"success": "ok", "failed": "bad", "running": "run"}.get(status, "")
+    return {"success": "ok", "failed": "bad", "running": "run", "unsupported": "run"}.get(status, "")
 
 
 def _headline(h: dict[str, Any]) -> str:
@@ -178,7 +178,7 @@ def _milestones_html(run_dir: Path) -> str:
 def _lessons_html(m: dict[str, Any]) -> str:
     """The archive rule (``docs/method.md#archive``): final successful experiments in the body; failed attempts compressed into a
     lessons section at the end (phase, when, what failed, with which parameters)."""
-    failed = [a for a in m.get("attempts", []) if a.get("status") != "success"]
+    failed = [a for a in m.get("attempts", []) if a.get("status") not in ("success", "unsupported")]
     if not failed:
         return ""
     def row(a: dict[str, Any]) -> str:

@@ -68,6 +68,15 @@ def _per_kind(a: CaptureAnalysis, kind: str) -> dict:
             "busy_pct": 100 * s["busy_ms"].sum() / span if span else None, "ranks": s.height}
 
 
+def _on_cpu(a: CaptureAnalysis) -> bool:
+    """An engine on CPU: the op table is its forward's torch ops and gloo collectives (``ops.cpu_device_ops``)."""
+    return bool(a.rops) and all(r.device == "cpu" for r in a.rops)
+
+
+def _dev(a: CaptureAnalysis) -> str:
+    return "the forward thread (CPU)" if _on_cpu(a) else "GPU"
+
+
 def q1(a: CaptureAnalysis) -> Answer:
     top = a.top_kernels
     kinds = [k for k in ("prefill", "decode", "mixed", "all") if top.height and k in top["kind"].to_list()]
@@ -100,8 +109,8 @@ def q2(a: CaptureAnalysis) -> Answer:
     for k in kinds:
         d = _per_kind(a, k)
         if d["comm_ms"]:
-            parts.append(f"{k}: {_fmt(d['exposed_ms'], ' ms', 2)} exposed = {_fmt(d['exposed_pct'], '%')} of GPU step "
-                         f"time (comm {_fmt(d['comm_pct'], '%')})")
+            parts.append(f"{k}: {_fmt(d['exposed_ms'], ' ms', 2)} exposed = {_fmt(d['exposed_pct'], '%')} of "
+                         f"{'step' if _on_cpu(a) else 'GPU step'} time (comm {_fmt(d['comm_pct'], '%')})")
             ev.append(f"{k}: {d['windows']} windows × ranks, span {_fmt(d['span_ms'], ' ms', 2)}, comm union "
                       f"{_fmt(d['comm_ms'], ' ms', 2)}")
     cbc = a.comm_by_collective
@@ -112,9 +121,10 @@ def q2(a: CaptureAnalysis) -> Answer:
         if "SendRecv" in split["collective"].to_list():
             ev.append("SendRecv (pipeline) kernels include the wait for the other stage, so their exposed time is "
                       "mostly pipeline wait, not link time")
-    return Answer("Q2", QUESTIONS[1][1], True, "; ".join(parts),
-                  "exposed = comm kernel time not covered by any compute kernel on the same GPU; " + "; ".join(ev),
-                  _files(a))
+    what = ("exposed = gloo collective time not covered by any compute op of the forward thread (an engine on CPU: "
+            "torch's gloo collectives run on their own threads while the forward thread waits)" if _on_cpu(a)
+            else "exposed = comm kernel time not covered by any compute kernel on the same GPU")
+    return Answer("Q2", QUESTIONS[1][1], True, "; ".join(parts), what + "; " + "; ".join(ev), _files(a))
 
 
 def q3(a: CaptureAnalysis) -> Answer:
@@ -127,8 +137,9 @@ def q3(a: CaptureAnalysis) -> Answer:
         d = _per_kind(a, k)
         parts.append(f"{k}: {_fmt(d['overlap_pct'], '%')} of comm time overlapped by compute")
     streams = a.device_busy["streams"].max() if a.device_busy.height else None
-    ev = f"overlap = 1 − exposed/comm per window kind; GPU ops ran on at most {streams} stream(s) per GPU"
-    if streams == 1:
+    ev = (f"overlap = 1 − exposed/comm per window kind; the forward ran on {streams} thread(s) per rank"
+          if _on_cpu(a) else f"overlap = 1 − exposed/comm per window kind; GPU ops ran on at most {streams} stream(s) per GPU")
+    if streams == 1 and not _on_cpu(a):
         ev += " — a single stream serialises comm and compute, so no overlap is possible"
     return Answer("Q3", QUESTIONS[2][1], True, "; ".join(parts), ev, _files(a))
 
@@ -147,16 +158,19 @@ def q4(a: CaptureAnalysis) -> Answer:
         n_host = int(host["gaps"].sum()) if host.height else 0
         big = max(host["max_us"].to_list() or [0])
         idle_pct = _fmt(100 - (d['busy_pct'] or 0), '%')
-        parts.append(f"{k}: GPU idle {_fmt(d['idle_ms'], ' ms', 2)} inside steps ({idle_pct}"
+        parts.append(f"{k}: {'device' if _on_cpu(a) else 'GPU'} idle {_fmt(d['idle_ms'], ' ms', 2)} inside steps ({idle_pct}"
                      f" of span), host-bound {_fmt(d['host_ms'], ' ms', 2)} ({_fmt(d['host_pct'], '%')}) in {n_host} "
                      f"gaps, longest {_fmt(big, ' µs', 0)}")
     sync = int(g["after_sync"].sum())
-    ev = ("gap = hole between busy intervals of a GPU; host-bound = next op not yet launched when the GPU went idle; "
+    ev = (f"gap = hole between busy intervals of {_dev(a)}; host-bound = next op not yet launched when it went idle; "
           f"{sync} gaps followed a synchronising runtime call")
     return Answer("Q4", QUESTIONS[3][1], True, "; ".join(parts), ev, _files(a))
 
 
 def q5(a: CaptureAnalysis) -> Answer:
+    if _on_cpu(a):
+        return Answer("Q5", QUESTIONS[4][1], False, "not applicable to this capture",
+                      "an engine on CPU has no CUDA graphs: its steps run as torch ops on the forward thread", _files(a))
     g = a.graph
     if g.height == 0:
         return Answer("Q5", QUESTIONS[4][1], False, "not answerable from this capture", "no step windows", _files(a))
@@ -322,9 +336,11 @@ def q10(a: CaptureAnalysis, clock: OneClock | None = None) -> Answer:
     streams = a.device_busy["streams"].max() if a.device_busy.height else None
     why = (f"decode step '{worst['name']}' (rank {worst['rank']}) arrived {worst['delay_ms']:.2f} ms later than the "
            f"steady interval of {worst['baseline_ms']:.2f} ms because the prefill ({worst['prefill_windows']}) "
-           f"held the GPU for {worst['prefill_span_ms']:.2f} ms ({worst['prefill_between_ms']:.2f} ms of kernels) ahead of it")
+           f"held {_dev(a)} for {worst['prefill_span_ms']:.2f} ms ({worst['prefill_between_ms']:.2f} ms of "
+           f"{'ops' if _on_cpu(a) else 'kernels'}) ahead of it")
     if streams == 1:
-        why += "; all work ran on one stream, so the decode kernels could not start until the prefill finished"
+        why += ("; all work ran on one thread, so the decode ops could not start until the prefill finished" if _on_cpu(a)
+                else "; all work ran on one stream, so the decode kernels could not start until the prefill finished")
     ev = (f"{hit.height} decode steps followed prefill work (all ranks); token interval = GPU end − previous decode "
           f"step's GPU end; worst step's launches waited {worst['queued_ms']:.2f} ms from CPU launch to GPU start")
     if from_clock is not None:

@@ -316,6 +316,12 @@ class EngineAdapter:
         with a note per change for the page. Default: none."""
         return {}, []
 
+    def speculation_unsupported(self, target: Any) -> str:
+        """Why Phase 9 cannot run speculative decoding on ``target`` (one line), or "" when it can: said before
+        anything starts. Default: servelab builds no speculative launch for this engine."""
+        return (f"servelab builds speculative-decoding launches for llama.cpp and SGLang, not {self.name}: set "
+                "launch.spec on two targets and compare their runs with servelab.measure.abtest")
+
     def spec_launch_changes(self, target: Any, draft: str | None, num_draft_tokens: int, draft_min: int = 0,
                             synth_rates: Sequence[float] = ()) -> dict[str, Any]:
         """Launch settings that serve ``target`` with draft-model speculative decoding (``draft`` a draft key) or

@@ -211,6 +211,9 @@ class LlamaCppAdapter(EngineAdapter):
                          "target (no effect on models without sliding-window attention)")
         return changes, notes
 
+    def speculation_unsupported(self, target: Any) -> str:
+        return ""
+
     def spec_launch_changes(self, target: Any, draft: str | None, num_draft_tokens: int, draft_min: int = 0,
                             synth_rates: Sequence[float] = ()) -> dict[str, Any]:
         """Extra argv items, not ``launch.spec`` (``launch_plans`` emits ``--draft-max``, which this llama.cpp

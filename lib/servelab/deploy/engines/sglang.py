@@ -197,6 +197,34 @@ class SGLangAdapter(EngineAdapter):
             plans.append(plan)
         return plans
 
+    def speculation_unsupported(self, target: Any) -> str:
+        """On CPU SGLang cannot speculate: its speculative workers need sgl-kernel's CPU helpers (NGRAM imports
+        ``sgl_kernel.speculative.reconstruct_indices_from_tree_mask``, EAGLE/STANDALONE call
+        ``fill_accept_out_cache_loc_cpu`` ...), and no CPU build of sgl-kernel is published — seen with SGLang
+        0.5.23 and ``--speculative-algorithm NGRAM``: the scheduler dies at start on that import."""
+        if target.launch.get("device") == "cpu":
+            return ("SGLang on CPU cannot speculate: its speculative workers need sgl-kernel's CPU helpers "
+                    "(sgl_kernel.speculative.reconstruct_indices_from_tree_mask for NGRAM, fill_accept_out_cache_loc_cpu "
+                    "for EAGLE/STANDALONE), and no CPU build of sgl-kernel is published (SGLang 0.5.23's scheduler "
+                    "dies at start on that import); run Phase 9 on a GPU target")
+        return ""
+
+    def spec_launch_changes(self, target: Any, draft: str | None, num_draft_tokens: int, draft_min: int = 0,
+                            synth_rates: Any = ()) -> dict[str, Any]:
+        """``launch.spec`` for Phase 9's on/off comparison: a draft model served as SGLang's ``STANDALONE`` draft
+        (``self`` = the target's own model), ``num_draft_tokens`` drafted per step in a chain (topk 1)."""
+        from servelab.core.params import ParamError
+        if draft is None:
+            return {"spec": None}
+        if synth_rates:
+            raise ParamError("synthetic acceptance rates (synth_rates) exist in llama.cpp only")
+        if draft.startswith("random:"):
+            raise ParamError(f"draft {draft!r}: random drafts are generated for llama.cpp's tiny GGUF only; give "
+                             "SGLang a draft model path (or self)")
+        path = target.model if draft == "self" else draft
+        return {"spec": {"algorithm": "STANDALONE", "draft_model": path, "num_steps": int(num_draft_tokens),
+                         "topk": 1, "num_draft_tokens": int(num_draft_tokens) + 1}}
+
     def one_batch_bench_argv(self, target: Any, batch_size: int = 1, input_len: int = 1024,
                              output_len: int = 8) -> list[str]:
         """``sglang.bench_one_batch``: no server, one static batch."""
