@@ -15,7 +15,7 @@ In the same run:
   every ``slow_interval``), timed with ``time.process_time`` over many rounds — the cost of the data itself
   without any process, fork or formatting.
 
-    python benchmarks/bench_telemetry_overhead.py --seconds 60 --out benchmarks/results_telemetry_overhead_<date>.json
+    python benchmarks/bench_telemetry_overhead.py --seconds 60 --out benchmarks/results/telemetry_overhead_<date>.json
 
 The engine stand-in (the ``pid`` that ``pidstat``/``numastat`` follow) is a sleeping Python process with a
 few threads. GPU collectors (nvidia-smi, DCGM) run only where their binaries and a GPU are present; the
