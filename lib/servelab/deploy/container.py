@@ -27,8 +27,8 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from servelab.core.params import ParamError
-from servelab.deploy import hosts as hostlib
 from servelab.deploy.hosts import HostError
+from servelab.deploy.pid_records import CONTAINER_WHAT
 
 # docker's own rule for container names
 DOCKER_NAME = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.-]*$")
@@ -295,7 +295,7 @@ def start_container(tracker: Any, host: Any, spec: ContainerSpec, log_path: Any,
         argv = spec.run_argv(name, env_file, run_id)
         running = RunningContainer(host, spec, name, run_id, private, env_file, argv)
         handle = tracker.start(ContainerHost(host, running), argv, log_path, env={},
-                               what=hostlib.CONTAINER_WHAT.format(name=name, client=spec.client, private=private))
+                               what=CONTAINER_WHAT.format(name=name, client=spec.client, private=private))
     except BaseException:
         remove_private_dir(host, private)
         raise
