@@ -372,3 +372,76 @@ def log_join(records: list[Any], side: ServerSide, adapter: Any, stream_roles: t
     own = steps.filter(pl.col("prefill_tokens").is_in(list(sizes))) if steps.height else steps
     ttft = S.ttft_split(records, own, inject_roles, tolerance_ns=LOG_PLACEMENT_TOLERANCE_NS)
     return LogJoin(steps, stalls, ttft, thr, n, basis, adapter.log_steps_note, True)
+
+
+# ---------------------------------------------------------------- M1's log join on the page
+
+def _short_id(rid: str) -> str:
+    return "-".join(str(rid).split("-")[-3:])          # measure-0-4 / inject-0-2000000: role, repeat, index
+
+
+def m1_stall_sentence(join: Any) -> str:
+    """One findings sentence: M1's stalls and what overlapped them, the injected request's TTFT split."""
+    if join is None:
+        return "M1's stalls could not be joined with the engine's log (case files missing)."
+    if not join.timed:
+        return f"Stalls in M1 are not attributed on this page: {join.note}."
+    sm = join.summary()
+    if sm["threshold_ms"] is None:
+        return "M1's decode streams left no steady-state gaps to set a stall threshold."
+    text = (f"Stalls in M1's treatment (decode-stream gaps above the steady-state P99 {sm['threshold_ms']:.1f} ms, "
+            f"from {sm['steady_gaps']} gaps): {sm['stalls']}, {sm['by_prefill']} of them overlapping a logged prefill")
+    sp = join.ttft.filter(join.ttft["identified"]) if join.ttft.height else join.ttft
+    if sp.height:
+        r = sp.row(0, named=True)
+        text += (f"; the injected request's TTFT {r['ttft_ms']:.1f} ms = queueing {r['queueing_ms']:.1f} + prefill "
+                 f"{r['prefill_ms']:.1f} + delivery {r['delivery_ms']:.1f} ms")
+    return text + "."
+
+
+def m1_stall_summary(join: Any) -> pd.DataFrame:
+    """One row per cause: how many decode-stream stalls (gaps above the steady-state P99), on how many streams,
+    the worst gap and the logged prefill that overlapped it."""
+    if join is None:
+        return pd.DataFrame({"note": ["M1 did not run or its case files are missing: no stall attribution"]})
+    if not join.timed:
+        return pd.DataFrame({"note": [join.note]})
+    st = join.stalls.to_pandas()
+    if st.empty:
+        return pd.DataFrame({"note": [f"no decode-stream gap above the steady-state P99 ({join.threshold_ms:.1f} ms "
+                                      f"over {join.steady_gaps} gaps)" if join.threshold_ms is not None
+                                      else "no steady-state gaps to set a threshold"]})
+    st["cause"] = st["cause"].where(st["cause"] == "prefill", "no logged prefill")
+    rows = []
+    for cause, g in st.groupby("cause", sort=False):
+        w = g.sort_values("gap_ms", ascending=False).iloc[0]
+        rows.append({"cause": "overlapped a logged prefill" if cause == "prefill" else "overlapped no logged prefill",
+                     "stalls": len(g), "streams": g["request_id"].nunique(), "worst gap (ms)": round(w["gap_ms"], 1),
+                     "overlapping prefill": w["longest_step"] or "—",
+                     f"threshold: steady P99 (ms, {join.steady_gaps} gaps)": round(join.threshold_ms, 1)})
+    return pd.DataFrame(rows)
+
+
+def m1_stalls_table(join: Any, limit: int = 24) -> pd.DataFrame:
+    """Every stall (longest first, up to ``limit``): stream, chunk, gap, and the logged prefills it overlapped."""
+    if join is None or not join.timed or join.stalls.height == 0:
+        return m1_stall_summary(join)
+    st = join.stalls.to_pandas().sort_values("gap_ms", ascending=False).head(limit)
+    return pd.DataFrame({"stream": st["request_id"].map(_short_id), "chunk": st["chunk"],
+                         "gap (ms)": st["gap_ms"].round(1),
+                         "prefill overlap (% of gap)": st["step_cover_pct"].round().astype(int),
+                         "overlapping prefills": st["steps"].replace("", "—")}).reset_index(drop=True)
+
+
+def m1_ttft_split(join: Any) -> pd.DataFrame:
+    """Each injected request's TTFT = queueing (send → slot taken) + prefill (the logged prompt evaluation) +
+    delivery (prefill end → first chunk at the client)."""
+    if join is None or not join.timed:
+        return m1_stall_summary(join)
+    t = join.ttft.to_pandas()
+    if t.empty:
+        return pd.DataFrame({"note": ["no injected request completed in M1's first repeat"]})
+    return pd.DataFrame({"request": t["request_id"].map(_short_id), "input tokens": t["input_tokens"],
+                         "TTFT (ms)": t["ttft_ms"].round(1), "queueing (ms)": t["queueing_ms"].round(1),
+                         "prefill (ms)": t["prefill_ms"].round(1), "delivery (ms)": t["delivery_ms"].round(1),
+                         "logged prefill": t["prefill_step"].replace("", "not in the log window")})

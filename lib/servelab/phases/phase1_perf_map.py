@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import pandas as pd
 
+from servelab.analyse.serverside import m1_stall_sentence
 from servelab.measure import request_metrics as mx
 from servelab.measure.case import (SCALES, SUMMARY_KEYS, SUCCESS, CaseEnv, CaseResult, CaseSpec, MatrixResult,
                                    case_is_done, load_case_result, make_env, quick_matrix, run_matrix)
@@ -271,77 +272,6 @@ def m1_log_join(res: Phase1Result, sides: dict[str, Any] | None = None) -> Any:
     except OSError:
         return None
     return log_join(recs, side, _adapter(r.case_dir))
-
-
-def _short(rid: str) -> str:
-    return "-".join(str(rid).split("-")[-3:])          # measure-0-4 / inject-0-2000000: role, repeat, index
-
-
-def _stall_finding(join: Any) -> str:
-    """One findings line: M1's stalls and what overlapped them, the injected request's TTFT split."""
-    if join is None:
-        return "M1's stalls could not be joined with the engine's log (case files missing)."
-    if not join.timed:
-        return f"Stalls in M1 are not attributed on this page: {join.note}."
-    sm = join.summary()
-    if sm["threshold_ms"] is None:
-        return "M1's decode streams left no steady-state gaps to set a stall threshold."
-    text = (f"Stalls in M1's treatment (decode-stream gaps above the steady-state P99 {sm['threshold_ms']:.1f} ms, "
-            f"from {sm['steady_gaps']} gaps): {sm['stalls']}, {sm['by_prefill']} of them overlapping a logged prefill")
-    sp = join.ttft.filter(join.ttft["identified"]) if join.ttft.height else join.ttft
-    if sp.height:
-        r = sp.row(0, named=True)
-        text += (f"; the injected request's TTFT {r['ttft_ms']:.1f} ms = queueing {r['queueing_ms']:.1f} + prefill "
-                 f"{r['prefill_ms']:.1f} + delivery {r['delivery_ms']:.1f} ms")
-    return text + "."
-
-
-def m1_stall_summary(join: Any) -> pd.DataFrame:
-    """One row per cause: how many decode-stream stalls (gaps above the steady-state P99), on how many streams,
-    the worst gap and the logged prefill that overlapped it."""
-    if join is None:
-        return pd.DataFrame({"note": ["M1 did not run or its case files are missing: no stall attribution"]})
-    if not join.timed:
-        return pd.DataFrame({"note": [join.note]})
-    st = join.stalls.to_pandas()
-    if st.empty:
-        return pd.DataFrame({"note": [f"no decode-stream gap above the steady-state P99 ({join.threshold_ms:.1f} ms "
-                                      f"over {join.steady_gaps} gaps)" if join.threshold_ms is not None
-                                      else "no steady-state gaps to set a threshold"]})
-    st["cause"] = st["cause"].where(st["cause"] == "prefill", "no logged prefill")
-    rows = []
-    for cause, g in st.groupby("cause", sort=False):
-        w = g.sort_values("gap_ms", ascending=False).iloc[0]
-        rows.append({"cause": "overlapped a logged prefill" if cause == "prefill" else "overlapped no logged prefill",
-                     "stalls": len(g), "streams": g["request_id"].nunique(), "worst gap (ms)": round(w["gap_ms"], 1),
-                     "overlapping prefill": w["longest_step"] or "—",
-                     f"threshold: steady P99 (ms, {join.steady_gaps} gaps)": round(join.threshold_ms, 1)})
-    return pd.DataFrame(rows)
-
-
-def m1_stalls_table(join: Any, limit: int = 24) -> pd.DataFrame:
-    """Every stall (longest first, up to ``limit``): stream, chunk, gap, and the logged prefills it overlapped."""
-    if join is None or not join.timed or join.stalls.height == 0:
-        return m1_stall_summary(join)
-    st = join.stalls.to_pandas().sort_values("gap_ms", ascending=False).head(limit)
-    return pd.DataFrame({"stream": st["request_id"].map(_short), "chunk": st["chunk"],
-                         "gap (ms)": st["gap_ms"].round(1),
-                         "prefill overlap (% of gap)": st["step_cover_pct"].round().astype(int),
-                         "overlapping prefills": st["steps"].replace("", "—")}).reset_index(drop=True)
-
-
-def m1_ttft_split(join: Any) -> pd.DataFrame:
-    """Each injected request's TTFT = queueing (send → slot taken) + prefill (the logged prompt evaluation) +
-    delivery (prefill end → first chunk at the client)."""
-    if join is None or not join.timed:
-        return m1_stall_summary(join)
-    t = join.ttft.to_pandas()
-    if t.empty:
-        return pd.DataFrame({"note": ["no injected request completed in M1's first repeat"]})
-    return pd.DataFrame({"request": t["request_id"].map(_short), "input tokens": t["input_tokens"],
-                         "TTFT (ms)": t["ttft_ms"].round(1), "queueing (ms)": t["queueing_ms"].round(1),
-                         "prefill (ms)": t["prefill_ms"].round(1), "delivery (ms)": t["delivery_ms"].round(1),
-                         "logged prefill": t["prefill_step"].replace("", "not in the log window")})
 
 
 def memory_table(res: Phase1Result, phase_dir: Path) -> pd.DataFrame:
@@ -618,7 +548,7 @@ def findings(res: Phase1Result) -> list[str]:
                        + (f"; /metrics: {' running, '.join(seen)}" if seen else "; no /metrics scrape inside it")
                        + (f"; slots in use per its log up to {_num(t['slots in use max (log)'], 0)}"
                           if t["slots in use max (log)"] is not None else "") + ".")
-            out.append(_stall_finding(m1_log_join(res, {"treatment": side})))
+            out.append(m1_stall_sentence(m1_log_join(res, {"treatment": side})))
     elif any(c.startswith("M1") for c in [*by_id, *res.not_executed]):
         out.append("M1 produced no A/B (a side failed or did not run): no statement about interference.")
     if not df.empty:
