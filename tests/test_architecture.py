@@ -118,3 +118,49 @@ def test_metric_definitions_are_named_as_definitions_not_as_engines() -> None:
             if isinstance(node, ast.Constant) and node.value in ("vllm", "sglang"):
                 found.append(f"{rel}:{node.lineno}")
     assert found == []
+
+
+MAX_MODULE_LINES = 700
+
+
+def test_no_library_module_is_over_700_lines() -> None:
+    lib = ROOT / "lib" / "servelab"
+    big = {p.relative_to(lib).as_posix(): n for p in lib.rglob("*.py")
+           if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert big == {}, f"split these along their sections: {big}"
+
+
+# in-function imports of servelab modules that stay on purpose (everything else goes to the top of its module):
+# - cli.py: what a subcommand runs beyond core/deploy (pages, archive, phases), so `servelab phases|targets|params`
+#   answer without loading nbconvert or plotly;
+# - the engine adapters: the local engines' builders and installers (gguf/numpy, engine venvs), needed only for a
+#   local target; every trace-parsing worker imports the adapters;
+# - analyse/telemetry/smi_probe.py: the summary is optional on a bare GPU machine without pandas.
+LAZY_IMPORTS_KEPT = {
+    "cli.py": ("servelab.report.", "servelab.phases.", "servelab.measure"),
+    "deploy/engines/llamacpp.py": ("servelab.deploy.models", "servelab.deploy.llamacpp_build"),
+    "deploy/engines/sglang.py": ("servelab.deploy.sglang_cpu",),
+    "deploy/engines/vllm.py": ("servelab.deploy.vllm_cpu",),
+    "analyse/telemetry/smi_probe.py": ("servelab.analyse.telemetry.",),
+}
+
+
+def test_servelab_imports_sit_at_the_top_of_their_module() -> None:
+    """No cycle needs an import inside a function (the contracts forbid cycles, in-function imports included); only
+    the kinds in LAZY_IMPORTS_KEPT stay there, for the reason written above it."""
+    import ast
+    lib = ROOT / "lib" / "servelab"
+    found = []
+    for p in lib.rglob("*.py"):
+        rel = p.relative_to(lib).as_posix()
+        tree = ast.parse(p.read_text())
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                mods = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                    [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                for mod in mods:
+                    if mod.startswith("servelab") and not mod.startswith(LAZY_IMPORTS_KEPT.get(rel, ("\0",))):
+                        found.append(f"{rel}:{node.lineno} {mod}")
+    assert sorted(set(found)) == []

@@ -15,8 +15,16 @@ from typing import Any
 
 import pandas as pd
 
-from servelab.core.paths import outputs_root
+from servelab.core.paths import outputs_root, samples_root, cache_root
 from servelab.measure import request_metrics as mx
+from servelab.analyse.trace import figures
+from servelab.analyse.trace.analysis import analyse
+from servelab.analyse.trace.load import load_capture
+from servelab.core.params import ParamError, did_you_mean
+from servelab.core.run import read_manifest
+from servelab.measure.case_record import read_summary, read_summaries
+from servelab.measure.records import read_records
+from servelab.report.ledger import ledger
 
 
 def list_runs(root: Path | None = None) -> pd.DataFrame:
@@ -43,8 +51,6 @@ def case_view(run_dir: Path, case_id: str, definition: str = mx.VLLM_BENCH) -> t
     """One case: its percentile table (both definitions) and the per-request TTFT/E2E scatter over time."""
     import plotly.graph_objects as go
 
-    from servelab.measure.records import read_records
-    from servelab.measure.case_record import read_summary
     cdir = run_dir / "cases" / case_id
     pooled = read_summary(cdir / "summary.json")["metrics"]
     rows = []
@@ -74,7 +80,6 @@ def case_view(run_dir: Path, case_id: str, definition: str = mx.VLLM_BENCH) -> t
 
 def trace_folders(run_dir: Path) -> list[Path]:
     """Folders holding collected traces in a run (profiled cases), plus the bundled sample."""
-    from servelab.core.paths import samples_root
     found = sorted({p.parent.parent for p in (run_dir / "cases").glob("*/profiles/*/*.trace.json.gz")})
     sample = samples_root() / "h200x2" / "traces"
     return found + ([sample] if sample.exists() else [])
@@ -82,9 +87,6 @@ def trace_folders(run_dir: Path) -> list[Path]:
 
 def trace_view(folder: Path, rank: int | None = None, t0_ms: float | None = None, t1_ms: float | None = None) -> Any:
     """The Phase 3 per-rank timeline of a capture, optionally one rank and a zoomed time range."""
-    from servelab.core.paths import cache_root
-    from servelab.analyse.trace import figures
-    from servelab.analyse.trace.analysis import analyse
     a = analyse(folder, cache_dir=cache_root() / "traces")
     if rank is not None:
         import dataclasses
@@ -130,7 +132,6 @@ def explorer(root: Path | None = None, run_id: str | None = None) -> Any:
         out_trace.clear_output()
         if trace_dd.value is None:
             return
-        from servelab.analyse.trace.load import load_capture
         cap = load_capture(trace_dd.value)
         ranks = sorted({t.identity.rank for t in cap.ranks})
         rank_dd.options = [("all", None)] + [(str(r), r) for r in ranks]
@@ -166,7 +167,6 @@ def explorer(root: Path | None = None, run_id: str | None = None) -> Any:
 def resolve_run(run_id: str = "", target: str = "", root: Path | None = None) -> Path:
     """``outputs/<run_id>``; with an empty id the newest run (of ``target`` when given). A clear error when
     there is none."""
-    from servelab.core.params import ParamError, did_you_mean
     root = root or outputs_root()
     runs = list_runs(root)
     if run_id:
@@ -182,7 +182,6 @@ def resolve_run(run_id: str = "", target: str = "", root: Path | None = None) ->
 
 def run_phases(run_dir: Path) -> pd.DataFrame:
     """One row per phase of the run: status, recorded sample data or not, start / end, its page, the headline."""
-    from servelab.core.run import read_manifest
     m = read_manifest(run_dir)
     rows = []
     for phase, e in sorted(m.get("phases", {}).items(), key=lambda x: int(x[0][5:]) if x[0][5:].isdigit() else 99):
@@ -198,7 +197,6 @@ def case_table(run_dir: Path, definition: str = mx.VLLM_BENCH) -> pd.DataFrame:
     """Every measured case of the run from its ``summary.json``: phase, kind, concurrency, repeats, verdict
     (first reason), requests, output TPS and P50/P95 TTFT / TPOT in ``definition``. Summaries that do not
     follow the case schema are listed with their problem."""
-    from servelab.measure.case_record import read_summaries
     errors: list[str] = []
     rows = []
     for s in read_summaries(run_dir, errors=errors):
@@ -224,7 +222,6 @@ def case_table(run_dir: Path, definition: str = mx.VLLM_BENCH) -> pd.DataFrame:
 def capture_summary(run_dir: Path) -> pd.DataFrame:
     """The captures this run can show: the trace folders of its profiled cases, the capture Phase 3 analysed
     (``phase3/trace_analysis.json``) and the bundled sample — each with its trace files, ranks and size."""
-    from servelab.core.paths import samples_root
     sample = samples_root() / "h200x2" / "traces"
     folders: dict[Path, str] = {}
     for f in trace_folders(run_dir):
@@ -249,7 +246,6 @@ def capture_summary(run_dir: Path) -> pd.DataFrame:
 
 def ledger_table(run_dir: Path) -> pd.DataFrame:
     """The run's hypotheses ledger: status, and each piece of evidence with its phase and the tables it rests on."""
-    from servelab.report.ledger import ledger
     rows = []
     for _, r in ledger(run_dir).iterrows():
         evs = r["evidence"] or [{}]

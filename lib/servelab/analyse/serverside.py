@@ -25,6 +25,8 @@ import numpy as np
 import pandas as pd
 
 from servelab.measure.engine_metrics import gauge_series, histogram_buckets, histogram_mean, histogram_quantile
+from servelab.analyse.trace import stalls as S
+from servelab.measure.records import read_records
 
 SERIES_COLUMNS = ["t_s", "wall_ns", "metric", "value", "source"]
 QUANTILES = (0.5, 0.95, 0.99)
@@ -116,7 +118,6 @@ def _start_shift_ns(case_dir: Path, lines: pd.DataFrame, adapter: Any) -> int:
     p = Path(case_dir) / "requests.jsonl"
     if not pair or lines.empty or not (lines["clock"] == "elapsed").any() or not p.is_file():
         return 0
-    from servelab.measure.records import read_records
     sends = [r.send_ns + r.wall_offset_ns for r in read_records(p) if r.send_ns]
     first = lines.loc[(lines["event"] == pair[0]) & (lines["clock"] == "elapsed"), "wall_ns"]
     if not sends or first.empty:
@@ -258,7 +259,6 @@ def records_window(case_dir: Path, repeat: int = 0) -> tuple[int, int]:
     """(first scheduled send of a measured request — of any request where none has the role ``measure`` — , last
     stream end) of a case's requests of one repeat, warm-up left out, on the wall clock (ns): the window a client
     timeline of that repeat spans."""
-    from servelab.measure.records import read_records
     recs = [r for r in read_records(Path(case_dir) / "requests.jsonl") if r.repeat == repeat and r.role != "warmup"]
     if not recs:
         raise ValueError(f"{case_dir}: no measured requests in repeat {repeat}")
@@ -351,7 +351,6 @@ def log_join(records: list[Any], side: ServerSide, adapter: Any, stream_roles: t
     overlapped; an injected request's TTFT splits at its logged prefill."""
     import polars as pl
 
-    from servelab.analyse.trace import stalls as S
     empty = pl.DataFrame(schema=S.STEP_SCHEMA)
     pre = adapter.log_prefills(side.lines)
     if pre is None:

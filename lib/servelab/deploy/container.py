@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
-from servelab.core.params import ParamError
+from servelab.core.params import ParamError, reject_unknown
 from servelab.deploy.hosts import HostError
 from servelab.deploy.pid_records import CONTAINER_WHAT
 
@@ -54,7 +54,6 @@ def slug(text: str, limit: int = 48) -> str:
 
 def validate_docker(d: Any, source: str) -> None:
     """``launch.docker``: a mapping of known keys, a valid name, a list of devices, a positive grace."""
-    from servelab.core.params import reject_unknown
     if not isinstance(d, dict):
         raise ParamError(f"{source}: launch.docker must be a mapping {{image, name, ...}}, got {d!r}")
     reject_unknown(d, set(DOCKER_KEYS), f"{source}: launch.docker")

@@ -59,6 +59,9 @@ from servelab.measure.engine_metrics import named_deltas
 from servelab.core.run import emit_progress, human_duration, merge_table, now_iso
 from servelab.deploy.server import RunningServer, is_healthy
 from servelab.measure.workload import build_workload, engine_tokenizer, spec_source, token_pool
+from servelab.core.params import ParamError, did_you_mean
+from servelab.deploy.engines import engine_for
+from servelab.measure.peer_results import to_vllm_keys
 
 SUCCESS, FAILED, OOM = "success", "failed", "OOM"
 LONG_PREFILL = ("P2", "P3", "P4")          # no same-shape warm-up (expensive 32K/128K points)
@@ -110,7 +113,6 @@ def c1_requests(input_tokens: int, output_tokens: int, ref_cost: float, min_requ
 
 def max_request_tokens(target: Any) -> int | None:
     """Tokens one request may hold (prompt + output), as the target's engine counts them."""
-    from servelab.deploy.engines import engine_for
     return engine_for(target.engine).max_request_tokens(target.launch or {})
 
 
@@ -139,7 +141,6 @@ def quick_matrix(target: Any, cases: list[str] | None = None, min_duration_s: fl
     if scale not in SCALES:
         raise ValueError(f"target.scale must be one of {sorted(SCALES)}, got {scale!r}")
     if min_duration_s < 0 or min_requests < 0:
-        from servelab.core.params import ParamError
         raise ParamError(f"min_duration_s and min_requests must be >= 0 (got {min_duration_s}, {min_requests})")
     s = SCALES[scale]
     w = float(min_duration_s or s["min_window_s"])
@@ -175,7 +176,6 @@ def quick_matrix(target: Any, cases: list[str] | None = None, min_duration_s: fl
         known = {c.case_id for c in out} | {c.scenario for c in out}
         for name in cases:
             if name not in known:
-                from servelab.core.params import ParamError, did_you_mean
                 raise ParamError(f"unknown case '{name}'{did_you_mean(name, known)}; cases: {sorted(known)}")
         out = [c for c in out if c.case_id in cases or c.scenario in cases]
     return out
@@ -435,7 +435,6 @@ def case_summary(result: CaseResult, folder: CaseFolder, records: list[RequestRe
     A later attempt (``attempt`` ≥ 2, folder ``<case_id>@a<n>``) is a repeat of the case: ``repeat_of`` is the case
     id and ``details.attempt`` says which attempt of which folder it is."""
     if result.summaries:
-        from servelab.measure.peer_results import to_vllm_keys
         # the same numbers under vllm bench serve's keys, one object per definition (like --append-result)
         lines = [json.dumps(to_vllm_keys(result.summaries[d], {"label": result.case.case_id,
                                                                "max_concurrency": result.case.concurrency}),

@@ -36,7 +36,7 @@ import pandas as pd
 
 from servelab.core.run import now_iso, write_json_atomic
 from servelab.measure import request_metrics as mx
-from servelab.measure.records import write_records
+from servelab.measure.records import write_records, ClientRun, read_records
 
 SCHEMA_VERSION = 1
 VALID, INVALID = "VALID", "INVALID"
@@ -102,7 +102,6 @@ def verdict_of(v: mx.Verdict) -> dict[str, Any]:
 def client_integrity(run: Any) -> dict[str, Any]:
     """``request_metrics.integrity`` of a client run that had its loop-lag monitor on; ``{}`` (not measured) for
     none, or for a run without monitor samples."""
-    from servelab.measure.records import ClientRun
     if not isinstance(run, ClientRun) or not run.loop_lag_ns:
         return {}
     return mx.integrity(run)
@@ -301,7 +300,6 @@ class CaseFolder:
         says ``status`` / ``verdict.status`` ``INTERRUPTED`` (with how many records were received), ``meta.json``
         is closed with the same status. No metrics: the records are evidence, not a result. Returns the
         summary written."""
-        from servelab.measure.records import read_records
         self.close_stream()
         path = self.requests_path
         if not path.exists():

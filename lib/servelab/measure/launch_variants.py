@@ -28,15 +28,17 @@ from typing import Any, Iterator
 
 import pandas as pd
 
-from servelab.core.params import ParamError
+from servelab.core.params import ParamError, did_you_mean
 
 from servelab.deploy.spec import Target
 
 from servelab.deploy.targets import target_from_dict
 from servelab.measure.case_record import repeat_frame, write_case_index
-from servelab.measure.engine_metrics import counter_deltas, parse_text
-from servelab.core.run import now_iso, redact, write_json_atomic
-from servelab.deploy.server import RunningServer, http_text
+from servelab.measure.engine_metrics import counter_deltas, parse_text, label_key
+from servelab.core.run import now_iso, redact, write_json_atomic, CommandRecord, record_command
+from servelab.deploy.server import RunningServer, http_text, plan_launch, start_server, stop_server
+from servelab.deploy.engines import engine_for
+from servelab.deploy.hosts import ProcessTracker
 
 
 def with_launch(target: Target, changes: dict[str, Any], name_suffix: str = "") -> Target:
@@ -57,7 +59,6 @@ def with_launch(target: Target, changes: dict[str, Any], name_suffix: str = "") 
 
 def launch_argv(target: Target) -> list[str]:
     """The head node's engine command for ``target`` (builds/caches local artifacts, starts nothing)."""
-    from servelab.deploy.server import plan_launch
     plans, _ = plan_launch(target, port=target.port or 1)
     return next(p for p in plans if p.role == "head").argv
 
@@ -69,7 +70,6 @@ def check_knob_changes_command(target: Target, knob: str, values: list[Any]) -> 
     ``chunked_prefill_size`` on llama.cpp, whose per-iteration token budget is ``batch_size``).
     """
     if knob not in _launch_keys(target):
-        from servelab.core.params import did_you_mean
         keys = _launch_keys(target)
         raise ParamError(f"'{knob}' is not a launch setting of {target.engine}{did_you_mean(knob, keys)}; "
                          f"settings: {', '.join(sorted(keys))}")
@@ -87,7 +87,6 @@ def check_knob_changes_command(target: Target, knob: str, values: list[Any]) -> 
 
 
 def _launch_keys(target: Target) -> set[str]:
-    from servelab.deploy.engines import engine_for
     return engine_for(target.engine).launch_keys()
 
 
@@ -95,8 +94,6 @@ def _launch_keys(target: Target) -> set[str]:
 def serving(target: Target, log_dir: Path, run_dir: Path | None = None, phase: str = "",
             health_timeout_s: float = 300.0) -> Iterator[RunningServer]:
     """Start ``target``'s engine (commands recorded as executed when ``run_dir`` is given); always stop it."""
-    from servelab.deploy.hosts import ProcessTracker
-    from servelab.deploy.server import start_server, stop_server
     with ProcessTracker() as tracker:
         srv = start_server(target, Path(log_dir), tracker, run_dir=run_dir, phase=phase,
                            health_timeout_s=health_timeout_s)
@@ -122,7 +119,6 @@ class Snapshot:
 
     def frame(self) -> pd.DataFrame:
         """Rows like :class:`servelab.measure.engine_metrics.Scraper` keeps (``ts_ns, wall_ns, name, labels, value, type``)."""
-        from servelab.measure.engine_metrics import label_key
         if not self.ok:
             return pd.DataFrame(columns=["ts_ns", "wall_ns", "name", "labels", "value", "type"])
         return pd.DataFrame([{"ts_ns": self.ts_ns, "wall_ns": self.wall_ns, "name": s["name"],
@@ -176,7 +172,6 @@ def server_cpu_s(srv: RunningServer) -> float | None:
 
 def log_reproduce(ctx: Any, phase_key: str) -> None:
     """Record how to re-run this phase (label ``reproduce``) in the run's command log."""
-    from servelab.core.run import CommandRecord, record_command
     target = (getattr(ctx, "params", None) or {}).get("target") or ctx.target.name
     run_id = getattr(ctx, "run_id", "") or Path(ctx.run_dir).name
     record_command(Path(ctx.run_dir), CommandRecord(

@@ -45,6 +45,7 @@ from servelab.measure.workload import RequestSpec, build_workload, engine_tokeni
 from servelab.deploy.engines import engine_for
 from servelab.deploy.hosts import ProcessTracker
 from servelab.deploy.server import RunningServer, http_json, start_server, stop_server
+from servelab.measure.launch_variants import delta_of, metrics_snapshot, snapshot_deltas
 
 SCENARIO_KIND = {"decode_control": "decode", "mixed_treatment": "mixed", "long_prefill": "prefill",
                  "prefix_hit": "prefix_cache"}
@@ -276,8 +277,6 @@ def prefix_drive(drive: Drive, scenario: ProfileScenario, pool: _Pool) -> Callab
     """prefix_hit: one request carrying the shared prefix warms the cache (role ``prewarm``, before the capture);
     then ``start()`` and C requests sharing that prefix (each with its own suffix) run concurrently to their end.
     The achieved hit rate comes from the engine's prefix-cache counters around the captured requests."""
-    from servelab.measure.launch_variants import metrics_snapshot, snapshot_deltas
-
     def run(start: Callable[[], Any]) -> Drive:
         rate = scenario.prefix_tokens / scenario.isl_tokens
         specs = pool.specs(scenario.concurrency + 1, scenario.isl_tokens, scenario.osl_tokens, "measure",
@@ -294,7 +293,6 @@ def prefix_drive(drive: Drive, scenario: ProfileScenario, pool: _Pool) -> Callab
         try:
             deltas = snapshot_deltas(before, after)
             names = drive.srv.engine.metric_names
-            from servelab.measure.launch_variants import delta_of
             hits, queries, how = drive.srv.engine.prefix_cache_counts(lambda k: delta_of(deltas, names[k])
                                                                       if k in names else None)
             drive.marks["prefix_hit_rate_ppm"] = int(1e6 * hits / queries) if hits is not None and queries else -1

@@ -17,7 +17,7 @@ import pandas as pd
 from servelab.measure import request_metrics as mx
 from servelab.measure.case import CaseEnv, CaseResult, CaseSpec, case_seed, run_case, sizing_kw
 from servelab.measure.client import ClientConfig, run_requests
-from servelab.measure.records import ClientRun, RequestRecord
+from servelab.measure.records import ClientRun, RequestRecord, read_records
 from servelab.measure.workload import build_workload
 
 COMPARE_KEYS = ("output_throughput", "p95_ttft_ms", "p95_tpot_ms", "p95_e2el_ms", "p50_itl_ms", "p99_itl_ms",
@@ -105,7 +105,6 @@ def ab_compare(control: CaseResult, treatment: CaseResult, definition: str = mx.
 
 def m1_analysis(control: CaseResult, treatment: CaseResult, definition: str = mx.VLLM_BENCH) -> dict[str, Any]:
     """A/B table, injection metrics, ITL timeline of both runs and per-window ITL stats (first repeat)."""
-    from servelab.measure.records import read_records
     crec = [r for r in read_records(control.case_dir / "requests.jsonl") if r.repeat == 0 and r.role != "warmup"]
     trec = [r for r in read_records(treatment.case_dir / "requests.jsonl") if r.repeat == 0 and r.role != "warmup"]
 

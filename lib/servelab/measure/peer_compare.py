@@ -43,10 +43,11 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import pandas as pd
 
-from servelab.core.run import now_iso, write_json_atomic
+from servelab.core.run import now_iso, write_json_atomic, read_commands, read_manifest
 from servelab.measure import peer_results as pr
 from servelab.measure import request_metrics as mx
 from servelab.measure.records import RequestRecord, read_records
+from servelab.measure.case_record import read_summaries, read_summary
 
 SGLANG, VLLM = mx.SGLANG_BENCH, mx.VLLM_BENCH          # the two definitions of our own numbers
 PEER_DEFINITIONS = (SGLANG, VLLM, "aiperf", "guidellm")
@@ -241,7 +242,6 @@ def summarize_as(records: Iterable[RequestRecord], definition: str, duration_s: 
 def phase1_cases(run_dir: str | Path) -> pd.DataFrame:
     """Our Phase 1 cases of a run that a peer could have run too (matrix points and search points; not the
     injected M1 treatment): case id, scenario, lengths, concurrency, prompts per wave, repeats, verdict, folder."""
-    from servelab.measure.case_record import read_summaries
     rows = []
     for s in read_summaries(run_dir, phase="phase1", errors=[]):
         c = (s.get("details") or {}).get("case") or {}
@@ -443,7 +443,6 @@ def rerun_phase1(run_dir: str | Path) -> str:
     """The ``servelab run phase1 ... --resume`` line that re-runs Phase 1 into this run with the overrides it last
     ran with: its recorded ``reproduce`` command (the CLI's, which holds every ``-p``, before the notebook's)."""
     import shlex
-    from servelab.core.run import read_commands
     rdir = Path(run_dir)
     recs = [r for r in read_commands(rdir, "phase1")
             if r.label == "reproduce" and r.argv[:3] == ["servelab", "run", "phase1"]][::-1]
@@ -457,7 +456,6 @@ def rerun_phase1(run_dir: str | Path) -> str:
 def import_report(run_dir: str | Path, table: pd.DataFrame, added: list[dict[str, Any]]) -> list[str]:
     """What ``servelab import`` prints: one line per file (tool, shape, requests, the case of ours with its shape),
     then how to see them on the Phase 1 page."""
-    from servelab.core.run import read_manifest
     rdir = Path(run_dir)
     cases = phase1_cases(rdir)
     matches = match(table, cases)
@@ -490,7 +488,6 @@ def import_report(run_dir: str | Path, table: pd.DataFrame, added: list[dict[str
 
 def case_records(case_dir: str | Path) -> tuple[list[RequestRecord], float]:
     """A case's raw records and its measurement window (``summary.json``: the pooled ``duration_s``)."""
-    from servelab.measure.case_record import read_summary
     cdir = Path(case_dir)
     summ = read_summary(cdir / "summary.json")
     metrics = summ.get("metrics") or {}

@@ -44,6 +44,7 @@ import numpy as np
 import pandas as pd
 
 from servelab.measure.records import ClientRun, RequestRecord
+from servelab.core.paths import cache_root
 
 class Definition(StrEnum):
     """A metric definition: the benchmark tool whose rules a number follows — never the engine that served the
@@ -418,7 +419,6 @@ def measured_client_ceiling(path: Any = None) -> dict[str, Any] | None:
     import json
     from pathlib import Path
     if path is None:
-        from servelab.core.paths import cache_root
         path = cache_root() / CEILING_FILE
     if not Path(path).is_file():
         return None

@@ -35,6 +35,10 @@ from servelab.core.paths import project_root
 from servelab.measure import request_metrics as mx
 from servelab.measure.case import (ATTEMPT_SEP, ENGINE_CRASH, CaseEnv, CaseSpec, EngineCrash, attempt_folder,
                                    make_env, split_attempt)
+from servelab.deploy.hosts import ProcessTracker
+from servelab.deploy.server import start_server, stop_server
+from servelab.deploy.targets import load_target
+from servelab.measure.matrix import dispatch_case
 
 SUPPORTED_PHASES = ("phase1",)
 ENV_KEYS = ("repeats", "seed", "api", "timeout_s", "scrape_interval_s", "max_cv_pct", "phase")
@@ -159,11 +163,6 @@ def rerun_case(run_id: str, case_id: str, target: str | None = None, health_time
     """Run ``case_id`` of ``run_id`` again on the same target (or ``target``) as a new attempt; see the module
     docstring. Raises ``ParamError`` before anything starts when the case cannot be re-run, ``ServerError``
     when the engine does not start (the reserved attempt folder is removed again)."""
-    from servelab.measure.matrix import dispatch_case
-    from servelab.deploy.hosts import ProcessTracker
-    from servelab.deploy.server import start_server, stop_server
-    from servelab.deploy.targets import load_target
-
     r = recipe or read_recipe(run_id, case_id)
     tgt = load_target(target or r.target)
     rdir = r.run_dir

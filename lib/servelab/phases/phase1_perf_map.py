@@ -17,14 +17,26 @@ from typing import Any, Callable
 
 import pandas as pd
 
-from servelab.analyse.serverside import m1_stall_sentence
-from servelab.measure import request_metrics as mx
+from servelab.analyse.serverside import (m1_stall_sentence, log_join, case_serverside, records_window,
+                                         client_vs_server, read_metrics, server_percentiles, side_summary)
+from servelab.measure import request_metrics as mx, peer_compare as pc
 from servelab.measure.case import (SCALES, SUMMARY_KEYS, SUCCESS, CaseEnv, CaseResult, CaseSpec, MatrixResult,
                                    case_is_done, load_case_result, make_env, quick_matrix, run_matrix)
 from servelab.measure.matrix import dispatch_case
 from servelab.measure.mixed import m1_analysis
 from servelab.core.run import merge_table, write_json_atomic
 from servelab.measure.search import SearchConfig, SearchResult, concurrency_search
+from servelab.analyse.prefix_cache import memory_breakdown
+from servelab.core.params import ParamError
+from servelab.deploy.engines import engine_for
+from servelab.deploy.hosts import ProcessTracker
+from servelab.deploy.server import engine_info, start_server, stop_server
+from servelab.measure.peer_results import ImportFormatError
+from servelab.measure.records import read_records
+from servelab.phases.case_rerun import case_command
+from servelab.phases.context import log_command
+from servelab.report import perf_figures as pf
+from servelab.report.ledger import evidence_frame, record_evidence
 
 
 @dataclass
@@ -114,17 +126,11 @@ def resumable(runner: Callable[[CaseEnv, CaseSpec], CaseResult], skipped: list[s
 
 def run_phase1(ctx: Any, health_timeout_s: float = 900.0) -> Phase1Result:
     """Start the engine, run the matrix (and the search), stop the engine; write the phase tables."""
-    from servelab.deploy.hosts import ProcessTracker
-    from servelab.phases.context import log_command
-    from servelab.deploy.server import engine_info, start_server, stop_server
-
     p = ctx.params
     definition = p.get("definition", mx.VLLM_BENCH)
     if definition not in mx.DEFINITIONS:
-        from servelab.core.params import ParamError
         raise ParamError(f"definition must be one of {mx.DEFINITIONS}, got {definition!r}")
     if p.get("matrix", "quick") != "quick":
-        from servelab.core.params import ParamError
         raise ParamError(f"matrix: only 'quick' exists (got {p.get('matrix')!r})")
     cases = quick_matrix(ctx.target, list(p.get("cases") or []), min_duration_s=float(p.get("min_duration_s") or 0),
                          min_requests=int(p.get("min_requests") or 0))
@@ -174,9 +180,6 @@ def recorded_runner(ctx: Any, runner: Callable[[CaseEnv, CaseSpec], CaseResult]
                     ) -> Callable[[CaseEnv, CaseSpec], CaseResult]:
     """``runner`` that, once a case's folder is written (whatever its verdict, an engine crash included), records
     the ``reproduce`` command re-running that case as a new attempt (once per case and run)."""
-    from servelab.phases.case_rerun import case_command
-    from servelab.phases.context import log_command
-
     def run(env: CaseEnv, case: CaseSpec) -> CaseResult:
         try:
             return runner(env, case)
@@ -235,7 +238,6 @@ def search_table(res: Phase1Result) -> pd.DataFrame:
 
 
 def frontier_figure(res: Phase1Result) -> Any:
-    from servelab.report import perf_figures as pf
     if res.search is None:
         return pf.slo_frontier(pd.DataFrame(), None, res.definition)
     return pf.slo_frontier(res.search.frontier(), res.search.slo, res.definition)
@@ -261,8 +263,6 @@ def m1_windows_table(res: Phase1Result) -> pd.DataFrame:
 def m1_log_join(res: Phase1Result, sides: dict[str, Any] | None = None) -> Any:
     """M1 treatment's client chunks joined with the prefills its engine log times (``analyse.serverside.log_join``,
     docs/metrics.md#m1-log-join); None when M1 did not run or its files are missing."""
-    from servelab.analyse.serverside import log_join
-    from servelab.measure.records import read_records
     r = case_result(res, "M1_treatment")
     side = (sides if sides is not None else m1_serverside(res)).get("treatment")
     if r is None or side is None:
@@ -277,8 +277,6 @@ def m1_log_join(res: Phase1Result, sides: dict[str, Any] | None = None) -> Any:
 def memory_table(res: Phase1Result, phase_dir: Path) -> pd.DataFrame:
     """What the engine printed about its memory at start (weights, KV pool, compute buffers; the routine Phase 8
     uses), from this phase's server log; says so where the engine does not print it at its log level."""
-    from servelab.analyse.prefix_cache import memory_breakdown
-    from servelab.deploy.engines import engine_for
     engine = res.server.get("engine")
     logs = sorted(Path(phase_dir, "server").glob("*.log"))
     if not logs or not engine:
@@ -289,7 +287,6 @@ def memory_table(res: Phase1Result, phase_dir: Path) -> pd.DataFrame:
 
 
 def m1_figure(res: Phase1Result) -> Any:
-    from servelab.report import perf_figures as pf
     import plotly.graph_objects as go
     if res.m1 is None:
         return go.Figure().update_layout(title="M1 did not run: no ITL timeline")
@@ -301,14 +298,12 @@ def m1_figure(res: Phase1Result) -> Any:
 def _adapter(case_dir: Path) -> Any:
     import json
 
-    from servelab.deploy.engines import engine_for
     return engine_for(json.loads((case_dir / "meta.json").read_text())["engine"])
 
 
 def m1_serverside(res: Phase1Result) -> dict[str, Any]:
     """M1's control and treatment runs seen from the engine, each on the window of its first repeat (the window
     the ITL timeline shows): ``{"control": ServerSide, "treatment": ServerSide}``; empty if M1 did not run."""
-    from servelab.analyse.serverside import case_serverside, records_window
     out: dict[str, Any] = {}
     if res.m1 is None:
         return out
@@ -326,7 +321,6 @@ def m1_serverside(res: Phase1Result) -> dict[str, Any]:
 
 def serverside_figure(res: Phase1Result, sides: dict[str, Any] | None = None) -> Any:
     """The M1 ITL timeline over the engine's running / queued / KV series and its scheduler lines."""
-    from servelab.report import perf_figures as pf
     import plotly.graph_objects as go
     if res.m1 is None:
         return go.Figure().update_layout(title="M1 did not run: no server-side timeline")
@@ -367,7 +361,6 @@ def serverside_percentiles(res: Phase1Result) -> pd.DataFrame:
     """Per case: the client's TTFT/ITL/E2E percentiles beside the engine's histogram percentiles (bucket-
     interpolated, with the bucket that holds the server's P95) and its queue time; one row per case saying so
     where the engine exposes no histograms."""
-    from servelab.analyse.serverside import client_vs_server, read_metrics, server_percentiles
     frames = []
     for r in res.matrix.results:
         if not r.summaries:
@@ -414,8 +407,6 @@ def _import_hint(run_dir: Path) -> str:
 def _peers(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, str]:
     """(peer table, our cases, matches, problem): a ``peers/`` folder that cannot be read is a note on the page,
     never a failed phase."""
-    from servelab.measure import peer_compare as pc
-    from servelab.measure.peer_results import ImportFormatError
     try:
         peers = pc.load_peer_table(run_dir)
         cases = pc.phase1_cases(run_dir)
@@ -449,7 +440,6 @@ def peer_files(run_dir: Path) -> pd.DataFrame:
 def peer_side_by_side(run_dir: Path) -> pd.DataFrame | None:
     """For each imported peer result matched to one of our cases: the peer's numbers, ours re-computed from our
     raw records under the peer's own definition, and the difference (None when nothing was imported)."""
-    from servelab.measure import peer_compare as pc
     peers, cases, matches, problem = _peers(run_dir)
     if problem or peers.empty:
         return None
@@ -465,7 +455,6 @@ def peer_side_by_side(run_dir: Path) -> pd.DataFrame | None:
 def ours_in_peer_definitions(run_dir: Path) -> pd.DataFrame | None:
     """The matched cases' records in every peer's definition (sglang, vllm, aiperf, guidellm) — or, when no peer
     matched, the first case that ran; None when nothing was imported."""
-    from servelab.measure import peer_compare as pc
     peers, cases, matches, problem = _peers(run_dir)
     if problem or peers.empty:
         return None
@@ -480,7 +469,6 @@ def ours_in_peer_definitions(run_dir: Path) -> pd.DataFrame | None:
 
 def peer_definition_notes(run_dir: Path) -> pd.DataFrame | None:
     """Where the four definitions differ, aspect by aspect (None when nothing was imported)."""
-    from servelab.measure import peer_compare as pc
     peers, _, _, problem = _peers(run_dir)
     if problem or peers.empty:
         return None
@@ -539,7 +527,6 @@ def findings(res: Phase1Result) -> list[str]:
                    f"{validity}.")
         side = m1_serverside(res).get("treatment")
         if side is not None:
-            from servelab.analyse.serverside import side_summary
             t = side_summary(side)
             seen = [f"{label} {_num(t[key], 0)}" for key, label in (("running max (req)", "at most"),
                                                                      ("queued max (req)", "queued at most"))
@@ -636,7 +623,6 @@ def h6_evidence(res: Phase1Result) -> tuple[str, str, dict[str, Any]]:
 
 def record_h4(ctx: Any, res: Phase1Result) -> pd.DataFrame:
     """Record H4 from M1 (see :func:`h4_evidence`), linking ``m1_windows.csv`` / ``m1_ab.csv``."""
-    from servelab.report.ledger import evidence_frame, record_evidence
     verdict, summary, nums = h4_evidence(res)
     tables = [t for t in ("m1_windows.csv", "m1_ab.csv") if (Path(ctx.phase_dir) / t).is_file()] or ["matrix.csv"]
     return evidence_frame([record_evidence(ctx, "H4", verdict, summary, anchor="Mixed-A/B-(M1)", table=tables,
@@ -645,7 +631,6 @@ def record_h4(ctx: Any, res: Phase1Result) -> pd.DataFrame:
 
 def record_h6(ctx: Any, res: Phase1Result) -> pd.DataFrame:
     """Record H6 from the concurrency search (see :func:`h6_evidence`), linking ``frontier.csv`` / ``search.json``."""
-    from servelab.report.ledger import evidence_frame, record_evidence
     verdict, summary, nums = h6_evidence(res)
     tables = [t for t in ("frontier.csv", "search.json") if (Path(ctx.phase_dir) / t).is_file()] or ["matrix.csv"]
     return evidence_frame([record_evidence(ctx, "H6", verdict, summary, anchor="Concurrency-search", table=tables,

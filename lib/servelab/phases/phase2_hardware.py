@@ -21,7 +21,7 @@ from typing import Any
 
 import pandas as pd
 
-from servelab.deploy.hosts import connect
+from servelab.deploy.hosts import connect, ProcessTracker
 from servelab.measure import request_metrics as mx
 from servelab.core.paths import samples_root
 from servelab.measure.telemetry import collectors as C
@@ -35,6 +35,13 @@ from servelab.measure.telemetry.runner import (NOT_CONFIGURED, OK, CollectorStat
 from servelab.analyse.telemetry.summary import (CATALOG, answer_questions, compare_cases, coverage_table, status_table,
                                         summarize_case, write_metric_csvs)
 from servelab.analyse.telemetry.windows import CaseWindow
+from servelab.analyse.serverside import case_serverside, side_summary
+from servelab.deploy.engines import engine_for
+from servelab.deploy.server import start_server, stop_server
+from servelab.measure.case import EngineCrash, make_env, quick_matrix
+from servelab.measure.matrix import dispatch_case
+from servelab.phases.context import log_command
+from servelab.report.ledger import evidence_frame, record_evidence
 
 WORKLOAD = (
     "import hashlib, json, sys, threading, time\n"
@@ -87,7 +94,6 @@ def collector_plan(ctx: Any, interval_s: float = 1.0) -> pd.DataFrame:
 
 
 def _log(ctx: Any, label: str, argv: list[str], title: str, **kw: Any) -> None:
-    from servelab.phases.context import log_command
     log_command(ctx, label, display_argv(argv), title=title, **kw)
 
 
@@ -154,10 +160,6 @@ def run_engine_cases(ctx: Any, case_ids: list[str] | None = None, interval_s: fl
     exact measurement window. Cases are stored as ``hw-<case>`` so they never overwrite Phase 1's."""
     import dataclasses
 
-    from servelab.measure.case import EngineCrash, make_env, quick_matrix
-    from servelab.deploy.hosts import ProcessTracker
-    from servelab.measure.matrix import dispatch_case
-    from servelab.deploy.server import start_server, stop_server
 
     plan = collector_plan(ctx, interval_s)
     specs_cases = [dataclasses.replace(c, case_id=f"hw-{c.case_id}")
@@ -225,8 +227,6 @@ def engine_view(ctx: Any, run: Phase2Run) -> pd.DataFrame:
     """Per engine case, what the engine itself reported inside the same client window as the telemetry: running and
     queued requests, KV usage, slots or batch lines from its log, server TTFT P95 (docs/metrics.md#server-side).
     A case without an engine (the CPU workloads) has no row; none at all is said in one row."""
-    from servelab.analyse.serverside import case_serverside, side_summary
-    from servelab.deploy.engines import engine_for
     rows = []
     for c in run.cases:
         cdir = Path(ctx.run_dir) / "cases" / c.case_id
@@ -454,7 +454,6 @@ def h5_evidence(run: Phase2Run, questions_table: pd.DataFrame) -> tuple[str, str
 
 def record_h5(ctx: Any, run: Phase2Run) -> pd.DataFrame:
     """Record H5 from this phase's telemetry questions (see :func:`h5_evidence`)."""
-    from servelab.report.ledger import evidence_frame, record_evidence
     verdict, summary, nums = h5_evidence(run, questions(run, ctx))
     tables = [t for t in ("phase2_questions.csv", "telemetry_summary.csv") if (Path(ctx.phase_dir) / t).is_file()]
     return evidence_frame([record_evidence(ctx, "H5", verdict, summary,

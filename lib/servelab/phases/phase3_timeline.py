@@ -14,6 +14,15 @@ from servelab.analyse.trace.actions import evidence_actions
 from servelab.analyse.trace.analysis import CaptureAnalysis, analyse, write_tables
 from servelab.analyse.trace.questions import q10, ten_questions
 from servelab.analyse.trace.stalls import OneClock, clock_shift, engine_steps, one_clock, stall_summary
+from servelab.analyse.kernels import function_base
+from servelab.analyse.trace.nsys import (display, nsys_profile_argv, nsys_stats_argv, NsysReportError,
+                                         class_breakdown, kernel_summary, read_stats_dir)
+from servelab.measure.case_record import read_summary
+from servelab.measure.live_capture import can_capture, capture_live
+from servelab.measure.records import read_records
+from servelab.report.banner import banner, banner_html
+from servelab.report.ledger import evidence_frame, record_evidence
+from servelab.report.tables import table_html
 
 SAMPLE_DIR = ("h200x2", "traces")
 SAMPLE_TEXT = ("2 x NVIDIA H200 (NVLink), TP=2 torch-profiler traces of a random-weight 8-layer transformer, recorded "
@@ -64,7 +73,6 @@ def case_clock(folder: Path, a: CaptureAnalysis) -> OneClock | None:
     """The one clock of a profiled case: when ``folder`` is a case's ``profiles/`` folder and the case kept its
     client records (``requests.jsonl`` with every chunk's arrival), join them with the trace's steps. None
     otherwise (a bare trace folder, the recorded sample)."""
-    from servelab.measure.records import read_records
     req = Path(folder).parent / "requests.jsonl"
     if Path(folder).name != "profiles" or not req.is_file():
         return None
@@ -283,7 +291,6 @@ def live_capture(ctx: Any, capture: bool, trace_dir: str) -> tuple[str, pd.DataF
     Returns the folder to analyse ("" = the recorded sample) and one row per scenario: what was captured, or why
     not.
     """
-    from servelab.measure.live_capture import can_capture, capture_live
     ctx.captures = []
     if trace_dir:
         return trace_dir, pd.DataFrame([{"capture": "not run", "reason": f"analysing the given trace_dir {trace_dir}"}])
@@ -344,7 +351,6 @@ def mixed_window_check(cap: Any) -> str:
 
 def _verdict_text(case_dir: Path) -> str:
     """The profiled case's verdict as its ``summary.json`` records it (``INVALID: profiled …``)."""
-    from servelab.measure.case_record import read_summary
     try:
         v = read_summary(case_dir / "summary.json")["verdict"]
     except (OSError, ValueError) as exc:
@@ -469,7 +475,6 @@ def _share(p: Phase3, cls: str, kind: str | None = None) -> float:
 
 def _record(ctx: Any, hid: str, verdict: str, summary: str, anchor: str, tables: list[str],
             nums: dict[str, Any]) -> pd.DataFrame:
-    from servelab.report.ledger import evidence_frame, record_evidence
     return evidence_frame([record_evidence(ctx, hid, verdict, summary, anchor=anchor, table=tables, numbers=nums)])
 
 
@@ -573,7 +578,6 @@ class NsysImport:
 
 def nsys_howto(trace_dir: str = "") -> str:
     """How to produce the CSVs this section imports (the commands of ``docs/method.md#capture-scenarios``)."""
-    from servelab.analyse.trace.nsys import display, nsys_profile_argv, nsys_stats_argv
     prof = display(nsys_profile_argv(["<the engine's launch command>"], "/data/nsys/report"))
     stats = display(nsys_stats_argv("/data/nsys/report.nsys-rep"))
     return (f"Profile the engine under Nsight Systems: {prof} — then export the summaries as CSV: {stats} "
@@ -583,7 +587,6 @@ def nsys_howto(trace_dir: str = "") -> str:
 
 def _trace_kernels(p: Phase3) -> pd.DataFrame:
     """The trace's kernel time per function (all ranks, all windows): function, cls, trace_ms, trace_share_pct."""
-    from servelab.analyse.kernels import function_base
     ops = [r.ops.filter(pl.col("cat") == "kernel").select("name", "cls", "dur_ns") for r in p.analysis.rops]
     ops = [o for o in ops if o.height]
     if not ops:
@@ -605,8 +608,6 @@ def nsys_import(ctx: Any, p: Phase3, nsys_dir: str = "", top_n: int = 10) -> Nsy
     when ``nsys_dir`` is empty."""
     if not nsys_dir:
         return None
-    from servelab.analyse.kernels import function_base
-    from servelab.analyse.trace.nsys import NsysReportError, class_breakdown, kernel_summary, read_stats_dir
     folder = Path(nsys_dir).expanduser()
     if not folder.is_dir():
         raise NsysReportError(f"nsys_dir {folder}: no such folder")
@@ -638,8 +639,6 @@ def nsys_view(imp: NsysImport | None) -> Any:
     ``nsys_dir``, how to produce the CSVs."""
     from IPython.display import HTML
 
-    from servelab.report.banner import banner, banner_html
-    from servelab.report.tables import table_html
     if imp is None:
         return banner(nsys_howto(), "info", "No Nsight Systems reports imported (nsys_dir is empty)")
     found = ", ".join(f"{name} ({df.height} rows)" for name, df in sorted(imp.reports.items()))

@@ -16,6 +16,10 @@ import pandas as pd
 from servelab.analyse.kernels import (KernelTableError, default_repro_argv, derived_metrics, load_kernel_table,
                                       peaks_table, planned_ncu_commands, rank_kernels, read_ncu_csv, roofline,
                                       stall_reasons, top_kernels)
+from servelab.core.paths import samples_root
+from servelab.phases.context import log_command
+from servelab.report.banner import banner, sample_banner
+from servelab.report.ledger import evidence_frame, record_evidence
 
 
 @dataclass
@@ -47,8 +51,6 @@ def run_phase6(ctx: Any, kernel_source: str = "", ncu_csv: Sequence[str] = (), t
     phase is marked ``from_samples``. ``ncu_csv``: ``ncu --csv`` outputs to import; empty = the shipped
     ``data/samples/ncu/*.csv`` when present (also ``from_samples``).
     """
-    from servelab.core.paths import samples_root
-    from servelab.phases.context import log_command
     if kernel_source:
         source = str(kernel_source)
     else:
@@ -108,7 +110,6 @@ def derived_view(derived: pd.DataFrame) -> pd.DataFrame:
 
 def source_banner(ctx: Any, res: Phase6Result):
     """Where this page's kernels and counters come from: a sample banner when from ``data/samples``."""
-    from servelab.report.banner import banner, sample_banner
     files = ", ".join(Path(f).name for f in res.ncu_files) or "none"
     text = f"Kernel table: {res.source}. ncu CSVs: {files}."
     if ctx.from_samples:
@@ -120,7 +121,6 @@ def source_banner(ctx: Any, res: Phase6Result):
 
 def ncu_view(res: Phase6Result, what: str = "derived"):
     """``derived`` (the kernel table), ``stalls``, ``rules`` or ``roofline`` — or a banner when no ncu CSV was imported."""
-    from servelab.report.banner import banner
     if not res.ncu_files:
         return banner("No ncu CSV was imported: run the planned commands above on the GPU node (or pass ncu_csv) "
                       "and re-run this phase.", "warning", "No Nsight Compute data yet")
@@ -199,7 +199,6 @@ def kernel_evidence(res: Phase6Result, hypothesis: str) -> tuple[str, str, dict[
 
 
 def _record_kernel(ctx: Any, res: Phase6Result, hypothesis: str) -> pd.DataFrame:
-    from servelab.report.ledger import evidence_frame, record_evidence
     verdict, summary, nums = kernel_evidence(res, hypothesis)
     tables = ["kernels_ranked.csv"] + (["roofline.csv"] if (Path(ctx.phase_dir) / "roofline.csv").is_file() else [])
     return evidence_frame([record_evidence(ctx, hypothesis, verdict, summary, anchor="Roofline", table=tables,

@@ -42,17 +42,27 @@ from servelab.analyse.interference import (InterferenceResult, InterferenceSpec,
                                            sweep_table, sweep_verdict, timeline_figure, token_chunk_ns, window_table)
 from servelab.measure import request_metrics as mx
 from servelab.measure.case import case_seed, max_request_tokens
-from servelab.measure.case_record import client_integrity
+from servelab.measure.case_record import client_integrity, CaseSummary, request_counts, verdict_of
 from servelab.measure.case_runner import CaseRun, Warmup
 from servelab.measure.client import ClientConfig, run_async, run_sync
-from servelab.measure.records import ClientRun, RequestRecord
+from servelab.measure.records import ClientRun, RequestRecord, read_records
 from servelab.measure.loop_monitor import LoopMonitor
 from servelab.measure.engine_metrics import gauge_series
-from servelab.measure.launch_variants import delta_of, snapshot_deltas, write_run_record
-from servelab.core.run import write_json_atomic
+from servelab.measure.launch_variants import (delta_of, snapshot_deltas, write_run_record, serving, with_launch,
+                                              check_knob_changes_command, log_reproduce)
+from servelab.core.run import write_json_atomic, read_manifest, write_json_atomic as wj
 from servelab.deploy.server import RunningServer
-from servelab.measure.workload import RequestSpec, build_workload
+from servelab.measure.workload import RequestSpec, build_workload, engine_tokenizer, token_pool
 from servelab.deploy.engines import engine_for
+from servelab.analyse.serverside import case_serverside
+from servelab.core.params import ParamError, did_you_mean
+from servelab.core.paths import path_slug
+from servelab.measure.abtest import ab_compare
+from servelab.report import ab_figures
+from servelab.report.banner import banner
+from servelab.report.findings import ab_findings
+from servelab.report.ledger import record_evidence
+from servelab.report.perf_figures import client_over_server
 
 SCALES: dict[str, dict[str, Any]] = {
     "cluster": {"background_input_tokens": 1024, "background_output_tokens": 1024, "concurrency": 32,
@@ -78,7 +88,6 @@ def default_spec(target: Any, case_id: str = "I7", **over: Any) -> InterferenceS
     known = set(InterferenceSpec.__dataclass_fields__)
     for k, v in over.items():
         if k not in known:
-            from servelab.core.params import ParamError, did_you_mean
             raise ParamError(f"unknown interference setting '{k}'{did_you_mean(k, known)}")
         if v:
             setattr(spec, k, v)
@@ -286,7 +295,6 @@ def interference_summary(res: InterferenceResult, status: str, definition: str, 
                          repeat_of: str = "") -> Any:
     """The case summary of an interference case: the background's metrics pooled, one repeat per injection
     (the during-window numbers the A/B compares), the schedule, windows and damage in ``details``."""
-    from servelab.measure.case_record import CaseSummary, request_counts, verdict_of
     repeats = [{"repeat": r["repeat"], "valid": bool(r["valid"]),
                 "metrics": {definition: {k: v for k, v in r.items() if k not in ("case_id", "repeat", "valid")}}}
                for r in res.summary_rows()]
@@ -307,9 +315,6 @@ def run_variant(target: Any, changes: dict[str, Any], spec: InterferenceSpec, ru
                 parent_manifest: dict[str, Any] | None = None, health_timeout_s: float = 300.0
                 ) -> tuple[InterferenceResult | None, Path, str]:
     """Serve ``target`` with ``changes``, run the case as ``<case_id>_<label>``, write the run-like record."""
-    from servelab.measure.launch_variants import serving, with_launch
-    from servelab.measure.workload import engine_tokenizer, token_pool
-    from servelab.core.paths import path_slug
     t = with_launch(target, changes, label)
     slug = path_slug(label)                  # a knob value such as ../../x never leaves record_root
     case = replace(spec, case_id=f"{spec.case_id}_{slug}", notes=list(spec.notes))
@@ -338,7 +343,6 @@ def knob_sweep(target: Any, knob: str, values: list[Any], spec: InterferenceSpec
                log_dir: Path, phase: str = "", seed: int = 0, definition: str = mx.VLLM_BENCH,
                parent_manifest: dict[str, Any] | None = None) -> list[SweepPoint]:
     """The same case for each value of ONE launch setting, the engine restarted per value (first = baseline)."""
-    from servelab.measure.launch_variants import check_knob_changes_command
     check_knob_changes_command(target, knob, values)
     out = []
     for v in values:
@@ -395,9 +399,6 @@ def run_phase7(ctx: Any, knob: str = "", values: list[Any] | None = None, spec_o
     """The interference case under each value of one knob (first value = baseline), the A/B over the values,
     and — with ``confound_setting`` — one deliberately confounded variant (the knob's second value plus that
     setting) compared with the baseline so the page shows how a two-variable A/B is flagged."""
-    from servelab.measure.abtest import ab_compare
-    from servelab.core.params import ParamError
-    from servelab.core.run import read_manifest
     target = ctx.target
     d_knob, d_values = engine_for(target.engine).interference_sweep
     knob = knob or d_knob
@@ -405,7 +406,6 @@ def run_phase7(ctx: Any, knob: str = "", values: list[Any] | None = None, spec_o
     if not knob or len(values) < 2:
         raise ParamError(f"phase 7 needs a knob and at least two values (got knob={knob!r}, values={values!r})")
     spec = default_spec(target, "I7", **(spec_over or {}))
-    from servelab.measure.launch_variants import log_reproduce
     log_reproduce(ctx, "phase7")
     record_root = ctx.phase_dir / "ab"
     log_dir = ctx.phase_dir / "server"
@@ -436,7 +436,6 @@ def run_phase7(ctx: Any, knob: str = "", values: list[Any] | None = None, spec_o
 
 def write_phase7_tables(phase_dir: Path, res: Phase7Result) -> None:
     """``sweep.csv``, ``injections.csv`` / ``windows.csv`` (all values), ``ab_*.csv``, ``phase7.json``."""
-    from servelab.core.run import write_json_atomic as wj
     phase_dir.mkdir(parents=True, exist_ok=True)
     res.table.to_csv(phase_dir / "sweep.csv", index=False)
     pts = res.sweep + ([res.confound] if res.confound else [])
@@ -526,9 +525,6 @@ def baseline_serverside(res: Phase7Result):
     lines from its log) and its scheduler lines, each injection shaded (docs/metrics.md#server-side)."""
     import plotly.graph_objects as go
 
-    from servelab.analyse.serverside import case_serverside
-    from servelab.measure.records import read_records
-    from servelab.report.perf_figures import client_over_server
     b = res.baseline
     if b is None:
         return go.Figure().update_layout(title="no baseline result: no server-side timeline")
@@ -549,7 +545,6 @@ def baseline_serverside(res: Phase7Result):
 
 def verdict_banner(res: Phase7Result):
     """The sweep's verdict as a banner (least damage to the decode SLO, not max prefill speed)."""
-    from servelab.report.banner import banner
     ranked = res.table[res.table["rank"].notna()] if "rank" in res.table.columns else res.table.iloc[0:0]
     kind = "info" if not ranked.empty else "warning"
     return banner(res.verdict, kind, f"Verdict for {res.knob} (ranked by least damage to the decode SLO)")
@@ -557,13 +552,11 @@ def verdict_banner(res: Phase7Result):
 
 def ab_banner(res: Phase7Result, confounded: bool = False):
     """The A/B banner of the sweep (or of the deliberately confounded pair)."""
-    from servelab.report.banner import banner
     ab = res.confound_ab if confounded else res.ab
     if ab is None:
         return banner("not run" + ("" if not confounded else ": confound_setting is empty"), "info",
                       "Confounded A/B demonstration" if confounded else "A/B")
-    from servelab.report.ab_figures import ab_banner
-    return ab_banner(ab)
+    return ab_figures.ab_banner(ab)
 
 
 def ab_differences(res: Phase7Result, confounded: bool = False) -> pd.DataFrame:
@@ -576,7 +569,6 @@ def ab_questions(res: Phase7Result) -> pd.DataFrame:
 
 
 def ab_delta_figure(res: Phase7Result):
-    from servelab.report import ab_figures
     import plotly.graph_objects as go
     if res.ab is None or res.ab.comparison.empty:
         return go.Figure().update_layout(title="no A/B comparison")
@@ -585,7 +577,6 @@ def ab_delta_figure(res: Phase7Result):
 
 def record_h4(ctx: Any, res: Phase7Result) -> pd.DataFrame:
     """Record this phase's evidence about H4 (long prefill interferes with decode) from the baseline value."""
-    from servelab.report.ledger import record_evidence
     inj = res.baseline.injections if res.baseline is not None else pd.DataFrame()
     verdict, summary, nums = h4_evidence(inj)
     summary = f"{res.sweep[0].label}: {summary}"
@@ -598,7 +589,6 @@ def record_h4(ctx: Any, res: Phase7Result) -> pd.DataFrame:
 def findings(res: Phase7Result) -> list[str]:
     """What Phase 7 found, in sentences for the page's findings box: the baseline's damage, the sweep's verdict and
     winning value, the A/B's verdict and whether it is valid, and the confound demonstration."""
-    from servelab.report.findings import ab_findings
     out = []
     b = res.baseline
     if b is not None and not b.injections.empty and b.injections["valid"].any():

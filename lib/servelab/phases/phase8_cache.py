@@ -26,10 +26,10 @@ from typing import Any
 import pandas as pd
 
 from servelab.analyse.prefix_cache import (TARGET_RATES, HitPoint, PointResult, h6_evidence, kv_usage_series,
-                                           matrix_frame, memory_breakdown, point_row)
+                                           matrix_frame, memory_breakdown, point_row, accepted_results)
 from servelab.measure import request_metrics as mx
-from servelab.measure.case import case_seed
-from servelab.measure.case_record import client_integrity
+from servelab.measure.case import case_seed, max_request_tokens
+from servelab.measure.case_record import client_integrity, CaseSummary, judged_row, request_counts
 from servelab.measure.case_runner import CaseRun, flush_cache
 from servelab.measure.client import ClientConfig, run_async, run_sync
 from servelab.measure.records import ClientRun, RequestRecord
@@ -37,7 +37,10 @@ from servelab.measure.loop_monitor import LoopMonitor
 from servelab.core.run import write_json_atomic
 from servelab.deploy.engines import engine_for
 from servelab.deploy.server import RunningServer
-from servelab.measure.workload import RequestSpec, build_workload
+from servelab.measure.workload import RequestSpec, build_workload, engine_tokenizer, token_pool
+from servelab.core.params import ParamError
+from servelab.measure.launch_variants import serving, with_launch, log_reproduce
+from servelab.report.ledger import record_evidence
 
 SCALES: dict[str, dict[str, Any]] = {
     "cluster": {"input_tokens": 8192, "output_tokens": 64, "groups": 16, "requests_per_group": 4},
@@ -127,7 +130,6 @@ def hit_point_summary(point: HitPoint, row: dict[str, Any], records: list[Reques
                       status: str, definition: str) -> Any:
     """The case summary of a hit-rate point: the verdict (ACCEPTED → VALID, REJECTED → INVALID, with the
     row's reasons), the measured requests' metrics as the one repeat, the matrix row in ``details``."""
-    from servelab.measure.case_record import CaseSummary, judged_row, request_counts
     pooled, judged = judged_row(records, run, definition, row.get("verdict") == "ACCEPTED", row.get("reasons"), status)
     return CaseSummary(
         case_id=point.case_id, phase="", kind="prefix_cache", status=status,
@@ -171,10 +173,6 @@ def run_phase8(ctx: Any, rates: list[float] | None = None, input_tokens: int = 0
     """The hit-rate matrix on ``ctx.target``: a fresh engine (or a flush) per point, plus an optional
     deliberately bad point (the 50 % workload sent with ``cache_prompt: false`` on llama.cpp — the engine
     reuses nothing, so the achieved rate misses and the point must be REJECTED)."""
-    from servelab.measure.launch_variants import serving, with_launch
-    from servelab.core.params import ParamError
-    from servelab.measure.workload import engine_tokenizer, token_pool
-    from servelab.measure.launch_variants import log_reproduce
     target = ctx.target
     scale = SCALES[getattr(target, "scale", "local")]
     rates = list(rates) if rates else list(TARGET_RATES)
@@ -185,7 +183,6 @@ def run_phase8(ctx: Any, rates: list[float] | None = None, input_tokens: int = 0
     osl = int(output_tokens or scale["output_tokens"])
     g = int(groups or scale["groups"])
     rpg = int(requests_per_group or scale["requests_per_group"])
-    from servelab.measure.case import max_request_tokens
     limit = max_request_tokens(target)
     notes: list[str] = []
     if limit is not None and isl + osl > limit:
@@ -290,7 +287,6 @@ def accepted_view(res: "Phase8Result") -> pd.DataFrame:
     """The ACCEPTED points relative to the 0 % baseline (``analyse.prefix_cache.accepted_results``), each TTFT
     percentile with the requests it rests on, or ``max of N`` where too few (``hit_rate_matrix.csv`` keeps the
     numbers)."""
-    from servelab.analyse.prefix_cache import accepted_results
     acc = accepted_results(res.matrix)
     if acc.empty:
         return acc
@@ -305,7 +301,6 @@ def memory_view(res: "Phase8Result") -> pd.DataFrame:
 
 def record_h6(ctx: Any, res: "Phase8Result") -> pd.DataFrame:
     """Record this phase's evidence about H6 in the run's ledger; returns it as a one-row table."""
-    from servelab.report.ledger import record_evidence
     verdict, summary, nums = h6_evidence(res)
     ev = record_evidence(ctx, "H6", verdict, summary, anchor="KV-usage-over-time", numbers=nums,
                          table=["kv_usage.csv", "hit_rate_matrix.csv"])
@@ -327,7 +322,6 @@ def findings(res: Phase8Result) -> list[str]:
     """What Phase 8 found, in sentences for the page's findings box: which hit-rate points are valid (ACCEPTED) and
     which were rejected and why, what the cache buys against the 0 % baseline and at which rate most, and the
     KV usage peak."""
-    from servelab.analyse.prefix_cache import accepted_results
     m = res.matrix
     out = []
     if m.empty:

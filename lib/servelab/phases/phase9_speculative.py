@@ -34,11 +34,14 @@ from servelab.measure.case_record import CaseSummary, client_integrity, judged_r
 from servelab.measure.case_runner import CaseRun, Warmup
 from servelab.measure.client import run_requests
 from servelab.measure.records import RequestRecord
-from servelab.measure.launch_variants import Snapshot, write_run_record
-from servelab.core.run import write_json_atomic
+from servelab.measure.launch_variants import Snapshot, write_run_record, serving, with_launch, log_reproduce
+from servelab.core.run import write_json_atomic, PhaseUnsupported, read_manifest
 from servelab.deploy.engines import engine_for
 from servelab.deploy.server import RunningServer
-from servelab.measure.workload import build_workload
+from servelab.measure.workload import build_workload, engine_tokenizer, token_pool
+from servelab.core.params import ParamError
+from servelab.measure.abtest import ab_compare
+from servelab.report.findings import ab_findings
 
 SCALES: dict[str, dict[str, Any]] = {
     "cluster": {"input_tokens": 1024, "output_tokens": 1024, "concurrencies": [1, 16, 32]},
@@ -178,15 +181,9 @@ def run_phase9(ctx: Any, drafts: list[str] | None = None, num_draft_tokens: int 
                health_timeout_s: float = 300.0, answers: dict[str, str] | None = None) -> Phase9Result:
     """Speculation off, then each draft config, each served once; every concurrency measured on each. A target
     whose engine cannot speculate raises :class:`PhaseUnsupported` with the reason, before anything starts."""
-    from servelab.core.run import PhaseUnsupported
     why = engine_for(ctx.target.engine).speculation_unsupported(ctx.target)
     if why:
         raise PhaseUnsupported(why)
-    from servelab.measure.abtest import ab_compare
-    from servelab.measure.launch_variants import serving, with_launch
-    from servelab.core.params import ParamError
-    from servelab.core.run import read_manifest
-    from servelab.measure.workload import engine_tokenizer, token_pool
     target = ctx.target
     scale = dict(SCALES[getattr(target, "scale", "local")])
     if getattr(target, "scale", "local") == "local":
@@ -200,7 +197,6 @@ def run_phase9(ctx: Any, drafts: list[str] | None = None, num_draft_tokens: int 
     if limit is not None and isl + osl > limit:
         raise ParamError(f"input {isl} + output {osl} tokens exceed the {limit} a request may hold on this target")
     configs = parse_configs(list(drafts or []), num_draft_tokens, synth_rates, str(target.model))
-    from servelab.measure.launch_variants import log_reproduce
     log_reproduce(ctx, "phase9")
     log_dir = ctx.phase_dir / "server"
     parent = read_manifest(ctx.run_dir)
@@ -286,7 +282,6 @@ def findings(res: Phase9Result) -> list[str]:
     """What Phase 9 found, in sentences for the page's findings box: acceptance per draft, the net gain against
     speculation off per concurrency and the winning config (or that speculation does not pay here), the A/B's
     verdict and whether it is valid, and what did not run."""
-    from servelab.report.findings import ab_findings
     out = []
     g = res.gain
     if g.empty or (g["verdict"] == "invalid").all():

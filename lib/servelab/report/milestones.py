@@ -15,6 +15,10 @@ from typing import Any
 import pandas as pd
 
 from servelab.core.run import read_manifest
+from servelab.deploy.targets import load_target
+from servelab.measure.case import quick_matrix
+from servelab.measure.case_record import read_summaries
+from servelab.report.ledger import current_evidence
 
 M1_CV_BOUND_PCT = 3.0          # docs/method.md#milestones: key TPS coefficient of variation within 3 %
 M1_REPEATS = 3
@@ -51,7 +55,6 @@ KEY_TPS = {"prefill": "input_throughput", "decode": "output_throughput", "mixed"
 
 def _phase1_points(run_dir: Path, errors: list[str]) -> dict[str, dict[str, Any]]:
     """Phase 1 matrix points from the case summaries, by the case they repeat: kind, key TPS per repeat, verdicts."""
-    from servelab.measure.case_record import read_summaries
     points: dict[str, dict[str, Any]] = {}
     for s in read_summaries(run_dir, "phase1", errors):
         if s["kind"] not in MATRIX_KINDS:
@@ -68,8 +71,6 @@ def _phase1_points(run_dir: Path, errors: list[str]) -> dict[str, dict[str, Any]
 def _planned_points(run_dir: Path) -> list[str] | None:
     """The quick matrix of the run's target (None when the target cannot be loaded here)."""
     try:
-        from servelab.measure.case import quick_matrix
-        from servelab.deploy.targets import load_target
         return [c.case_id for c in quick_matrix(load_target(str(read_manifest(run_dir).get("target", ""))))]
     except Exception:
         return None
@@ -166,7 +167,6 @@ def m2(run_dir: Path) -> Milestone:
             status, detail = "pass", f"{kinds[k]} {k} windows in phase3/trace_windows.csv"
         ms.checks.append(Check(f"{k} profile analysed", status, detail,
                                ["phase3/trace_windows.csv"] if p.is_file() else []))
-    from servelab.report.ledger import current_evidence
     # evidence from recorded sample data is never a bottleneck of this target (it is recorded inconclusive anyway)
     ev = [e for e in current_evidence(run_dir) if e.verdict == "supported" and not e.from_samples]
     ms.checks.append(Check("1–3 bottlenecks with trace/counter/log evidence", "pass" if ev else "not measured",

@@ -18,6 +18,7 @@ from servelab.deploy.nccl_gate import check_gate
 from servelab.deploy.nccl_info import parse_info_files, transport_table
 from servelab.analyse.nccl.perf_log import parse_file, runs_frame, runs_table
 from servelab.analyse.nccl.perf_tests import DEFAULT_COLLECTIVES, run_tests
+from servelab.deploy.hosts import LocalHost
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,7 +47,6 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
 
     if a.cmd == "run":
-        from servelab.deploy.hosts import LocalHost
         res = run_tests(LocalHost(), a.out, a.collectives.split(","), a.bin_dir, a.gpus, a.min_bytes, a.max_bytes,
                         a.factor, debug=a.debug, timeout_s=a.timeout)
         runs = [x.run for x in res]

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from servelab.analyse.nccl.perf_log import NcclTestRun, parse_run
+from servelab.core.params import did_you_mean
 
 COLLECTIVES = {
     "all_reduce": "all_reduce_perf",
@@ -36,7 +37,6 @@ def perf_argv(collective: str, bin_dir: str = "", gpus: int = 1, min_bytes: str 
               factor: int = 2, extra: list[str] | None = None) -> list[str]:
     """``[<bin_dir>/<coll>_perf, -b, 8K, -e, 64M, -f, 2, -g, <gpus>, *extra]``."""
     if collective not in COLLECTIVES:
-        from servelab.core.params import did_you_mean
         raise ValueError(f"unknown collective '{collective}'{did_you_mean(collective, set(COLLECTIVES))}; "
                          f"known: {', '.join(COLLECTIVES)}")
     if gpus < 1 or factor < 2:

@@ -21,6 +21,7 @@ import polars as pl
 from servelab.analyse.trace import intervals as iv
 from servelab.analyse.trace.ops import KERNEL_CATS, SYNC_REGEX, RankOps, matches
 from servelab.analyse.trace.taxonomy import short_name
+from servelab.analyse.trace.nccl import parse_comm_name
 
 KIND_ORDER = ("prefill", "decode", "mixed", "draft", "other", "all")
 
@@ -373,7 +374,6 @@ def comm_by_collective(rops: list[RankOps]) -> pl.DataFrame:
     """Communication per (rank, window kind, collective): ops, comm_ms (union) and exposed_ms (not covered
     by compute on the same GPU). Separates TP collectives (AllReduce, AllGather, ...) from PP SendRecv, whose
     kernel time includes waiting for the other stage."""
-    from servelab.analyse.trace.nccl import parse_comm_name
     rows = []
     for r in rops:
         ops = r.ops.select("device", "cat", "cls", "name", "kind", "ts_ns", "end_ns")     # not every column
