@@ -16,7 +16,8 @@ from servelab.deploy.nccl_gate import GateRefused, check_gate, enforce_gate, val
 from servelab.deploy.nccl_info import classify_transport, parse_info, transport_table
 from servelab.analyse.nccl.msgsize import from_trace, model_message_sizes, place_on_curves
 from servelab.analyse.nccl.perf_log import parse_log, parse_run, runs_frame, runs_table
-from servelab.analyse.nccl.perf_tests import launch_argv, perf_argv, run_tests
+from servelab.deploy.spec import Node
+from servelab.measure.nccl_tests import execute, launch_argv, perf_argv, plan_runs
 
 
 @pytest.fixture(scope="module")
@@ -201,8 +202,11 @@ def test_argv_and_launcher_template_substitute_per_element():
         perf_argv("allreduce")
 
 
-def test_run_tests_records_logs_and_verdicts(tmp_path, h200):
-    """Stand-in binaries replay the recorded output (all_reduce) and die mid-table (all_gather)."""
+def test_execute_records_logs_and_verdicts(tmp_path, h200):
+    """Stand-in binaries replay the recorded output (all_reduce) and die mid-table (all_gather); a missing binary
+    fails with 127. Each run's log and record are written by the runner, the verdicts by the parser."""
+    from servelab.analyse.nccl.sweep import load_sweep
+    from servelab.deploy.hosts import ProcessTracker
     text = (h200 / "nccl_tests.log").read_text()
     ar = text.split("# Collective test concluded: all_reduce_perf", 1)[0] + "# Collective test concluded: all_reduce_perf\n"
     ag = text.split("# Collective test starting: all_gather_perf", 1)[1].split("     1048576")[0]
@@ -215,15 +219,18 @@ def test_run_tests_records_logs_and_verdicts(tmp_path, h200):
         script.write_text(f"#!{sys.executable}\nimport sys\nsys.stdout.write(open({str(bin_dir / (name + '.txt'))!r}).read())\n"
                           f"sys.stdout.write(' '.join(sys.argv[1:]) + '\\n')\nsys.exit({code})\n")
         script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    plan = plan_runs([Node("local", gpus=2)], str(bin_dir), ["all_reduce", "all_gather", "sendrecv"], sweep=[],
+                     repeats=1, p2p=False, env_check=False)
+    (bin_dir / "sendrecv_perf").unlink(missing_ok=True)
     seen = []
-    res = run_tests(LocalHost(), tmp_path / "out", ["all_reduce", "all_gather"], str(bin_dir), gpus=2,
-                    record=seen.append)
-    assert [r.run.status for r in res] == ["ok", "failed"] and len(seen) == 2
-    assert res[0].argv == [str(bin_dir / "all_reduce_perf"), "-b", "8K", "-e", "64M", "-f", "2", "-g", "2"]
-    assert (tmp_path / "out" / "all_reduce.log").read_text().endswith("-b 8K -e 64M -f 2 -g 2\n")
-    assert res[1].exit_code == 1 and "exit code 1" in res[1].run.reason
-    missing = run_tests(LocalHost(), tmp_path / "o2", ["sendrecv"], str(tmp_path / "nowhere"))
-    assert missing[0].run.status == "failed" and missing[0].exit_code == 127
+    with ProcessTracker() as tracker:
+        res = execute(plan, {"local": LocalHost()}, tmp_path / "out", tracker, on_result=seen.append)
+    assert [r.exit_code for r in res] == [0, 1, 127] and len(seen) == 3
+    assert res[0].run.argv == [str(bin_dir / "all_reduce_perf"), "-b", "8K", "-e", "64M", "-f", "2", "-g", "2"]
+    assert (tmp_path / "out" / res[0].log).read_text().endswith("-b 8K -e 64M -f 2 -g 2\n")
+    data = load_sweep(tmp_path / "out")
+    assert list(data.runs.status) == ["ok", "failed", "failed"]
+    assert "exit code 1" in data.runs.reason[1] and "exit code 127" in data.runs.reason[2]
 
 
 # ---------------------------------------------------------------- message sizes

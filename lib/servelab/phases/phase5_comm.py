@@ -1,5 +1,7 @@
-"""What the Phase 5 notebook calls: load nccl-tests and NCCL INFO logs (recorded samples or a run's
-own), place the model's message sizes on the curves, and judge the target's transport gate.
+"""What the Phase 5 notebook calls: plan and run nccl-tests on the target's nodes (per node, across nodes through a
+launcher, the one-variable NCCL sweeps, the P2P matrix — ``servelab.measure.nccl_tests``), read the runs
+(``servelab.analyse.nccl.sweep``) or, where nothing can run, the recorded samples; load nccl-tests and NCCL INFO
+logs, place the model's message sizes on the curves, and judge the target's transport gate.
 Every table it returns is also written into the phase folder."""
 from __future__ import annotations
 
@@ -12,13 +14,195 @@ import pandas as pd
 
 from servelab.deploy.nccl_gate import GateVerdict, check_gate, verdict_table
 from servelab.deploy.nccl_info import NcclInfo, parse_info, parse_info_files, transport_table
+from servelab.analyse.nccl import sweep as sw
 from servelab.analyse.nccl.msgsize import model_message_sizes, place_on_curves, from_trace
 from servelab.analyse.nccl.perf_log import NcclTestRun, parse_file, runs_frame, runs_table
+from servelab.core.params import ParamError, did_you_mean
 from servelab.core.paths import samples_root
-from servelab.core.run import read_manifest
+from servelab.measure import nccl_tests as nt
+from servelab.core.run import emit_progress, read_manifest
+from servelab.deploy.hosts import HostError, ProcessTracker, connect
+from servelab.phases.context import log_command
 from servelab.report.ledger import evidence_frame, record_evidence
 
 TWO_RAIL_GATE = {"required_hcas": ["mlx5_0", "mlx5_3"], "require": ["NET/IB", "GDRDMA"]}
+SWEEP_SAMPLE = "h200x1-nccl-sweep"          # the recorded 1 x H200 sweep (data/samples/h200x1-nccl-sweep/README.md)
+PLANNED_BIN = "nccl-tests/build"            # the folder a planned command names when nccl_tests_bin is not set
+SWEEP_SAMPLE_LABEL = ("1 x NVIDIA H200 (NCCL 2.28.9, nccl-tests 2.19.6), recorded 2026-12-02 with "
+                      "servelab.measure.nccl_tests: one rank, so busbw is 0 for every collective but send/recv and "
+                      "NCCL runs no algorithm; files data/samples/h200x1-nccl-sweep/")
+
+
+# ---------------------------------------------------------------- running nccl-tests on the target
+
+@dataclass
+class CommRuns:
+    """The nccl-tests plan for this target and where its runs are: executed here, or the recorded sample."""
+    plan: nt.NcclPlan
+    table: pd.DataFrame            # one line per planned run: scope, node, collective, setting, repeat, command
+    execute: bool
+    skipped: list[str]
+    folder: Path | None = None
+    from_samples: bool = False
+    why_not_run: str = ""
+
+
+def _pick_nodes(target: Any, names: list[str]) -> list[Any]:
+    known = [n.name for n in target.nodes]
+    for name in names:
+        if name not in known:
+            raise ParamError(f"node '{name}' is not a node of target {target.name}{did_you_mean(name, set(known))}; "
+                             f"its nodes: {', '.join(known)}")
+    return [n for n in target.nodes if not names or n.name in names]
+
+
+def plan_runs(ctx: Any, nccl_tests_bin: str = "", collectives: list[str] | None = None,
+              sweep: list[str] | dict[str, Any] | None = None,
+              sweep_collectives: list[str] | None = None, repeats: int = 2, min_bytes: str = "8K",
+              max_bytes: str = "64M", step_factor: int = 2, gpus: int = 0, nodes: list[str] | None = None,
+              launcher: list[str] | None = None, ppn: int = 0, p2p_matrix: bool = True, cross_node: bool = True,
+              env_check: bool = True, run_timeout_s: int = 300) -> CommRuns:
+    """The whole nccl-tests plan on the target's nodes, checked before anything starts (a bad collective, sweep
+    entry, size, launcher placeholder or node name is one line). Without ``nccl_tests_bin`` nothing will run: each
+    command is recorded as ``planned`` (binaries under ``nccl-tests/build``), a node that declares no GPUs planned
+    with one. Written to ``nccl_plan.csv``."""
+    picked = _pick_nodes(ctx.target, list(nodes or []))
+    execute = bool(str(nccl_tests_bin).strip())
+    try:
+        plan = nt.plan_runs(picked, nccl_tests_bin if execute else PLANNED_BIN, collectives, sweep, sweep_collectives,
+                            repeats, min_bytes, max_bytes, step_factor, gpus, list(launcher or []), ppn,
+                            per_node=True, cross_node=cross_node, p2p=p2p_matrix, env_check=env_check,
+                            env=ctx.target.env, timeout_s=run_timeout_s, gpus_default=0 if execute else 1)
+    except nt.NcclPlanError as exc:
+        raise ParamError(str(exc)) from None
+    why = ""
+    if not execute:
+        why = "nccl_tests_bin is not set"
+        if not any(getattr(n, "gpus", 0) for n in picked):
+            why = f"target {ctx.target.name} declares no GPUs and nccl_tests_bin is not set"
+    table = pd.DataFrame([{"scope": r.scope, "node": r.node, "collective": r.collective, "setting": r.setting,
+                           "repeat": r.repeat, "ranks": r.ranks, "GPU pair": r.pair or "-",
+                           "command": " ".join(f"{k}={v}" for k, v in r.env.items()) + (" " if r.env else "")
+                           + " ".join(r.argv)} for r in plan.runs])
+    table.to_csv(Path(ctx.phase_dir) / "nccl_plan.csv", index=False)
+    return CommRuns(plan, table, execute, list(plan.skipped), why_not_run=why)
+
+
+def run_tests(ctx: Any, runs: CommRuns, launcher: list[str] | None = None) -> CommRuns:
+    """Run the run plan on the target's nodes, or — when it is not to run here — point at the recorded 1 × H200 sweep
+    (``ctx.sweep_from_samples``) and record every planned command as ``planned``. Before anything starts every
+    node is connected and every binary the run plan uses checked (one line naming the first problem). Each run is a
+    tracked process; its command, environment, exit code and log are recorded as ``executed`` as soon as it ends,
+    its log kept under ``nccl_runs/logs/``."""
+    if not runs.execute:
+        for r in runs.plan.runs:
+            log_command(ctx, "planned", r.argv, title=f"nccl-tests {r.run_id}", host=r.node, env=r.env,
+                        note="not executed: " + runs.why_not_run)
+        runs.folder, runs.from_samples = samples_root() / SWEEP_SAMPLE, True
+        ctx.sweep_from_samples = True
+        return runs
+    nodes = {n.name: n for n in ctx.target.nodes}
+    hosts: dict[str, Any] = {}
+    try:
+        for name in dict.fromkeys(x for r in runs.plan.runs for x in [r.node, *r.nodes]):
+            hosts[name] = connect(nodes[name])
+        problems = nt.check_plan(runs.plan, hosts, list(launcher or []))
+        if problems:
+            raise ParamError(problems[0])
+        out = Path(ctx.phase_dir) / "nccl_runs"
+        if (out / "runs.jsonl").exists():
+            (out / "runs.jsonl").unlink()          # a phase re-run into the same run id starts its record afresh
+        total = len(runs.plan.runs)
+
+        def done(res: nt.RunResult) -> None:
+            log_command(ctx, "executed", res.run.argv, title=f"nccl-tests {res.run.run_id}", host=res.run.node,
+                        env=res.run.env, start=res.start, end=res.end, exit_code=res.exit_code,
+                        log=str(out / res.log), note=res.note)
+
+        def progress(k: int, n: int, r: nt.PlannedRun) -> None:
+            emit_progress(Path(ctx.run_dir), ctx.phase, f"nccl-tests {k + 1} of {total}: {r.run_id}")
+
+        with ProcessTracker() as tracker:
+            nt.execute(runs.plan, hosts, out, tracker, {n: getattr(nodes[n], "workdir", "") for n in hosts},
+                       on_result=done, progress=progress)
+    except HostError as exc:
+        raise ParamError(str(exc)) from None
+    finally:
+        for h in hosts.values():
+            h.close()
+    runs.folder = out
+    return runs
+
+
+@dataclass
+class SweepResult:
+    """The runs of one folder and the tables the page shows."""
+    data: sw.SweepData
+    runs: pd.DataFrame
+    table: pd.DataFrame
+    wide: pd.DataFrame
+    winners: pd.DataFrame
+    env: pd.DataFrame
+    p2p: pd.DataFrame
+    from_samples: bool
+    p2p_from_samples: bool = False
+
+
+def sweep_tables(ctx: Any, runs: CommRuns, msgs: pd.DataFrame | None = None) -> SweepResult:
+    """Read the runs folder: per-run verdicts, the sweep table (Δ time against the baseline under the noise rule,
+    ``docs/metrics.md#ab-noise``), the setting that wins at the model's message sizes (a setting NCCL did not
+    report reading never wins), whether each swept variable reached NCCL, and the P2P matrix — from the runs, or,
+    when none ran here, from the recorded 2 × H200 send/recv (its one GPU pair). Written to ``nccl_sweep_runs.csv``,
+    ``nccl_sweep.csv``, ``nccl_sweep_winners.csv``, ``nccl_env_check.csv``, ``nccl_p2p.csv``."""
+    data = sw.load_sweep(Path(runs.folder))
+    if runs.from_samples:              # the recorded machine's node is not a node of this target: say whose it is
+        for frame in (data.runs, data.rows):
+            if not frame.empty:
+                frame["node"] = "h200x1 (recorded)"
+        for rec in data.records:
+            rec["node"] = "h200x1 (recorded)"
+    table = sw.sweep_table(data)
+    env = sw.env_check(data)
+    wins = sw.winners(table, msgs if msgs is not None else pd.DataFrame(), env)
+    p2p = sw.p2p_matrix(data)
+    p2p_samples = False
+    if p2p.empty and runs.from_samples:
+        sr = [r for r in parse_file(sample_paths()[0]) if r.collective == "sendrecv"]
+        if sr:
+            p2p, p2p_samples = sw.p2p_from_run(sr[0], "h200x2 (recorded)"), True
+    sizes = sorted(set(wins.measured_size_bytes)) if not wins.empty else None
+    wide = sw.sweep_wide(table, sizes)
+    out = Path(ctx.phase_dir)
+    data.runs.to_csv(out / "nccl_sweep_runs.csv", index=False)
+    table.to_csv(out / "nccl_sweep.csv", index=False)
+    wins.to_csv(out / "nccl_sweep_winners.csv", index=False)
+    env.to_csv(out / "nccl_env_check.csv", index=False)
+    p2p.to_csv(out / "nccl_p2p.csv", index=False)
+    return SweepResult(data, data.runs, table, wide, wins, env, p2p, runs.from_samples, p2p_samples)
+
+
+def info_from_runs(runs: CommRuns) -> list[str]:
+    """The env-check runs' NCCL INFO logs of the first swept setting (every rank of one run)."""
+    if runs.from_samples or runs.folder is None:
+        return []
+    recs = [r for r in sw.read_records(Path(runs.folder)) if r.get("scope") == "env-check"]
+    first = [r for r in recs if r.get("setting") == recs[0].get("setting")] if recs else []
+    return [str(Path(runs.folder) / r["log"]) for r in first[:1]]
+
+
+def curves_from_runs(runs: CommRuns) -> tuple[list[str], str]:
+    """The logs the curves are drawn from when nccl-tests ran here: the baseline's first repeat of every
+    collective, across nodes where that ran, else on the first node (the head, where the model's TP collectives
+    run) — and which of the two."""
+    if runs.from_samples or runs.folder is None:
+        return [], ""
+    recs = sw.read_records(Path(runs.folder))
+    base = [r for r in recs if r.get("setting") == "baseline" and int(r.get("repeat", 1)) == 1
+            and r.get("exit_code") == 0]
+    scope = "cross-node" if any(r["scope"] == "cross-node" for r in base) else "node"
+    head = next((r["node"] for r in base if r["scope"] == scope), "")
+    return ([str(Path(runs.folder) / r["log"]) for r in base if r["scope"] == scope and r["node"] == head],
+            "across nodes" if scope == "cross-node" else f"node {head}")
 
 
 @dataclass
@@ -39,11 +223,17 @@ def sample_paths() -> tuple[Path, Path]:
 
 
 def load_logs(ctx: Any, tests_logs: list[str] | None = None, info_logs: list[str] | None = None,
-              label: str = "") -> Phase5Data:
-    """Parse nccl-tests logs and INFO logs (default: the recorded 2 × H200 samples; then
-    ``ctx.from_samples`` is set). Writes ``nccl_tests.csv``, ``nccl_runs.csv``, ``nccl_transports.csv``
-    and ``nccl_tuning.csv`` into the phase folder."""
+              label: str = "", runs: CommRuns | None = None) -> Phase5Data:
+    """Parse nccl-tests logs and INFO logs: the ones given; else, when nccl-tests ran here (``runs``), its baseline
+    runs (:func:`curves_from_runs`) and its env-check INFO logs; else the recorded 2 × H200 samples (then
+    ``ctx.from_samples`` is set). Writes ``nccl_tests.csv``, ``nccl_runs.csv``, ``nccl_transports.csv`` and
+    ``nccl_tuning.csv`` into the phase folder."""
     default_tests, default_info = sample_paths()
+    if not tests_logs and runs is not None and not runs.from_samples:
+        tests_logs, where = curves_from_runs(runs)
+        if not info_logs:
+            info_logs = info_from_runs(runs)
+        label = label or f"measured here, {where}"
     if not tests_logs:
         tests_logs, ctx.from_samples = [str(default_tests)], True
     if info_logs is None or info_logs == []:
@@ -259,3 +449,85 @@ def record_h1(ctx: Any, data: Phase5Data, msgs: pd.DataFrame) -> pd.DataFrame:
     ev = record_evidence(ctx, "H1", verdict, summary, anchor="The-model's-messages-on-the-measured-curves",
                          table=tables, numbers=nums, from_samples=sample)
     return evidence_frame([ev])
+
+
+# ---------------------------------------------------------------- the page's views of the runs
+
+def run_summary(runs: CommRuns, res: SweepResult | None = None) -> pd.DataFrame:
+    """Where the runs on this page come from, how many of each scope, and what was left out and why."""
+    plan = runs.plan
+    count = pd.Series([r.scope for r in plan.runs]).value_counts() if plan.runs else pd.Series(dtype=int)
+    rows = [("source", "executed on the target in this run" if runs.execute else
+             "recorded sample data/samples/" + SWEEP_SAMPLE + " (not measured in this run)")]
+    if runs.why_not_run:
+        rows.append(("why nothing ran here", runs.why_not_run + "; every command of the run plan is recorded as planned"))
+    rows += [(f"planned {scope} runs", int(count.get(scope, 0))) for scope in nt.SCOPES]
+    rows.append(("nccl-tests folder", plan.bin_dir))
+    if res is not None and not res.runs.empty:
+        bad = res.runs[res.runs.status != "ok"]
+        rows.append(("runs read", len(res.runs)))
+        rows.append(("runs not ok", f"{len(bad)}" + (": " + "; ".join(f"{r.run_id} {r.status} ({r.reason})"
+                                                                       for r in bad.head(5).itertuples())
+                                                    if len(bad) else "")))
+    rows += [("left out", s) for s in runs.skipped]
+    return pd.DataFrame(rows, columns=["item", "value"])
+
+
+def p2p_view(res: SweepResult, value: str = "busbw_gbps") -> pd.DataFrame:
+    """The P2P matrix of each node as a square table (``busbw_gbps`` at the largest size, or ``time_us`` at the
+    smallest)."""
+    return sw.p2p_pivot(res.p2p, value)
+
+
+def sweep_findings(runs: CommRuns, res: SweepResult) -> list[str]:
+    """The sweep and the P2P matrix in sentences for the findings box."""
+    out = []
+    src = f" (recorded sample, {SWEEP_SAMPLE})" if res.from_samples else ""
+    if runs.execute:
+        bad = res.runs[res.runs.status != "ok"] if not res.runs.empty else res.runs
+        out.append(f"nccl-tests ran {len(res.runs)} times on {', '.join(dict.fromkeys(res.runs.node))}"
+                   + (f"; {len(bad)} not ok ({'; '.join(f'{r.run_id}: {r.status}' for r in bad.head(3).itertuples())})"
+                      if len(bad) else ", every run ok") + ".")
+    else:
+        out.append(f"Nothing ran on the target: {runs.why_not_run}. Its {len(runs.plan.runs)} nccl-tests commands are "
+                   "recorded as planned (one GPU per node where a node declares none), and the sweep shown is the "
+                   "recorded 1 × H200 one — one rank, where NCCL runs no algorithm, so no setting can change anything.")
+    if not res.env.empty:
+        miss = res.env[res.env.verdict != "reached NCCL"]
+        if len(miss):
+            out.append(f"NCCL did not report reading {', '.join(sorted(set(miss.setting)))} in the NCCL_DEBUG=INFO runs on "
+                       f"{', '.join(sorted(set(miss.node)))}, {int(miss.ranks.max())} rank(s) each: the sweep's runs "
+                       "with those settings measured NCCL's own choice, whatever their numbers say.")
+        else:
+            out.append(f"Every swept variable reached NCCL{src} (its INFO log names each value).")
+    if not res.winners.empty:
+        parts = []
+        for w in res.winners.itertuples():
+            where = f"{w.scope} {w.node}"
+            if w.best_setting == "baseline":
+                parts.append(f"{w.scenario} {w.collective} (~{_size(w.measured_size_bytes)}, {where}): no setting "
+                             "faster than the baseline beyond noise")
+            else:
+                parts.append(f"{w.scenario} {w.collective} (~{_size(w.measured_size_bytes)}, {where}): "
+                             f"{w.best_setting} {w.delta_time_pct:+.1f} % time per call")
+        out.append(f"At the model's message sizes{src}: " + "; ".join(parts) + ".")
+    if not res.p2p.empty and res.p2p.busbw_gbps.notna().any():
+        p = res.p2p.dropna(subset=["busbw_gbps"])
+        lo = p.loc[p.busbw_gbps.idxmin()]
+        recorded = " (recorded 2 × H200 send/recv, its one GPU pair)" if res.p2p_from_samples else ""
+        if len(p) == 1:
+            out.append(f"P2P matrix{recorded}: GPU {int(lo.gpu_a)}–{int(lo.gpu_b)} of {lo.node}: send/recv busbw "
+                       f"{lo.busbw_gbps:,.1f} GB/s at {_size(lo.largest_size_bytes)}, {lo.time_us:,.1f} µs for "
+                       f"{_size(lo.smallest_size_bytes)}.")
+        else:
+            out.append(f"P2P matrix{recorded}: {len(p)} GPU pairs, send/recv busbw at {_size(lo.largest_size_bytes)} "
+                       f"from {p.busbw_gbps.min():,.1f} to {p.busbw_gbps.max():,.1f} GB/s (slowest: {lo.node} GPU "
+                       f"{int(lo.gpu_a)}–{int(lo.gpu_b)}), smallest-message time {p.time_us.min():,.1f}–"
+                       f"{p.time_us.max():,.1f} µs.")
+    return out
+
+
+def sweep_headline(runs: CommRuns, res: SweepResult) -> dict[str, Any]:
+    bad = int((res.runs.status != "ok").sum()) if not res.runs.empty else 0
+    return {"nccl_tests_runs": len(res.runs), "nccl_tests_runs_not_ok": bad,
+            "nccl_tests_source": "executed" if runs.execute else "recorded sample"}

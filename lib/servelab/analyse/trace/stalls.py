@@ -81,7 +81,8 @@ STEP_SCHEMA = {"rank": pl.Int64, "window": pl.Int64, "name": pl.String, "kind": 
 
 def engine_steps(windows: pl.DataFrame) -> pl.DataFrame:
     """Step windows (``analyse``'s ``windows`` frame, one rank or more) → one row per step on the wall clock:
-    ``start_ns``/``end_ns`` of its GPU span when it has one, else of its CPU annotation (``span`` says which), its
+    ``start_ns``/``end_ns`` of its device ops when it has any (GPU kernels; for an engine on CPU its forward's torch
+    ops), else of its CPU annotation (``span`` says which: ``ops`` or ``annotation``), its
     duration and what its name says it computed. The ``whole trace`` fallback window is not a step."""
     if windows is None or windows.height == 0 or "cpu_start_ns" not in windows.columns:
         return pl.DataFrame(schema=STEP_SCHEMA)
@@ -92,7 +93,7 @@ def engine_steps(windows: pl.DataFrame) -> pl.DataFrame:
         s, e = (r["gpu_start_ns"], r["gpu_end_ns"]) if gpu else (r["cpu_start_ns"], r["cpu_end_ns"])
         rows.append({"rank": r["rank"], "window": r["window"], "name": r["name"], "kind": r["kind"],
                      "start_ns": int(s), "end_ns": int(e), "dur_ms": (int(e) - int(s)) / 1e6,
-                     "span": "gpu" if gpu else "cpu", **step_content(str(r["name"]))})
+                     "span": "ops" if gpu else "annotation", **step_content(str(r["name"]))})
     return pl.DataFrame(rows, schema=STEP_SCHEMA).sort("start_ns") if rows else pl.DataFrame(schema=STEP_SCHEMA)
 
 
