@@ -2,6 +2,8 @@
 clean, engine knowledge stays in the engine adapters and the product points at nothing outside itself."""
 from __future__ import annotations
 
+import ast
+import functools
 import re
 import shutil
 import subprocess
@@ -40,6 +42,7 @@ def tree_copy(tmp_path: Path) -> Path:
     return tmp_path
 
 
+@pytest.mark.slow          # the import linter run on a copy of the package (seconds)
 def test_an_import_cycle_added_on_purpose_is_caught(tree_copy: Path) -> None:
     # run -> paths exists; paths -> run closes a loop inside servelab.core
     with open(tree_copy / "servelab" / "core" / "paths.py", "a") as f:
@@ -49,6 +52,7 @@ def test_an_import_cycle_added_on_purpose_is_caught(tree_copy: Path) -> None:
     assert "No cycles are allowed in servelab.core" in res.stdout
 
 
+@pytest.mark.slow          # the import linter run on a copy of the package (seconds)
 def test_an_upward_import_is_caught(tree_copy: Path) -> None:
     # the request metrics (measure) reaching up into a phase module
     with open(tree_copy / "servelab" / "measure" / "request_metrics.py", "a") as f:
@@ -58,6 +62,7 @@ def test_an_upward_import_is_caught(tree_copy: Path) -> None:
     assert "servelab.measure is not allowed to import servelab.phases" in res.stdout
 
 
+@pytest.mark.slow          # the import linter run on a copy of the package (seconds)
 def test_a_phase_importing_another_phase_is_caught(tree_copy: Path) -> None:
     with open(tree_copy / "servelab" / "phases" / "phase8_cache.py", "a") as f:
         f.write("\nfrom servelab.phases import phase1_perf_map as _other  # noqa: E402,F401\n")
@@ -107,17 +112,16 @@ ENGINE_NAME_HOMES = ("deploy/engines/", "deploy/vllm_cpu.py", "deploy/sglang_cpu
 def test_metric_definitions_are_named_as_definitions_not_as_engines() -> None:
     """A metric definition in the code is ``request_metrics.Definition`` (``SGLANG_BENCH``, ``VLLM_BENCH``), never the
     bare engine name: ``summaries["vllm"]`` read as "the vLLM engine's summary" to a newcomer."""
-    import ast
-    lib = ROOT / "lib" / "servelab"
-    found = []
-    for p in lib.rglob("*.py"):
-        rel = p.relative_to(lib).as_posix()
-        if rel.startswith(ENGINE_NAME_HOMES):
-            continue
-        for node in ast.walk(ast.parse(p.read_text())):
-            if isinstance(node, ast.Constant) and node.value in ("vllm", "sglang"):
-                found.append(f"{rel}:{node.lineno}")
+    found = [f"{rel}:{node.lineno}" for rel, tree in library_trees().items() if not rel.startswith(ENGINE_NAME_HOMES)
+             for node in ast.walk(tree) if isinstance(node, ast.Constant) and node.value in ("vllm", "sglang")]
     assert found == []
+
+
+@functools.cache
+def library_trees() -> dict[str, ast.Module]:
+    """Every module of lib/servelab parsed once (relative path → syntax tree)."""
+    lib = ROOT / "lib" / "servelab"
+    return {p.relative_to(lib).as_posix(): ast.parse(p.read_text()) for p in sorted(lib.rglob("*.py"))}
 
 
 MAX_MODULE_LINES = 700
@@ -148,19 +152,15 @@ LAZY_IMPORTS_KEPT = {
 def test_servelab_imports_sit_at_the_top_of_their_module() -> None:
     """No cycle needs an import inside a function (the contracts forbid cycles, in-function imports included); only
     the kinds in LAZY_IMPORTS_KEPT stay there, for the reason written above it."""
-    import ast
-    lib = ROOT / "lib" / "servelab"
     found = []
-    for p in lib.rglob("*.py"):
-        rel = p.relative_to(lib).as_posix()
-        tree = ast.parse(p.read_text())
-        for fn in ast.walk(tree):
-            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                continue
-            for node in ast.walk(fn):
-                mods = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
-                    [a.name for a in node.names] if isinstance(node, ast.Import) else []
-                for mod in mods:
-                    if mod.startswith("servelab") and not mod.startswith(LAZY_IMPORTS_KEPT.get(rel, ("\0",))):
-                        found.append(f"{rel}:{node.lineno} {mod}")
-    assert sorted(set(found)) == []
+    for rel, tree in library_trees().items():
+        kept = LAZY_IMPORTS_KEPT.get(rel, ("\0",))
+        stack = [(node, False) for node in tree.body]
+        while stack:
+            node, in_function = stack.pop()
+            if in_function and isinstance(node, (ast.Import, ast.ImportFrom)):
+                mods = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+                found += [f"{rel}:{node.lineno} {m}" for m in mods if m.startswith("servelab") and not m.startswith(kept)]
+            inner = in_function or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            stack.extend((child, inner) for child in ast.iter_child_nodes(node))
+    assert sorted(found) == []

@@ -80,6 +80,7 @@ def test_text_under_a_german_locale_breaks_and_json_does_not():
 
 
 @needs
+@pytest.mark.slow                  # mpstat measures two 1 s intervals by design
 def test_live_json_is_the_same_under_a_non_c_locale(tmp_path):
     """mpstat run now under de_DE.UTF-8 (built with localedef into a temp LOCPATH): its text has decimal commas,
     its JSON parses to finite numbers in range."""
@@ -101,6 +102,7 @@ def test_live_json_is_the_same_under_a_non_c_locale(tmp_path):
 
 
 @needs
+@pytest.mark.slow                  # real sar and mpstat collectors around a 3 s window
 def test_the_sar_collector_leaves_json_and_no_temp_file(tmp_path):
     from servelab.analyse.telemetry.load import load_case_telemetry
     from servelab.measure.telemetry.runner import NodePlan, start_telemetry

@@ -187,6 +187,7 @@ def test_required_collector_missing_fails_closed_before_the_case(tmp_path):
 
 
 @needs_sysstat
+@pytest.mark.slow                  # a real collector left to exit by itself (2 s)
 def test_required_collector_exiting_early_invalidates_the_case(tmp_path):
     host = LocalHost()
     quitter = C.mpstat(1.0)
@@ -317,6 +318,7 @@ def test_summary_head_worker_changes_and_dash(tmp_path):
     assert len(lines) == 3 and lines[1].count(",-") >= 6 and NOT_PRESENT in lines[1]
 
 
+@pytest.mark.slow                  # the probe records for 1.5 s by design
 def test_smi_probe_end_to_end_with_a_stand_in_nvidia_smi(tmp_path, monkeypatch, h200x2):
     """A stand-in ``nvidia-smi`` on PATH replays recorded H200 rows with fresh UTC stamps; the probe must
     pass it exactly ``collectors.SMI_FIELDS`` and summarise what it printed."""

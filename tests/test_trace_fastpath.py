@@ -74,7 +74,7 @@ def traces(request) -> list[Path]:
 def test_chunked_parse_equals_reference_on_real_traces(traces: list[Path], monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(C, "PARALLEL_MIN_BYTES", 0)
     monkeypatch.setattr(C, "CHUNK_BYTES", 256 << 10)
-    checked = 0
+    checked, referenced = 0, set()
     for path in traces:
         serial, meta_s = D._parse_serial(path)
         fast = C._parse_parallel(path, workers=1)
@@ -83,11 +83,14 @@ def test_chunked_parse_equals_reference_on_real_traces(traces: list[Path], monke
         frame, meta_f = fast
         assert frame.equals(serial), path.name
         assert meta_f == meta_s, path.name
+        checked += 1
+        if path.parent in referenced:         # the plain-json reference once per capture (its ranks are alike)
+            continue
+        referenced.add(path.parent)
         ref = _reference(path)
         got = frame.select(ref.columns).with_columns(pl.col(c).cast(pl.String) for c in ("ph", "cat", "name"))
         assert got.equals(ref), path.name
-        checked += 1
-    assert checked >= 5
+    assert checked >= 5 and len(referenced) >= 3
 
 
 def test_parse_trace_uses_the_chunked_path_and_is_identical(traces: list[Path], monkeypatch: pytest.MonkeyPatch):
@@ -191,9 +194,14 @@ def test_prepared_cache_key_follows_rules_regex_and_the_trace(tmp_path: Path):
     cache = tmp_path / "cache"
     analyse(d, cache_dir=cache)
 
+    refs: dict[str, object] = {}             # the cache-free analysis per setting (the traces' content never changes)
+
     def hits(**kw) -> list[bool]:
         a = analyse(d, cache_dir=cache, **kw)
-        _same_tables(analyse(d, cache=False, **kw), a)
+        key = repr(sorted(kw.items()))
+        if key not in refs:
+            refs[key] = analyse(d, cache=False, **kw)
+        _same_tables(refs[key], a)
         return [t.frame is None for t in a.capture.ranks]
 
     assert hits() == [True, True]

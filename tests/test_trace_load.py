@@ -227,6 +227,7 @@ def test_lenient_path_for_odd_types(tmp_path: Path):
     assert k["correlation"] == 12 and k["ts_ns"] == 10_500 and k["dur_ns"] == 2_250
 
 
+@pytest.mark.slow                  # a pool of two parse worker processes (spawned: each imports the loader)
 def test_chunked_parallel_parse_equals_serial(h200_dir: Path, monkeypatch: pytest.MonkeyPatch):
     """The multi-process path (forced on a small file with small chunks) gives the serial frame."""
     path = h200_dir / TP1
@@ -245,6 +246,7 @@ def test_chunked_parallel_parse_equals_serial(h200_dir: Path, monkeypatch: pytes
     assert spills() == before, "the workers' slice folder was left behind"
 
 
+@pytest.mark.slow                  # a pool of two parse worker processes
 def test_workers_keep_their_columns_when_the_temp_folder_cannot_take_them(h200_dir: Path,
                                                                          monkeypatch: pytest.MonkeyPatch,
                                                                          tmp_path: Path):

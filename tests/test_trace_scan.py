@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from servelab.analyse.trace import chunked as C, decode as D
 from servelab.analyse.trace.chunked import parse_trace
+from fuzz import examples
 
 TP0 = "20261129203606-TP-0.trace.json.gz"
 
@@ -110,7 +111,7 @@ class TestScanner:
         assert C._native.scan(text) is None
         _same_as_msgspec(text)
 
-    @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(st.data())
     def test_generated_events(self, data):
         events = data.draw(st.lists(_event(typed=data.draw(st.booleans())), max_size=12))
