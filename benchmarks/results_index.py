@@ -92,6 +92,27 @@ def _trace_vs_hta(d: dict) -> str:
         f"{r['dataset']} {_f(r.get('speedup_cold'), '.2g')}×" for r in rs)
 
 
+def _client_processes(d: dict) -> str:
+    c = {k: (v or {}).get("ceiling_chunks_per_s") for k, v in (d.get("configs") or {}).items()}
+    r = d.get("ratio_to_single") or {}
+    return "ceiling (chunks/s) by client processes: " + ", ".join(
+        f"{k.replace('processes_', '')} {_f(c.get(k), ',.0f')} ({_f(r.get(k), '.3g')}× one)" for k in c)
+
+
+def _cluster_engines(d: dict) -> str:
+    return "; ".join(f"{eng}: start {_f(v.get('start_s'), '.2g')} s, round trip {_f(v.get('roundtrip_us'), ',.0f')} µs, "
+                     f"{_f(v.get('bulk_us_per_task'), ',.0f')} µs per task in bulk"
+                     for eng, v in sorted((d.get("results") or {}).items()))
+
+
+def _trace_cluster(d: dict) -> str:
+    cap, runs = d.get("capture") or {}, d.get("runs") or {}
+    out = f"{cap.get('ranks')} ranks ({_f(cap.get('gz_mb'), '.0f')} MB gz): local {_f((runs.get('local') or {}).get('wall_s'), '.3g')} s"
+    for k, v in sorted(((k, v) for k, v in runs.items() if k.startswith("cluster_")), key=lambda kv: kv[0]):
+        out += f", Dask cluster of {k.removeprefix('cluster_')} {_f(v.get('wall_s'), '.3g')} s"
+    return out
+
+
 FIGURES: dict[str, tuple[str, Callable[[dict], str]]] = {
     "client_overhead": ("bench_client_overhead.py", _client_overhead),
     "client_ceiling": ("bench_client_overhead.py --ceiling", _client_ceiling),
@@ -99,6 +120,9 @@ FIGURES: dict[str, tuple[str, Callable[[dict], str]]] = {
     "telemetry_overhead": ("bench_telemetry_overhead.py", _telemetry_overhead),
     "trace_scale": ("bench_trace_scale.py", _trace_scale),
     "trace_vs_hta": ("bench_trace_vs_hta.py", _trace_vs_hta),
+    "client_processes": ("bench_client_processes.py", _client_processes),
+    "cluster_engines": ("bench_cluster_engines.py", _cluster_engines),
+    "trace_cluster": ("bench_trace_cluster.py", _trace_cluster),
 }
 
 

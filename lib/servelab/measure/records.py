@@ -87,6 +87,9 @@ class ClientRun:
     monitor_interval_s: float = 0.0
     sizing: dict[str, Any] = field(default_factory=dict)     # min_duration_s, min_requests, issued, met
     event_loop: str = ""                     # uvloop | asyncio: the loop the run's reads were timed on
+    # a run sent from several client processes (measure.multiclient): each process's own run, judged on its own
+    processes: list["ClientRun"] = field(default_factory=list)
+    process: str = ""                        # one process's run: which ("client process 2 of 4 (pid …)")
 
     @property
     def duration_s(self) -> float:

@@ -41,7 +41,7 @@ from servelab.deploy.targets import load_target
 from servelab.measure.matrix import dispatch_case
 
 SUPPORTED_PHASES = ("phase1",)
-ENV_KEYS = ("repeats", "seed", "api", "timeout_s", "scrape_interval_s", "max_cv_pct", "phase")
+ENV_KEYS = ("repeats", "seed", "api", "timeout_s", "scrape_interval_s", "max_cv_pct", "phase", "clients")
 
 
 def case_command(run_id: str, case_id: str, target: str | None = None) -> list[str]:
