@@ -5,13 +5,13 @@ Forced on every real sample trace with tiny chunks so each file is cut at many e
 whole-file typed decoder (``_parse_serial``)."""
 from __future__ import annotations
 
-import gzip
 import json
 import math
 from pathlib import Path
 
 import polars as pl
 import pytest
+from plain import plain_trace
 from polars.testing import assert_frame_equal
 
 from servelab.analyse.trace import chunked as C, decode as D
@@ -36,7 +36,7 @@ def _ns(us) -> int | None:
 
 def _reference(path: Path) -> pl.DataFrame:
     """Plain json: the core columns the analysis reads, with the loader's documented semantics."""
-    doc = json.loads(gzip.decompress(path.read_bytes()))
+    doc = plain_trace(path)
     ev = doc["traceEvents"] if isinstance(doc, dict) else doc
     base = doc.get("baseTimeNanoseconds") or 0 if isinstance(doc, dict) else 0
     rows = {c: [] for c in ("ph", "cat", "name", "pid", "pid_label", "tid", "ts_ns", "dur_ns", "correlation",

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import polars as pl
 import pytest
+from plain import plain_trace
 
 from servelab.analyse.trace import chunked as C, decode as D, load as L
 from servelab.analyse.trace.chunked import parse_trace
@@ -27,7 +28,7 @@ TP1 = "20261129203606-TP-1.trace.json.gz"
 
 
 def _events(path: Path) -> tuple[dict, list[dict]]:
-    doc = json.loads(gzip.decompress(path.read_bytes()))
+    doc = plain_trace(path)
     return doc, doc["traceEvents"]
 
 
