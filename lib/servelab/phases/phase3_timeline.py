@@ -523,6 +523,10 @@ def findings(p: Phase3, from_samples: bool | None = None) -> list[str]:
     src = "from recorded sample data (2 × H200 traces)" if from_samples else f"from the capture in {a.capture.trace_dir}"
     out = [f"{len(a.rops)} rank(s) analysed {src}; {int(p.questions['answerable'].sum())} of {p.questions.height} "
            f"questions answerable."]
+    if a.rops and all(r.device == "cpu" for r in a.rops):
+        out.append("An engine on CPU: its trace holds no GPU op, so on this page the device work ('GPU' in the table "
+                   "headers) is the forward's torch ops on the step thread, and communication is torch's gloo "
+                   "collectives on their own threads (docs/metrics.md#cpu-engines); CUDA-graph coverage does not apply.")
     if a.placement.height:
         parsed = a.placement.filter(pl.col("status") == "parsed")
         out.append(f"Parsed on a cluster: {parsed.height} rank file(s) on {parsed['node'].n_unique()} node(s), each on "
