@@ -36,6 +36,8 @@ BAD = [
     ("phase1", "repeats=0", "'repeats' must be >= 1"),
     ("phase1", "definition=foo", "must be one of vllm, sglang"),
     ("phase3", "timeline_bins=0", "'timeline_bins' must be >= 1"),
+    ("phase3", "capture_steps=4", "'capture_steps' must be >= 5"),
+    ("phase3", "capture_steps=33", "'capture_steps' must be <= 32"),
     ("phase5", "tp=0", "'tp' must be >= 1"),
     ("phase8", "rates=[0.5, 2]", "items must be <= 1"),
     ("phase9", "concurrencies=[0]", "items must be >= 1"),

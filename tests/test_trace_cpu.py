@@ -101,3 +101,12 @@ def test_pipeline_stages_send_and_receive_through_gloo(tmp_path):
     cbc = a.comm_by_collective
     assert set(cbc["collective"]) == {"SendRecv"} and set(cbc["rank"]) == {0, 1}
     assert a.slow_rank["slow_stage"] in (0, 1)          # the per-stage view judges the stages
+
+
+def test_a_cached_cpu_capture_is_still_read_as_cpu(tp2, tmp_path):
+    """The prepared tables of each rank are cached; a second analysis reads them back, and knows the rank was CPU."""
+    first = analyse(tp2 / "traces", cache_dir=tmp_path)
+    again = analyse(tp2 / "traces", cache_dir=tmp_path)
+    assert [r.device for r in first.rops] == [r.device for r in again.rops] == ["cpu", "cpu"]
+    q = {r["id"]: r for r in ten_questions(again).iter_rows(named=True)}
+    assert not q["Q5"]["answerable"] and "GPU" not in q["Q4"]["answer"]

@@ -387,17 +387,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
     target = load_target(args.target)
     ready = engine_for(target.engine).prepare(target, progress=_say)
     _say(f"{ready} in {time.monotonic() - t0:.1f} s")
-    failed = []
+    failed: list[str] = []
+    unsupported: list[str] = []
     rdir = None
     for i, p in enumerate(phases, 1):
         t = time.monotonic()
         _say(f"[{i}/{len(phases)}] {p} · {NOTEBOOKS.get(p, p)} …")
         rdir, status = execute_phase(p, args.target, run_id, {}, timeout_s=args.timeout)
         _say(f"[{i}/{len(phases)}] {p}: {status} in {time.monotonic() - t:.1f} s{_why(rdir, p, status)}")
-        if status not in ("success", UNSUPPORTED):        # "not supported here" says why and is no failure
+        if status == UNSUPPORTED:                         # "not supported here" says why and is no failure
+            unsupported.append(p)
+        elif status != "success":
             failed.append(p)
     assert rdir is not None
-    _say(f"demo finished in {time.monotonic() - t0:.0f} s; {len(phases) - len(failed)} of {len(phases)} phases succeeded"
+    ok = len(phases) - len(failed) - len(unsupported)
+    _say(f"demo finished in {time.monotonic() - t0:.0f} s; {ok} of {len(phases)} phases succeeded"
+         + (f"; not supported on this target: {', '.join(unsupported)}" if unsupported else "")
          + (f"; failed: {', '.join(failed)}" if failed else ""))
     print(rdir / "index.html")
     return 1 if failed else 0

@@ -1,7 +1,7 @@
 """Phase 3 on a live engine: start it once with its torch profiler configured, then capture the four scenarios of
 ``docs/method.md#capture-scenarios`` one after the other, each after a cache flush and a short warm-up:
 
-- ``decode_control``: C streams decoding → start → skip 2 steps → capture 16;
+- ``decode_control``: C streams decoding → start → skip 2 steps → capture ``steps`` (10 by default);
 - ``mixed_treatment``: C streams decoding → start → after ``inject_after_steps`` decode chunks one long prefill
   is injected; the streams keep decoding until the engine has written the worker trace;
 - ``long_prefill``: start, then one long prompt alone;
@@ -34,10 +34,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import pandas as pd
+
 from servelab.core.run import CommandRecord, now_iso, record_command
 from servelab.measure import request_metrics as mx
-from servelab.measure.capture import CaptureError, CaptureResult, ProfileScenario, capture, capture_scenarios
-from servelab.measure.case_record import INVALID, CaseSummary, request_counts, verdict
+from servelab.measure.capture import (DEFAULT_STEPS, CaptureError, CaptureResult, ProfileScenario, capture,
+                                      capture_scenarios)
+from servelab.measure.case_record import INVALID, CaseSummary, read_summary, request_counts, verdict
 from servelab.measure.case_runner import CaseRun
 from servelab.measure.client import ReadLog, parse_stream
 from servelab.measure.records import RequestRecord
@@ -436,7 +439,7 @@ def capture_one(srv: RunningServer, scenario: ProfileScenario, run_dir: Path, ph
 
 def capture_live(ctx: Any, health_timeout_s: float = 900.0, scenarios: tuple[str, ...] | None = None,
                  seed: int = 0, check: Callable[[ScenarioCapture], str] | None = None,
-                 attempts: int = 5) -> list[ScenarioCapture]:
+                 attempts: int = 5, steps: int = DEFAULT_STEPS) -> list[ScenarioCapture]:
     """Start the target's engine once with its profiler writing under the phase folder, capture every scenario
     (all four by default) — each after a cache flush and a short warm-up — and stop the engine on every exit
     path. Returns one ``ScenarioCapture`` per scenario, in order (a failed one carries its error).
@@ -445,13 +448,14 @@ def capture_live(ctx: Any, health_timeout_s: float = 900.0, scenarios: tuple[str
     scenario's injected prefill fell outside the traced steps because the engine ran the whole window before the
     request reached it (a loaded host). Such an attempt is set aside (:func:`set_aside`, the reason in the phase's
     notes) and the scenario captured again, at most ``attempts`` times in all; the last attempt is kept
-    whatever its check says, and its ``rejected`` lists the earlier ones."""
+    whatever its check says, and its ``rejected`` lists the earlier ones. ``steps`` is each capture's window of engine
+    steps (5–32; the mixed one holds more, :func:`servelab.measure.capture.mixed_steps`)."""
     raw = ctx.phase_dir / "engine-profiles"
     raw.mkdir(parents=True, exist_ok=True)
     target = dataclasses.replace(ctx.target, launch={**ctx.target.launch, "profiler_dir": str(raw)})
     scale = "cluster" if target.scale == "cluster" else "local"
     chosen = [s for s in capture_scenarios(scale, decode_case="D2-profile", mixed_case="M1-profile",
-                                           prefill_case="P3-profile", prefix_case="H8-profile")
+                                           prefill_case="P3-profile", prefix_case="H8-profile", steps=steps)
               if scenarios is None or s.name in scenarios]
     out: list[ScenarioCapture] = []
     with ProcessTracker() as tracker:
@@ -479,3 +483,53 @@ def capture_live(ctx: Any, health_timeout_s: float = 900.0, scenarios: tuple[str
         finally:
             stop_server(srv, tracker, run_dir=ctx.run_dir, phase=ctx.phase)
     return out
+
+
+# ---------------------------------------------------------------- what each scenario captured
+
+def _verdict_text(case_dir: Path) -> str:
+    """The profiled case's verdict as its ``summary.json`` records it (``INVALID: profiled …``)."""
+    try:
+        v = read_summary(case_dir / "summary.json")["verdict"]
+    except (OSError, ValueError) as exc:
+        return f"no summary: {exc}"
+    return f"{v['status']}: {'; '.join(v['reasons'])}" if v["reasons"] else v["status"]
+
+
+def _window_note(c: Any) -> str:
+    """How the capture's window ended: the engine stopped after its steps, or the workload ended first."""
+    if c.result is None:
+        return "not captured"
+    ended = [n for n in c.result.session.notes if n.startswith("the workload ended before")]
+    if ended:
+        return f"fewer than {c.scenario.num_steps} steps: the workload ended first and /stop_profile wrote the steps run"
+    return (f"the engine's own step window: {c.scenario.skip_steps} skipped, then at most {c.scenario.num_steps} "
+            "traced")
+
+
+def captured_table(caps: list[Any], run_dir: Path) -> pd.DataFrame:
+    """One row per scenario: its case folder, the engine steps it holds (skipped after the trigger, captured, and
+    whether the workload ended first), what ran (cache flush, warm-up, requests, chunks timed), the trace files
+    collected (worker / frontend), whether the capture is complete, and the error when it failed."""
+    rows = []
+    for c in caps:
+        recs = c.drive.records if c.drive else []
+        files = c.result.files if c.result else []
+        measured = [r for r in recs if r.role not in ("warmup",)]
+        hit = (c.drive.marks.get("prefix_hit_rate_ppm", -1) if c.drive else -1)
+        rows.append({
+            "scenario": c.scenario.name, "case": str(Path(c.case_dir).relative_to(run_dir)),
+            "workload": c.scenario.description, "skipped_steps": c.scenario.skip_steps,
+            "captured_steps": c.scenario.num_steps, "window": _window_note(c),
+            "cache_flushed": bool(c.prep.get("cache_flush", {}).get("flushed")),
+            "warmup_requests": int(c.prep.get("warmup", {}).get("requests", 0)),
+            "requests": len(measured), "requests_ok": sum(1 for r in measured if r.ok),
+            "chunks_timed": sum(len(r.chunk_ns) for r in measured),
+            "worker_traces": sum(1 for f in files if f.kind == "worker"),
+            "frontend_traces": sum(1 for f in files if f.kind == "frontend"),
+            "trace_MiB": round(sum(f.size_bytes for f in files) / 2**20, 2),
+            "prefix_hit_pct": round(hit / 1e4, 1) if hit >= 0 else None,
+            "complete": bool(c.result.wait.complete) if c.result else False,
+            "attempts": 1 + len(c.rejected), "set_aside": "; ".join(c.rejected),
+            "verdict": _verdict_text(Path(c.case_dir)), "error": c.error})
+    return pd.DataFrame(rows)

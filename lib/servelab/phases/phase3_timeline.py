@@ -13,13 +13,14 @@ from servelab.core.paths import cache_root, samples_root
 from servelab.analyse.trace.actions import evidence_actions
 from servelab.analyse.trace.analysis import CaptureAnalysis, analyse, write_tables
 from servelab.analyse.trace.questions import q10, ten_questions
+from servelab.analyse.trace.metrics import dominant_steps
 from servelab.analyse.trace.stalls import (OneClock, clock_shift, mixed_window_problem, one_clock,
                                             stall_summary)
 from servelab.analyse.kernels import function_base
-from servelab.analyse.trace.nsys import (display, nsys_profile_argv, nsys_stats_argv, NsysReportError,
-                                         class_breakdown, kernel_summary, read_stats_dir)
-from servelab.measure.case_record import read_summary
-from servelab.measure.live_capture import can_capture, capture_live
+from servelab.analyse.trace.nsys import (display, nsys_profile_argv, nsys_stats_argv, NsysReportError, compare_kernels,
+                                         read_stats_dir)
+from servelab.measure.capture import DEFAULT_STEPS
+from servelab.measure.live_capture import can_capture, capture_live, captured_table
 from servelab.measure.records import read_records
 from servelab.report.banner import banner, banner_html
 from servelab.report.ledger import evidence_frame, record_evidence
@@ -27,6 +28,7 @@ from servelab.report.tables import table_html
 from servelab.analyse.trace.cluster import analyse_on_cluster
 from servelab.deploy.cluster import parse_cluster, require_dask, open_cluster
 from servelab.deploy.hosts import ProcessTracker
+from servelab.core.paths import project_root
 
 SAMPLE_DIR = ("h200x2", "traces")
 SAMPLE_TEXT = ("2 x NVIDIA H200 (NVLink), TP=2 torch-profiler traces of a random-weight 8-layer transformer, recorded "
@@ -82,14 +84,27 @@ def run_analysis(ctx: Any, trace_dir: str = "", window_regex: str = "", top_n: i
         row = pl.DataFrame([asdict(q10(a, clock))]).with_columns(
             pl.lit(q.filter(pl.col("id") == "Q10")["question_en"][0]).alias("question_en")).select(q.columns)
         q = pl.concat([q.filter(pl.col("id") != "Q10"), row])
-    act = evidence_actions(a)
+    act = evidence_actions(a, run_dir=getattr(ctx, "run_dir", None))
     extra = {"questions": q, "actions": act}
     if a.placement.height:
         extra["placement"] = a.placement
     if clock is not None:
         extra.update({"stalls": clock.stalls, "ttft_split": clock.ttft, "engine_steps": clock.steps})
     files = write_tables(a, ctx.phase_dir, extra)
+    if hasattr(ctx, "add_source"):
+        if ctx.from_samples:
+            ctx.add_source("samples", f"2 × H200 torch-profiler traces ({_rel(folder)}), not this run's engine")
+        else:
+            ctx.add_source("live", f"the capture in {folder}")
     return Phase3(a, q, act, files, clock)
+
+
+def _rel(folder: Path) -> str:
+    """``data/samples/…`` for a folder of the shipped samples, the path itself otherwise."""
+    try:
+        return str(Path(folder).resolve().relative_to(project_root()))
+    except ValueError:
+        return str(folder)
 
 
 def _analyse_on_cluster(ctx: Any, cluster: str, folder: Path, cache_dir: Path | None, kw: dict) -> CaptureAnalysis:
@@ -313,14 +328,18 @@ def actions_table(p: Phase3) -> pd.DataFrame:
 
 
 def headline(p: Phase3) -> dict[str, Any]:
-    """A few key numbers for the manifest."""
+    """A few key numbers for the manifest; where one step dominates a kind's exposed communication
+    (:func:`dominant_steps`), the kind's share without that step beside it."""
     a = p.analysis
     out: dict[str, Any] = {"ranks": len(a.rops), "from_trace_dir": str(a.capture.trace_dir)}
+    dom = {d["kind"]: d for d in dominant_steps(a.window_metrics, a.step_skew)}
     for k in ("prefill", "decode", "mixed", "all"):
         s = a.summary.filter(pl.col("kind") == k) if a.summary.height else a.summary
         if s.height:
             span = s["gpu_span_ms"].sum()
             out[f"{k}_exposed_comm_pct"] = round(100 * s["exposed_comm_ms"].sum() / span, 2) if span else None
+            if k in dom and dom[k]["without_pct"] is not None:
+                out[f"{k}_exposed_comm_without_{dom[k]['step']}_pct"] = round(dom[k]["without_pct"], 2)
             out[f"{k}_busy_pct"] = round(100 * s["busy_ms"].sum() / span, 2) if span else None
     if a.step_skew.height:
         out["step_end_skew_p50_us"] = round(float(a.step_skew["end_skew_us"].median()), 2)
@@ -353,7 +372,8 @@ def live_capture(ctx: Any, capture: bool, trace_dir: str) -> tuple[str, pd.DataF
                                   "reason": f"the {ctx.target.engine} engine has no torch profiler endpoint; "
                                             f"use a vLLM or SGLang target (e.g. local-vllm) for a live capture"}])
     chosen = tuple(ctx.params.get("scenarios") or ()) or None
-    caps = capture_live(ctx, scenarios=chosen, check=mixed_window_check)
+    steps = ctx.params.get("capture_steps") or DEFAULT_STEPS
+    caps = capture_live(ctx, scenarios=chosen, check=mixed_window_check, steps=steps)
     ctx.captures = caps
     table = captured_table(caps, ctx.run_dir)
     table.to_csv(ctx.phase_dir / "captures.csv", index=False)
@@ -378,40 +398,6 @@ def mixed_window_check(cap: Any) -> str:
     return mixed_window_problem(windows, cap.scenario.isl_tokens, cap.scenario.inject_isl_tokens)
 
 
-def _verdict_text(case_dir: Path) -> str:
-    """The profiled case's verdict as its ``summary.json`` records it (``INVALID: profiled …``)."""
-    try:
-        v = read_summary(case_dir / "summary.json")["verdict"]
-    except (OSError, ValueError) as exc:
-        return f"no summary: {exc}"
-    return f"{v['status']}: {'; '.join(v['reasons'])}" if v["reasons"] else v["status"]
-
-
-def captured_table(caps: list[Any], run_dir: Path) -> pd.DataFrame:
-    """One row per scenario: its case folder, what ran (cache flush, warm-up, requests, chunks timed), the trace
-    files collected (worker / frontend), whether the capture is complete, and the error when it failed."""
-    rows = []
-    for c in caps:
-        recs = c.drive.records if c.drive else []
-        files = c.result.files if c.result else []
-        measured = [r for r in recs if r.role not in ("warmup",)]
-        hit = (c.drive.marks.get("prefix_hit_rate_ppm", -1) if c.drive else -1)
-        rows.append({
-            "scenario": c.scenario.name, "case": str(Path(c.case_dir).relative_to(run_dir)),
-            "workload": c.scenario.description, "cache_flushed": bool(c.prep.get("cache_flush", {}).get("flushed")),
-            "warmup_requests": int(c.prep.get("warmup", {}).get("requests", 0)),
-            "requests": len(measured), "requests_ok": sum(1 for r in measured if r.ok),
-            "chunks_timed": sum(len(r.chunk_ns) for r in measured),
-            "worker_traces": sum(1 for f in files if f.kind == "worker"),
-            "frontend_traces": sum(1 for f in files if f.kind == "frontend"),
-            "trace_MiB": round(sum(f.size_bytes for f in files) / 2**20, 2),
-            "prefix_hit_pct": round(hit / 1e4, 1) if hit >= 0 else None,
-            "complete": bool(c.result.wait.complete) if c.result else False,
-            "attempts": 1 + len(c.rejected), "set_aside": "; ".join(c.rejected),
-            "verdict": _verdict_text(Path(c.case_dir)), "error": c.error})
-    return pd.DataFrame(rows)
-
-
 def _short(text: str, limit: int = 400) -> str:
     """An answer cut for one line: per window kind only its first item when the kinds are ``|``-separated, then at
     most ``limit`` characters, cut at a ``;`` (or a space)."""
@@ -434,6 +420,10 @@ def findings(p: Phase3, from_samples: bool | None = None) -> list[str]:
     src = "from recorded sample data (2 × H200 traces)" if from_samples else f"from the capture in {a.capture.trace_dir}"
     out = [f"{len(a.rops)} rank(s) analysed {src}; {int(p.questions['answerable'].sum())} of {p.questions.height} "
            f"questions answerable."]
+    if a.rops and all(r.device == "cpu" for r in a.rops):
+        out.append("An engine on CPU: its trace holds no GPU op, so on this page the device work ('GPU' in the table "
+                   "headers) is the forward's torch ops on the step thread, and communication is torch's gloo "
+                   "collectives on their own threads (docs/metrics.md#cpu-engines); CUDA-graph coverage does not apply.")
     if a.placement.height:
         parsed = a.placement.filter(pl.col("status") == "parsed")
         out.append(f"Parsed on a cluster: {parsed.height} rank file(s) on {parsed['node'].n_unique()} node(s), each on "
@@ -443,6 +433,16 @@ def findings(p: Phase3, from_samples: bool | None = None) -> list[str]:
                        f"attempt(s): {r['reason']}.")
     if a.slow_rank.get("slow_stage") is not None:
         out.append("Slow pipeline stage: " + a.slow_rank.get("stage_evidence", "") + ".")
+    for d in dominant_steps(a.window_metrics, a.step_skew):
+        wait = ""
+        if d["start_skew_us"] is not None and d["start_skew_us"] >= 1000:
+            wait = (f": the ranks started it {d['start_skew_us'] / 1e3:.1f} ms apart (rank {d['first_rank']} waited "
+                    f"for rank {d['late_rank']})")
+        out.append(f"Flag: {d['kind']}'s exposed communication ({d['exposed_pct']:.1f} % of GPU step time) is mostly one "
+                   f"step — {d['step']} holds {d['exposed_ms']:.2f} of {d['total_ms']:.2f} ms ({d['share_pct']:.0f} %)"
+                   f"{wait}. Without that step it is "
+                   + (f"{d['without_pct']:.1f} %" if d["without_pct"] is not None else "-")
+                   + ": quote that, and read the step's wait as start-up, not as communication cost.")
     if p.clock is not None:
         st = stall_summary(p.clock)
         tt = p.clock.ttft.filter(pl.col("identified")) if p.clock.ttft.height else p.clock.ttft
@@ -621,21 +621,6 @@ def nsys_howto(trace_dir: str = "") -> str:
             "phase with -p nsys_dir=/data/nsys.")
 
 
-def _trace_kernels(p: Phase3) -> pd.DataFrame:
-    """The trace's kernel time per function (all ranks, all windows): function, cls, trace_ms, trace_share_pct."""
-    ops = [r.ops.filter(pl.col("cat") == "kernel").select("name", "cls", "dur_ns") for r in p.analysis.rops]
-    ops = [o for o in ops if o.height]
-    if not ops:
-        return pd.DataFrame(columns=["function", "trace_cls", "trace_ms", "trace_share_pct"])
-    t = (pl.concat(ops, how="vertical_relaxed").group_by("name", "cls").agg(pl.col("dur_ns").sum())
-         .with_columns(pl.col("name").cast(pl.String)).to_pandas())
-    t["function"] = t["name"].map(function_base)
-    t = t.groupby("function", as_index=False).agg(trace_cls=("cls", "first"), trace_ns=("dur_ns", "sum"))
-    t["trace_ms"] = t["trace_ns"] / 1e6
-    t["trace_share_pct"] = 100 * t["trace_ms"] / t["trace_ms"].sum()
-    return t.drop(columns="trace_ns")
-
-
 def nsys_import(ctx: Any, p: Phase3, nsys_dir: str = "", top_n: int = 10) -> NsysImport | None:
     """Import the ``nsys stats`` CSVs of ``nsys_dir`` (``<base>_cuda_gpu_kern_sum.csv`` and the other reports
     :mod:`servelab.analyse.trace.nsys` knows) and put the ``top_n`` kernels of the Nsight Systems summary next to
@@ -651,20 +636,8 @@ def nsys_import(ctx: Any, p: Phase3, nsys_dir: str = "", top_n: int = 10) -> Nsy
     if "cuda_gpu_kern_sum" not in reports:
         raise NsysReportError(f"nsys_dir {folder}: no <base>_cuda_gpu_kern_sum.csv among "
                               f"{sorted(x.name for x in folder.glob('*.csv')) or 'no CSV files'}")
-    ks = kernel_summary(reports["cuda_gpu_kern_sum"]).to_pandas()
-    ks["function"] = ks["name"].map(function_base)
-    trace = _trace_kernels(p)
-    k = ks.sort_values("total_ms", ascending=False).head(int(top_n)).merge(trace, on="function", how="left")
-    k.insert(0, "nsys_rank", range(1, len(k) + 1))
-    k["in_trace"] = k["trace_ms"].notna()
-    kernels = k[["nsys_rank", "function", "cls", "instances", "total_ms", "share_pct", "avg_ns", "in_trace", "trace_ms",
-                 "trace_share_pct"]].rename(columns={"total_ms": "nsys_ms", "share_pct": "nsys_share_pct",
-                                                     "avg_ns": "nsys_avg_ns"})
-    nb = class_breakdown(reports["cuda_gpu_kern_sum"]).to_pandas()[["cls", "total_ms", "share_pct"]]
-    tb = trace.groupby("trace_cls", as_index=False)["trace_ms"].sum().rename(columns={"trace_cls": "cls"})
-    tb["trace_share_pct"] = 100 * tb["trace_ms"] / tb["trace_ms"].sum()
-    classes = nb.rename(columns={"total_ms": "nsys_ms", "share_pct": "nsys_share_pct"}).merge(tb, on="cls", how="outer")
-    classes = classes.sort_values("nsys_ms", ascending=False, na_position="last").reset_index(drop=True)
+    kernels, classes = compare_kernels(reports["cuda_gpu_kern_sum"], [r.ops for r in p.analysis.rops], function_base,
+                                       top_n)
     kernels.to_csv(ctx.phase_dir / "nsys_kernels.csv", index=False)
     classes.to_csv(ctx.phase_dir / "nsys_classes.csv", index=False)
     return NsysImport(str(folder), reports, kernels.round(3), classes.round(3))

@@ -8,6 +8,7 @@ page's views.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Sequence
 
 import pandas as pd
@@ -25,6 +26,7 @@ from servelab.measure.launch_variants import serving, with_launch, write_run_rec
 from servelab.phases.context import log_command
 from servelab.report.banner import banner
 from servelab.report.ledger import evidence_frame, record_evidence
+from servelab.measure.case import SCALES
 
 
 @dataclass
@@ -39,6 +41,7 @@ class Phase4Result:
     launch: pd.DataFrame
     measured: pd.DataFrame = field(default_factory=pd.DataFrame)
     verdicts: pd.DataFrame = field(default_factory=pd.DataFrame)
+    model_note: str = ""                 # what the model stands for, against what the target serves
 
     @property
     def comm_all(self) -> pd.DataFrame:
@@ -75,6 +78,11 @@ def run_phase4(ctx: Any, model_config: str, cluster_target: str, layouts: Sequen
         log_command(ctx, "planned", r["argv"], title=f"launch {r['layout']} on {r['node']}", host=r["node"],
                     env=r["env"], note="Phase 4 layout candidate; not executed by this notebook")
     res = Phase4Result(cfg, cluster, param_summary(cfg), memory, feas, comms, summary, launch)
+    res.model_note = model_label(cfg, base)
+    if hasattr(ctx, "add_source"):
+        ctx.add_source("model", res.model_note)
+        if runs:
+            ctx.add_source("live", "the measured runs " + ", ".join(map(str, runs)))
     if runs:
         res.measured, res.verdicts = measured_comparison(runs, feas, summary)
         res.measured.to_csv(ctx.phase_dir / "measured.csv", index=False)
@@ -87,23 +95,39 @@ def run_phase4(ctx: Any, model_config: str, cluster_target: str, layouts: Sequen
     return res
 
 
-MEASURE_CASES = ("D1", "D2_c4")      # the cases each layout is measured with live: single-stream TPOT, C=4 throughput
+def model_label(cfg: ModelConfig, target: Any) -> str:
+    """Which model the arithmetic is about, against what the target serves: the same, or a stand-in said so."""
+    served = str(getattr(target, "model", "") or "")
+    text = f"memory / communication model of {cfg.name} (config: {getattr(cfg, 'source', '') or 'given'}) on " \
+           f"{target.name}"
+    if served and cfg.name.lower().replace("-", "") not in served.lower().replace("-", ""):
+        text += (f"; the target serves {Path(served).name}, so {cfg.name} stands in for it (same family assumed) and "
+                 f"the planned commands launch {Path(served).name}")
+    return text
 
 
-def measure_layouts(ctx: Any, layouts: Sequence[str], cases: Sequence[str] = MEASURE_CASES, repeats: int = 3,
+def measure_cases(target: Any) -> tuple[str, ...]:
+    """The cases each layout is measured with live by default — the method's test order for a layout after its
+    smoke test: C=1 decode latency (D1), then throughput at the scale's decode concurrencies (D2 at C=16/32/64 on
+    the cluster, 4/8/16 locally)."""
+    cs = SCALES.get(getattr(target, "scale", "cluster"), SCALES["cluster"])["D2_c"]
+    return ("D1", *(f"D2_c{c}" for c in cs))
+
+
+def measure_layouts(ctx: Any, layouts: Sequence[str], cases: Sequence[str] = (), repeats: int = 3,
                     health_timeout_s: float = 900.0) -> list[str]:
     """Measure each layout live on the phase's own target (``ctx.target``, e.g. ``local-sglang``): the target with the
     layout's launch settings (the engine adapter's notation) and nothing else changed, served once, the ``cases``
     of the quick matrix measured ``repeats`` times (``cases/<layout>-<case>/``), then stopped; each layout becomes a
     run-like record (``phase4/layouts/<layout>/``) that the measured comparison reads as a run — the first layout is
-    the baseline, and only the layout keys may differ between records (the one-variable rule). Returns the record
-    folders, in the order given."""
+    the baseline, and only the layout keys may differ between records (the one-variable rule). ``cases`` empty:
+    :func:`measure_cases`. Returns the record folders, in the order given."""
     target = ctx.target
     eng = engine_for(target.engine)
     lays = [parse_layout(x) for x in layouts]
     if len({lay.label for lay in lays}) != len(lays):
         raise ParamError(f"measure_layouts names a layout twice: {list(layouts)}")
-    specs = quick_matrix(target, list(cases))
+    specs = quick_matrix(target, list(cases or measure_cases(target)))
     parent = read_manifest(ctx.run_dir)
     records: list[str] = []
     for lay in lays:
@@ -150,8 +174,11 @@ def findings(res: Phase4Result) -> list[str]:
     out = []
     if not f.empty:
         budget = float(f["budget_gib"].iloc[0])
-        out.append(f"Model {res.model.name} on {res.cluster.nodes} × {res.cluster.gpus_per_node} GPUs "
-                   f"({res.cluster.name}), memory budget {budget:.1f} GiB per GPU.")
+        out.append(f"Model only, nothing measured here: {res.model_note or res.model.name}; "
+                   f"{res.cluster.nodes} × {res.cluster.gpus_per_node} GPUs, memory budget {budget:.1f} GiB per GPU."
+                   if res.verdicts.empty else
+                   f"Model {res.model.name} on {res.cluster.nodes} × {res.cluster.gpus_per_node} GPUs "
+                   f"({res.cluster.name}), memory budget {budget:.1f} GiB per GPU; {res.model_note}.")
         fits = f[f["verdict"] == "fits"]
         rest = f[f["verdict"] != "fits"]
         out.append("Layouts that fit: " + ("; ".join(

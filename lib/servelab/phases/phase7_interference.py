@@ -63,6 +63,10 @@ from servelab.report.banner import banner
 from servelab.report.findings import ab_findings
 from servelab.report.ledger import record_evidence
 from servelab.report.perf_figures import client_over_server
+from servelab.measure.abtest import write_ab_tables
+from servelab.measure.correctness import greedy_summary
+from servelab.measure.correctness import prompts_view
+from servelab.measure.correctness import verdict_sentences
 
 SCALES: dict[str, dict[str, Any]] = {
     "cluster": {"background_input_tokens": 1024, "background_output_tokens": 1024, "concurrency": 32,
@@ -374,7 +378,9 @@ class Phase7Result:
     def headline(self) -> dict[str, Any]:
         out: dict[str, Any] = {"knob": self.knob, "values": [str(v) for v in self.values], "verdict": self.verdict}
         b = self.baseline
-        if b is not None and not b.injections.empty:
+        if b is not None and b.verdict.verdict != "VALID":
+            out["baseline"] = f"{self.sweep[0].label} INVALID: not a result"
+        elif b is not None and not b.injections.empty:
             ok = b.injections[b.injections["valid"]]
             if not ok.empty:
                 out["baseline_p95_tpot_before_ms"] = round(float(ok["p95_tpot_before_ms"].mean()), 2)
@@ -435,7 +441,8 @@ def run_phase7(ctx: Any, knob: str = "", values: list[Any] | None = None, spec_o
 
 
 def write_phase7_tables(phase_dir: Path, res: Phase7Result) -> None:
-    """``sweep.csv``, ``injections.csv`` / ``windows.csv`` (all values), ``ab_*.csv``, ``phase7.json``."""
+    """``sweep.csv``, ``injections.csv`` / ``windows.csv`` (all values), ``ab_*.csv`` (differences, comparison, the
+    greedy outputs compared, the seven questions), ``phase7.json``."""
     phase_dir.mkdir(parents=True, exist_ok=True)
     res.table.to_csv(phase_dir / "sweep.csv", index=False)
     pts = res.sweep + ([res.confound] if res.confound else [])
@@ -446,8 +453,7 @@ def write_phase7_tables(phase_dir: Path, res: Phase7Result) -> None:
     if win:
         pd.concat(win, ignore_index=True).to_csv(phase_dir / "windows.csv", index=False)
     if res.ab is not None:
-        res.ab.differences.to_csv(phase_dir / "ab_differences.csv", index=False)
-        res.ab.comparison.to_csv(phase_dir / "ab_comparison.csv", index=False)
+        write_ab_tables(res.ab, phase_dir)
     if res.confound_ab is not None:
         res.confound_ab.differences.to_csv(phase_dir / "ab_confounded_differences.csv", index=False)
     wj(phase_dir / "phase7.json", {"headline": res.headline(), "notes": res.notes})
@@ -568,6 +574,19 @@ def ab_questions(res: Phase7Result) -> pd.DataFrame:
     return res.ab.questions if res.ab is not None else pd.DataFrame({"note": ["no A/B"]})
 
 
+def ab_correctness(res: Phase7Result) -> pd.DataFrame:
+    """Per value against the baseline: the greedy outputs of the same fixed prompts compared token for token — the
+    verdict (``no regression`` / ``regression`` / ``not decidable`` / ``not measured``) with its counts."""
+    if res.ab is None:
+        return pd.DataFrame({"note": ["no A/B"]})
+    return greedy_summary(res.ab.correctness)
+
+
+def ab_correctness_prompts(res: Phase7Result) -> pd.DataFrame:
+    """The same comparison prompt by prompt (every row in ``phase7/ab_correctness.csv``)."""
+    return prompts_view(res.ab.correctness if res.ab is not None else None)
+
+
 def ab_delta_figure(res: Phase7Result):
     import plotly.graph_objects as go
     if res.ab is None or res.ab.comparison.empty:
@@ -591,7 +610,10 @@ def findings(res: Phase7Result) -> list[str]:
     winning value, the A/B's verdict and whether it is valid, and the confound demonstration."""
     out = []
     b = res.baseline
-    if b is not None and not b.injections.empty and b.injections["valid"].any():
+    if b is not None and b.verdict.verdict != "VALID":
+        out.append(f"Baseline {res.sweep[0].label}: INVALID ({'; '.join(b.verdict.reasons[:1]) or 'no reason given'})"
+                   " — its damage numbers stay in the tables, marked, and are not a result.")
+    elif b is not None and not b.injections.empty and b.injections["valid"].any():
         ok = b.injections[b.injections["valid"]]
         out.append(f"Baseline {res.sweep[0].label}: a long prefill of {b.spec.inject_input_tokens:,} tokens raised the "
                    f"background's P95 token gap from {ok['p95_tpot_before_ms'].mean():.1f} ms to "
@@ -611,6 +633,7 @@ def findings(res: Phase7Result) -> list[str]:
     if res.ab is not None:
         out += ab_findings(res.ab, {"p95_tpot_ms": "P95 TPOT during injection",
                                     "output_tps": "output TPS during injection", "p95_ttft_ms": "long-request TTFT"})
+        out += verdict_sentences(res.ab.correctness, res.ab.runs[0].label)
     else:
         out.append("The A/B over the sweep did not run: " + ("; ".join(res.notes) or "fewer than two records") + ".")
     if res.confound_ab is not None:

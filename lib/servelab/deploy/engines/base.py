@@ -415,6 +415,25 @@ class EngineAdapter:
         """Completion body fields that force exactly ``output_tokens`` tokens."""
         return {"max_tokens": output_tokens, "ignore_eos": True}
 
+    # --- the greedy correctness probe of an A/B (measure.correctness): the same prompts, temperature 0, on A and B
+    greedy_path = "/v1/completions"
+
+    def greedy_body(self, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+        """One greedy completion that returns the chosen tokens' ids and log-probabilities: OpenAI completions as
+        SGLang and vLLM serve them (``logprobs: 1``; ``return_token_ids``, which both accept), no stream."""
+        return {"model": model, "prompt": prompt, "max_tokens": int(max_tokens), "temperature": 0.0, "logprobs": 1,
+                "return_token_ids": True, "stream": False}
+
+    def greedy_output(self, body: Any) -> dict[str, Any]:
+        """``token_ids`` (None where the engine returned none), ``tokens`` (texts), ``logprobs`` of the chosen tokens
+        (None where none), ``text`` and ``finish_reason`` of one :meth:`greedy_body` answer."""
+        ch = body["choices"][0]
+        lp = ch.get("logprobs") or {}
+        return {"token_ids": [int(t) for t in ch["token_ids"]] if ch.get("token_ids") is not None else None,
+                "tokens": [str(t) for t in lp.get("tokens") or []] or None,
+                "logprobs": [None if v is None else float(v) for v in lp.get("token_logprobs") or []] or None,
+                "text": str(ch.get("text", "")), "finish_reason": ch.get("finish_reason")}
+
     # --- profiler (engines that support it override)
     @property
     def can_profile(self) -> bool:
