@@ -253,7 +253,7 @@ def test_truncated_trace_is_reported_not_collected(sglang_stub, tmp_path: Path):
     assert "start_step" not in session.request_body
     assert "skip of 2 steps" in " ".join(session.notes)        # SGLang start_step is absolute: said so
     session = cap.stop_profile(srv, session)
-    wait = cap.wait_for_traces(srv, session, timeout_s=4)
+    wait = cap.wait_for_traces(srv, session, timeout_s=2, poll_s=0.1, settle_s=0.5)
     assert wait.timed_out and not wait.complete
     assert wait.missing_ranks == {"node0": 0, "node1": 1}
     assert list(wait.broken) == ["node1"]

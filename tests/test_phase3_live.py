@@ -11,7 +11,7 @@ import pytest
 from servelab.cli import main
 from servelab.core.run import read_commands, read_manifest
 from servelab.measure.case_record import read_summary
-from servelab.measure.client import read_records
+from servelab.measure.records import read_records
 
 SCENARIOS = {"decode_control": "D2-profile", "mixed_treatment": "M1-profile", "long_prefill": "P3-profile",
              "prefix_hit": "H8-profile"}

@@ -60,6 +60,9 @@ import pandas as pd
 
 from servelab.core.run import read_manifest, run_dir
 from servelab.measure.case_record import SummarySchemaError, repeat_frame, summary_paths
+from servelab.measure.request_metrics import SGLANG_BENCH
+from servelab.measure.correctness import correctness_verdict
+from servelab.measure.correctness import ab_greedy
 
 # metric → True when higher is better
 METRICS: dict[str, bool] = {"output_tps": True, "p95_ttft_ms": False, "p95_tpot_ms": False, "p95_e2e_ms": False}
@@ -215,7 +218,7 @@ class CaseSummaries:
     notes: list[str] = field(default_factory=list)
 
 
-def read_case_summaries(rdir: str | Path, definition: str = "sglang", metrics: Sequence[str] = tuple(METRICS),
+def read_case_summaries(rdir: str | Path, definition: str = SGLANG_BENCH, metrics: Sequence[str] = tuple(METRICS),
                         label: str = "") -> CaseSummaries:
     """Per-repeat case metrics of a run directory or run-like record, from its case summaries (the case schema,
     :mod:`servelab.measure.case_record`): one row per repeat, ``valid`` from the case verdict (and the repeat's own
@@ -374,7 +377,6 @@ def seven_questions(diff: pd.DataFrame, comparison: pd.DataFrame, labels: Sequen
     risk_measured = (f"{len(inval)} case(s) invalid on a side: {', '.join(map(str, inval))}" if len(inval)
                      else "no invalid case on either side")
     if correctness is not None and not correctness.empty:
-        from servelab.measure.correctness import correctness_verdict
         verdict, detail = correctness_verdict(correctness)
         risk_measured += f"; greedy outputs, {b_lab} against {a_lab}: {verdict} ({detail})"
     add("risk", QUESTIONS[5][1], risk_measured)
@@ -434,7 +436,7 @@ class ABResult:
 
 def ab_compare(runs: Sequence[str | Path | RunRef], variable: str | Sequence[str] = "",
                answers: dict[str, str] | None = None, accepted: Sequence[str] = (), k: float = 2.0,
-               definition: str = "sglang", metrics: dict[str, bool] | None = None) -> ABResult:
+               definition: str = SGLANG_BENCH, metrics: dict[str, bool] | None = None) -> ABResult:
     """Compare two or more runs: the first is the baseline (A), each other is compared with it."""
     refs = [load_run(r) for r in runs]
     if len(refs) < 2:
@@ -460,7 +462,6 @@ def ab_compare(runs: Sequence[str | Path | RunRef], variable: str | Sequence[str
     comps = [compare_cases(sums[0], s, metrics, k).assign(b_run=refs[i].label) for i, s in enumerate(sums) if i > 0]
     comparison = pd.concat(comps, ignore_index=True) if comps else pd.DataFrame()
     last = comparison[comparison["b_run"] == refs[-1].label] if not comparison.empty else comparison
-    from servelab.measure.correctness import ab_greedy
     correctness = ab_greedy([(r.label, r.run_dir) for r in refs])
     last_ok = correctness[correctness["b_run"] == refs[-1].label] if not correctness.empty else correctness
     questions = seven_questions(diff, last, [refs[0].label, refs[-1].label], answers, last_ok)

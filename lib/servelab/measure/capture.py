@@ -49,8 +49,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from servelab.deploy.engines import ProfileError, profile_file
+from servelab.core.run import CommandRecord, now_iso, record_command, write_json_atomic, read_manifest
+from servelab.deploy.server import http_json
 from servelab.measure import expert_record
-from servelab.core.run import CommandRecord, now_iso, record_command, write_json_atomic
 
 SCENARIOS = ("decode_control", "mixed_treatment", "long_prefill", "prefix_hit")
 AUTO_STOP_GRACE_S = 20.0       # an engine that stops by itself gets this long to write its trace after the workload
@@ -329,8 +330,6 @@ def start_profile(srv: Any, scenario: ProfileScenario, out_dir: str | None = Non
     (e.g. a docker bind mount). The files already in the folders are remembered so that only this
     session's files are collected. Raises ``CaptureError`` on a refused request.
     """
-    from servelab.deploy.server import http_json
-
     engine = srv.engine
     if not engine.can_profile:
         raise CaptureError(f"engine '{engine.name}' has no profiler endpoint (profiling needs SGLang or vLLM)")
@@ -369,8 +368,6 @@ def stop_profile(srv: Any, session: ProfileSession, *, force: bool = False, run_
 
     The long timeout is deliberate: writing a GPU trace takes seconds to minutes.
     """
-    from servelab.deploy.server import http_json
-
     url = srv.base_url + srv.engine.stop_profile_path
     session.stopped = now_iso()
     if session.auto_stop and not force:
@@ -575,7 +572,6 @@ def case_clock_record(run_dir: Path | None, target: Any) -> dict[str, Any]:
     that node's traces (``docs/metrics.md#one-clock``)."""
     pre: dict[str, Any] = {}
     if run_dir is not None:
-        from servelab.core.run import read_manifest
         pre = read_manifest(Path(run_dir)).get("preflight") or {}
     same = pre.get("target") == getattr(target, "name", None)
     measured = (pre.get("clock") or {}) if same else {}

@@ -32,6 +32,7 @@ from typing import Any, Sequence
 import pandas as pd
 
 from servelab.core.run import CommandRecord, now_iso, record_command, write_json_atomic
+from servelab.deploy.server import http_json
 
 # fixed, short and varied: they fit every model's context and a 2048-token llama.cpp slot with room to spare
 PROMPTS: tuple[str, ...] = (
@@ -67,7 +68,6 @@ def greedy_probe(srv: Any, prompts: Sequence[str] = PROMPTS, max_tokens: int = M
     what came back: per prompt its token ids (or token texts), the chosen tokens' log-probabilities (None where the
     engine returns none), text, finish reason, whether its repeats agreed, and any error. With ``run_dir`` the probe
     is recorded as an executed command (the curl equivalent of its first request)."""
-    from servelab.deploy.server import http_json
     eng = srv.engine
     url = srv.base_url + eng.greedy_path
     model = srv.target.served_model_name or "default"

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from servelab.core.run import CommandRecord, now_iso, record_command, write_json_atomic
+from servelab.deploy.server import http_json
 
 RECORD_FILE = "expert_record.json"
 FOLDER = "expert-distribution"
@@ -37,7 +38,6 @@ class ExpertRecording:
 
 
 def _post(srv: Any, path: str, title: str, run_dir: Path | None, phase: str) -> int:
-    from servelab.deploy.server import http_json
     url = srv.base_url + path
     start = now_iso()
     status, resp = http_json(url, body=None, method="POST", timeout=120, headers=getattr(srv, "auth_headers", None))

@@ -31,15 +31,19 @@ from typing import Any, Iterator
 
 import pandas as pd
 
-from servelab.core.params import ParamError
+from servelab.core.params import ParamError, did_you_mean
 
 from servelab.deploy.spec import Target
 
 from servelab.deploy.targets import target_from_dict
 from servelab.measure.case_record import repeat_frame, write_case_index
-from servelab.measure.engine_metrics import counter_deltas, parse_text
-from servelab.core.run import now_iso, redact, write_json_atomic
-from servelab.deploy.server import RunningServer, http_text
+from servelab.measure.engine_metrics import counter_deltas, parse_text, label_key
+from servelab.measure.correctness import greedy_probe
+from servelab.core.run import now_iso, redact, write_json_atomic, CommandRecord, record_command
+from servelab.deploy.server import RunningServer, http_text, plan_launch, start_server, stop_server
+from servelab.deploy.engines import engine_for
+from servelab.deploy.hosts import ProcessTracker
+from servelab.measure.correctness import write_greedy
 
 
 def with_launch(target: Target, changes: dict[str, Any], name_suffix: str = "") -> Target:
@@ -60,7 +64,6 @@ def with_launch(target: Target, changes: dict[str, Any], name_suffix: str = "") 
 
 def launch_argv(target: Target) -> list[str]:
     """The head node's engine command for ``target`` (builds/caches local artifacts, starts nothing)."""
-    from servelab.deploy.server import plan_launch
     plans, _ = plan_launch(target, port=target.port or 1)
     return next(p for p in plans if p.role == "head").argv
 
@@ -72,7 +75,6 @@ def check_knob_changes_command(target: Target, knob: str, values: list[Any]) -> 
     ``chunked_prefill_size`` on llama.cpp, whose per-iteration token budget is ``batch_size``).
     """
     if knob not in _launch_keys(target):
-        from servelab.core.params import did_you_mean
         keys = _launch_keys(target)
         raise ParamError(f"'{knob}' is not a launch setting of {target.engine}{did_you_mean(knob, keys)}; "
                          f"settings: {', '.join(sorted(keys))}")
@@ -90,7 +92,6 @@ def check_knob_changes_command(target: Target, knob: str, values: list[Any]) -> 
 
 
 def _launch_keys(target: Target) -> set[str]:
-    from servelab.deploy.engines import engine_for
     return engine_for(target.engine).launch_keys()
 
 
@@ -100,9 +101,6 @@ def serving(target: Target, log_dir: Path, run_dir: Path | None = None, phase: s
     """Start ``target``'s engine (commands recorded as executed when ``run_dir`` is given); always stop it. With
     ``greedy`` the correctness probe runs on the healthy engine before anything else (its outputs in
     ``srv.facts["greedy_outputs"]``, which :func:`write_run_record` writes into the variant's record)."""
-    from servelab.deploy.hosts import ProcessTracker
-    from servelab.deploy.server import start_server, stop_server
-    from servelab.measure.correctness import greedy_probe
     with ProcessTracker() as tracker:
         srv = start_server(target, Path(log_dir), tracker, run_dir=run_dir, phase=phase,
                            health_timeout_s=health_timeout_s)
@@ -130,7 +128,6 @@ class Snapshot:
 
     def frame(self) -> pd.DataFrame:
         """Rows like :class:`servelab.measure.engine_metrics.Scraper` keeps (``ts_ns, wall_ns, name, labels, value, type``)."""
-        from servelab.measure.engine_metrics import label_key
         if not self.ok:
             return pd.DataFrame(columns=["ts_ns", "wall_ns", "name", "labels", "value", "type"])
         return pd.DataFrame([{"ts_ns": self.ts_ns, "wall_ns": self.wall_ns, "name": s["name"],
@@ -184,7 +181,6 @@ def server_cpu_s(srv: RunningServer) -> float | None:
 
 def log_reproduce(ctx: Any, phase_key: str) -> None:
     """Record how to re-run this phase (label ``reproduce``) in the run's command log."""
-    from servelab.core.run import CommandRecord, record_command
     target = (getattr(ctx, "params", None) or {}).get("target") or ctx.target.name
     run_id = getattr(ctx, "run_id", "") or Path(ctx.run_dir).name
     record_command(Path(ctx.run_dir), CommandRecord(
@@ -222,7 +218,6 @@ def write_run_record(record_dir: Path, run_id: str, target: Target, srv: Running
     write_json_atomic(record_dir / "manifest.json", redact(manifest, known))      # env, argv, URLs: no secrets
     write_case_index(record_dir, cases)
     if srv is not None and srv.facts.get("greedy_outputs") is not None:
-        from servelab.measure.correctness import write_greedy
         write_greedy(record_dir, srv.facts["greedy_outputs"])
     frame, _ = repeat_frame(record_dir)
     frame.to_csv(record_dir / "summary.csv", index=False)

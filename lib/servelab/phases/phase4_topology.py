@@ -16,6 +16,17 @@ import pandas as pd
 from servelab.analyse.topology import (Cluster, CommInputs, MemoryInputs, ModelConfig, cluster_from_target, comm_summary,
                                        comm_table, feasibility, launch_commands, layout_problems, load_model_config,
                                        measured_comparison, memory_table, param_summary, parse_layout, reference_layouts)
+from servelab.core.params import ParamError
+from servelab.core.paths import path_slug
+from servelab.core.run import read_manifest
+from servelab.deploy.engines import engine_for
+from servelab.deploy.targets import load_target
+from servelab.measure.case import make_env, quick_matrix, run_case
+from servelab.measure.launch_variants import serving, with_launch, write_run_record
+from servelab.phases.context import log_command
+from servelab.report.banner import banner
+from servelab.report.ledger import evidence_frame, record_evidence
+from servelab.measure.case import SCALES
 
 
 @dataclass
@@ -48,8 +59,6 @@ def run_phase4(ctx: Any, model_config: str, cluster_target: str, layouts: Sequen
     ``decode_tokens`` = ``concurrency``. Writes ``feasibility.csv``, ``memory.csv``, ``comm.csv`` and
     ``launch_commands.csv`` in the phase folder.
     """
-    from servelab.deploy.targets import load_target
-    from servelab.phases.context import log_command
     cfg = load_model_config(model_config)
     base = load_target(cluster_target)
     cluster = cluster_from_target(base)
@@ -101,7 +110,6 @@ def measure_cases(target: Any) -> tuple[str, ...]:
     """The cases each layout is measured with live by default — the method's test order for a layout after its
     smoke test: C=1 decode latency (D1), then throughput at the scale's decode concurrencies (D2 at C=16/32/64 on
     the cluster, 4/8/16 locally)."""
-    from servelab.measure.case import SCALES
     cs = SCALES.get(getattr(target, "scale", "cluster"), SCALES["cluster"])["D2_c"]
     return ("D1", *(f"D2_c{c}" for c in cs))
 
@@ -114,12 +122,6 @@ def measure_layouts(ctx: Any, layouts: Sequence[str], cases: Sequence[str] = (),
     run-like record (``phase4/layouts/<layout>/``) that the measured comparison reads as a run — the first layout is
     the baseline, and only the layout keys may differ between records (the one-variable rule). ``cases`` empty:
     :func:`measure_cases`. Returns the record folders, in the order given."""
-    from servelab.core.params import ParamError
-    from servelab.core.paths import path_slug
-    from servelab.core.run import read_manifest
-    from servelab.deploy.engines import engine_for
-    from servelab.measure.case import make_env, quick_matrix, run_case
-    from servelab.measure.launch_variants import serving, with_launch, write_run_record
     target = ctx.target
     eng = engine_for(target.engine)
     lays = [parse_layout(x) for x in layouts]
@@ -151,7 +153,6 @@ def launch_table(res: Phase4Result) -> pd.DataFrame:
 
 def measured_view(res: Phase4Result):
     """The measured comparison table, or a banner saying that no measurement exists yet."""
-    from servelab.report.banner import banner
     if res.measured.empty:
         return banner("No measured run was given (parameter runs), so this page holds the model only: no layout is "
                       "recommended or rejected on evidence yet. Launch each feasible layout with the planned commands "
@@ -232,7 +233,6 @@ def h7_evidence(res: Phase4Result) -> tuple[str, str, dict[str, Any]]:
 
 def record_h7(ctx: Any, res: Phase4Result) -> pd.DataFrame:
     """Record this phase's evidence about H7 (see :func:`h7_evidence`), linking the verdicts or the feasibility."""
-    from servelab.report.ledger import evidence_frame, record_evidence
     verdict, summary, nums = h7_evidence(res)
     measured = not res.verdicts.empty
     tables = ["verdicts.csv", "measured.csv", "feasibility.csv"] if measured else ["feasibility.csv", "comm_summary.csv"]

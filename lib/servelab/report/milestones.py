@@ -18,6 +18,14 @@ from typing import Any
 import pandas as pd
 
 from servelab.core.run import read_manifest
+from servelab.deploy.targets import load_target
+from servelab.measure.case import quick_matrix
+from servelab.measure.case_record import read_summaries
+from servelab.report.ledger import current_evidence
+from servelab.measure.case import SCALES
+from servelab.measure.abtest import load_run
+from servelab.measure.case_record import summary_paths
+from servelab.measure.correctness import correctness_verdict
 
 M1_CV_BOUND_PCT = 3.0          # docs/method.md#milestones: key TPS coefficient of variation within 3 %
 M1_REPEATS = 3
@@ -54,7 +62,6 @@ KEY_TPS = {"prefill": "input_throughput", "decode": "output_throughput", "mixed"
 
 def _phase1_points(run_dir: Path, errors: list[str]) -> dict[str, dict[str, Any]]:
     """Phase 1 matrix points from the case summaries, by the case they repeat: kind, key TPS per repeat, verdicts."""
-    from servelab.measure.case_record import read_summaries
     points: dict[str, dict[str, Any]] = {}
     for s in read_summaries(run_dir, "phase1", errors):
         if s["kind"] not in MATRIX_KINDS:
@@ -71,8 +78,6 @@ def _phase1_points(run_dir: Path, errors: list[str]) -> dict[str, dict[str, Any]
 def _planned_points(run_dir: Path) -> list[str] | None:
     """The quick matrix of the run's target (None when the target cannot be loaded here)."""
     try:
-        from servelab.measure.case import quick_matrix
-        from servelab.deploy.targets import load_target
         return [c.case_id for c in quick_matrix(load_target(str(read_manifest(run_dir).get("target", ""))))]
     except Exception:
         return None
@@ -169,7 +174,6 @@ def m2(run_dir: Path) -> Milestone:
             status, detail = "pass", f"{kinds[k]} {k} windows in phase3/trace_windows.csv"
         ms.checks.append(Check(f"{k} profile analysed", status, detail,
                                ["phase3/trace_windows.csv"] if p.is_file() else []))
-    from servelab.report.ledger import current_evidence
     # evidence from recorded sample data is never a bottleneck of this target (it is recorded inconclusive anyway)
     ev = [e for e in current_evidence(run_dir) if e.verdict == "supported" and not e.from_samples]
     ms.checks.append(Check("1–3 bottlenecks with trace/counter/log evidence", "pass" if ev else "not measured",
@@ -192,10 +196,8 @@ def _csv(path: Path) -> pd.DataFrame | None:
 
 def _decode_concurrencies(run_dir: Path) -> tuple[int, ...]:
     """The D2 concurrencies of the run's scale (cluster: 16, 32, 64 — the method's C=16/32/64; local: 4, 8, 16)."""
-    from servelab.measure.case import SCALES
     scale = "cluster"
     try:
-        from servelab.deploy.targets import load_target
         scale = getattr(load_target(str(read_manifest(run_dir).get("target", ""))), "scale", "cluster")
     except Exception:
         pass
@@ -205,7 +207,6 @@ def _decode_concurrencies(run_dir: Path) -> tuple[int, ...]:
 def _record_nodes(runs: list[str], run_dir: Path) -> int | None:
     """How many nodes the measured layouts' engines ran on (the most of any), from their manifests' launch plans:
     Phase 4's own layout records (``phase4/layouts/*``) or the runs it was given."""
-    from servelab.measure.abtest import load_run
     records = _records(run_dir, "phase4")
     counts = []
     for r in runs:
@@ -225,7 +226,6 @@ def _rail_traffic(run_dir: Path, run_id: str) -> tuple[float, str] | None:
     """The measured rail traffic of one layout's run: Phase 2's mean RDMA transmit rate per node (Gbit/s, head and
     workers averaged) over its decode cases (all its cases when it has none), from that run's
     ``phase2/telemetry_summary.csv``; None when the run has none."""
-    from servelab.measure.abtest import load_run
     try:
         rd = _records(run_dir, "phase4").get(run_id) or load_run(run_id).run_dir
     except (FileNotFoundError, OSError, ValueError):
@@ -408,7 +408,6 @@ def _profiler_free(rec: Path | None) -> tuple[bool | None, str]:
     on = [k for k in ("profiler_dir", "nvtx_markers") if la.get(k)]
     if on:
         return False, f"launched with {', '.join(on)}"
-    from servelab.measure.case_record import summary_paths
     for _, path, _ in summary_paths(rec):
         meta = path.parent / "meta.json" if path is not None else None
         if meta is not None and meta.is_file():
@@ -461,7 +460,6 @@ def m4(run_dir: Path) -> Milestone:
     where the A/B has it) or clearly lower P95/P99 tails — or, where no change gained, a written conclusion that
     excludes the direction (the user's answer to "Keep it?", ``<phase>/ab_questions.csv``). Each check is passed by a
     change that passed the checks before it."""
-    from servelab.measure.correctness import correctness_verdict
     ms = Milestone("M4", "first optimisation loop (首轮优化闭环)")
     titles = ("an A/B with one declared variable", "every compared case VALID on both sides",
               "reproduced without the profiler", "no correctness regression (greedy outputs, A vs B)",

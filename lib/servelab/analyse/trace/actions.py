@@ -26,6 +26,7 @@ from typing import Any
 import polars as pl
 
 from servelab.analyse.trace.analysis import CaptureAnalysis
+from servelab.core.run import read_manifest
 
 DEFAULT_THRESHOLDS = {
     "decode_exposed_comm_pct": 15.0,     # exposed comm / decode GPU step time
@@ -177,7 +178,6 @@ def evidence_actions(a: CaptureAnalysis, thresholds: dict[str, float] | None = N
 def _phase_table(run_dir: str | Path | None, rel: str, phase: str, what: str) -> tuple[Any, str]:
     """``(frame, "")`` of a phase's table in the run folder, or ``(None, why not and what to run)``."""
     import pandas as pd
-    from servelab.core.run import read_manifest
     run = f" --run-id {Path(run_dir).name}" if run_dir is not None else ""
     todo = f"run Phase {phase[-1]} in this run (servelab run {phase} --target <target>{run}): {what}"
     if run_dir is None:

@@ -1,7 +1,8 @@
 """Nsight Systems: the ``nsys profile`` / ``nsys stats`` / ``nsys recipe`` command lines of
-``docs/method.md#capture-scenarios``, a capture bound to its case id with the ``nsys profile`` command per node recorded
-as planned and as executed, an importer of ``nsys stats --format csv`` reports (kernels, CUDA API, NVTX, OS runtime)
-and of the NCCL / GPU-utilisation recipes' outputs.
+``docs/method.md#capture-scenarios``, an importer of ``nsys stats --format csv`` reports (kernels, CUDA API, NVTX, OS
+runtime) and of the NCCL / GPU-utilisation recipes' outputs, the kernel comparison with a trace, and the method's
+NCCL summary / GPU utilisation / overlap / OS-runtime tables of one folder (``read_nsys_folder``, ``method_reports``),
+and a capture per node bound to its case id, its ``nsys profile`` command recorded as planned and as executed.
 
 Column names follow the Nsight Systems analysis guide (``nsys stats`` report names; ``cuda_gpu_kern_sum``: ``Time
 (%),Total Time (ns),Instances,Avg (ns),
@@ -13,15 +14,18 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
+import pandas as pd
 import polars as pl
 
 from servelab.analyse.trace.taxonomy import classify_names
+from servelab.core.run import CommandRecord, record_command
 
 CAPTURE_RANGES = ("cudaProfilerApi", "nvtx", "hotkey", "none")
 RANGE_END_MODES = ("defer", "sync", "async")
@@ -240,6 +244,45 @@ def read_stats_dir(folder: str | Path, base: str | None = None) -> dict[str, pl.
     return out
 
 
+# ---------------------------------------------------------------- an nsys summary next to a trace
+
+def trace_kernels(rank_ops: list[pl.DataFrame], function_of: Callable[[str], str]) -> pd.DataFrame:
+    """The trace's kernel time per function (all ranks, all windows): function, cls, trace_ms, trace_share_pct."""
+    ops = [r.filter(pl.col("cat") == "kernel").select("name", "cls", "dur_ns") for r in rank_ops]
+    ops = [o for o in ops if o.height]
+    if not ops:
+        return pd.DataFrame(columns=["function", "trace_cls", "trace_ms", "trace_share_pct"])
+    t = (pl.concat(ops, how="vertical_relaxed").group_by("name", "cls").agg(pl.col("dur_ns").sum())
+         .with_columns(pl.col("name").cast(pl.String)).to_pandas())
+    t["function"] = t["name"].map(function_of)
+    t = t.groupby("function", as_index=False).agg(trace_cls=("cls", "first"), trace_ns=("dur_ns", "sum"))
+    t["trace_ms"] = t["trace_ns"] / 1e6
+    t["trace_share_pct"] = 100 * t["trace_ms"] / t["trace_ms"].sum()
+    return t.drop(columns="trace_ns")
+
+
+def compare_kernels(kern_sum: pl.DataFrame, rank_ops: list[pl.DataFrame], function_of: Callable[[str], str],
+                    top_n: int = 10) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The ``top_n`` kernels of an Nsight Systems kernel summary next to the same kernels (by ``function_of`` of each
+    name, e.g. ``ncu --kernel-name-base function`` style) in a trace's per-rank ops, and the time share per kernel class on
+    both sides: ``(kernels, classes)``."""
+    ks = kernel_summary(kern_sum).to_pandas()
+    ks["function"] = ks["name"].map(function_of)
+    trace = trace_kernels(rank_ops, function_of)
+    k = ks.sort_values("total_ms", ascending=False).head(int(top_n)).merge(trace, on="function", how="left")
+    k.insert(0, "nsys_rank", range(1, len(k) + 1))
+    k["in_trace"] = k["trace_ms"].notna()
+    kernels = k[["nsys_rank", "function", "cls", "instances", "total_ms", "share_pct", "avg_ns", "in_trace", "trace_ms",
+                 "trace_share_pct"]].rename(columns={"total_ms": "nsys_ms", "share_pct": "nsys_share_pct",
+                                                     "avg_ns": "nsys_avg_ns"})
+    nb = class_breakdown(kern_sum).to_pandas()[["cls", "total_ms", "share_pct"]]
+    tb = trace.groupby("trace_cls", as_index=False)["trace_ms"].sum().rename(columns={"trace_cls": "cls"})
+    tb["trace_share_pct"] = 100 * tb["trace_ms"] / tb["trace_ms"].sum()
+    classes = nb.rename(columns={"total_ms": "nsys_ms", "share_pct": "nsys_share_pct"}).merge(tb, on="cls", how="outer")
+    classes = classes.sort_values("nsys_ms", ascending=False, na_position="last").reset_index(drop=True)
+    return kernels, classes
+
+
 # ------------------------------------------------------------------------------------------------ OS runtime
 
 def osrt_summary(osrt_sum: pl.DataFrame, top_n: int = 10) -> pl.DataFrame:
@@ -286,7 +329,6 @@ _UTIL_COLS = {"Duration": "bin_start_ns", "Kernel": "kernel_pct", "All": "all_pc
 
 def recipe_name(folder: str | Path) -> str | None:
     """The recipe a ``nsys recipe`` output folder holds, from its ``*.nsys-analysis`` file."""
-    import json
     for f in sorted(Path(folder).glob("*.nsys-analysis")):
         try:
             return json.loads(f.read_text()).get("RecipeName")
@@ -431,7 +473,6 @@ def plan_nsys_captures(case_id: str, nodes: Sequence[str], app_argv: Sequence[st
 def record_nsys_captures(run_dir: Path, phase: str, captures: Sequence[NsysCapture]) -> None:
     """Each capture's ``nsys profile`` command into the run's ``commands.jsonl``: label ``planned`` while it has not
     run, ``executed`` (with its exit code and times) once it has."""
-    from servelab.core.run import CommandRecord, record_command
     for c in captures:
         done = c.status != "planned"
         record_command(run_dir, CommandRecord(
@@ -440,3 +481,41 @@ def record_nsys_captures(run_dir: Path, phase: str, captures: Sequence[NsysCaptu
             note=f"report {c.report_file}" + (f"; {c.status}" if done else "; run it on the node, then "
                                                                             "nsys stats / nsys recipe")),
                        unique=not done)
+
+
+# ------------------------------------------------------------------------------------------------ one folder
+
+def read_nsys_folder(folder: str | Path) -> tuple[dict[str, pl.DataFrame], dict[str, dict[str, pl.DataFrame]]]:
+    """A folder of one capture's exports → ``(stats reports, recipes)``: the ``nsys stats`` CSVs directly in it or
+    in ``<folder>/stats/``, the ``nsys recipe`` output folders directly in it or in ``<folder>/recipes/``. Raises
+    :class:`NsysReportError` naming the folder when it is missing or has no ``<base>_cuda_gpu_kern_sum.csv``."""
+    folder = Path(folder).expanduser()
+    if not folder.is_dir():
+        raise NsysReportError(f"nsys_dir {folder}: no such folder")
+    reports = read_stats_dir(folder)
+    if not reports and (folder / "stats").is_dir():          # <dir>/stats/*.csv beside <dir>/recipes/<recipe>/
+        reports = read_stats_dir(folder / "stats")
+    if "cuda_gpu_kern_sum" not in reports:
+        raise NsysReportError(f"nsys_dir {folder}: no <base>_cuda_gpu_kern_sum.csv among "
+                              f"{sorted(x.name for x in folder.glob('*.csv')) or 'no CSV files'}")
+    recipes: dict[str, dict[str, pl.DataFrame]] = {}
+    for where in (folder, folder / "recipes"):
+        if where.is_dir():
+            recipes.update(read_recipes(where))
+    return reports, recipes
+
+
+METHOD_REPORTS = ("nccl", "gpu_util", "overlap", "osrt")
+
+
+def method_reports(reports: dict[str, pl.DataFrame], recipes: dict[str, dict[str, pl.DataFrame]]
+                   ) -> dict[str, pd.DataFrame]:
+    """The method's other Nsight Systems reports from one folder's exports, rounded to 3 decimals, each empty when
+    its input is missing: ``nccl`` (``nccl_sum``), ``gpu_util`` (``nccl_gpu_time_util_map``, else
+    ``cuda_gpu_time_util_map``), ``overlap`` (``nccl_gpu_time_util_map``) and ``osrt`` (``osrt_sum``)."""
+    util_map = recipes.get("nccl_gpu_time_util_map") or recipes.get("cuda_gpu_time_util_map") or {}
+    frames = {"nccl": nccl_summary(recipes["nccl_sum"]) if "nccl_sum" in recipes else pl.DataFrame(),
+              "gpu_util": gpu_utilisation(util_map),
+              "overlap": nccl_overlap(recipes.get("nccl_gpu_time_util_map") or {}),
+              "osrt": osrt_summary(reports["osrt_sum"]) if "osrt_sum" in reports else pl.DataFrame()}
+    return {k: df.to_pandas().round(3) if df.height else pd.DataFrame() for k, df in frames.items()}

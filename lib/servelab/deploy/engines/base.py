@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 
 from servelab.core.params import ParamError, reject_unknown
 from servelab.deploy.container import ContainerSpec, container_spec, validate_docker
+from servelab.core.redact import known_secrets, redact_argv, redact_env
 
 # launch keys every engine understands (meaning documented per key)
 COMMON_LAUNCH_KEYS: dict[str, str] = {
@@ -70,14 +71,12 @@ class LaunchPlan:
         """The command as one line for people (pages, tables, records), secrets redacted: secret-named variables,
         secret flags (``--api-key X``), ``known`` values (default: those of this plan's env and argv, and the
         process environment's). Never executed: processes are started from :attr:`argv` and :attr:`env`."""
-        from servelab.core.redact import known_secrets, redact_argv, redact_env
         known = tuple(known_secrets(self.env, argv=self.argv) if known is None else known)
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in redact_env(self.env, known).items())
         return f"{env} {shlex.join(redact_argv(self.argv, known))}".strip()
 
     def secret_values(self) -> tuple[str, ...]:
         """The secret values this plan carries (its env's and its argv's), for a literal scrub elsewhere."""
-        from servelab.core.redact import known_secrets
         return known_secrets(self.env, argv=self.argv, environ=False)
 
 
@@ -471,7 +470,7 @@ class EngineAdapter:
 
     def trace_identity(self, file_name: str) -> dict[str, Any] | None:
         """The rank identity a trace file's name carries under this engine's naming rules (fields of
-        ``analyse.trace.load.RankIdentity``: engine, role, rank, tp, dp, pp, ep, stage, profile_id, source).
+        ``analyse.trace.identity.RankIdentity``: engine, role, rank, tp, dp, pp, ep, stage, profile_id, source).
         None: the name does not follow this engine's rules."""
         return None
 
