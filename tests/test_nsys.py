@@ -11,6 +11,7 @@ import polars as pl
 import pytest
 
 from servelab.analyse.trace import nsys
+from servelab.measure import nsys_capture
 
 KERN_SUM = """Generating SQLite file report.sqlite from report.nsys-rep
 Processing [report.sqlite] with [/opt/nvidia/nsight-systems/reports/cuda_gpu_kern_sum.py]...
@@ -34,16 +35,16 @@ NVTX_SUM_US = """Time (%),Total Time (us),Instances,Avg (us),Med (us),Min (us),M
 
 
 def test_profile_argv_matches_the_method():
-    argv = nsys.nsys_profile_argv(["vllm", "serve", "m", "--profiler-config.profiler", "cuda"], "/data/p/dsv4_tp16")
+    argv = nsys_capture.nsys_profile_argv(["vllm", "serve", "m", "--profiler-config.profiler", "cuda"], "/data/p/dsv4_tp16")
     assert argv[:2] == ["nsys", "profile"]
     for flag in ("--trace=cuda,nvtx,nccl", "--trace-fork-before-exec=true", "--cuda-graph-trace=node",
                  "--capture-range=cudaProfilerApi", "--capture-range-end=repeat"):
         assert flag in argv
     assert argv[argv.index("-o") + 1] == "/data/p/dsv4_tp16"
     assert argv[-5:] == ["vllm", "serve", "m", "--profiler-config.profiler", "cuda"]
-    three = nsys.nsys_profile_argv(["python", "-m", "sglang.launch_server"], "out-%n", repeat=3, repeat_mode="defer")
+    three = nsys_capture.nsys_profile_argv(["python", "-m", "sglang.launch_server"], "out-%n", repeat=3, repeat_mode="defer")
     assert "--capture-range-end=repeat:3:defer" in three
-    assert nsys.display(three).startswith("nsys profile --trace=cuda,nvtx,nccl")
+    assert nsys_capture.display(three).startswith("nsys profile --trace=cuda,nvtx,nccl")
 
 
 @pytest.mark.parametrize("kw, msg", [
@@ -53,13 +54,13 @@ def test_profile_argv_matches_the_method():
 ])
 def test_profile_argv_rejects_bad_options(kw, msg):
     with pytest.raises(ValueError, match=msg):
-        nsys.nsys_profile_argv(["app"], "o", **kw)
+        nsys_capture.nsys_profile_argv(["app"], "o", **kw)
     with pytest.raises(ValueError, match="app_argv"):
-        nsys.nsys_profile_argv([], "o")
+        nsys_capture.nsys_profile_argv([], "o")
 
 
 def test_stats_argv():
-    argv = nsys.nsys_stats_argv("/r/run1.nsys-rep")
+    argv = nsys_capture.nsys_stats_argv("/r/run1.nsys-rep")
     assert argv[:2] == ["nsys", "stats"] and "--format" in argv and argv[argv.index("--format") + 1] == "csv"
     assert argv[argv.index("--output") + 1] == "/r/run1" and argv[-1] == "/r/run1.nsys-rep"
     assert argv[argv.index("--report") + 1] == "cuda_gpu_kern_sum,cuda_api_sum,nvtx_sum"
@@ -210,36 +211,36 @@ def test_recipe_folder_errors_name_it(tmp_path: Path):
 
 def test_capture_bound_to_case_planned_then_executed(tmp_path: Path):
     from servelab.core.run import read_commands
-    caps = nsys.plan_nsys_captures("N1-h200-smoke", ["node-a", "node-b"], ["python3", "work.py"], "/data/nsys",
+    caps = nsys_capture.plan_nsys_captures("N1-h200-smoke", ["node-a", "node-b"], ["python3", "work.py"], "/data/nsys",
                                    trace=("cuda", "nvtx", "osrt"), capture_range_end="stop", sample="none")
     assert [c.report_file for c in caps] == ["/data/nsys/N1-h200-smoke.node-a.nsys-rep",
                                              "/data/nsys/N1-h200-smoke.node-b.nsys-rep"]
     assert caps[0].argv[caps[0].argv.index("-o") + 1] == "/data/nsys/N1-h200-smoke.node-a"
-    nsys.record_nsys_captures(tmp_path, "phase3", caps)
-    nsys.record_nsys_captures(tmp_path, "phase3", caps)          # planned lines are not repeated
+    nsys_capture.record_nsys_captures(tmp_path, "phase3", caps)
+    nsys_capture.record_nsys_captures(tmp_path, "phase3", caps)          # planned lines are not repeated
     caps[0].status, caps[0].exit_code, caps[0].start, caps[0].end = "executed", 0, "t0", "t1"
-    nsys.record_nsys_captures(tmp_path, "phase3", caps[:1])
+    nsys_capture.record_nsys_captures(tmp_path, "phase3", caps[:1])
     recs = read_commands(tmp_path, "phase3")
     assert [(r.label, r.host) for r in recs] == [("planned", "node-a"), ("planned", "node-b"), ("executed", "node-a")]
     assert recs[2].exit_code == 0 and "N1-h200-smoke.node-a.nsys-rep" in recs[2].note
     with pytest.raises(ValueError, match="names the report file"):
-        nsys.plan_nsys_captures("bad id/..", ["n"], ["x"], "/d")
+        nsys_capture.plan_nsys_captures("bad id/..", ["n"], ["x"], "/d")
     # the sample's planned argv was made by this module and ran unchanged on the GPU host
     import json
     plan = json.loads((H200 / "planned.json").read_text())
     done = json.loads((H200 / "executed.json").read_text())
     assert done["executed_argv"] == plan["argv"] and done["rc"] == 0
-    assert plan["argv"] == nsys.nsys_profile_argv(["python3", "work.py", "--case", "N1-h200-smoke"], "N1-h200-smoke",
+    assert plan["argv"] == nsys_capture.nsys_profile_argv(["python3", "work.py", "--case", "N1-h200-smoke"], "N1-h200-smoke",
                                                   trace=("cuda", "nvtx", "osrt"), capture_range_end="stop",
                                                   sample="none", extra=["--cpuctxsw=none"])
 
 
 def test_recipe_argv():
-    assert nsys.nsys_recipe_argv("nccl_sum", "r.nsys-rep", "out") == [
+    assert nsys_capture.nsys_recipe_argv("nccl_sum", "r.nsys-rep", "out") == [
         "nsys", "recipe", "nccl_sum", "--input", "r.nsys-rep", "--output", "out", "--force-overwrite", "--csv"]
-    assert "--csv" not in nsys.nsys_recipe_argv("cuda_gpu_time_util_map", "r.nsys-rep", "out")
+    assert "--csv" not in nsys_capture.nsys_recipe_argv("cuda_gpu_time_util_map", "r.nsys-rep", "out")
     with pytest.raises(ValueError, match="expected one of"):
-        nsys.nsys_recipe_argv("nope", "r", "o")
+        nsys_capture.nsys_recipe_argv("nope", "r", "o")
 
 
 def test_phase3_section_shows_nccl_utilisation_overlap_osrt(tmp_path: Path):

@@ -19,8 +19,8 @@ from servelab.analyse.trace.metrics import dominant_steps
 from servelab.analyse.trace.stalls import (OneClock, clock_shift, mixed_window_problem, one_clock,
                                             stall_summary)
 from servelab.analyse.kernels import function_base
-from servelab.analyse.trace.nsys import (display, nsys_profile_argv, nsys_stats_argv, compare_kernels, method_reports,
-                                         read_nsys_folder)
+from servelab.analyse.trace.nsys import compare_kernels, method_reports, read_nsys_folder
+from servelab.measure.nsys_capture import display, nsys_profile_argv, nsys_stats_argv, plan_target_captures
 from servelab.measure.capture import DEFAULT_STEPS
 from servelab.measure.live_capture import can_capture, capture_live, captured_table
 from servelab.measure.records import read_records
@@ -386,6 +386,7 @@ def live_capture(ctx: Any, capture: bool, trace_dir: str) -> tuple[str, pd.DataF
     ok = [c for c in caps if c.result is not None]
     if not ok:
         raise RuntimeError("no scenario was captured: " + "; ".join(f"{c.scenario.name}: {c.error}" for c in caps))
+    plan_target_captures(ctx.run_dir, ctx.phase, [Path(c.case_dir).name for c in ok], ctx.target)
     return str((mixed or ok)[0].profiles), table
 
 
