@@ -1,8 +1,9 @@
 """The one call a phase notebook makes after its parameters cell, and the one it makes at the end.
 
     ctx = open_phase("phase0_manifest", globals())
+    result = phase0.run(ctx)          # every phase module's one entry: run(ctx: PhaseContext) -> PhaseResult
     ...
-    finish_phase(ctx, headline={...})
+    finish_phase(ctx, headline=result.headline(), findings=result.findings())
 
 ``open_phase`` reads the parameter names from the notebook's own ``parameters`` cell, takes their
 values from the namespace (papermill has injected its overrides there), layers ``params/<phase>.yaml``,
@@ -15,7 +16,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import pandas as pd
 
@@ -27,6 +28,17 @@ from servelab.report.tables import register_table_display
 from servelab.deploy.spec import Target
 from servelab.deploy.targets import load_target
 from servelab.core.redact import scrub_tree
+
+
+@runtime_checkable
+class PhaseResult(Protocol):
+    """What every phase's ``run(ctx)`` returns: the result knows the key numbers ``finish_phase`` records in the
+    manifest and the run index (``headline``) and the sentences of the findings box that opens the page
+    (``findings``)."""
+
+    def headline(self) -> dict[str, Any]: ...
+
+    def findings(self) -> list[str]: ...
 
 
 @dataclass

@@ -20,8 +20,8 @@ from servelab.deploy.facts import (collect_facts, gguf_facts, nccl_env, port_sna
                             snapshot_diff)
 from servelab.deploy.models import file_digest
 from servelab.phases.context import PhaseContext, log_command
-from servelab.core.run import redact, update_manifest, write_json_atomic
-from servelab.deploy.preflight import PreflightFailed, PreflightReport, ensure_preflight
+from servelab.core.run import read_manifest, redact, update_manifest, write_json_atomic
+from servelab.deploy.preflight import PreflightFailed, PreflightReport, ensure_preflight, fingerprint
 from servelab.deploy.server import (connect_nodes, engine_info, is_healthy, plan_launch, rank_environments,
                                     start_server, stop_server, version_argv)
 from servelab.report.banner import banner
@@ -46,6 +46,13 @@ class Phase0Result:
     exposure: list[str] = field(default_factory=list)     # warnings: reachable head without a key, dev endpoints
     exposure_notes: list[str] = field(default_factory=list)   # loopback-only exposure (info)
     host_keys: pd.DataFrame = field(default_factory=pd.DataFrame)
+    start_engine: bool = True
+
+    def headline(self) -> dict[str, Any]:
+        return headline(self)
+
+    def findings(self) -> list[str]:
+        return findings(self, self.start_engine)
 
 
 def exposure_warnings(target: Any) -> list[str]:
@@ -170,6 +177,17 @@ def preflight(ctx: PhaseContext) -> PreflightReport:
     return report
 
 
+def run(ctx: PhaseContext) -> Phase0Result:
+    """Phase 0's entry (the phase contract): the preflight this run recorded for the target (the notebook's
+    :func:`preflight` step; run here when it has not run), then :func:`run_phase0` with the ``start_engine`` and
+    ``health_timeout_s`` parameters."""
+    rec = read_manifest(ctx.run_dir).get("preflight") or {}
+    pre = (PreflightReport.from_manifest(rec) if rec.get("fingerprint") == fingerprint(ctx.target) and rec.get("checks")
+           else preflight(ctx))
+    return run_phase0(ctx, start_engine=ctx.params["start_engine"], health_timeout_s=ctx.params["health_timeout_s"],
+                      preflight=pre)
+
+
 def run_phase0(ctx: PhaseContext, start_engine: bool = True, health_timeout_s: float = 900.0,
                preflight: PreflightReport | None = None) -> Phase0Result:
     """Collect the Phase 0 facts on every node; start the engine, record how it runs, stop it, verify cleanup.
@@ -248,7 +266,7 @@ def run_phase0(ctx: PhaseContext, start_engine: bool = True, health_timeout_s: f
         settings=engine_settings(target.launch, target.engine, info), comm_env=nccl_env(target.env),
         processes_before=procs_before, ports_before=ports_before, processes_started=procs_started,
         ports_opened=ports_opened, leftovers_after=leftovers, rank_env=rank_env, server=server_info,
-        preflight=preflight,
+        preflight=preflight, start_engine=start_engine,
         exposure=exposure_warnings(target),
         exposure_notes=engine_for(target.engine).exposure_notes(target, bool(target.api_key_env)),
         host_keys=pd.DataFrame(host_keys + [{"node": h.name, "host": "this machine", "key_type": "—", "sha256": "—",
@@ -267,6 +285,12 @@ def run_phase0(ctx: PhaseContext, start_engine: bool = True, health_timeout_s: f
                     launch={"plans": launch_rows, "env": target.env, "settings": target.launch},
                     rank_env=rank_env.to_dict(orient="records"))
     return result
+
+
+def headline(result: Phase0Result) -> dict[str, Any]:
+    """The key numbers the manifest and the run index keep: nodes, engine start time, leftover processes."""
+    return {"nodes": result.facts["node"].nunique(), "engine_ready_s": result.server.get("ready_s"),
+            "leftover processes": len(result.leftovers_after)}
 
 
 def verdict(result: Phase0Result) -> tuple[str, str]:

@@ -34,7 +34,7 @@ from servelab.deploy.server import engine_info, start_server, stop_server
 from servelab.measure.peer_results import ImportFormatError
 from servelab.measure.records import read_records
 from servelab.phases.case_rerun import case_command
-from servelab.phases.context import log_command
+from servelab.phases.context import PhaseContext, log_command
 from servelab.report import perf_figures as pf
 from servelab.report.ledger import evidence_frame, record_evidence
 from servelab.report import crosscheck
@@ -62,6 +62,9 @@ class Phase1Result:
         """The matrix as the page shows it: every percentile with its sample count, or ``max of N`` where too few
         values hold it (``request_metrics.labelled_percentiles``); ``matrix.frame()`` keeps the numbers."""
         return mx.labelled_percentiles(self.matrix.frame(definition or self.definition))
+
+    def findings(self) -> list[str]:
+        return findings(self)
 
     def headline(self) -> dict[str, Any]:
         """The numbers the page and the run index put forward — each from a VALID case with enough samples for the
@@ -160,7 +163,12 @@ def resumable(runner: Callable[[CaseEnv, CaseSpec], CaseResult], skipped: list[s
     return run
 
 
-def run_phase1(ctx: Any, health_timeout_s: float = 900.0) -> Phase1Result:
+def run(ctx: PhaseContext) -> Phase1Result:
+    """Phase 1's entry (the phase contract): :func:`run_phase1` with the notebook's parameters (``ctx.params``)."""
+    return run_phase1(ctx)
+
+
+def run_phase1(ctx: PhaseContext, health_timeout_s: float = 900.0) -> Phase1Result:
     """Start the engine, run the matrix (and the search), stop the engine; write the phase tables."""
     p = ctx.params
     definition = p.get("definition", mx.VLLM_BENCH)
@@ -212,7 +220,7 @@ def run_phase1(ctx: Any, health_timeout_s: float = 900.0) -> Phase1Result:
     return res
 
 
-def recorded_runner(ctx: Any, runner: Callable[[CaseEnv, CaseSpec], CaseResult]
+def recorded_runner(ctx: PhaseContext, runner: Callable[[CaseEnv, CaseSpec], CaseResult]
                     ) -> Callable[[CaseEnv, CaseSpec], CaseResult]:
     """``runner`` that, once a case's folder is written (whatever its verdict, an engine crash included), records
     the ``reproduce`` command re-running that case as a new attempt (once per case and run)."""
@@ -672,7 +680,7 @@ def h6_evidence(res: Phase1Result) -> tuple[str, str, dict[str, Any]]:
                             "(Phase 8) says whether KV was the limit"), nums
 
 
-def record_h4(ctx: Any, res: Phase1Result) -> pd.DataFrame:
+def record_h4(ctx: PhaseContext, res: Phase1Result) -> pd.DataFrame:
     """Record H4 from M1 (see :func:`h4_evidence`), linking ``m1_windows.csv`` / ``m1_ab.csv``."""
     verdict, summary, nums = h4_evidence(res)
     tables = [t for t in ("m1_windows.csv", "m1_ab.csv") if (Path(ctx.phase_dir) / t).is_file()] or ["matrix.csv"]
@@ -680,7 +688,7 @@ def record_h4(ctx: Any, res: Phase1Result) -> pd.DataFrame:
                                            numbers=nums)])
 
 
-def record_h6(ctx: Any, res: Phase1Result) -> pd.DataFrame:
+def record_h6(ctx: PhaseContext, res: Phase1Result) -> pd.DataFrame:
     """Record H6 from the concurrency search (see :func:`h6_evidence`), linking ``frontier.csv`` / ``search.json``."""
     verdict, summary, nums = h6_evidence(res)
     tables = [t for t in ("frontier.csv", "search.json") if (Path(ctx.phase_dir) / t).is_file()] or ["matrix.csv"]

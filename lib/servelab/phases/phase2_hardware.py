@@ -40,7 +40,7 @@ from servelab.deploy.engines import engine_for
 from servelab.deploy.server import start_server, stop_server
 from servelab.measure.case import EngineCrash, make_env, quick_matrix
 from servelab.measure.matrix import dispatch_case
-from servelab.phases.context import log_command
+from servelab.phases.context import PhaseContext, log_command
 from servelab.report.ledger import evidence_frame, record_evidence
 from servelab.measure.request_metrics import min_samples
 
@@ -83,7 +83,7 @@ def node_specs(node: Any, pid: int | None, interval_s: float = 1.0, python: str 
                                 interval_s=interval_s, python=python)
 
 
-def collector_plan(ctx: Any, interval_s: float = 1.0) -> pd.DataFrame:
+def collector_plan(ctx: PhaseContext, interval_s: float = 1.0) -> pd.DataFrame:
     """Per node: every collector, required or optional, what it records and the program it runs. The complete
     commands — with the engine's pid, known once it started — are in the commands section as executed."""
     rows = []
@@ -96,11 +96,11 @@ def collector_plan(ctx: Any, interval_s: float = 1.0) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _log(ctx: Any, label: str, argv: list[str], title: str, **kw: Any) -> None:
+def _log(ctx: PhaseContext, label: str, argv: list[str], title: str, **kw: Any) -> None:
     log_command(ctx, label, display_argv(argv), title=title, **kw)
 
 
-def run_local_cases(ctx: Any, case_seconds: float = 4.0, interval_s: float = 1.0) -> Phase2Run:
+def run_local_cases(ctx: PhaseContext, case_seconds: float = 4.0, interval_s: float = 1.0) -> Phase2Run:
     """Run the collectors around three short real workloads on this machine (idle, one hot core, all
     cores). Each workload stamps its own busy window (the client's clock); telemetry starts before and
     stops after it. Collectors that fail closed are reported in ``failures`` (the case is kept, marked)."""
@@ -159,7 +159,7 @@ def run_local_cases(ctx: Any, case_seconds: float = 4.0, interval_s: float = 1.0
 ENGINE_CASES = ("P3", "P4_c4", "D2_c8", "M1_control", "M1_treatment")   # the Phase 2 replay (docs/method.md#phase2), scaled
 
 
-def run_engine_cases(ctx: Any, case_ids: list[str] | None = None, interval_s: float = 1.0,
+def run_engine_cases(ctx: PhaseContext, case_ids: list[str] | None = None, interval_s: float = 1.0,
                      health_timeout_s: float = 900.0) -> Phase2Run:
     """Start the engine, and around each Phase 1 case run every collector on every node; slice to the case's
     exact measurement window. Cases are stored as ``hw-<case>`` so they never overwrite Phase 1's."""
@@ -218,7 +218,7 @@ def _case_window(cdir: Path, case_id: str) -> CaseWindow | None:
                       f"{meta.get('case', {}).get('purpose', '')} (client window)")
 
 
-def summary(ctx: Any, run: Phase2Run, baseline: str | None = None) -> pd.DataFrame:
+def summary(ctx: PhaseContext, run: Phase2Run, baseline: str | None = None) -> pd.DataFrame:
     """Per-case per-metric summary with between-case changes; writes ``case_<metric>_summary.csv`` and
     ``telemetry_summary.csv`` into the phase folder; returns it with ``-`` for missing values."""
     cases = [c for c in run.cases if c.window is not None]
@@ -230,7 +230,7 @@ def summary(ctx: Any, run: Phase2Run, baseline: str | None = None) -> pd.DataFra
     return nan_to_dash(table)
 
 
-def engine_view(ctx: Any, run: Phase2Run) -> pd.DataFrame:
+def engine_view(ctx: PhaseContext, run: Phase2Run) -> pd.DataFrame:
     """Per engine case, what the engine itself reported inside the same client window as the telemetry: running and
     queued requests, KV usage, slots or batch lines from its log, server TTFT P95 (docs/metrics.md#server-side).
     A case without an engine (the CPU workloads) has no row; none at all is said in one row."""
@@ -268,7 +268,7 @@ def headline_metrics(table: pd.DataFrame, metrics: list[str] | None = None) -> p
                          if s.name == "metric" else s).reset_index(drop=True)
 
 
-def questions(run: Phase2Run, ctx: Any | None = None) -> pd.DataFrame:
+def questions(run: Phase2Run, ctx: PhaseContext | None = None) -> pd.DataFrame:
     """The telemetry questions (``docs/method.md#telemetry-questions``) for every case (hot core, machine saturation,
     NUMA, rails, errors, GPU
     throttling, memory headroom) with the evidence and the collector status behind each answer."""
@@ -325,7 +325,7 @@ def h200_sample_cases() -> list[CaseTelemetry]:
     return [CaseTelemetry(w.case_id, w, samples, pd.DataFrame(), st) for w in windows]
 
 
-def sample_summary(ctx: Any, cases: list[CaseTelemetry]) -> pd.DataFrame:
+def sample_summary(ctx: PhaseContext, cases: list[CaseTelemetry]) -> pd.DataFrame:
     """Per-case GPU summary of the recorded capture with the change against the first case (written to
     ``h200x2_smi_summary.csv``)."""
     cat = {"nvidia-smi": CATALOG["nvidia-smi"]}
@@ -471,7 +471,7 @@ def h5_evidence(run: Phase2Run, questions_table: pd.DataFrame) -> tuple[str, str
     return "refuted", f"no hot core in any case — {each}", nums
 
 
-def record_h5(ctx: Any, run: Phase2Run) -> pd.DataFrame:
+def record_h5(ctx: PhaseContext, run: Phase2Run) -> pd.DataFrame:
     """Record H5 from this phase's telemetry questions (see :func:`h5_evidence`)."""
     verdict, summary, nums = h5_evidence(run, questions(run, ctx))
     tables = [t for t in ("phase2_questions.csv", "telemetry_summary.csv") if (Path(ctx.phase_dir) / t).is_file()]

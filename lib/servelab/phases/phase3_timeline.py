@@ -31,6 +31,7 @@ from servelab.analyse.trace.cluster import analyse_on_cluster
 from servelab.deploy.cluster import parse_cluster, require_dask, open_cluster
 from servelab.deploy.hosts import ProcessTracker
 from servelab.core.paths import project_root
+from servelab.phases.context import PhaseContext
 
 SAMPLE_DIR = ("h200x2", "traces")
 SAMPLE_TEXT = ("2 x NVIDIA H200 (NVLink), TP=2 torch-profiler traces of a random-weight 8-layer transformer, recorded "
@@ -61,7 +62,7 @@ def check_cluster(cluster: str) -> str:
     return (cluster or "").strip()
 
 
-def run_analysis(ctx: Any, trace_dir: str = "", window_regex: str = "", top_n: int = 10, min_gap_us: float = 0.0,
+def run_analysis(ctx: PhaseContext, trace_dir: str = "", window_regex: str = "", top_n: int = 10, min_gap_us: float = 0.0,
                  profile_id: str = "", cluster: str = "") -> Phase3:
     """Analyse ``trace_dir`` (empty: the recorded H200 sample, and ``ctx.from_samples`` is set), answer the
     ten questions, apply the evidence → action table and write every table into ``ctx.phase_dir``.
@@ -112,7 +113,7 @@ def _rel(folder: Path) -> str:
         return str(folder)
 
 
-def _analyse_on_cluster(ctx: Any, cluster: str, folder: Path, cache_dir: Path | None, kw: dict) -> CaptureAnalysis:
+def _analyse_on_cluster(ctx: PhaseContext, cluster: str, folder: Path, cache_dir: Path | None, kw: dict) -> CaptureAnalysis:
     """Open the cluster (joined, or started and tracked), analyse on it, close it — on every exit path."""
     with ProcessTracker() as tracker:
         c = open_cluster(cluster, tracker, ctx.phase_dir / "cluster", target=ctx.target, run_id=ctx.run_id)
@@ -359,7 +360,7 @@ def headline(p: Phase3) -> dict[str, Any]:
     return out
 
 
-def live_capture(ctx: Any, capture: bool, trace_dir: str) -> tuple[str, pd.DataFrame]:
+def live_capture(ctx: PhaseContext, capture: bool, trace_dir: str) -> tuple[str, pd.DataFrame]:
     """Capture on the target's engine when it can write traces (vLLM, SGLang) and no ``trace_dir`` was given: the
     four scenarios, one engine start (``measure.live_capture.capture_live``). The capture analysed by the rest of
     the page is the mixed scenario's (it answers Q10); ``ctx.captures`` keeps all of them for the one-clock view.
@@ -515,12 +516,12 @@ def _share(p: Phase3, cls: str, kind: str | None = None) -> float:
     return 100 * float(b.filter(pl.col("cls") == cls)["total_ms"].sum()) / tot if tot else 0.0
 
 
-def _record(ctx: Any, hid: str, verdict: str, summary: str, anchor: str, tables: list[str],
+def _record(ctx: PhaseContext, hid: str, verdict: str, summary: str, anchor: str, tables: list[str],
             nums: dict[str, Any]) -> pd.DataFrame:
     return evidence_frame([record_evidence(ctx, hid, verdict, summary, anchor=anchor, table=tables, numbers=nums)])
 
 
-def record_h1(ctx: Any, p: Phase3) -> pd.DataFrame:
+def record_h1(ctx: PhaseContext, p: Phase3) -> pd.DataFrame:
     """H1 (TP cross-node communication exposed): the decode exposed TP-collective share of the GPU step (the
     evidence → action row, threshold 15 %). *supported* at or above it, *refuted* below — but only when the
     capture's ranks span more than one node; a one-node capture is *inconclusive* (H1 is about cross-node)."""
@@ -538,7 +539,7 @@ def record_h1(ctx: Any, p: Phase3) -> pd.DataFrame:
                    ["trace_actions.csv", "trace_summary.csv", "trace_ranks.csv"], nums)
 
 
-def record_h2(ctx: Any, p: Phase3) -> pd.DataFrame:
+def record_h2(ctx: PhaseContext, p: Phase3) -> pd.DataFrame:
     """H2 (indexer / sparse attention inefficient): indexer time / the attention it serves (threshold 0.8×);
     *inconclusive* when the capture has no indexer kernels."""
     row = _action_row(p, "indexer time")
@@ -550,7 +551,7 @@ def record_h2(ctx: Any, p: Phase3) -> pd.DataFrame:
                    ["trace_actions.csv", "trace_kernel_breakdown.csv"], nums)
 
 
-def record_h3(ctx: Any, p: Phase3) -> pd.DataFrame:
+def record_h3(ctx: PhaseContext, p: Phase3) -> pd.DataFrame:
     """H3 (MoE grouped GEMM or routing imbalance): with MoE kernels in the capture, a fixed slow rank (last at
     collectives ≥ 75 % and ≥ 10 µs late) *supports* routing imbalance; without one it stays *inconclusive*
     (grouped-GEMM efficiency is Phase 6's); no MoE kernels: *inconclusive*."""
@@ -571,7 +572,7 @@ def record_h3(ctx: Any, p: Phase3) -> pd.DataFrame:
                    ["trace_kernel_breakdown.csv", "trace_collective_skew.csv", "trace_actions.csv"], nums)
 
 
-def record_h4(ctx: Any, p: Phase3) -> pd.DataFrame:
+def record_h4(ctx: PhaseContext, p: Phase3) -> pd.DataFrame:
     """H4 (long prefill interferes with decode): the worst decode token interval after prefill work over the
     steady interval (threshold 2×): *supported* at or above, *refuted* below, *inconclusive* without prefill
     between decode steps."""
@@ -583,7 +584,7 @@ def record_h4(ctx: Any, p: Phase3) -> pd.DataFrame:
                    ["trace_interference.csv", "trace_actions.csv"], nums)
 
 
-def record_h5(ctx: Any, p: Phase3) -> pd.DataFrame:
+def record_h5(ctx: PhaseContext, p: Phase3) -> pd.DataFrame:
     """H5 (CPU scheduler / launch leaves GPU gaps): host-bound GPU idle inside steps (threshold 10 % of step time,
     worst window kind) or an under-used GPU beside a saturated launching thread *supports* it; neither refutes it.
     The decode CUDA-graph coverage is reported with it."""
@@ -602,7 +603,7 @@ def record_h5(ctx: Any, p: Phase3) -> pd.DataFrame:
                    ["trace_actions.csv", "trace_summary.csv", "trace_graph_coverage.csv"], nums)
 
 
-def record_evidence_all(ctx: Any, p: Phase3) -> pd.DataFrame:
+def record_evidence_all(ctx: PhaseContext, p: Phase3) -> pd.DataFrame:
     """H1–H5 from this capture, one row each (what the page shows under "Evidence for H1–H5")."""
     return pd.concat([f(ctx, p) for f in (record_h1, record_h2, record_h3, record_h4, record_h5)], ignore_index=True)
 
@@ -635,7 +636,7 @@ def nsys_howto(trace_dir: str = "") -> str:
             "phase with -p nsys_dir=/data/nsys.")
 
 
-def nsys_import(ctx: Any, p: Phase3, nsys_dir: str = "", top_n: int = 10) -> NsysImport | None:
+def nsys_import(ctx: PhaseContext, p: Phase3, nsys_dir: str = "", top_n: int = 10) -> NsysImport | None:
     """Import the ``nsys stats`` CSVs of ``nsys_dir`` (``<base>_cuda_gpu_kern_sum.csv`` and the other reports
     :mod:`servelab.analyse.trace.nsys` knows) and put the ``top_n`` kernels of the Nsight Systems summary next to
     the same kernels in this trace (matched on the function name, ``ncu --kernel-name-base function`` style), plus

@@ -23,7 +23,7 @@ from servelab.deploy.engines import engine_for
 from servelab.deploy.targets import load_target
 from servelab.measure.case import make_env, quick_matrix, run_case
 from servelab.measure.launch_variants import serving, with_launch, write_run_record
-from servelab.phases.context import log_command
+from servelab.phases.context import PhaseContext, log_command
 from servelab.report.banner import banner
 from servelab.report.ledger import evidence_frame, record_evidence
 from servelab.measure.case import SCALES
@@ -48,7 +48,7 @@ class Phase4Result:
         return pd.concat(self.comm, ignore_index=True) if self.comm else pd.DataFrame()
 
 
-def run_phase4(ctx: Any, model_config: str, cluster_target: str, layouts: Sequence[str] = (),
+def run_phase4(ctx: PhaseContext, model_config: str, cluster_target: str, layouts: Sequence[str] = (),
                gpu_memory_gib: float = 96.0, mem_fraction: float | None = None, context_tokens: int = 0,
                concurrency: int = 16, decode_tokens: int = 0, runs: Sequence[str] = (),
                internode_gbps_per_node: float = 800.0) -> Phase4Result:
@@ -114,7 +114,7 @@ def measure_cases(target: Any) -> tuple[str, ...]:
     return ("D1", *(f"D2_c{c}" for c in cs))
 
 
-def measure_layouts(ctx: Any, layouts: Sequence[str], cases: Sequence[str] = (), repeats: int = 3,
+def measure_layouts(ctx: PhaseContext, layouts: Sequence[str], cases: Sequence[str] = (), repeats: int = 3,
                     health_timeout_s: float = 900.0) -> list[str]:
     """Measure each layout live on the phase's own target (``ctx.target``, e.g. ``local-sglang``): the target with the
     layout's launch settings (the engine adapter's notation) and nothing else changed, served once, the ``cases``
@@ -231,7 +231,7 @@ def h7_evidence(res: Phase4Result) -> tuple[str, str, dict[str, Any]]:
     return "inconclusive", "; ".join(f"{r.layout}: {r.verdict} ({r.evidence})" for r in others.itertuples()), nums
 
 
-def record_h7(ctx: Any, res: Phase4Result) -> pd.DataFrame:
+def record_h7(ctx: PhaseContext, res: Phase4Result) -> pd.DataFrame:
     """Record this phase's evidence about H7 (see :func:`h7_evidence`), linking the verdicts or the feasibility."""
     verdict, summary, nums = h7_evidence(res)
     measured = not res.verdicts.empty

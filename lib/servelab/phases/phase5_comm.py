@@ -22,7 +22,7 @@ from servelab.core.paths import samples_root
 from servelab.measure import nccl_tests as nt
 from servelab.core.run import emit_progress, read_manifest
 from servelab.deploy.hosts import HostError, ProcessTracker, connect
-from servelab.phases.context import log_command
+from servelab.phases.context import PhaseContext, log_command
 from servelab.report.ledger import evidence_frame, record_evidence
 
 TWO_RAIL_GATE = {"required_hcas": ["mlx5_0", "mlx5_3"], "require": ["NET/IB", "GDRDMA"]}
@@ -56,7 +56,7 @@ def _pick_nodes(target: Any, names: list[str]) -> list[Any]:
     return [n for n in target.nodes if not names or n.name in names]
 
 
-def plan_runs(ctx: Any, nccl_tests_bin: str = "", collectives: list[str] | None = None,
+def plan_runs(ctx: PhaseContext, nccl_tests_bin: str = "", collectives: list[str] | None = None,
               sweep: list[str] | dict[str, Any] | None = None,
               sweep_collectives: list[str] | None = None, repeats: int = 2, min_bytes: str = "8K",
               max_bytes: str = "64M", step_factor: int = 2, gpus: int = 0, nodes: list[str] | None = None,
@@ -88,7 +88,7 @@ def plan_runs(ctx: Any, nccl_tests_bin: str = "", collectives: list[str] | None 
     return CommRuns(plan, table, execute, list(plan.skipped), why_not_run=why)
 
 
-def run_tests(ctx: Any, runs: CommRuns, launcher: list[str] | None = None) -> CommRuns:
+def run_tests(ctx: PhaseContext, runs: CommRuns, launcher: list[str] | None = None) -> CommRuns:
     """Run the run plan on the target's nodes, or — when it is not to run here — point at the recorded 1 × H200 sweep
     (``ctx.sweep_from_samples``) and record every planned command as ``planned``. Before anything starts every
     node is connected and every binary the run plan uses checked (one line naming the first problem). Each run is a
@@ -148,7 +148,7 @@ class SweepResult:
     p2p_from_samples: bool = False
 
 
-def sweep_tables(ctx: Any, runs: CommRuns, msgs: pd.DataFrame | None = None) -> SweepResult:
+def sweep_tables(ctx: PhaseContext, runs: CommRuns, msgs: pd.DataFrame | None = None) -> SweepResult:
     """Read the runs folder: per-run verdicts, the sweep table (Δ time against the baseline under the noise rule,
     ``docs/metrics.md#ab-noise``), the setting that wins at the model's message sizes (a setting NCCL did not
     report reading never wins), whether each swept variable reached NCCL, and the P2P matrix — from the runs, or,
@@ -222,7 +222,7 @@ def sample_paths() -> tuple[Path, Path]:
     return d / "nccl_tests.log", d / "nccl_info.log"
 
 
-def load_logs(ctx: Any, tests_logs: list[str] | None = None, info_logs: list[str] | None = None,
+def load_logs(ctx: PhaseContext, tests_logs: list[str] | None = None, info_logs: list[str] | None = None,
               label: str = "", runs: CommRuns | None = None) -> Phase5Data:
     """Parse nccl-tests logs and INFO logs: the ones given; else, when nccl-tests ran here (``runs``), its baseline
     runs (:func:`curves_from_runs`) and its env-check INFO logs; else the recorded 2 × H200 samples (then
@@ -272,7 +272,7 @@ def info_summary(data: Phase5Data) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["item", "value"])
 
 
-def messages(ctx: Any, data: Phase5Data, hidden_size: int, dtype_bytes: int, tp: int, num_layers: int,
+def messages(ctx: PhaseContext, data: Phase5Data, hidden_size: int, dtype_bytes: int, tp: int, num_layers: int,
              decode_batch: int, prefill_tokens: int, vocab_size: int = 0, ep: int = 1, top_k: int = 0,
              trace_collectives: pd.DataFrame | None = None) -> pd.DataFrame:
     """The model's collective sizes (decode and prefill steps, or measured trace sizes) placed on the
@@ -298,7 +298,7 @@ def message_model_label(hidden_size: int, dtype_bytes: int, tp: int, num_layers:
             f"{getattr(target, 'model', '') or '-'}")
 
 
-def gate_for_target(ctx: Any, data: Phase5Data) -> GateVerdict:
+def gate_for_target(ctx: PhaseContext, data: Phase5Data) -> GateVerdict:
     """The target's own gate (``gate:`` in its YAML) against the INFO log; written to ``gate.json``."""
     info = data.info if data.info is not None else parse_info("")
     v = check_gate(ctx.target.gate, info)
@@ -308,13 +308,13 @@ def gate_for_target(ctx: Any, data: Phase5Data) -> GateVerdict:
     return v
 
 
-def engine_gate_record(ctx: Any) -> dict[str, Any]:
+def engine_gate_record(ctx: PhaseContext) -> dict[str, Any]:
     """The transport gate as judged at this run's last engine start (``manifest["gate"]``, written by the engine
     start of a target that declares ``gate:``); ``{}`` when no gated engine was started in this run."""
     return dict(read_manifest(Path(ctx.run_dir)).get("gate") or {})
 
 
-def engine_gate(ctx: Any) -> pd.DataFrame:
+def engine_gate(ctx: PhaseContext) -> pd.DataFrame:
     """The run's enforced gate verdict, from the manifest: which phase started the engine, when, the verdict,
     its message and each reason, and the rank logs it read (``docs/method.md#transport-gate``)."""
     g = engine_gate_record(ctx)
@@ -425,7 +425,7 @@ def _decode_step_ms(run_dir: Path) -> tuple[float | None, bool]:
     return float(s[s["kind"] == "decode"]["median_step_ms"].median()), sample
 
 
-def record_h1(ctx: Any, data: Phase5Data, msgs: pd.DataFrame) -> pd.DataFrame:
+def record_h1(ctx: PhaseContext, data: Phase5Data, msgs: pd.DataFrame) -> pd.DataFrame:
     """H1 (TP cross-node communication exposed on every layer) from the model's decode collectives placed on the
     measured curves (``model_messages.csv``): their time per decode step against this run's Phase 3 median
     decode step. *supported* at ≥ 15 % of the step, *refuted* below — only for curves that cross nodes (the INFO

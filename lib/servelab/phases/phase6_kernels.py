@@ -17,7 +17,7 @@ from servelab.analyse.kernels import (KernelTableError, default_repro_argv, deri
                                       peaks_table, planned_ncu_commands, rank_kernels, read_ncu_csv, roofline,
                                       stall_reasons, top_kernels)
 from servelab.core.paths import samples_root
-from servelab.phases.context import log_command
+from servelab.phases.context import PhaseContext, log_command
 from servelab.report.banner import banner, sample_banner
 from servelab.report.ledger import evidence_frame, record_evidence
 from servelab.core.paths import project_root
@@ -45,7 +45,7 @@ SAMPLE_TRACES = ("h200x2-pp2/traces/20261129215256-TP-0-PP-0.trace.json.gz",)
 SAMPLE_NCU = ("ncu/h200_toy_layer_raw.csv", "ncu/ncu_raw.csv")
 
 
-def run_phase6(ctx: Any, kernel_source: str = "", ncu_csv: Sequence[str] = (), top_n: int = 3,
+def run_phase6(ctx: PhaseContext, kernel_source: str = "", ncu_csv: Sequence[str] = (), top_n: int = 3,
                repro: Sequence[str] = (), launch_skip: int = 20, launch_count: int = 3, gpu: str = "H200") -> Phase6Result:
     """Phase 6 in one call: rank kernels, plan ``ncu`` commands (recorded as ``planned``), import ``ncu`` CSVs.
 
@@ -117,7 +117,7 @@ def derived_view(derived: pd.DataFrame) -> pd.DataFrame:
     return df.round(2)
 
 
-def source_banner(ctx: Any, res: Phase6Result):
+def source_banner(ctx: PhaseContext, res: Phase6Result):
     """Where this page's kernels and counters come from: a sample banner when from ``data/samples``."""
     files = ", ".join(Path(f).name for f in res.ncu_files) or "none"
     text = f"Kernel table: {res.source}. ncu CSVs: {files}."
@@ -255,18 +255,18 @@ def kernel_evidence(res: Phase6Result, hypothesis: str) -> tuple[str, str, dict[
                      f"threshold {ROOF_EFFICIENT_PCT:g}%)"), nums
 
 
-def _record_kernel(ctx: Any, res: Phase6Result, hypothesis: str) -> pd.DataFrame:
+def _record_kernel(ctx: PhaseContext, res: Phase6Result, hypothesis: str) -> pd.DataFrame:
     verdict, summary, nums = kernel_evidence(res, hypothesis)
     tables = ["kernels_ranked.csv"] + (["roofline.csv"] if (Path(ctx.phase_dir) / "roofline.csv").is_file() else [])
     return evidence_frame([record_evidence(ctx, hypothesis, verdict, summary, anchor="Roofline", table=tables,
                                            numbers=nums)])
 
 
-def record_h2(ctx: Any, res: Phase6Result) -> pd.DataFrame:
+def record_h2(ctx: PhaseContext, res: Phase6Result) -> pd.DataFrame:
     """H2 (NSA indexer or sparse-attention kernels inefficient) from this phase's kernels; see :func:`kernel_evidence`."""
     return _record_kernel(ctx, res, "H2")
 
 
-def record_h3(ctx: Any, res: Phase6Result) -> pd.DataFrame:
+def record_h3(ctx: PhaseContext, res: Phase6Result) -> pd.DataFrame:
     """H3 (MoE grouped GEMM inefficient) from this phase's kernels; see :func:`kernel_evidence`."""
     return _record_kernel(ctx, res, "H3")

@@ -63,10 +63,11 @@ from servelab.report.banner import banner
 from servelab.report.findings import ab_findings
 from servelab.report.ledger import record_evidence
 from servelab.report.perf_figures import client_over_server
-from servelab.measure.abtest import write_ab_tables
+from servelab.measure.abtest import answers_from_params, write_ab_tables
 from servelab.measure.correctness import greedy_summary
 from servelab.measure.correctness import prompts_view
 from servelab.measure.correctness import verdict_sentences
+from servelab.phases.context import PhaseContext
 
 SCALES: dict[str, dict[str, Any]] = {
     "cluster": {"background_input_tokens": 1024, "background_output_tokens": 1024, "concurrency": 32,
@@ -375,6 +376,14 @@ class Phase7Result:
     def baseline(self) -> InterferenceResult | None:
         return self.sweep[0].result if self.sweep else None
 
+    @property
+    def not_executed(self) -> list[str]:
+        """The sweep values whose case did not run."""
+        return [p.label for p in self.sweep if p.result is None]
+
+    def findings(self) -> list[str]:
+        return findings(self)
+
     def headline(self) -> dict[str, Any]:
         out: dict[str, Any] = {"knob": self.knob, "values": [str(v) for v in self.values], "verdict": self.verdict}
         b = self.baseline
@@ -399,7 +408,20 @@ def default_confound_setting(target: Any) -> dict[str, Any]:
     return dict(engine_for(target.engine).confound_setting)
 
 
-def run_phase7(ctx: Any, knob: str = "", values: list[Any] | None = None, spec_over: dict[str, Any] | None = None,
+def run(ctx: PhaseContext) -> Phase7Result:
+    """Phase 7's entry (the phase contract): the notebook's parameters (``ctx.params``) into :func:`run_phase7` —
+    the knob and its values, the case sizes (0: the scale's), the confound demonstration (its setting, else the
+    engine's), the SLO, seed, definition and the A/B answers."""
+    p = ctx.params
+    spec_over = {k: p[k] for k in ("n_injections", "inject_input_tokens", "concurrency", "background_input_tokens",
+                                   "background_output_tokens", "window_steps")}
+    confound = (p["confound_setting"] or default_confound_setting(ctx.target)) if p["confound_demo"] else {}
+    return run_phase7(ctx, knob=p["knob"], values=p["values"], spec_over=spec_over, confound_setting=confound,
+                      slo_tpot_ms=p["slo_tpot_ms"], seed=p["seed"], definition=p["definition"],
+                      answers=answers_from_params(p))
+
+
+def run_phase7(ctx: PhaseContext, knob: str = "", values: list[Any] | None = None, spec_over: dict[str, Any] | None = None,
                confound_setting: dict[str, Any] | None = None, slo_tpot_ms: float = 0.0, seed: int = 0,
                definition: str = mx.VLLM_BENCH, answers: dict[str, str] | None = None) -> Phase7Result:
     """The interference case under each value of one knob (first value = baseline), the A/B over the values,
@@ -594,7 +616,7 @@ def ab_delta_figure(res: Phase7Result):
     return ab_figures.delta_figure(res.ab.comparison)
 
 
-def record_h4(ctx: Any, res: Phase7Result) -> pd.DataFrame:
+def record_h4(ctx: PhaseContext, res: Phase7Result) -> pd.DataFrame:
     """Record this phase's evidence about H4 (long prefill interferes with decode) from the baseline value."""
     inj = res.baseline.injections if res.baseline is not None else pd.DataFrame()
     verdict, summary, nums = h4_evidence(inj)

@@ -41,6 +41,7 @@ from servelab.measure.workload import RequestSpec, build_workload, engine_tokeni
 from servelab.core.params import ParamError
 from servelab.measure.launch_variants import serving, with_launch, log_reproduce
 from servelab.report.ledger import record_evidence
+from servelab.phases.context import PhaseContext
 
 SCALES: dict[str, dict[str, Any]] = {
     "cluster": {"input_tokens": 8192, "output_tokens": 64, "groups": 16, "requests_per_group": 4},
@@ -151,6 +152,9 @@ class Phase8Result:
     engine: str
     notes: list[str] = field(default_factory=list)
 
+    def findings(self) -> list[str]:
+        return findings(self)
+
     def headline(self) -> dict[str, Any]:
         acc = self.matrix[self.matrix["verdict"] == "ACCEPTED"]
         out: dict[str, Any] = {"points": len(self.matrix), "accepted": len(acc),
@@ -170,7 +174,18 @@ class Phase8Result:
         return out
 
 
-def run_phase8(ctx: Any, rates: list[float] | None = None, input_tokens: int = 0, output_tokens: int = 0,
+def run(ctx: PhaseContext) -> Phase8Result:
+    """Phase 8's entry (the phase contract): :func:`run_phase8` with the notebook's parameters (``ctx.params``);
+    the run's notes (a clamped input, a skipped bad point) go to the phase's notes."""
+    p = ctx.params
+    result = run_phase8(ctx, rates=p["rates"], input_tokens=p["input_tokens"], output_tokens=p["output_tokens"],
+                        groups=p["groups"], requests_per_group=p["requests_per_group"], bad_point=p["bad_point"],
+                        seed=p["seed"], definition=p["definition"], swa_full=p["swa_full"])
+    ctx.notes.extend(result.notes)
+    return result
+
+
+def run_phase8(ctx: PhaseContext, rates: list[float] | None = None, input_tokens: int = 0, output_tokens: int = 0,
                groups: int = 0, requests_per_group: int = 0, bad_point: bool = True, seed: int = 0,
                definition: str = mx.VLLM_BENCH, swa_full: bool = True, health_timeout_s: float = 300.0) -> Phase8Result:
     """The hit-rate matrix on ``ctx.target``: a fresh engine (or a flush) per point, plus an optional
@@ -305,7 +320,7 @@ def memory_view(res: "Phase8Result") -> pd.DataFrame:
     return res.memory.drop(columns=["line"], errors="ignore")
 
 
-def record_h6(ctx: Any, res: "Phase8Result") -> pd.DataFrame:
+def record_h6(ctx: PhaseContext, res: "Phase8Result") -> pd.DataFrame:
     """Record this phase's evidence about H6 in the run's ledger; returns it as a one-row table."""
     verdict, summary, nums = h6_evidence(res)
     ev = record_evidence(ctx, "H6", verdict, summary, anchor="KV-usage-over-time", numbers=nums,

@@ -42,11 +42,12 @@ from servelab.measure.workload import build_workload, engine_tokenizer, token_po
 from servelab.core.params import ParamError
 from servelab.measure.abtest import ab_compare
 from servelab.report.findings import ab_findings
-from servelab.measure.abtest import write_ab_tables
+from servelab.measure.abtest import answers_from_params, write_ab_tables
 from servelab.measure.correctness import greedy_summary
 from servelab.measure.correctness import prompts_view
 from servelab.measure.correctness import verdict_sentences
 from servelab.report import crosscheck
+from servelab.phases.context import PhaseContext
 
 SCALES: dict[str, dict[str, Any]] = {
     "cluster": {"input_tokens": 1024, "output_tokens": 1024, "concurrencies": [1, 16, 32]},
@@ -167,6 +168,10 @@ class Phase9Result:
     ab: Any = None
     errors: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    run_dir: Path | None = None      # the run whose Phase 1 baseline the findings cross-check
+
+    def findings(self) -> list[str]:
+        return findings(self, self.run_dir)
 
     def headline(self) -> dict[str, Any]:
         out: dict[str, Any] = {"configs": [c.label for c in self.configs], "errors": len(self.errors)}
@@ -182,7 +187,17 @@ def _rounded(v: Any, digits: int) -> float | None:
     return None if v is None or pd.isna(v) else round(float(v), digits)
 
 
-def run_phase9(ctx: Any, drafts: list[str] | None = None, num_draft_tokens: int = 3,
+def run(ctx: PhaseContext) -> Phase9Result:
+    """Phase 9's entry (the phase contract): :func:`run_phase9` with the notebook's parameters (``ctx.params``),
+    the A/B answers among them."""
+    p = ctx.params
+    return run_phase9(ctx, drafts=p["drafts"], num_draft_tokens=p["num_draft_tokens"], concurrencies=p["concurrencies"],
+                      input_tokens=p["input_tokens"], output_tokens=p["output_tokens"], repeats=p["repeats"],
+                      synth_rates=p["synth_rates"], seed=p["seed"], definition=p["definition"],
+                      answers=answers_from_params(p))
+
+
+def run_phase9(ctx: PhaseContext, drafts: list[str] | None = None, num_draft_tokens: int = 3,
                concurrencies: list[int] | None = None, input_tokens: int = 0, output_tokens: int = 0,
                repeats: int = 1, synth_rates: list[float] | None = None, seed: int = 0, definition: str = mx.VLLM_BENCH,
                health_timeout_s: float = 300.0, answers: dict[str, str] | None = None) -> Phase9Result:
@@ -249,7 +264,7 @@ def run_phase9(ctx: Any, drafts: list[str] | None = None, num_draft_tokens: int 
                             metrics={"output_tps": True, "p95_tpot_ms": False})
         except Exception as exc:
             ctx.notes.append(f"A/B over the configs failed: {exc}")
-    res = Phase9Result(configs, points, gain, per_position_frame(points), ab, errors, [])
+    res = Phase9Result(configs, points, gain, per_position_frame(points), ab, errors, [], run_dir=ctx.run_dir)
     write_phase9_tables(ctx.phase_dir, res)
     return res
 
