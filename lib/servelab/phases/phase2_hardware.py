@@ -75,6 +75,38 @@ class Phase2Run:
     failures: list[str] = field(default_factory=list)
 
 
+@dataclass
+class Phase2Result:
+    """Phase 2's result (the phase contract): the cases measured, their summary table, and the recorded H200
+    sample with its summary when the page shows it."""
+    run: Phase2Run
+    table: pd.DataFrame
+    h200: list[CaseTelemetry] | None = None
+    h200_table: pd.DataFrame | None = None
+
+    @property
+    def failures(self) -> list[str]:
+        return self.run.failures
+
+    def headline(self) -> dict[str, Any]:
+        return headline(self.run, self.table)
+
+    def findings(self) -> list[str]:
+        return findings(self.run, self.table, self.h200_table)
+
+
+def run(ctx: PhaseContext) -> Phase2Result:
+    """Phase 2's entry (the phase contract), from the notebook's parameters (``ctx.params``): the Phase 1 cases on
+    the engine (``workload`` engine) or the local CPU workloads under the collectors, their summary, and the
+    recorded 2 x H200 capture with its summary when ``show_h200_sample``."""
+    p = ctx.params
+    measured = (run_engine_cases(ctx, p["cases"] or None, p["interval_s"]) if p["workload"] == "engine"
+                else run_local_cases(ctx, p["case_seconds"], p["interval_s"]))
+    table = summary(ctx, measured)
+    h200 = h200_sample_cases() if p["show_h200_sample"] else None
+    return Phase2Result(measured, table, h200, sample_summary(ctx, h200) if h200 else None)
+
+
 def node_specs(node: Any, pid: int | None, interval_s: float = 1.0, python: str = "python3") -> list[C.CollectorSpec]:
     """The collector set (``docs/method.md#telemetry``) for one target node (GPU, rail and HCA collectors required when the
     node declares GPUs/netdevs/HCAs)."""
@@ -83,9 +115,12 @@ def node_specs(node: Any, pid: int | None, interval_s: float = 1.0, python: str 
                                 interval_s=interval_s, python=python)
 
 
-def collector_plan(ctx: PhaseContext, interval_s: float = 1.0) -> pd.DataFrame:
+def collector_plan(ctx: PhaseContext, interval_s: float | None = None) -> pd.DataFrame:
     """Per node: every collector, required or optional, what it records and the program it runs. The complete
-    commands — with the engine's pid, known once it started — are in the commands section as executed."""
+    commands — with the engine's pid, known once it started — are in the commands section as executed.
+    ``interval_s`` None: the phase's ``interval_s`` parameter (1 s without one)."""
+    if interval_s is None:
+        interval_s = float(ctx.params.get("interval_s", 1.0))
     rows = []
     for node in ctx.target.nodes:
         for s in node_specs(node, 999999, interval_s):

@@ -2,7 +2,6 @@
 and write every table into the phase folder (``trace_*.csv`` / ``.json``) for tests and reports."""
 from __future__ import annotations
 
-import html
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,20 +17,17 @@ from servelab.analyse.trace.questions import q10, ten_questions
 from servelab.analyse.trace.metrics import dominant_steps
 from servelab.analyse.trace.stalls import (OneClock, clock_shift, mixed_window_problem, one_clock,
                                             stall_summary)
-from servelab.analyse.kernels import function_base
-from servelab.analyse.trace.nsys import compare_kernels, method_reports, read_nsys_folder
-from servelab.measure.nsys_capture import display, nsys_profile_argv, nsys_stats_argv, plan_target_captures
+from servelab.measure.nsys_capture import plan_target_captures
 from servelab.measure.capture import DEFAULT_STEPS
 from servelab.measure.live_capture import can_capture, capture_live, captured_table
 from servelab.measure.records import read_records
-from servelab.report.banner import banner, banner_html
 from servelab.report.ledger import evidence_frame, record_evidence
-from servelab.report.tables import table_html
 from servelab.analyse.trace.cluster import analyse_on_cluster
 from servelab.deploy.cluster import parse_cluster, require_dask, open_cluster
 from servelab.deploy.hosts import ProcessTracker
 from servelab.core.paths import project_root
 from servelab.phases.context import PhaseContext
+from servelab.phases.nsys_section import NsysImport, nsys_howto, nsys_import, nsys_view  # noqa: F401 (the page's)
 
 SAMPLE_DIR = ("h200x2", "traces")
 SAMPLE_TEXT = ("2 x NVIDIA H200 (NVLink), TP=2 torch-profiler traces of a random-weight 8-layer transformer, recorded "
@@ -51,6 +47,17 @@ class Phase3:
     actions: pl.DataFrame
     files: dict[str, str]
     clock: OneClock | None = None
+    # what :func:`run` adds (the phase contract): the live capture's table, the nsys import, the page's settings
+    captured: pd.DataFrame = field(default_factory=pd.DataFrame)
+    nsys: NsysImport | None = None
+    timeline_bins: int = 600
+    from_samples: bool = False
+
+    def headline(self) -> dict[str, Any]:
+        return headline(self)
+
+    def findings(self) -> list[str]:
+        return findings(self, self.from_samples)
 
 
 def check_cluster(cluster: str) -> str:
@@ -60,6 +67,21 @@ def check_cluster(cluster: str) -> str:
     if spec is not None:
         require_dask()
     return (cluster or "").strip()
+
+
+def run(ctx: PhaseContext) -> Phase3:
+    """Phase 3's entry (the phase contract), from the notebook's parameters (``ctx.params``): the ``cluster`` checked,
+    the live capture (:func:`live_capture`), the analysis of the captured (or given, or sample) traces
+    (:func:`run_analysis`) and the nsys import (:func:`nsys_import`)."""
+    p = ctx.params
+    cluster = check_cluster(p["cluster"])
+    trace_dir, captured = live_capture(ctx, p["capture"], p["trace_dir"])
+    res = run_analysis(ctx, trace_dir, p["window_regex"], p["top_n"], p["min_gap_us"], p["profile_id"], cluster=cluster)
+    res.captured = captured
+    res.timeline_bins = int(p["timeline_bins"])
+    res.from_samples = ctx.from_samples
+    res.nsys = nsys_import(ctx, res, p["nsys_dir"], p["top_n"])
+    return res
 
 
 def run_analysis(ctx: PhaseContext, trace_dir: str = "", window_regex: str = "", top_n: int = 10, min_gap_us: float = 0.0,
@@ -609,84 +631,3 @@ def record_evidence_all(ctx: PhaseContext, p: Phase3) -> pd.DataFrame:
 
 
 # ---------------------------------------------------------------- Nsight Systems stats next to the trace
-
-@dataclass
-class NsysImport:
-    """``nsys stats --format csv`` reports of one folder, and their kernels next to this trace's."""
-    folder: str
-    reports: dict[str, pl.DataFrame]
-    kernels: pd.DataFrame        # nsys kernel summary, classified, with the trace's time for the same kernel
-    classes: pd.DataFrame        # kernel time share per class: nsys vs the trace
-    # the method's other Nsight Systems reports, when the folder holds them (empty otherwise)
-    nccl: pd.DataFrame = field(default_factory=pd.DataFrame)       # nccl_sum (NCCL's NVTX API ranges)
-    gpu_util: pd.DataFrame = field(default_factory=pd.DataFrame)   # cuda/nccl_gpu_time_util_map
-    overlap: pd.DataFrame = field(default_factory=pd.DataFrame)    # from nccl_gpu_time_util_map
-    osrt: pd.DataFrame = field(default_factory=pd.DataFrame)       # osrt_sum, top calls
-    recipes: list = field(default_factory=list)
-
-
-def nsys_howto(trace_dir: str = "") -> str:
-    """How to produce the CSVs this section imports (the commands of ``docs/method.md#capture-scenarios``)."""
-    prof = display(nsys_profile_argv(["<the engine's launch command>"], "/data/nsys/report"))
-    stats = display(nsys_stats_argv("/data/nsys/report.nsys-rep"))
-    return (f"Profile the engine under Nsight Systems: {prof} — then export the summaries as CSV: {stats} "
-            "(writes report_cuda_gpu_kern_sum.csv, report_cuda_api_sum.csv, report_nvtx_sum.csv; add osrt_sum for "
-            "the OS runtime, and nsys recipe nccl_sum / nccl_gpu_time_util_map --input /data/nsys/report.nsys-rep "
-            "--output /data/nsys/<recipe> for the NCCL summary, GPU utilisation and overlap) and re-run this "
-            "phase with -p nsys_dir=/data/nsys.")
-
-
-def nsys_import(ctx: PhaseContext, p: Phase3, nsys_dir: str = "", top_n: int = 10) -> NsysImport | None:
-    """Import the ``nsys stats`` CSVs of ``nsys_dir`` (``<base>_cuda_gpu_kern_sum.csv`` and the other reports
-    :mod:`servelab.analyse.trace.nsys` knows) and put the ``top_n`` kernels of the Nsight Systems summary next to
-    the same kernels in this trace (matched on the function name, ``ncu --kernel-name-base function`` style), plus
-    the time share per kernel class on both sides. Writes ``nsys_kernels.csv`` and ``nsys_classes.csv``. ``None``
-    when ``nsys_dir`` is empty."""
-    if not nsys_dir:
-        return None
-    folder = Path(nsys_dir).expanduser()
-    reports, recipes = read_nsys_folder(folder)
-    kernels, classes = compare_kernels(reports["cuda_gpu_kern_sum"], [r.ops for r in p.analysis.rops], function_base,
-                                       top_n)
-    kernels.to_csv(ctx.phase_dir / "nsys_kernels.csv", index=False)
-    classes.to_csv(ctx.phase_dir / "nsys_classes.csv", index=False)
-    out = method_reports(reports, recipes)
-    for name, t in out.items():
-        if not t.empty:
-            t.to_csv(ctx.phase_dir / f"nsys_{name}.csv", index=False)
-    return NsysImport(str(folder), reports, kernels.round(3), classes.round(3), recipes=sorted(recipes), **out)
-
-
-def nsys_view(imp: NsysImport | None) -> Any:
-    """The Nsight Systems section: the imported kernels next to the trace's and the class shares — or, without
-    ``nsys_dir``, how to produce the CSVs."""
-    from IPython.display import HTML
-
-    if imp is None:
-        return banner(nsys_howto(), "info", "No Nsight Systems reports imported (nsys_dir is empty)")
-    found = ", ".join(f"{name} ({df.height} rows)" for name, df in sorted(imp.reports.items()))
-    matched = int(imp.kernels["in_trace"].sum())
-    text = (f"From {imp.folder}: {found}. {matched} of the {len(imp.kernels)} top Nsight Systems kernels are in this "
-            "trace too (same function name); shares are of each side's own kernel time, so a capture of a different "
-            "run or length compares by share, not by milliseconds.")
-    parts = [banner_html(text, "info", "Nsight Systems stats imported"), table_html(imp.kernels),
-             "<p><b>Kernel time per class</b> (the trace taxonomy on both sides)</p>", table_html(imp.classes)]
-    sections = (
-        ("nccl", "NCCL summary (recipe nccl_sum: NCCL's own NVTX ranges, one per API call; times of the calls, not "
-                 "of their kernels)"),
-        ("gpu_util", "GPU utilisation (recipe nccl_gpu_time_util_map, else cuda_gpu_time_util_map: % of each time bin "
-                     "covered by kernels, averaged over the bins)"),
-        ("overlap", "Communication/computation overlap (from nccl_gpu_time_util_map: NCCL + compute − all = the % of a "
-                    "bin where both ran; overlap_of_nccl_pct = the share of NCCL time that ran beside compute)"),
-        ("osrt", "OS runtime (osrt_sum: the host threads' libc/pthread calls by total time)"))
-    for key, caption in sections:
-        t = getattr(imp, key)
-        if not t.empty:
-            parts += [f"<p><b>{html.escape(caption)}</b></p>", table_html(t)]
-    missing = [k for k, _ in sections if getattr(imp, k).empty]
-    if missing:
-        parts.append(banner_html("Not in this folder: " + ", ".join(missing) + " — run nsys stats -r osrt_sum and "
-                                 "nsys recipe nccl_sum / nccl_gpu_time_util_map on the report (servelab.analyse.trace."
-                                 "nsys.nsys_recipe_argv) and put their folders beside the CSVs.", "info",
-                                 "Some Nsight Systems reports missing"))
-    return HTML("".join(parts))

@@ -42,10 +42,30 @@ class Phase4Result:
     measured: pd.DataFrame = field(default_factory=pd.DataFrame)
     verdicts: pd.DataFrame = field(default_factory=pd.DataFrame)
     model_note: str = ""                 # what the model stands for, against what the target serves
+    runs: list[str] = field(default_factory=list)     # the measured runs compared (ids or folders)
+
+    def headline(self) -> dict[str, Any]:
+        return headline(self)
+
+    def findings(self) -> list[str]:
+        return findings(self)
 
     @property
     def comm_all(self) -> pd.DataFrame:
         return pd.concat(self.comm, ignore_index=True) if self.comm else pd.DataFrame()
+
+
+def run(ctx: PhaseContext) -> Phase4Result:
+    """Phase 4's entry (the phase contract), from the notebook's parameters (``ctx.params``): the layouts measured
+    live first when ``measure_layouts`` names some (else the given ``runs``), then :func:`run_phase4` models the
+    layouts on the cluster and compares those runs."""
+    p = ctx.params
+    runs = p["runs"] or (measure_layouts(ctx, p["measure_layouts"], p["measure_cases"], repeats=p["measure_repeats"])
+                         if p["measure_layouts"] else [])
+    return run_phase4(ctx, p["model_config"], p["cluster_target"], layouts=p["layouts"],
+                      gpu_memory_gib=p["gpu_memory_gib"], mem_fraction=p["mem_fraction"] or None,
+                      context_tokens=p["context_length"], concurrency=p["concurrency"], runs=runs,
+                      internode_gbps_per_node=p["internode_gbps"])
 
 
 def run_phase4(ctx: PhaseContext, model_config: str, cluster_target: str, layouts: Sequence[str] = (),
@@ -79,6 +99,7 @@ def run_phase4(ctx: PhaseContext, model_config: str, cluster_target: str, layout
                     env=r["env"], note="Phase 4 layout candidate; not executed by this notebook")
     res = Phase4Result(cfg, cluster, param_summary(cfg), memory, feas, comms, summary, launch)
     res.model_note = model_label(cfg, base)
+    res.runs = [str(r) for r in runs]
     if hasattr(ctx, "add_source"):
         ctx.add_source("model", res.model_note)
         if runs:
@@ -164,6 +185,17 @@ def measured_view(res: Phase4Result):
 def verdicts_view(res: Phase4Result):
     """Recommended / not recommended per layout with the evidence, or the banner when nothing was measured."""
     return res.verdicts if not res.verdicts.empty else measured_view(res)
+
+
+def headline(res: Phase4Result) -> dict[str, Any]:
+    """The key numbers the manifest and the run index keep: the model, the cluster, the layouts that fit, each
+    layout's cross-node traffic per decode step, and how many measured runs were compared."""
+    fits = res.feasibility[res.feasibility["verdict"] == "fits"]["layout"].tolist()
+    return {"model": res.model.name, "cluster": f"{res.cluster.nodes} x {res.cluster.gpus_per_node} GPUs",
+            "layouts that fit": ", ".join(fits) or "none",
+            **{f"{r.layout} cross-node per step_mib": round(r.cross_node_mib_per_step, 2)
+               for r in res.comm_summary.itertuples()},
+            "measured runs": len(res.runs)}
 
 
 def findings(res: Phase4Result) -> list[str]:

@@ -425,6 +425,44 @@ def _decode_step_ms(run_dir: Path) -> tuple[float | None, bool]:
     return float(s[s["kind"] == "decode"]["median_step_ms"].median()), sample
 
 
+@dataclass
+class Phase5Result:
+    """Phase 5's result (the phase contract): the nccl-tests runs (planned or executed here), the parsed logs, the
+    model's messages on the curves, the sweep tables, the target's gate verdict and the gate as judged at this
+    run's last engine start."""
+    comm: CommRuns
+    data: Phase5Data
+    msgs: pd.DataFrame
+    sweep: SweepResult
+    verdict: GateVerdict
+    engine_gate: dict[str, Any] = field(default_factory=dict)
+    from_samples: bool = False
+
+    def headline(self) -> dict[str, Any]:
+        return {**headline(self.data, self.verdict), **sweep_headline(self.comm, self.sweep)}
+
+    def findings(self) -> list[str]:
+        return (sweep_findings(self.comm, self.sweep)
+                + findings(self.data, self.verdict, self.msgs, self.from_samples, self.engine_gate))
+
+
+def run(ctx: PhaseContext) -> Phase5Result:
+    """Phase 5's entry (the phase contract), from the notebook's parameters (``ctx.params``): plan the nccl-tests
+    runs, run them (or point at the recorded sweep), parse the logs, place the model's messages on the curves, read
+    the sweep, and judge the target's gate."""
+    p = ctx.params
+    comm = plan_runs(ctx, p["nccl_tests_bin"], p["collectives"], p["sweep"], p["sweep_collectives"], p["repeats"],
+                     p["min_bytes"], p["max_bytes"], p["step_factor"], p["gpus"], p["nodes"], p["launcher"], p["ppn"],
+                     p["p2p_matrix"], p["cross_node"], p["env_check"], p["run_timeout_s"])
+    comm = run_tests(ctx, comm, p["launcher"])
+    data = load_logs(ctx, p["nccl_tests_logs"], p["nccl_info_logs"], runs=comm)
+    msgs = messages(ctx, data, p["hidden_size"], p["dtype_bytes"], p["tp"], p["num_layers"], p["decode_batch"],
+                    p["prefill_chunk"], p["vocab_size"])
+    sweep = sweep_tables(ctx, comm, msgs)
+    verdict = gate_for_target(ctx, data)
+    return Phase5Result(comm, data, msgs, sweep, verdict, engine_gate_record(ctx), ctx.from_samples)
+
+
 def record_h1(ctx: PhaseContext, data: Phase5Data, msgs: pd.DataFrame) -> pd.DataFrame:
     """H1 (TP cross-node communication exposed on every layer) from the model's decode collectives placed on the
     measured curves (``model_messages.csv``): their time per decode step against this run's Phase 3 median

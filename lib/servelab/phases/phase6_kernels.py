@@ -38,11 +38,27 @@ class Phase6Result:
     rules: pd.DataFrame = field(default_factory=pd.DataFrame)
     roof: pd.DataFrame = field(default_factory=pd.DataFrame)
     peaks: pd.DataFrame = field(default_factory=pd.DataFrame)
+    gpu: str = "H200"                 # the roofline ceilings' GPU
+    from_samples: bool = False        # kernels or counters from the shipped samples
+    run_dir: Path | None = None       # the run whose Phase 3 capture the findings compare with
+
+    def headline(self) -> dict[str, Any]:
+        return headline(self)
+
+    def findings(self) -> list[str]:
+        return findings(self, self.from_samples, self.run_dir)
 
 
 # the shipped real captures (2 × H200, 2026-11-29) Phase 6 falls back to
 SAMPLE_TRACES = ("h200x2-pp2/traces/20261129215256-TP-0-PP-0.trace.json.gz",)
 SAMPLE_NCU = ("ncu/h200_toy_layer_raw.csv", "ncu/ncu_raw.csv")
+
+
+def run(ctx: PhaseContext) -> Phase6Result:
+    """Phase 6's entry (the phase contract): :func:`run_phase6` with the notebook's parameters (``ctx.params``)."""
+    p = ctx.params
+    return run_phase6(ctx, kernel_source=p["kernel_source"], ncu_csv=p["ncu_csv"], top_n=p["top_n"], repro=p["repro"],
+                      launch_skip=p["launch_skip"], launch_count=p["launch_count"], gpu=p["gpu"])
 
 
 def run_phase6(ctx: PhaseContext, kernel_source: str = "", ncu_csv: Sequence[str] = (), top_n: int = 3,
@@ -78,7 +94,8 @@ def run_phase6(ctx: PhaseContext, kernel_source: str = "", ncu_csv: Sequence[str
         files = [str(samples_root() / p) for p in SAMPLE_NCU if (samples_root() / p).is_file()]
         if files:
             ctx.from_samples = True
-    res = Phase6Result(source=source, ranked=ranked, top=top, commands=cmds, ncu_files=files, peaks=peaks_table(gpu))
+    res = Phase6Result(source=source, ranked=ranked, top=top, commands=cmds, ncu_files=files, peaks=peaks_table(gpu),
+                       gpu=gpu, run_dir=ctx.run_dir)
     reports = [read_ncu_csv(f) for f in files]
     if reports:
         res.ncu_metrics = pd.concat([r.metrics.assign(file=Path(r.path).name) for r in reports], ignore_index=True)
@@ -100,6 +117,7 @@ def run_phase6(ctx: PhaseContext, kernel_source: str = "", ncu_csv: Sequence[str
             ctx.add_source("live", f"kernels of {source}")
     ranked.to_csv(ctx.phase_dir / "kernels_ranked.csv", index=False)
     top.to_csv(ctx.phase_dir / "top_kernels.csv", index=False)
+    res.from_samples = ctx.from_samples
     return res
 
 
@@ -166,6 +184,16 @@ def same_capture(source: str, trace_dir: str | None) -> bool:
         return False
     src, d = Path(source).resolve(), Path(trace_dir).resolve()
     return src == d or d in src.parents or (src.parent / "traces").resolve() == d
+
+
+def headline(res: Phase6Result) -> dict[str, Any]:
+    """The key numbers the manifest and the run index keep: the kernel source, the top kernels per window, the ncu
+    launches imported and the best tensor throughput on the roofline."""
+    return {"kernel source": res.source.split("/")[-1],
+            "top kernels": "; ".join(w + ": " + ", ".join(g["function"].map(_short_name))
+                                     for w, g in res.top.groupby("window")),
+            "ncu launches imported": len(res.derived),
+            "best tensor TFLOP/s": round(float(res.roof["achieved_tflops"].max()), 1) if not res.roof.empty else None}
 
 
 def findings(res: Phase6Result, from_samples: bool = False, run_dir: Path | None = None) -> list[str]:
