@@ -165,3 +165,146 @@ def test_servelab_imports_sit_at_the_top_of_their_module() -> None:
             inner = in_function or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
             stack.extend((child, inner) for child in ast.iter_child_nodes(node))
     assert sorted(found) == []
+
+
+# ---------------------------------------------------------------- the phase contract
+# every phase module exposes run(ctx: PhaseContext) -> a result that knows its headline and findings; a notebook calls
+# it once, reads its parameters only through it, and never reaches for a private name of the library
+
+PHASES = ROOT / "lib" / "servelab" / "phases"
+NOTEBOOKS = ROOT / "notebooks"
+
+
+def run_entry_problems(source: str) -> list[str]:
+    """What keeps one phase module's source from the contract's entry: one top-level ``run`` whose only parameter is
+    ``ctx`` annotated ``PhaseContext``."""
+    runs = [n for n in ast.parse(source).body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == "run"]
+    if len(runs) != 1:
+        return [f"{len(runs)} top-level run functions, not one"]
+    a = runs[0].args
+    params = a.posonlyargs + a.args + a.kwonlyargs
+    out = []
+    if [p.arg for p in params] != ["ctx"] or a.vararg or a.kwarg:
+        out.append(f"run takes {[p.arg for p in params]}, not only ctx")
+    ann = params[0].annotation if params else None
+    if not (isinstance(ann, ast.Name) and ann.id == "PhaseContext"
+            or isinstance(ann, ast.Constant) and ann.value == "PhaseContext"):
+        out.append("ctx is not annotated PhaseContext")
+    return out
+
+
+def test_every_phase_module_has_one_run_taking_only_a_phase_context() -> None:
+    mods = sorted(PHASES.glob("phase[0-9]_*.py"))
+    assert len(mods) == 10
+    problems = {m.name: run_entry_problems(m.read_text()) for m in mods}
+    assert {k: v for k, v in problems.items() if v} == {}
+
+
+def test_the_entry_check_fails_on_counter_examples() -> None:
+    assert not run_entry_problems("def run(ctx: PhaseContext) -> R:\n    ...\n")
+    assert run_entry_problems("def run_phase1(ctx: PhaseContext) -> R:\n    ...\n")               # named otherwise
+    assert run_entry_problems("def run(ctx: PhaseContext, top_n: int = 3) -> R:\n    ...\n")    # a parameter copied
+    assert run_entry_problems("def run(ctx: Any) -> R:\n    ...\n")                              # untyped context
+    assert run_entry_problems("def run(ctx: PhaseContext, **kw: Any) -> R:\n    ...\n")
+    assert run_entry_problems("class C:\n    def run(self, ctx: PhaseContext) -> R:\n        ...\n")   # not top level
+
+
+def notebook_cells(path: Path) -> tuple[list[str], list[str]]:
+    """(parameter names of the tagged parameters cell, the code cells after it)."""
+    import json
+    cells = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
+    k = next(i for i, c in enumerate(cells) if "parameters" in c.get("metadata", {}).get("tags", []))
+    names = [n.target.id for n in ast.parse("".join(cells[k]["source"])).body
+             if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)]
+    return names, ["".join(c["source"]) for c in cells[k + 1:]]
+
+
+def notebook_contract_problems(phase_module: str, params: list[str], cells: list[str]) -> list[str]:
+    """What breaks the contract in one notebook's code after its parameters cell: ``run(ctx)`` of its phase module
+    called other than once; a private library name used; a parameter handed to a call by hand (``name=name``,
+    ``p["name"]``, ``ctx.params["name"]`` or the bare name)."""
+    out: list[str] = []
+    lib: set[str] = set()           # names bound to servelab modules or objects
+    phase_aliases: set[str] = set()  # names bound to this notebook's phase module
+    run_names: set[str] = set()      # `run` imported from it
+    runs = 0
+    for src in cells:
+        tree = ast.parse(src)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("servelab"):
+                for a in node.names:
+                    lib.add(a.asname or a.name)
+                    if a.name.startswith("_"):
+                        out.append(f"imports the private {node.module}.{a.name}")
+                    if node.module == "servelab.phases" and a.name == phase_module:
+                        phase_aliases.add(a.asname or a.name)
+                    if node.module == f"servelab.phases.{phase_module}" and a.name == "run":
+                        run_names.add(a.asname or a.name)
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.startswith("servelab"):
+                        lib.add((a.asname or a.name).split(".")[0])
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and isinstance(node.value, ast.Name) \
+                    and node.value.id in lib:
+                out.append(f"uses the private {node.value.id}.{node.attr}")
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            is_run = (isinstance(f, ast.Attribute) and f.attr == "run" and isinstance(f.value, ast.Name)
+                      and f.value.id in phase_aliases) or (isinstance(f, ast.Name) and f.id in run_names)
+            if is_run:
+                runs += 1
+                if [ast.unparse(a) for a in node.args] != ["ctx"] or node.keywords:
+                    out.append(f"calls {ast.unparse(node)}, not run(ctx)")
+            for arg in [*node.args, *(k.value for k in node.keywords)]:
+                if isinstance(arg, ast.Name) and arg.id in params:
+                    out.append(f"hands the parameter {arg.id} to {ast.unparse(f)} by hand")
+                if isinstance(arg, ast.Subscript) and isinstance(arg.slice, ast.Constant) and arg.slice.value in params:
+                    out.append(f"hands the parameter {ast.unparse(arg)} to {ast.unparse(f)} by hand")
+    if runs != 1:
+        out.append(f"calls {phase_module}.run(ctx) {runs} times, not once")
+    return out
+
+
+@pytest.mark.parametrize("nb", sorted(NOTEBOOKS.glob("phase[0-9]_*.ipynb")), ids=lambda p: p.stem)
+def test_each_notebook_calls_its_phase_run_once_and_copies_no_parameter(nb: Path) -> None:
+    params, cells = notebook_cells(nb)
+    assert notebook_contract_problems(nb.stem, params, cells) == []
+
+
+def test_the_notebook_check_fails_on_counter_examples() -> None:
+    good = ['from servelab.phases.context import open_phase, finish_phase\n'
+            'from servelab.phases import phase6_kernels as phase6\nctx = open_phase("phase6_kernels", globals())',
+            'result = phase6.run(ctx)', 'phase6.ncu_view(result, "derived")',
+            'finish_phase(ctx, headline=result.headline(), findings=result.findings())']
+    params = ["top_n", "gpu"]
+    assert notebook_contract_problems("phase6_kernels", params, good) == []
+    for bad in (['phase6.run(ctx)'],                                              # called twice
+                ['phase6.ncu_view(result, top_n=top_n)'],                         # name=name
+                ['p = ctx.params\nphase6.ncu_view(result, p["top_n"])'],          # p["name"]
+                ['phase6.ncu_view(result, ctx.params["gpu"])'],
+                ['phase6.ncu_view(result, gpu)'],                                 # the bare name
+                ['phase6._short_name("x")'],                                      # a private name
+                ['from servelab.phases.phase6_kernels import _short_name']):
+        assert notebook_contract_problems("phase6_kernels", params, good + bad), bad
+    assert notebook_contract_problems("phase6_kernels", params, [good[0], good[2]])       # run never called
+    assert notebook_contract_problems("phase6_kernels", params,
+                                      [good[0], 'result = phase6.run(ctx, top_n=3)'])     # run(ctx) with more
+
+
+def test_every_phase_result_is_a_phase_result() -> None:
+    """run's return type satisfies PhaseResult (headline and findings); a class missing one does not."""
+    import importlib
+    import typing
+    from servelab.phases.context import PhaseResult
+    for m in sorted(PHASES.glob("phase[0-9]_*.py")):
+        mod = importlib.import_module(f"servelab.phases.{m.stem}")
+        cls = typing.get_type_hints(mod.run)["return"]
+        assert isinstance(object.__new__(cls), PhaseResult), m.stem
+        assert callable(cls.headline) and callable(cls.findings), m.stem
+
+    class HeadlineOnly:
+        def headline(self) -> dict:
+            return {}
+    assert not isinstance(HeadlineOnly(), PhaseResult)
