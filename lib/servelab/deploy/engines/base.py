@@ -356,6 +356,21 @@ class EngineAdapter:
         None where the version comes from an HTTP endpoint (``version_paths``) only."""
         return None
 
+    # the engine's top-level Python module (its packages and commit are read with the interpreter that runs it,
+    # Phase 0's freeze); None for a compiled engine
+    engine_package: str | None = None
+
+    def engine_python(self, argv: list[str]) -> str | None:
+        """The interpreter that runs the engine, from its launch argv (``PY -m module ...``); None when the engine
+        is not started through a Python interpreter."""
+        if self.engine_package and len(argv) > 2 and argv[1] == "-m" and str(argv[2]).split(".")[0] == self.engine_package:
+            return str(argv[0])
+        return None
+
+    def commit_from_version(self, text: str) -> str:
+        """The source commit the engine's version output names (``version_command``); ``""`` where it names none."""
+        return ""
+
     def implied_settings(self, launch: dict[str, Any]) -> dict[str, str]:
         """Live values of Phase 0 settings that follow from the engine itself when it has no server-info
         endpoint to report them. Keys: ``topology``, ``cuda_graph``, ``chunked_prefill``, ``prefix_cache``."""

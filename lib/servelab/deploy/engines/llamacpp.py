@@ -6,6 +6,7 @@ Endpoints (verified on llama.cpp 0.5.0 / llama-cpp-python 0.3.36): ``/health``, 
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Callable, Sequence
 
 from servelab.deploy.engines.base import EngineAdapter, LaunchPlan, docker_plan
@@ -161,6 +162,11 @@ class LlamaCppAdapter(EngineAdapter):
     def version_command(self, argv: list[str]) -> list[str] | None:
         """``llama-server --version`` (build number and commit; /props has only the build string)."""
         return [argv[0], "--version"]
+
+    def commit_from_version(self, text: str) -> str:
+        """``version: 0.5.0-dev (build 1, commit 0c1e570)``: the llama.cpp commit the binary was built from."""
+        m = re.search(r"\bcommit ([0-9a-f]{7,40})\b", text)
+        return m.group(1) if m else ""
 
     def implied_settings(self, launch: dict[str, Any]) -> dict[str, str]:
         """One CPU process: no parallel topology and no CUDA graphs; prefill goes in logical batches of

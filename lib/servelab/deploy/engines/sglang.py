@@ -30,6 +30,7 @@ MERGED_PREFIX = "merged-"
 
 class SGLangAdapter(EngineAdapter):
     name = "sglang"
+    engine_package = "sglang"
     extra_launch_keys = {
         "attention_backend": "--attention-backend", "moe_runner_backend": "--moe-runner-backend",
         "moe_a2a_backend": "--moe-a2a-backend (deepep...)", "disable_overlap_schedule": "--disable-overlap-schedule",

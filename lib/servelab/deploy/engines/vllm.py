@@ -38,6 +38,7 @@ def vllm_start_profile_body(prefix: str | None, skip_steps: int = 0, num_steps: 
 
 class VLLMAdapter(EngineAdapter):
     name = "vllm"
+    engine_package = "vllm"
     extra_launch_keys = {
         "dtype": "--dtype", "enforce_eager": "--enforce-eager", "max_num_batched_tokens": "--max-num-batched-tokens",
         "profiler_with_stack": "torch profiler with_stack (default false)", "dev_mode": "VLLM_SERVER_DEV_MODE=1",
