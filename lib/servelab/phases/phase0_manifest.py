@@ -536,8 +536,12 @@ def findings(result: Phase0Result, start_engine: bool = True) -> list[str]:
     model = dict(zip(result.model["field"], result.model["value"])) if not result.model.empty else {}
     sett = result.settings.set_index("setting") if not result.settings.empty else pd.DataFrame()
     out = []
-    version = str(eng.get("version") or eng.get("build_info") or eng.get("server_info.version") or "not reported")
+    version = str(eng.get("version") or eng.get("build_info") or eng.get("server_info.version") or "")
     version = version.removeprefix("version:").strip()
+    frozen = next(iter(result.frozen_before.values()), None)
+    if not version and frozen is not None and frozen.engine.get("version"):
+        version = f"{frozen.engine['version']} (its installed package; the engine was not asked)"
+    version = version or "not reported"
     name = Path(str(model.get("path", "-"))).name
     size = model.get("size_bytes")
     detail = []
