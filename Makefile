@@ -31,6 +31,7 @@ demo: system $(STAMP)
 	$(VENV)/bin/servelab demo
 
 test: system $(STAMP) lint
+	$(VENV)/bin/pip install -q -e '.[cluster]'
 	$(VENV)/bin/servelab build --tiny-only --sglang
 	$(VENV)/bin/python -m pytest -q
 

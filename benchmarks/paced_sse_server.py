@@ -26,7 +26,7 @@ Its core is busy while it spins: pin it (``taskset``) to a core of its own.
 
 Loopback only by default; ``--host`` takes another address of this machine.
 
-    python benchmarks/paced_sse_server.py PORT ITL_MS [--host 127.0.0.1] [--spin-ms 1.0]
+    python benchmarks/paced_sse_server.py PORT ITL_MS [--host 127.0.0.1] [--spin-ms 1.0] [--reuse-port]
 """
 from __future__ import annotations
 
@@ -67,13 +67,13 @@ class Conn:
 
 
 class PacedServer:
-    def __init__(self, host: str, port: int, itl_ms: float, spin_ms: float = 1.0) -> None:
+    def __init__(self, host: str, port: int, itl_ms: float, spin_ms: float = 1.0, reuse_port: bool = False) -> None:
         if itl_ms <= 0 or spin_ms < 0:
             raise ValueError("ITL_MS must be > 0 and --spin-ms >= 0")
         self.itl_ns = round(itl_ms * 1e6)
         self.spin_ns = round(spin_ms * 1e6)      # poll without blocking for this long before a chunk is due
         self.listener = socket.create_server((host, port), backlog=4096, family=socket.AF_INET6 if ":" in host
-                                             else socket.AF_INET)
+                                             else socket.AF_INET, reuse_port=reuse_port)
         self.listener.setblocking(False)
         self.ep = select.epoll()
         self.ep.register(self.listener.fileno(), select.EPOLLIN)
@@ -263,9 +263,12 @@ def main() -> None:
     ap.add_argument("--spin-ms", type=float, default=1.0,
                     help="poll without sleeping this long before each due chunk (0: sleep in epoll to the ms, "
                          "chunks up to ~1 ms late, no core kept busy: for tests on a shared machine)")
+    ap.add_argument("--reuse-port", action="store_true",
+                    help="SO_REUSEPORT: several servers (each on its own core) share the port; the kernel deals the "
+                         "connections out (bench_client_processes.py: a server side that outlasts many clients)")
     args = ap.parse_args()
     try:
-        server = PacedServer(args.host, args.port, args.itl_ms, args.spin_ms)
+        server = PacedServer(args.host, args.port, args.itl_ms, args.spin_ms, args.reuse_port)
     except (OSError, ValueError) as e:
         ap.exit(2, f"paced_sse_server: cannot serve on {args.host}:{args.port}: {e}\n")
     try:

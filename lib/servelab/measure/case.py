@@ -203,6 +203,7 @@ class CaseEnv:
     phase: str = "phase1"            # the phase whose cases these are (written into every summary.json)
     attempt: int = 1                 # 1: cases/<case_id>/; n ≥ 2: a later re-run, cases/<case_id>@a<n>/
     integrity_rules: mx.IntegrityRules = field(default_factory=mx.IntegrityRules)
+    clients: int = 1                 # client processes a wave is sent from (measure.multiclient; docs/scaling.md)
 
     def recipe(self) -> dict[str, Any]:
         """The settings a case of this env ran with, as recorded in its ``meta.json`` (``case_env``): with the
@@ -210,7 +211,7 @@ class CaseEnv:
         return {"repeats": self.repeats, "seed": self.seed, "slo": asdict(self.slo), "api": self.api,
                 "timeout_s": self.timeout_s, "scrape_interval_s": self.scrape_interval_s,
                 "max_cv_pct": self.max_cv_pct, "profiler_attached": self.profiler_attached, "phase": self.phase,
-                "integrity_rules": asdict(self.integrity_rules)}
+                "integrity_rules": asdict(self.integrity_rules), "clients": self.clients}
 
     @property
     def engine(self) -> Any:
@@ -501,6 +502,9 @@ def run_wave(env: CaseEnv, case: CaseSpec, cfg: ClientConfig, repeat: int) -> Cl
     """The default wave of a case at its concurrency: ``num_prompts`` requests, or — sized — as many as it takes
     to meet both ``min_duration_s`` and ``num_prompts``."""
     kw = sizing_kw(env, case, repeat)
+    if env.clients > 1:             # the same requests from several client processes, records merged
+        from servelab.measure.multiclient import multi_wave
+        return multi_wave(env, case, cfg, repeat, case_seed(env.seed, case.case_id, repeat), kw)
     if kw:
         return run_requests([], cfg, concurrency=case.concurrency, repeat=repeat, **kw)
     wl = build_workload(case.case_id, case.num_prompts, case.input_tokens, case.output_tokens, env.pool,

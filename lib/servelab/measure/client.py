@@ -166,6 +166,9 @@ class ClientRun:
     monitor_interval_s: float = 0.0
     sizing: dict[str, Any] = field(default_factory=dict)     # min_duration_s, min_requests, issued, met
     event_loop: str = ""                     # uvloop | asyncio: the loop the run's reads were timed on
+    # a run sent from several client processes (measure.multiclient): each process's own run, judged on its own
+    processes: list["ClientRun"] = field(default_factory=list)
+    process: str = ""                        # one process's run: which ("client process 2 of 4 (pid …)")
 
     @property
     def duration_s(self) -> float:
@@ -434,7 +437,8 @@ async def run_async(specs: list[RequestSpec], cfg: ClientConfig, concurrency: in
                     on_window_start: Callable[[], None] | None = None,
                     make_spec: Callable[[int], RequestSpec] | None = None, min_requests: int = 0,
                     min_duration_s: float = 0.0, max_requests: int = 100_000,
-                    monitor_interval_s: float | None = MONITOR_INTERVAL_S) -> ClientRun:
+                    monitor_interval_s: float | None = MONITOR_INTERVAL_S,
+                    offsets_s: list[float] | None = None) -> ClientRun:
     """Send ``specs`` and return their records.
 
     - closed loop (``rate_rps`` None): ``concurrency`` workers, each sends its next request when the
@@ -447,7 +451,8 @@ async def run_async(specs: list[RequestSpec], cfg: ClientConfig, concurrency: in
     ``injections``: (seconds after the window start, spec) sent on schedule outside the cap (Mixed A/B).
     ``on_window_start`` is called inside the running loop just after the window opens. ``monitor_interval_s``
     None: no loop-lag monitor (for a caller that runs many one-request runs side by side in one loop and would
-    otherwise start a monitor for each).
+    otherwise start a monitor for each). ``offsets_s``: the open loop's arrival times (s from the window start) drawn
+    by the caller, one per spec (``measure.multiclient`` splits one schedule over processes).
     """
     import aiohttp
     if make_spec is not None and rate_rps is not None:
@@ -564,7 +569,7 @@ async def run_async(specs: list[RequestSpec], cfg: ClientConfig, concurrency: in
                 await asyncio.gather(*(worker() for _ in range(workers)))
             else:
                 n = len(specs)
-                offsets = arrival_offsets_s(n, rate_rps, arrival, seed)
+                offsets = arrival_offsets_s(n, rate_rps, arrival, seed) if offsets_s is None else offsets_s
                 sem = asyncio.Semaphore(concurrency) if concurrency else None
                 tasks = []
 

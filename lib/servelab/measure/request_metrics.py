@@ -486,6 +486,12 @@ def integrity(run: ClientRun, rules: IntegrityRules | None = None) -> dict[str, 
       window, all requests of the run (injections included: the monitor counts them too).
     """
     rules = rules or IntegrityRules()
+    if run.processes:          # several client processes: each judged on its own, a reason names its process
+        out = pooled_integrity([integrity(p, rules) for p in run.processes], [p.process for p in run.processes])
+        n_chunks, rate = chunk_rate(run)
+        out["clients"] = {"processes": len(run.processes), "chunks": n_chunks, "chunks_per_s": rate,
+                          **(run.sizing.get("clients") or {})}
+        return out
     recs = [r for r in run.records if r.send_ns]
     window_s = max(run.duration_s, 1e-9)
     dl = _lag_stats([dispatch_lag_ms(r) for r in recs])
@@ -495,6 +501,10 @@ def integrity(run: ClientRun, rules: IntegrityRules | None = None) -> dict[str, 
     out: dict[str, Any] = {"dispatch_lag": dl, "loop_lag": ll, "window_s": window_s, "requests": len(recs),
                            "sizing": dict(run.sizing), "rules": dict(rules.__dict__)}
     reasons: list[str] = []
+    late = run.sizing.get("start_late_ms")         # one of several client processes: vs the shared start instant
+    if late is not None and late > rules.max_dispatch_lag_ms:
+        reasons.append(f"client fell behind: it opened its window {late:.1f} ms after the shared start instant "
+                       f"(> {rules.max_dispatch_lag_ms:g} ms)")
     if dl["n"] and dl["max_ms"] > rules.max_dispatch_lag_ms:
         reasons.append(f"client fell behind: a request was sent {dl['max_ms']:.1f} ms after it was due "
                        f"(> {rules.max_dispatch_lag_ms:g} ms)")
@@ -557,11 +567,17 @@ def integrity(run: ClientRun, rules: IntegrityRules | None = None) -> dict[str, 
     return out
 
 
-def pooled_integrity(per_run: list[dict[str, Any]]) -> dict[str, Any]:
+def pooled_integrity(per_run: list[dict[str, Any]], processes: list[str] | None = None) -> dict[str, Any]:
     """One integrity record over the repeats of a case: the worst of each check, every repeat's reasons (prefixed
-    with the repeat when there are several), ``repeats`` keeps each run's record."""
+    with the repeat when there are several), ``repeats`` keeps each run's record. ``processes``: the records are
+    the client processes of one run instead (their labels prefix the reasons, ``processes`` keeps them)."""
     if not per_run:
         return {"ok": True, "reasons": [], "repeats": []}
+    if processes:
+        pooled = pooled_integrity(per_run) if len(per_run) > 1 else {**per_run[0], "repeats": []}
+        reasons = [f"{label}: {x}" for label, r in zip(processes, per_run) for x in r["reasons"]]
+        pooled.pop("repeats", None)
+        return {**pooled, "reasons": reasons, "ok": not reasons, "processes": per_run, "repeats": []}
     if len(per_run) == 1:
         return {**per_run[0], "repeats": []}
     def worst(key: str, stat: str) -> float | None:

@@ -36,7 +36,7 @@ from servelab.measure.case import (ATTEMPT_SEP, ENGINE_CRASH, CaseEnv, CaseSpec,
                                    make_env, split_attempt)
 
 SUPPORTED_PHASES = ("phase1",)
-ENV_KEYS = ("repeats", "seed", "api", "timeout_s", "scrape_interval_s", "max_cv_pct", "phase")
+ENV_KEYS = ("repeats", "seed", "api", "timeout_s", "scrape_interval_s", "max_cv_pct", "phase", "clients")
 
 
 def case_command(run_id: str, case_id: str, target: str | None = None) -> list[str]:

@@ -129,7 +129,7 @@ def run_phase1(ctx: Any, health_timeout_s: float = 900.0) -> Phase1Result:
                          min_requests=int(p.get("min_requests") or 0))
     slo = mx.SLO(ttft_ms=p.get("slo_ttft_ms") or None, tpot_ms=p.get("slo_tpot_ms") or None)
     env_kw = dict(repeats=int(p.get("repeats", 1)), seed=int(p.get("seed", 0)), slo=slo,
-                  progress=bool(p.get("progress", False)), phase=ctx.phase)
+                  progress=bool(p.get("progress", False)), phase=ctx.phase, clients=int(p.get("clients", 1) or 1))
     log_dir = ctx.phase_dir / "server"
     restarts: list[dict[str, Any]] = []
     with ProcessTracker() as tracker:

@@ -35,17 +35,35 @@ class Phase3:
     clock: OneClock | None = None
 
 
+def check_cluster(cluster: str) -> str:
+    """The ``cluster`` parameter, checked before anything starts: "" (none), ``local[:N]``, ``nodes[:N]`` or an
+    existing scheduler's ``tcp://HOST:PORT``; a one-line error otherwise or when Dask distributed is missing."""
+    from servelab.deploy.cluster import parse_cluster, require_dask
+    spec = parse_cluster(cluster)
+    if spec is not None:
+        require_dask()
+    return (cluster or "").strip()
+
+
 def run_analysis(ctx: Any, trace_dir: str = "", window_regex: str = "", top_n: int = 10, min_gap_us: float = 0.0,
-                 profile_id: str = "") -> Phase3:
+                 profile_id: str = "", cluster: str = "") -> Phase3:
     """Analyse ``trace_dir`` (empty: the recorded H200 sample, and ``ctx.from_samples`` is set), answer the
-    ten questions, apply the evidence → action table and write every table into ``ctx.phase_dir``."""
+    ten questions, apply the evidence → action table and write every table into ``ctx.phase_dir``.
+
+    ``cluster`` (``local[:N]``, ``nodes[:N]``, ``tcp://HOST:PORT``): each rank is parsed and reduced by a worker on
+    the node that holds it (``trace_dir`` is the folder as each node sees it), the cross-rank steps here;
+    what servelab starts for it is stopped before this returns (docs/scaling.md#beyond-one-machine)."""
     if not trace_dir:
         folder, ctx.from_samples = sample_dir(), True
         cache_dir = cache_root() / "traces"      # never write caches into the repository's data/samples
     else:
         folder, cache_dir = Path(trace_dir).expanduser(), None
-    a = analyse(folder, window_regex=window_regex or None, top_n=int(top_n), min_gap_us=float(min_gap_us),
-                profile_id=profile_id or None, cache_dir=cache_dir)
+    kw = dict(window_regex=window_regex or None, top_n=int(top_n), min_gap_us=float(min_gap_us),
+              profile_id=profile_id or None)
+    if check_cluster(cluster):
+        a = _analyse_on_cluster(ctx, cluster, folder, cache_dir, kw)
+    else:
+        a = analyse(folder, cache_dir=cache_dir, **kw)
     clock = case_clock(folder, a)
     q = ten_questions(a)
     if clock is not None:      # Q10 from the one clock too (a CPU trace has no kernels for the GPU-side answer)
@@ -54,10 +72,44 @@ def run_analysis(ctx: Any, trace_dir: str = "", window_regex: str = "", top_n: i
         q = pl.concat([q.filter(pl.col("id") != "Q10"), row])
     act = evidence_actions(a)
     extra = {"questions": q, "actions": act}
+    if a.placement.height:
+        extra["placement"] = a.placement
     if clock is not None:
         extra.update({"stalls": clock.stalls, "ttft_split": clock.ttft, "engine_steps": clock.steps})
     files = write_tables(a, ctx.phase_dir, extra)
     return Phase3(a, q, act, files, clock)
+
+
+def _analyse_on_cluster(ctx: Any, cluster: str, folder: Path, cache_dir: Path | None, kw: dict) -> CaptureAnalysis:
+    """Open the cluster (joined, or started and tracked), analyse on it, close it — on every exit path."""
+    from servelab.analyse.trace.cluster import analyse_on_cluster
+    from servelab.deploy.cluster import open_cluster
+    from servelab.deploy.hosts import ProcessTracker
+    with ProcessTracker() as tracker:
+        c = open_cluster(cluster, tracker, ctx.phase_dir / "cluster", target=ctx.target, run_id=ctx.run_id)
+        try:
+            a = analyse_on_cluster(c, str(folder), cache_dir=str(cache_dir) if cache_dir else None, **kw)
+        finally:
+            c.close()
+    a.cluster_notes = [f"Cluster: {c.spec.describe() if c.spec else cluster} ({c.address}).", *a.cluster_notes]
+    return a
+
+
+def placement_table(p: Phase3) -> pd.DataFrame:
+    """Where each rank file was parsed (node, worker), in how many attempts, and why a rank is missing; a note when
+    the capture was parsed in this process."""
+    a = p.analysis
+    if a.placement.height == 0:
+        return pd.DataFrame({"note": ["parsed in this process (no cluster parameter)"]})
+    t = _pd(a.placement.select("rank", "file", "node", "worker", "status", "attempts", "reduce_s", "from_cache",
+                               "reason"))
+    missing = a.placement.filter(pl.col("status") == "missing")
+    t.attrs["caption"] = (f"{a.placement.height - missing.height} of {a.placement.height} rank files parsed on "
+                          f"{a.placement.filter(pl.col('status') == 'parsed')['node'].n_unique()} node(s); "
+                          + (f"MISSING: {', '.join(missing['file'])} (left out of every table below). "
+                             if missing.height else "none missing. ")
+                          + " ".join(a.cluster_notes))
+    return t
 
 
 def case_clock(folder: Path, a: CaptureAnalysis) -> OneClock | None:
@@ -399,6 +451,13 @@ def findings(p: Phase3, from_samples: bool | None = None) -> list[str]:
     src = "from recorded sample data (2 × H200 traces)" if from_samples else f"from the capture in {a.capture.trace_dir}"
     out = [f"{len(a.rops)} rank(s) analysed {src}; {int(p.questions['answerable'].sum())} of {p.questions.height} "
            f"questions answerable."]
+    if a.placement.height:
+        parsed = a.placement.filter(pl.col("status") == "parsed")
+        out.append(f"Parsed on a cluster: {parsed.height} rank file(s) on {parsed['node'].n_unique()} node(s), each on "
+                   f"the node that holds it (see Where each rank was parsed).")
+        for r in a.placement.filter(pl.col("status") == "missing").iter_rows(named=True):
+            out.append(f"Rank file {r['file']} on node {r['node']} is MISSING from every table after {r['attempts']} "
+                       f"attempt(s): {r['reason']}.")
     if a.slow_rank.get("slow_stage") is not None:
         out.append("Slow pipeline stage: " + a.slow_rank.get("stage_evidence", "") + ".")
     if p.clock is not None:

@@ -51,6 +51,9 @@ class CaptureAnalysis:
     stages: pl.DataFrame = field(default_factory=pl.DataFrame)
     comm_by_collective: pl.DataFrame = field(default_factory=pl.DataFrame)
     timings_s: dict[str, float] = field(default_factory=dict)
+    # analysed on a cluster (analyse.trace.cluster): where each rank file was parsed, and what the listing found
+    placement: pl.DataFrame = field(default_factory=pl.DataFrame)
+    cluster_notes: list[str] = field(default_factory=list)
 
     @property
     def trace_files(self) -> list[str]:
@@ -74,7 +77,7 @@ def analyse(capture: Capture | str | Path, *, window_regex: str | None = None, t
             extra_rules: Sequence[Rule | Sequence[str] | dict] | None = None, min_gap_us: float = 0.0,
             cache: bool = True, cache_dir: str | Path | None = None, profile_id: str | None = None,
             nodes: dict[str, str] | None = None, workers: int | None = None,
-            keep_events: bool = True) -> CaptureAnalysis:
+            keep_events: bool = True, prepared_tables: Sequence[P.Prepared] | None = None) -> CaptureAnalysis:
     """Analyse a capture folder (or an already loaded :class:`Capture`): every table of Phase 3.
 
     ``window_regex`` selects the step annotations (default: SGLang ``step[...]``, ``*_step_N``,
@@ -89,17 +92,23 @@ def analyse(capture: Capture | str | Path, *, window_regex: str | None = None, t
     With ``cache``, each rank's prepared tables (op table, windows, runtime calls, CPU thread busy, census) are
     cached beside its event cache (:mod:`~servelab.analyse.trace.prepared`); a rank found there is analysed
     without reading its events. Every metric is computed again on every call.
+
+    ``prepared_tables``: the ranks' prepared tables already made elsewhere (one per rank of a :class:`Capture`,
+    e.g. by cluster workers on the nodes that hold the files: :mod:`~servelab.analyse.trace.cluster`); the
+    cross-rank steps then run on them exactly as on tables prepared here.
     """
     t = {}
     rules = load_rules(extra_rules)
     prepared: dict[int, RankOps] = {}
+    given = {id(p.rops.trace): p for p in prepared_tables or ()}
     per_rank: dict[int, tuple[pl.DataFrame, pl.DataFrame]] = {}
 
     def prepare(tr, release: bool) -> RankOps:
         """The rank's op tables and event-level tables: from the prepared cache (its events never read), else
         built from its events and cached; ``release`` drops the events afterwards (streaming)."""
-        key = P.prepared_key(tr, rules, window_regex) if cache else None
-        hit = P.read_prepared(tr, key)
+        hit = given.get(id(tr))
+        key = P.prepared_key(tr, rules, window_regex) if cache and hit is None else None
+        hit = hit or P.read_prepared(tr, key)
         if hit is None:
             rops = prepare_rank(tr, rules, window_regex)
             hit = P.Prepared(rops, M.cpu_thread_busy(rops), M.event_census(tr))

@@ -1,0 +1,194 @@
+"""The accurate client ceiling from N client processes (``measure.multiclient``) against one process, same run:
+
+    python benchmarks/bench_client_processes.py [--processes 1,2,4,8] [--client-cpus 0-7] [--server-cpus 8-15]
+                                                [--out benchmarks/results/client_processes_DATE.json]
+
+Target: ``paced_sse_server.py`` (one token per stream every ``--itl-ms``, each chunk stamped), ``--server-cpus``
+servers sharing one port (``--reuse-port``: the kernel deals the connections out), each pinned to its own core, so
+the server side is the same for every client count and outlasts the clients. The rule is the one of
+``bench_client_overhead.py --ceiling`` (``docs/metrics.md#integrity``): a point passes when the steady-state p99
+|observed gap − ITL| ≤ 1 ms (≥ 100 gaps; steady: gaps that start once every stream had its first chunk) and
+≥ 99 % of the offered chunks arrive within the run (a stream's chunk counts within (tokens − 1) × ITL + one ITL of
+its first chunk) — computed here over the merged records of all processes.
+
+Configurations, each point a fresh child process tree:
+
+- ``single``: the product's one-process path, ``run_requests`` in one process pinned to the first client core;
+- ``processes_N``: ``run_requests_multi(..., clients=N, cpus=first N client cores)``: one wave split over N
+  processes, one start instant, records merged.
+
+Per configuration the streams per process climb ``--ladder`` until a point fails (tried once more); the ceiling
+is the last passing point's offered chunks/s, and ``ratio_to_single`` its ratio to ``single``'s (aim:
+≥ 0.8 × N up to the cores). Each point records its load average and the servers' CPU seconds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "lib"))
+PACED = ROOT / "benchmarks" / "paced_sse_server.py"
+RULE = {"max_p99_itl_error_ms": 1.0, "min_fraction_within_run": 0.99, "min_steady_gaps": 100}
+
+
+def cpu_list(text: str) -> list[int]:
+    out: list[int] = []
+    for part in text.split(","):
+        a, _, b = part.partition("-")
+        out += list(range(int(a), int(b or a) + 1))
+    return out
+
+
+def evaluate(records: list, streams: int, tokens: int, itl_ms: float) -> dict:
+    """The ceiling rule over one merged run's records (token chunks only)."""
+    import numpy as np
+    per = [[t for t, x in zip(r.chunk_ns, r.chunk_text) if x] for r in records]
+    firsts = [ts[0] for ts in per if ts]
+    if not firsts:
+        return {"passes": False, "note": "no chunk received"}
+    ramp_end = max(firsts)
+    steady = [abs((b - a) / 1e6 - itl_ms) for ts in per for a, b in zip(ts, ts[1:]) if a >= ramp_end]
+    within = sum(sum(t - ts[0] <= tokens * itl_ms * 1e6 for t in ts) for ts in per if ts)
+    n_chunks = sum(len(ts) for ts in per)
+    t0 = min(r.send_ns for r in records if r.send_ns)
+    t1 = max(max(ts) for ts in per if ts)
+    p99 = float(np.percentile(steady, 99)) if steady else None
+    frac = within / (streams * tokens)
+    ok = bool(steady and len(steady) >= RULE["min_steady_gaps"] and p99 <= RULE["max_p99_itl_error_ms"]
+              and frac >= RULE["min_fraction_within_run"])
+    return {"streams": streams, "offered_chunks_per_s": streams * 1000.0 / itl_ms,
+            "achieved_chunks_per_s": n_chunks / ((t1 - t0) / 1e9), "chunks": n_chunks,
+            "steady_gaps": len(steady), "steady_p99_itl_error_ms": p99,
+            "steady_p50_itl_error_ms": float(np.percentile(steady, 50)) if steady else None,
+            "fraction_within_run": frac, "completed": sum(r.ok for r in records), "passes": ok}
+
+
+def child(url: str, kind: str, n: int, per_process: int, tokens: int, itl_ms: float, cpus: list[int]) -> dict:
+    from servelab.measure.client import ClientConfig, run_requests
+    from servelab.measure.multiclient import run_requests_multi
+    from servelab.measure.workload import build_workload
+    streams = n * per_process
+    wl = build_workload("cp", streams, 16, tokens, list(range(1000, 1100)), seed=1)
+    cfg = ClientConfig(url, "m", engine="sglang")
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    if kind == "single":
+        os.sched_setaffinity(0, {cpus[0]})
+        run = run_requests(wl.requests, cfg, concurrency=streams, loop="auto")
+        procs = 1
+    else:
+        run = run_requests_multi(wl.requests, cfg, n, concurrency=streams, loop="auto", cpus=cpus[:n])
+        procs = len(run.processes)
+    out = evaluate(run.records, streams, tokens, itl_ms)
+    out.update(processes=procs, client_cpu_s=run.client_cpu_s, event_loop=run.event_loop,
+               start_spread_ms=(run.sizing.get("clients") or {}).get("start_spread_ms"))
+    return out
+
+
+def server_cpu(pids: list[int]) -> float:
+    tot = 0.0
+    for p in pids:
+        f = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        tot += (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+    return tot
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    ap.add_argument("--processes", default="1,2,4,8")
+    ap.add_argument("--ladder", default="384,512,640,768,896,1024", help="streams per process, climbed until a fail")
+    ap.add_argument("--itl-ms", type=float, default=20.0)
+    ap.add_argument("--point-s", type=float, default=2.0, help="seconds of paced chunks per point")
+    ap.add_argument("--client-cpus", default="0-7")
+    ap.add_argument("--server-cpus", default="8-15")
+    ap.add_argument("--spin-ms", type=float, default=1.0, help="the servers' spin before each due chunk (0 on a "
+                                                                "shared machine)")
+    ap.add_argument("--label", default="")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" /
+                                         f"client_processes_{time.strftime('%Y%m%d')}.json"))
+    a = ap.parse_args()
+    tokens = max(2, round(a.point_s * 1000 / a.itl_ms))
+    if a.child:
+        url, kind, n, per = a.child[0], a.child[1], int(a.child[2]), int(a.child[3])
+        print(json.dumps(child(url, kind, n, per, tokens, a.itl_ms, cpu_list(a.client_cpus))))
+        return 0
+    import resource
+    import signal
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))      # a timeout stops the servers too (finally below)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    from servelab.deploy.hosts import free_port
+    from servelab.deploy.server import http_json
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    servers = [subprocess.Popen(["taskset", "-c", str(c), sys.executable, str(PACED), str(port), str(a.itl_ms),
+                                 "--spin-ms", str(a.spin_ms), "--reuse-port"], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL) for c in cpu_list(a.server_cpus)]
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"command": " ".join(["python", *sys.argv]), "label": a.label, "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
+           "nproc": os.cpu_count(), "machine": {"python": platform.python_version(), "platform": platform.platform()},
+           "rule": RULE, "itl_ms": a.itl_ms, "tokens_per_stream": tokens, "client_cpus": a.client_cpus,
+           "server_cpus": a.server_cpus, "servers": len(servers), "configs": {}}
+    try:
+        for _ in range(200):
+            if http_json(url + "/health", timeout=1)[0] == 200:
+                break
+            time.sleep(0.05)
+        ladder = [int(x) for x in a.ladder.split(",")]
+        configs = [("single", 1)] + [(f"processes_{n}", n) for n in (int(x) for x in a.processes.split(","))]
+        for name, n in configs:
+            points, best = [], None
+            for per in ladder:
+                ok = False
+                for attempt in range(2):
+                    la, s0 = os.getloadavg()[0], server_cpu([p.pid for p in servers])
+                    p = subprocess.run([sys.executable, __file__, "--child", url, "single" if name == "single" else
+                                        "multi", str(n), str(per), "--itl-ms", str(a.itl_ms), "--point-s",
+                                        str(a.point_s), "--client-cpus", a.client_cpus],
+                                       capture_output=True, text=True, timeout=300)
+                    r = json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else \
+                        {"passes": False, "error": p.stderr[-1500:], "streams": n * per}
+                    r.update(per_process=per, attempt=attempt, loadavg_1m=[round(la, 2), round(os.getloadavg()[0], 2)],
+                             server_cpu_s=round(server_cpu([p.pid for p in servers]) - s0, 2))
+                    points.append(r)
+                    print(name, per, {k: r.get(k) for k in ("streams", "steady_p99_itl_error_ms",
+                                                             "fraction_within_run", "passes", "error")}, flush=True)
+                    if r["passes"]:
+                        ok = True
+                        break
+                if not ok:
+                    break
+                best = r
+            doc["configs"][name] = {"processes": n, "ceiling_streams": best["streams"] if best else 0,
+                                    "ceiling_chunks_per_s": best["offered_chunks_per_s"] if best else 0.0,
+                                    "capped_by_ladder": ok, "points": points}
+            out.write_text(json.dumps(doc, indent=1) + "\n")
+        single = doc["configs"]["single"]["ceiling_chunks_per_s"]
+        doc["ratio_to_single"] = {k: round(v["ceiling_chunks_per_s"] / single, 2) if single else None
+                                  for k, v in doc["configs"].items()}
+        out.write_text(json.dumps(doc, indent=1) + "\n")
+    finally:
+        for s in servers:
+            s.terminate()
+        for s in servers:
+            try:
+                s.wait(10)
+            except subprocess.TimeoutExpired:
+                s.kill()
+    print("ratios", doc.get("ratio_to_single"))
+    print("wrote", out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

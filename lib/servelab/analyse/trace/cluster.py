@@ -1,0 +1,267 @@
+"""Phase 3 over a cluster: each rank parsed, cached and reduced on the node that holds its file.
+
+    from servelab.deploy.cluster import open_cluster
+    from servelab.analyse.trace.cluster import analyse_on_cluster
+    a = analyse_on_cluster(cluster, "/data/capture")       # the folder, as each node sees it
+
+A worker on each node lists the node's trace folder; every rank file is then parsed into its Parquet cache
+(beside the file, on that node), prepared (GPU op table, step windows, runtime calls, CPU thread busy, census) by a
+worker pinned to that node, and only those per-rank tables travel back. The cross-rank steps (alignment, skew,
+PP, NCCL forensics, every table) run here on them, through the same :func:`~servelab.analyse.trace.analysis.analyse`
+as a local capture, so the tables are the local path's. A rank whose worker died (or failed otherwise) is submitted
+once more; if that fails too, the rank is left out and listed in :attr:`CaptureAnalysis.placement` with the
+reason (``status`` missing), never dropped silently.
+
+A file name seen on several nodes is one file on shared storage: it is parsed once, on the first of them. When
+the capture's files lie on more than one node, each rank's ``node`` is the node that holds it (the clock
+alignment fits one offset per node); on one node the loader's own naming applies (per-node sub-folders or
+``node0``).
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Sequence
+
+import polars as pl
+
+from servelab.analyse.trace import metrics as M
+from servelab.analyse.trace import prepared as P
+from servelab.analyse.trace.analysis import CaptureAnalysis, analyse
+from servelab.analyse.trace.load import (Capture, RankIdentity, RankTrace, TraceFormatError, _empty_events,
+                                         find_trace_files, identity_from_name, load_trace, looks_like_trace)
+from servelab.analyse.trace.ops import RankOps, prepare_rank
+from servelab.analyse.trace.taxonomy import Rule, load_rules
+from servelab.deploy.cluster import Cluster, worker_placement
+from servelab.deploy.engines import engine_for
+
+ATTEMPTS = 2                 # a rank is submitted at most twice (one retry)
+NODE_GONE_S = 60.0           # a pending rank whose node has had no live worker this long is reported missing
+POLL_S = 1.0
+
+
+# ------------------------------------------------------------------------------------------ on the workers
+
+def list_node_traces(trace_dir: str) -> dict[str, Any]:
+    """On a worker: the trace files under ``trace_dir`` on this node (the loader's rules), or why none."""
+    root = Path(trace_dir).expanduser()
+    where = worker_placement()
+    if not root.is_dir():
+        return {"error": f"{root}: no such folder on this node", **where}
+    try:
+        files = find_trace_files(root)
+    except (TraceFormatError, OSError) as exc:
+        return {"error": str(exc), **where}
+    return {"root": str(root), **where,
+            "files": [{"path": str(p), "rel": str(p.relative_to(root)), "looks": looks_like_trace(p)} for p in files]}
+
+
+def reduce_rank(path: str, node: str, fallback_rank: int, extra_rules: Sequence[Any] | None = None,
+                window_regex: str | None = None, cache: bool = True, cache_dir: str | None = None) -> dict[str, Any]:
+    """On a worker of the node holding ``path``: parse the rank (Parquet cache beside it), prepare its tables
+    (cached too) and return them with its identity, metadata and counts — never its events."""
+    t0 = time.perf_counter()
+    rules = load_rules(extra_rules)
+    tr = load_trace(path, cache=cache, cache_dir=cache_dir, node=node, workers=1, events=not cache)
+    if tr.identity.rank is None:           # as the local loader does: TP index, else the file's order
+        tr.identity.rank = tr.identity.tp if tr.identity.tp is not None else fallback_rank
+        tr.identity.source = tr.identity.source or "file order"
+    key = P.prepared_key(tr, rules, window_regex) if cache else None
+    hit = P.read_prepared(tr, key)
+    if hit is None:
+        rops = prepare_rank(tr, rules, window_regex)
+        hit = P.Prepared(rops, M.cpu_thread_busy(rops), M.event_census(tr))
+        P.write_prepared(tr, key, hit)
+    if tr.n_events is None:
+        ev = tr.events
+        n_events, n_kernels = ev.height, int((ev["cat"] == "kernel").sum())
+    else:
+        n_events, n_kernels = tr.n_events, tr.n_kernels
+    r = hit.rops
+    return {"identity": asdict(tr.identity), "meta": tr.meta, "load_s": tr.load_s, "from_cache": tr.from_cache,
+            "cache_path": str(tr.cache_path) if tr.cache_path else "", "n_events": n_events, "n_kernels": n_kernels,
+            "ops": r.ops, "windows": r.windows, "runtime": r.runtime, "window_regex": r.window_regex,
+            "windows_found": r.windows_found, "cpu_threads": hit.cpu_threads, "census": hit.census,
+            "reduce_s": time.perf_counter() - t0, **worker_placement()}
+
+
+# ------------------------------------------------------------------------------------------ here
+
+class RemoteRankTrace(RankTrace):
+    """A rank parsed on another node: its per-rank tables are here, its events stay in the Parquet cache there."""
+
+    parsed_on: str = ""
+
+    def reload_events(self, columns: list[str] | None = None) -> pl.DataFrame:
+        raise TraceFormatError(f"{self.path.name} was parsed on node {self.parsed_on}; its events stay in the "
+                               f"Parquet cache there ({self.cache_path or 'not cached'}) — analyse it on that node")
+
+
+def _pin(cluster: Cluster, host: str) -> dict[str, Any]:
+    """Dask's placement arguments that keep a task on the workers of one host (never elsewhere)."""
+    return {"workers": [host], "allow_other_workers": False, "pure": False}
+
+
+def _plan(listings: dict[str, dict], trace_dir: str, profile_id: str | None, cluster: Cluster
+          ) -> tuple[list[dict], list[RankIdentity], list[str], list[str]]:
+    """Which files are ranks (the local loader's selection rules), on which node; frontend traces, files set
+    aside, and notes (folders missing on a node, files on shared storage)."""
+    notes, seen, found = [], {}, []
+    for host, lst in listings.items():
+        name = cluster.node_name(host)
+        if "error" in lst:
+            notes.append(f"Node {name}: {lst['error']}.")
+            continue
+        for f in lst["files"]:
+            if f["rel"] in seen:
+                notes.append(f"{f['rel']} is on nodes {seen[f['rel']]} and {name} (shared storage): parsed once, on "
+                             f"{seen[f['rel']]}.")
+                continue
+            seen[f["rel"]] = name
+            found.append({**f, "host": host, "node_name": name})
+    if not found:
+        raise TraceFormatError(f"{trace_dir}: no *.json / *.json.gz trace files on any node of the cluster"
+                               + (f" ({'; '.join(n.rstrip('.') for n in notes)})" if notes else ""))
+    multi = len({f["host"] for f in found}) > 1
+    idents = {f["path"] + "@" + f["host"]: identity_from_name(f["path"]) for f in found}
+    ids = sorted({i.profile_id for i in idents.values()
+                  if i.engine and i.profile_id and engine_for(i.engine).trace_profile_id_shared})
+    if profile_id is None and len(ids) > 1:
+        raise TraceFormatError(f"{trace_dir}: holds {len(ids)} SGLang captures ({', '.join(ids)}); "
+                               f"pass profile_id= to choose one")
+    merged = [k for k, i in idents.items() if i.role == "merged"]
+    if merged and len(merged) == len(found):
+        raise TraceFormatError(f"{trace_dir}: only SGLang merged traces; they hold every rank in one file without "
+                               "clock alignment — analyse the per-rank *-TP-<n>*.trace.json.gz files instead")
+    frontend, skipped, todo = [], [], []
+    for f in found:
+        k = f["path"] + "@" + f["host"]
+        ident = idents[k]
+        if k in merged or (profile_id is not None and ident.profile_id != profile_id) or not f["looks"]:
+            skipped.append(Path(f["path"]).name)
+            continue
+        sub = str(Path(f["rel"]).parent)
+        node = (f["node_name"] + (f"/{sub}" if sub != "." else "")) if multi else (sub if sub != "." else "node0")
+        if ident.role == "frontend":
+            ident.node = node
+            frontend.append(ident)
+            continue
+        todo.append({**f, "node": node})
+    order = {p: i for i, p in enumerate(sorted(t["path"] for t in todo))}
+    for t in todo:
+        t["fallback_rank"] = order[t["path"]]
+    return todo, frontend, skipped, notes
+
+
+def _reason(exc: BaseException | None) -> str:
+    if exc is None:
+        return "cancelled"
+    text = str(exc).strip().splitlines()
+    name = type(exc).__name__
+    if name == "KilledWorker":
+        return "the worker died while parsing it"
+    return f"{name}: {text[0][:300] if text else ''}".rstrip(": ")
+
+
+def analyse_on_cluster(cluster: Cluster, trace_dir: str, *, window_regex: str | None = None, top_n: int = 10,
+                       extra_rules: Sequence[Rule | Sequence[str] | dict] | None = None, min_gap_us: float = 0.0,
+                       cache: bool = True, cache_dir: str | None = None, profile_id: str | None = None
+                       ) -> CaptureAnalysis:
+    """Every table of Phase 3 for the capture under ``trace_dir`` on the cluster's nodes (the same path on
+    each), each rank parsed and reduced on its node. ``a.placement``: one row per rank file — where it was
+    parsed, attempts, status (parsed / missing) and the reason of a missing one. ``{node}`` in ``trace_dir``
+    stands for each node's name (``/data/{node}/capture``), for nodes that keep their traces at other paths."""
+    client = cluster.client
+    t_start = time.perf_counter()
+    hosts = cluster.nodes()
+    if not hosts:
+        raise TraceFormatError(f"the cluster at {cluster.address} has no workers")
+    lfuts = {h: client.submit(list_node_traces, trace_dir.replace("{node}", cluster.node_name(h)),
+                              key=f"servelab-list-{h}-{uuid.uuid4().hex[:8]}", **_pin(cluster, h)) for h in hosts}
+    listings = {h: f.result(timeout=300) for h, f in lfuts.items()}
+    todo, frontend, skipped, notes = _plan(listings, trace_dir, profile_id, cluster)
+    rules_spec = list(extra_rules) if extra_rules else None
+
+    def submit(i: int, attempt: int):
+        t = todo[i]
+        return client.submit(reduce_rank, t["path"], t["node"], t["fallback_rank"], rules_spec, window_regex, cache,
+                             cache_dir, key=f"servelab-rank-{i}-a{attempt}-{uuid.uuid4().hex[:8]}",
+                             **_pin(cluster, t["host"]))
+
+    pending = {submit(i, 1): (i, 1) for i in range(len(todo))}
+    results: dict[int, dict] = {}
+    failures: dict[int, list[str]] = {}
+    gone_since: dict[str, float] = {}
+    checked = time.monotonic()
+    while pending:
+        done = [f for f in pending if f.done()]
+        if not done:
+            time.sleep(0.05)
+        for fut in done:
+            i, attempt = pending.pop(fut)
+            if fut.status == "finished":
+                results[i] = {**fut.result(), "attempts": attempt}
+                continue
+            exc = fut.exception() if fut.status == "error" else None
+            failures.setdefault(i, []).append(_reason(exc))
+            if attempt < ATTEMPTS and not isinstance(exc, TraceFormatError):
+                pending[submit(i, attempt + 1)] = (i, attempt + 1)
+        if not done and time.monotonic() - checked > POLL_S:    # a node without live workers never runs its ranks
+            checked = time.monotonic()
+            live = set(cluster.nodes())
+            now = time.monotonic()
+            for fut, (i, _attempt) in list(pending.items()):
+                h = todo[i]["host"]
+                if h in live:
+                    gone_since.pop(h, None)
+                    continue
+                if now - gone_since.setdefault(h, now) > NODE_GONE_S:
+                    fut.cancel()
+                    pending.pop(fut)
+                    failures.setdefault(i, []).append(f"no live worker on node {cluster.node_name(h)} for "
+                                                      f"{NODE_GONE_S:.0f} s")
+    t_reduce = time.perf_counter() - t_start
+    rows, traces, tables = [], [], []
+    for i, t in enumerate(todo):
+        r = results.get(i)
+        row = {"file": Path(t["path"]).name, "node": cluster.node_name(t["host"]), "host": t["host"],
+               "rank": None, "status": "parsed" if r else "missing",
+               "attempts": r["attempts"] if r else len(failures.get(i, [])),
+               "worker": r["worker"] if r else "", "hostname": r["hostname"] if r else "",
+               "reduce_s": round(r["reduce_s"], 3) if r else None, "from_cache": r["from_cache"] if r else None,
+               "reason": "; ".join(failures.get(i, [])) if not r else
+               ("; ".join(f"attempt {k + 1}: {x}" for k, x in enumerate(failures.get(i, []))) or "")}
+        if r:
+            ident = RankIdentity(**r["identity"])
+            row["rank"] = ident.rank
+            tr = RemoteRankTrace(path=Path(t["path"]), identity=ident, frame=_empty_events(), meta=r["meta"],
+                                 load_s=r["load_s"], from_cache=r["from_cache"],
+                                 cache_path=Path(r["cache_path"]) if r["cache_path"] else None,
+                                 n_events=r["n_events"], n_kernels=r["n_kernels"])
+            tr.parsed_on = row["node"]
+            rops = RankOps(trace=tr, ops=r["ops"], windows=r["windows"], runtime=r["runtime"],
+                           window_regex=r["window_regex"], windows_found=r["windows_found"])
+            traces.append(tr)
+            tables.append(P.Prepared(rops, r["cpu_threads"], r["census"]))
+        rows.append(row)
+    placement = pl.DataFrame(rows, infer_schema_length=None).sort("status", "rank", "file", nulls_last=True)
+    if not traces:
+        why = "; ".join(f"{x['file']} on {x['node']}: {x['reason']}" for x in rows)
+        raise TraceFormatError(f"{trace_dir}: no rank could be parsed on the cluster ({why})")
+    seen: dict[tuple, str] = {}
+    for tr in traces:
+        key = (tr.identity.rank, tr.identity.stage, tr.identity.dp, tr.identity.pp)
+        if key in seen:
+            raise TraceFormatError(f"{trace_dir}: {tr.path.name} and {seen[key]} both claim rank {tr.identity.rank}; "
+                                   f"the folder mixes captures — pass profile_id= or split the folder")
+        seen[key] = tr.path.name
+    order = sorted(range(len(traces)), key=lambda k: (traces[k].identity.stage or "", traces[k].rank))
+    cap = Capture(trace_dir=Path(trace_dir), ranks=[traces[k] for k in order], frontend=frontend, skipped=skipped)
+    a = analyse(cap, window_regex=window_regex, top_n=top_n, extra_rules=extra_rules, min_gap_us=min_gap_us,
+                cache=cache, prepared_tables=[tables[k] for k in order])
+    a.placement = placement
+    a.cluster_notes = notes
+    a.timings_s = {"cluster_reduce": t_reduce, **a.timings_s}
+    return a

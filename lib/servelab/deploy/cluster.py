@@ -1,0 +1,288 @@
+"""A Dask distributed cluster for work that must run where its data is (docs/scaling.md#beyond-one-machine).
+
+servelab does not schedule work across machines itself: it starts (or joins) a Dask distributed cluster and pins
+each task to the node that holds its input. Three forms, the value of a phase's ``cluster`` parameter:
+
+- ``local[:N]``: a scheduler and N single-threaded workers on this machine, bound to 127.0.0.1;
+- ``nodes[:N]``: the scheduler on this machine, bound to the one address that faces the target's nodes, and N
+  workers on every node of the target, started over the hosts layer (:mod:`servelab.deploy.hosts`);
+- ``tcp://HOST:PORT`` (or ``tls://``): an existing cluster's scheduler; servelab starts and stops nothing there.
+
+What servelab starts is tracked like an engine: each process belongs to the caller's ``ProcessTracker`` (stopped on
+success, failure, Ctrl-C and SIGTERM) and has a pid record on its node, so the next start sweeps what a killed
+kernel left. The local scheduler dies with the kernel (parent-death signal); a worker whose scheduler is gone
+stops itself after ``DEATH_TIMEOUT_S``. The scheduler fails a task whose worker died at once
+(``allowed-failures`` 0), so that the caller decides about a retry; an existing cluster keeps its own setting.
+
+Dask's protocol carries pickled code and has no authentication of its own: the scheduler binds loopback or the one
+address facing the nodes, never ``0.0.0.0`` — run it on a network only the cluster's machines reach.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from servelab.deploy.hosts import HostError, LocalHost, ProcessTracker, connect
+
+FORMS = "local[:N] (workers on this machine), nodes[:N] (N workers on every node of the target) or tcp://HOST:PORT"
+DEATH_TIMEOUT_S = 60           # a worker stops itself when its scheduler has been gone this long
+MAX_DEFAULT_WORKERS = 8
+
+
+class ClusterError(RuntimeError):
+    """The cluster could not be parsed, started or reached (one line: what to do)."""
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    kind: str                   # local | nodes | address
+    workers: int = 0            # per node; 0: the node's cores, at most MAX_DEFAULT_WORKERS
+    address: str = ""
+
+    def describe(self) -> str:
+        if self.kind == "address":
+            return f"existing cluster at {self.address}"
+        n = f"{self.workers} worker(s)" if self.workers else "one worker per core (≤ 8)"
+        return f"{n} {'on this machine' if self.kind == 'local' else 'on every node of the target'}"
+
+
+_SPEC_RE = re.compile(r"^(local|nodes)(?::(\d+))?$")
+_ADDR_RE = re.compile(r"^(tcp|tls)://\[?[A-Za-z0-9.:_-]+\]?:\d{1,5}$")
+
+
+def parse_cluster(text: str) -> ClusterSpec | None:
+    """``""`` → None (no cluster); otherwise a :class:`ClusterSpec`, or :class:`ClusterError` naming the forms."""
+    text = (text or "").strip()
+    if not text:
+        return None
+    m = _SPEC_RE.match(text)
+    if m:
+        n = int(m.group(2)) if m.group(2) else 0
+        if m.group(2) and not 1 <= n <= 256:
+            raise ClusterError(f"cluster={text!r}: the worker count must be 1..256")
+        return ClusterSpec(m.group(1), n)
+    if _ADDR_RE.match(text):
+        return ClusterSpec("address", address=text)
+    raise ClusterError(f"cluster={text!r} is not {FORMS}")
+
+
+def require_dask() -> None:
+    """One line saying how to install the optional extra when Dask distributed is missing."""
+    try:
+        import distributed  # noqa: F401
+    except ImportError:
+        raise ClusterError("Dask distributed is not installed: pip install 'servelab[cluster]' "
+                           "(on this machine and on every node that runs workers)") from None
+
+
+@dataclass
+class Cluster:
+    """A connected cluster: the client, which node each worker host is, and what servelab started for it."""
+    address: str
+    client: Any
+    started: bool
+    node_names: dict[str, str] = field(default_factory=dict)     # worker host → node name
+    handles: list = field(default_factory=list)
+    sweep: list[dict] = field(default_factory=list)
+    log_dir: str = ""
+    spec: ClusterSpec | None = None
+
+    def nodes(self) -> dict[str, list[str]]:
+        """Live workers grouped by host: {host: [worker addresses]} (a host is one node)."""
+        out: dict[str, list[str]] = {}
+        for addr, w in self.client.scheduler_info(n_workers=-1)["workers"].items():
+            out.setdefault(w.get("host") or _host_of(addr), []).append(addr)
+        return {h: sorted(v) for h, v in sorted(out.items())}
+
+    def node_name(self, host: str) -> str:
+        return self.node_names.get(host, host)
+
+    def close(self) -> None:
+        try:
+            self.client.close(timeout=10)
+        except Exception:  # already gone: nothing to close
+            pass
+
+
+def _host_of(addr: str) -> str:
+    return addr.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+
+
+def _client(address: str, timeout_s: float):
+    from distributed import Client
+    try:
+        return Client(address, timeout=timeout_s, set_as_default=False)
+    except (OSError, TimeoutError) as exc:
+        raise ClusterError(f"cannot reach the Dask scheduler at {address}: {exc}; check the address and that "
+                           f"this machine can reach it") from None
+
+
+def connect_cluster(address: str, timeout_s: float = 30.0) -> Cluster:
+    """Join an existing cluster (nothing started or stopped there); its workers must run the same Dask as here."""
+    require_dask()
+    client = _client(address, timeout_s)
+    try:
+        client.get_versions(check=True)
+    except Exception as exc:
+        client.close()
+        raise ClusterError(f"the cluster at {address} runs other package versions than this machine: "
+                           f"{str(exc).splitlines()[0]}") from None
+    if not client.scheduler_info()["workers"]:
+        client.close()
+        raise ClusterError(f"the cluster at {address} has no workers")
+    return Cluster(address=address, client=client, started=False, spec=ClusterSpec("address", address=address))
+
+
+def facing_address(hosts: list[str]) -> str:
+    """This machine's address on the route to ``hosts`` (the first one decides; loopback for loopback nodes):
+    the one interface the scheduler binds."""
+    if not hosts or all(h in ("localhost", "::1") or h.startswith("127.") for h in hosts):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:      # no packet is sent
+        s.connect((hosts[0], 9))
+        return s.getsockname()[0]
+
+
+def _default_workers(host: Any) -> int:
+    r = host.run(["nproc"], timeout=30)
+    try:
+        return max(1, min(MAX_DEFAULT_WORKERS, int(r.stdout.strip())))
+    except ValueError:
+        return 1
+
+
+def start_cluster(nodes: list[tuple[str, Any, str]], tracker: ProcessTracker, log_dir: str | Path,
+                  workers: int = 0, python: str = "", timeout_s: float = 120.0, run_id: str = "") -> Cluster:
+    """Start a scheduler on this machine and ``workers`` single-threaded workers (0: one per core, ≤ 8) on every
+    node. ``nodes``: (name, host object, bind address) per node. ``python``: the interpreter with
+    ``servelab[cluster]`` on every node (default: this one's path — the same virtual environment path on each).
+
+    Checks every node first (the interpreter imports Dask distributed and servelab), then sweeps what killed
+    earlier runs left there, then starts. Every process joins ``tracker``; their logs end in ``log_dir``."""
+    require_dask()
+    python = python or sys.executable
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    probe = [python, "-c", "import distributed, servelab.analyse.trace.load; print(distributed.__version__)"]
+    import distributed
+    for name, host, _ in nodes:
+        r = host.run(probe, timeout=120)
+        if r.exit_code != 0:
+            raise ClusterError(f"node {name}: {python} cannot import Dask distributed and servelab "
+                               f"({(r.stderr or r.stdout).strip().splitlines()[-1:] or r.exit_code}); install "
+                               f"servelab[cluster] at that path on the node")
+        if r.stdout.strip() != distributed.__version__:
+            raise ClusterError(f"node {name}: Dask distributed {r.stdout.strip()} there, {distributed.__version__} "
+                               f"here; install the same version on every node")
+    local = LocalHost("controller")
+    local.run_id = run_id
+    swept = [row for _, host, _ in nodes for row in host.sweep()] + local.sweep()
+    bind = facing_address([b for _, _, b in nodes])
+    sched_file = log_dir / "scheduler.json"
+    sched_file.unlink(missing_ok=True)
+    env = {"DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES": "0"}
+    tracker.start(local, [python, "-m", "distributed.cli.dask_scheduler", "--host", bind, "--port", "0",
+                          "--scheduler-file", str(sched_file), "--no-dashboard", "--no-show"],
+                  log_dir / "scheduler.log", env=env, what="dask scheduler")
+    deadline = time.monotonic() + timeout_s
+    while not sched_file.exists():
+        if time.monotonic() > deadline:
+            raise ClusterError(f"the Dask scheduler did not start within {timeout_s:.0f} s: "
+                               f"{_tail(log_dir / 'scheduler.log')}")
+        time.sleep(0.1)
+    address = json.loads(sched_file.read_text())["address"]
+    first = len(tracker.entries) - 1
+    total, names, remote_logs = 0, {}, []
+    for name, host, node_bind in nodes:
+        n = workers or _default_workers(host)
+        total += n
+        names[node_bind] = name
+        if isinstance(host, LocalHost):
+            wdir, log = log_dir / f"dask-{name}", log_dir / f"workers-{name}.log"
+        else:
+            priv = host.private_dir(getattr(host, "workdir", "") or "")
+            tracker.on_exit(f"cluster-logs-{name}", _fetch_and_remove(host, priv, log_dir / f"workers-{name}.log"))
+            wdir, log = f"{priv}/dask", f"{priv}/workers.log"
+            remote_logs.append((name, host, log))
+        tracker.start(host, [python, "-m", "distributed.cli.dask_worker", address, "--host", node_bind,
+                             "--nworkers", str(n), "--nthreads", "1", "--name", name, "--no-dashboard",
+                             "--local-directory", str(wdir), "--death-timeout", str(DEATH_TIMEOUT_S)],
+                      log, what=f"dask workers ({n}) of {address}")
+    client = _client(address, timeout_s)
+    try:
+        client.wait_for_workers(total, timeout=max(1.0, deadline - time.monotonic()))
+    except TimeoutError:
+        have = len(client.scheduler_info()["workers"])
+        client.close()
+        logs = "; ".join(f"{n}: {_tail(Path(log_dir) / f'workers-{n}.log')}" for n, h, _ in nodes
+                         if isinstance(h, LocalHost))
+        raise ClusterError(f"{have} of {total} Dask workers joined within {timeout_s:.0f} s"
+                           + (f" ({logs})" if logs else f" (the nodes' worker logs are copied to {log_dir})")) from None
+    return Cluster(address=address, client=client, started=True, node_names=names,
+                   handles=[h for _, h in tracker.entries[first:]], sweep=swept, log_dir=str(log_dir),
+                   spec=ClusterSpec("nodes" if any(not isinstance(h, LocalHost) for _, h, _ in nodes) else "local",
+                                    workers))
+
+
+def _fetch_and_remove(host: Any, priv: str, local_log: Path):
+    def step() -> None:
+        try:
+            host.get(f"{priv}/workers.log", local_log)
+        finally:
+            host.remove_private_dir(priv)
+    return step
+
+
+def _tail(path: Path, lines: int = 3) -> str:
+    try:
+        text = Path(path).read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return "no log"
+    return " | ".join(text[-lines:]) or "empty log"
+
+
+def open_cluster(spec: ClusterSpec | str, tracker: ProcessTracker, log_dir: str | Path, target: Any = None,
+                 run_id: str = "") -> Cluster:
+    """The cluster ``spec`` names: joined (an address) or started (``local``, ``nodes`` of ``target``)."""
+    spec = parse_cluster(spec) if isinstance(spec, str) else spec
+    if spec is None:
+        raise ClusterError(f"no cluster given: use {FORMS}")
+    if spec.kind == "address":
+        return connect_cluster(spec.address)
+    if spec.kind == "local":
+        host = LocalHost("local")
+        host.run_id = run_id
+        c = start_cluster([("local", host, "127.0.0.1")], tracker, log_dir, spec.workers, run_id=run_id)
+    else:
+        if target is None or not getattr(target, "nodes", None):
+            raise ClusterError("cluster=nodes needs a target with nodes (params/targets/<name>.yaml)")
+        triples = []
+        for node in target.nodes:
+            try:
+                host = connect(node)
+            except HostError as exc:
+                raise ClusterError(str(exc)) from None
+            host.run_id = run_id
+            host.workdir = node.workdir
+            triples.append((node.name, host, node.host if node.kind == "ssh" else "127.0.0.1"))
+        c = start_cluster(triples, tracker, log_dir, spec.workers, run_id=run_id)
+    c.spec = spec
+    return c
+
+
+def worker_placement() -> dict[str, str]:
+    """On a worker: where this task runs (host name, worker address, pid) — what the page reports per rank."""
+    from distributed import get_worker
+    try:
+        w = get_worker()
+        addr, name = w.address, str(w.name)
+    except ValueError:           # not on a worker (called directly)
+        addr, name = "", ""
+    return {"hostname": socket.gethostname(), "worker": addr, "worker_name": name, "pid": str(os.getpid())}
