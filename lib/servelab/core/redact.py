@@ -125,6 +125,12 @@ def _redact_query(url: str) -> str:
     return _sub_named(QUERY_PARAM_RE, url, lambda m: _secret_query_name(m.group("name")))
 
 
+def _is_count(m: re.Match[str]) -> bool:
+    """``#token: 122`` — a name written with ``#`` before it is a count in an engine's log line (SGLang's scheduler
+    lines: ``#token``, ``#new-token``, ``#running-req``), never a secret's name."""
+    return m.start() > 0 and m.string[m.start() - 1] == "#"
+
+
 def redact_patterns(text: str, names: bool = True) -> str:
     """Hide what looks like a secret (by shape, and by name unless ``names=False``); no known values.
 
@@ -141,7 +147,7 @@ def redact_patterns(text: str, names: bool = True) -> str:
     text = _sub_named(BEARER_RE, text, lambda m: True)
     if names:
         text = _sub_named(FLAG_RE, text, lambda m: is_secret_name(m.group("flag").lstrip("-")))
-        text = _sub_named(ASSIGN_RE, text, lambda m: is_secret_name(m.group("name")))
+        text = _sub_named(ASSIGN_RE, text, lambda m: is_secret_name(m.group("name")) and not _is_count(m))
     return text
 
 

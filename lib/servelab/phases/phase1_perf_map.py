@@ -358,6 +358,25 @@ def memory_table(res: Phase1Result, phase_dir: Path) -> pd.DataFrame:
     return out.assign(log=logs[0].name)
 
 
+def memory_cases(res: Phase1Result, phase_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The memory layer per case beside its output TPS (``analyse.memory``, ``docs/metrics.md#memory``): weights,
+    KV pool and its peak use, graphs, workspace and allocated/reserved where the engine exposes them, from each
+    case's ``/metrics`` scrapes, this phase's engine log (start-up lines) and the case's log excerpt. Returns (table,
+    where each number came from); both are written to ``phase1/memory_per_case.csv`` / ``memory_sources.csv``."""
+    from servelab.analyse.memory import memory_table
+    from servelab.deploy.engines import engine_for
+    dirs = [r.case_dir for r in res.matrix.results]
+    if res.search is not None:
+        dirs += [Path(phase_dir).parent / "cases" / p.case_id for p in res.search.points]
+    logs = sorted(Path(phase_dir, "server").glob("*.log"))
+    engine = res.server.get("engine")
+    table, sources = memory_table(dirs, res.definition, startup_log=logs[0].read_text(errors="replace") if logs else None,
+                                  adapter=engine_for(engine) if engine else None)
+    table.to_csv(Path(phase_dir) / "memory_per_case.csv", index=False)
+    sources.to_csv(Path(phase_dir) / "memory_sources.csv", index=False)
+    return table, sources
+
+
 def m1_figure(res: Phase1Result) -> Any:
     from servelab.report import perf_figures as pf
     import plotly.graph_objects as go

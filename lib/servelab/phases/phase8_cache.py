@@ -334,6 +334,20 @@ def memory_view(res: "Phase8Result") -> pd.DataFrame:
     return res.memory.drop(columns=["line"], errors="ignore")
 
 
+def memory_points(res: "Phase8Result", phase_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The memory layer per point beside its output TPS (``analyse.memory``): the KV pool and its peak use, weights,
+    graphs, workspace and allocated/reserved where the engine exposes them, from each point's ``/metrics`` scrapes
+    and this phase's engine log. Returns (table, sources), also written to ``phase8/memory_per_point.csv`` /
+    ``memory_sources.csv``."""
+    from servelab.analyse.memory import memory_table
+    logs = sorted(Path(phase_dir, "server").glob("*.log"))
+    table, sources = memory_table([p.case_dir for p in res.points], startup_log=logs[0].read_text(errors="replace")
+                                  if logs else None, adapter=engine_for(res.engine))
+    table.to_csv(Path(phase_dir) / "memory_per_point.csv", index=False)
+    sources.to_csv(Path(phase_dir) / "memory_sources.csv", index=False)
+    return table, sources
+
+
 def record_h6(ctx: Any, res: "Phase8Result") -> pd.DataFrame:
     """Record this phase's evidence about H6 in the run's ledger; returns it as a one-row table."""
     from servelab.report.ledger import record_evidence

@@ -151,6 +151,14 @@ class EngineAdapter:
     request_cache_switch: str | None = None
     memory_log_patterns: tuple[tuple[str, str], ...] = ()
     memory_log_note: str = ""
+    # the memory layer (analyse.memory, docs/metrics.md#memory), where the engine exposes it:
+    # /metrics series: quantity -> (series, "last" | "max" | "min", scale to the quantity's unit)
+    memory_series: dict[str, tuple[str, str, float]] = {}
+    # an info metric whose labels carry memory settings: (series, {quantity: (label, scale)})
+    memory_info: tuple[str, dict[str, tuple[str, float]]] | None = None
+    # start-up log lines: (quantity, regex whose named groups are numbers, scale, "sum" | "product" of the groups,
+    # "max" | "sum" over matching lines: per rank, or over a rank's devices and buffers)
+    memory_log_lines: tuple[tuple[str, str, float, str, str], ...] = ()
     # the server-side layer of a case (docs/metrics.md#server-side): the engine's scheduler/batch log lines as
     # event -> regex (named groups are numeric fields; "key: number" pairs after the match are read too), how a
     # log line carries its time (kind "elapsed" = seconds since the process started, "wall" = the server's local
