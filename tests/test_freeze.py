@@ -97,6 +97,25 @@ def test_engine_interpreter_from_the_launch_plan():
     assert engine_for("llamacpp").engine_python(["llama-server", "-m", "x.gguf"]) is None
 
 
+@pytest.mark.slow
+def test_compiled_engine_commit_and_executable_checksum(llama_server_binary, tmp_path):
+    """llama.cpp (no Python packages): the commit from the head's `--version`, the binary's sha256, the GGUF's."""
+    from servelab.deploy.facts import freeze_node
+    from servelab.deploy.models import resolve_model
+    from servelab.deploy.targets import load_target
+    from servelab.deploy.server import plan_launch
+    plans, model = plan_launch(load_target("local-tiny"))
+    lc = engine_for("llamacpp")
+    env = engine_env(plans[0], lc)
+    assert env.python is None and env.argv[0] == str(llama_server_binary)
+    f = freeze_node(LocalHost(), env, lc, model, "before", raw_dir=tmp_path / "raw")
+    assert f.engine["commit"] == "0c1e570" and f.engine["version"] == "0.5.0-dev (build 1, commit 0c1e570)"
+    assert f.engine["executable_sha256"] == hashlib.sha256(llama_server_binary.read_bytes()).hexdigest()
+    assert f.packages.empty and f.notes == []
+    assert f.weights["sha256"].tolist() == [hashlib.sha256(Path(resolve_model("tiny")).read_bytes()).hexdigest()]
+    assert (tmp_path / "raw" / "version.txt").read_text().startswith("version: 0.5.0-dev")
+
+
 # ---------------------------------------------------------------- hashing on the node
 
 def test_weights_hashed_streamed_reused_when_unchanged_and_rehashed_when_modified(tmp_path):

@@ -16,7 +16,7 @@ Phases 0-3 and 5-9 run through ``servelab run`` with ``-p threads=2`` (a launch 
 target file), the cheapest parameters each phase takes; Phase 1's case P1 is re-run with ``servelab case``; Phase 4
 is executed with plain papermill and Phase 5 again the way JupyterLab runs it (its kernel started with
 ``JPY_SESSION_NAME``), each with a cell a user might add that prints the target's environment and API key, then
-taken in by ``servelab render``; finally ``servelab archive --zip``. Every byte of every file under the run folder
+taken in by ``servelab render RUN_ID PHASE``; finally ``servelab archive --zip``. Every byte of every file under the run folder
 and of every zip member is searched for each planted value, and ``ps`` is sampled all along: no planted value but
 the one the user put in argv (``--hf-token``) ever shows in a process's command line."""
 from __future__ import annotations
@@ -26,7 +26,6 @@ import secrets
 import string
 import subprocess
 import sys
-import threading
 import zipfile
 from pathlib import Path
 
@@ -63,31 +62,44 @@ def _rand(n: int) -> str:
     return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(n))
 
 
+# the process list sampled by a process of its own (a thread of this one would starve while the phases run here):
+# `ps -ww -eo args` every 0.2 s; the planted values come in its environment (never its argv), hits go to a JSON file
+_PS_SAMPLER = r"""
+import json, os, signal, subprocess, sys, time
+values = json.loads(os.environ.pop("SERVELAB_E2E_WATCH"))
+hits, samples, stop = {}, 0, []
+signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
+while not stop:
+    out = subprocess.run(["ps", "-ww", "-eo", "args"], capture_output=True, text=True).stdout
+    samples += 1
+    for line in out.splitlines():
+        for what, v in values.items():
+            if v in line:
+                hits.setdefault(what, line[:300])
+    time.sleep(0.2)
+with open(sys.argv[1], "w") as f:
+    json.dump({"samples": samples, "hits": hits}, f)
+"""
+
+
 class PsWatch:
-    """``ps -eo args`` every 0.2 s while the phases run: the command lines holding a planted value."""
+    """``ps`` sampled by its own process while the phases run: the command lines holding a planted value."""
 
-    def __init__(self, values: dict[str, str]):
-        self.values, self.hits, self.samples = values, {}, 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
-            self.samples += 1
-            for line in out.splitlines():
-                for what, v in self.values.items():
-                    if v in line:
-                        self.hits.setdefault(what, line[:300])
-            self._stop.wait(0.2)
+    def __init__(self, values: dict[str, str], out: Path):
+        self.values, self.out, self.hits, self.samples = values, out, {}, 0
 
     def __enter__(self) -> "PsWatch":
-        self._thread.start()
+        import json
+        self.proc = subprocess.Popen([sys.executable, "-c", _PS_SAMPLER, str(self.out)],
+                                     env={**os.environ, "SERVELAB_E2E_WATCH": json.dumps(self.values)})
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(10)
+        import json
+        self.proc.terminate()
+        self.proc.wait(30)
+        got = json.loads(self.out.read_text())
+        self.hits, self.samples = got["hits"], got["samples"]
 
 
 def _with_leaky_cell(phase_nb: str, dest: Path) -> Path:
@@ -120,7 +132,7 @@ def planted(tmp_path_factory, llama_server_binary):
     os.environ.update({"SERVELAB_OUTPUTS": str(out), "HF_TOKEN": vals["hf_token"], API_KEY_ENV: vals["api_key"]})
     rcs: dict[str, int] = {}
     try:
-        with PsWatch(vals) as ps:
+        with PsWatch(vals, root / "ps.json") as ps:
             for p, extra in PHASES.items():
                 rcs[p] = main(["run", p, "--target", str(target), "--run-id", RUN_ID, "-p", "threads=2", *extra])
                 if p == "phase1":
@@ -142,7 +154,7 @@ def planted(tmp_path_factory, llama_server_binary):
                 rcs["phase5 lab"] = 0
             finally:
                 os.environ.pop("JPY_SESSION_NAME", None)
-            rcs["render"] = main(["render", RUN_ID])
+            rcs["render"] = max(main(["render", RUN_ID, "phase4"]), main(["render", RUN_ID, "phase5"]))
             rcs["archive"] = main(["archive", RUN_ID, "--zip"])
     finally:
         for k, v in old.items():
@@ -243,3 +255,20 @@ def test_script_payload_renders_as_text(planted):
     assert XSS not in page
     for f in [*rdir.rglob("*.html")]:
         assert XSS not in f.read_text(), f
+
+
+def test_memory_tables_of_phase_1_and_8(planted):
+    """The memory layer on the same run's pages (llama.cpp): Phase 1 at the default log level exposes none of it,
+    Phase 8 runs llama-server at ``-lv 4`` and reads its buffers from the start-up lines."""
+    import pandas as pd
+    rdir, *_ = planted
+    p1 = pd.read_csv(rdir / "phase1" / "memory_per_case.csv").set_index("case")
+    assert {"P1", "D1"} <= set(p1.index) and (p1["output TPS (tok/s)"] > 0).all()
+    assert (p1["weights (GiB)"] == "not exposed").all() and (p1["KV pool (tokens)"] == "not exposed").all()
+    p8 = pd.read_csv(rdir / "phase8" / "memory_per_point.csv")
+    src = pd.read_csv(rdir / "phase8" / "memory_sources.csv").set_index("quantity")["source"]
+    assert (p8["weights (GiB)"].astype(float) > 0).all() and (p8["KV pool (tokens)"].astype(float) > 0).all()
+    assert src["workspace peak (GiB)"].startswith('engine log: "')         # llama.cpp's compute buffers
+    page = (rdir / "phase1" / "report.html").read_text()
+    assert "Memory per case, beside the throughput it limits" in page
+

@@ -528,6 +528,8 @@ def cmd_render(args: argparse.Namespace) -> int:
         raise ParamError(f"--notebook {args.notebook}: no such file")
     m = read_manifest(rdir)
     phases = [args.phase] if args.phase else list(m.get("phases", {}))
+    from servelab.core.redact import scrub_tree
+    scrubbed = False
     for p in phases:
         nb = rdir / p / "notebook.ipynb"
         source = Path(args.notebook) if args.notebook else None
@@ -548,7 +550,8 @@ def cmd_render(args: argparse.Namespace) -> int:
             entry = m.get("phases", {}).get(p, {})
             status = entry.get("status", "")
             known = recorded_run_secrets(rdir)
-            scrub_phase_outputs(rdir, p, known)        # the notebook and the phase's files: secrets never stay
+            scrub_tree(rdir / p, known)                # the notebook and the phase's files: secrets never stay
+            scrubbed = True
             kept = entry.get("kept_page") if not args.notebook else None
             # a kept good page (a later attempt failed) is rendered as the good attempt it is, with its banner
             out = render_notebook(nb, rdir / p / "report.html", {"run_id": args.run_id, "phase": p,
@@ -562,6 +565,8 @@ def cmd_render(args: argparse.Namespace) -> int:
                 mark_later_failure(out, str(entry.get("ended") or ""), status, str(entry.get("error") or status),
                                    entry.get("failed_page"))
             print(out)
+    if scrubbed:                 # the run's other files (cases, manifest, commands) once, e.g. after plain papermill
+        scrub_tree(rdir, recorded_run_secrets(rdir))
     write_run_index(rdir)
     write_root_index(rdir.parent)
     print(rdir / "index.html")

@@ -286,6 +286,7 @@ class EngineEnv:
     image: str | None = None
     client: str = "docker"
     env: dict[str, str] | None = None
+    role: str = "head"
 
     def argv_for(self, argv: list[str], run_id: str = "") -> tuple[list[str], str]:
         """(``argv`` as run on the node, the probe container's name or ``""``): in docker mode
@@ -304,7 +305,8 @@ def engine_env(plan: Any, adapter: Any) -> EngineEnv:
     argv = list(c.engine_argv if c is not None else plan.argv)
     return EngineEnv(node=plan.node, argv=tuple(argv), python=adapter.engine_python(argv),
                      package=adapter.engine_package, image=c.image if c is not None else None,
-                     client=c.client if c is not None else "docker", env=None if c is not None else dict(plan.env))
+                     client=c.client if c is not None else "docker", env=None if c is not None else dict(plan.env),
+                     role=plan.role)
 
 
 def run_in_engine_env(host: Any, eng: EngineEnv, argv: list[str], timeout: float, run_id: str = "") -> Any:
@@ -522,7 +524,16 @@ def freeze_node(host: Any, eng: EngineEnv, adapter: Any, model_path: str, moment
                           python=sw["python"], executable=sw["executable"])
     elif not eng.python:
         engine["commit_source"] = "a compiled engine: no Python packages"
-    vcmd = adapter.version_command(list(eng.argv)) if eng.argv else None
+    if not eng.python and not eng.image and eng.argv:      # a compiled engine on the node: its executable's sha256
+        r = host.run(["sh", "-c", 'sha256sum "$(command -v "$1")"', "servelab-sha256", eng.argv[0]], timeout=300)
+        commands.append(r)
+        digest = r.stdout.split()[0] if r.ok and r.stdout.strip() else ""
+        engine["executable_sha256"] = digest if re.fullmatch(r"[0-9a-f]{64}", digest) else ""
+        if not engine["executable_sha256"]:
+            notes.append(f"the sha256 of {eng.argv[0]} on {host.name} could not be taken: "
+                         f"{(r.stderr or r.stdout).strip()[:160] or r.exit_code}")
+    # the version output of the head's engine (a worker may run another program: llama.cpp's RPC server)
+    vcmd = adapter.version_command(list(eng.argv)) if eng.argv and eng.role == "head" else None
     if vcmd and (not eng.image or (image and image.get("id"))):
         r = run_in_engine_env(host, eng, vcmd, 60, run_id)
         commands.append(r)

@@ -218,7 +218,7 @@ def diff_manifests(runs: Sequence[RunRef], variable: str | Sequence[str] = "",
 _FROZEN_SOURCES = {"weights": ("model",), "weights_sha256": ("model",), "image": ("image", "docker"),
                    "image_id": ("image", "docker"), "packages": ("image", "docker", "python"),
                    "engine": ("image", "docker", "python"), "engine_commit": ("image", "docker", "python"),
-                   "python": ("image", "docker", "python")}
+                   "python": ("image", "docker", "python"), "executable_sha256": ("image", "docker", "binary")}
 
 
 def _frozen_follows(key: str, declared: Sequence[str]) -> tuple[bool, str]:
@@ -229,7 +229,8 @@ def _frozen_follows(key: str, declared: Sequence[str]) -> tuple[bool, str]:
     part = key.split(".")[2] if key.count(".") >= 2 else ""
     what = {"packages": f"package {key.split('.', 3)[-1]} version", "weights": f"model file {key.split('.', 3)[-1]} "
             "sha256", "weights_sha256": "model checksum", "image_id": "image id", "image": "image",
-            "engine_commit": "engine commit", "engine": "engine version", "python": "interpreter version"}.get(part, part)
+            "engine_commit": "engine commit", "engine": "engine version", "python": "interpreter version",
+            "executable_sha256": "engine executable sha256"}.get(part, part)
     sources = _FROZEN_SOURCES.get(part, ())
     if any(_matches(d, sources) for d in declared):
         return True, f"{what} follows from the declared {', '.join(declared)}"

@@ -182,7 +182,7 @@ def _record_freeze_commands(ctx: PhaseContext, frozen: NodeFreeze) -> None:
         what = ("image" if "image" in r.argv and "inspect" in r.argv else "packages" if "-c" in r.argv and
                 any("metadata.distributions" in str(a) for a in r.argv) else
                 f"model files ({'list' if 'list' in r.argv else 'sha256'})" if any("hashlib" in str(a) for a in r.argv)
-                else "engine version")
+                else "executable sha256" if "servelab-sha256" in r.argv else "engine version")
         log_command(ctx, "executed", r.argv, title=f"freeze {frozen.moment}: {what} on {frozen.node}", host=frozen.node,
                     exit_code=r.exit_code, start=r.start, end=r.end)
 
@@ -339,6 +339,7 @@ def _freeze_items(f: NodeFreeze) -> dict[str, str]:
         "commit from": e.get("commit_source") or "-",
         "runs as": f"Python {e['python']} {e.get('executable', '')}" if e.get("python") else
                    (e.get("executable") or "-"),
+        "executable sha256": e.get("executable_sha256") or "-",
         "packages": f"{len(f.packages)} distributions" if len(f.packages) else "-",
         "model files": f"{len(w)} files, {f.weights_bytes / 2**20:,.1f} MiB" if len(w) else "-",
         "weights sha256": weights_fingerprint(w) or "-",
@@ -462,6 +463,7 @@ def frozen_manifest(frozen: dict[str, NodeFreeze]) -> dict[str, Any]:
             d.update(image=f.image.get("name", ""), image_id=f.image.get("id", ""))
         d.update(engine=" ".join(x for x in (e.get("distribution") or e.get("name", ""), e.get("version", "")) if x),
                  engine_commit=e.get("commit", ""), python=e.get("python", ""),
+                 **({"executable_sha256": e["executable_sha256"]} if e.get("executable_sha256") else {}),
                  packages={r.package: r.version for r in f.packages.itertuples()},
                  weights={r.file: r.sha256 for r in f.weights.itertuples()},
                  weights_sha256=weights_fingerprint(f.weights))
