@@ -58,7 +58,8 @@ QUANTITIES: tuple[Quantity, ...] = (
     Quantity("kv_used_peak_tokens", "KV used peak (tokens)", "most tokens held by running requests during the case"),
     Quantity("kv_held_peak_tokens", "KV held peak (tokens)",
              "most pool tokens not free during the case (running requests and prefix-cache entries)"),
-    Quantity("kv_usage_peak_pct", "KV usage peak (%)", "the engine's KV usage gauge at its highest during the case"),
+    Quantity("kv_usage_peak_pct", "KV usage peak (%)",
+             "the KV peak against the pool: used ÷ pool where both are token counts, else the engine's usage gauge"),
     Quantity("graphs_gib", "graphs (GiB)", "memory of captured CUDA graphs"),
     Quantity("workspace_peak_gib", "workspace peak (GiB)", "temporary buffers of a forward step at their largest"),
     Quantity("allocated_peak_gib", "allocated peak (GiB)", "torch caching allocator: allocated bytes at their peak"),
@@ -82,7 +83,6 @@ def metric_memory(frame: pd.DataFrame | None, adapter: Any) -> dict[str, tuple[f
     out: dict[str, tuple[float, str]] = {}
     if frame is None or frame.empty:
         return out
-    scrapes = frame["ts_ns"].nunique()
     for key, (series, how, scale) in (adapter.memory_series or {}).items():
         s = frame[frame["name"] == series]
         if s.empty:
@@ -95,10 +95,10 @@ def metric_memory(frame: pd.DataFrame | None, adapter: Any) -> dict[str, tuple[f
             src = f"{series} (/metrics, set once at start)"
         elif how == "max":
             v = per_ts.groupby(level="rank").max().max()
-            src = f"{series} (/metrics gauge, highest of {scrapes} scrapes)"
+            src = f"{series} (/metrics gauge, highest of the case's scrapes)"
         else:                                                         # min: the tightest moment
             v = per_ts.groupby(level="rank").min().min()
-            src = f"{series} (/metrics gauge, lowest of {scrapes} scrapes)"
+            src = f"{series} (/metrics gauge, lowest of the case's scrapes)"
         out[key] = (float(v) * scale, src + (" × 100" if scale == 100.0 else ""))
     if adapter.memory_info:
         series, labels = adapter.memory_info
@@ -163,10 +163,9 @@ def scheduler_memory(excerpt: str, adapter: Any, pool_tokens: float | None = Non
         if isinstance(f.get("kv_usage"), float):
             usage.append(f["kv_usage"])
     if toks:
-        out["kv_used_peak_tokens"] = (max(toks), f"engine log: scheduler lines' tokens in use, highest of {len(toks)}")
+        out["kv_used_peak_tokens"] = (max(toks), "engine log: the scheduler lines' tokens in use, highest")
     if usage:
-        out["kv_usage_peak_pct"] = (100.0 * max(usage), f"engine log: scheduler lines' token usage, highest of "
-                                                         f"{len(usage)} × 100")
+        out["kv_usage_peak_pct"] = (100.0 * max(usage), "engine log: the scheduler lines' token usage, highest × 100")
     return out
 
 
