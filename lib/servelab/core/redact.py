@@ -39,6 +39,9 @@ _TOKENISH = {"bos", "eos", "pad", "unk", "sep", "cls", "mask", "first", "next", 
 # "pass" names a secret (DB_PASS, SSHPASS) unless it is a pass of a computation
 _PASSISH = {"first", "second", "third", "forward", "backward", "single", "multi", "prefill", "decode", "one", "two",
             "each", "num", "n", "by"}
+# a name ending with one of these names where a secret is kept, not the secret: api_key_env (a variable's NAME),
+# password_file, token_path
+_REFERENCE_WORDS = {"env", "var", "variable", "file", "path", "dir"}
 # query parameters that carry a credential though their name alone would not say so
 _QUERY_SECRET_NAMES = {"key", "sig", "signature", "code", "access_token", "id_token", "refresh_token"}
 
@@ -50,8 +53,11 @@ def _words(name: str) -> list[str]:
 
 def is_secret_name(name: str) -> bool:
     """``HF_TOKEN``, ``api-key``, ``db.password``, ``Authorization``, ``SSHPASS`` name secrets; ``max_tokens``,
-    ``bos_token``, ``time_to_first_token``, ``token_count``, ``tokenizer`` and ``first_pass`` do not."""
+    ``bos_token``, ``time_to_first_token``, ``token_count``, ``tokenizer``, ``first_pass`` and ``api_key_env`` (the
+    name of the variable that holds a key) do not."""
     words = _words(name)
+    if len(words) > 1 and words[-1] in _REFERENCE_WORDS:     # api_key_env, password_file: where a secret is, not it
+        return False
     for i, w in enumerate(words):
         prev = words[i - 1] if i else ""
         nxt = words[i + 1] if i + 1 < len(words) else ""
