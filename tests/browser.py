@@ -5,6 +5,7 @@ import base64
 import fcntl
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -84,6 +85,29 @@ window.addEventListener('load', function () { setTimeout(function () {
     if (!ok) r.cut.push({index: i, head: (t.innerText || '').slice(0, 80), width: t.scrollWidth,
                          container: t.parentElement.clientWidth});
   });
+  // what a reader sees of each table: its headers and cells as text, its caption, and whether it fits the page
+  // without scrolling (a table wider than its container is clipped at this width, scroll bar or not)
+  r.grid = [];
+  document.querySelectorAll('table').forEach(function (t) {
+    var box = t.getBoundingClientRect();
+    if (!box.width || t.offsetParent === null) return;
+    var heads = Array.from(t.querySelectorAll('thead th')).map(function (h) { return h.innerText.trim(); });
+    var rows = Array.from(t.querySelectorAll('tbody tr')).map(function (tr) {
+      return Array.from(tr.children).map(function (c) { return c.innerText.trim(); }); });
+    var over = t.scrollWidth > t.clientWidth + 1, el = t.parentElement;
+    while (el && el !== document.body) {
+      if (el.scrollWidth > el.clientWidth + 1 && getComputedStyle(el).overflowX !== 'visible') over = true;
+      el = el.parentElement;
+    }
+    if (box.right > view + 1) over = true;
+    var wrap = t.closest('.servelab-table');
+    var cap = wrap ? wrap.querySelector('.servelab-caption') : null;
+    r.grid.push({heads: heads, rows: rows.slice(0, 400), clipped: over, width: Math.round(t.scrollWidth),
+                 caption: cap ? cap.innerText : '', in_findings: !!t.closest('section.servelab-findings')});
+  });
+  r.cmds = Array.from(document.querySelectorAll('#commands .servelab-cmd')).map(function (c) { return c.innerText; });
+  r.sources = Array.from(document.querySelectorAll('section.servelab-findings .servelab-source')).map(
+    function (c) { return c.className; });
   var pre = document.createElement('pre');
   pre.id = 'servelab-page-check';
   pre.textContent = JSON.stringify(r);
@@ -92,7 +116,7 @@ window.addEventListener('load', function () { setTimeout(function () {
 </script>"""
 
 
-def page_checks(page: Path, width: int = 1200, height: int = 1600) -> dict:
+def page_checks(page: Path, width: int = 1400, height: int = 1600) -> dict:
     """Load ``page`` in headless Chromium (a copy with :data:`CHECK_SCRIPT` added) and return what the script
     measured: ``findings_first``, ``findings_items`` (sentences and headline rows), ``findings_sentences``,
     ``findings_text``, ``text`` (the rendered text),
@@ -132,6 +156,51 @@ def assert_page_rules(page: Path) -> dict:
     assert r["commands"] >= 1, f"{page}: no executed or reproduce command in #commands"
     assert r["cut"] == [], f"{page}: tables cut off: {r['cut']}"
     return r
+
+
+# a whole-cell Python repr, a repr inside text, a placeholder inside a command
+CELL_REPRS = {"True", "False", "None", "nan", "NaN", "NaT", "<NA>", "[]", "{}"}
+TEXT_REPR_RE = re.compile(r"np\.(float|int)\d*\(|\{'|Timestamp\(|\bdtype[:=]|\bNone\b(?=[,)\]:])|=None\b|=True\b|=False\b")
+PLACEHOLDER_RE = re.compile(r"<[A-Za-z_][^<>\s]*>")
+COUNT_AS_FLOAT_RE = re.compile(r"^-?\d[\d,]*\.0+$")
+
+
+def table_problems(r: dict) -> list[str]:
+    """What a reader would trip on in the page's tables (from :func:`page_checks`): a table clipped at the page's
+    width, a count shown as ``N.00`` (a column without a unit whose every value is whole but printed with
+    decimals), a Python repr as a cell, in a header or in a caption."""
+    out = []
+    for i, t in enumerate(r.get("grid", [])):
+        name = (t["caption"] or " | ".join(t["heads"][:4]))[:80]
+        if t["clipped"]:
+            out.append(f"table {i} ({name}) clipped: {t['width']} px wide")
+        cols = list(zip(*t["rows"])) if t["rows"] and all(len(x) == len(t["rows"][0]) for x in t["rows"]) else []
+        for j, col in enumerate(cols):
+            head = t["heads"][j] if j < len(t["heads"]) else ""
+            vals = [v for v in col if v not in ("", "—", "-")]
+            if vals and "(" not in head and all(COUNT_AS_FLOAT_RE.match(v) for v in vals):
+                out.append(f"table {i} ({name}) column {head!r}: counts as decimals ({vals[:3]})")
+        for cell in [*t["heads"], *(c for row in t["rows"] for c in row)]:
+            if cell in CELL_REPRS:
+                out.append(f"table {i} ({name}): Python repr {cell!r} as a cell")
+                break
+        for text in (t["caption"], *t["heads"]):
+            if TEXT_REPR_RE.search(text or ""):
+                out.append(f"table {i} ({name}): Python repr in {text[:80]!r}")
+    return out
+
+
+def command_problems(r: dict) -> list[str]:
+    """Commands on the page that cannot be pasted: a ``<placeholder>`` in a command of the commands section or in
+    a table column named command."""
+    out = [f"placeholder in command: {c[:160]!r}" for c in r.get("cmds", []) if PLACEHOLDER_RE.search(c)]
+    for t in r.get("grid", []):
+        for j, head in enumerate(t["heads"]):
+            if "command" in head.lower():
+                for row in t["rows"]:
+                    if j < len(row) and PLACEHOLDER_RE.search(row[j]):
+                        out.append(f"placeholder in a command cell: {row[j][:160]!r}")
+    return out
 
 
 # ---------------------------------------------------------------- a live page, driven over the DevTools protocol

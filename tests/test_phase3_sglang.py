@@ -1,20 +1,25 @@
 """`servelab run phase3 --target local-sglang -p tp_size=2`: a real SGLang with two tensor-parallel ranks on this CPU
-(one core each, torch's gloo collectives between them), captured live, analysed like a GPU capture — and a planted
-straggler: a busy loop pinned to rank 1's core makes rank 1 the last to arrive at the collectives, and the slow-rank
-verdict must name it.
+(torch's gloo collectives between them), captured live, analysed like a GPU capture — and a planted straggler: rank 1
+is made slow on purpose, and the slow-rank verdict must name it.
 
-Why the verdict can name it: with SGLANG_CPU_OMP_THREADS_BIND "0|1" rank r runs on core r; a second process spinning
-on core 1 halves rank 1's share of its core, so each all-reduce waits for rank 1 (its gloo annotation ends last on
-both ranks, and rank 0's starts first and waits longer). The verdict rule (``analyse.trace.ranks.slow_rank``) needs
-one rank last at >= 75 % of the matched collectives, late by >= 10 µs at the median.
+How rank 1 is slowed: the test's target puts ``tests/straggler/`` on the engine's PYTHONPATH; its ``sitecustomize``
+makes rank 1 sleep 100 ms before each torch collective (all-reduce, all-gather, broadcast: SGLang's tensor-parallel
+collectives on CPU) while a flag file exists — the test creates it when the capture starts and removes it once the
+capture's traces are written. Rank 1 then arrives last at every collective by 100 ms, more than this shared machine's
+own scheduling noise (20 ms was not: ranks were late by up to 270 ms in both directions under load). Slowing the rank's CPU does not do it here: SGLang binds a rank to its cores only with Intel AMX or on arm64
+(its log says "init_cpu_threads_env ... is disabled"), both cores of this shared machine are loaded alike, and a rank
+stopped for most of every 2 ms (SIGSTOP/SIGCONT) still ran the tiny model's layers at full speed between its stops —
+it arrived last at 38-64 % of the collectives from run to run; rank 0, which schedules and broadcasts for both, is
+the later one when nothing is planted. The verdict rule (``analyse.trace.ranks.slow_rank``) needs one rank last at
+>= 75 % of the matched collectives, late by >= 10 µs at the median.
 """
 from __future__ import annotations
 
 import csv
 import json
 import os
-import subprocess
-import sys
+import threading
+from pathlib import Path
 
 import pytest
 
@@ -22,27 +27,48 @@ from servelab.cli import main
 from servelab.core.run import read_commands, read_manifest
 
 pytestmark = pytest.mark.slow
-SPIN = "import os, sys\nos.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True:\n    pass\n"
+STRAGGLER = Path(__file__).parent / "straggler"
 
 
-def spinners(core: int, n: int = 2) -> list[subprocess.Popen]:
-    """``n`` busy loops pinned to ``core`` (stopped by the caller)."""
-    return [subprocess.Popen([sys.executable, "-c", SPIN, str(core)]) for _ in range(n)]
+def straggler_target(folder: Path, flag: Path) -> Path:
+    """local-sglang with two TP ranks and the planted straggler's environment (a target file of the test's own)."""
+    import yaml
+    from conftest import ROOT
+    doc = yaml.safe_load((ROOT / "params" / "targets" / "local-sglang.yaml").read_text())
+    doc["name"] = "local-sglang-straggler"
+    doc["env"] = {**doc.get("env", {}), "PYTHONPATH": str(STRAGGLER), "SERVELAB_TEST_STRAGGLER_FLAG": str(flag),
+                  "SERVELAB_TEST_STRAGGLER_RANK": "1", "SERVELAB_TEST_STRAGGLER_DELAY_S": "0.1"}
+    path = folder / "local-sglang-straggler.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two ranks need two cores")
 def test_tp2_capture_names_the_planted_straggler(tmp_path, monkeypatch):
     monkeypatch.setenv("SERVELAB_OUTPUTS", str(tmp_path))
-    core = sorted(os.sched_getaffinity(0))[1]          # rank 1's core: SGLANG_CPU_OMP_THREADS_BIND "0|1"
-    spin = spinners(core)
+    flag = tmp_path / "straggler-on"
+    target = straggler_target(tmp_path, flag)
+    profiles = tmp_path / "tp2" / "phase3" / "engine-profiles"       # a session folder appears when the capture starts
+    stop = threading.Event()
+
+    def arm() -> None:            # armed while the capture runs: the decode streams go on at full speed afterwards
+        while not stop.wait(0.05):
+            if not flag.exists() and profiles.is_dir() and any(profiles.iterdir()):
+                flag.touch()
+                armed.append(True)
+            if flag.exists() and list(profiles.rglob("*.trace.json.gz")):
+                flag.unlink()
+                return
+    armed: list[bool] = []
+    armer = threading.Thread(target=arm, daemon=True)
+    armer.start()
     try:
-        code = main(["run", "phase3", "--target", "local-sglang", "--run-id", "tp2", "-p", "tp_size=2",
+        code = main(["run", "phase3", "--target", str(target), "--run-id", "tp2", "-p", "tp_size=2",
                      "-p", "scenarios=[decode_control]"])
     finally:
-        for p in spin:
-            p.kill()
-            p.wait()
-    assert code == 0
+        stop.set()
+        armer.join()
+    assert code == 0 and armed, "the capture ran with the straggler armed"
     rdir = tmp_path / "tp2"
     phase = read_manifest(rdir)["phases"]["phase3"]
     assert phase["status"] == "success" and not phase["from_samples"]

@@ -88,3 +88,74 @@ def test_ab_findings_state_validity_and_the_verdict_per_metric() -> None:
     assert ab_findings(_ab(confounded, comp))[0].startswith("The A/B is not valid")
     invalid = comp.assign(verdict="invalid")
     assert "INVALID side (r-batch=32)" in ab_findings(_ab(clean, invalid))[0]
+
+
+def test_counts_ids_and_fractions_read_as_a_person_reads_them() -> None:
+    """Counts as integers (never 8.00), ids / ports / pids without thousands separators, fractions as % (one unit
+    per quantity), no repr of None / True / lists, headers in words with their unit; a value that is not whole
+    never reads as a count."""
+    from servelab.report.tables import display_frame
+    df = pd.DataFrame({"case_id": ["a", "b"], "concurrency": [4.0, None], "port": [60599, 1234], "pid": [11084.0, 7.0],
+                       "hit_rate": [0.203, 0.5], "d_drafts": [64.0, 3.0], "mean_accept_length": [3.98, 1.0],
+                       "p95_ttft_ms": [1.0, 2.0], "ok": [True, None], "files": [["x", "y"], []],
+                       "bytes_per_param": [1.000244, 2.0]})
+    out = display_frame(df)
+    assert list(out.columns) == ["case id", "concurrency", "port", "pid", "hit rate (%)", "d drafts",
+                                 "mean accept length", "P95 TTFT (ms)", "ok", "files", "bytes per param"]
+    assert out["concurrency"].tolist() == ["4", "—"] and out["d drafts"].tolist() == ["64", "3"]
+    assert out["port"].tolist() == ["60599", "1234"] and out["pid"].tolist() == ["11084", "7"]
+    assert out["hit rate (%)"].tolist() == ["20.30", "50.00"]
+    assert out["P95 TTFT (ms)"].tolist() == ["1.00", "2.00"]            # a quantity with a unit keeps its decimals
+    assert out["ok"].tolist() == ["yes", "—"] and out["files"].tolist() == ["x, y", "—"]
+    assert out["bytes per param"].tolist() == ["1.00024", "2.00"]
+    assert dict(headline_rows({"acceptance_rate": 0.5, "S9_net_gain_pct": -3.0})) == {
+        "acceptance rate": "50.00 %", "S9 net gain": "-3.00 %"}
+
+
+def test_a_wide_table_is_split_into_parts_that_fit_with_its_key_repeated() -> None:
+    from servelab.report.tables import PAGE_WIDTH_PX, column_parts, display_frame
+    df = pd.DataFrame({"case_id": [f"case_{i}" for i in range(3)],
+                       **{f"p{i}_some_metric_ms": np.arange(3) * 1.5 + i for i in range(40)}})
+    shown = display_frame(df)
+    parts = column_parts(shown)
+    assert len(parts) > 1 and all(p[0] == "case id" for p in parts)
+    assert sorted({c for p in parts for c in p[1:]}) == sorted(shown.columns[1:])      # every column, once
+    from servelab.report.tables import column_px
+    assert all(sum(column_px(c, list(shown[c])) for c in p) <= PAGE_WIDTH_PX for p in parts)
+    out = table_html(df)
+    assert out.count("<table") == len(parts) and f"part 1 of {len(parts)}" in out
+    narrow = pd.DataFrame({"a": [1], "b": [2]})
+    assert table_html(narrow).count("<table") == 1 and "part 1" not in table_html(narrow)
+
+
+def test_a_long_dump_is_an_excerpt_and_a_file_beside_the_page(tmp_path) -> None:
+    df = pd.DataFrame({"t_s": np.arange(210) * 0.01, "line": [f"slot {i} released" for i in range(210)]})
+    df.attrs["caption"] = "scheduler lines"
+    out = table_html(df, files_dir=tmp_path / "tables")
+    assert out.count("<tr>") == 1 + 12 and "first 12 of 210 rows" in out
+    href = re.search(r'href="(tables/[^"]+\.csv)"', out).group(1)
+    assert href.startswith("tables/scheduler-lines-") and "data:text/csv" not in out
+    assert len((tmp_path / href).read_text().splitlines()) == 211
+    short = df.head(30)
+    assert table_html(short).count("<tr>") == 31                       # a table of up to 40 rows is shown whole
+
+
+def test_row_numbers_are_never_a_column_but_labels_are() -> None:
+    df = pd.DataFrame({"reason": ["a", "b", "c"], "share_pct": [1.0, 2.0, 3.0]}).iloc[[2, 0]]   # a filter's index
+    assert "<th>index</th>" not in table_html(df) and "<td>2</td>" not in table_html(df)
+    side = pd.DataFrame({"vllm": [1.5]}, index=["mean_ttft_ms"])        # unnamed labels: kept, as "item"
+    assert "<th>item</th>" in table_html(side) and "<td>mean_ttft_ms</td>" in table_html(side)
+
+
+def test_two_results_of_one_question_agree_only_within_their_noise() -> None:
+    """report.crosscheck.compare: Δ within 2 combined standard errors agrees, beyond disagrees, an INVALID side is
+    never compared (and its number is not a result)."""
+    from servelab.report.crosscheck import Measurement, compare
+
+    def m(case, tps, rel_se, verdict="VALID"):
+        return Measurement(case, "phase1", "Phase 1 matrix", 64, 64, 4, "{}", tps, rel_se, 20, verdict, [])
+    assert compare(m("D2_c4", 100.0, 0.05), m("search_c4", 108.0, 0.05))["verdict"] == "agree"     # 8 < 2×7.4
+    far = compare(m("D2_c4", 4082.0, 0.043), m("search_c4", 362.5, 0.27))
+    assert far["verdict"] == "disagree" and round(far["delta_pct"]) == -91
+    bad = compare(m("D2_c8", 63.6, 0.05), m("hw-D2_c8", 44.5, 0.05, "INVALID"))
+    assert bad["verdict"] == "not compared" and "hw-D2_c8 is INVALID" in bad["why"] and bad["delta_pct"] is None

@@ -117,3 +117,40 @@ def test_search_points_are_sized_to_their_window(tiny_server, tmp_path):
         summ = json.loads((tmp_path / "run" / "cases" / p.case_id / "summary.json").read_text())
         assert summ["verdict"]["status"] == "VALID", summ["verdict"]
         assert summ["counts"]["completed"] > p.concurrency          # more than one wave was needed for 0.6 s
+
+
+def test_a_search_point_from_one_request_is_invalid_and_decides_nothing():
+    """Sized like a case (docs/case.md#sizing): the C=1 point must send as many requests as D1; one request is INVALID
+    ("too few requests"), is kept in the frontier, marked, and neither stops the ladder nor answers max-TPS."""
+    from servelab.measure.search import point_requests, search_case
+    c = cfg(c1_requests=11)
+    assert point_requests(c, 1) == 11 and point_requests(c, 16) == 32        # two waves, as the matrix's cases
+    assert search_case(c, 1).num_prompts == 11
+
+    class OneRequestAtC1(Scripted):
+        def __call__(self, env, case):
+            res = super().__call__(env, case)
+            for s in res.summaries.values():
+                s["completed"] = 1 if case.concurrency == 1 else case.num_prompts
+            return res
+    r = OneRequestAtC1({1: (900, 1, 1), 16: (800, 1, 1), 32: (790, 1, 1)})
+    res = concurrency_search(Env(), c, runner=r)
+    p1 = res.points[0]
+    assert p1.verdict == "INVALID" and any(x.startswith("too few requests: 1 completed < 11") for x in p1.reasons)
+    # C=1's 900 tok/s would have made C=16 a regression; an INVALID point decides nothing: the ladder went on
+    assert r.calls == [1, 16, 32] and res.stop_reason == "TPS_SATURATED"
+    assert res.max_tps_concurrency == 16
+    f = res.frontier()
+    assert f.loc[f["concurrency"] == 1, "validity"].item() == "INVALID"
+    assert f.loc[f["concurrency"] == 1, "requests"].item() == 1
+
+
+def test_no_valid_point_no_max_tps_answer():
+    class AllInvalid(Scripted):
+        def __call__(self, env, case):
+            res = super().__call__(env, case)
+            res.verdict = mx.Verdict("INVALID", ["client fell behind"])
+            return res
+    res = concurrency_search(Env(), cfg(), runner=AllInvalid({1: (1, 1, 1), 16: (2, 1, 1), 32: (3, 1, 1),
+                                                             48: (4, 1, 1), 64: (5, 1, 1)}))
+    assert res.max_tps_concurrency is None and res.max_successful_concurrency == 64

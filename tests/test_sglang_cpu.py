@@ -37,9 +37,11 @@ def sglang(tmp_path_factory: pytest.TempPathFactory, monkeypatch_module):
     logs = tmp_path_factory.mktemp("sglang-logs")
     with ProcessTracker() as tracker:
         srv = start_server(target, logs, tracker, health_timeout_s=600)
-        _STATE["ps_while_running"] = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+        _STATE.update(tracker=tracker, stopped=False,
+                      ps_while_running=subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout)
         yield srv, prof, logs
-        stop_server(srv, tracker)
+        if not _STATE["stopped"]:
+            stop_server(srv, tracker)
 
 
 _STATE: dict = {}
@@ -177,17 +179,6 @@ def test_profile_writes_one_named_trace_per_rank_that_the_analysis_reads(sglang,
     assert set(a.breakdown["cls"]) & {"gemm", "attention"}, a.breakdown
 
 
-def test_the_key_is_nowhere_it_should_not_be(sglang):
-    """The planted key: not in any process's argv while the server ran (it went in a 0600 --config file of the
-    start's private folder), and not in the engine log servelab keeps (SGLang prints its arguments, key included,
-    into its own log: servelab keeps that log private and copies it back redacted at stop)."""
-    srv, _, logs = sglang
-    assert KEY not in _STATE["ps_while_running"]
-    head = next(p for p in srv.plans if p.role == "head")
-    assert "--config" in head.argv and KEY not in " ".join(head.argv)
-    assert str(logs) not in srv.log_paths[srv.target.head.name], "the live log is in the private folder"
-
-
 # ---------------------------------------------------------------- conformance with SGLang's own client
 
 CALC = r"""
@@ -315,3 +306,44 @@ def test_end_to_end_with_sglang_bench_serving(sglang, tmp_path):
     print(json.dumps(rows, indent=1))
     bad = [r for r in rows if abs(r["diff_pct"]) > 10 and abs(r["servelab"] - r["bench_serving"]) > 2.0]
     assert not bad, rows
+
+
+def test_phase9_says_sglang_on_cpu_cannot_speculate_before_starting_anything(tmp_path, monkeypatch):
+    """SGLang's speculative workers need sgl-kernel's CPU helpers (not published): Phase 9 on local-sglang ends
+    ``unsupported`` with that reason — on the terminal, in the manifest, at the top of its page, in the index — exits 0,
+    and starts no engine."""
+    from servelab.cli import main
+    from servelab.core.run import read_commands, read_manifest
+    monkeypatch.setenv("SERVELAB_OUTPUTS", str(tmp_path))
+    assert main(["run", "phase9", "--target", "local-sglang", "--run-id", "spec"]) == 0
+    rdir = tmp_path / "spec"
+    entry = read_manifest(rdir)["phases"]["phase9"]
+    assert entry["status"] == "unsupported" and "SGLang on CPU cannot speculate" in entry["error"]
+    assert "sgl_kernel.speculative" in entry["error"]
+    assert not any(r.title.startswith("start sglang") for r in read_commands(rdir, "phase9"))
+    page = (rdir / "phase9" / "report.html").read_text()
+    assert "Not supported on this target:" in page and "This phase failed" not in page
+    assert "unsupported" in (rdir / "index.html").read_text()
+
+
+def test_the_key_is_nowhere_it_should_not_be(sglang):
+    """The planted key: not in any process's argv while the server ran (it went in a 0600 --config file of the
+    start's private folder), and not in the engine log servelab keeps (SGLang prints its arguments, key included,
+    into its own log: servelab keeps that log private and copies it back redacted at stop)."""
+    srv, _, logs = sglang
+    assert KEY not in _STATE["ps_while_running"]
+    head = next(p for p in srv.plans if p.role == "head")
+    assert "--config" in head.argv and KEY not in " ".join(head.argv)
+    live = srv.log_paths[srv.target.head.name]
+    assert str(logs) not in live and KEY in Path(live).read_text(errors="replace"), \
+        "SGLang printed its arguments, key included, into the log it writes in the start's private folder"
+    secret_file = head.argv[head.argv.index("--config") + 1]
+    assert oct(Path(secret_file).stat().st_mode & 0o777) == "0o600"
+    # stopping copies the log back redacted and removes both private folders (runs last in this module)
+    from servelab.deploy.server import stop_server
+    stop_server(srv, _STATE["tracker"])
+    _STATE["stopped"] = True
+    kept = Path(srv.log_paths[srv.target.head.name])
+    assert kept.parent == logs and "server_args=" in kept.read_text() and "'api_key': '***REDACTED***'" in kept.read_text()
+    assert not any(KEY in p.read_text(errors="replace") for p in logs.rglob("*") if p.is_file())
+    assert not Path(live).exists() and not Path(secret_file).exists()

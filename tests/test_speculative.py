@@ -174,4 +174,5 @@ def test_findings_name_a_point_that_could_not_be_compared():
     text = findings(Phase9Result([], pd.DataFrame(), gain, pd.DataFrame()))
     assert text[0] == ("d: acceptance 50.0 %, mean acceptance length 2.00; net output-TPS gain against off +20.0 % at "
                        "C=1, none at C=4 (d at C=4: no VALID repeat).")
-    assert text[1].startswith("The winning config is d at C=1 (+20.0 % output TPS")
+    # no A/B, so no noise band: the best pair is said as a measurement, never as a verdict
+    assert text[1].startswith("Measured, not yet a verdict: the best config is d at C=1 (+20.0 % output TPS")

@@ -24,7 +24,12 @@ def test_collectors_record_json():
     assert C.mpstat(1.0).argv == ["mpstat", "-P", "ALL", "-o", "JSON", "1"] and C.mpstat(1.0).raw_name == "mpstat.json"
     sar = C.sar_net(2.0)
     assert sar.argv[:2] == ["sh", "-c"] and sar.argv[-2:] == ["DEV,EDEV", "2"] and "sadf" in sar.requires
-    assert "sadf -j FILE -- -n DEV,EDEV" in sar.display() and "mktemp" not in sar.display()
+    # the page shows the command complete and pasteable: the script itself, its activity and interval
+    import shlex
+    shown = shlex.split(sar.display())
+    shown = shown[shown.index("sh"):]                         # after the environment it runs with (TZ=UTC …)
+    assert shown[:2] == ["sh", "-c"] and shown[2] == C.SAR_JSON_SCRIPT and shown[-2:] == ["DEV,EDEV", "2"]
+    assert 'sadf -j "$f" -- -n "$a"' in sar.display() and "<" not in sar.display().replace("<<", "")
 
 
 def test_mpstat_json_cut_by_sigterm_reads_every_complete_sample():

@@ -1,8 +1,11 @@
 """Concurrency search (``docs/method.md#search``): C = 1, then add ``step`` (16 on the cluster) with regression fallback.
 
-Each point is a case (``cases/search_c<C>/``) of at least ``waves × C`` requests at concurrency C, issued for at
-least ``min_window_s`` (sized like every case), with the warm-up /
-flush policy of decode points. After every point the stop conditions are checked from evidence, in order:
+Each point is a case (``cases/search_c<C>/``) sized like every case of the matrix (``docs/case.md#sizing``): the
+C = 1 point sends as many requests as the matrix's concurrency-1 case of the same shape (``c1_requests``, D1's
+count), a concurrent point at least ``waves × C`` (two waves), each for at least ``min_window_s``; with the
+warm-up / flush policy of decode points. A point that completed fewer requests than that is INVALID ("too few
+requests"), and an INVALID point decides nothing: it is kept in the frontier, marked, but no stop rule reads it
+and no answer comes from it. After every VALID point the stop conditions are checked from evidence, in order:
 
 - ``OOM``               the engine log matched the adapter's ``oom`` marker during the point;
 - ``ENGINE_CRASH``      the engine failed its health probe (process gone or /health not 200);
@@ -14,8 +17,9 @@ flush policy of decode points. After every point the stop conditions are checked
 - ``MAX_CONCURRENCY_REACHED`` the next C would exceed ``max_concurrency``.
 
 Three different answers (never one number): max successful C (every request succeeded), max-TPS C (highest
-output TPS among successful, valid points), max-under-SLO C (largest successful C whose P``slo_percentile``
-TTFT and TPOT meet the SLOs; None when no SLO is set). The SLO frontier table has throughput vs per-user
+output TPS among successful VALID points; None when no point is VALID), max-under-SLO C (largest successful VALID
+C whose P``slo_percentile`` TTFT and TPOT meet the SLOs — the percentile as shown, i.e. the maximum where too few
+requests hold it; None when no SLO is set). The SLO frontier table has throughput vs per-user
 tok/s (1000 / median TPOT) and TTFT/TPOT percentiles for every point.
 
 Each step appends a progress event ("search step k: concurrency C") to ``<run>/<phase>/progress.jsonl``.
@@ -30,7 +34,8 @@ import pandas as pd
 
 from servelab.core.run import emit_progress, human_duration
 from servelab.measure import request_metrics as mx
-from servelab.measure.case import (ENGINE_CRASH, OOM, SUCCESS, CaseEnv, CaseResult, CaseSpec, EngineCrash, run_case)
+from servelab.measure.case import (ENGINE_CRASH, MIN_WAVES, OOM, SUCCESS, CaseEnv, CaseResult, CaseSpec, EngineCrash,
+                                   run_case)
 
 STOP_REASONS = ("OOM", "ENGINE_CRASH", "TTFT_SLO_EXCEEDED", "TPOT_SLO_EXCEEDED", "TPS_SATURATED", "TPS_REGRESSION",
                 "MAX_CONCURRENCY_REACHED")
@@ -43,7 +48,8 @@ class SearchConfig:
     output_tokens: int
     step: int = 16
     max_concurrency: int = 256
-    waves: int = 1                      # requests per point = waves × C
+    waves: int = MIN_WAVES              # requests of a concurrent point: at least waves × C (as the matrix's cases)
+    c1_requests: int = 0                # requests of the C = 1 point (the matrix's count for this shape); 0: waves
     saturation_gain_pct: float = 5.0
     regression_pct: float = 10.0
     slo_percentile: int = 95
@@ -66,6 +72,9 @@ class SearchPoint:
     verdict: str
     reasons: list[str] = field(default_factory=list)
     role: str = "ladder"                # ladder | fallback
+    slo_shown: dict[str, Any] = field(default_factory=dict)   # metric → (label, value) the SLO was judged on
+    completed: int | None = None        # requests the point completed (its sample count)
+    required: int | None = None         # requests it had to send (its size)
 
 
 @dataclass
@@ -84,6 +93,7 @@ class SearchResult:
         rows = []
         for p in sorted(self.points, key=lambda p: p.concurrency):
             rows.append({"concurrency": p.concurrency, "status": p.status, "validity": p.verdict,
+                         "requests": p.completed, "requests_needed": p.required, "reasons": "; ".join(p.reasons),
                          "output_tps": p.output_tps, "total_tps": p.total_tps,
                          "tok_per_s_per_user": p.tok_per_s_per_user,
                          **{f"{k}_ttft_ms": v for k, v in p.ttft_ms.items()},
@@ -112,19 +122,39 @@ def ladder(step: int, max_concurrency: int) -> list[int]:
     return out
 
 
+def too_few_requests(completed: Any, needed: int) -> str | None:
+    """The reason a point is INVALID for its size, or None: fewer completed requests than it had to send."""
+    if completed is None or needed <= 0:
+        return None
+    if int(completed) < needed:
+        return (f"too few requests: {int(completed)} completed < {needed} (a search point is sized like a case, "
+                "docs/case.md#sizing)")
+    return None
+
+
 def point_from_result(res: CaseResult, cfg: SearchConfig, slo: mx.SLO, role: str = "ladder") -> SearchPoint:
+    """The point as the search reads it. Its verdict is the case's, and INVALID too when it completed fewer requests
+    than its size (``too few requests``: a point loaded from an older run may have been one request). The SLO is
+    judged on the percentile as shown (``request_metrics.shown_percentile``: the maximum where too few requests
+    hold it), and only on a VALID point."""
     s = res.summaries.get(cfg.definition, {})
-    q = f"p{cfg.slo_percentile}"
+    p = cfg.slo_percentile
     ttft = {k: s.get(f"{k}_ttft_ms") for k in ("p50", "p95", "p99")}
     tpot = {k: s.get(f"{k}_tpot_ms") for k in ("p50", "p95", "p99")}
+    verdict, reasons = res.verdict.verdict, list(res.verdict.reasons)
+    small = too_few_requests(s.get("completed"), res.case.num_prompts)
+    if small and not any(r.startswith(("too few", "too few completed")) for r in reasons):
+        verdict, reasons = "INVALID", [*reasons, small]
+    shown = {m: mx.shown_percentile(s, m, p) for m in ("ttft", "tpot", "e2el")}
     meets = None
-    if slo.is_set() and res.status == SUCCESS:
+    if slo.is_set() and res.status == SUCCESS and verdict == "VALID":
         meets = all(lim is None or (v is not None and v <= lim)
-                    for lim, v in ((slo.ttft_ms, s.get(f"{q}_ttft_ms")), (slo.tpot_ms, s.get(f"{q}_tpot_ms")),
-                                   (slo.e2el_ms, s.get(f"{q}_e2el_ms"))))
+                    for lim, v in ((slo.ttft_ms, shown["ttft"][1]), (slo.tpot_ms, shown["tpot"][1]),
+                                   (slo.e2el_ms, shown["e2el"][1])))
     return SearchPoint(res.case.concurrency, res.case.case_id, res.status, s.get("output_throughput"),
                        s.get("total_token_throughput"), ttft, tpot, s.get("median_tok_per_s_per_user"), meets,
-                       res.verdict.verdict, list(res.verdict.reasons), role)
+                       verdict, reasons, role, shown,
+                       None if s.get("completed") is None else int(s["completed"]), res.case.num_prompts)
 
 
 def _progress(env: Any, message: str, **fields: Any) -> None:
@@ -134,11 +164,21 @@ def _progress(env: Any, message: str, **fields: Any) -> None:
         emit_progress(rdir, getattr(env, "phase", "phase1"), message, step="search", **fields)
 
 
+def point_requests(cfg: SearchConfig, c: int) -> int:
+    """Requests a point sends at least: the C = 1 point as many as the matrix's concurrency-1 case of its shape
+    (``c1_requests``), a concurrent point ``waves × C`` — the sizing rule of every case."""
+    if c == 1 and cfg.c1_requests > 0:
+        return cfg.c1_requests
+    return max(1, cfg.waves) * c
+
+
 def search_case(cfg: SearchConfig, c: int) -> CaseSpec:
     """A point is sized like every case (``docs/case.md#sizing``): it keeps issuing at concurrency C until
-    ``min_window_s`` has passed and ``waves × C`` requests were sent, so a fast point is measured, not INVALID."""
-    return CaseSpec(f"search_c{c}", "search", "decode", cfg.input_tokens, cfg.output_tokens, c, cfg.waves * c, True,
-                    "concurrency search point", min_window_s=cfg.min_window_s, min_duration_s=cfg.min_window_s)
+    ``min_window_s`` has passed and :func:`point_requests` requests were sent, so a fast point is measured, not
+    INVALID, and no percentile of a point rests on one request."""
+    return CaseSpec(f"search_c{c}", "search", "decode", cfg.input_tokens, cfg.output_tokens, c,
+                    point_requests(cfg, c), True, "concurrency search point", min_window_s=cfg.min_window_s,
+                    min_duration_s=cfg.min_window_s)
 
 
 def concurrency_search(env: CaseEnv, cfg: SearchConfig,
@@ -175,13 +215,20 @@ def concurrency_search(env: CaseEnv, cfg: SearchConfig,
             stop, detail = got.split("|", 1)
             break
         p = got
-        s_ok = [x for x in points if x.status == SUCCESS and x.output_tps is not None and x.role == "ladder"]
-        if cfg.stop_on_slo and slo.ttft_ms is not None and p.ttft_ms.get(q) is not None and p.ttft_ms[q] > slo.ttft_ms:
-            stop, detail = "TTFT_SLO_EXCEEDED", f"C={c}: {q} TTFT {p.ttft_ms[q]:.1f} ms > {slo.ttft_ms} ms"
-            break
-        if cfg.stop_on_slo and slo.tpot_ms is not None and p.tpot_ms.get(q) is not None and p.tpot_ms[q] > slo.tpot_ms:
-            stop, detail = "TPOT_SLO_EXCEEDED", f"C={c}: {q} TPOT {p.tpot_ms[q]:.2f} ms > {slo.tpot_ms} ms"
-            break
+        if p.verdict != "VALID":
+            continue                      # an INVALID point is not a result: it decides nothing, the ladder goes on
+        s_ok = [x for x in points if x.status == SUCCESS and x.output_tps is not None and x.role == "ladder"
+                and x.verdict == "VALID"]
+        if cfg.stop_on_slo and slo.ttft_ms is not None and p.meets_slo is False:
+            label, v = p.slo_shown.get("ttft", ("", None))
+            if v is not None and v > slo.ttft_ms:
+                stop, detail = "TTFT_SLO_EXCEEDED", f"C={c}: {q} TTFT {v:.1f} ms ({label}) > {slo.ttft_ms} ms"
+                break
+        if cfg.stop_on_slo and slo.tpot_ms is not None and p.meets_slo is False:
+            label, v = p.slo_shown.get("tpot", ("", None))
+            if v is not None and v > slo.tpot_ms:
+                stop, detail = "TPOT_SLO_EXCEEDED", f"C={c}: {q} TPOT {v:.2f} ms ({label}) > {slo.tpot_ms} ms"
+                break
         prev = [x for x in s_ok if x is not p]
         if prev and p.output_tps is not None:
             best = max(prev, key=lambda x: x.output_tps or 0)
@@ -204,7 +251,7 @@ def concurrency_search(env: CaseEnv, cfg: SearchConfig,
                                                  f"C={last.concurrency}")
                 break
     ok = [x for x in points if x.status == SUCCESS]
-    valid_ok = [x for x in ok if x.verdict == "VALID"] or ok
+    valid_ok = [x for x in ok if x.verdict == "VALID" and x.output_tps is not None]
     max_succ = max((x.concurrency for x in ok), default=None)
     max_tps = max(valid_ok, key=lambda x: x.output_tps or 0).concurrency if valid_ok else None
     under = [x.concurrency for x in ok if x.meets_slo]

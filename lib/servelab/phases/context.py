@@ -40,6 +40,18 @@ class PhaseContext:
     started: str
     from_samples: bool = False
     notes: list[str] = field(default_factory=list)
+    # where the page's numbers come from (report.run_summary.SOURCE_KINDS): live / samples / model, each with what
+    sources: list[dict[str, str]] = field(default_factory=list)
+
+    def add_source(self, kind: str, what: str) -> None:
+        """Say where (part of) this phase's numbers come from: ``live`` (measured on the target), ``samples``
+        (recorded sample data: which) or ``model`` (a model: which). The run summary and the top of the page show
+        it; a phase that says nothing is ``live`` (or ``samples`` when ``from_samples`` is set)."""
+        if kind not in ("live", "samples", "model"):
+            raise ValueError(f"source kind must be live, samples or model, got {kind!r}")
+        entry = {"kind": kind, "what": what}
+        if entry not in self.sources:
+            self.sources.append(entry)
 
     def params_table(self) -> pd.DataFrame:
         """The resolved parameters as a two-column table (for the page; no Python reprs)."""
@@ -115,7 +127,6 @@ def open_phase(notebook_name: str, namespace: dict[str, Any]) -> PhaseContext:
     import pandas as pd
     pd.set_option("display.max_colwidth", 160)
     pd.set_option("display.max_rows", 200)
-    register_table_display()       # every table on the page: units in headers, precision, no index, CSV link
     phase = notebook_name.split("_")[0]
     nb = notebook_path(phase)
     specs = notebook_param_specs(nb)
@@ -126,6 +137,8 @@ def open_phase(notebook_name: str, namespace: dict[str, Any]) -> PhaseContext:
     rdir = runlib.init_run(run_id, target.name)
     pdir = rdir / phase
     pdir.mkdir(parents=True, exist_ok=True)
+    # every table on the page: units in headers, counts as integers, no index, split to fit, long ones as files
+    register_table_display(pdir / "tables")
     started = runlib.now_iso()
     params = {**params, "run_id": run_id}
     entry = {"status": "running", "started": started, "params": params, "notebook": nb.name}
@@ -153,7 +166,10 @@ def finish_phase(ctx: PhaseContext, status: str = "success", headline: dict[str,
     open the page), what was not executed; a phase that did not succeed says why in one line (``error``: the
     terminal, the manifest and the top of the page show it)."""
     entry = {"status": status, "ended": runlib.now_iso(), "headline": headline or {}, "findings": findings or [],
-             "from_samples": ctx.from_samples, "not_executed": not_executed or [], "notes": ctx.notes}
+             "from_samples": ctx.from_samples, "not_executed": not_executed or [], "notes": ctx.notes,
+             "sources": list(ctx.sources) or [
+                 {"kind": "samples", "what": "recorded sample data (data/samples)"} if ctx.from_samples else
+                 {"kind": "live", "what": f"measured on {ctx.target.name}"}]}
     if status != "success":
         entry["error"] = error or f"the phase ended {status} without a recorded reason"
     m = runlib.read_manifest(ctx.run_dir)

@@ -19,7 +19,7 @@ import pandas as pd
 
 from servelab.measure import request_metrics as mx
 from servelab.measure.case import (SCALES, SUMMARY_KEYS, SUCCESS, CaseEnv, CaseResult, CaseSpec, MatrixResult,
-                                   case_is_done, load_case_result, make_env, quick_matrix, run_matrix)
+                                   c1_requests, case_is_done, load_case_result, make_env, quick_matrix, run_matrix)
 from servelab.measure.matrix import dispatch_case
 from servelab.measure.mixed import m1_analysis
 from servelab.core.run import merge_table, write_json_atomic
@@ -50,28 +50,57 @@ class Phase1Result:
         return mx.labelled_percentiles(self.matrix.frame(definition or self.definition))
 
     def headline(self) -> dict[str, Any]:
+        """The numbers the page and the run index put forward — each from a VALID case with enough samples for the
+        statistic it names (a P50 needs 2, ``request_metrics.min_samples``), else the key says why it is not a
+        result (the number stays in the tables, marked)."""
         df = self.matrix.frame(self.definition)
         out: dict[str, Any] = {"cases": len(self.matrix.results), "definition": self.definition,
                                "valid": int((df["validity"] == "VALID").sum()) if not df.empty else 0,
                                "not_executed": len(self.not_executed), "aborted": self.aborted or None}
-        for cid, key in (("P1", "p50_ttft_ms"), ("D1", "p50_tpot_ms")):
-            row = df[df["case_id"] == cid]
-            if not row.empty:
-                out[f"{cid}_{key}"] = row.iloc[0][key]
-                metric = key.split("_")[1]
-                n = row.iloc[0].get(f"n_{metric}")
-                out[f"{cid}_{metric}_samples"] = None if n is None or pd.isna(n) else int(n)
-        d2 = df[df["scenario"] == "D2"]
+        for cid, metric in (("P1", "ttft"), ("D1", "tpot")):
+            r = case_result(self, cid)
+            if r is None or not r.summaries:
+                continue
+            got = result_value(r, self.definition, metric, 50)
+            if isinstance(got, str):
+                out[f"{cid}_p50_{metric}"] = got
+                continue
+            out[f"{cid}_p50_{metric}_ms"], out[f"{cid}_{metric}_samples"] = got
+        d2 = df[(df["scenario"] == "D2") & (df["validity"] == "VALID")] if not df.empty else df
         if not d2.empty:
-            out["D2_max_output_tps"] = float(d2["output_throughput"].max())
+            best = d2.loc[d2["output_throughput"].idxmax()]
+            out["D2_max_output_tps"] = float(best["output_throughput"])
+            out["D2_max_output_at_c"] = int(best["concurrency"])
+        elif not df.empty and (df["scenario"] == "D2").any():
+            out["D2_max_output"] = "no VALID D2 case: not a result"
         if self.search is not None:
             out.update(search_stop=self.search.stop_reason, max_successful_c=self.search.max_successful_concurrency,
-                       max_tps_c=self.search.max_tps_concurrency, max_under_slo_c=self.search.max_under_slo_concurrency)
+                       max_tps_c=self.search.max_tps_concurrency if self.search.max_tps_concurrency is not None
+                       else "no VALID point", max_under_slo_c=self.search.max_under_slo_concurrency)
         if self.m1 is not None:
-            ab = self.m1["ab"].set_index("metric")
-            out["M1_output_tps_change_pct"] = ab.loc["output_throughput", "change_pct"]
-            out["M1_p95_tpot_change_pct"] = ab.loc["p95_tpot_ms", "change_pct"]
+            bad = [c for c in ("M1_control", "M1_treatment")
+                   if (r := case_result(self, c)) is None or r.verdict.verdict != "VALID"]
+            if bad:
+                out["M1_change"] = f"{', '.join(bad)} INVALID: not a result"
+            else:
+                ab = self.m1["ab"].set_index("metric")
+                out["M1_output_tps_change_pct"] = ab.loc["output_throughput", "change_pct"]
+                out["M1_p95_tpot_change_pct"] = ab.loc["p95_tpot_ms", "change_pct"]
         return out
+
+
+def result_value(r: CaseResult, definition: str, metric: str, p: float) -> tuple[float, int] | str:
+    """(Pp of ``metric`` in ms, its sample count) of a case when it may be put forward — the case VALID and enough
+    values for the percentile — else a short text saying why not (``P1 INVALID: client fell behind …``)."""
+    if r.verdict.verdict != "VALID":
+        why = "; ".join(r.verdict.reasons[:1]) or r.status
+        return f"not a result: {r.case.case_id} INVALID ({why[:90]})"
+    s = r.summaries.get(definition, {})
+    n = mx.metric_count(s, metric)
+    label, v = mx.shown_percentile(s, metric, p)
+    if v is None or n < mx.min_samples(p):
+        return f"not a result: {label}"
+    return float(v), n
 
 
 def percentile_table(result: CaseResult) -> pd.DataFrame:
@@ -88,11 +117,17 @@ def percentile_table(result: CaseResult) -> pd.DataFrame:
 
 
 def search_config(target: Any, params: dict[str, Any], cases: list[CaseSpec]) -> SearchConfig:
+    """The search on the decode shape of D1/D2, its points sized like the matrix's cases (``docs/case.md#sizing``):
+    C = 1 sends as many requests as D1, a concurrent point at least two waves, each for ``min_duration_s``."""
     scale = SCALES[getattr(target, "scale", "local")]
     step = int(params.get("search_step") or (16 if target.scale == "cluster" else 4))
+    nmin = int(params.get("min_requests") or scale["min_requests"])
+    wt = scale["decode_weight"]
+    n1 = c1_requests(scale["D_in"], scale["D_out"], scale["P1"] + wt * 1, nmin, wt)
     return SearchConfig(input_tokens=scale["D_in"], output_tokens=scale["D_out"], step=step,
                         max_concurrency=int(params.get("search_max_concurrency") or 64),
-                        definition=params.get("definition", "vllm"), min_window_s=scale["min_window_s"])
+                        definition=params.get("definition", "vllm"), c1_requests=n1,
+                        min_window_s=float(params.get("min_duration_s") or scale["min_window_s"]))
 
 
 def resumable(runner: Callable[[CaseEnv, CaseSpec], CaseResult], skipped: list[str]
@@ -584,21 +619,27 @@ def _num(v: Any, digits: int = 1) -> str:
     return f"{v:.3g}" if 0 < abs(v) < 1 else f"{v:,.{digits}f}"
 
 
-def findings(res: Phase1Result) -> list[str]:
+def findings(res: Phase1Result, run_dir: Path | None = None) -> list[str]:
     """What Phase 1 found, in sentences for the page's findings box: the three concurrency answers and the stop
-    reason, M1's effect on P95 TPOT and output TPS with its validity, the matrix's validity and key numbers."""
+    reason, M1's effect on P95 TPOT and output TPS with its validity, the matrix's validity and key numbers — each
+    number from a VALID case with enough samples for its statistic — and the cross-checks of results that answer
+    the same question (``report.crosscheck``: search vs matrix, Phase 2's replays)."""
     out: list[str] = []
     df = res.matrix.frame(res.definition)
     s = res.search
     if s is not None:
         slo = ", ".join(f"P95 {k.split('_')[0].upper()} ≤ {v:g} ms" for k, v in (s.slo or {}).items() if v) or "no SLO"
-        tps = {p.concurrency: p.output_tps for p in s.points}
-        mx_tps = tps.get(s.max_tps_concurrency) if s.max_tps_concurrency is not None else None
+        best = next((p for p in s.points if p.concurrency == s.max_tps_concurrency and p.verdict == "VALID"), None)
         out.append(f"Concurrency search: max successful concurrency {s.max_successful_concurrency or '—'}, max-TPS "
-                   f"concurrency {s.max_tps_concurrency or '—'}"
-                   + (f" ({_num(mx_tps)} tok/s output, the best VALID point)" if mx_tps is not None else "")
+                   f"concurrency {s.max_tps_concurrency or '— (no VALID point)'}"
+                   + (f" ({_num(best.output_tps)} tok/s output over {best.completed} requests, the best VALID point)"
+                      if best is not None and best.output_tps is not None else "")
                    + f", max concurrency under the SLO ({slo}) {s.max_under_slo_concurrency or '—'}.")
-        out.append(f"The search stopped with {s.stop_reason}" + (f": {s.stop_detail}" if s.stop_detail else "") + ".")
+        bad = [p for p in s.points if p.verdict != "VALID"]
+        out.append(f"The search stopped with {s.stop_reason}" + (f": {s.stop_detail}" if s.stop_detail else "")
+                   + (f"; {len(bad)} of its {len(s.points)} points INVALID, decided nothing ("
+                      + "; ".join(f"C={p.concurrency}: {(p.reasons or ['?'])[0]}" for p in bad[:3]) + ")"
+                      if bad else "") + ".")
     else:
         out.append("The concurrency search did not run (" + ("the run was aborted" if res.aborted else "search=false")
                    + "): no concurrency answer from this run.")
@@ -623,9 +664,12 @@ def findings(res: Phase1Result) -> list[str]:
                      for k in ("M1_control", "M1_treatment")]
             shown = [mx.shown_percentile(x, metric, p) for x in sides]
             return " → ".join(f"{_num(v, 2)} ms ({lab})" for lab, v in shown)
-        out.append(f"M1 (one long prefill injected into the decode background): TPOT tail "
-                   f"{tail('tpot', 95)}, output TPS {change('output_throughput', 'tok/s', 1)}; "
-                   f"{validity}.")
+        if invalid:
+            out.append(f"M1 (one long prefill injected into the decode background): {validity}.")
+        else:
+            out.append(f"M1 (one long prefill injected into the decode background): TPOT tail "
+                       f"{tail('tpot', 95)}, output TPS {change('output_throughput', 'tok/s', 1)}; "
+                       f"{validity}.")
         side = m1_serverside(res).get("treatment")
         if side is not None:
             from servelab.analyse.serverside import side_summary
@@ -650,16 +694,23 @@ def findings(res: Phase1Result) -> list[str]:
         nums = []
         for cid, metric, what in (("P1", "ttft", "prefill floor"), ("D1", "tpot", "single stream")):
             r = by_id.get(cid)
-            if r is not None and r.verdict.verdict == "VALID":
-                lab, v = mx.shown_percentile(r.summaries.get(res.definition, {}), metric, 50)
-                nums.append(f"{cid} {metric.upper()} ({what}) {_num(v, 2)} ms, {lab}")
+            if r is not None and r.summaries:
+                got = result_value(r, res.definition, metric, 50)
+                if not isinstance(got, str):
+                    nums.append(f"{cid} P50 {metric.upper()} ({what}) {_num(got[0], 2)} ms, "
+                                f"{mx.percentile_label(50, got[1])}")
         d2 = df[(df["scenario"] == "D2") & (df["validity"] == "VALID")]
         if not d2.empty:
             best = d2.loc[d2["output_throughput"].idxmax()]
-            nums.append(f"D2 max output TPS {_num(best['output_throughput'])} tok/s at C={best['concurrency']}")
+            nums.append(f"D2 max output TPS {_num(best['output_throughput'])} tok/s at C={int(best['concurrency'])} "
+                        f"({int(best['completed'])} requests)")
         out.append(text + (". " + ", ".join(nums) if nums else "") + ".")
     if res.aborted:
         out.append(f"The run stopped early ({res.aborted}); not executed: {', '.join(res.not_executed) or 'none'}.")
+    rdir = run_dir or (res.matrix.results[0].case_dir.parent.parent if res.matrix.results else None)
+    if rdir is not None and Path(rdir, "cases").is_dir():
+        from servelab.report import crosscheck
+        out += crosscheck.findings(rdir, phases=("phase1",))
     return out
 
 

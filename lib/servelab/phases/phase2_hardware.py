@@ -76,13 +76,15 @@ def node_specs(node: Any, pid: int | None, interval_s: float = 1.0, python: str 
 
 
 def collector_plan(ctx: Any, interval_s: float = 1.0) -> pd.DataFrame:
-    """Per node: every collector, required or optional, and its command (engine pid shown as <pid>)."""
+    """Per node: every collector, required or optional, what it records and the program it runs. The complete
+    commands — with the engine's pid, known once it started — are in the commands section as executed."""
     rows = []
     for node in ctx.target.nodes:
         for s in node_specs(node, 999999, interval_s):
+            progs = [Path(p).name for p in s.requires] or [Path(display_argv(s.argv)[0]).name]
             rows.append({"node": node.name, "role": node.role, "collector": s.name,
                          "required": "required" if s.required else "optional", "what": s.description,
-                         "command": " ".join(display_argv(s.argv)).replace("999999", "<pid>")})
+                         "programs": ", ".join(dict.fromkeys(progs)), "every (s)": s.interval_s})
     return pd.DataFrame(rows)
 
 
@@ -96,6 +98,8 @@ def run_local_cases(ctx: Any, case_seconds: float = 4.0, interval_s: float = 1.0
     cores). Each workload stamps its own busy window (the client's clock); telemetry starts before and
     stops after it. Collectors that fail closed are reported in ``failures`` (the case is kept, marked)."""
     plan = collector_plan(ctx, interval_s)
+    if hasattr(ctx, "add_source"):
+        ctx.add_source("live", "collectors around synthetic CPU workloads on this machine")
     if not ctx.target.is_local:
         for r in plan.itertuples():
             _log(ctx, "planned", r.command.split(), f"telemetry {r.node} {r.collector}",
@@ -160,6 +164,8 @@ def run_engine_cases(ctx: Any, case_ids: list[str] | None = None, interval_s: fl
     from servelab.deploy.server import start_server, stop_server
 
     plan = collector_plan(ctx, interval_s)
+    if hasattr(ctx, "add_source"):
+        ctx.add_source("live", f"collectors around Phase 1 cases on {ctx.target.name}")
     specs_cases = [dataclasses.replace(c, case_id=f"hw-{c.case_id}")
                    for c in quick_matrix(ctx.target, list(case_ids or ENGINE_CASES))]
     cases: list[CaseTelemetry] = []
@@ -325,6 +331,9 @@ def sample_summary(ctx: Any, cases: list[CaseTelemetry]) -> pd.DataFrame:
     table = compare_cases(pd.concat([summarize_case(c, catalog=cat) for c in cases], ignore_index=True))
     table = table.drop(columns=[c for c in table.columns if c.startswith("worker_")])
     table.to_csv(Path(ctx.phase_dir) / "h200x2_smi_summary.csv", index=False)
+    if hasattr(ctx, "add_source"):
+        ctx.add_source("samples", "a recorded 2 × H200 nvidia-smi capture (data/samples/h200x2-device), shown "
+                                  "beside this target's telemetry")
     return nan_to_dash(table)
 
 
@@ -335,12 +344,22 @@ def sample_figure(cases: list[CaseTelemetry]):
 
 
 def headline(run: Phase2Run, table: pd.DataFrame) -> dict[str, Any]:
-    """A few numbers for the run manifest: cases, failures, hottest core P95 per case."""
+    """A few numbers for the run manifest: cases, failures, and per case the machine's CPU busy mean and its
+    hottest core — as a P95 where enough samples hold one (20, ``request_metrics.min_samples``), else as the
+    maximum of the samples there are, labelled so."""
+    from servelab.measure.request_metrics import min_samples
     out: dict[str, Any] = {"cases": len(run.cases), "telemetry_failures": len(run.failures)}
     if not table.empty:
-        hot = table[table.metric == "hottest_core_busy_pct"]
-        for r in hot.itertuples():
-            out[f"{r.case}_hottest_core_p95_pct"] = r.head_p95 if r.head_p95 == "-" else round(float(r.head_p95), 1)
+        busy = {r.case: r for r in table[table.metric == "cpu_busy_pct"].itertuples()}
+        for r in table[table.metric == "hottest_core_busy_pct"].itertuples():
+            if r.head_p95 == "-" or r.head_max == "-":
+                continue
+            n = int(r.head_n)
+            b = busy.get(r.case)
+            mean = "" if b is None or b.head_mean == "-" else f"machine busy mean {float(b.head_mean):.1f} %, "
+            hot = (f"hottest core P95 {float(r.head_p95):.1f} % (n={n})" if n >= min_samples(95)
+                   else f"hottest core {float(r.head_max):.1f} % (max of {n} sample{'' if n == 1 else 's'})")
+            out[f"{r.case}_cpu"] = mean + hot
     missing = sorted({s.collector for c in run.cases for s in c.statuses if s.status not in (OK,)})
     out["collectors_not_ok"] = ", ".join(missing) or "none"
     return out

@@ -77,7 +77,21 @@ def run_analysis(ctx: Any, trace_dir: str = "", window_regex: str = "", top_n: i
     if clock is not None:
         extra.update({"stalls": clock.stalls, "ttft_split": clock.ttft, "engine_steps": clock.steps})
     files = write_tables(a, ctx.phase_dir, extra)
+    if hasattr(ctx, "add_source"):
+        if ctx.from_samples:
+            ctx.add_source("samples", f"2 × H200 torch-profiler traces ({_rel(folder)}), not this run's engine")
+        else:
+            ctx.add_source("live", f"the capture in {folder}")
     return Phase3(a, q, act, files, clock)
+
+
+def _rel(folder: Path) -> str:
+    """``data/samples/…`` for a folder of the shipped samples, the path itself otherwise."""
+    from servelab.core.paths import project_root
+    try:
+        return str(Path(folder).resolve().relative_to(project_root()))
+    except ValueError:
+        return str(folder)
 
 
 def _analyse_on_cluster(ctx: Any, cluster: str, folder: Path, cache_dir: Path | None, kw: dict) -> CaptureAnalysis:
@@ -304,15 +318,57 @@ def actions_table(p: Phase3) -> pd.DataFrame:
     return _pd(p.actions)
 
 
+DOMINANT_SHARE = 0.5     # one step holding at least this share of a window kind's exposed communication dominates it
+WAIT_SHARE = 0.25        # ... and is a wait when the ranks started it this share of its exposed time apart (or more)
+
+
+def dominant_steps(a: CaptureAnalysis) -> list[dict[str, Any]]:
+    """Window kinds whose exposed communication is mostly one step that is a wait (summed over ranks, ≥
+    :data:`DOMINANT_SHARE` of the kind's, with at least three steps of the kind, and the ranks started that step
+    at least :data:`WAIT_SHARE` of its exposed time apart: one rank waiting in a collective for another to arrive —
+    typical of a first step, not of the steady state): which step, its share, the kind's exposed share of GPU step
+    time with and without it, and the start skew."""
+    w = a.window_metrics
+    if w is None or not w.height or "exposed_comm_ms" not in w.columns:
+        return []
+    out = []
+    for kind in w["kind"].unique().to_list():
+        k = w.filter(pl.col("kind") == kind)
+        per = k.group_by("name").agg(pl.col("exposed_comm_ms").sum(), pl.col("gpu_span_ms").sum()).sort(
+            "exposed_comm_ms", descending=True)
+        total, span = float(per["exposed_comm_ms"].sum()), float(per["gpu_span_ms"].sum())
+        if per.height < 3 or total <= 0 or span <= 0:
+            continue
+        top = per.row(0, named=True)
+        share = top["exposed_comm_ms"] / total
+        if share < DOMINANT_SHARE:
+            continue
+        rest_span = span - top["gpu_span_ms"]
+        skew = a.step_skew.filter(pl.col("name") == top["name"]) if a.step_skew.height else a.step_skew
+        sk = skew.row(0, named=True) if skew.height else {}
+        if (sk.get("start_skew_us") or 0) / 1e3 < WAIT_SHARE * top["exposed_comm_ms"]:
+            continue                       # a long step, not a rank waiting for another: its cost is real
+        out.append({"kind": kind, "step": top["name"], "exposed_ms": top["exposed_comm_ms"], "total_ms": total,
+                    "share_pct": 100 * share, "exposed_pct": 100 * total / span,
+                    "without_pct": 100 * (total - top["exposed_comm_ms"]) / rest_span if rest_span > 0 else None,
+                    "start_skew_us": sk.get("start_skew_us"), "late_rank": sk.get("last_rank"),
+                    "first_rank": sk.get("first_rank")})
+    return out
+
+
 def headline(p: Phase3) -> dict[str, Any]:
-    """A few key numbers for the manifest."""
+    """A few key numbers for the manifest; where one step dominates a kind's exposed communication
+    (:func:`dominant_steps`), the kind's share without that step beside it."""
     a = p.analysis
     out: dict[str, Any] = {"ranks": len(a.rops), "from_trace_dir": str(a.capture.trace_dir)}
+    dom = {d["kind"]: d for d in dominant_steps(a)}
     for k in ("prefill", "decode", "mixed", "all"):
         s = a.summary.filter(pl.col("kind") == k) if a.summary.height else a.summary
         if s.height:
             span = s["gpu_span_ms"].sum()
             out[f"{k}_exposed_comm_pct"] = round(100 * s["exposed_comm_ms"].sum() / span, 2) if span else None
+            if k in dom and dom[k]["without_pct"] is not None:
+                out[f"{k}_exposed_comm_without_{dom[k]['step']}_pct"] = round(dom[k]["without_pct"], 2)
             out[f"{k}_busy_pct"] = round(100 * s["busy_ms"].sum() / span, 2) if span else None
     if a.step_skew.height:
         out["step_end_skew_p50_us"] = round(float(a.step_skew["end_skew_us"].median()), 2)
@@ -460,6 +516,16 @@ def findings(p: Phase3, from_samples: bool | None = None) -> list[str]:
                        f"attempt(s): {r['reason']}.")
     if a.slow_rank.get("slow_stage") is not None:
         out.append("Slow pipeline stage: " + a.slow_rank.get("stage_evidence", "") + ".")
+    for d in dominant_steps(a):
+        wait = ""
+        if d["start_skew_us"] is not None and d["start_skew_us"] >= 1000:
+            wait = (f": the ranks started it {d['start_skew_us'] / 1e3:.1f} ms apart (rank {d['first_rank']} waited "
+                    f"for rank {d['late_rank']})")
+        out.append(f"Flag: {d['kind']}'s exposed communication ({d['exposed_pct']:.1f} % of GPU step time) is mostly one "
+                   f"step — {d['step']} holds {d['exposed_ms']:.2f} of {d['total_ms']:.2f} ms ({d['share_pct']:.0f} %)"
+                   f"{wait}. Without that step it is "
+                   + (f"{d['without_pct']:.1f} %" if d["without_pct"] is not None else "-")
+                   + ": quote that, and read the step's wait as start-up, not as communication cost.")
     if p.clock is not None:
         st = stall_summary(p.clock)
         tt = p.clock.ttft.filter(pl.col("identified")) if p.clock.ttft.height else p.clock.ttft

@@ -8,6 +8,7 @@ page's views.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Sequence
 
 import pandas as pd
@@ -29,6 +30,7 @@ class Phase4Result:
     launch: pd.DataFrame
     measured: pd.DataFrame = field(default_factory=pd.DataFrame)
     verdicts: pd.DataFrame = field(default_factory=pd.DataFrame)
+    model_note: str = ""                 # what the model stands for, against what the target serves
 
     @property
     def comm_all(self) -> pd.DataFrame:
@@ -67,6 +69,11 @@ def run_phase4(ctx: Any, model_config: str, cluster_target: str, layouts: Sequen
         log_command(ctx, "planned", r["argv"], title=f"launch {r['layout']} on {r['node']}", host=r["node"],
                     env=r["env"], note="Phase 4 layout candidate; not executed by this notebook")
     res = Phase4Result(cfg, cluster, param_summary(cfg), memory, feas, comms, summary, launch)
+    res.model_note = model_label(cfg, base)
+    if hasattr(ctx, "add_source"):
+        ctx.add_source("model", res.model_note)
+        if runs:
+            ctx.add_source("live", "the measured runs " + ", ".join(map(str, runs)))
     if runs:
         res.measured, res.verdicts = measured_comparison(runs, feas, summary)
         res.measured.to_csv(ctx.phase_dir / "measured.csv", index=False)
@@ -77,6 +84,17 @@ def run_phase4(ctx: Any, model_config: str, cluster_target: str, layouts: Sequen
     summary.to_csv(ctx.phase_dir / "comm_summary.csv", index=False)
     launch.drop(columns=["argv", "env"]).to_csv(ctx.phase_dir / "launch_commands.csv", index=False)
     return res
+
+
+def model_label(cfg: ModelConfig, target: Any) -> str:
+    """Which model the arithmetic is about, against what the target serves: the same, or a stand-in said so."""
+    served = str(getattr(target, "model", "") or "")
+    text = f"memory / communication model of {cfg.name} (config: {getattr(cfg, 'source', '') or 'given'}) on " \
+           f"{target.name}"
+    if served and cfg.name.lower().replace("-", "") not in served.lower().replace("-", ""):
+        text += (f"; the target serves {Path(served).name}, so {cfg.name} stands in for it (same family assumed) and "
+                 f"the planned commands launch {Path(served).name}")
+    return text
 
 
 MEASURE_CASES = ("D1", "D2_c4")      # the cases each layout is measured with live: single-stream TPOT, C=4 throughput
@@ -149,8 +167,11 @@ def findings(res: Phase4Result) -> list[str]:
     out = []
     if not f.empty:
         budget = float(f["budget_gib"].iloc[0])
-        out.append(f"Model {res.model.name} on {res.cluster.nodes} × {res.cluster.gpus_per_node} GPUs "
-                   f"({res.cluster.name}), memory budget {budget:.1f} GiB per GPU.")
+        out.append(f"Model only, nothing measured here: {res.model_note or res.model.name}; "
+                   f"{res.cluster.nodes} × {res.cluster.gpus_per_node} GPUs, memory budget {budget:.1f} GiB per GPU."
+                   if res.verdicts.empty else
+                   f"Model {res.model.name} on {res.cluster.nodes} × {res.cluster.gpus_per_node} GPUs "
+                   f"({res.cluster.name}), memory budget {budget:.1f} GiB per GPU; {res.model_note}.")
         fits = f[f["verdict"] == "fits"]
         rest = f[f["verdict"] != "fits"]
         out.append("Layouts that fit: " + ("; ".join(

@@ -244,6 +244,10 @@ def load_logs(ctx: Any, tests_logs: list[str] | None = None, info_logs: list[str
     transports = transport_table(info) if info else pd.DataFrame()
     tuning = info.tuning if info else pd.DataFrame()
     out = Path(ctx.phase_dir)
+    if hasattr(ctx, "add_source"):
+        ctx.add_source("samples", "2 × H200 nccl-tests and NCCL INFO logs (data/samples/h200x2), not this target"
+                       if ctx.from_samples else "nccl-tests / INFO logs given to this phase: "
+                       + ", ".join(Path(p).name for p in [*tests_logs, *info_logs]))
     curves.to_csv(out / "nccl_tests.csv", index=False)
     table.to_csv(out / "nccl_runs.csv", index=False)
     transports.to_csv(out / "nccl_transports.csv", index=False)
@@ -281,7 +285,17 @@ def messages(ctx: Any, data: Phase5Data, hidden_size: int, dtype_bytes: int, tp:
         sizes = pd.concat([sizes, from_trace(trace_collectives)], ignore_index=True)
     placed = place_on_curves(sizes, data.curves) if not data.curves.empty else sizes
     placed.to_csv(Path(ctx.phase_dir) / "model_messages.csv", index=False)
+    if hasattr(ctx, "add_source"):
+        ctx.add_source("model", message_model_label(hidden_size, dtype_bytes, tp, num_layers, ctx.target))
     return placed
+
+
+def message_model_label(hidden_size: int, dtype_bytes: int, tp: int, num_layers: int, target: Any) -> str:
+    """Which model the message sizes are of: the phase's parameters, said so against the target's model."""
+    toy = " — the toy model of the recorded traces" if (hidden_size, tp) == (4096, 2) else ""
+    return (f"collective message sizes of a model with hidden size {hidden_size}, {num_layers} layers, TP {tp}, "
+            f"{dtype_bytes} bytes per element (this phase's parameters{toy}), not read from the target's model "
+            f"{getattr(target, 'model', '') or '-'}")
 
 
 def gate_for_target(ctx: Any, data: Phase5Data) -> GateVerdict:
@@ -375,7 +389,8 @@ def findings(data: Phase5Data, verdict: GateVerdict, msgs: pd.DataFrame | None =
             parts.append(f"{r.scenario} {r.collective} of {_size(r.msg_bytes)} gets {r.busbw_gbps:,.1f} GB/s busbw, "
                          f"{r.time_us:,.1f} µs per call, {r.step_time_us:,.0f} µs per step ({int(r.calls_per_step)} "
                          f"calls)")
-        out.append(f"At the model's real message sizes{src}: " + "; ".join(parts) + ".")
+        out.append(f"At the message sizes of the model in this phase's parameters (hidden size, layers, TP — not read "
+                   f"from the served model){src}: " + "; ".join(parts) + ".")
     t = data.table
     if not t.empty:
         ok = t[t["status"] == "ok"]

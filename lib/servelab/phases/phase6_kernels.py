@@ -87,6 +87,13 @@ def run_phase6(ctx: Any, kernel_source: str = "", ncu_csv: Sequence[str] = (), t
         res.ncu_metrics.to_csv(ctx.phase_dir / "ncu_metrics.csv", index=False)
         res.derived.to_csv(ctx.phase_dir / "ncu_derived.csv", index=False)
         res.roof.to_csv(ctx.phase_dir / "roofline.csv", index=False)
+    if hasattr(ctx, "add_source"):
+        if ctx.from_samples:
+            ctx.add_source("samples", f"kernels of {Path(source).name} and ncu CSVs "
+                           f"({', '.join(Path(f).name for f in files) or 'none'}): 2 × H200 random-weight toy models "
+                           "(data/samples/h200x2-pp2, data/samples/ncu), not this run's engine")
+        else:
+            ctx.add_source("live", f"kernels of {source}")
     ranked.to_csv(ctx.phase_dir / "kernels_ranked.csv", index=False)
     top.to_csv(ctx.phase_dir / "top_kernels.csv", index=False)
     return res
@@ -131,15 +138,55 @@ def ncu_view(res: Phase6Result, what: str = "derived"):
     return table
 
 
+def _shown_path(path: str) -> str:
+    """A path relative to the project when it is one of its sample folders, else as given."""
+    from servelab.core.paths import project_root
+    try:
+        return str(Path(path).resolve().relative_to(project_root()))
+    except ValueError:
+        return str(path)
+
+
 def _short_name(name: str, limit: int = 48) -> str:
     return name if len(name) <= limit else name[: limit - 1] + "…"
 
 
-def findings(res: Phase6Result, from_samples: bool = False) -> list[str]:
+def phase3_trace(run_dir: Path | None) -> str | None:
+    """The trace folder Phase 3 analysed in this run (its headline), or None when Phase 3 did not run."""
+    if run_dir is None:
+        return None
+    from servelab.core.run import read_manifest
+    e = (read_manifest(Path(run_dir)).get("phases") or {}).get("phase3") or {}
+    return (e.get("headline") or {}).get("from_trace_dir")
+
+
+def same_capture(source: str, trace_dir: str | None) -> bool:
+    """Whether Phase 6's kernel source is (in) Phase 3's capture folder."""
+    if not trace_dir:
+        return False
+    src, d = Path(source).resolve(), Path(trace_dir).resolve()
+    return src == d or d in src.parents or (src.parent / "traces").resolve() == d
+
+
+def findings(res: Phase6Result, from_samples: bool = False, run_dir: Path | None = None) -> list[str]:
     """What Phase 6 found, in sentences for the page's findings box: the top kernels per window with their share
-    and suspect, what bounds them on the roofline (where ``ncu`` data exists), and the planned ``ncu`` commands."""
+    and suspect, what bounds them on the roofline (where ``ncu`` data exists), and the planned ``ncu`` commands —
+    and, when this run's Phase 3 analysed another capture, that it did (their shares are not comparable)."""
     src = " (from recorded sample data, 2 × H200 toy models)" if from_samples else ""
     out = [f"Kernel table{src}: {Path(res.source).name}; {len(res.ranked):,} kernels ranked."]
+    p3 = phase3_trace(run_dir)
+    if p3 and not same_capture(res.source, p3):
+        traces = sorted(x for x in Path(p3).glob("*.json*") if x.is_file())
+        redo = ""
+        if traces and run_dir is not None:
+            from servelab.core.run import read_manifest
+            import shlex
+            target = read_manifest(Path(run_dir)).get("target") or "local"
+            redo = (" To rank Phase 3's capture: " + shlex.join(["servelab", "run", "phase6", "--target", str(target),
+                                                                 "--run-id", Path(run_dir).name, "-p",
+                                                                 f"kernel_source={traces[0]}"]) + ".")
+        out.append(f"Not the capture of Phase 3: this page ranks the kernels of {_shown_path(res.source)}, Phase 3 of "
+                   f"this run analysed {_shown_path(p3)} — kernel shares here and there are of different runs." + redo)
     for window, g in res.top.groupby("window", sort=False):
         out.append(f"Top kernels of {window} (share of the window's kernel time): " + "; ".join(
             f"{_short_name(str(r.function))} ({r.suspect}, {r.share_pct:.1f} %"
@@ -166,6 +213,8 @@ def findings(res: Phase6Result, from_samples: bool = False) -> list[str]:
 ROOF_EFFICIENT_PCT = 50.0     # a kernel reaching this share of its roofline ceiling is not the inefficiency
 MATTERS_SHARE_PCT = 10.0      # a suspect kernel below this share of every window's time is too small to matter
 H_SUSPECTS = {"H2": ("NSA indexer / top-k", "sparse MLA / attention"), "H3": ("MoE grouped GEMM",)}
+# labels of the same family that are not the hypothesis' suspects (named so a verdict never reads as denying them)
+NEAR_SUSPECTS = {"H2": ("MLA / attention",), "H3": ("MoE gate", "MoE dispatch", "MoE combine")}
 
 
 def kernel_evidence(res: Phase6Result, hypothesis: str) -> tuple[str, str, dict[str, Any]]:
@@ -176,9 +225,18 @@ def kernel_evidence(res: Phase6Result, hypothesis: str) -> tuple[str, str, dict[
     labels = H_SUSPECTS[hypothesis]
     r = res.ranked
     sus = r[r["suspect"].isin(labels)] if not r.empty and "suspect" in r.columns else pd.DataFrame()
-    what = " / ".join(labels)
+    what = " or ".join(f"'{x}'" for x in labels)
     if sus.empty:
-        return "inconclusive", f"no {what} kernel in the kernel table ({Path(res.source).name})", {}
+        # say what the table does hold of the same family, so "no sparse attention" never reads "no attention"
+        near = r[r["suspect"].isin(NEAR_SUSPECTS.get(hypothesis, ()))] if not r.empty and "suspect" in r.columns \
+            else pd.DataFrame()
+        held = ""
+        if not near.empty:
+            share = near.groupby("window")["share_pct"].sum()
+            held = (f"; the table's {', '.join(sorted(set(near['suspect'])))} kernels ({near['function'].nunique()}, up "
+                    f"to {share.max():.1f} % of the {share.idxmax()} window) are not {hypothesis}'s suspects")
+        return "inconclusive", (f"no kernel labelled {what} in the kernel table ({Path(res.source).name}){held}"), \
+            {"denied_suspects": list(labels)}
     share = sus.groupby("window")["share_pct"].sum()
     nums: dict[str, Any] = {"suspect_kernels": int(sus["function"].nunique()),
                             "max_window_share_pct": round(float(share.max()), 2), "window": str(share.idxmax())}

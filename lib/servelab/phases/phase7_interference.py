@@ -397,7 +397,9 @@ class Phase7Result:
     def headline(self) -> dict[str, Any]:
         out: dict[str, Any] = {"knob": self.knob, "values": [str(v) for v in self.values], "verdict": self.verdict}
         b = self.baseline
-        if b is not None and not b.injections.empty:
+        if b is not None and b.verdict.verdict != "VALID":
+            out["baseline"] = f"{self.sweep[0].label} INVALID: not a result"
+        elif b is not None and not b.injections.empty:
             ok = b.injections[b.injections["valid"]]
             if not ok.empty:
                 out["baseline_p95_tpot_before_ms"] = round(float(ok["p95_tpot_before_ms"].mean()), 2)
@@ -628,7 +630,10 @@ def findings(res: Phase7Result) -> list[str]:
     from servelab.report.findings import ab_findings
     out = []
     b = res.baseline
-    if b is not None and not b.injections.empty and b.injections["valid"].any():
+    if b is not None and b.verdict.verdict != "VALID":
+        out.append(f"Baseline {res.sweep[0].label}: INVALID ({'; '.join(b.verdict.reasons[:1]) or 'no reason given'})"
+                   " — its damage numbers stay in the tables, marked, and are not a result.")
+    elif b is not None and not b.injections.empty and b.injections["valid"].any():
         ok = b.injections[b.injections["valid"]]
         out.append(f"Baseline {res.sweep[0].label}: a long prefill of {b.spec.inject_input_tokens:,} tokens raised the "
                    f"background's P95 token gap from {ok['p95_tpot_before_ms'].mean():.1f} ms to "

@@ -183,14 +183,17 @@ class Phase8Result:
         out: dict[str, Any] = {"points": len(self.matrix), "accepted": len(acc),
                                "rejected": int((self.matrix["verdict"] == "REJECTED").sum())}
         for _, r in self.matrix.iterrows():
-            key = f"hit{round(r['target_rate'] * 100)}%"
-            if r["case_id"].endswith("_bad"):
-                key += "_bad"
-            out[f"{key}_achieved"] = None if r["counter_hit_rate"] is None or pd.isna(r["counter_hit_rate"]) \
-                else round(float(r["counter_hit_rate"]), 4)
-            out[f"{key}_verdict"] = r["verdict"]
+            # one line per point: the achieved rate (in %, as the findings and the tables say it) only of an
+            # ACCEPTED point; a REJECTED point's number is not a result and stays in the matrix table, marked
+            key = f"hit {round(r['target_rate'] * 100)} % target" + (" (bad point)" if r["case_id"].endswith("_bad")
+                                                                      else "")
+            got = r["counter_hit_rate"]
+            if r["verdict"] == "ACCEPTED" and got is not None and not pd.isna(got):
+                out[key] = f"{100 * float(got):.1f} % achieved, ACCEPTED"
+            else:
+                out[key] = f"{r['verdict']}: not a result"
         kv = self.kv[self.kv["metric"].isin(["kv_active", "kv_usage"])]
-        out["kv_peak_active"] = round(float(kv["value"].max()), 4) if not kv.empty else None
+        out["kv_peak_active_pct"] = round(100 * float(kv["value"].max()), 2) if not kv.empty else None
         return out
 
 
@@ -299,11 +302,14 @@ def write_phase8_tables(phase_dir: Path, res: Phase8Result) -> None:
 
 
 def kv_summary(res: Phase8Result) -> pd.DataFrame:
-    """Peak and mean KV usage per point and metric (fractions), with the source named."""
+    """Peak and mean KV usage per point and metric (in % of the KV pool, as the findings say it), with the source
+    named (``kv_usage.csv`` keeps the fractions)."""
     if res.kv.empty:
         return pd.DataFrame({"note": ["no KV usage samples (engine exposes neither a KV gauge nor /slots)"]})
-    return (res.kv.groupby(["point", "metric", "source"], sort=False)["value"]
-            .agg(peak="max", mean="mean", samples="count").reset_index())
+    out = (res.kv.groupby(["point", "metric", "source"], sort=False)["value"]
+           .agg(peak="max", mean="mean", samples="count").reset_index())
+    return out.assign(peak=100 * out["peak"], mean=100 * out["mean"]).rename(
+        columns={"peak": "peak (%)", "mean": "mean (%)"})
 
 
 # ---------------------------------------------------------------- what the notebook shows
@@ -395,8 +401,9 @@ def findings(res: Phase8Result) -> list[str]:
         best = gain.loc[gain["ttft_vs_0pct"].astype(float).idxmin()]
         out.append("A/B of each hit rate against the 0 % baseline (ACCEPTED points only, the valid ones): " + "; ".join(
             f"{100 * r.target_rate:.0f} % → P50 TTFT ×{r.ttft_vs_0pct:.2f}, input TPS ×{r.input_tps_vs_0pct:.2f}"
-            for r in gain.itertuples()) + f"; the winning value is {100 * best['target_rate']:.0f} % "
-            f"(P50 TTFT {best['p50_ttft_ms']:,.1f} ms).")
+            for r in gain.itertuples()) + f"; the cache buys most at the {100 * best['target_rate']:.0f} % hit rate "
+            f"(P50 TTFT {best['p50_ttft_ms']:,.1f} ms) — the hit rate is a property of the workload (how much prefix it "
+            "shares), not a setting to choose: read it as what a workload of that reuse gains.")
     else:
         out.append("No A/B: no accepted point can be compared with an accepted 0 % baseline, so nothing is said about "
                    "what the cache buys.")

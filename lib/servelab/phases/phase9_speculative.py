@@ -39,7 +39,9 @@ from servelab.measure.workload import build_workload
 
 SCALES: dict[str, dict[str, Any]] = {
     "cluster": {"input_tokens": 1024, "output_tokens": 1024, "concurrencies": [1, 16, 32]},
-    "local": {"input_tokens": 32, "output_tokens": 32, "concurrencies": [1, 4]},
+    # local: Phase 1's decode shape (64 → 64, scale "local" of measure.case.SCALES), so the baseline with speculation
+    # off at C=4 answers the same question as D2_c4 and the run cross-checks the two (report.crosscheck)
+    "local": {"input_tokens": 64, "output_tokens": 64, "concurrencies": [1, 4]},
 }
 MODEL_SCALES: dict[str, dict[str, Any]] = {"tiny": {"output_tokens": 256}}
 
@@ -317,10 +319,11 @@ def performance_view(res: Phase9Result) -> pd.DataFrame:
     return mx.labelled_percentiles(view).drop(columns=["max_tpot_ms", "max_ttft_ms"], errors="ignore")
 
 
-def findings(res: Phase9Result) -> list[str]:
+def findings(res: Phase9Result, run_dir: Path | None = None) -> list[str]:
     """What Phase 9 found, in sentences for the page's findings box: acceptance per draft, the net gain against
-    speculation off per concurrency and the winning config (or that speculation does not pay here), the A/B's
-    verdict and whether it is valid, and what did not run."""
+    speculation off per concurrency and the best config — a verdict (pays / does not pay) only where the A/B has a
+    noise band, else said as a measurement —, the A/B's verdict and whether it is valid, what did not run, and the
+    cross-check of the baseline against Phase 1 (``report.crosscheck``)."""
     from servelab.report.findings import ab_findings
     out = []
     g = res.gain
@@ -339,15 +342,33 @@ def findings(res: Phase9Result) -> list[str]:
         best = g.dropna(subset=["net_gain_pct"])
         if not best.empty:
             b = best.loc[best["net_gain_pct"].astype(float).idxmax()]
-            out.append(f"The winning config is {b['config']} at C={b['concurrency']} ({b['net_gain_pct']:+.1f} % output "
-                       f"TPS, {b['output_tps_off']:,.1f} → {b['output_tps_spec']:,.1f} tok/s)" if b["net_gain_pct"] > 0
-                       else f"Speculation does not pay here: every config loses output TPS against off (best "
-                            f"{b['config']} at C={b['concurrency']}, {b['net_gain_pct']:+.1f} %)")
-            out[-1] += "."
+            comp = res.ab.comparison if res.ab is not None else None
+            tps = comp[comp["metric"] == "output_tps"] if comp is not None and not comp.empty else None
+            noise = tps is not None and not tps.empty and not set(tps["verdict"]) <= {"no repeats", "no data",
+                                                                                        "invalid"}
+            what = (f"{b['config']} at C={b['concurrency']} ({b['net_gain_pct']:+.1f} % output TPS, "
+                    f"{b['output_tps_off']:,.1f} → {b['output_tps_spec']:,.1f} tok/s)")
+            if not noise:
+                # one repeat per side: the A/B below has no noise band, so no gain or loss is a verdict yet
+                out.append(("Measured, not yet a verdict: the best config is " + what if b["net_gain_pct"] > 0 else
+                            "Measured, not yet a verdict: every config had less output TPS than off (best "
+                            + what + ")")
+                           + " — one repeat per side, so the noise is unknown; run with repeats ≥ 2 to decide.")
+            elif b["net_gain_pct"] > 0:
+                out.append(f"The best config is {what}; the A/B below says whether that is outside the noise.")
+            elif set(tps["verdict"]) <= {"worse"}:
+                out.append(f"Speculation does not pay here: every config loses output TPS against off beyond the "
+                           f"noise (best {what}).")
+            else:
+                out.append(f"No config gains output TPS against off (best {what}); the A/B below says which losses "
+                           "are outside the noise.")
     if res.ab is not None:
         out += ab_findings(res.ab, {"output_tps": "output TPS", "p95_tpot_ms": "P95 TPOT"})
     else:
         out.append("No A/B: fewer than two configs ran.")
     if res.errors:
         out.append("Not executed: " + "; ".join(f"{k} ({v})" for k, v in res.errors.items()) + ".")
+    if run_dir is not None and Path(run_dir, "cases").is_dir():
+        from servelab.report import crosscheck
+        out += crosscheck.findings(run_dir, phases=("phase9",))
     return out

@@ -13,11 +13,20 @@ from servelab.core.paths import outputs_root
 from servelab.core.notebooks import NOTEBOOKS
 from servelab.core.run import now_iso, read_manifest
 from servelab.report.findings import headline_rows
+from servelab.report.run_summary import BADGE_CLASS, SOURCE_KINDS, phase_sources
 
 CSS = """body{font-family:sans-serif;max-width:1100px;margin:20px auto;color:#222}
 table{border-collapse:collapse;width:100%;margin:8px 0}th,td{border:1px solid #ddd;padding:6px 8px;text-align:left;
 vertical-align:top}th{background:#f3f6fa}.ok{color:#2e7d32;font-weight:600}.bad{color:#c0392b;font-weight:600}
 .run{color:#b58900;font-weight:600}.samples{background:#fff4ce;padding:1px 5px;border-radius:3px;font-size:.85em}
+.badge{display:inline-block;padding:1px 6px;border-radius:3px;font-size:.8em;font-weight:600;margin:1px 2px 1px 0}
+.badge-live{background:#e3f3e4;color:#1b5e20}.badge-samples{background:#fff4ce;color:#7a5c00}
+.badge-model{background:#ece6f6;color:#4a2b7a}
+.summary{background:#f3f8fd;border:1px solid #c9ddf0;border-left:6px solid #2e6da4;padding:6px 16px 10px;margin:8px 0 18px}
+.summary h2{font-size:1.15em;margin:6px 0}.summary table{margin:4px 0}.summary th{width:9em}
+.verdict-warning{border-left:4px solid #c0392b;padding-left:8px;margin:6px 0}
+.verdict-ok{border-left:4px solid #2e7d32;padding-left:8px;margin:6px 0}
+.verdict-info{border-left:4px solid #2e6da4;padding-left:8px;margin:6px 0}
 a{color:#2e6da4}small{color:#666}"""
 
 
@@ -30,8 +39,54 @@ def _headline(h: dict[str, Any]) -> str:
     return "<br>".join(f"{html.escape(k)}: <b>{html.escape(v)}</b>" for k, v in headline_rows(h or {}))
 
 
+def source_badges(entry: dict[str, Any]) -> str:
+    """The phase's data badges: measured live / recorded sample data / model only, each with what it is."""
+    return "".join(f'<span class="badge badge-{BADGE_CLASS[s["kind"]]}" title="{html.escape(str(s.get("what", "")))}">'
+                   f'{html.escape(SOURCE_KINDS[s["kind"]])}</span>' for s in phase_sources(entry))
+
+
+def _summary_html(run_dir: Path) -> str:
+    """The run summary that opens the index (``report.run_summary``): what ran where, where each phase's numbers
+    come from, and the run-level verdicts with their evidence."""
+    from servelab.report import run_summary as rs
+    try:
+        facts, sources, verdicts = rs.facts(run_dir), rs.sources_rows(run_dir), rs.verdicts(run_dir)
+    except (OSError, ValueError, KeyError, TypeError) as exc:   # the index is still written; it says why
+        return (f"<section class='summary' id='run-summary'><h2>Run summary</h2><p class='bad'>could not be built: "
+                f"{html.escape(type(exc).__name__)}: {html.escape(str(exc))}</p></section>")
+    rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in facts)
+    for label, items in sources:
+        if not items:
+            continue
+        kind = next(k for k, v in SOURCE_KINDS.items() if v == label)
+        cells = "<br>".join(f'<a href="{html.escape(p)}/report.html">{html.escape(p)}</a>'
+                            f"{' — ' + html.escape(w) if w else ''}" if (run_dir / p / "report.html").is_file()
+                            else f"{html.escape(p)}{' — ' + html.escape(w) if w else ''}" for p, w in items)
+        rows += (f'<tr><th><span class="badge badge-{BADGE_CLASS[kind]}">{html.escape(label)}</span></th>'
+                 f"<td>{cells}</td></tr>")
+    items = []
+    for v in verdicts:
+        ev = ", ".join(f'<a href="{_href(run_dir, href) or html.escape(href, quote=True)}">{html.escape(label)}</a>'
+                       if href.startswith("#") or _href(run_dir, href) else html.escape(label)
+                       for label, href in v.evidence)
+        items.append(f'<div class="verdict-{html.escape(v.level)}">{html.escape(v.text)}'
+                     + (f"<br><small>evidence: {ev}</small>" if ev else "") + "</div>")
+    return ("<section class='summary' id='run-summary'><h2>Run summary</h2><table>" + rows + "</table>"
+            + ("<h2>Verdicts for the whole run</h2>" + "".join(items) if items else "") + "</section>")
+
+
+def _headline_note(entry: dict[str, Any]) -> str:
+    """Above a headline whose numbers are not (all) measured on this target: whose numbers they are."""
+    other = [s for s in phase_sources(entry) if s["kind"] != "live"]
+    if not other:
+        return ""
+    return "".join(f'<small><span class="badge badge-{BADGE_CLASS[s["kind"]]}">{html.escape(SOURCE_KINDS[s["kind"]])}'
+                   f"</span> {html.escape(str(s.get('what') or ''))}</small><br>" for s in other)
+
+
 def write_run_index(run_dir: Path) -> Path:
-    """``outputs/<run_id>/index.html``: phases with status, headline numbers and links."""
+    """``outputs/<run_id>/index.html``: the run summary, then the phases with status, data badges, headline
+    numbers and links."""
     m = read_manifest(run_dir)
     rows = []
     for phase in sorted(m.get("phases", {}), key=lambda p: int(p[5:]) if p[5:].isdigit() else 99):
@@ -40,7 +95,7 @@ def write_run_index(run_dir: Path) -> Path:
         link = (f'<a href="{html.escape(phase)}/report.html">{html.escape(phase)}</a>' if report.exists()
                 else html.escape(phase))
         status = str(e.get("status", ""))
-        samples = ' <span class="samples">recorded sample data</span>' if e.get("from_samples") else ""
+        samples = "<br>" + source_badges(e)
         not_exec = e.get("not_executed") or []
         why = (f"<br><small class='why'>{html.escape(str(e['error']))}</small>"
                if status != "success" and e.get("error") else "")
@@ -58,11 +113,11 @@ def write_run_index(run_dir: Path) -> Path:
         rows.append(f"<tr><td>{link}<br><small>{html.escape(NOTEBOOKS.get(phase, ''))}</small></td>"
                     f'<td class="{_status_class(status)}">{html.escape(status)}{samples}{why}</td>'
                     f"<td><small>{html.escape(str(e.get('started', '')))}<br>{html.escape(str(e.get('ended', '')))}"
-                    f"</small></td><td>{_headline(headline)}</td>"
+                    f"</small></td><td>{_headline_note(e)}{_headline(headline)}</td>"
                     f"<td>{html.escape(', '.join(map(str, not_exec))) or '-'}</td></tr>")
     tool = m.get("tool", {})
     body_ledger = _cases_html(run_dir) + _ledger_html(run_dir) + _milestones_html(run_dir) + _lessons_html(m)
-    body = (f"<h1>servelab run {html.escape(m.get('run_id', run_dir.name))}</h1>"
+    body = (f"<h1>servelab run {html.escape(m.get('run_id', run_dir.name))}</h1>" + _summary_html(run_dir) +
             f"<p>target <b>{html.escape(str(m.get('target', '')))}</b> · created {html.escape(str(m.get('created', '')))}"
             f" · servelab {html.escape(str(tool.get('version', '')))} @ {html.escape(str(tool.get('commit') or '-'))[:12]}"
             f"{' (dirty)' if tool.get('dirty') else ''} · <a href='manifest.json'>manifest.json</a>"
@@ -155,7 +210,8 @@ def _cases_html(run_dir: Path) -> str:
                     f"<td>{html.escape(versions)}</td></tr>")
     for e in errors[:8]:
         rows.append(f"<tr><td colspan='6' class='bad'><small>{html.escape(e)}</small></td></tr>")
-    return ("<h2>Measured cases</h2><p><small>From each case's <code>cases/&lt;case&gt;/summary.json</code>; a case "
+    return ("<h2 id='measured-cases'>Measured cases</h2><p><small>From each case's "
+            "<code>cases/&lt;case&gt;/summary.json</code>; a case "
             "is a result only when its verdict is VALID.</small></p><table><tr><th>phase</th><th>cases</th>"
             "<th>VALID</th><th>INVALID</th><th>INVALID cases (first reason)</th><th>summary schema</th></tr>"
             + "".join(rows) + "</table>")

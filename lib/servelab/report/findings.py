@@ -13,12 +13,25 @@ from typing import Any
 
 # key suffix → unit shown (longest suffixes first)
 UNITS: tuple[tuple[str, str], ...] = (
-    ("_tok_s", "tok/s"), ("_tps", "tok/s"), ("_rps", "req/s"), ("_gbps", "GB/s"), ("_gib", "GiB"), ("_mib", "MiB"),
-    ("_mb", "MB"), ("_gb", "GB"), ("_pct", "%"), ("_ms", "ms"), ("_us", "µs"), ("_ns", "ns"), ("_s", "s"),
+    ("_tok_per_s", "tok/s"), ("_tok_s", "tok/s"), ("_tps", "tok/s"), ("_rps", "req/s"), ("_per_s", "/s"),
+    ("_tflops", "TFLOP/s"), ("_gbps", "GB/s"), ("_gib", "GiB"), ("_mib", "MiB"), ("_kib", "KiB"), ("_mb", "MB"),
+    ("_gb", "GB"), ("_bytes", "bytes"), ("_mhz", "MHz"), ("_pct", "%"), ("_ms", "ms"), ("_us", "µs"),
+    ("_ns", "ns"), ("_ps", "/s"), ("_s", "s"),
 )
 WORDS = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2e": "E2E", "tps": "TPS", "kv": "KV", "slo": "SLO",
          "nccl": "NCCL", "gpu": "GPU", "cpu": "CPU", "p50": "P50", "p90": "P90", "p95": "P95", "p99": "P99",
-         "cv": "CV", "pp": "PP", "tp": "TP", "ab": "A/B", "id": "id", "busbw": "bus bandwidth", "comm": "comm"}
+         "cv": "CV", "pp": "PP", "tp": "TP", "ab": "A/B", "id": "id", "busbw": "bus bandwidth", "comm": "comm",
+         "e2el": "E2E", "rss": "RSS", "mib": "MiB", "gib": "GiB", "c": "C"}
+
+
+# names that hold a fraction in [0, 1]: every page shows them as a percentage (one unit per quantity across a run)
+FRACTION_SUFFIXES = ("hit_rate", "acceptance_rate", "_fraction", "_frac", "_share")
+FRACTION_KEYS = frozenset({"target_rate", "expected_rate", "kv_peak_active", "kv_usage", "kv_active"})
+
+
+def is_fraction_key(name: Any) -> bool:
+    n = "_".join(str(name).strip().lower().replace("(", " ").replace(")", " ").split())
+    return (n.endswith(FRACTION_SUFFIXES) or n in FRACTION_KEYS) and "pct" not in n and "%" not in str(name)
 
 
 def split_unit(key: str) -> tuple[str, str]:
@@ -29,6 +42,7 @@ def split_unit(key: str) -> tuple[str, str]:
         if key.lower().endswith(suffix) and len(key) > len(suffix):
             base, unit = key[: -len(suffix)], u
             break
+    base = base.replace("_per_s_", "/s_")                # median_tok_per_s_per_user → median tok/s per user
     words = [WORDS.get(w.lower(), w) for w in base.split("_") if w]
     return " ".join(words), unit
 
@@ -49,11 +63,10 @@ def format_value(value: Any) -> str:
             return "0"
         if a >= 1000:
             return f"{value:,.0f}"
-        if a >= 100:
-            return f"{value:.1f}"
-        if a >= 1:
-            return f"{value:.2f}"
-        return f"{value:.3g}"
+        text = f"{value:.1f}" if a >= 100 else (f"{value:.2f}" if a >= 1 else f"{value:.3g}")
+        if 1 <= a < 100 and value != round(value) and float(text) == round(value):
+            return f"{value:.6g}"        # a value that is not whole never reads as a count (1.000244, not 1.00)
+        return text
     if hasattr(value, "item"):              # numpy scalars
         return format_value(value.item())
     if isinstance(value, (list, tuple)):
@@ -67,19 +80,43 @@ def headline_rows(headline: dict[str, Any]) -> list[tuple[str, str]]:
     rows = []
     for key, value in headline.items():
         label, unit = split_unit(str(key))
+        if is_fraction_key(key) and isinstance(value, (int, float)) and not isinstance(value, bool) \
+                and 0 <= value <= 1:
+            value, unit = 100 * value, "%"
         text = format_value(value)
-        rows.append((label, f"{text} {unit}".strip() if text != "—" and unit else text))
+        numeric = isinstance(value, (int, float)) or hasattr(value, "item")
+        rows.append((label, f"{text} {unit}".strip() if text != "—" and unit and numeric else text))
     return rows
 
 
+SOURCE_STYLE = {"live": ("#e3f3e4", "#1b5e20", "Measured live"),
+                "samples": ("#fff4ce", "#7a5c00", "Recorded sample data — not measured in this run"),
+                "model": ("#ece6f6", "#4a2b7a", "Model only — nothing measured")}
+
+
+def source_badge_html(phase_entry: dict[str, Any]) -> str:
+    """Where the page's numbers come from, at its top: one badge per source (measured live on the target,
+    recorded sample data, a model), each saying which (``report.run_summary.phase_sources``)."""
+    from servelab.report.run_summary import phase_sources
+    rows = []
+    for s in phase_sources(phase_entry):
+        bg, fg, title = SOURCE_STYLE[s["kind"]]
+        rows.append(f'<div class="servelab-source servelab-source-{html.escape(s["kind"])}" style="background:{bg};'
+                    f'border-left:5px solid {fg};padding:4px 10px;margin:4px 0"><b style="color:{fg}">'
+                    f'{html.escape(title)}</b>: {html.escape(str(s.get("what") or ""))}</div>')
+    return "".join(rows)
+
+
 def findings_html(phase_entry: dict[str, Any]) -> str:
-    """The box: the phase's finding sentences, then its headline numbers (labels and units in words)."""
+    """The box: where its numbers come from (badges), the phase's finding sentences, then its headline numbers
+    (labels and units in words)."""
     sentences = [s for s in phase_entry.get("findings") or [] if str(s).strip()]
     rows = headline_rows(phase_entry.get("headline") or {})
     if not sentences and not rows:
         return ""
-    parts = ['<section class="servelab-findings" aria-label="findings"><h2>Findings</h2>']
-    if phase_entry.get("from_samples"):
+    parts = ['<section class="servelab-findings" aria-label="findings">', source_badge_html(phase_entry),
+             "<h2>Findings</h2>"]
+    if phase_entry.get("from_samples") and not phase_entry.get("sources"):
         parts.append("<p><b>From recorded sample data</b>, not measured in this run.</p>")
     if sentences:
         parts.append("<ul>" + "".join(f"<li>{html.escape(str(s))}</li>" for s in sentences) + "</ul>")
@@ -133,6 +170,9 @@ def ab_findings(ab: Any, metrics: dict[str, str] | None = None) -> list[str]:
                 if metrics is not None and r.metric not in metrics:
                     continue
                 label = (metrics or {}).get(r.metric) or split_unit(r.metric)[0]
+                if r.verdict == "invalid":         # an INVALID side's change is not a result: no number for it
+                    items.append(f"{label} not compared (an INVALID side)")
+                    continue
                 delta = "" if r.delta_pct is None or math.isnan(r.delta_pct) else f" {r.delta_pct:+.1f} %"
                 band = "" if r.noise_band_pct is None or math.isnan(r.noise_band_pct) \
                     else f", noise band ±{r.noise_band_pct:.1f} %"

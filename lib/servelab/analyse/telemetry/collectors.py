@@ -84,11 +84,11 @@ class CollectorSpec:
 
 
 def display_argv(argv: list[str]) -> list[str]:
-    """argv for logs and pages: a ``python3 -c <sampler source>`` shows the source's file name instead."""
+    """argv for logs and pages, complete and pasteable: a ``python3 -c <sampler source> CONFIG`` is shown as the
+    same program run from its file (``python3 …/sampler_program.py CONFIG``: the program reads its config from
+    ``sys.argv[1]`` either way); everything else as it is."""
     if len(argv) > 2 and argv[1] == "-c" and "def run_files" in argv[2]:
-        return [argv[0], "-c", "<servelab/telemetry/sampler_program.py>", *argv[3:]]
-    if len(argv) == 6 and argv[:2] == ["sh", "-c"] and argv[2] == SAR_JSON_SCRIPT:
-        return ["sh", "-c", f"<sar -n {argv[4]} -o FILE {argv[5]}; on stop: sadf -j FILE -- -n {argv[4]}>"]
+        return [argv[0], str(Path(__file__).with_name("sampler_program.py")), *argv[3:]]
     return list(argv)
 
 
