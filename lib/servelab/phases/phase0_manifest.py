@@ -339,7 +339,7 @@ def _freeze_items(f: NodeFreeze) -> dict[str, str]:
         "commit from": e.get("commit_source") or "-",
         "runs as": f"Python {e['python']} {e.get('executable', '')}" if e.get("python") else
                    (e.get("executable") or "-"),
-        "executable sha256": e.get("executable_sha256") or "-",
+        **({"executable sha256": e["executable_sha256"]} if e.get("executable_sha256") else {}),
         "packages": f"{len(f.packages)} distributions" if len(f.packages) else "-",
         "model files": f"{len(w)} files, {f.weights_bytes / 2**20:,.1f} MiB" if len(w) else "-",
         "weights sha256": weights_fingerprint(w) or "-",
@@ -382,7 +382,9 @@ def packages_table(result: Phase0Result) -> pd.DataFrame:
     wide = wide[["package", *cols, "installed from", "commit", "changed"]].fillna("absent")
     wide.columns.name = None
     wide = wide.assign(_same=wide["changed"].eq("same"), _name=wide["package"].str.lower())
-    return wide.sort_values(["_same", "_name"]).drop(columns=["_same", "_name"]).reset_index(drop=True)
+    out = wide.sort_values(["_same", "_name"]).drop(columns=["_same", "_name"]).reset_index(drop=True)
+    out.attrs["max_rows"] = len(out)          # the page lists every package (the method asks for all of them)
+    return out
 
 
 def weights_table(result: Phase0Result) -> pd.DataFrame:
@@ -406,7 +408,9 @@ def weights_table(result: Phase0Result) -> pd.DataFrame:
     if not rows:
         notes = [n for f in result.frozen_before.values() for n in (f.notes or []) if "checksum" in n]
         return pd.DataFrame({"note": notes or ["no model file was hashed"]})
-    return pd.DataFrame(rows)
+    out = pd.DataFrame(rows)
+    out.attrs["max_rows"] = len(out)          # every model file's checksum on the page
+    return out
 
 
 def state_table(result: Phase0Result) -> pd.DataFrame:
