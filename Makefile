@@ -1,6 +1,8 @@
 # The README's two commands. Both create (or reuse) the environment first.
 #   make demo   the demo archive against the embedded local target (real llama-server + Gemma-3-270M)
 #   make test   the whole test suite (what .ci/run calls)
+# The checkout's .venv holds servelab (editable) with its `test` extra (pytest, ruff, import-linter ...: the
+# tools of `make test` and `make lint`); `pip install .` alone installs only what servelab itself needs.
 PY      ?= python3
 VENV    ?= .venv
 STAMP   := $(VENV)/.installed
@@ -11,7 +13,7 @@ SYSTEM_PACKAGES := cmake ninja-build gcc g++ python3-dev openssh-server sysstat 
 $(STAMP): pyproject.toml setup.py lib/servelab/analyse/trace/_scan.c
 	$(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -e .
+	$(VENV)/bin/pip install -q -e '.[test]'
 	@$(VENV)/bin/python -c "import servelab.analyse.trace._scan" 2>/dev/null || echo "warning: the trace scanner \
 	was not compiled (no C compiler or Python headers): traces parse about 3x slower. Install gcc and python3-dev \
 	(make system), then: rm $(STAMP) && make env"

@@ -65,11 +65,11 @@ case's integrity check on this machine compares its chunk rate with (``docs/metr
 running; 3-5 minutes):
 
     python benchmarks/bench_client_overhead.py --ceiling --save-ceiling \
-        --out benchmarks/results_client_ceiling_$(date +%Y%m%d).json
+        --out benchmarks/results/client_ceiling_$(date +%Y%m%d).json
 
 The reference client needs a python that imports ``sglang.bench_serving`` 0.5.9 and a tokenizer directory; by
 default ``bench_serving_env.py`` builds both from the package registry. On a machine without one,
-``--bench-serving-python`` and ``--bench-serving-tokenizer`` take them ready-made (``results_client_*_20261202_h200host*.json``
+``--bench-serving-python`` and ``--bench-serving-tokenizer`` take them ready-made (``benchmarks/results/client_*_20261202_h200host*.json``
 record in their ``note`` how they were made there).
 """
 from __future__ import annotations

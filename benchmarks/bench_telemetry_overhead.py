@@ -15,7 +15,7 @@ In the same run:
   every ``slow_interval``), timed with ``time.process_time`` over many rounds — the cost of the data itself
   without any process, fork or formatting.
 
-    python benchmarks/bench_telemetry_overhead.py --seconds 60 --out benchmarks/results_telemetry_overhead_<date>.json
+    python benchmarks/bench_telemetry_overhead.py --seconds 60 --out benchmarks/results/telemetry_overhead_<date>.json
 
 The engine stand-in (the ``pid`` that ``pidstat``/``numastat`` follow) is a sleeping Python process with a
 few threads. GPU collectors (nvidia-smi, DCGM) run only where their binaries and a GPU are present; the
@@ -84,7 +84,7 @@ def _netdevs_with_stats() -> list[str] | None:
 
 def run_collectors(specs: list, seconds: float, work: Path) -> dict:
     """Start ``specs`` together on the local host for ``seconds``; CPU share of each and of all."""
-    from servelab.analyse.telemetry.runner import NodePlan, RequiredCollectorError, start_telemetry
+    from servelab.measure.telemetry.runner import NodePlan, RequiredCollectorError, start_telemetry
     from servelab.deploy.hosts import LocalHost
     for s in specs:
         s.required = False
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=60.0, help="how long each measurement runs")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
-    from servelab.analyse.telemetry.collectors import default_collectors
+    from servelab.measure.telemetry.collectors import default_collectors
 
     stand = _standin()
     work = Path(tempfile.mkdtemp(prefix="bench-telemetry-"))

@@ -2,7 +2,7 @@
 end to end, and the loader's scaling curve — one command, one JSON (with the command line) and one plot.
 
     .venv/bin/python benchmarks/bench_trace_scale.py [--rank-mb 100] [--ranks 16] [--curve 5,20,60]
-                                                   [--hta-copies 20] [--out benchmarks/results_trace_scale_DATE.json]
+                                                   [--hta-copies 20] [--out benchmarks/results/trace_scale_<date>.json]
 
 Inputs are synthesised at bench time in a temporary folder (deleted afterwards) from our real 2 × H200 TP=2
 capture: each real rank's events are replicated in time (ids offset so links stay unique) until its gzip is
@@ -163,7 +163,7 @@ def worker_ours(trace_dir: str, cache_dir: str, keep_events: str) -> dict:
 
 def worker_parse(path: str) -> dict:
     t0 = time.perf_counter()
-    from servelab.analyse.trace.load import parse_trace
+    from servelab.analyse.trace.chunked import parse_trace
     t_import = time.perf_counter() - t0
     t0 = time.perf_counter()
     frame, _ = parse_trace(path)
@@ -266,7 +266,7 @@ def main() -> int:
     ap.add_argument("--ranks", type=int, default=16)
     ap.add_argument("--curve", default="5,20,60", help="replica counts of one rank for the scaling curve")
     ap.add_argument("--hta-copies", type=int, default=20, help="replicas of the H200 pair HTA is run on (0: skip)")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / f"results_trace_scale_{time.strftime('%Y%m%d')}.json"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / f"trace_scale_{time.strftime('%Y%m%d')}.json"))
     ap.add_argument("--work-dir", default="")
     a = ap.parse_args()
     if a.worker:

@@ -53,6 +53,12 @@ def read_only_copy(src: Path) -> Path:
 ENGINE_FIXTURES = frozenset({"llama_server_binary", "tiny_server"})
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """The quick part (``-m "not slow"``) draws fewer generated inputs per property (``tests/fuzz.py``)."""
+    import fuzz
+    fuzz.QUICK = " ".join(str(config.getoption("markexpr") or "").split()) == "not slow"
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:

@@ -19,6 +19,8 @@ from servelab.core.params import ParamError, notebook_param_specs
 from servelab.core.paths import path_slug
 from servelab.measure.search import ladder
 from servelab.deploy.targets import target_from_dict
+from cli_here import run_cli
+from fuzz import examples
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,6 +36,8 @@ BAD = [
     ("phase1", "repeats=0", "'repeats' must be >= 1"),
     ("phase1", "definition=foo", "must be one of vllm, sglang"),
     ("phase3", "timeline_bins=0", "'timeline_bins' must be >= 1"),
+    ("phase3", "capture_steps=4", "'capture_steps' must be >= 5"),
+    ("phase3", "capture_steps=33", "'capture_steps' must be <= 32"),
     ("phase5", "tp=0", "'tp' must be >= 1"),
     ("phase8", "rates=[0.5, 2]", "items must be <= 1"),
     ("phase9", "concurrencies=[0]", "items must be >= 1"),
@@ -45,7 +49,21 @@ BAD = [
 
 
 @pytest.mark.parametrize("phase,item,message", BAD)
-def test_bad_input_is_one_line_and_nothing_is_written(tmp_path: Path, phase: str, item: str, message: str) -> None:
+def test_bad_input_is_one_line_and_nothing_is_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture, phase: str, item: str,
+                                                      message: str) -> None:
+    code, _, err = run_cli("run", phase, "--target", "local-tiny", "-p", item, tmp_path=tmp_path,
+                           monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("servelab: error: ") and message in lines[0], err
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_bad_input_through_the_real_command_is_one_line_and_nothing_is_written(tmp_path: Path) -> None:
+    """One of the cases above through ``python -m servelab.cli``: the process prints that line alone (no traceback,
+    no warning) and exits 2."""
+    phase, item, message = BAD[0]
     res = servelab("run", phase, "--target", "local-tiny", "-p", item, tmp_path=tmp_path)
     assert res.returncode == 2, res.stderr
     lines = res.stderr.strip().splitlines()
@@ -53,14 +71,16 @@ def test_bad_input_is_one_line_and_nothing_is_written(tmp_path: Path, phase: str
     assert not (tmp_path / "outputs").exists()
 
 
-def test_a_missing_model_is_found_before_the_run_directory(tmp_path: Path) -> None:
+def test_a_missing_model_is_found_before_the_run_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture) -> None:
     raw = yaml.safe_load((ROOT / "params/targets/local-tiny.yaml").read_text())
     raw["model"] = str(tmp_path / "no-such-model.gguf")
     t = tmp_path / "nomodel.yaml"
     t.write_text(yaml.safe_dump(raw))
-    res = servelab("run", "phase1", "--target", str(t), tmp_path=tmp_path)
-    assert res.returncode == 2
-    lines = res.stderr.strip().splitlines()
+    code, _, err = run_cli("run", "phase1", "--target", str(t), tmp_path=tmp_path, monkeypatch=monkeypatch,
+                           capsys=capsys)
+    assert code == 2
+    lines = err.strip().splitlines()
     assert len(lines) == 1 and "no-such-model.gguf" in lines[0] and "neither a known key" in lines[0]
     assert not (tmp_path / "outputs").exists()
 
@@ -111,7 +131,7 @@ PHASES = [p for p in available_phases() if p.startswith("phase")]
 def test_generated_phase_parameters_are_accepted_or_refused_cleanly(phase: str) -> None:
     specs = {k: s for k, s in notebook_param_specs(notebook_path(phase)).items() if k not in ("target", "run_id")}
 
-    @settings(max_examples=60, deadline=2000, suppress_health_check=[HealthCheck.too_slow])
+    @settings(max_examples=examples(60), deadline=2000, suppress_health_check=[HealthCheck.too_slow])
     @given(st.fixed_dictionaries({}, optional={k: _by_type(s.type_name) for k, s in specs.items()}))
     def check(values: dict) -> None:
         try:
@@ -127,7 +147,7 @@ LAUNCH_KEYS = ["parallel", "threads", "batch_size", "extra_args", "spec", "conte
 TARGET = yaml.safe_load((ROOT / "params/targets/local-tiny.yaml").read_text())
 
 
-@settings(max_examples=300, deadline=2000)
+@settings(max_examples=examples(300), deadline=2000)
 @given(engine=st.sampled_from(["llamacpp", "vllm", "sglang"]),
        top=st.dictionaries(st.sampled_from(["name", "engine", "model", "port", "launch", "env", "nodes", "scale",
                                             "gate", "preflight", "description"]), VALUES, max_size=3),

@@ -33,31 +33,49 @@ class RemoteLikeHost(LocalHost):
 
 def test_capture_scenarios_match_the_method_table():
     dc, mx, lp, ph = cap.capture_scenarios("cluster", decode_case="D2-c32", mixed_case="M1-treatment", prefill_case="P3")
-    # docs/method.md#capture-scenarios: decode control 1K->1K C=32, skip 2, capture 16
+    # docs/method.md#capture-scenarios: decode control 1K->1K C=32, skip 2, capture N = 10 (the first pass's 5-10)
+    assert cap.DEFAULT_STEPS == 10
     assert (dc.name, dc.case_id, dc.isl_tokens, dc.osl_tokens, dc.concurrency, dc.skip_steps, dc.num_steps,
-            dc.trigger) == ("decode_control", "D2-c32", 1024, 1024, 32, 2, 16, "decode_active")
-    # mixed treatment: same background, 2 pure decode steps, then 128K->1 injected, 32 steps in all
+            dc.trigger) == ("decode_control", "D2-c32", 1024, 1024, 32, 2, 10, "decode_active")
+    # mixed treatment: same background, 2 pure decode steps, then 128K->1 injected, N + 22 = 32 steps in all
     assert (mx.isl_tokens, mx.osl_tokens, mx.concurrency, mx.inject_isl_tokens, mx.inject_osl_tokens,
             mx.inject_after_steps, mx.num_steps) == (1024, 1024, 32, 131072, 1, 2, 32)
-    # long prefill: 128K->1, C=1, 16 steps from the first chunk
+    # long prefill: 128K->1, C=1, N steps from the first chunk
     assert (lp.isl_tokens, lp.osl_tokens, lp.concurrency, lp.num_steps, lp.skip_steps, lp.trigger) == \
-        (131072, 1, 1, 16, 0, "before_first_chunk")
+        (131072, 1, 1, 10, 0, "before_first_chunk")
     # prefix hit: a long context, ~97 % of it one shared prefix warmed before the capture
-    assert (ph.name, ph.trigger, ph.num_steps) == ("prefix_hit", "before_first_chunk", 16)
+    assert (ph.name, ph.trigger, ph.num_steps) == ("prefix_hit", "before_first_chunk", 10)
     assert ph.prefix_tokens / ph.isl_tokens > 0.9 and ph.isl_tokens >= 32768
+    assert "capture 10" in dc.description and "32 steps in all" in mx.description
     local = cap.capture_scenarios("local")
     assert [s.name for s in local] == ["decode_control", "mixed_treatment", "long_prefill", "prefix_hit"]
     assert all(s.isl_tokens + s.osl_tokens <= 2048 for s in local)
     assert local[1].inject_isl_tokens + 1 <= 2048
 
 
-@pytest.mark.parametrize("steps,ok", [(9, False), (10, True), (32, True), (33, False)])
-def test_step_window_is_10_to_32(steps, ok):
+@pytest.mark.parametrize("steps,mixed", [(5, 27), (8, 30), (10, 32), (16, 32), (32, 32)])
+def test_capture_steps_set_every_window_and_the_mixed_one_keeps_room_for_its_prefill(steps, mixed):
+    dc, mx, lp, ph = cap.capture_scenarios("local", steps=steps)
+    assert (dc.num_steps, lp.num_steps, ph.num_steps) == (steps, steps, steps)
+    assert mx.num_steps == mixed == cap.mixed_steps(steps)
+    # after the 2 decode steps and the injection's room, the mixed window still holds decode steps (at most 32)
+    assert mx.num_steps - mx.inject_after_steps >= min(steps, 32 - cap.MIXED_EXTRA_STEPS) + 20
+    assert f"{mixed} steps in all" in mx.description
+
+
+@pytest.mark.parametrize("steps", [4, 33, 0, 10.0, True, "10"])
+def test_capture_steps_outside_5_to_32_are_refused_with_what_to_pass(steps):
+    with pytest.raises(cap.CaptureError, match=r"capture_steps=.*5 to 32 engine steps.*e\.g\. 10"):
+        cap.capture_scenarios("local", steps=steps)
+
+
+@pytest.mark.parametrize("steps,ok", [(4, False), (5, True), (10, True), (32, True), (33, False)])
+def test_step_window_is_5_to_32(steps, ok):
     make = lambda: cap.ProfileScenario("decode_control", "D1", 1024, 1024, 1, num_steps=steps)  # noqa: E731
     if ok:
         assert make().num_steps == steps
     else:
-        with pytest.raises(cap.CaptureError, match="10-32"):
+        with pytest.raises(cap.CaptureError, match="5-32"):
             make()
 
 
@@ -235,7 +253,7 @@ def test_truncated_trace_is_reported_not_collected(sglang_stub, tmp_path: Path):
     assert "start_step" not in session.request_body
     assert "skip of 2 steps" in " ".join(session.notes)        # SGLang start_step is absolute: said so
     session = cap.stop_profile(srv, session)
-    wait = cap.wait_for_traces(srv, session, timeout_s=4)
+    wait = cap.wait_for_traces(srv, session, timeout_s=2, poll_s=0.1, settle_s=0.5)
     assert wait.timed_out and not wait.complete
     assert wait.missing_ranks == {"node0": 0, "node1": 1}
     assert list(wait.broken) == ["node1"]

@@ -12,7 +12,7 @@ import pytest
 
 from servelab.measure import case as cs
 from servelab.measure.case_record import SCHEMA_VERSION, validate_summary
-from servelab.measure.client import read_records
+from servelab.measure.records import read_records
 from servelab.measure.mixed import m1_analysis, run_m1_case
 from servelab.core.params import ParamError
 from servelab.deploy.targets import load_target

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_here import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,16 +21,19 @@ def servelab(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
                           text=True, timeout=600)
 
 
-def test_a_bad_run_id_is_one_line_and_nothing_is_written(tmp_path: Path) -> None:
-    res = servelab("run", "phase0", "--target", "local-tiny", "--run-id", "../../x", tmp_path=tmp_path)
-    assert res.returncode == 2
-    assert "Traceback" not in res.stderr
-    assert res.stderr.strip().splitlines() == ["servelab: error: invalid run id '../../x': use letters, digits, "
-                                               "'.', '_' and '-' (max 128)"]
+def test_a_bad_run_id_is_one_line_and_nothing_is_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture) -> None:
+    code, _, err = run_cli("run", "phase0", "--target", "local-tiny", "--run-id", "../../x", tmp_path=tmp_path,
+                           monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 2
+    assert "Traceback" not in err
+    assert err.strip().splitlines() == ["servelab: error: invalid run id '../../x': use letters, digits, "
+                                        "'.', '_' and '-' (max 128)"]
     assert not (tmp_path / "outputs").exists()
 
 
 def test_an_unknown_phase_is_one_line(tmp_path: Path) -> None:
+    """Through the real command: the process prints that one line and exits 2."""
     res = servelab("run", "phase11", "--target", "local-tiny", tmp_path=tmp_path)
     assert res.returncode == 2
     assert len(res.stderr.strip().splitlines()) == 1 and "unknown phase 'phase11'" in res.stderr

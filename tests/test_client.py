@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from servelab.measure import request_metrics as mx
-from servelab.measure.client import (READ_BUFSIZE_BYTES, ClientConfig, ReadLog, RequestRecord, _send, arrival_offsets_s,
-                             parse_stream, read_records, run_requests, write_records)
+from servelab.measure.client import (READ_BUFSIZE_BYTES, ClientConfig, ReadLog, _send, arrival_offsets_s, parse_stream,
+                                     run_requests)
+from servelab.measure.records import RequestRecord, read_records, write_records
 from servelab.deploy.hosts import free_port
 from servelab.measure.workload import build_text_workload, build_workload
 

@@ -48,7 +48,7 @@ def test_merge_table_keeps_columns_of_both_and_string_keys(tmp_path):
 # ---------------------------------------------------------------- a case's records survive Ctrl-C
 
 def _record(i: int, role: str = "measure"):
-    from servelab.measure.client import RequestRecord
+    from servelab.measure.records import RequestRecord
     return RequestRecord(request_id=f"r-{i}", index=i, role=role, expected_input_tokens=8, requested_output_tokens=4,
                          http_status=200, send_ns=i, end_ns=i + 10, chunk_ns=[i + 5], chunk_text=["x"],
                          chunk_choices=[True], chunk_tokens=[None])
@@ -60,7 +60,7 @@ def test_streamed_records_are_on_disk_at_once_and_an_interrupt_keeps_them(tmp_pa
     not take the case as done."""
     from servelab.measure.case import case_is_done
     from servelab.measure.case_record import CaseFolder, read_summary, repeat_frame
-    from servelab.measure.client import read_records
+    from servelab.measure.records import read_records
     f = CaseFolder(tmp_path, "D1", "phase1", "decode", {"expected_measured": 3})
     f.stream_record(_record(0, "warmup"))
     f.stream_record(_record(1))
@@ -81,7 +81,7 @@ def test_streamed_records_are_on_disk_at_once_and_an_interrupt_keeps_them(tmp_pa
 
 def test_the_whole_case_replaces_the_stream_in_order(tmp_path):
     from servelab.measure.case_record import CaseFolder
-    from servelab.measure.client import read_records
+    from servelab.measure.records import read_records
     f = CaseFolder(tmp_path, "P1", "phase1", "prefill")
     for i in (2, 0, 1):                                     # completion order
         f.stream_record(_record(i))
@@ -119,7 +119,7 @@ def test_ctrl_c_mid_case_keeps_the_received_records(tiny_server, tmp_path, sigin
     folder keeps them, says INTERRUPTED, the matrix stops with STOPPED_BY_USER, summary.csv has the row, and a
     resumed matrix runs the case again."""
     from servelab.measure.case_record import read_summary
-    from servelab.measure.client import read_records
+    from servelab.measure.records import read_records
     from servelab.measure.matrix import dispatch_case
     env = cs.make_env(tiny_server, tmp_path / "run", repeats=3)
     cases = [cs.CaseSpec("D1", "D1", "decode", 32, 200, 1, 4, False)]
@@ -168,7 +168,7 @@ def test_ctrl_c_through_the_cli_mid_case_keeps_its_records(tmp_path):
     import subprocess
     import sys
     import time
-    from servelab.measure.client import read_records
+    from servelab.measure.records import read_records
     env = {**os.environ, "SERVELAB_OUTPUTS": str(tmp_path / "outputs"), "PYTHONUNBUFFERED": "1"}
     argv = [sys.executable, "-m", "servelab.cli", "run", "phase1", "--target", "local-tiny", "--run-id", "cc",
             "-p", "repeats=3", "-p", "cases=D1"]
@@ -286,7 +286,7 @@ def test_ctrl_c_mid_phase8_point_keeps_its_records(tiny_server, tmp_path, sigint
     """The same for a Phase 8 hit-rate point (its own client loop: streams of requests)."""
     from servelab.analyse.prefix_cache import HitPoint
     from servelab.measure.case_record import read_summary
-    from servelab.measure.client import read_records
+    from servelab.measure.records import read_records
     from servelab.measure.workload import engine_tokenizer, token_pool
     from servelab.phases.phase8_cache import run_hit_point
     pool = token_pool(engine_tokenizer(tiny_server.base_url, "llamacpp", "/tokenize"))

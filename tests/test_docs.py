@@ -86,3 +86,63 @@ def test_rendered_pages_reach_the_documents_from_a_run_directory(tmp_path: Path)
 
 def test_no_docs_folder_publishes_nothing(tmp_path: Path):
     assert publish_docs(tmp_path / "run", docs_dir=tmp_path / "absent") == []
+
+
+# ---------------------------------------------------------------- the module map cannot drift
+
+MAP_ROW_RE = re.compile(r"^\| `")
+MAP_TOKEN_RE = re.compile(r"`([^`]+)`")
+
+
+def module_map(doc: str) -> list[str]:
+    """The paths the first column of docs/architecture.md's module map lists, in order, relative to lib/servelab/
+    (``a/b.py``, ``c.py`` in one cell: the second is a sibling of the first)."""
+    section = doc[doc.index('<a id="module-map"></a>'):doc.index('<a id="where"></a>')]
+    out: list[str] = []
+    for line in section.splitlines():
+        if not MAP_ROW_RE.match(line):
+            continue
+        folder = ""
+        for tok in MAP_TOKEN_RE.findall(line.split("|")[1]):
+            if "/" in tok.rstrip("/"):
+                folder = tok.rsplit("/", 1)[0]
+                out.append(tok)
+            else:
+                out.append(f"{folder}/{tok}" if folder else tok)
+    return out
+
+
+def module_map_problems(root: Path) -> list[str]:
+    """Every Python module under lib/servelab (package ``__init__.py`` files aside) listed once in the module map,
+    and no listed path that is not there."""
+    lib = root / "lib" / "servelab"
+    listed = module_map((root / "docs" / "architecture.md").read_text(encoding="utf-8"))
+    tree = sorted(p.relative_to(lib).as_posix() for p in lib.rglob("*.py")
+                  if p.name != "__init__.py" and "__pycache__" not in p.parts)
+    problems = [f"{m}: not in docs/architecture.md's module map" for m in tree if m not in listed]
+    problems += [f"{m}: listed {listed.count(m)} times" for m in sorted(set(listed)) if listed.count(m) > 1]
+    problems += [f"{m}: listed, but lib/servelab/{m} does not exist" for m in sorted(set(listed))
+                 if not (lib / m).exists()]
+    return problems
+
+
+def test_the_module_map_lists_every_module_once_and_nothing_else():
+    assert module_map_problems(ROOT) == []
+
+
+def test_the_module_map_check_catches_a_module_added_without_a_line_and_a_stale_line(tmp_path: Path):
+    """The same check on a copy of the tree's file names: one module more, one module fewer."""
+    lib = ROOT / "lib" / "servelab"
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "architecture.md").write_text((DOCS / "architecture.md").read_text(encoding="utf-8"))
+    for p in lib.rglob("*"):
+        if p.is_file() and "__pycache__" not in p.parts:
+            q = tmp_path / "lib" / "servelab" / p.relative_to(lib)
+            q.parent.mkdir(parents=True, exist_ok=True)
+            q.touch()
+    assert module_map_problems(tmp_path) == []
+    (tmp_path / "lib" / "servelab" / "measure" / "brand_new.py").touch()
+    (tmp_path / "lib" / "servelab" / "report" / "tables.py").unlink()
+    assert module_map_problems(tmp_path) == [
+        "measure/brand_new.py: not in docs/architecture.md's module map",
+        "report/tables.py: listed, but lib/servelab/report/tables.py does not exist"]

@@ -224,7 +224,7 @@ def test_trace_identity_on_real_names(samples, thirdparty):
     """SGLang names give the ranks that the files' own distributedInfo confirms; HTA's sample names follow no
     engine (the analyser's generic rank token applies); vLLM names from a real capture."""
     import gzip
-    from servelab.analyse.trace.load import identity_from_name
+    from servelab.analyse.trace.identity import identity_from_name
     from servelab.deploy.engines import trace_identity
     sg, vl = engine_for("sglang"), engine_for("vllm")
     by_dir: dict = {}

@@ -8,7 +8,7 @@ import pytest
 
 from servelab.measure import peer_results as im
 from servelab.measure import request_metrics as mx
-from servelab.measure.client import RequestRecord
+from servelab.measure.records import RequestRecord
 
 DATA = Path(__file__).parent / "data" / "peer_results"
 

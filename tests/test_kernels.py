@@ -8,13 +8,12 @@ recomputed from the raw JSON with a brute-force interval loop."""
 from __future__ import annotations
 
 import csv
-import gzip
-import json
 import re
 from pathlib import Path
 
 import pandas as pd
 import pytest
+from plain import plain_trace
 
 from servelab.analyse.kernels import (KernelTableError, NcuFormatError, NcuSpec, default_repro_argv, derived_metrics,
                                       function_base, kernel_table_from_trace, ncu_command, ncu_import_command,
@@ -250,7 +249,7 @@ def test_planned_commands_and_repro():
 
 def _independent_window_totals(path: Path) -> dict[str, int]:
     """Plain json: sum of kernel durations (µs → ns) per annotation kind, brute-force containment."""
-    doc = json.loads(gzip.open(path).read())
+    doc = plain_trace(path)
     evs = doc["traceEvents"] if isinstance(doc, dict) else doc
     ann = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in evs
            if e.get("cat") == "gpu_user_annotation" and re.search(r"_step_\d+$|prefill_chunk|^step\[", e["name"])]

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from servelab.analyse.telemetry.collectors import CollectorSpec
-from servelab.analyse.telemetry.runner import NodePlan, RequiredCollectorError, read_statuses, start_telemetry
+from servelab.measure.telemetry.collectors import CollectorSpec
+from servelab.measure.telemetry.runner import NodePlan, RequiredCollectorError, read_statuses, start_telemetry
 from servelab.deploy.hosts import HostError, ProcessTracker, SSHHost, sha256_fingerprint
 from servelab.deploy.server import http_json, start_server, stop_server
 from servelab.deploy.targets import load_target, target_from_dict

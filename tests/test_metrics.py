@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from servelab.measure import request_metrics as mx
-from servelab.measure.client import RequestRecord
+from servelab.measure.records import RequestRecord
 
 MS = 1_000_000  # ns per ms
 

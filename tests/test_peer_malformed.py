@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from servelab.measure.peer_results import ImportFormatError, import_file
+from fuzz import examples
 
 ROOT = Path(__file__).resolve().parents[1]
 REAL = ROOT / "tests" / "data" / "peer_results" / "aiperf_0.13.0_profile_export_aiperf.json"
@@ -115,7 +116,7 @@ TAGS = ["time_to_first_token", "inter_token_latency", "inter_chunk_latency", "re
 KEYS = [None, "unit", "avg", "p50", "p90", "p95", "p99"]
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(tag=st.sampled_from(TAGS), key=st.sampled_from(KEYS), value=JSON_VALUES)
 def test_any_value_in_any_aiperf_field_is_a_row_or_one_line(tmp_path, tag, key, value):
     obj = _real()

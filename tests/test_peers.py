@@ -17,7 +17,7 @@ from servelab.measure import peer_compare as pc
 from servelab.measure import request_metrics as mx
 from servelab.measure.case import CaseResult, CaseSpec, write_summary
 from servelab.measure.case_record import CaseFolder
-from servelab.measure.client import RequestRecord
+from servelab.measure.records import RequestRecord
 from servelab.phases import phase1_perf_map as perf_map
 
 DATA = Path(__file__).parent / "data" / "peer_results"

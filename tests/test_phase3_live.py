@@ -11,7 +11,7 @@ import pytest
 from servelab.cli import main
 from servelab.core.run import read_commands, read_manifest
 from servelab.measure.case_record import read_summary
-from servelab.measure.client import read_records
+from servelab.measure.records import read_records
 
 SCENARIOS = {"decode_control": "D2-profile", "mixed_treatment": "M1-profile", "long_prefill": "P3-profile",
              "prefix_hit": "H8-profile"}
@@ -51,6 +51,9 @@ def test_phase3_captures_four_scenarios_live_and_answers_q10_from_the_mixed_one(
     # the page's capture table has the four rows; the analysed capture is the mixed one
     rows = list(csv.DictReader(open(rdir / "phase3" / "captures.csv")))
     assert [r["scenario"] for r in rows] == list(SCENARIOS) and all(r["complete"] == "True" for r in rows)
+    # how many engine steps each capture holds: the default window of 10 (the method's first pass), the mixed 32
+    assert [(int(r["skipped_steps"]), int(r["captured_steps"])) for r in rows] == [(2, 10), (0, 32), (0, 10), (0, 10)]
+    assert all(r["window"] for r in rows)
     # a mixed attempt whose prefill missed the traced steps (a loaded host) was set aside and captured again
     aside = sorted((rdir / "phase3" / "rejected-captures").glob("*")) \
         if (rdir / "phase3" / "rejected-captures").is_dir() else []

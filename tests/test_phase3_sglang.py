@@ -4,8 +4,9 @@ is made slow on purpose, and the slow-rank verdict must name it.
 
 How rank 1 is slowed: the test's target puts ``tests/straggler/`` on the engine's PYTHONPATH; its ``sitecustomize``
 makes rank 1 sleep 100 ms before each torch collective (all-reduce, all-gather, broadcast: SGLang's tensor-parallel
-collectives on CPU) while a flag file exists — the test creates it when the capture starts and removes it once the
-capture's traces are written. Rank 1 then arrives last at every collective by 100 ms, more than this shared machine's
+collectives on CPU) while a flag file exists — the test creates it once the capture's warm-up is recorded (the decode
+streams and the profiled steps follow) and removes it once the capture's traces are written (SGLang makes the trace
+folder only then). Rank 1 then arrives last at every collective by 100 ms, more than this shared machine's
 own scheduling noise (20 ms was not: ranks were late by up to 270 ms in both directions under load). Slowing the rank's CPU does not do it here: SGLang binds a rank to its cores only with Intel AMX or on arm64
 (its log says "init_cpu_threads_env ... is disabled"), both cores of this shared machine are loaded alike, and a rank
 stopped for most of every 2 ms (SIGSTOP/SIGCONT) still ran the tiny model's layers at full speed between its stops —
@@ -48,18 +49,19 @@ def test_tp2_capture_names_the_planted_straggler(tmp_path, monkeypatch):
     monkeypatch.setenv("SERVELAB_OUTPUTS", str(tmp_path))
     flag = tmp_path / "straggler-on"
     target = straggler_target(tmp_path, flag)
-    profiles = tmp_path / "tp2" / "phase3" / "engine-profiles"       # a session folder appears when the capture starts
+    commands = tmp_path / "tp2" / "commands.jsonl"
+    profiles = tmp_path / "tp2" / "phase3" / "engine-profiles"
     stop = threading.Event()
+    armed: list[bool] = []
 
-    def arm() -> None:            # armed while the capture runs: the decode streams go on at full speed afterwards
-        while not stop.wait(0.05):
-            if not flag.exists() and profiles.is_dir() and any(profiles.iterdir()):
+    def arm() -> None:            # armed for the capture only: the engine's start and warm-up run at full speed
+        while not stop.wait(0.02):
+            if not armed and commands.is_file() and "warm-up before decode_control" in commands.read_text():
                 flag.touch()
                 armed.append(True)
-            if flag.exists() and list(profiles.rglob("*.trace.json.gz")):
+            if armed and list(profiles.rglob("*.trace.json.gz")):
                 flag.unlink()
                 return
-    armed: list[bool] = []
     armer = threading.Thread(target=arm, daemon=True)
     armer.start()
     try:

@@ -35,9 +35,9 @@ PHASES = {
 }
 # what each page must show once its scripts ran: the notebook's title and the phase's main tables
 PAGE_TEXT = {
-    "phase7": ["Phase 7", "batch_size=2048", "batch_size=32", "confound"],
+    "phase7": ["Phase 7", "batch_size=2048", "batch_size=32", "confound", "no regression"],
     "phase8": ["Phase 8", "H8_hit50", "REJECTED", "ACCEPTED"],
-    "phase9": ["Phase 9", "draft=self n=3", "draft=random:1 n=3", "acceptance"],
+    "phase9": ["Phase 9", "draft=self n=3", "draft=random:1 n=3", "acceptance", "no regression"],
 }
 
 
@@ -95,6 +95,12 @@ def test_phase7_interference_sweep_files(run):
     conf = pd.read_csv(rdir / "phase7" / "ab_confounded_differences.csv")
     assert "launch.settings.ubatch_size" in set(conf.loc[conf["status"] == "confound", "key"])
     assert set(pd.read_csv(rdir / "phase7" / "ab_comparison.csv")["metric"]) >= {"p95_tpot_ms", "output_tps"}
+    # the correctness check: every value's engine answered the fixed prompts greedily; -b 32 against -b 2048 changes
+    # how a prompt is batched, not what the model computes: the same tokens on every prompt
+    assert all((rdir / "phase7" / "ab" / label / "greedy_outputs.json").is_file() for label in [*values, confound])
+    corr = pd.read_csv(rdir / "phase7" / "ab_correctness.csv")
+    assert len(corr) == 8 and set(corr["status"]) == {"identical"} and corr["b_run"].str.endswith("batch_size=32").all()
+    assert {"6. Accuracy, stability or memory risk?"} <= set(pd.read_csv(rdir / "phase7" / "ab_questions.csv")["question"])
     starts, stops = _starts_and_stops(rdir, "phase7")
     assert len(starts) == len(stops) == 3                         # one engine per value, one for the confound
 
@@ -135,6 +141,12 @@ def test_phase9_speculative_files(run):
     assert json.loads((rdir / "phase9" / "phase9.json").read_text())["errors"] in ({}, [])
     for rec in ("off", "draft=self-n=3", "draft=random-1-n=3"):
         assert (rdir / "phase9" / "ab" / rec / "manifest.json").is_file(), rec
+        assert (rdir / "phase9" / "ab" / rec / "greedy_outputs.json").is_file(), rec
+    # speculation verified greedily answers token for token what speculation off answers (llama.cpp reports no
+    # model log-probabilities for drafted tokens, so the tokens alone are compared)
+    corr = pd.read_csv(rdir / "phase9" / "ab_correctness.csv")
+    assert len(corr) == 16 and set(corr["status"]) == {"identical"}
+    assert {"ab_differences.csv", "ab_comparison.csv", "ab_questions.csv"} <= {f.name for f in (rdir / "phase9").iterdir()}
     for case in p["case_id"]:
         assert (rdir / "cases" / case / "requests.jsonl").stat().st_size > 0, case
     starts, stops = _starts_and_stops(rdir, "phase9")

@@ -192,7 +192,7 @@ def test_target_env_refs_resolve_or_fail_in_one_line(tmp_path, monkeypatch):
 
 
 def test_derived_target_keeps_secrets_out_and_still_loads(outputs, tmp_path, monkeypatch):
-    from servelab.cli import derived_target
+    from servelab.deploy.target_secrets import derived_target
     from servelab.deploy.targets import load_target
     tok, key, pw = "hf_" + rand(), rand(), rand()
     t = tmp_path / "s.yaml"

@@ -73,7 +73,7 @@ def test_concurrent_manifest_writers_lose_no_key(outputs):
     every read-modify-write counted, and no temp file is left behind."""
     import multiprocessing as mp
     rdir = runlib.init_run("t-conc", "local")
-    workers, n = 6, 40
+    workers, n = 6, 15
     ctx = mp.get_context("fork")
     procs = [ctx.Process(target=_hammer, args=(str(rdir), w, n)) for w in range(workers)]
     for p in procs:

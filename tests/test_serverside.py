@@ -234,7 +234,7 @@ def test_llamacpp_lines_moved_after_the_first_send(tmp_path):
     """The recorded process start precedes llama.cpp's clock: when the first slot would be taken before the case's
     first request was sent, every elapsed-time line moves later by exactly that gap (never earlier); the slots in
     use at the window's start are carried into it."""
-    from servelab.measure.client import RequestRecord, write_records
+    from servelab.measure.records import RequestRecord, write_records
     server = tmp_path / "C" / "server"
     server.mkdir(parents=True)
     (server / "engine_log_excerpt.txt").write_text(body("llamacpp_server.log"))
@@ -361,7 +361,7 @@ def test_m1_log_join_on_a_real_llamacpp_case():
     """The real M1 treatment case: decode-stream stalls overlap the injected 768-token prefill the log times; the
     injected request's TTFT splits into queueing + prefill + delivery that add up to the client's TTFT."""
     from servelab.analyse.serverside import LOG_PLACEMENT_TOLERANCE_NS, case_serverside, log_join, records_window
-    from servelab.measure.client import read_records
+    from servelab.measure.records import read_records
     case = Path(__file__).resolve().parents[1] / "data" / "samples" / "llamacpp-m1" / "M1_treatment"
     adapter = engine_for("llamacpp")
     t0, t1 = records_window(case)

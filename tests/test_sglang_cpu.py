@@ -158,16 +158,24 @@ def test_profile_writes_one_named_trace_per_rank_that_the_analysis_reads(sglang,
     out = tmp_path / "traces"
     req = srv.engine.profile_request(srv.target.launch, str(out), case_dir_name="t", prefix="probe", skip_steps=0,
                                      num_steps=6)
-    load = threading.Thread(target=lambda: stream(srv, {"model": "tiny-hf", "prompt": "hello " * 20,
-                                                         "max_tokens": 60, "ignore_eos": True}))
+    done = threading.Event()
+
+    def keep_decoding() -> None:       # streams until the trace is written: the profiler stops after 6 steps it ran
+        while not done.is_set():
+            stream(srv, {"model": "tiny-hf", "prompt": "hello " * 20, "max_tokens": 60, "ignore_eos": True})
+
+    load = threading.Thread(target=keep_decoding)
     load.start()
-    _time.sleep(0.5)
-    status, _ = call(srv, srv.engine.start_profile_path, req.body)
-    assert status == 200
-    load.join()
-    deadline = _time.monotonic() + 120
-    while _time.monotonic() < deadline and not list(out.glob("*.trace.json.gz")):
-        _time.sleep(1)
+    try:
+        _time.sleep(0.5)
+        status, _ = call(srv, srv.engine.start_profile_path, req.body)
+        assert status == 200
+        deadline = _time.monotonic() + 120
+        while _time.monotonic() < deadline and not list(out.glob("*.trace.json.gz")):
+            _time.sleep(1)
+    finally:
+        done.set()
+        load.join()
     files = list(out.glob("*.trace.json.gz"))
     assert len(files) == 1 and files[0].name.startswith("probe-") and files[0].name.endswith("-TP-0.trace.json.gz")
     assert srv.engine.profile_file(files[0].name)["rank_key"] == "TP-0"
@@ -207,7 +215,7 @@ SHARED = {"completed": "completed", "total_input": "total_input_tokens", "total_
           "p90_e2e_latency_ms": "p90_e2el_ms", "p99_e2e_latency_ms": "p99_e2el_ms"}
 
 
-def _our_run(srv, n: int, isl: int, osl: int, conc: int, seed: int):
+def _our_run(srv, n: int, isl: int, osl: int, conc: int, seed: int, api: str = "completions"):
     """Our client, the workload bench_serving sends: ``n`` prompts of ``isl`` token ids, ``osl`` output tokens, greedy
     (its default ``temperature: 0``: sampling costs the engine a step's softmax and draw on CPU)."""
     from servelab.measure.client import ClientConfig, run_requests
@@ -215,7 +223,7 @@ def _our_run(srv, n: int, isl: int, osl: int, conc: int, seed: int):
     pool = token_pool(engine_tokenizer(srv.base_url, "sglang", srv.engine.tokenize_path, headers=srv.auth_headers))
     wl = build_workload("conf", n, isl, osl, pool, seed=seed)
     return run_requests(wl.requests, ClientConfig(srv.base_url, "tiny-hf", engine="sglang", headers=srv.auth_headers,
-                                                  extra_body={"temperature": 0.0}), concurrency=conc)
+                                                  extra_body={"temperature": 0.0}, api=api), concurrency=conc)
 
 
 def test_our_aggregation_is_bench_serving_calculate_metrics(sglang, tmp_path):
@@ -249,8 +257,9 @@ def test_our_aggregation_is_bench_serving_calculate_metrics(sglang, tmp_path):
 def bench_serving(srv, out: Path, n: int, isl: int, osl: int, conc: int, seed: int) -> dict:
     """``python -m sglang.benchmark.serving`` (the engine's own client, from its venv) against ``srv``: token-id
     prompts of exactly ``isl`` tokens (``--tokenize-prompt``, which it allows only with its native backend ``sglang``:
-    streamed ``/generate``; ours streams ``/v1/completions`` — the same scheduler, the same definitions), ``osl``
-    output tokens, ``conc`` in flight."""
+    streamed ``/generate``, the endpoint ours then streams too), ``osl`` output tokens, greedy, ``conc`` in flight.
+    Measured here: the two endpoints differ on this CPU (``/generate`` 10-25 % faster per token than
+    ``/v1/completions``, for bench_serving itself as for ours), so the clients are compared on one endpoint."""
     from servelab.deploy.sglang_cpu import ensure_sglang_cpu
     argv = [str(ensure_sglang_cpu()), "-m", "sglang.benchmark.serving", "--backend", "sglang", "--base-url",
             srv.base_url, "--model", "tiny-hf", "--tokenizer", srv.model_path, "--dataset-name", "random-ids",
@@ -266,45 +275,68 @@ def bench_serving(srv, out: Path, n: int, isl: int, osl: int, conc: int, seed: i
 E2E_KEYS = (("median_ttft_ms", "median_ttft_ms"), ("median_tpot_ms", "median_tpot_ms"),
             ("median_itl_ms", "median_itl_ms"), ("median_e2e_latency_ms", "median_e2el_ms"),
             ("output_throughput", "output_throughput"))
+ROUNDS = 5
+
+
+def _server_side(d) -> dict:
+    """The server's own view of one client's window from its ``/metrics`` deltas: requests and tokens it counted, and
+    the mean of each latency histogram (``sum / count``, ms)."""
+    val = {str(k): float(v) for k, v in d.groupby("name")["delta"].sum().items()}
+    out = {k: val.get(f"sglang:{k}", 0.0) for k in ("prompt_tokens_total", "generation_tokens_total",
+                                                      "num_requests_total")}
+    for name, total in val.items():
+        if name.endswith("_seconds_sum") and val.get(name[:-4] + "_count"):
+            out[f"mean_{name[len('sglang:'):-len('_seconds_sum')]}_ms"] = 1e3 * total / val[name[:-4] + "_count"]
+    return out
 
 
 def test_end_to_end_with_sglang_bench_serving(sglang, tmp_path):
-    """Level 2: SGLang's own client and ours, same server, same workload shape, interleaved three times. Counts
-    exact in every run (completed, prompt and output tokens as the server counted them); the median over the runs
-    of each shared median and of output throughput within 10 % of the other client's (or 2 ms). The server's own
-    histograms over each client's window are written beside both (``conformance.json``)."""
+    """Level 2: SGLang's own client and ours, same server, same endpoint (``/generate``, token ids), same workload
+    shape, in five interleaved
+    rounds (who goes first alternates). Counts exact in every round (completed, output tokens, and the prompt and
+    output tokens the server counted in each client's window equal); the median over the rounds of each shared
+    median and of output throughput within 10 % of the other client's (or 2 ms, or half the widest round-to-round
+    spread of either client: the noise of this machine, where engine and clients share two cores). The server's own counts and
+    histogram means over each client's window are written beside both (``conformance.json``)."""
     from servelab.measure import request_metrics as mx
     from servelab.measure.launch_variants import metrics_snapshot, snapshot_deltas
     srv, _, _ = sglang
-    n, isl, osl, conc = 24, 32, 48, 4
+    n, isl, osl, conc = 32, 32, 48, 4
     theirs_runs, ours_runs, server = [], [], []
-    for i in range(3):
-        before = metrics_snapshot(srv)
-        theirs = bench_serving(srv, tmp_path / f"bs{i}.jsonl", n, isl, osl, conc, seed=11 + i)
-        mid = metrics_snapshot(srv)
-        run = _our_run(srv, n, isl, osl, conc, seed=11 + i)
-        after = metrics_snapshot(srv)
+    for i in range(ROUNDS):
+        side = {}
+        for who in (("bench_serving", "servelab") if i % 2 == 0 else ("servelab", "bench_serving")):
+            before = metrics_snapshot(srv)
+            if who == "bench_serving":
+                theirs = bench_serving(srv, tmp_path / f"bs{i}.jsonl", n, isl, osl, conc, seed=11 + i)
+            else:
+                run = _our_run(srv, n, isl, osl, conc, seed=11 + i, api="generate")
+            side[who] = _server_side(snapshot_deltas(before, metrics_snapshot(srv)))
         ours = mx.summarize(run.records, run.duration_s, "sglang")
         assert theirs["completed"] == ours["completed"] == n
-        assert theirs["total_input_tokens"] == ours["total_input_tokens"] == n * isl
+        assert ours["total_input_tokens"] == n * isl and ours["token_check"]["exact"]
         assert theirs["total_output_tokens"] == ours["total_output_tokens"] == n * osl
-        assert ours["token_check"]["exact"]
-        d1, d2 = snapshot_deltas(before, mid), snapshot_deltas(mid, after)
-        server.append({side: {k: float(d.loc[d["name"] == f"sglang:{k}", "delta"].sum())
-                              for k in ("prompt_tokens_total", "generation_tokens_total", "num_requests_total")}
-                       for side, d in (("bench_serving", d1), ("servelab", d2))})
+        counts = ("prompt_tokens_total", "generation_tokens_total", "num_requests_total")
+        assert {k: side["bench_serving"][k] for k in counts} == {k: side["servelab"][k] for k in counts}, side
+        assert side["servelab"]["prompt_tokens_total"] == n * isl
+        server.append(side)
         theirs_runs.append(theirs)
         ours_runs.append(ours)
-    for s in server:          # the server counted the same requests and tokens in each client's window
-        assert s["bench_serving"] == s["servelab"], s
     rows = []
     for k_theirs, k_ours in E2E_KEYS:
         a = float(np.median([o[k_ours] for o in ours_runs]))
         b = float(np.median([t[k_theirs] for t in theirs_runs]))
-        rows.append({"metric": k_ours, "servelab": a, "bench_serving": b, "diff_pct": 100 * (a - b) / b})
+        rows.append({"metric": k_ours, "servelab": a, "bench_serving": b, "diff_pct": 100 * (a - b) / b,
+                     "servelab_rounds": [o[k_ours] for o in ours_runs],
+                     "bench_serving_rounds": [t[k_theirs] for t in theirs_runs]})
+    # within 10 % (or 2 ms), or within this machine's own round-to-round noise: half the widest spread of either
+    # client's round values (engine and both clients share 2 cores here; a bias beyond that noise still fails)
+    for r in rows:
+        r["noise_half_range"] = float(max(np.ptp(r["servelab_rounds"]), np.ptp(r["bench_serving_rounds"]))) / 2
     (tmp_path / "conformance.json").write_text(json.dumps({"rows": rows, "server": server}, indent=1))
     print(json.dumps(rows, indent=1))
-    bad = [r for r in rows if abs(r["diff_pct"]) > 10 and abs(r["servelab"] - r["bench_serving"]) > 2.0]
+    bad = [r for r in rows if abs(r["diff_pct"]) > 10 and abs(r["servelab"] - r["bench_serving"]) > 2.0
+           and abs(r["servelab"] - r["bench_serving"]) > r["noise_half_range"]]
     assert not bad, rows
 
 

@@ -13,7 +13,7 @@ from servelab.analyse.trace import stalls as S
 from servelab.analyse.trace.analysis import analyse
 from servelab.analyse.trace.questions import q10
 from servelab.core.paths import samples_root
-from servelab.measure.client import RequestRecord, read_records
+from servelab.measure.records import RequestRecord, read_records
 
 SAMPLE = samples_root() / "vllm-cpu-mixed"
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from servelab.analyse.telemetry import collectors as C
+from servelab.measure.telemetry import collectors as C
 from servelab.analyse.telemetry.parse_sysstat import (KBPS_TO_GBPS, json_hosts, parse_mpstat, parse_sar_net)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,6 +85,7 @@ def test_text_under_a_german_locale_breaks_and_json_does_not():
 
 
 @needs
+@pytest.mark.slow                  # mpstat measures two 1 s intervals by design
 def test_live_json_is_the_same_under_a_non_c_locale(tmp_path):
     """mpstat run now under de_DE.UTF-8 (built with localedef into a temp LOCPATH): its text has decimal commas,
     its JSON parses to finite numbers in range."""
@@ -106,9 +107,10 @@ def test_live_json_is_the_same_under_a_non_c_locale(tmp_path):
 
 
 @needs
+@pytest.mark.slow                  # real sar and mpstat collectors around a 3 s window
 def test_the_sar_collector_leaves_json_and_no_temp_file(tmp_path):
     from servelab.analyse.telemetry.load import load_case_telemetry
-    from servelab.analyse.telemetry.runner import NodePlan, start_telemetry
+    from servelab.measure.telemetry.runner import NodePlan, start_telemetry
     from servelab.deploy.hosts import LocalHost
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()

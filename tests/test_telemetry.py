@@ -16,14 +16,14 @@ import pandas as pd
 import pytest
 
 from servelab.deploy.hosts import LocalHost as BaseLocalHost
-from servelab.analyse.telemetry import collectors as C
+from servelab.measure.telemetry import collectors as C
 from servelab.analyse.telemetry.frames import make_frame
 from servelab.analyse.telemetry.load import load_case_telemetry
 from servelab.analyse.telemetry.parse_dcgm import parse_dcgm_dmon
 from servelab.analyse.telemetry.parse_net import (ethtool_rates, increments, parse_ethtool_blocks, parse_ethtool_s,
                                           parse_rdma_blocks, rdma_rates)
 from servelab.analyse.telemetry.parse_smi import parse_smi_csv
-from servelab.analyse.telemetry.runner import (NOT_PRESENT, OK, PROBE_FAILED, NodePlan, RequiredCollectorError,
+from servelab.measure.telemetry.runner import (NOT_PRESENT, OK, PROBE_FAILED, NodePlan, RequiredCollectorError,
                                        read_statuses, start_telemetry)
 from servelab.analyse.telemetry.summary import answer_questions, compare_cases, summarize_case, write_metric_csvs
 from servelab.analyse.telemetry.windows import CaseWindow, coverage, slice_window
@@ -187,6 +187,7 @@ def test_required_collector_missing_fails_closed_before_the_case(tmp_path):
 
 
 @needs_sysstat
+@pytest.mark.slow                  # a real collector left to exit by itself (2 s)
 def test_required_collector_exiting_early_invalidates_the_case(tmp_path):
     host = LocalHost()
     quitter = C.mpstat(1.0)
@@ -291,7 +292,7 @@ def test_window_uses_interval_midpoints():
 
 def test_summary_head_worker_changes_and_dash(tmp_path):
     from servelab.analyse.telemetry.load import CaseTelemetry
-    from servelab.analyse.telemetry.runner import CollectorStatus
+    from servelab.measure.telemetry.runner import CollectorStatus
     s = 10**9
     statuses = [CollectorStatus("head", "mpstat", True, OK, started=True, raw_file="head/mpstat.txt"),
                 CollectorStatus("w1", "mpstat", True, OK, started=True, raw_file="w1/mpstat.txt"),
@@ -317,6 +318,7 @@ def test_summary_head_worker_changes_and_dash(tmp_path):
     assert len(lines) == 3 and lines[1].count(",-") >= 6 and NOT_PRESENT in lines[1]
 
 
+@pytest.mark.slow                  # the probe records for 1.5 s by design
 def test_smi_probe_end_to_end_with_a_stand_in_nvidia_smi(tmp_path, monkeypatch, h200x2):
     """A stand-in ``nvidia-smi`` on PATH replays recorded H200 rows with fresh UTC stamps; the probe must
     pass it exactly ``collectors.SMI_FIELDS`` and summarise what it printed."""

@@ -11,7 +11,7 @@ import polars as pl
 import pytest
 
 from conftest import SAMPLES, read_only_copy
-from servelab.analyse.trace import load as L
+from servelab.analyse.trace import chunked as C, decode as D
 from servelab.analyse.trace.analysis import analyse
 from servelab.analyse.trace.questions import ten_questions
 
@@ -37,12 +37,12 @@ def test_gloo_collectives_get_their_collective_args_on_both_decode_paths(tp2):
     raw = raw_gloo(path)
     want = sorted((e["name"][5:], prod(e["args"]["Input Dims"][0]), e["ts"]) for e in raw)
     assert {w[0] for w in want} == {"all_reduce", "all_gather", "broadcast"}
-    frames = {"msgspec": L._parse_serial(path)[0]}
-    if L._native is not None:
+    frames = {"msgspec": D._parse_serial(path)[0]}
+    if C._native is not None:
         text = gzip.open(path).read()
         start = text.index(b"[", text.index(b'"traceEvents"'))
         end = text.rindex(b"]")
-        got = L._scan_slice(text[start:end + 1])
+        got = C._scan_slice(text[start:end + 1])
         assert got is not None
         frames["scanner"] = got[0]
     for how, f in frames.items():
@@ -101,3 +101,12 @@ def test_pipeline_stages_send_and_receive_through_gloo(tmp_path):
     cbc = a.comm_by_collective
     assert set(cbc["collective"]) == {"SendRecv"} and set(cbc["rank"]) == {0, 1}
     assert a.slow_rank["slow_stage"] in (0, 1)          # the per-stage view judges the stages
+
+
+def test_a_cached_cpu_capture_is_still_read_as_cpu(tp2, tmp_path):
+    """The prepared tables of each rank are cached; a second analysis reads them back, and knows the rank was CPU."""
+    first = analyse(tp2 / "traces", cache_dir=tmp_path)
+    again = analyse(tp2 / "traces", cache_dir=tmp_path)
+    assert [r.device for r in first.rops] == [r.device for r in again.rops] == ["cpu", "cpu"]
+    q = {r["id"]: r for r in ten_questions(again).iter_rows(named=True)}
+    assert not q["Q5"]["answerable"] and "GPU" not in q["Q4"]["answer"]

@@ -15,16 +15,20 @@ from pathlib import Path
 
 import polars as pl
 import pytest
+from plain import plain_trace
 
-from servelab.analyse.trace import load as L
-from servelab.analyse.trace.load import TraceFormatError, identity_from_name, load_capture, load_trace, parse_trace
+from servelab.analyse.trace import chunked as C, decode as D, load as L
+from servelab.analyse.trace.chunked import parse_trace
+from servelab.analyse.trace.decode import TraceFormatError
+from servelab.analyse.trace.identity import identity_from_name
+from servelab.analyse.trace.load import load_capture, load_trace
 
 TP0 = "20261129203606-TP-0.trace.json.gz"
 TP1 = "20261129203606-TP-1.trace.json.gz"
 
 
 def _events(path: Path) -> tuple[dict, list[dict]]:
-    doc = json.loads(gzip.decompress(path.read_bytes()))
+    doc = plain_trace(path)
     return doc, doc["traceEvents"]
 
 
@@ -224,17 +228,18 @@ def test_lenient_path_for_odd_types(tmp_path: Path):
     assert k["correlation"] == 12 and k["ts_ns"] == 10_500 and k["dur_ns"] == 2_250
 
 
+@pytest.mark.slow                  # a pool of two parse worker processes (spawned: each imports the loader)
 def test_chunked_parallel_parse_equals_serial(h200_dir: Path, monkeypatch: pytest.MonkeyPatch):
     """The multi-process path (forced on a small file with small chunks) gives the serial frame."""
     path = h200_dir / TP1
-    serial, meta_s = L._parse_serial(path)
-    monkeypatch.setattr(L, "PARALLEL_MIN_BYTES", 0)
-    monkeypatch.setattr(L, "CHUNK_BYTES", 1 << 20)
-    monkeypatch.setattr(L, "SPILL_GROUP", 2)     # several groups of slices per worker, interleaved
-    assert L._json_size_hint(path) >= 8 << 20, "the sample is too small to give each worker two groups"
-    spills = lambda: set(Path(tempfile.gettempdir()).glob(f"{L._SPILL_PREFIX}{os.getpid()}-*"))  # noqa: E731
+    serial, meta_s = D._parse_serial(path)
+    monkeypatch.setattr(C, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(C, "CHUNK_BYTES", 1 << 20)
+    monkeypatch.setattr(C, "SPILL_GROUP", 2)     # several groups of slices per worker, interleaved
+    assert C.json_size_hint(path) >= 8 << 20, "the sample is too small to give each worker two groups"
+    spills = lambda: set(Path(tempfile.gettempdir()).glob(f"{C._SPILL_PREFIX}{os.getpid()}-*"))  # noqa: E731
     before = spills()
-    par = L._parse_parallel(path, workers=2)
+    par = C._parse_parallel(path, workers=2)
     assert par is not None, "parallel parse fell back"
     frame, meta_p = par
     assert frame.equals(serial)
@@ -242,18 +247,19 @@ def test_chunked_parallel_parse_equals_serial(h200_dir: Path, monkeypatch: pytes
     assert spills() == before, "the workers' slice folder was left behind"
 
 
+@pytest.mark.slow                  # a pool of two parse worker processes
 def test_workers_keep_their_columns_when_the_temp_folder_cannot_take_them(h200_dir: Path,
                                                                          monkeypatch: pytest.MonkeyPatch,
                                                                          tmp_path: Path):
     """A spill write that fails (here: the folder does not exist; on a node, a full or small /tmp) is not a
     parse failure: the workers return their columns through the pool instead, same frame."""
     path = h200_dir / TP1
-    serial, _ = L._parse_serial(path)
-    monkeypatch.setattr(L, "PARALLEL_MIN_BYTES", 0)
-    monkeypatch.setattr(L, "CHUNK_BYTES", 1 << 20)
-    monkeypatch.setattr(L, "SPILL_GROUP", 2)
-    monkeypatch.setattr(L, "_spill_dir", lambda: str(tmp_path / "gone" / "servelab-parse-x"))
-    par = L._parse_parallel(path, workers=2)
+    serial, _ = D._parse_serial(path)
+    monkeypatch.setattr(C, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(C, "CHUNK_BYTES", 1 << 20)
+    monkeypatch.setattr(C, "SPILL_GROUP", 2)
+    monkeypatch.setattr(C, "_spill_dir", lambda: str(tmp_path / "gone" / "servelab-parse-x"))
+    par = C._parse_parallel(path, workers=2)
     assert par is not None, "the parse fell back to the serial path"
     assert par[0].equals(serial)
 
@@ -264,12 +270,12 @@ def test_a_slice_folder_left_by_a_dead_process_is_removed(monkeypatch: pytest.Mo
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True, check=True).stdout.strip()
-    stale = tmp_path / f"{L._SPILL_PREFIX}{dead}-x1"
-    live = tmp_path / f"{L._SPILL_PREFIX}{os.getpid()}-x2"
+    stale = tmp_path / f"{C._SPILL_PREFIX}{dead}-x1"
+    live = tmp_path / f"{C._SPILL_PREFIX}{os.getpid()}-x2"
     for d in (stale, live):
         d.mkdir()
         (d / "0000000.arrow").write_bytes(b"x")
-    mine = Path(L._spill_dir())
+    mine = Path(C._spill_dir())
     assert not stale.exists() and live.exists() and mine.parent == tmp_path
 
 

@@ -2,14 +2,13 @@
 interval arithmetic) and against the independently computed facts in thirdparty/README.md."""
 from __future__ import annotations
 
-import gzip
-import json
 import re
 from collections import Counter
 from pathlib import Path
 
 import polars as pl
 import pytest
+from plain import plain_trace
 
 from servelab.analyse.trace import metrics as M
 from servelab.analyse.trace import nccl as N
@@ -21,7 +20,7 @@ H200_TP0 = ("traces", "20261129203606-TP-0.trace.json.gz")
 
 
 def _doc(path: Path) -> dict:
-    return json.loads(gzip.decompress(path.read_bytes()))
+    return plain_trace(path)
 
 
 def _ns(us: float) -> int:

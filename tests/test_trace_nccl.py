@@ -2,13 +2,12 @@
 per-collective table on real traces (sizes and bandwidths recomputed here from the JSON args)."""
 from __future__ import annotations
 
-import gzip
-import json
 import statistics
 from pathlib import Path
 
 import polars as pl
 import pytest
+from plain import plain_trace
 
 from servelab.analyse.trace import nccl as N
 from servelab.analyse.trace.load import load_capture, load_trace
@@ -55,7 +54,7 @@ def test_h200_forensics_against_json(h200x2: Path, tmp_path: Path):
     durs: dict[int, list[float]] = {}
     no_args = 0
     for t in cap.ranks:
-        doc = json.loads(gzip.decompress(t.path.read_bytes()))
+        doc = plain_trace(t.path)
         for e in doc["traceEvents"]:
             if e.get("cat") == "kernel" and e["name"].startswith("ncclDevKernel"):
                 a = e["args"]

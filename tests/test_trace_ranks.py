@@ -5,14 +5,13 @@ Real H200 TP=2 traces (one node, one clock), the same traces with a synthetic cl
 from __future__ import annotations
 
 import dataclasses
-import gzip
-import json
 import random
 import shutil
 from pathlib import Path
 
 import polars as pl
 import pytest
+from plain import plain_trace
 
 from servelab.analyse.trace import ranks as R
 from servelab.analyse.trace.load import load_capture
@@ -80,7 +79,7 @@ def test_step_skew_matches_plain_json(h200x2: Path, h200):
     """End skew per step = |GPU end of rank 0 − rank 1| from Kineto's gpu_user_annotation spans."""
     ends = []
     for f in ("20261129203606-TP-0.trace.json.gz", "20261129203606-TP-1.trace.json.gz"):
-        doc = json.loads(gzip.decompress((h200x2 / "traces" / f).read_bytes()))
+        doc = plain_trace(h200x2 / "traces" / f)
         b = doc["baseTimeNanoseconds"]
         ends.append({e["name"]: b + round((e["ts"] + e["dur"]) * 1000) for e in doc["traceEvents"]
                      if e.get("cat") == "gpu_user_annotation" and not e["name"].startswith("nccl")})
@@ -118,7 +117,7 @@ def test_pp_both_stages_busy_matches_interval_arithmetic(h200x2: Path, h200):
     pp = R.pp_overlap(rops, R.align_ranks(rops))
     unions, lo, hi = [], [], []
     for f in ("20261129203606-TP-0.trace.json.gz", "20261129203606-TP-1.trace.json.gz"):
-        doc = json.loads(gzip.decompress((h200x2 / "traces" / f).read_bytes()))
+        doc = plain_trace(h200x2 / "traces" / f)
         b = doc["baseTimeNanoseconds"]
         iv = sorted((b + round(e["ts"] * 1000), b + round(e["ts"] * 1000) + round(e["dur"] * 1000))
                     for e in doc["traceEvents"] if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
@@ -192,7 +191,7 @@ def test_pp2_identity_and_stage_overlap(pp2):
     pp = R.pp_overlap(rops, al, compute_only=True)
     unions, lo, hi = [], [], []
     for t in pp2.ranks:
-        doc = json.loads(gzip.decompress(t.path.read_bytes()))
+        doc = plain_trace(t.path)
         b = doc["baseTimeNanoseconds"]
         ops = [e for e in doc["traceEvents"] if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
         lo.append(min(b + round(e["ts"] * 1000) for e in ops))

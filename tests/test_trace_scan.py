@@ -12,8 +12,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from servelab.analyse.trace import load as L
-from servelab.analyse.trace.load import parse_trace
+from servelab.analyse.trace import chunked as C, decode as D
+from servelab.analyse.trace.chunked import parse_trace
+from fuzz import examples
 
 TP0 = "20261129203606-TP-0.trace.json.gz"
 
@@ -25,8 +26,8 @@ def _plain(frame: pl.DataFrame) -> pl.DataFrame:
 
 def _same_as_msgspec(data: bytes, expect_native: bool | None = None) -> None:
     if expect_native is not None:
-        assert (L._native.scan(data) is not None) == expect_native, data[:300]
-    fast, slow = L._decode_chunk(data), L._decode_chunk(data, native=False)
+        assert (C._native.scan(data) is not None) == expect_native, data[:300]
+    fast, slow = C._decode_chunk(data), C._decode_chunk(data, native=False)
     assert (fast is None) == (slow is None)
     if fast is None:
         return
@@ -38,17 +39,17 @@ def _same_as_msgspec(data: bytes, expect_native: bool | None = None) -> None:
 
 def _slices(path: Path, chunk_bytes: int) -> list[bytes]:
     out: list[bytes] = []
-    got = L._stream_events(path, chunk_bytes, lambda i, data: out.append(data))
+    got = C._stream_events(path, chunk_bytes, lambda i, data: out.append(data))
     assert got is not None and len(out) == got[2]
     return out
 
 
 def test_the_scanner_is_built():
     """`make env` (pip install -e .) compiles it; without it the loader is correct but about 3× slower."""
-    assert L._native is not None, "the trace scanner is not built: run `make env` (needs a C compiler)"
+    assert C._native is not None, "the trace scanner is not built: run `make env` (needs a C compiler)"
 
 
-@pytest.mark.skipif(L._native is None, reason="the trace scanner is not built (test_the_scanner_is_built says why)")
+@pytest.mark.skipif(C._native is None, reason="the trace scanner is not built (test_the_scanner_is_built says why)")
 class TestScanner:
     def test_real_slices(self, h200x2: Path):
         slices = [s for f in sorted((h200x2 / "traces").glob("*.trace.json.gz")) for s in _slices(f, 256 << 10)]
@@ -60,7 +61,7 @@ class TestScanner:
         files = sorted(thirdparty.rglob("*.json.gz"))
         assert files
         for f in files:
-            events = json.loads(L._read_bytes(f)).get("traceEvents")
+            events = json.loads(D._read_bytes(f)).get("traceEvents")
             if isinstance(events, list):
                 for ascii_only in (True, False):
                     _same_as_msgspec(json.dumps(events, ensure_ascii=ascii_only).encode(), expect_native=True)
@@ -68,7 +69,7 @@ class TestScanner:
     def test_whole_parse_is_the_same_without_it(self, h200x2: Path, monkeypatch: pytest.MonkeyPatch):
         path = h200x2 / "traces" / TP0
         fast, meta_fast = parse_trace(path, workers=1)
-        monkeypatch.setattr(L, "_native", None)
+        monkeypatch.setattr(C, "_native", None)
         slow, meta_slow = parse_trace(path, workers=1)
         assert _plain(fast).equals(_plain(slow)) and meta_fast == meta_slow
 
@@ -107,10 +108,10 @@ class TestScanner:
         b'[{"name":"\xff"}]', b'[{"name":"\xc3"}]', b'[{"a":"\xed\xa0\x80"}]', b'[{"a":1,}]', b"[" + b"[" * 600 + b"]" * 600 + b"]",
     ])
     def test_broken_text_goes_to_msgspec(self, text: bytes):
-        assert L._native.scan(text) is None
+        assert C._native.scan(text) is None
         _same_as_msgspec(text)
 
-    @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(st.data())
     def test_generated_events(self, data):
         events = data.draw(st.lists(_event(typed=data.draw(st.booleans())), max_size=12))

@@ -4,7 +4,6 @@ the settings the capture script wrote (capture.json); plus the TP-only and the b
 stage may be named."""
 from __future__ import annotations
 
-import gzip
 import json
 import shutil
 import types
@@ -14,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import pytest
+from plain import plain_trace
 
 from servelab.analyse.trace import figures as F
 from servelab.analyse.trace import ranks as R
@@ -54,7 +54,7 @@ def _json_steps(path: Path) -> list[dict]:
     """Plain Python over one rank's JSON: per ``step[...]`` CPU annotation (program order), the summed duration
     of the non-NCCL kernels and of the SendRecv kernels it launched (kernel → launch call by correlation id →
     the annotation whose CPU span holds the launch). One stream per rank, so sums equal unions."""
-    ev = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
+    ev = plain_trace(path)["traceEvents"]
     steps = sorted((e for e in ev if e.get("cat") == "user_annotation" and e["name"].startswith("step[")),
                    key=lambda e: e["ts"])
     launch = {e["args"]["correlation"]: e["ts"] for e in ev

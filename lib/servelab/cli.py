@@ -23,12 +23,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-from servelab.core.params import ParamError, coerce, notebook_param_specs, parse_overrides, resolve_phase_params
+from servelab.core.params import (ParamError, coerce, notebook_param_specs, parse_overrides, resolve_phase_params,
+                                  did_you_mean)
 
-from servelab.deploy.targets import available_targets, load_target
+from servelab.deploy.targets import available_targets, load_target, target_from_dict
 from servelab.core.notebooks import NOTEBOOKS, available_phases, notebook_path
 from servelab.core.paths import project_root
-from servelab.core.run import UNSUPPORTED
+from servelab.core.run import UNSUPPORTED, read_manifest, new_run_id, validate_run_id, run_dir
+from servelab.deploy.target_secrets import (derived_target, launch_over_secrets, recorded_run_secrets, run_secrets,
+                                            target_dict_with_launch)
+from servelab.core import run as runlib
+from servelab.core.redact import scrub_tree
+from servelab.deploy.engines import engine_for
+from servelab.deploy.llamacpp_build import ensure_llama_server
+from servelab.deploy.models import gemma_model, tiny_model, TINY_HF_KEY
+from servelab.deploy.sglang_cpu import SGLANG_CPU_PYTHON, SGLANG_VERSION, resolve_sglang_cpu
 
 # phases the demo runs, in order; those without a live meaning locally read data/samples themselves
 DEMO_PHASES = ("phase0", "phase1", "phase2", "phase3", "phase5", "phase4", "phase6", "phase7", "phase8", "phase9")
@@ -153,8 +162,6 @@ def kernel_manager_class(log_path: Path | None = None, env: dict[str, str] | Non
 def split_overrides(phase: str, target: str, overrides: dict[str, str]) -> tuple[dict[str, str], dict[str, Any]]:
     """``-p`` keys are phase parameters or, where the phase has no such key, launch settings of the target's
     engine (``-p tp_size=8``). Anything else is an error naming the closest key of either kind."""
-    from servelab.deploy.engines import engine_for
-    from servelab.core.params import did_you_mean
     nb = notebook_path(phase)
     t = load_target(target)
     phase_keys = set(notebook_param_specs(nb))
@@ -171,23 +178,12 @@ def split_overrides(phase: str, target: str, overrides: dict[str, str]) -> tuple
                              f"{phase.split('_')[0]} parameters: {', '.join(sorted(phase_keys))}; "
                              f"{t.engine} launch settings: {', '.join(sorted(launch_keys))}")
     if launch_over:
-        from servelab.deploy.targets import target_from_dict
-        target_from_dict(_with_launch(t, launch_over), f"{target} with -p {launch_over}")   # validates the combination
+        target_from_dict(target_dict_with_launch(t, launch_over), f"{target} with -p {launch_over}")   # validates the combination
     return phase_over, launch_over
-
-
-def _with_launch(t: Any, launch_over: dict[str, Any]) -> dict[str, Any]:
-    """The target as a dict with ``launch_over`` applied to its launch settings."""
-    import dataclasses
-    raw = dataclasses.asdict(t)
-    raw.pop("source")
-    raw["launch"] = {**raw["launch"], **launch_over}
-    return raw
 
 
 def validate(phase: str, target: str, overrides: dict[str, str]) -> tuple[Path, dict[str, Any]]:
     """Resolve and check everything a phase run needs; no side effect. Returns (notebook, parameters)."""
-    from servelab.deploy.engines import engine_for
     nb = notebook_path(phase)
     phase_over, _ = split_overrides(phase, target, overrides)
     params = resolve_phase_params(nb, phase.split("_")[0], overrides=phase_over)
@@ -197,108 +193,11 @@ def validate(phase: str, target: str, overrides: dict[str, str]) -> tuple[Path, 
     return nb, params
 
 
-def derived_target(rdir: Path, target: str, launch_over: dict[str, Any]) -> tuple[str, dict[str, str]]:
-    """Write the target with ``-p`` launch overrides applied into the run directory; returns its path and the
-    secrets it names.
-
-    The file holds no secret: a secret ``env`` value (by name, or a value that carries one, e.g. a URL with a
-    password) is written as ``${NAME}``, a secret launch argument as ``${SERVELAB_SECRET_ARG_<n>}``, and
-    :func:`servelab.deploy.targets.load_target` resolves them from the environment. The returned mapping
-    (``NAME`` → value) is what the phase's kernel gets in its environment; to load the file again later, export
-    the same names (``docs/method.md#secrets``)."""
-    import yaml
-    from servelab.core.redact import is_secret_name, known_secrets, redact, redact_text, secret_argv_values
-    t = load_target(target)
-    raw = _with_launch(t, launch_over)
-    known = t.secret_values()
-    refs: dict[str, str] = {}
-    for k, v in list(raw.get("env", {}).items()):
-        if is_secret_name(k) or redact_text(str(v), known) != str(v):
-            raw["env"][k] = "${%s}" % k
-            refs[k] = str(v)
-
-    def args(items: list[Any]) -> list[Any]:
-        secret_vals = set(secret_argv_values(items))
-        out = []
-        for a in items:
-            text = str(a)
-            hit = next((sv for sv in secret_vals if sv and sv in text), None)
-            if hit is None and redact_text(text, known) != text:
-                hit = text
-            if hit is not None:
-                name = f"SERVELAB_SECRET_ARG_{sum(k.startswith('SERVELAB_SECRET_ARG_') for k in refs) + 1}"
-                refs[name] = hit
-                out.append(text.replace(hit, "${%s}" % name))
-            else:
-                out.append(a)
-        return out
-
-    launch = raw.get("launch") or {}
-    if isinstance(launch.get("extra_args"), list):
-        launch["extra_args"] = args(launch["extra_args"])
-    if isinstance(launch.get("docker"), dict) and isinstance(launch["docker"].get("extra_args"), list):
-        launch["docker"]["extra_args"] = args(launch["docker"]["extra_args"])
-    known = known_secrets(values=refs.values(), environ=True) + known
-    raw["description"] = redact_text(f"{t.description} [-p overrides: {redact(launch_over, known)}]", known)
-    out = rdir / "targets" / f"{t.name}.yaml"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("# written by servelab run: the target with -p launch overrides; ${NAME} values come from the\n"
-                   "# environment (secrets are never written here)\n" + yaml.safe_dump(raw, sort_keys=False))
-    return str(out), refs
-
-
-def launch_over_secrets(launch_over: dict[str, Any]) -> dict[str, str]:
-    """Secret values passed as ``-p`` launch overrides (``-p extra_args=[--api-key,X]``)."""
-    from servelab.core.redact import secret_argv_values
-    args = launch_over.get("extra_args") if isinstance(launch_over.get("extra_args"), list) else []
-    return {str(i): v for i, v in enumerate(secret_argv_values(args))}
-
-
-def run_secrets(target: str, extra: dict[str, str] | None = None) -> tuple[str, ...]:
-    """Every secret value a phase on ``target`` may write somewhere (the target's, the process environment's,
-    ``extra``'s) — what the literal scrub of its files replaces."""
-    from servelab.core.redact import known_secrets
-    try:
-        base = load_target(target).secret_values()
-    except ParamError:
-        base = known_secrets()
-    return tuple(sorted({*base, *known_secrets(values=(extra or {}).values())}, key=lambda v: (-len(v), v)))
-
-
-def recorded_run_secrets(rdir: Path) -> tuple[str, ...]:
-    """The secret values of every target a run recorded (its manifest's target, each phase's and attempt's
-    ``target`` parameter) and of the process environment — for ``servelab render`` and ``archive --zip``, which
-    run after the phase. A target that no longer loads (a derived one whose ``${NAME}`` is not exported) gives
-    what its file holds literally."""
-    import yaml
-    from servelab.core.redact import known_secrets
-    from servelab.core.run import read_manifest
-    m = read_manifest(rdir)
-    names = {str(m.get("target") or "")}
-    names |= {str((e.get("params") or {}).get("target") or "") for e in (m.get("phases") or {}).values()}
-    names |= {str((a.get("params") or {}).get("target") or "") for a in (m.get("attempts") or [])}
-    found: set[str] = set(known_secrets())
-    for name in sorted(n for n in names if n):
-        try:
-            found.update(load_target(name).secret_values())
-        except ParamError:
-            try:
-                raw = yaml.safe_load(Path(name).read_text()) if Path(name).suffix else None
-            except (OSError, yaml.YAMLError):
-                raw = None
-            if isinstance(raw, dict):
-                launch = raw.get("launch") if isinstance(raw.get("launch"), dict) else {}
-                found.update(known_secrets(raw.get("env") if isinstance(raw.get("env"), dict) else {},
-                                           argv=launch.get("extra_args") or [], environ=False))
-    return tuple(sorted(found, key=lambda v: (-len(v), v)))
-
-
 def scrub_phase_outputs(rdir: Path, key: str, known: tuple[str, ...], since: float | None = None) -> None:
     """The last pass over what a phase wrote, before its page is rendered: the executed notebook (text and
     stream outputs, tracebacks), every text file of the phase folder, and every other text file of the run written
     since ``since`` (its cases, manifest, commands, derived targets) — known secret values and secret-looking text
     replaced (:mod:`servelab.core.redact`)."""
-    from servelab.core.redact import scrub_tree
     scrub_tree(rdir / key, known)
     scrub_tree(rdir, known, since=since if since is not None else 0.0)
 
@@ -309,7 +208,6 @@ def execute_phase(phase: str, target: str, run_id: str, overrides: dict[str, str
     ``report.html``. Returns (run_dir, status)."""
     import papermill as pm
 
-    from servelab.core import run as runlib
     from servelab.report.archive import write_root_index, write_run_index
     from servelab.report.html import render_notebook
 
@@ -394,7 +292,6 @@ def execute_phase(phase: str, target: str, run_id: str, overrides: dict[str, str
 def kept_good_attempt(rdir: Path, key: str) -> dict[str, Any] | None:
     """The last good attempt of phase ``key`` whose page ``<run>/<key>/report.html`` is there to keep: the phase
     entry of the manifest when it says success, or the ``kept_page`` an earlier failure already kept; else None."""
-    from servelab.core.run import read_manifest
     if not (rdir / key / "report.html").is_file():
         return None
     e = read_manifest(rdir).get("phases", {}).get(key, {})
@@ -413,7 +310,6 @@ def keep_good_page(rdir: Path, key: str, out_nb: Path, backup: Path, good: dict[
     ``report.html`` with a banner naming the failure and linking its page; the manifest's phase entry (which says
     the latest attempt failed) gets ``kept_page`` (the good attempt) and ``failed_page``; the attempt record links
     its page. Returns the failed page's name."""
-    from servelab.core import run as runlib
     from servelab.report.html import mark_later_failure, render_notebook
     pdir = rdir / key
     n = 1
@@ -446,7 +342,6 @@ def record_phase_commands(rdir: Path, key: str, nb: Path, out_nb: Path, params: 
                           overrides: dict[str, str], target: str, started: str, exit_code: int) -> None:
     """Every phase page shows how the phase itself ran: the papermill execution (``executed``) and the one
     ``servelab run`` line that repeats it into the same run (``reproduce``)."""
-    from servelab.core import run as runlib
     argv = ["papermill", str(nb.relative_to(project_root()) if nb.is_relative_to(project_root()) else nb),
             str(out_nb)]
     for k, v in params.items():
@@ -462,7 +357,6 @@ def record_phase_commands(rdir: Path, key: str, nb: Path, out_nb: Path, params: 
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from servelab.core.run import new_run_id, validate_run_id
     overrides = parse_overrides(args.p or [])
     if args.resume:
         overrides.setdefault("resume", "true")
@@ -481,35 +375,37 @@ def _why(rdir: Path, key: str, status: str) -> str:
     """`` — <reason>`` for a phase that did not succeed (from the manifest), else ``""``."""
     if status == "success":
         return ""
-    from servelab.core.run import read_manifest
     err = read_manifest(rdir).get("phases", {}).get(key, {}).get("error", "")
     return f" — {err}" if err else ""
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from servelab.core.run import new_run_id, validate_run_id
     run_id = validate_run_id(args.run_id) if args.run_id else new_run_id("demo")
     phases = [p for p in DEMO_PHASES if p in available_phases()]
     if args.phases:
         phases = [p for p in args.phases.split(",") if p]
     for p in phases:
         validate(p, args.target, {})
-    from servelab.deploy.engines import engine_for
     t0 = time.monotonic()
     target = load_target(args.target)
     ready = engine_for(target.engine).prepare(target, progress=_say)
     _say(f"{ready} in {time.monotonic() - t0:.1f} s")
-    failed = []
+    failed: list[str] = []
+    unsupported: list[str] = []
     rdir = None
     for i, p in enumerate(phases, 1):
         t = time.monotonic()
         _say(f"[{i}/{len(phases)}] {p} · {NOTEBOOKS.get(p, p)} …")
         rdir, status = execute_phase(p, args.target, run_id, {}, timeout_s=args.timeout)
         _say(f"[{i}/{len(phases)}] {p}: {status} in {time.monotonic() - t:.1f} s{_why(rdir, p, status)}")
-        if status not in ("success", UNSUPPORTED):        # "not supported here" says why and is no failure
+        if status == UNSUPPORTED:                         # "not supported here" says why and is no failure
+            unsupported.append(p)
+        elif status != "success":
             failed.append(p)
     assert rdir is not None
-    _say(f"demo finished in {time.monotonic() - t0:.0f} s; {len(phases) - len(failed)} of {len(phases)} phases succeeded"
+    ok = len(phases) - len(failed) - len(unsupported)
+    _say(f"demo finished in {time.monotonic() - t0:.0f} s; {ok} of {len(phases)} phases succeeded"
+         + (f"; not supported on this target: {', '.join(unsupported)}" if unsupported else "")
          + (f"; failed: {', '.join(failed)}" if failed else ""))
     print(rdir / "index.html")
     return 1 if failed else 0
@@ -518,7 +414,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_render(args: argparse.Namespace) -> int:
     from servelab.report.archive import write_root_index, write_run_index
     from servelab.report.html import render_notebook
-    from servelab.core.run import read_manifest, run_dir
     rdir = run_dir(args.run_id)
     if not rdir.exists():
         raise ParamError(f"no run directory {rdir}")
@@ -575,7 +470,6 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 def cmd_archive(args: argparse.Namespace) -> int:
     from servelab.report.archive import write_root_index, write_run_index, zip_run
-    from servelab.core.run import run_dir
     rdir = run_dir(args.run_id)
     if not (rdir / "manifest.json").exists():
         raise ParamError(f"no run '{args.run_id}' under {rdir.parent}")
@@ -609,7 +503,6 @@ def cmd_case(args: argparse.Namespace) -> int:
           + (f" — {'; '.join(att.reasons)}" if att.reasons else ""))
     print(att.case_dir)
     if not args.no_render:
-        from servelab.core.run import read_manifest
         from servelab.report.archive import write_root_index, write_run_index
         from servelab.report.html import render_notebook
         rdir = att.case_dir.parents[1]
@@ -629,7 +522,6 @@ def cmd_case(args: argparse.Namespace) -> int:
 
 def cmd_import(args: argparse.Namespace) -> int:
     """Bring peer tools' result files into a run (every file validated before anything is written)."""
-    from servelab.core import run as runlib
     from servelab.measure import peer_compare as pc
     rdir = runlib.run_dir(args.run_id)
     if not (rdir / "manifest.json").exists():
@@ -639,7 +531,6 @@ def cmd_import(args: argparse.Namespace) -> int:
         table, added = pc.import_into_run(rdir, args.files)
     except pc.PeerImportError as exc:
         raise ParamError(str(exc)) from None
-    from servelab.core.redact import scrub_tree
     scrub_tree(rdir / pc.PEERS_DIR, recorded_run_secrets(rdir))      # a peer's file may carry a key or a URL token
     runlib.record_command(rdir, runlib.CommandRecord(
         label="executed", argv=["servelab", "import", *[str(f) for f in args.files], "--run-id", args.run_id],
@@ -657,16 +548,12 @@ def cmd_params(args: argparse.Namespace) -> int:
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    from servelab.deploy.llamacpp_build import ensure_llama_server
-    from servelab.deploy.models import gemma_model, tiny_model
     t0 = time.monotonic()
     print(ensure_llama_server(progress=_say), f"({time.monotonic() - t0:.1f} s)")
     print(tiny_model())
     if not args.tiny_only:
         print(gemma_model())
     if args.sglang:
-        from servelab.deploy.models import TINY_HF_KEY
-        from servelab.deploy.sglang_cpu import SGLANG_CPU_PYTHON, SGLANG_VERSION, resolve_sglang_cpu
         t0 = time.monotonic()
         _say(f"sglang {SGLANG_VERSION} for CPU: installing its own venv under the servelab cache if not there yet "
              "(about 2 minutes and 3.3 GB the first time)")

@@ -22,7 +22,16 @@ from typing import Any
 
 import pandas as pd
 
+from servelab.measure import request_metrics as mx
 from servelab.core.paths import cache_root, outputs_root, samples_root
+from servelab.analyse.trace import figures
+from servelab.analyse.trace.analysis import analyse
+from servelab.core.params import ParamError, did_you_mean
+from servelab.core.run import read_manifest
+from servelab.measure.case_record import read_summaries, read_summary
+from servelab.measure.records import read_records
+from servelab.report.ledger import ledger
+from servelab.report.tables import table_html
 
 SAMPLE_CAPTURE = ("h200x2", "traces")     # the bundled capture under data/samples every run can show
 
@@ -65,7 +74,6 @@ def case_choices(run_dir: Path) -> pd.DataFrame:
     """The run's measured cases in the order they ran (phase, then start time): ``case_id``, ``phase``,
     ``verdict``, ``reason`` (the first), ``requests`` (measured). A summary that breaks the case schema is left
     out here (:func:`case_table` lists it with its problem)."""
-    from servelab.measure.case_record import read_summaries
     rows = [{"case_id": s["case_id"], "phase": s["phase"], "verdict": s["verdict"]["status"],
              "reason": "; ".join(s["verdict"]["reasons"][:1]), "requests": (s.get("counts") or {}).get("measured"),
              "started": str(s.get("started") or "")}
@@ -88,13 +96,10 @@ def first_valid_case(choices: pd.DataFrame) -> tuple[str | None, str]:
                                    f"({first['verdict']}: {first['reason'] or 'no reason given'}), not a result")
 
 
-def case_view(run_dir: Path, case_id: str, definition: str = "vllm") -> tuple[pd.DataFrame, Any]:
+def case_view(run_dir: Path, case_id: str, definition: str = mx.VLLM_BENCH) -> tuple[pd.DataFrame, Any]:
     """One case: its percentile table (both definitions) and the per-request TTFT/E2E scatter over time."""
     import plotly.graph_objects as go
 
-    from servelab.measure import request_metrics as mx
-    from servelab.measure.client import read_records
-    from servelab.measure.case_record import read_summary
     cdir = run_dir / "cases" / case_id
     pooled = read_summary(cdir / "summary.json")["metrics"]
     rows = []
@@ -162,7 +167,6 @@ def capture_label(folder: Path, run_dir: Path) -> str:
 
 def capture_analysis(folder: Path) -> Any:
     """The Phase 3 analysis of a capture folder; parsed traces cached under :func:`trace_cache_dir`."""
-    from servelab.analyse.trace.analysis import analyse
     return analyse(folder, cache_dir=trace_cache_dir())
 
 
@@ -182,7 +186,6 @@ def timeline_view(a: Any, rank: int | None = None, window_pct: tuple[float, floa
     ms"``). A rank the capture lacks or an empty window raises ``ValueError`` saying what to pick instead."""
     import dataclasses
 
-    from servelab.analyse.trace import figures
     if rank is not None:
         ranks = sorted(r.rank for r in a.rops)
         if rank not in ranks:
@@ -209,7 +212,6 @@ def trace_view(folder: Path, rank: int | None = None, t0_ms: float | None = None
     """The Phase 3 per-rank timeline of a capture, optionally one rank and a zoomed time range (ms)."""
     import dataclasses
 
-    from servelab.analyse.trace import figures
     a = capture_analysis(folder)
     if rank is not None:
         a = dataclasses.replace(a, rops=[r for r in a.rops if r.rank == rank])
@@ -241,7 +243,6 @@ def note_html(text: str, kind: str = "info") -> str:
 
 def mime_table(df: pd.DataFrame) -> dict[str, Any]:
     """A display_data output of a table, drawn as on the phase pages."""
-    from servelab.report.tables import table_html
     return {"output_type": "display_data", "metadata": {},
             "data": {"text/html": table_html(df), "text/plain": f"table: {len(df)} rows × {len(df.columns)} columns"}}
 
@@ -270,7 +271,8 @@ def explorer(root: Path | None = None, run_id: str | None = None) -> Any:
     run_dd = w.Dropdown(options=run_ids, description="run", style=wide, layout=long_,
                         value=run_id if run_id in run_ids else (run_ids[0] if run_ids else None))
     case_dd = w.Dropdown(options=[], description="case", style=wide, layout=long_)
-    def_dd = w.Dropdown(options=["vllm", "sglang"], value="vllm", description="definition", style=wide, layout=short)
+    def_dd = w.Dropdown(options=[mx.VLLM_BENCH.value, mx.SGLANG_BENCH.value], value=mx.VLLM_BENCH.value,
+                        description="definition", style=wide, layout=short)
     trace_dd = w.Dropdown(options=[], description="capture", style=wide, layout=long_)
     rank_dd = w.Dropdown(options=[("all ranks", -1)], value=-1, description="rank", style=wide, layout=short)
     window = w.FloatRangeSlider(value=(0.0, 100.0), min=0.0, max=100.0, step=0.5, description="window %",
@@ -433,7 +435,6 @@ def explorer(root: Path | None = None, run_id: str | None = None) -> Any:
 def resolve_run(run_id: str = "", target: str = "", root: Path | None = None) -> Path:
     """``outputs/<run_id>``; with an empty id the newest run (of ``target`` when given). A clear error when
     there is none."""
-    from servelab.core.params import ParamError, did_you_mean
     root = root or outputs_root()
     runs = list_runs(root)
     if run_id:
@@ -449,7 +450,6 @@ def resolve_run(run_id: str = "", target: str = "", root: Path | None = None) ->
 
 def run_phases(run_dir: Path) -> pd.DataFrame:
     """One row per phase of the run: status, recorded sample data or not, start / end, its page, the headline."""
-    from servelab.core.run import read_manifest
     m = read_manifest(run_dir)
     rows = []
     for phase, e in sorted(m.get("phases", {}).items(), key=lambda x: int(x[0][5:]) if x[0][5:].isdigit() else 99):
@@ -461,11 +461,10 @@ def run_phases(run_dir: Path) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["phase", "status", "from_samples", "started", "ended", "page", "headline"])
 
 
-def case_table(run_dir: Path, definition: str = "vllm") -> pd.DataFrame:
+def case_table(run_dir: Path, definition: str = mx.VLLM_BENCH) -> pd.DataFrame:
     """Every measured case of the run from its ``summary.json``: phase, kind, concurrency, repeats, verdict
     (first reason), requests, output TPS and P50/P95 TTFT / TPOT in ``definition``. Summaries that do not
     follow the case schema are listed with their problem."""
-    from servelab.measure.case_record import read_summaries
     errors: list[str] = []
     rows = []
     for s in read_summaries(run_dir, errors=errors):
@@ -483,7 +482,6 @@ def case_table(run_dir: Path, definition: str = "vllm") -> pd.DataFrame:
     cols = ["case_id", "phase", "kind", "concurrency", "repeats", "verdict", "reason", "requests", "output_tps",
             "p50_ttft_ms", "p95_ttft_ms", "p50_tpot_ms", "p95_tpot_ms"]
     extra = ["completed", "n_ttft", "n_tpot", "max_ttft_ms", "max_tpot_ms"]
-    from servelab.measure import request_metrics as mx
     # every percentile with its count, or "max of N" where too few values hold it
     shown = mx.labelled_percentiles(pd.DataFrame(rows, columns=cols + extra))
     return shown[cols]
@@ -514,7 +512,6 @@ def capture_summary(run_dir: Path) -> pd.DataFrame:
 
 def ledger_table(run_dir: Path) -> pd.DataFrame:
     """The run's hypotheses ledger: status, and each piece of evidence with its phase and the tables it rests on."""
-    from servelab.report.ledger import ledger
     rows = []
     for _, r in ledger(run_dir).iterrows():
         evs = r["evidence"] or [{}]

@@ -31,7 +31,7 @@ import numpy as np
 import pandas as pd
 
 from servelab.measure import request_metrics as mx
-from servelab.measure.client import RequestRecord
+from servelab.measure.records import RequestRecord
 
 WINDOWS = ("before", "during", "after")
 
@@ -67,7 +67,7 @@ class Schedule:
 
 def plan_schedule(spec: InterferenceSpec, warmup: list[RequestRecord]) -> Schedule:
     """Quiet gap and first wait from the warm-up's mean TPOT (vllm definition; at least 0.1 ms)."""
-    ms = [mx.request_metrics(r, "vllm") for r in warmup if r.ok]
+    ms = [mx.request_metrics(r, mx.VLLM_BENCH) for r in warmup if r.ok]
     tpots = [m.tpot_ms for m in ms if m.tpot_ms is not None]
     ttfts = [m.ttft_ms for m in ms if m.ttft_ms is not None]
     if not tpots:
@@ -209,7 +209,7 @@ def window_table(records: list[RequestRecord], window_steps: int, concurrency: i
                    "max_tpot_ms": float(v.max()) if len(v) else None,
                    "mean_tpot_ms": float(v.mean()) if len(v) else None,
                    "output_tokens": n_tok, "output_tps": n_tok / dur_s,
-                   "inject_ttft_ms": mx.request_metrics(inj, "vllm").ttft_ms if win == "during" else None,
+                   "inject_ttft_ms": mx.request_metrics(inj, mx.VLLM_BENCH).ttft_ms if win == "during" else None,
                    "max_waiting": None, "valid": not reasons, "reasons": "; ".join(reasons), "notes": notes}
             if scrape is not None and not scrape.empty and waiting_series:
                 q = scrape[(scrape["name"] == waiting_series) & (scrape["ts_ns"] >= lo) & (scrape["ts_ns"] <= hi)]
@@ -257,7 +257,7 @@ def injection_table(windows: pd.DataFrame, chunks: pd.DataFrame, records: list[R
         w = windows[windows["injection"] == k].set_index("window")
         if w.empty:
             continue
-        m = mx.request_metrics(rec, "vllm")
+        m = mx.request_metrics(rec, mx.VLLM_BENCH)
         b, d, a = (w.loc[x] for x in WINDOWS)
         inc = (100.0 * (d["p95_tpot_ms"] / b["p95_tpot_ms"] - 1)) if b["p95_tpot_ms"] and d["p95_tpot_ms"] else None
         inc99 = (100.0 * (d["p99_tpot_ms"] / b["p99_tpot_ms"] - 1)) if b["p99_tpot_ms"] and d["p99_tpot_ms"] else None

@@ -42,7 +42,7 @@ import numpy as np
 import pandas as pd
 
 from servelab.measure import request_metrics as mx
-from servelab.measure.client import ClientRun, RequestRecord
+from servelab.measure.records import ClientRun, RequestRecord
 from servelab.measure.launch_variants import Snapshot, delta_of, snapshot_deltas
 from servelab.deploy.engines import ADAPTERS, engine_for
 from servelab.deploy.server import RunningServer

@@ -25,6 +25,8 @@ import numpy as np
 import pandas as pd
 
 from servelab.measure.engine_metrics import gauge_series, histogram_buckets, histogram_mean, histogram_quantile
+from servelab.analyse.trace import stalls as S
+from servelab.measure.records import read_records
 
 SERIES_COLUMNS = ["t_s", "wall_ns", "metric", "value", "source"]
 QUANTILES = (0.5, 0.95, 0.99)
@@ -116,7 +118,6 @@ def _start_shift_ns(case_dir: Path, lines: pd.DataFrame, adapter: Any) -> int:
     p = Path(case_dir) / "requests.jsonl"
     if not pair or lines.empty or not (lines["clock"] == "elapsed").any() or not p.is_file():
         return 0
-    from servelab.measure.client import read_records
     sends = [r.send_ns + r.wall_offset_ns for r in read_records(p) if r.send_ns]
     first = lines.loc[(lines["event"] == pair[0]) & (lines["clock"] == "elapsed"), "wall_ns"]
     if not sends or first.empty:
@@ -258,7 +259,6 @@ def records_window(case_dir: Path, repeat: int = 0) -> tuple[int, int]:
     """(first scheduled send of a measured request — of any request where none has the role ``measure`` — , last
     stream end) of a case's requests of one repeat, warm-up left out, on the wall clock (ns): the window a client
     timeline of that repeat spans."""
-    from servelab.measure.client import read_records
     recs = [r for r in read_records(Path(case_dir) / "requests.jsonl") if r.repeat == repeat and r.role != "warmup"]
     if not recs:
         raise ValueError(f"{case_dir}: no measured requests in repeat {repeat}")
@@ -351,7 +351,6 @@ def log_join(records: list[Any], side: ServerSide, adapter: Any, stream_roles: t
     overlapped; an injected request's TTFT splits at its logged prefill."""
     import polars as pl
 
-    from servelab.analyse.trace import stalls as S
     empty = pl.DataFrame(schema=S.STEP_SCHEMA)
     pre = adapter.log_prefills(side.lines)
     if pre is None:
@@ -372,3 +371,76 @@ def log_join(records: list[Any], side: ServerSide, adapter: Any, stream_roles: t
     own = steps.filter(pl.col("prefill_tokens").is_in(list(sizes))) if steps.height else steps
     ttft = S.ttft_split(records, own, inject_roles, tolerance_ns=LOG_PLACEMENT_TOLERANCE_NS)
     return LogJoin(steps, stalls, ttft, thr, n, basis, adapter.log_steps_note, True)
+
+
+# ---------------------------------------------------------------- M1's log join on the page
+
+def _short_id(rid: str) -> str:
+    return "-".join(str(rid).split("-")[-3:])          # measure-0-4 / inject-0-2000000: role, repeat, index
+
+
+def m1_stall_sentence(join: Any) -> str:
+    """One findings sentence: M1's stalls and what overlapped them, the injected request's TTFT split."""
+    if join is None:
+        return "M1's stalls could not be joined with the engine's log (case files missing)."
+    if not join.timed:
+        return f"Stalls in M1 are not attributed on this page: {join.note}."
+    sm = join.summary()
+    if sm["threshold_ms"] is None:
+        return "M1's decode streams left no steady-state gaps to set a stall threshold."
+    text = (f"Stalls in M1's treatment (decode-stream gaps above the steady-state P99 {sm['threshold_ms']:.1f} ms, "
+            f"from {sm['steady_gaps']} gaps): {sm['stalls']}, {sm['by_prefill']} of them overlapping a logged prefill")
+    sp = join.ttft.filter(join.ttft["identified"]) if join.ttft.height else join.ttft
+    if sp.height:
+        r = sp.row(0, named=True)
+        text += (f"; the injected request's TTFT {r['ttft_ms']:.1f} ms = queueing {r['queueing_ms']:.1f} + prefill "
+                 f"{r['prefill_ms']:.1f} + delivery {r['delivery_ms']:.1f} ms")
+    return text + "."
+
+
+def m1_stall_summary(join: Any) -> pd.DataFrame:
+    """One row per cause: how many decode-stream stalls (gaps above the steady-state P99), on how many streams,
+    the worst gap and the logged prefill that overlapped it."""
+    if join is None:
+        return pd.DataFrame({"note": ["M1 did not run or its case files are missing: no stall attribution"]})
+    if not join.timed:
+        return pd.DataFrame({"note": [join.note]})
+    st = join.stalls.to_pandas()
+    if st.empty:
+        return pd.DataFrame({"note": [f"no decode-stream gap above the steady-state P99 ({join.threshold_ms:.1f} ms "
+                                      f"over {join.steady_gaps} gaps)" if join.threshold_ms is not None
+                                      else "no steady-state gaps to set a threshold"]})
+    st["cause"] = st["cause"].where(st["cause"] == "prefill", "no logged prefill")
+    rows = []
+    for cause, g in st.groupby("cause", sort=False):
+        w = g.sort_values("gap_ms", ascending=False).iloc[0]
+        rows.append({"cause": "overlapped a logged prefill" if cause == "prefill" else "overlapped no logged prefill",
+                     "stalls": len(g), "streams": g["request_id"].nunique(), "worst gap (ms)": round(w["gap_ms"], 1),
+                     "overlapping prefill": w["longest_step"] or "—",
+                     f"threshold: steady P99 (ms, {join.steady_gaps} gaps)": round(join.threshold_ms, 1)})
+    return pd.DataFrame(rows)
+
+
+def m1_stalls_table(join: Any, limit: int = 24) -> pd.DataFrame:
+    """Every stall (longest first, up to ``limit``): stream, chunk, gap, and the logged prefills it overlapped."""
+    if join is None or not join.timed or join.stalls.height == 0:
+        return m1_stall_summary(join)
+    st = join.stalls.to_pandas().sort_values("gap_ms", ascending=False).head(limit)
+    return pd.DataFrame({"stream": st["request_id"].map(_short_id), "chunk": st["chunk"],
+                         "gap (ms)": st["gap_ms"].round(1),
+                         "prefill overlap (% of gap)": st["step_cover_pct"].round().astype(int),
+                         "overlapping prefills": st["steps"].replace("", "—")}).reset_index(drop=True)
+
+
+def m1_ttft_split(join: Any) -> pd.DataFrame:
+    """Each injected request's TTFT = queueing (send → slot taken) + prefill (the logged prompt evaluation) +
+    delivery (prefill end → first chunk at the client)."""
+    if join is None or not join.timed:
+        return m1_stall_summary(join)
+    t = join.ttft.to_pandas()
+    if t.empty:
+        return pd.DataFrame({"note": ["no injected request completed in M1's first repeat"]})
+    return pd.DataFrame({"request": t["request_id"].map(_short_id), "input tokens": t["input_tokens"],
+                         "TTFT (ms)": t["ttft_ms"].round(1), "queueing (ms)": t["queueing_ms"].round(1),
+                         "prefill (ms)": t["prefill_ms"].round(1), "delivery (ms)": t["delivery_ms"].round(1),
+                         "logged prefill": t["prefill_step"].replace("", "not in the log window")})

@@ -31,7 +31,7 @@ from typing import Any
 import pandas as pd
 
 from servelab.measure import request_metrics as mx
-from servelab.measure.client import RequestRecord
+from servelab.measure.records import RequestRecord
 from servelab.measure.launch_variants import Snapshot, delta_of, snapshot_deltas
 from servelab.deploy.engines import engine_for
 from servelab.deploy.server import RunningServer

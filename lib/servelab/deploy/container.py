@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
-from servelab.core.params import ParamError
-from servelab.deploy import hosts as hostlib
+from servelab.core.params import ParamError, reject_unknown
 from servelab.deploy.hosts import HostError
+from servelab.deploy.pid_records import CONTAINER_WHAT
 
 # docker's own rule for container names
 DOCKER_NAME = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.-]*$")
@@ -54,7 +54,6 @@ def slug(text: str, limit: int = 48) -> str:
 
 def validate_docker(d: Any, source: str) -> None:
     """``launch.docker``: a mapping of known keys, a valid name, a list of devices, a positive grace."""
-    from servelab.core.params import reject_unknown
     if not isinstance(d, dict):
         raise ParamError(f"{source}: launch.docker must be a mapping {{image, name, ...}}, got {d!r}")
     reject_unknown(d, set(DOCKER_KEYS), f"{source}: launch.docker")
@@ -295,7 +294,7 @@ def start_container(tracker: Any, host: Any, spec: ContainerSpec, log_path: Any,
         argv = spec.run_argv(name, env_file, run_id)
         running = RunningContainer(host, spec, name, run_id, private, env_file, argv)
         handle = tracker.start(ContainerHost(host, running), argv, log_path, env={},
-                               what=hostlib.CONTAINER_WHAT.format(name=name, client=spec.client, private=private))
+                               what=CONTAINER_WHAT.format(name=name, client=spec.client, private=private))
     except BaseException:
         remove_private_dir(host, private)
         raise

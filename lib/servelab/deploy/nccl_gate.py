@@ -28,6 +28,7 @@ from typing import Any
 import pandas as pd
 
 from servelab.deploy.nccl_info import NcclInfo, parse_info, parse_info_files, transport_table
+from servelab.core.params import did_you_mean
 
 GATE_KEYS = {"required_hcas", "require", "expected_ranks"}
 # what a gated engine starts with: INIT names the ranks (ncclCommInitRank), NET the transports and HCAs
@@ -63,7 +64,6 @@ def validate_gate(gate: dict | None) -> dict:
     gate = dict(gate or {})
     unknown = set(gate) - GATE_KEYS
     if unknown:
-        from servelab.core.params import did_you_mean
         k = sorted(unknown)[0]
         raise ValueError(f"unknown gate key '{k}'{did_you_mean(k, GATE_KEYS)}; known: {', '.join(sorted(GATE_KEYS))}")
     for key in ("require", "required_hcas"):

@@ -33,9 +33,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from servelab.core.run import now_iso
+from servelab.core.run import now_iso, read_manifest, update_manifest
 from servelab.deploy import hosts as hostlib
 from servelab.deploy.spec import Node, Target
+from servelab.core.params import ParamError, did_you_mean
 
 PREFLIGHT_KEYS = {"devices": list, "hcas": (bool, list), "netdevs": (bool, list), "ports_free": list,
                   "gpus_idle": bool, "disk_free_gb": (int, float), "max_clock_offset_ms": (int, float)}
@@ -58,7 +59,6 @@ class PreflightFailed(RuntimeError):
 
 def validate_preflight(pre: dict | None, where: str = "preflight") -> dict:
     """Check the ``preflight:`` keys and value types (one-line error naming the key); returns it unchanged."""
-    from servelab.core.params import ParamError, did_you_mean
     pre = dict(pre or {})
     for k, v in pre.items():
         if k not in PREFLIGHT_KEYS:
@@ -449,7 +449,6 @@ def cached(run_dir: Path | None, target: Target) -> PreflightReport | None:
     """The passing preflight this run already recorded for this target (same fingerprint), if any."""
     if run_dir is None:
         return None
-    from servelab.core.run import read_manifest
     rec = read_manifest(Path(run_dir)).get("preflight") or {}
     if rec.get("fingerprint") == fingerprint(target) and rec.get("passed"):
         return PreflightReport.from_manifest(rec)
@@ -471,7 +470,6 @@ def ensure_preflight(target: Target, hosts: dict[str, Any], run_dir: Path | None
         return None
     report = run_preflight(target, hosts, local_work_dir=run_dir or local_work_dir, phase=phase)
     if run_dir is not None:
-        from servelab.core.run import update_manifest
         update_manifest(Path(run_dir), preflight=report.to_manifest())
     if not report.passed:
         raise PreflightFailed(report)

@@ -22,7 +22,8 @@ from servelab.deploy import start_checks
 from servelab.deploy.engines import engine_for
 from servelab.deploy.engines.base import SECRET_DIR, LaunchPlan
 from servelab.deploy.spec import Target
-from servelab.core.run import CommandRecord, now_iso, record_command
+from servelab.core.run import CommandRecord, now_iso, record_command, redact_env, update_manifest
+from servelab.core.redact import redact_bytes
 
 
 class ServerError(RuntimeError):
@@ -270,7 +271,6 @@ def prepare_nodes(target: Target, hosts: dict[str, Any], run_dir: Path | None = 
         if getattr(host, "host_key", None):
             keys.append({**host.host_key, "phase": phase})
     if run_dir is not None and (swept or keys):
-        from servelab.core.run import update_manifest
         update_manifest(run_dir, **({"swept": swept} if swept else {}), **({"host_keys": keys} if keys else {}))
 
 
@@ -322,7 +322,6 @@ def _private_log_dirs(target: Target, hosts: dict[str, Any], tracker: hostlib.Pr
     the tracker's exit, after the engine stopped, each log is copied back into ``log_dir`` (``logs`` then names
     the local copy) and the folder is removed. With ``secret`` (an engine that prints its API key into its log)
     local nodes get one too, and every copy is redacted on its way back: the key never lands in ``log_dir``."""
-    from servelab.core.redact import redact_bytes
     out: dict[str, str] = {}
     for node in target.nodes:
         if node.kind != "ssh" and not secret:
@@ -473,7 +472,6 @@ def rank_environments(srv: RunningServer, prefixes: tuple[str, ...] = ENV_PREFIX
     compares with what the target asked for. One row per node, process and expected variable.
     """
     import pandas as pd
-    from servelab.core.run import redact_env
     expected = redact_env({k: v for k, v in srv.target.env.items() if k.startswith(prefixes)})
     rows = []
     for node, h in srv.handles.items():

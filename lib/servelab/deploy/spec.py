@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from typing import Any
+from servelab.core.redact import known_secrets
 
 
 
@@ -54,7 +55,6 @@ class Target:
         """The secrets this target carries — values of its secret-named ``env`` variables, of secret flags in its
         launch arguments (``extra_args``, ``docker.extra_args``), credentials in URLs among them — for the literal
         scrub of everything written (:func:`servelab.core.redact.known_secrets`; process environment included)."""
-        from servelab.core.redact import known_secrets
         docker = self.launch.get("docker") if isinstance(self.launch.get("docker"), dict) else {}
         argv = [*(self.launch.get("extra_args") or []), *(docker.get("extra_args") or [])]
         return known_secrets(self.env, {k: v for k, v in self.launch.items() if isinstance(v, (str, int, float))},

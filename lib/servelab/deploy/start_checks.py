@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from servelab.core.run import now_iso
+from servelab.core.run import now_iso, update_manifest
 from servelab.deploy.nccl_gate import GateRefused, gate_from_folder, with_gate_env
 from servelab.deploy.preflight import PreflightReport, ensure_preflight
 from servelab.deploy.spec import Target
@@ -92,7 +92,6 @@ def after_healthy(target: Target, hosts: dict[str, Any], log_paths: dict[str, st
         v.message = v.message.rstrip(". ") + ". The engine was stopped before any measurement."
     if run_dir is not None:
         import json
-        from servelab.core.run import update_manifest
         update_manifest(Path(run_dir), gate={
             "target": target.name, "phase": phase, "when": now_iso(), "gate": target.gate, "verdict": v.verdict,
             "passed": v.passed, "message": v.message, "reasons": list(v.reasons), "logs": logs,

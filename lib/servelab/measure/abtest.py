@@ -28,6 +28,10 @@ Noise rule (:func:`compare_cases`): per case and metric, mean / min / max / CV (
 is ``better`` or ``worse`` according to the metric's direction. Fewer than two repeats on a side: ``no repeats``
 (uncertainty unknown). A case invalid on either side: ``invalid`` — nothing invalid is a result.
 
+Correctness (:mod:`servelab.measure.correctness`): where both runs hold the greedy outputs of the same fixed prompts
+(``greedy_outputs.json``, written into every launch variant's record), each B's outputs are compared with A's token
+for token (``ABResult.correctness``) and the sixth question (accuracy risk) says whether they are identical.
+
 Case summaries come from the run's ``cases/<case_id>/summary.json`` (the case schema of
 :mod:`servelab.measure.case_record`, one row per repeat), or — for a run-like record of a launch variant — from the
 summaries its ``cases.json`` lists, under the case id they are compared as. A case is valid when its verdict is
@@ -59,6 +63,9 @@ import pandas as pd
 
 from servelab.core.run import read_manifest, run_dir
 from servelab.measure.case_record import SummarySchemaError, repeat_frame, summary_paths
+from servelab.measure.request_metrics import SGLANG_BENCH
+from servelab.measure.correctness import correctness_verdict
+from servelab.measure.correctness import ab_greedy
 
 # metric → True when higher is better
 METRICS: dict[str, bool] = {"output_tps": True, "p95_ttft_ms": False, "p95_tpot_ms": False, "p95_e2e_ms": False}
@@ -248,7 +255,7 @@ class CaseSummaries:
     notes: list[str] = field(default_factory=list)
 
 
-def read_case_summaries(rdir: str | Path, definition: str = "sglang", metrics: Sequence[str] = tuple(METRICS),
+def read_case_summaries(rdir: str | Path, definition: str = SGLANG_BENCH, metrics: Sequence[str] = tuple(METRICS),
                         label: str = "") -> CaseSummaries:
     """Per-repeat case metrics of a run directory or run-like record, from its case summaries (the case schema,
     :mod:`servelab.measure.case_record`): one row per repeat, ``valid`` from the case verdict (and the repeat's own
@@ -356,10 +363,12 @@ def _fmt(v: Any) -> str:
 
 
 def seven_questions(diff: pd.DataFrame, comparison: pd.DataFrame, labels: Sequence[str],
-                    answers: dict[str, str] | None = None) -> pd.DataFrame:
-    """The seven questions (``docs/method.md#discipline``): measured parts from the diff and the comparison,
-    judgement parts from ``answers`` (keys ``what_changed, why, what_else, end_to_end, profile_change, risk,
-    keep``); an empty judgement is shown as ``not answered``. Columns: ``question, answer, source``."""
+                    answers: dict[str, str] | None = None, correctness: pd.DataFrame | None = None) -> pd.DataFrame:
+    """The seven questions (``docs/method.md#discipline``): measured parts from the diff and the comparison (and,
+    for the risk question, the greedy outputs compared in ``correctness``: :func:`servelab.measure.correctness.
+    compare_greedy` rows of the last run), judgement parts from ``answers`` (keys ``what_changed, why, what_else,
+    end_to_end, profile_change, risk, keep``); an empty judgement is shown as ``not answered``. Columns:
+    ``question, answer, source``."""
     answers = {k: v for k, v in (answers or {}).items() if str(v).strip()}
     a_lab, b_lab = labels[0], labels[-1]
     rows = []
@@ -404,6 +413,9 @@ def seven_questions(diff: pd.DataFrame, comparison: pd.DataFrame, labels: Sequen
     inval = comparison[comparison["verdict"] == "invalid"]["case_id"].unique() if not comparison.empty else []
     risk_measured = (f"{len(inval)} case(s) invalid on a side: {', '.join(map(str, inval))}" if len(inval)
                      else "no invalid case on either side")
+    if correctness is not None and not correctness.empty:
+        verdict, detail = correctness_verdict(correctness)
+        risk_measured += f"; greedy outputs, {b_lab} against {a_lab}: {verdict} ({detail})"
     add("risk", QUESTIONS[5][1], risk_measured)
     keep_user = answers.get("keep", "")
     if not conf.empty:
@@ -425,6 +437,8 @@ class ABResult:
     comparison: pd.DataFrame          # baseline (first run) vs each other run; column 'b_run'
     questions: pd.DataFrame           # for the last run against the baseline
     notes: list[str] = field(default_factory=list)
+    # each other run's greedy outputs against the baseline's, per prompt (measure.correctness.compare_greedy rows)
+    correctness: pd.DataFrame = field(default_factory=pd.DataFrame)
 
     @property
     def confounds(self) -> pd.DataFrame:
@@ -459,7 +473,7 @@ class ABResult:
 
 def ab_compare(runs: Sequence[str | Path | RunRef], variable: str | Sequence[str] = "",
                answers: dict[str, str] | None = None, accepted: Sequence[str] = (), k: float = 2.0,
-               definition: str = "sglang", metrics: dict[str, bool] | None = None) -> ABResult:
+               definition: str = SGLANG_BENCH, metrics: dict[str, bool] | None = None) -> ABResult:
     """Compare two or more runs: the first is the baseline (A), each other is compared with it."""
     refs = [load_run(r) for r in runs]
     if len(refs) < 2:
@@ -485,10 +499,23 @@ def ab_compare(runs: Sequence[str | Path | RunRef], variable: str | Sequence[str
     comps = [compare_cases(sums[0], s, metrics, k).assign(b_run=refs[i].label) for i, s in enumerate(sums) if i > 0]
     comparison = pd.concat(comps, ignore_index=True) if comps else pd.DataFrame()
     last = comparison[comparison["b_run"] == refs[-1].label] if not comparison.empty else comparison
-    questions = seven_questions(diff, last, [refs[0].label, refs[-1].label], answers)
+    correctness = ab_greedy([(r.label, r.run_dir) for r in refs])
+    last_ok = correctness[correctness["b_run"] == refs[-1].label] if not correctness.empty else correctness
+    questions = seven_questions(diff, last, [refs[0].label, refs[-1].label], answers, last_ok)
     if not variables:
         notes.append("no variable declared: every difference counts as a confound")
-    return ABResult(refs, variables, diff, sums, comparison, questions, notes)
+    return ABResult(refs, variables, diff, sums, comparison, questions, notes, correctness)
+
+
+def write_ab_tables(ab: ABResult, phase_dir: Path) -> None:
+    """The A/B as every phase with one writes it, for the milestones and for people: ``ab_differences.csv``,
+    ``ab_comparison.csv``, ``ab_correctness.csv`` (the greedy outputs compared per prompt) and ``ab_questions.csv``."""
+    phase_dir = Path(phase_dir)
+    phase_dir.mkdir(parents=True, exist_ok=True)
+    ab.differences.to_csv(phase_dir / "ab_differences.csv", index=False)
+    ab.comparison.to_csv(phase_dir / "ab_comparison.csv", index=False)
+    ab.correctness.to_csv(phase_dir / "ab_correctness.csv", index=False)
+    ab.questions.to_csv(phase_dir / "ab_questions.csv", index=False)
 
 
 def repeats_frame(ab: ABResult) -> pd.DataFrame:

@@ -3,12 +3,15 @@ wait for every rank's trace to be complete, and collect the traces from every no
 
 The capture rules of ``docs/method.md#profiling`` are built in:
 
-- a capture covers 10 to 32 engine steps after warm-up (``ProfileScenario`` refuses other windows);
+- a capture covers 5 to 32 engine steps after warm-up (``ProfileScenario`` refuses other windows); by default
+  ``DEFAULT_STEPS`` = 10, the top of the 5–10 steps the method's first pass captures of P3, D2 and M1
+  (``docs/method.md#evidence-actions``);
 - four scenarios, each bound to the benchmark case it profiles: ``decode_control`` (1K→1K, C=32, skip 2
-  steps once decode is active, capture 16), ``mixed_treatment`` (same background, 2 pure decode steps,
-  then a 128K→1 prefill is injected, 32 steps in all) and ``long_prefill`` (128K→1, C=1, 16 steps from
-  the first chunk) and ``prefix_hit`` (a long shared prefix sent once to warm the cache, then C requests
-  sharing it — a high prefix-cache hit rate — captured, 16 steps from the first chunk);
+  steps once decode is active, capture N), ``mixed_treatment`` (same background, 2 pure decode steps,
+  then a 128K→1 prefill is injected; N + ``MIXED_EXTRA_STEPS`` steps in all, at most 32: room for the request to
+  reach the engine and for its prefill chunks) and ``long_prefill`` (128K→1, C=1, N steps from the first
+  chunk) and ``prefix_hit`` (a long shared prefix sent once to warm the cache, then C requests sharing it — a
+  high prefix-cache hit rate — captured, N steps from the first chunk);
 - traces are collected from every node (SSH ``get`` for remote nodes, a copy locally) into
   ``cases/<case>/profiles/<node>/`` under the engine's own file names, so rank identity is preserved
   (SGLang ``…-TP-3[-DP-0-PP-1-EP-3].trace.json.gz``, vLLM ``…rank3.<ns>.pt.trace.json.gz``);
@@ -46,11 +49,16 @@ from pathlib import Path
 from typing import Any, Callable
 
 from servelab.deploy.engines import ProfileError, profile_file
-from servelab.core.run import CommandRecord, now_iso, record_command, write_json_atomic
+from servelab.core.run import CommandRecord, now_iso, record_command, write_json_atomic, read_manifest
+from servelab.deploy.server import http_json
 
 SCENARIOS = ("decode_control", "mixed_treatment", "long_prefill", "prefix_hit")
 AUTO_STOP_GRACE_S = 20.0       # an engine that stops by itself gets this long to write its trace after the workload
-STEP_WINDOW = (10, 32)          # docs/method.md#profiling-lessons: capture only 10 to 32 engine steps after warm-up
+STEP_WINDOW = (5, 32)           # docs/method.md#profiling-lessons: capture only 5 to 32 engine steps after warm-up
+DEFAULT_STEPS = 10              # the method's first pass captures 5–10 steps of P3, D2 and M1: the top of that range
+# the mixed capture's steps beyond the window: its 2 pure decode steps before the injection, and 20 for the injected
+# request to reach the engine and be prefilled (a 128K prompt in 8K chunks is 16 steps) before decode is seen again
+MIXED_EXTRA_STEPS = 22
 TRIGGERS = ("decode_active", "before_first_chunk")
 CASE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+-]{0,95}$")
 
@@ -131,34 +139,53 @@ SCALES = {
 PREFIX_HIT = {"cluster": (32768, 31744, 64, 8), "local": (1600, 1536, 16, 4)}
 
 
+def mixed_steps(steps: int) -> int:
+    """Engine steps the mixed capture holds for a window of ``steps``: ``steps`` + ``MIXED_EXTRA_STEPS``, at most the
+    window's upper bound (32)."""
+    return min(STEP_WINDOW[1], int(steps) + MIXED_EXTRA_STEPS)
+
+
+def check_steps(steps: Any) -> int:
+    """``steps`` as an engine-step count inside ``STEP_WINDOW``, or a ``CaptureError`` saying what to pass."""
+    lo, hi = STEP_WINDOW
+    if isinstance(steps, bool) or not isinstance(steps, int) or not lo <= steps <= hi:
+        raise CaptureError(f"capture_steps={steps!r}: a capture holds {lo} to {hi} engine steps "
+                           f"(docs/method.md#profiling-lessons); pass a whole number in that range, e.g. {DEFAULT_STEPS}")
+    return steps
+
+
 def capture_scenarios(scale: str = "cluster", decode_case: str = "D2-c32", mixed_case: str = "M1-treatment",
-                      prefill_case: str = "P3", prefix_case: str = "H8-prefix") -> list[ProfileScenario]:
+                      prefill_case: str = "P3", prefix_case: str = "H8-prefix",
+                      steps: int = DEFAULT_STEPS) -> list[ProfileScenario]:
     """The four Phase 3 scenarios (``docs/method.md#capture-scenarios``), each bound to its benchmark case id.
 
     ``scale`` ``cluster`` uses the reference lengths (1K→1K at C=32, 128K→1); ``local`` shrinks them for
-    a CPU engine with a 2048-token context. Pass the case ids the benchmark matrix uses.
+    a CPU engine with a 2048-token context. Pass the case ids the benchmark matrix uses. ``steps`` (5–32) is the
+    window of the decode, long-prefill and prefix-hit captures; the mixed one holds :func:`mixed_steps` of it.
     """
     if scale not in SCALES:
         raise CaptureError(f"scale '{scale}' is not one of {sorted(SCALES)}")
+    n = check_steps(steps)
+    nm = mixed_steps(n)
     isl, osl, conc, long_isl = SCALES[scale]
     p_isl, p_prefix, p_osl, p_conc = PREFIX_HIT[scale]
     return [
-        ProfileScenario("decode_control", decode_case, isl, osl, conc, num_steps=16, skip_steps=2,
+        ProfileScenario("decode_control", decode_case, isl, osl, conc, num_steps=n, skip_steps=2,
                         trigger="decode_active",
-                        description=f"{isl}->{osl}, C={conc}: once decode is active skip 2 steps, capture 16"),
-        ProfileScenario("mixed_treatment", mixed_case, isl, osl, conc, num_steps=32, skip_steps=0,
+                        description=f"{isl}->{osl}, C={conc}: once decode is active skip 2 steps, capture {n}"),
+        ProfileScenario("mixed_treatment", mixed_case, isl, osl, conc, num_steps=nm, skip_steps=0,
                         trigger="decode_active", inject_isl_tokens=long_isl, inject_osl_tokens=1,
                         inject_after_steps=2,
                         description=f"{isl}->{osl}, C={conc} background: 2 pure decode steps, then inject "
-                                    f"{long_isl}->1; 32 steps in all"),
-        ProfileScenario("long_prefill", prefill_case, long_isl, 1, 1, num_steps=16, skip_steps=0,
+                                    f"{long_isl}->1; {nm} steps in all"),
+        ProfileScenario("long_prefill", prefill_case, long_isl, 1, 1, num_steps=n, skip_steps=0,
                         trigger="before_first_chunk",
-                        description=f"{long_isl}->1, C=1: 16 steps from the first chunk"),
-        ProfileScenario("prefix_hit", prefix_case, p_isl, p_osl, p_conc, num_steps=16, skip_steps=0,
+                        description=f"{long_isl}->1, C=1: {n} steps from the first chunk"),
+        ProfileScenario("prefix_hit", prefix_case, p_isl, p_osl, p_conc, num_steps=n, skip_steps=0,
                         trigger="before_first_chunk", prefix_tokens=p_prefix,
                         description=f"{p_isl}->{p_osl}, C={p_conc} sharing one {p_prefix}-token prefix (sent once "
                                     f"before the capture to warm the cache: ~{100 * p_prefix // p_isl}% hit rate); "
-                                    "16 steps from the first chunk"),
+                                    f"{n} steps from the first chunk"),
     ]
 
 
@@ -302,8 +329,6 @@ def start_profile(srv: Any, scenario: ProfileScenario, out_dir: str | None = Non
     (e.g. a docker bind mount). The files already in the folders are remembered so that only this
     session's files are collected. Raises ``CaptureError`` on a refused request.
     """
-    from servelab.deploy.server import http_json
-
     engine = srv.engine
     if not engine.can_profile:
         raise CaptureError(f"engine '{engine.name}' has no profiler endpoint (profiling needs SGLang or vLLM)")
@@ -342,8 +367,6 @@ def stop_profile(srv: Any, session: ProfileSession, *, force: bool = False, run_
 
     The long timeout is deliberate: writing a GPU trace takes seconds to minutes.
     """
-    from servelab.deploy.server import http_json
-
     url = srv.base_url + srv.engine.stop_profile_path
     session.stopped = now_iso()
     if session.auto_stop and not force:
@@ -548,7 +571,6 @@ def case_clock_record(run_dir: Path | None, target: Any) -> dict[str, Any]:
     that node's traces (``docs/metrics.md#one-clock``)."""
     pre: dict[str, Any] = {}
     if run_dir is not None:
-        from servelab.core.run import read_manifest
         pre = read_manifest(Path(run_dir)).get("preflight") or {}
     same = pre.get("target") == getattr(target, "name", None)
     measured = (pre.get("clock") or {}) if same else {}

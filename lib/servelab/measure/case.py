@@ -51,19 +51,22 @@ import pandas as pd
 
 from servelab.measure import request_metrics as mx
 from servelab.measure.case_record import CaseFolder, CaseSummary, read_summary, request_counts, verdict_of
-from servelab.measure.client import ClientConfig, ClientRun, RequestRecord, read_records, run_requests
-from servelab.measure.engine_metrics import Scraper, named_deltas
+from servelab.measure.case_runner import (ENGINE_CRASH, CaseRun, EngineCrash, Warmup, client_config, flush_cache,
+                                          head_log, log_events)
+from servelab.measure.client import ClientConfig, run_requests
+from servelab.measure.records import ClientRun, RequestRecord, read_records
+from servelab.measure.engine_metrics import named_deltas
 from servelab.core.run import emit_progress, human_duration, merge_table, now_iso
-from servelab.deploy.server import RunningServer, http_json, is_healthy, log_clock
+from servelab.deploy.server import RunningServer, is_healthy
 from servelab.measure.workload import build_workload, engine_tokenizer, spec_source, token_pool
+from servelab.core.params import ParamError, did_you_mean
+from servelab.deploy.engines import engine_for
+from servelab.measure.peer_results import to_vllm_keys
+from servelab.measure.multiclient import multi_wave
 
-SUCCESS, FAILED, ENGINE_CRASH, OOM = "success", "failed", "ENGINE_CRASH", "OOM"
+SUCCESS, FAILED, OOM = "success", "failed", "OOM"
 LONG_PREFILL = ("P2", "P3", "P4")          # no same-shape warm-up (expensive 32K/128K points)
 ATTEMPT_SEP = "@a"                          # cases/<case_id>@a<n>/: attempt n (≥ 2) of a case, re-run later
-
-
-class EngineCrash(RuntimeError):
-    """The engine lost health during or before a case: the run must stop."""
 
 
 @dataclass
@@ -111,7 +114,6 @@ def c1_requests(input_tokens: int, output_tokens: int, ref_cost: float, min_requ
 
 def max_request_tokens(target: Any) -> int | None:
     """Tokens one request may hold (prompt + output), as the target's engine counts them."""
-    from servelab.deploy.engines import engine_for
     return engine_for(target.engine).max_request_tokens(target.launch or {})
 
 
@@ -140,7 +142,6 @@ def quick_matrix(target: Any, cases: list[str] | None = None, min_duration_s: fl
     if scale not in SCALES:
         raise ValueError(f"target.scale must be one of {sorted(SCALES)}, got {scale!r}")
     if min_duration_s < 0 or min_requests < 0:
-        from servelab.core.params import ParamError
         raise ParamError(f"min_duration_s and min_requests must be >= 0 (got {min_duration_s}, {min_requests})")
     s = SCALES[scale]
     w = float(min_duration_s or s["min_window_s"])
@@ -176,7 +177,6 @@ def quick_matrix(target: Any, cases: list[str] | None = None, min_duration_s: fl
         known = {c.case_id for c in out} | {c.scenario for c in out}
         for name in cases:
             if name not in known:
-                from servelab.core.params import ParamError, did_you_mean
                 raise ParamError(f"unknown case '{name}'{did_you_mean(name, known)}; cases: {sorted(known)}")
         out = [c for c in out if c.case_id in cases or c.scenario in cases]
     return out
@@ -218,13 +218,8 @@ class CaseEnv:
         return self.srv.engine
 
     def client_config(self, case_id: str) -> ClientConfig:
-        extra: dict[str, Any] = {}
-        if self.engine.flush_cache_path is None and self.engine.request_cache_switch:
-            extra[self.engine.request_cache_switch] = False    # no flush endpoint: no reuse, request by request
-        return ClientConfig(self.srv.base_url, self.srv.target.served_model_name or "default",
-                            engine=self.srv.target.engine, api=self.api, extra_body=extra, timeout_s=self.timeout_s,
-                            request_id_prefix=f"{self.run_dir.name}-{case_id}", progress=self.progress,
-                            headers=self.srv.auth_headers)
+        return client_config(self.srv, self.run_dir, case_id, api=self.api, timeout_s=self.timeout_s,
+                             progress=self.progress)
 
 
 def make_env(srv: RunningServer, run_dir: Path, **kw: Any) -> CaseEnv:
@@ -253,58 +248,6 @@ def target_ref(target: Any) -> dict[str, Any]:
     """Which target a case ran on, for its ``meta.json``: name, the file it was read from, engine and model."""
     return {"name": target.name, "source": getattr(target, "source", ""), "engine": target.engine,
             "model": target.model}
-
-
-# ---------------------------------------------------------------- server side: flush, log, health
-
-def flush_cache(env: CaseEnv, timeout_s: float = 60.0) -> dict[str, Any]:
-    """Flush the prefix cache the engine's way; say exactly what was done (never silently nothing)."""
-    path = env.engine.flush_cache_path
-    if path is None:
-        return {"method": "cache_prompt=false on every request", "flushed": False,
-                "reason": f"{env.srv.target.engine} has no cache flush endpoint; its per-slot prompt cache is "
-                          "bypassed per request instead"}
-    deadline = time.monotonic() + timeout_s
-    status, body = 0, None
-    while time.monotonic() < deadline:
-        status, body = http_json(env.srv.base_url + path, {}, timeout=timeout_s, headers=env.srv.auth_headers)
-        if status == 200:
-            return {"method": f"POST {path}", "flushed": True, "status": status}
-        if status != 400:          # SGLang answers 400 while requests are still running: wait for idle
-            break
-        time.sleep(0.5)
-    return {"method": f"POST {path}", "flushed": False, "status": status, "reason": str(body)[:300]}
-
-
-def head_log(env: CaseEnv) -> tuple[str, str]:
-    head = env.srv.target.head.name
-    return head, env.srv.log_paths.get(head, "")
-
-
-def read_log_since(env: CaseEnv, offset: int) -> tuple[str, int]:
-    """The head engine log from byte ``offset``; returns (text, new offset). Empty if unreadable."""
-    head, path = head_log(env)
-    if not path:
-        return "", offset
-    try:
-        data = env.srv.hosts[head].read_file(path)
-    except Exception:
-        return "", offset
-    return data[offset:].decode(errors="replace"), len(data)
-
-
-def log_events(text: str, markers: dict[str, str], keys: tuple[str, ...] = ("oom", "crash")) -> dict[str, list[str]]:
-    """Lines of ``text`` that match the adapter's log markers (``oom``, ``crash`` ...), at most 20 per key."""
-    out: dict[str, list[str]] = {}
-    for k in keys:
-        rx = markers.get(k)
-        if not rx:
-            continue
-        pat = re.compile(rx)
-        hits = [ln for ln in text.splitlines() if pat.search(ln)]
-        if hits:
-            out[k] = hits[:20]
-    return out
 
 
 # ---------------------------------------------------------------- result and files
@@ -372,81 +315,44 @@ def load_case_result(case: CaseSpec, case_dir: Path) -> CaseResult:
 
 # ---------------------------------------------------------------- running one case
 
-def _warmup(env: CaseEnv, case: CaseSpec, cfg: ClientConfig) -> list[RequestRecord]:
-    wl = build_workload(f"{case.case_id}-warmup", 1, case.input_tokens, min(case.output_tokens, 16), env.pool,
-                        seed=case_seed(env.seed, case.case_id + "/warmup", 0), role="warmup", start_index=10**6)
-    run = run_requests(wl.requests, cfg, concurrency=1)
-    return run.records
-
-
 def run_case(env: CaseEnv, case: CaseSpec, run_fn: Callable[[CaseEnv, CaseSpec, ClientConfig, int], ClientRun]
              | None = None, extra_fn: Callable[[list[RequestRecord]], dict[str, Any]] | None = None) -> CaseResult:
-    """Run one case: health check, warm-up, flush, repeats (raw records first), summaries, verdict, files.
+    """Run one matrix case through the case runner (:class:`servelab.measure.case_runner.CaseRun`: health check,
+    warm-up, flush, the ``/metrics`` scraper, raw records first): its wave is the repeats (flushing between them),
+    its summary both definitions per repeat and pooled, the CV, the verdict and the engine's counter deltas.
 
     Raises ``EngineCrash`` (after writing everything measured) when the engine is unhealthy afterwards.
     ``run_fn(env, case, cfg, repeat) -> ClientRun`` replaces the default closed-loop wave (used by M1);
     ``extra_fn(records)`` adds entries to ``CaseResult.extra`` before the summary is written (M1's injection).
-    The folder is written through :class:`servelab.measure.case_record.CaseFolder`.
     """
     expected = case.num_prompts * env.repeats          # at least (a sized case may send more)
-    folder = CaseFolder(env.run_dir, attempt_folder(case.case_id, env.attempt), env.phase, case_kind(case), {
+    run = CaseRun(env.srv, env.run_dir, attempt_folder(case.case_id, env.attempt), env.phase, case_kind(case), {
         "case": asdict(case), "repeats": env.repeats, "expected_measured": expected, "engine": env.srv.target.engine,
         "base_url": env.srv.base_url, "api": env.api, "seed": env.seed, "profiler_attached": env.profiler_attached,
         "repeat_of": case.case_id, "attempt": env.attempt, "case_env": env.recipe(),
-        "target": target_ref(env.srv.target)})
-    cdir, meta = folder.dir, folder.meta
-    if not is_healthy(env.srv):
-        folder.finish(ENGINE_CRASH, "engine unhealthy before the case started")
-        raise EngineCrash(f"{case.case_id}: engine unhealthy before the case started")
-    cfg = env.client_config(folder.case_id)
-    cfg.on_record = folder.stream_record          # each record on disk as its request completes (Ctrl-C keeps it)
-    _, log_path = head_log(env)
-    _, log_off = read_log_since(env, 0)
-    scraper = Scraper(env.srv.base_url + env.engine.metrics_path, interval_s=env.scrape_interval_s, timeout_s=5.0,
-                      headers=env.srv.auth_headers)
-    records: list[RequestRecord] = []
+        "target": target_ref(env.srv.target)}, interrupt_details={"case": asdict(case)})
     runs: list[ClientRun] = []
-    error = ""
-    interrupted = False
-    try:
+    with run:
+        cfg = run.client_config(env.client_config(run.case_id))
         if case.warmup:
-            wrecs = _warmup(env, case, cfg)
-            records += wrecs
-            meta["warmup"] = {"requests": len(wrecs), "ok": all(r.ok for r in wrecs),
-                              "shape": [case.input_tokens, min(case.output_tokens, 16)]}
+            osl = min(case.output_tokens, 16)
+            run.warm_up(run.client_warmup(cfg, env.pool, Warmup(1, case.input_tokens, osl,
+                                                                case_seed(env.seed, case.case_id + "/warmup", 0))),
+                        shape=[case.input_tokens, osl])
         else:
-            meta["warmup"] = {"requests": 0, "reason": "no same-shape warm-up for long prefill points (docs/method.md#warmup)"}
-        meta["cache_flush"] = flush_cache(env)
-        scraper.start()
+            run.warm_up(None, "no same-shape warm-up for long prefill points (docs/method.md#warmup)")
+        run.flush()
+        run.watch(scrape_interval_s=env.scrape_interval_s, scrape_timeout_s=5.0)
         for rep in range(env.repeats):
-            if run_fn is not None:
-                run = run_fn(env, case, cfg, rep)
-            else:
-                run = run_wave(env, case, cfg, rep)
-            runs.append(run)
-            records += run.records
+            wave = (run_fn or run_wave)(env, case, cfg, rep)
+            runs.append(wave)
+            run.add(wave.records)
             if rep + 1 < env.repeats and env.engine.flush_cache_path:
-                flush_cache(env)
-    except KeyboardInterrupt:   # the user stopped the run: keep what was received, mark the case INTERRUPTED
-        interrupted = True
-    except Exception as exc:  # recorded; the health check below decides whether the run goes on
-        error = f"{type(exc).__name__}: {exc}"
-    finally:
-        frame = scraper.stop() if scraper.running else scraper.frame()
-    if interrupted:
-        folder.close_stream()
-        folder.write_metrics(frame, scrape_errors=scraper.errors)
-        folder.write_log_excerpt(read_log_since(env, log_off)[0])
-        folder.interrupt(details={"case": asdict(case)})
-        raise KeyboardInterrupt(f"{case.case_id}: interrupted")
-    # raw data first
-    folder.write_requests(records)
-    folder.write_metrics(frame, scrape_errors=scraper.errors)
-    log_text, _ = read_log_since(env, log_off)
-    folder.write_log_excerpt(log_text, clock=log_clock(env.srv))
-    events = log_events(log_text, env.engine.log_markers)
+                flush_cache(env.srv)
+    records, error, frame = run.records, run.error, run.scrape
+    events = log_events(run.log_text, env.engine.log_markers)
     healthy = is_healthy(env.srv)
-    result = CaseResult(case, SUCCESS, cdir, error=error, log_events=events)
+    result = CaseResult(case, SUCCESS, run.dir, error=error, log_events=events)
     result.server_deltas = named_deltas(frame, env.engine.metric_names) if not frame.empty else {}
     if runs:
         rep_summ = [mx.both_definitions(r.records, measured_window_s(r), env.slo, r.window_start_ns) for r in runs]
@@ -454,11 +360,11 @@ def run_case(env: CaseEnv, case: CaseSpec, run_fn: Callable[[CaseEnv, CaseSpec, 
         measured = [x for r in runs for x in r.records]
         result.repeat_summaries = rep_summ
         result.summaries = mx.both_definitions(measured, pooled_dur, env.slo)
-        result.cv = mx.cv_across_repeats([s["vllm"] for s in rep_summ]) if len(runs) > 1 else {}
+        result.cv = mx.cv_across_repeats([s[mx.VLLM_BENCH] for s in rep_summ]) if len(runs) > 1 else {}
         rules = mx.ValidityRules(min_completed=case.num_prompts * len(runs), min_window_s=case.min_window_s,
                                  max_cv_pct=env.max_cv_pct if len(runs) >= 3 else None)
         result.integrity = mx.pooled_integrity([mx.integrity(r, env.integrity_rules) for r in runs])
-        result.verdict = mx.validity(result.summaries["vllm"], rules, env.profiler_attached, result.cv,
+        result.verdict = mx.validity(result.summaries[mx.VLLM_BENCH], rules, env.profiler_attached, result.cv,
                                      result.integrity)
         result.extra["client_cpu_s"] = sum(r.client_cpu_s for r in runs)
         if extra_fn is not None:
@@ -467,20 +373,19 @@ def run_case(env: CaseEnv, case: CaseSpec, run_fn: Callable[[CaseEnv, CaseSpec, 
         result.status = OOM
     elif not healthy:
         result.status = ENGINE_CRASH
-    elif error or not runs or result.summaries["vllm"]["failed"]:
+    elif error or not runs or result.summaries[mx.VLLM_BENCH]["failed"]:
         result.status = FAILED
     if result.status != SUCCESS and result.verdict.verdict == "VALID":
         result.verdict = mx.Verdict("INVALID", [f"case status {result.status}"])
     if error and not result.error:
         result.error = error
     if not error and result.status == FAILED and runs:
-        result.error = f"{result.summaries['vllm']['failed']} request(s) failed: " \
-                       f"{result.summaries['vllm']['errors_by_kind']}"
-    write_summary(result, folder, records, attempt=env.attempt)
+        result.error = f"{result.summaries[mx.VLLM_BENCH]['failed']} request(s) failed: " \
+                       f"{result.summaries[mx.VLLM_BENCH]['errors_by_kind']}"
     # the client's own measurement windows on the wall clock: Phase 2 slices telemetry to exactly these
-    meta["windows_wall_ns"] = [[r.window_start_ns + r.wall_offset_ns, r.window_end_ns + r.wall_offset_ns]
-                               for r in runs]
-    folder.finish(result.status, result.error, log_events=events, healthy_after=healthy, engine_log=log_path)
+    windows = [[r.window_start_ns + r.wall_offset_ns, r.window_end_ns + r.wall_offset_ns] for r in runs]
+    run.close(case_summary(result, run.folder, records, attempt=env.attempt), result.status, result.error,
+              windows_wall_ns=windows, log_events=events, healthy_after=healthy, engine_log=head_log(env.srv)[1])
     if result.status == ENGINE_CRASH:
         raise EngineCrash(f"{case.case_id}: engine lost health ({result.error or 'health probe failed'})")
     return result
@@ -503,7 +408,6 @@ def run_wave(env: CaseEnv, case: CaseSpec, cfg: ClientConfig, repeat: int) -> Cl
     to meet both ``min_duration_s`` and ``num_prompts``."""
     kw = sizing_kw(env, case, repeat)
     if env.clients > 1:             # the same requests from several client processes, records merged
-        from servelab.measure.multiclient import multi_wave
         return multi_wave(env, case, cfg, repeat, case_seed(env.seed, case.case_id, repeat), kw)
     if kw:
         return run_requests([], cfg, concurrency=case.concurrency, repeat=repeat, **kw)
@@ -528,14 +432,13 @@ def measured_window_s(run: ClientRun) -> float:
     return max(end - run.window_start_ns, 1) / 1e9
 
 
-def write_summary(result: CaseResult, folder: CaseFolder, records: list[RequestRecord], attempt: int = 1
-                  ) -> dict[str, Any]:
-    """The case's ``summary.json`` (the case schema: pooled metrics per definition, one entry per repeat, the
-    verdict) and, beside it, ``summary_vllm_keys.jsonl`` (the same numbers under ``vllm bench serve``'s keys).
+def case_summary(result: CaseResult, folder: CaseFolder, records: list[RequestRecord], attempt: int = 1
+                 ) -> CaseSummary:
+    """The case's summary (the case schema: pooled metrics per definition, one entry per repeat, the verdict), with
+    ``summary_vllm_keys.jsonl`` written beside it (the same numbers under ``vllm bench serve``'s keys).
     A later attempt (``attempt`` ≥ 2, folder ``<case_id>@a<n>``) is a repeat of the case: ``repeat_of`` is the case
     id and ``details.attempt`` says which attempt of which folder it is."""
     if result.summaries:
-        from servelab.measure.peer_results import to_vllm_keys
         # the same numbers under vllm bench serve's keys, one object per definition (like --append-result)
         lines = [json.dumps(to_vllm_keys(result.summaries[d], {"label": result.case.case_id,
                                                                "max_concurrency": result.case.concurrency}),
@@ -545,13 +448,18 @@ def write_summary(result: CaseResult, folder: CaseFolder, records: list[RequestR
                "log_events": result.log_events, "extra": result.extra, "error": result.error}
     if attempt > 1:
         details["attempt"] = {"n": attempt, "of": result.case.case_id, "first": f"cases/{result.case.case_id}"}
-    summary = CaseSummary(
+    return CaseSummary(
         case_id=folder.case_id, phase=folder.phase, kind=folder.kind, status=result.status,
-        verdict=verdict_of(result.verdict), definition="vllm", metrics=result.summaries,
+        verdict=verdict_of(result.verdict), definition=mx.VLLM_BENCH, metrics=result.summaries,
         repeats=[{"repeat": i, "metrics": s} for i, s in enumerate(result.repeat_summaries)],
         counts=request_counts(records, ("measure",)), details=details, repeat_of=result.case.case_id,
         integrity=result.integrity)
-    return folder.write_summary(summary)
+
+
+def write_summary(result: CaseResult, folder: CaseFolder, records: list[RequestRecord], attempt: int = 1
+                  ) -> dict[str, Any]:
+    """:func:`case_summary` written (``summary.json``, after ``requests.jsonl``)."""
+    return folder.write_summary(case_summary(result, folder, records, attempt))
 
 
 # ---------------------------------------------------------------- the matrix

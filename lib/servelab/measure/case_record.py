@@ -36,7 +36,7 @@ import pandas as pd
 
 from servelab.core.run import now_iso, write_json_atomic
 from servelab.measure import request_metrics as mx
-from servelab.measure.client import write_records
+from servelab.measure.records import write_records, ClientRun, read_records
 
 SCHEMA_VERSION = 1
 VALID, INVALID = "VALID", "INVALID"
@@ -102,7 +102,6 @@ def verdict_of(v: mx.Verdict) -> dict[str, Any]:
 def client_integrity(run: Any) -> dict[str, Any]:
     """``request_metrics.integrity`` of a client run that had its loop-lag monitor on; ``{}`` (not measured) for
     none, or for a run without monitor samples."""
-    from servelab.measure.client import ClientRun
     if not isinstance(run, ClientRun) or not run.loop_lag_ns:
         return {}
     return mx.integrity(run)
@@ -294,14 +293,13 @@ class CaseFolder:
         self._raw_written = True
         return path
 
-    def interrupt(self, reason: str = "stopped by the user (Ctrl-C)", definition: str = "vllm",
+    def interrupt(self, reason: str = "stopped by the user (Ctrl-C)", definition: str = mx.VLLM_BENCH,
                   details: dict[str, Any] | None = None, measured_roles: tuple[str, ...] = ("measure",)
                   ) -> dict[str, Any]:
         """The case was stopped mid-way: the streamed records are fsynced and kept as they are, ``summary.json``
         says ``status`` / ``verdict.status`` ``INTERRUPTED`` (with how many records were received), ``meta.json``
         is closed with the same status. No metrics: the records are evidence, not a result. Returns the
         summary written."""
-        from servelab.measure.client import read_records
         self.close_stream()
         path = self.requests_path
         if not path.exists():
@@ -419,7 +417,7 @@ def read_summaries(run_dir: str | Path, phase: str | None = None, errors: list[s
     return out
 
 
-def repeat_frame(run_dir: str | Path, definition: str = "vllm", metrics: Sequence[str] | None = None,
+def repeat_frame(run_dir: str | Path, definition: str = mx.VLLM_BENCH, metrics: Sequence[str] | None = None,
                  aliases: dict[str, str] | None = None, phase: str | None = None
                  ) -> tuple[pd.DataFrame, list[str]]:
     """One row per repeat of every case: ``case_id`` (the case it repeats, or its A/B case id in a record),

@@ -7,7 +7,10 @@ model). This module holds what they share:
   engine adapter exactly as a target file would be;
 - :func:`launch_argv` — the head node's command for a target, so a sweep can refuse a setting the engine
   ignores (the same argv for two values means the knob does not exist on this engine);
-- :func:`serving` — start the engine inside a ``ProcessTracker`` and always stop it;
+- :func:`serving` — start the engine inside a ``ProcessTracker`` and always stop it; once it is healthy, the
+  greedy correctness probe (:func:`servelab.measure.correctness.greedy_probe`: the same fixed prompts on every
+  variant, so an A/B can compare what each side answers) runs first, its outputs kept on the server
+  (``srv.facts["greedy_outputs"]``) for the variant's record;
 - :func:`metrics_snapshot` / :func:`snapshot_deltas` — the raw ``/metrics`` text at one instant and the counter
   deltas between two snapshots (the exact measurement window, never a running average);
 - :func:`server_cpu_s` — CPU seconds the local engine process has used (``/proc/<pid>/stat``), for the CPU
@@ -28,15 +31,19 @@ from typing import Any, Iterator
 
 import pandas as pd
 
-from servelab.core.params import ParamError
+from servelab.core.params import ParamError, did_you_mean
 
 from servelab.deploy.spec import Target
 
 from servelab.deploy.targets import target_from_dict
 from servelab.measure.case_record import repeat_frame, write_case_index
-from servelab.measure.engine_metrics import counter_deltas, parse_text
-from servelab.core.run import now_iso, redact, write_json_atomic
-from servelab.deploy.server import RunningServer, http_text
+from servelab.measure.engine_metrics import counter_deltas, parse_text, label_key
+from servelab.measure.correctness import greedy_probe
+from servelab.core.run import now_iso, redact, write_json_atomic, CommandRecord, record_command
+from servelab.deploy.server import RunningServer, http_text, plan_launch, start_server, stop_server
+from servelab.deploy.engines import engine_for
+from servelab.deploy.hosts import ProcessTracker
+from servelab.measure.correctness import write_greedy
 
 
 def with_launch(target: Target, changes: dict[str, Any], name_suffix: str = "") -> Target:
@@ -57,7 +64,6 @@ def with_launch(target: Target, changes: dict[str, Any], name_suffix: str = "") 
 
 def launch_argv(target: Target) -> list[str]:
     """The head node's engine command for ``target`` (builds/caches local artifacts, starts nothing)."""
-    from servelab.deploy.server import plan_launch
     plans, _ = plan_launch(target, port=target.port or 1)
     return next(p for p in plans if p.role == "head").argv
 
@@ -69,7 +75,6 @@ def check_knob_changes_command(target: Target, knob: str, values: list[Any]) -> 
     ``chunked_prefill_size`` on llama.cpp, whose per-iteration token budget is ``batch_size``).
     """
     if knob not in _launch_keys(target):
-        from servelab.core.params import did_you_mean
         keys = _launch_keys(target)
         raise ParamError(f"'{knob}' is not a launch setting of {target.engine}{did_you_mean(knob, keys)}; "
                          f"settings: {', '.join(sorted(keys))}")
@@ -87,20 +92,21 @@ def check_knob_changes_command(target: Target, knob: str, values: list[Any]) -> 
 
 
 def _launch_keys(target: Target) -> set[str]:
-    from servelab.deploy.engines import engine_for
     return engine_for(target.engine).launch_keys()
 
 
 @contextlib.contextmanager
 def serving(target: Target, log_dir: Path, run_dir: Path | None = None, phase: str = "",
-            health_timeout_s: float = 300.0) -> Iterator[RunningServer]:
-    """Start ``target``'s engine (commands recorded as executed when ``run_dir`` is given); always stop it."""
-    from servelab.deploy.hosts import ProcessTracker
-    from servelab.deploy.server import start_server, stop_server
+            health_timeout_s: float = 300.0, greedy: bool = True) -> Iterator[RunningServer]:
+    """Start ``target``'s engine (commands recorded as executed when ``run_dir`` is given); always stop it. With
+    ``greedy`` the correctness probe runs on the healthy engine before anything else (its outputs in
+    ``srv.facts["greedy_outputs"]``, which :func:`write_run_record` writes into the variant's record)."""
     with ProcessTracker() as tracker:
         srv = start_server(target, Path(log_dir), tracker, run_dir=run_dir, phase=phase,
                            health_timeout_s=health_timeout_s)
         try:
+            if greedy:
+                srv.facts["greedy_outputs"] = greedy_probe(srv, run_dir=run_dir, phase=phase)
             yield srv
         finally:
             stop_server(srv, tracker, run_dir, phase)
@@ -122,7 +128,6 @@ class Snapshot:
 
     def frame(self) -> pd.DataFrame:
         """Rows like :class:`servelab.measure.engine_metrics.Scraper` keeps (``ts_ns, wall_ns, name, labels, value, type``)."""
-        from servelab.measure.engine_metrics import label_key
         if not self.ok:
             return pd.DataFrame(columns=["ts_ns", "wall_ns", "name", "labels", "value", "type"])
         return pd.DataFrame([{"ts_ns": self.ts_ns, "wall_ns": self.wall_ns, "name": s["name"],
@@ -176,7 +181,6 @@ def server_cpu_s(srv: RunningServer) -> float | None:
 
 def log_reproduce(ctx: Any, phase_key: str) -> None:
     """Record how to re-run this phase (label ``reproduce``) in the run's command log."""
-    from servelab.core.run import CommandRecord, record_command
     target = (getattr(ctx, "params", None) or {}).get("target") or ctx.target.name
     run_id = getattr(ctx, "run_id", "") or Path(ctx.run_dir).name
     record_command(Path(ctx.run_dir), CommandRecord(
@@ -192,7 +196,8 @@ def write_run_record(record_dir: Path, run_id: str, target: Target, srv: Running
     """A folder that :func:`servelab.measure.abtest.load_run` reads as a run: ``manifest.json`` (tool, engine, model,
     launch plans/env/settings as Phase 0 records them), ``cases.json`` (each ``(case id, case folder, reason)`` of
     ``cases``: the case's ``summary.json`` entered under the case id it is compared as, or — folder None — the
-    reason it did not run) and ``summary.csv`` (one row per case × repeat, read from those summaries, for people)."""
+    reason it did not run), ``summary.csv`` (one row per case × repeat, read from those summaries, for people) and,
+    when ``srv`` ran the correctness probe, ``greedy_outputs.json`` (:mod:`servelab.measure.correctness`)."""
     record_dir = Path(record_dir)
     record_dir.mkdir(parents=True, exist_ok=True)
     parent = parent_manifest or {}
@@ -212,6 +217,8 @@ def write_run_record(record_dir: Path, run_id: str, target: Target, srv: Running
                 **(extra or {})}
     write_json_atomic(record_dir / "manifest.json", redact(manifest, known))      # env, argv, URLs: no secrets
     write_case_index(record_dir, cases)
+    if srv is not None and srv.facts.get("greedy_outputs") is not None:
+        write_greedy(record_dir, srv.facts["greedy_outputs"])
     frame, _ = repeat_frame(record_dir)
     frame.to_csv(record_dir / "summary.csv", index=False)
     return record_dir

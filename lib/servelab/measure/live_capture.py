@@ -1,7 +1,7 @@
 """Phase 3 on a live engine: start it once with its torch profiler configured, then capture the four scenarios of
 ``docs/method.md#capture-scenarios`` one after the other, each after a cache flush and a short warm-up:
 
-- ``decode_control``: C streams decoding → start → skip 2 steps → capture 16;
+- ``decode_control``: C streams decoding → start → skip 2 steps → capture ``steps`` (10 by default);
 - ``mixed_treatment``: C streams decoding → start → after ``inject_after_steps`` decode chunks one long prefill
   is injected; the streams keep decoding until the engine has written the worker trace;
 - ``long_prefill``: start, then one long prompt alone;
@@ -34,15 +34,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import pandas as pd
+
 from servelab.core.run import CommandRecord, now_iso, record_command
 from servelab.measure import request_metrics as mx
-from servelab.measure.capture import CaptureError, CaptureResult, ProfileScenario, capture, capture_scenarios
-from servelab.measure.case_record import INVALID, CaseFolder, CaseSummary, request_counts, verdict
-from servelab.measure.client import ReadLog, RequestRecord, parse_stream
+from servelab.measure.capture import (DEFAULT_STEPS, CaptureError, CaptureResult, ProfileScenario, capture,
+                                      capture_scenarios)
+from servelab.measure.case_record import INVALID, CaseSummary, read_summary, request_counts, verdict
+from servelab.measure.case_runner import CaseRun
+from servelab.measure.client import ReadLog, parse_stream
+from servelab.measure.records import RequestRecord
 from servelab.measure.workload import RequestSpec, build_workload, engine_tokenizer, request_body, token_pool
 from servelab.deploy.engines import engine_for
 from servelab.deploy.hosts import ProcessTracker
 from servelab.deploy.server import RunningServer, http_json, start_server, stop_server
+from servelab.measure.launch_variants import delta_of, metrics_snapshot, snapshot_deltas
 
 SCENARIO_KIND = {"decode_control": "decode", "mixed_treatment": "mixed", "long_prefill": "prefill",
                  "prefix_hit": "prefix_cache"}
@@ -67,6 +73,7 @@ class Drive:
     records: list[RequestRecord] = field(default_factory=list)
     marks: dict[str, int] = field(default_factory=dict)       # name -> wall ns (profile start, injection …)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    on_record: Callable[[RequestRecord], None] | None = None     # each record as its request ends (to disk)
 
     def mark(self, name: str) -> None:
         self.marks[name] = time.time_ns()
@@ -106,6 +113,8 @@ class Drive:
             rec.error_kind, rec.error = "stream", "HTTP 200 but no SSE event"
         with self.lock:
             self.records.append(rec)
+        if self.on_record is not None:
+            self.on_record(rec)
         return rec
 
     def thread(self, spec: RequestSpec, on_read: Callable[[int], None] | None = None) -> threading.Thread:
@@ -271,8 +280,6 @@ def prefix_drive(drive: Drive, scenario: ProfileScenario, pool: _Pool) -> Callab
     """prefix_hit: one request carrying the shared prefix warms the cache (role ``prewarm``, before the capture);
     then ``start()`` and C requests sharing that prefix (each with its own suffix) run concurrently to their end.
     The achieved hit rate comes from the engine's prefix-cache counters around the captured requests."""
-    from servelab.measure.launch_variants import metrics_snapshot, snapshot_deltas
-
     def run(start: Callable[[], Any]) -> Drive:
         rate = scenario.prefix_tokens / scenario.isl_tokens
         specs = pool.specs(scenario.concurrency + 1, scenario.isl_tokens, scenario.osl_tokens, "measure",
@@ -289,7 +296,6 @@ def prefix_drive(drive: Drive, scenario: ProfileScenario, pool: _Pool) -> Callab
         try:
             deltas = snapshot_deltas(before, after)
             names = drive.srv.engine.metric_names
-            from servelab.measure.launch_variants import delta_of
             hits, queries, how = drive.srv.engine.prefix_cache_counts(lambda k: delta_of(deltas, names[k])
                                                                       if k in names else None)
             drive.marks["prefix_hit_rate_ppm"] = int(1e6 * hits / queries) if hits is not None and queries else -1
@@ -319,15 +325,18 @@ def _post_recorded(srv: RunningServer, run_dir: Path, phase: str, path: str, tit
     return status
 
 
-def flush_and_warm(srv: RunningServer, drive: Drive, pool: _Pool, run_dir: Path, phase: str,
-                   scenario: ProfileScenario) -> dict[str, Any]:
-    """The adapter's cache flush (recorded), then ``WARMUP_REQUESTS`` tiny requests (recorded, role warmup)."""
+def recorded_flush(srv: RunningServer, run_dir: Path, phase: str, scenario: ProfileScenario) -> dict[str, Any]:
+    """The adapter's cache flush before a capture, recorded as an executed command (its curl equivalent)."""
     path = srv.engine.flush_cache_path
-    if path:
-        status = _post_recorded(srv, run_dir, phase, path, f"flush the prefix cache before {scenario.name}")
-        flush = {"method": f"POST {path}", "flushed": status == 200, "status": status}
-    else:
-        flush = {"method": "none", "flushed": False, "reason": f"{srv.target.engine} has no cache flush endpoint"}
+    if not path:
+        return {"method": "none", "flushed": False, "reason": f"{srv.target.engine} has no cache flush endpoint"}
+    status = _post_recorded(srv, run_dir, phase, path, f"flush the prefix cache before {scenario.name}")
+    return {"method": f"POST {path}", "flushed": status == 200, "status": status}
+
+
+def recorded_warmup(srv: RunningServer, drive: Drive, pool: _Pool, run_dir: Path, phase: str,
+                    scenario: ProfileScenario) -> list[RequestRecord]:
+    """``WARMUP_REQUESTS`` tiny requests through the drive (role warmup), recorded as an executed command."""
     isl, osl = WARMUP_TOKENS
     start = now_iso()
     recs = [drive.send(s) for s in pool.specs(WARMUP_REQUESTS, isl, osl, "warmup")]
@@ -340,8 +349,7 @@ def flush_and_warm(srv: RunningServer, drive: Drive, pool: _Pool, run_dir: Path,
         host="local", start=start, end=now_iso(), exit_code=0 if all(r.ok for r in recs) else 1,
         note="sent by servelab.measure.live_capture (streaming, every chunk timed); the prompt ids are the "
              "workload's, shown here as zeros"))
-    return {"cache_flush": flush, "warmup": {"requests": len(recs), "ok": all(r.ok for r in recs),
-                                             "input_tokens": isl, "output_tokens": osl}}
+    return recs
 
 
 @dataclass
@@ -379,52 +387,59 @@ def set_aside(cap: ScenarioCapture, raw: Path, attempt: int, reason: str) -> Pat
 def capture_one(srv: RunningServer, scenario: ProfileScenario, run_dir: Path, phase: str, pool: _Pool,
                 raw: Path, wait_timeout_s: float = 180.0) -> ScenarioCapture:
     """Flush, warm up, capture ``scenario`` and write its profiled case (``meta.json`` marked profiled,
-    ``requests.jsonl`` with every chunk's arrival, ``summary.json`` INVALID: profiled)."""
-    folder = CaseFolder(run_dir, scenario.profiled_case_id, phase, SCENARIO_KIND[scenario.name],
-                        meta={"scenario": scenario.name, "scenario_spec": dataclasses.asdict(scenario),
-                              "bound_case_id": scenario.case_id, "profiled": True, "valid_for_comparison": False,
-                              "target": srv.target.name, "engine": srv.target.engine})
-    drive = Drive(srv, scenario.profiled_case_id)
-    prep = flush_and_warm(srv, drive, pool, run_dir, phase, scenario)
-    prefix = scenario.profile_prefix
-    if scenario.name == "decode_control":
-        fn = decode_drive(drive, scenario, pool, raw, prefix)
-    elif scenario.name == "mixed_treatment":
-        fn = mixed_drive(drive, scenario, pool, raw, prefix)
-    elif scenario.name == "long_prefill":
-        fn = prefill_drive(drive, scenario, pool)
-    else:
-        fn = prefix_drive(drive, scenario, pool)
-    res, error = None, ""
-    try:
-        res = capture(srv, scenario, folder.dir, fn, wait_timeout_s=wait_timeout_s, run_dir=run_dir, phase=phase)
-    except CaptureError as exc:
-        error = str(exc)
-    records = sorted(drive.records, key=lambda r: r.send_ns)
-    folder.meta = json.loads((folder.dir / "meta.json").read_text())   # keep what mark_profiled wrote
-    folder.write_requests(records)
+    ``requests.jsonl`` with every chunk's arrival, ``summary.json`` INVALID: profiled), through the case runner
+    (:class:`servelab.measure.case_runner.CaseRun`)."""
     measured_roles = ("background", "inject", "measure")
-    measured = [r for r in records if r.role in measured_roles]
+    case = CaseRun(srv, run_dir, scenario.profiled_case_id, phase, SCENARIO_KIND[scenario.name],
+                   meta={"scenario": scenario.name, "scenario_spec": dataclasses.asdict(scenario),
+                         "bound_case_id": scenario.case_id, "profiled": True, "valid_for_comparison": False,
+                         "target": srv.target.name, "engine": srv.target.engine}, measured_roles=measured_roles)
+    drive = Drive(srv, scenario.profiled_case_id, on_record=case.folder.stream_record)
+    res, error = None, ""
+    isl, osl = WARMUP_TOKENS
+    with case:
+        case.flush(lambda: recorded_flush(srv, run_dir, phase, scenario))
+        warm = recorded_warmup(srv, drive, pool, run_dir, phase, scenario)
+        case.warm_up(lambda: warm, input_tokens=isl, output_tokens=osl)
+        prefix = scenario.profile_prefix
+        if scenario.name == "decode_control":
+            fn = decode_drive(drive, scenario, pool, raw, prefix)
+        elif scenario.name == "mixed_treatment":
+            fn = mixed_drive(drive, scenario, pool, raw, prefix)
+        elif scenario.name == "long_prefill":
+            fn = prefill_drive(drive, scenario, pool)
+        else:
+            fn = prefix_drive(drive, scenario, pool)
+        try:
+            res = capture(srv, scenario, case.dir, fn, wait_timeout_s=wait_timeout_s, run_dir=run_dir, phase=phase)
+        except CaptureError as exc:
+            error = str(exc)
+        finally:        # the case's records: every request the drive sent (warm-up included), in send order
+            case.records = sorted(drive.records, key=lambda r: r.send_ns)
+    error = error or case.error
+    case.reload_meta()                                  # keep what mark_profiled wrote
+    prep = {"cache_flush": case.meta.get("cache_flush", {}), "warmup": case.meta.get("warmup", {})}
+    measured = [r for r in case.records if r.role in measured_roles]
     span = (max((r.end_ns for r in measured), default=0) - min((r.send_ns for r in measured), default=0)) / 1e9
-    metrics = {"vllm": mx.summarize(measured, max(span, 1e-9), "vllm", roles=measured_roles)} if measured else {}
+    metrics = {mx.VLLM_BENCH: mx.summarize(measured, max(span, 1e-9), mx.VLLM_BENCH, roles=measured_roles)} if measured else {}
     status = "success" if res is not None and not error else "failed"
     reasons = [PROFILED_REASON] + ([error] if error else [])
     details = {"scenario": dataclasses.asdict(scenario), **prep, "marks_wall_ns": drive.marks,
                "clock": {"wall_offset_ns": drive.wall_offset_ns,
                          "note": "chunk arrival wall ns = perf_counter ns + wall_offset_ns (one anchor per drive)"},
-               "profile": folder.meta.get("profile", {}), "error": error}
-    folder.write_summary(CaseSummary(scenario.profiled_case_id, phase, SCENARIO_KIND[scenario.name], status,
-                                     verdict(INVALID, reasons), "vllm", metrics,
-                                     [{"repeat": 0, "valid": False, "metrics": metrics}],
-                                     counts=request_counts(records, measured_roles), details=details,
-                                     repeat_of=scenario.profiled_case_id))
-    folder.finish(status, error, profiled=True, valid_for_comparison=False, **prep)
-    return ScenarioCapture(scenario, folder.dir, res, drive, prep, error)
+               "profile": case.meta.get("profile", {}), "error": error}
+    case.close(CaseSummary(scenario.profiled_case_id, phase, SCENARIO_KIND[scenario.name], status,
+                           verdict(INVALID, reasons), mx.VLLM_BENCH, metrics,
+                           [{"repeat": 0, "valid": False, "metrics": metrics}],
+                           counts=request_counts(case.records, measured_roles), details=details,
+                           repeat_of=scenario.profiled_case_id), status, error, profiled=True,
+               valid_for_comparison=False)
+    return ScenarioCapture(scenario, case.dir, res, drive, prep, error)
 
 
 def capture_live(ctx: Any, health_timeout_s: float = 900.0, scenarios: tuple[str, ...] | None = None,
                  seed: int = 0, check: Callable[[ScenarioCapture], str] | None = None,
-                 attempts: int = 5) -> list[ScenarioCapture]:
+                 attempts: int = 5, steps: int = DEFAULT_STEPS) -> list[ScenarioCapture]:
     """Start the target's engine once with its profiler writing under the phase folder, capture every scenario
     (all four by default) — each after a cache flush and a short warm-up — and stop the engine on every exit
     path. Returns one ``ScenarioCapture`` per scenario, in order (a failed one carries its error).
@@ -433,13 +448,14 @@ def capture_live(ctx: Any, health_timeout_s: float = 900.0, scenarios: tuple[str
     scenario's injected prefill fell outside the traced steps because the engine ran the whole window before the
     request reached it (a loaded host). Such an attempt is set aside (:func:`set_aside`, the reason in the phase's
     notes) and the scenario captured again, at most ``attempts`` times in all; the last attempt is kept
-    whatever its check says, and its ``rejected`` lists the earlier ones."""
+    whatever its check says, and its ``rejected`` lists the earlier ones. ``steps`` is each capture's window of engine
+    steps (5–32; the mixed one holds more, :func:`servelab.measure.capture.mixed_steps`)."""
     raw = ctx.phase_dir / "engine-profiles"
     raw.mkdir(parents=True, exist_ok=True)
     target = dataclasses.replace(ctx.target, launch={**ctx.target.launch, "profiler_dir": str(raw)})
     scale = "cluster" if target.scale == "cluster" else "local"
     chosen = [s for s in capture_scenarios(scale, decode_case="D2-profile", mixed_case="M1-profile",
-                                           prefill_case="P3-profile", prefix_case="H8-profile")
+                                           prefill_case="P3-profile", prefix_case="H8-profile", steps=steps)
               if scenarios is None or s.name in scenarios]
     out: list[ScenarioCapture] = []
     with ProcessTracker() as tracker:
@@ -467,3 +483,53 @@ def capture_live(ctx: Any, health_timeout_s: float = 900.0, scenarios: tuple[str
         finally:
             stop_server(srv, tracker, run_dir=ctx.run_dir, phase=ctx.phase)
     return out
+
+
+# ---------------------------------------------------------------- what each scenario captured
+
+def _verdict_text(case_dir: Path) -> str:
+    """The profiled case's verdict as its ``summary.json`` records it (``INVALID: profiled …``)."""
+    try:
+        v = read_summary(case_dir / "summary.json")["verdict"]
+    except (OSError, ValueError) as exc:
+        return f"no summary: {exc}"
+    return f"{v['status']}: {'; '.join(v['reasons'])}" if v["reasons"] else v["status"]
+
+
+def _window_note(c: Any) -> str:
+    """How the capture's window ended: the engine stopped after its steps, or the workload ended first."""
+    if c.result is None:
+        return "not captured"
+    ended = [n for n in c.result.session.notes if n.startswith("the workload ended before")]
+    if ended:
+        return f"fewer than {c.scenario.num_steps} steps: the workload ended first and /stop_profile wrote the steps run"
+    return (f"the engine's own step window: {c.scenario.skip_steps} skipped, then at most {c.scenario.num_steps} "
+            "traced")
+
+
+def captured_table(caps: list[Any], run_dir: Path) -> pd.DataFrame:
+    """One row per scenario: its case folder, the engine steps it holds (skipped after the trigger, captured, and
+    whether the workload ended first), what ran (cache flush, warm-up, requests, chunks timed), the trace files
+    collected (worker / frontend), whether the capture is complete, and the error when it failed."""
+    rows = []
+    for c in caps:
+        recs = c.drive.records if c.drive else []
+        files = c.result.files if c.result else []
+        measured = [r for r in recs if r.role not in ("warmup",)]
+        hit = (c.drive.marks.get("prefix_hit_rate_ppm", -1) if c.drive else -1)
+        rows.append({
+            "scenario": c.scenario.name, "case": str(Path(c.case_dir).relative_to(run_dir)),
+            "workload": c.scenario.description, "skipped_steps": c.scenario.skip_steps,
+            "captured_steps": c.scenario.num_steps, "window": _window_note(c),
+            "cache_flushed": bool(c.prep.get("cache_flush", {}).get("flushed")),
+            "warmup_requests": int(c.prep.get("warmup", {}).get("requests", 0)),
+            "requests": len(measured), "requests_ok": sum(1 for r in measured if r.ok),
+            "chunks_timed": sum(len(r.chunk_ns) for r in measured),
+            "worker_traces": sum(1 for f in files if f.kind == "worker"),
+            "frontend_traces": sum(1 for f in files if f.kind == "frontend"),
+            "trace_MiB": round(sum(f.size_bytes for f in files) / 2**20, 2),
+            "prefix_hit_pct": round(hit / 1e4, 1) if hit >= 0 else None,
+            "complete": bool(c.result.wait.complete) if c.result else False,
+            "attempts": 1 + len(c.rejected), "set_aside": "; ".join(c.rejected),
+            "verdict": _verdict_text(Path(c.case_dir)), "error": c.error})
+    return pd.DataFrame(rows)

@@ -24,7 +24,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from servelab.measure.client import MONITOR_INTERVAL_S, ClientRun, watch_loop
+from servelab.measure.client import MONITOR_INTERVAL_S, watch_loop
+from servelab.measure.records import ClientRun
 
 
 @dataclass

@@ -16,7 +16,8 @@ import pandas as pd
 
 from servelab.measure import request_metrics as mx
 from servelab.measure.case import CaseEnv, CaseResult, CaseSpec, case_seed, run_case, sizing_kw
-from servelab.measure.client import ClientConfig, ClientRun, RequestRecord, run_requests
+from servelab.measure.client import ClientConfig, run_requests
+from servelab.measure.records import ClientRun, RequestRecord, read_records
 from servelab.measure.workload import build_workload
 
 COMPARE_KEYS = ("output_throughput", "p95_ttft_ms", "p95_tpot_ms", "p95_e2el_ms", "p50_itl_ms", "p99_itl_ms",
@@ -57,14 +58,14 @@ def injection_window_ns(records: list[RequestRecord]) -> tuple[int, int] | None:
     return r.send_ns, end
 
 
-def itl_timeline(records: list[RequestRecord], window_start_ns: int, run: str, definition: str = "vllm"
+def itl_timeline(records: list[RequestRecord], window_start_ns: int, run: str, definition: str = mx.VLLM_BENCH
                  ) -> pd.DataFrame:
     """Every background ITL as a point: ``t_s`` (chunk arrival, s from the window start), ``itl_ms``, run."""
     rows = []
     for r in records:
         if r.role != "measure" or not r.ok:
             continue
-        sel = [i for i, c in enumerate(r.chunk_choices) if c] if definition == "vllm" else \
+        sel = [i for i, c in enumerate(r.chunk_choices) if c] if definition == mx.VLLM_BENCH else \
             [i for i, t in enumerate(r.chunk_text) if t]
         for a, b in zip(sel, sel[1:]):
             rows.append({"t_s": (r.chunk_ns[b] - window_start_ns) / 1e9,
@@ -90,7 +91,7 @@ def window_stats(timeline: pd.DataFrame, start_s: float, end_s: float) -> pd.Dat
                                           ).reset_index(drop=True)
 
 
-def ab_compare(control: CaseResult, treatment: CaseResult, definition: str = "vllm") -> pd.DataFrame:
+def ab_compare(control: CaseResult, treatment: CaseResult, definition: str = mx.VLLM_BENCH) -> pd.DataFrame:
     """Control vs treatment on the background: value, value, change % per metric (``definition`` named)."""
     c, t = control.summaries.get(definition, {}), treatment.summaries.get(definition, {})
     rows = []
@@ -102,9 +103,8 @@ def ab_compare(control: CaseResult, treatment: CaseResult, definition: str = "vl
     return pd.DataFrame(rows)
 
 
-def m1_analysis(control: CaseResult, treatment: CaseResult, definition: str = "vllm") -> dict[str, Any]:
+def m1_analysis(control: CaseResult, treatment: CaseResult, definition: str = mx.VLLM_BENCH) -> dict[str, Any]:
     """A/B table, injection metrics, ITL timeline of both runs and per-window ITL stats (first repeat)."""
-    from servelab.measure.client import read_records
     crec = [r for r in read_records(control.case_dir / "requests.jsonl") if r.repeat == 0 and r.role != "warmup"]
     trec = [r for r in read_records(treatment.case_dir / "requests.jsonl") if r.repeat == 0 and r.role != "warmup"]
 

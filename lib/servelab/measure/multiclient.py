@@ -32,7 +32,8 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from servelab.measure.client import DEFAULT_LOOP, ClientConfig, ClientRun, arrival_offsets_s, run_async, run_sync
+from servelab.measure.client import DEFAULT_LOOP, ClientConfig, arrival_offsets_s, run_async, run_sync
+from servelab.measure.records import ClientRun
 from servelab.measure.workload import RequestSpec, build_workload, spec_source
 
 READY_TIMEOUT_S = 120.0

@@ -46,6 +46,8 @@ from typing import Any, Callable, Iterable
 
 from servelab.core.params import did_you_mean
 from servelab.core.run import is_secret_name, now_iso
+from servelab.deploy.hosts import LocalHost, ProcessTracker
+from servelab.deploy.spec import Node
 
 COLLECTIVES = {
     "all_reduce": "all_reduce_perf",
@@ -410,8 +412,6 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import sys
 
-    from servelab.deploy.hosts import LocalHost, ProcessTracker
-    from servelab.deploy.spec import Node
     ap = argparse.ArgumentParser(prog="python -m servelab.measure.nccl_tests", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bin-dir", required=True)

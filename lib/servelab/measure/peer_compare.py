@@ -43,13 +43,15 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import pandas as pd
 
-from servelab.core.run import now_iso, write_json_atomic
+from servelab.core.run import now_iso, write_json_atomic, read_commands, read_manifest
 from servelab.measure import peer_results as pr
 from servelab.measure import request_metrics as mx
-from servelab.measure.client import RequestRecord, read_records
+from servelab.measure.records import RequestRecord, read_records
+from servelab.measure.case_record import read_summaries, read_summary
 
-PEER_DEFINITIONS = ("sglang", "vllm", "aiperf", "guidellm")
-TOOLS = {"sglang": "sglang bench_serving", "vllm": "vllm bench serve", "aiperf": "aiperf", "guidellm": "guidellm"}
+SGLANG, VLLM = mx.SGLANG_BENCH, mx.VLLM_BENCH          # the two definitions of our own numbers
+PEER_DEFINITIONS = (SGLANG, VLLM, "aiperf", "guidellm")
+TOOLS = {SGLANG: "sglang bench_serving", VLLM: "vllm bench serve", "aiperf": "aiperf", "guidellm": "guidellm"}
 STATS = ("mean", "median", "p90", "p95", "p99")
 METRICS = ("ttft", "tpot", "itl", "e2el")
 METRIC_NAMES = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2E"}
@@ -65,38 +67,38 @@ PEERS_DIR = "peers"
 # How each definition is built, aspect by aspect: the note under the page's tables (docs/metrics.md says the same)
 DEFINITION_NOTES: dict[str, dict[str, str]] = {
     "TTFT starts": {d: "request send (just before the HTTP POST)" for d in PEER_DEFINITIONS},
-    "TTFT ends": {"sglang": "first event with non-empty text (0 if none)",
-                  "vllm": "first event with a non-empty choices list (its text may be empty)",
+    "TTFT ends": {SGLANG: "first event with non-empty text (0 if none)",
+                  VLLM: "first event with a non-empty choices list (its text may be empty)",
                   "aiperf": "first content response (non-empty text)",
                   "guidellm": "first stream line that carried text"},
-    "ITL": {"sglang": "gap between consecutive text events, one per event (per token on SGLang's native API)",
-            "vllm": "gap between consecutive choices events, one per event, never per token",
+    "ITL": {SGLANG: "gap between consecutive text events, one per event (per token on SGLang's native API)",
+            VLLM: "gap between consecutive choices events, one per event, never per token",
             "aiperf": "its inter-chunk latency: gap between consecutive content responses, one per chunk",
             "guidellm": "not reported (its 'inter-token latency' is a per-request TPOT)"},
-    "TPOT": {"sglang": "(E2E − TTFT) / (output tokens − 1), one per request",
-             "vllm": "(E2E − TTFT) / (output tokens − 1), one per request",
+    "TPOT": {SGLANG: "(E2E − TTFT) / (output tokens − 1), one per request",
+             VLLM: "(E2E − TTFT) / (output tokens − 1), one per request",
              "aiperf": "its 'inter-token latency': (latency − TTFT) / (OSL − 1), one per request",
              "guidellm": "its 'inter-token latency': (last text − first text) / (output tokens − 1), weighted by "
                          "output tokens − 1 (token-weighted)"},
-    "E2E ends": {"sglang": "last SSE line received, incl. the usage event and [DONE]: the stream tail counts",
-                 "vllm": "last choices event: usage-only event and [DONE] excluded",
+    "E2E ends": {SGLANG: "last SSE line received, incl. the usage event and [DONE]: the stream tail counts",
+                 VLLM: "last choices event: usage-only event and [DONE] excluded",
                  "aiperf": "last content response: usage-only chunks and [DONE] excluded",
                  "guidellm": "request end: the stream read up to [DONE] (the close without it): the tail counts"},
-    "output tokens": {"sglang": "server usage; requested length when absent",
-                      "vllm": "server usage; vLLM re-tokenizes the text when absent (we count text events)",
+    "output tokens": {SGLANG: "server usage; requested length when absent",
+                      VLLM: "server usage; vLLM re-tokenizes the text when absent (we count text events)",
                       "aiperf": "client-side tokenization of the text (ours: server usage, as with "
                                 "--use-server-token-count)",
                       "guidellm": "server usage; text iterations when absent"},
-    "requests counted": {"sglang": "HTTP 200 and no error (a stream without text counts, TTFT 0)",
-                         "vllm": "HTTP 200, no error and at least one choices event",
+    "requests counted": {SGLANG: "HTTP 200 and no error (a stream without text counts, TTFT 0)",
+                         VLLM: "HTTP 200, no error and at least one choices event",
                          "aiperf": "valid records (no error); TTFT needs a content response (AIPerf's TTFT "
                                    "percentiles also take failed requests that streamed content; ours do not)",
                          "guidellm": "successful requests (errored and incomplete ones apart)"},
-    "percentiles": {"sglang": "numpy linear interpolation", "vllm": "numpy linear interpolation",
+    "percentiles": {SGLANG: "numpy linear interpolation", VLLM: "numpy linear interpolation",
                     "aiperf": "numpy linear interpolation",
                     "guidellm": "inverse of the (weighted) CDF, no interpolation (nearest rank)"},
-    "throughput window": {"sglang": "benchmark wall time (dispatch loop start → all done)",
-                          "vllm": "benchmark wall time (dispatch loop start → all done)",
+    "throughput window": {SGLANG: "benchmark wall time (dispatch loop start → all done)",
+                          VLLM: "benchmark wall time (dispatch loop start → all done)",
                           "aiperf": "first request start → last response (per repeat, summed)",
                           "guidellm": "means of time-weighted rate distributions (ours: totals / our window)"},
 }
@@ -240,7 +242,6 @@ def summarize_as(records: Iterable[RequestRecord], definition: str, duration_s: 
 def phase1_cases(run_dir: str | Path) -> pd.DataFrame:
     """Our Phase 1 cases of a run that a peer could have run too (matrix points and search points; not the
     injected M1 treatment): case id, scenario, lengths, concurrency, prompts per wave, repeats, verdict, folder."""
-    from servelab.measure.case_record import read_summaries
     rows = []
     for s in read_summaries(run_dir, phase="phase1", errors=[]):
         c = (s.get("details") or {}).get("case") or {}
@@ -442,7 +443,6 @@ def rerun_phase1(run_dir: str | Path) -> str:
     """The ``servelab run phase1 ... --resume`` line that re-runs Phase 1 into this run with the overrides it last
     ran with: its recorded ``reproduce`` command (the CLI's, which holds every ``-p``, before the notebook's)."""
     import shlex
-    from servelab.core.run import read_commands
     rdir = Path(run_dir)
     recs = [r for r in read_commands(rdir, "phase1")
             if r.label == "reproduce" and r.argv[:3] == ["servelab", "run", "phase1"]][::-1]
@@ -456,7 +456,6 @@ def rerun_phase1(run_dir: str | Path) -> str:
 def import_report(run_dir: str | Path, table: pd.DataFrame, added: list[dict[str, Any]]) -> list[str]:
     """What ``servelab import`` prints: one line per file (tool, shape, requests, the case of ours with its shape),
     then how to see them on the Phase 1 page."""
-    from servelab.core.run import read_manifest
     rdir = Path(run_dir)
     cases = phase1_cases(rdir)
     matches = match(table, cases)
@@ -489,7 +488,6 @@ def import_report(run_dir: str | Path, table: pd.DataFrame, added: list[dict[str
 
 def case_records(case_dir: str | Path) -> tuple[list[RequestRecord], float]:
     """A case's raw records and its measurement window (``summary.json``: the pooled ``duration_s``)."""
-    from servelab.measure.case_record import read_summary
     cdir = Path(case_dir)
     summ = read_summary(cdir / "summary.json")
     metrics = summ.get("metrics") or {}

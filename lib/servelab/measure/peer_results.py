@@ -26,6 +26,8 @@ from typing import Any
 
 import pandas as pd
 
+from servelab.measure.request_metrics import SGLANG_BENCH, VLLM_BENCH
+
 COLUMNS = ["tool", "definition", "file", "run", "label", "input_len", "output_len", "num_prompts", "shape_source",
            "concurrency", "request_rate", "duration_s", "completed",
            "failed", "total_input_tokens", "total_output_tokens", "request_throughput", "output_throughput",
@@ -78,7 +80,8 @@ def _read_json_objects(path: Path) -> list[dict[str, Any]]:
 
 
 def detect_format(obj: dict[str, Any]) -> str:
-    """``sglang`` | ``vllm`` | ``aiperf`` | ``guidellm`` | ``servelab`` from the keys present."""
+    """The tool that wrote a result object, from the keys present: ``sglang bench_serving`` | ``vllm bench serve`` |
+    ``aiperf`` | ``guidellm`` | ``servelab`` (our own numbers under vllm bench serve's keys)."""
     if "benchmarks" in obj and isinstance(obj["benchmarks"], list):
         return "guidellm"
     if "time_to_first_token" in obj and isinstance(obj["time_to_first_token"], dict):
@@ -86,9 +89,9 @@ def detect_format(obj: dict[str, Any]) -> str:
     if obj.get("servelab_definition"):
         return "servelab"
     if "mean_e2e_latency_ms" in obj or "total_throughput" in obj:
-        return "sglang"
+        return "sglang bench_serving"
     if "mean_e2el_ms" in obj or "total_token_throughput" in obj:
-        return "vllm"
+        return "vllm bench serve"
     raise ImportFormatError(f"unknown result format: expected {EXPECTED}; none of their keys is present "
                             f"(keys: {', '.join(sorted(map(str, obj))[:8]) or 'none'})")
 
@@ -214,7 +217,7 @@ def from_sglang(obj: dict[str, Any], file: str = "", run: int = 0) -> dict[str, 
     for m_ours, m_theirs in (("ttft", "ttft"), ("tpot", "tpot"), ("itl", "itl"), ("e2el", "e2e_latency")):
         for st in ("mean", "median", "p90", "p95", "p99"):
             lat[f"{st}_{m_ours}_ms"] = _num(obj.get(f"{st}_{m_theirs}_ms"))
-    return _row(tool="sglang bench_serving", definition="sglang", file=file, run=run, label=obj.get("tag"),
+    return _row(tool="sglang bench_serving", definition=SGLANG_BENCH, file=file, run=run, label=obj.get("tag"),
                 **sglang_shape(obj),
                 concurrency=_num(obj.get("max_concurrency")), request_rate=_num(obj.get("request_rate")),
                 duration_s=_num(obj.get("duration")), completed=_num(obj.get("completed")), failed=None,
@@ -226,7 +229,7 @@ def from_sglang(obj: dict[str, Any], file: str = "", run: int = 0) -> dict[str, 
 
 
 def from_vllm(obj: dict[str, Any], file: str = "", run: int = 0, tool: str = "vllm bench serve",
-              definition: str = "vllm") -> dict[str, Any]:
+              definition: str = VLLM_BENCH) -> dict[str, Any]:
     """One ``vllm bench serve`` result object → a row (definition ``vllm``)."""
     lat = {}
     for m in ("ttft", "tpot", "itl", "e2el"):
@@ -415,11 +418,11 @@ def import_file(path: str | Path) -> pd.DataFrame:
 
 def _convert(kind: str, obj: dict[str, Any], path: Path, i: int) -> list[dict[str, Any]]:
     """One object of a result file of ``kind`` → its rows."""
-    if kind == "sglang":
+    if kind == "sglang bench_serving":
         return [from_sglang(obj, str(path), i)]
-    if kind in ("vllm", "servelab"):
+    if kind in ("vllm bench serve", "servelab"):
         d = obj.get("servelab_definition")
-        return [from_vllm(obj, str(path), i, tool="servelab" if d else "vllm bench serve", definition=d or "vllm")]
+        return [from_vllm(obj, str(path), i, tool="servelab" if d else "vllm bench serve", definition=d or VLLM_BENCH)]
     if kind == "aiperf":
         return [from_aiperf(obj, str(path))]
     return from_guidellm(obj, str(path))

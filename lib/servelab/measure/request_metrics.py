@@ -34,6 +34,7 @@ All durations in ms unless the name says otherwise.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Iterable
 
 import math
@@ -42,9 +43,25 @@ import re
 import numpy as np
 import pandas as pd
 
-from servelab.measure.client import ClientRun, RequestRecord
+from servelab.measure.records import ClientRun, RequestRecord
+from servelab.core.paths import cache_root
 
-DEFINITIONS = ("sglang", "vllm")
+class Definition(StrEnum):
+    """A metric definition: the benchmark tool whose rules a number follows — never the engine that served the
+    requests (every case is summarised under both, whatever its engine). The value is the definition's name in
+    files (``summary.json``, ``summary.csv``) and in the ``definition`` parameter."""
+    SGLANG_BENCH = "sglang"        # SGLang bench_serving
+    VLLM_BENCH = "vllm"            # vllm bench serve
+
+    @property
+    def tool(self) -> str:
+        """The benchmark tool the definition reproduces."""
+        return TOOL_OF[self]
+
+
+SGLANG_BENCH, VLLM_BENCH = Definition.SGLANG_BENCH, Definition.VLLM_BENCH
+TOOL_OF = {SGLANG_BENCH: "SGLang bench_serving", VLLM_BENCH: "vllm bench serve"}
+DEFINITIONS = tuple(d.value for d in Definition)      # ("sglang", "vllm"): the names, in this order
 PERCENTILES = (50, 90, 95, 99)
 PERCENTILE_METHOD = "numpy.percentile, linear interpolation"
 LATENCY_METRICS = ("ttft", "tpot", "itl", "itl_per_token", "e2el", "queue_time", "e2el_incl_queue")
@@ -96,7 +113,7 @@ def request_metrics(rec: RequestRecord, definition: str, window_start_ns: int = 
     choice_idx = [i for i, c in enumerate(rec.chunk_choices) if c]
     ttft = tpot = e2e = None
     itl: list[float] = []
-    if definition == "sglang":
+    if definition == SGLANG_BENCH:
         success = ok
         sel = text_idx
         if success:
@@ -402,7 +419,6 @@ def measured_client_ceiling(path: Any = None) -> dict[str, Any] | None:
     import json
     from pathlib import Path
     if path is None:
-        from servelab.core.paths import cache_root
         path = cache_root() / CEILING_FILE
     if not Path(path).is_file():
         return None

@@ -54,7 +54,7 @@ class SearchConfig:
     regression_pct: float = 10.0
     slo_percentile: int = 95
     stop_on_slo: bool = True
-    definition: str = "vllm"
+    definition: str = mx.VLLM_BENCH
     min_window_s: float = 0.0
 
 

@@ -15,8 +15,9 @@ the re-run goes to ``<run>/<phase>/server/<case_id>@a<n>/``; the engine launch a
 recorded as ``executed`` commands of the case's phase, so its page lists them when it is rendered again.
 
 Supported: Phase 1 cases (matrix points and concurrency-search points). A Phase 2 ``hw-`` replay needs its
-hardware collectors around the case and other phases write their cases through their own routines: re-running
-those is refused with a reason (``ParamError``). The layout and the rules for users: ``docs/case.md#attempts``.
+hardware collectors around the case and the other phases build their waves from their phase's settings (no recipe
+in ``meta.json``): re-running those is refused with a reason (``ParamError``). The layout and the rules for users:
+``docs/case.md#attempts``.
 """
 from __future__ import annotations
 
@@ -35,6 +36,10 @@ from servelab.core.paths import project_root
 from servelab.measure import request_metrics as mx
 from servelab.measure.case import (ATTEMPT_SEP, ENGINE_CRASH, CaseEnv, CaseSpec, EngineCrash, attempt_folder,
                                    make_env, split_attempt)
+from servelab.deploy.hosts import ProcessTracker
+from servelab.deploy.server import start_server, stop_server
+from servelab.deploy.targets import load_target
+from servelab.measure.matrix import dispatch_case
 
 SUPPORTED_PHASES = ("phase1",)
 ENV_KEYS = ("repeats", "seed", "api", "timeout_s", "scrape_interval_s", "max_cv_pct", "phase", "clients")
@@ -103,7 +108,7 @@ def read_recipe(run_id: str, case_id: str) -> CaseRecipe:
     if phase not in SUPPORTED_PHASES:
         why = ("a Phase 2 replay needs the hardware collectors around it: run the phase again "
                f"(servelab run phase2 --run-id {run_id})" if phase == "phase2" else
-               f"{phase or 'its phase'} writes its cases through its own routine: run the phase again")
+               f"{phase or 'its phase'} builds its wave from the phase's settings: run the phase again")
         raise ParamError(f"case '{case_id}' is a {phase or 'unknown-phase'} case: re-running one case is not "
                          f"supported yet for it (only Phase 1 cases); {why}")
     raw = meta.get("case")
@@ -159,11 +164,6 @@ def rerun_case(run_id: str, case_id: str, target: str | None = None, health_time
     """Run ``case_id`` of ``run_id`` again on the same target (or ``target``) as a new attempt; see the module
     docstring. Raises ``ParamError`` before anything starts when the case cannot be re-run, ``ServerError``
     when the engine does not start (the reserved attempt folder is removed again)."""
-    from servelab.measure.matrix import dispatch_case
-    from servelab.deploy.hosts import ProcessTracker
-    from servelab.deploy.server import start_server, stop_server
-    from servelab.deploy.targets import load_target
-
     r = recipe or read_recipe(run_id, case_id)
     tgt = load_target(target or r.target)
     rdir = r.run_dir

@@ -26,6 +26,7 @@ from servelab.report.findings import format_value
 from servelab.report.tables import register_table_display
 from servelab.deploy.spec import Target
 from servelab.deploy.targets import load_target
+from servelab.core.redact import scrub_tree
 
 
 @dataclass
@@ -185,7 +186,6 @@ def scrub_phase_files(ctx: PhaseContext) -> None:
     commands) through the one redaction routine with the target's known secrets — the same however the notebook
     runs (``servelab run``, plain papermill, JupyterLab)."""
     import datetime as dt
-    from servelab.core.redact import scrub_tree
     known = ctx.target.secret_values()
     try:
         since = dt.datetime.fromisoformat(ctx.started).timestamp() - 2.0

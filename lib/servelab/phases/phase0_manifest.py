@@ -22,6 +22,7 @@ from servelab.core.run import redact, update_manifest, write_json_atomic
 from servelab.deploy.preflight import PreflightFailed, PreflightReport, ensure_preflight
 from servelab.deploy.server import (connect_nodes, engine_info, is_healthy, plan_launch, rank_environments,
                                     start_server, stop_server, version_argv)
+from servelab.report.banner import banner
 
 
 @dataclass
@@ -56,7 +57,6 @@ def exposure_warnings(target: Any) -> list[str]:
 
 def exposure_banner(result: Phase0Result) -> Any:
     """The page's warning block for :func:`exposure_warnings` (an info note when there is nothing to warn of)."""
-    from servelab.report.banner import banner
     if not result.exposure:
         return banner(" ".join(result.exposure_notes) or "The head listens on loopback only and mounts no "
                       "development endpoint.", "info", "Exposure")

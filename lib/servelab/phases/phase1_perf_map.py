@@ -17,13 +17,27 @@ from typing import Any, Callable
 
 import pandas as pd
 
-from servelab.measure import request_metrics as mx
+from servelab.analyse.serverside import (m1_stall_sentence, log_join, case_serverside, records_window,
+                                         client_vs_server, read_metrics, server_percentiles, side_summary)
+from servelab.measure import request_metrics as mx, peer_compare as pc
 from servelab.measure.case import (SCALES, SUMMARY_KEYS, SUCCESS, CaseEnv, CaseResult, CaseSpec, MatrixResult,
                                    c1_requests, case_is_done, load_case_result, make_env, quick_matrix, run_matrix)
 from servelab.measure.matrix import dispatch_case
 from servelab.measure.mixed import m1_analysis
 from servelab.core.run import merge_table, write_json_atomic
 from servelab.measure.search import SearchConfig, SearchResult, concurrency_search
+from servelab.analyse.prefix_cache import memory_breakdown
+from servelab.core.params import ParamError
+from servelab.deploy.engines import engine_for
+from servelab.deploy.hosts import ProcessTracker
+from servelab.deploy.server import engine_info, start_server, stop_server
+from servelab.measure.peer_results import ImportFormatError
+from servelab.measure.records import read_records
+from servelab.phases.case_rerun import case_command
+from servelab.phases.context import log_command
+from servelab.report import perf_figures as pf
+from servelab.report.ledger import evidence_frame, record_evidence
+from servelab.report import crosscheck
 
 
 @dataclass
@@ -126,7 +140,7 @@ def search_config(target: Any, params: dict[str, Any], cases: list[CaseSpec]) ->
     n1 = c1_requests(scale["D_in"], scale["D_out"], scale["P1"] + wt * 1, nmin, wt)
     return SearchConfig(input_tokens=scale["D_in"], output_tokens=scale["D_out"], step=step,
                         max_concurrency=int(params.get("search_max_concurrency") or 64),
-                        definition=params.get("definition", "vllm"), c1_requests=n1,
+                        definition=params.get("definition", mx.VLLM_BENCH), c1_requests=n1,
                         min_window_s=float(params.get("min_duration_s") or scale["min_window_s"]))
 
 
@@ -148,17 +162,11 @@ def resumable(runner: Callable[[CaseEnv, CaseSpec], CaseResult], skipped: list[s
 
 def run_phase1(ctx: Any, health_timeout_s: float = 900.0) -> Phase1Result:
     """Start the engine, run the matrix (and the search), stop the engine; write the phase tables."""
-    from servelab.deploy.hosts import ProcessTracker
-    from servelab.phases.context import log_command
-    from servelab.deploy.server import engine_info, start_server, stop_server
-
     p = ctx.params
-    definition = p.get("definition", "vllm")
+    definition = p.get("definition", mx.VLLM_BENCH)
     if definition not in mx.DEFINITIONS:
-        from servelab.core.params import ParamError
         raise ParamError(f"definition must be one of {mx.DEFINITIONS}, got {definition!r}")
     if p.get("matrix", "quick") != "quick":
-        from servelab.core.params import ParamError
         raise ParamError(f"matrix: only 'quick' exists (got {p.get('matrix')!r})")
     cases = quick_matrix(ctx.target, list(p.get("cases") or []), min_duration_s=float(p.get("min_duration_s") or 0),
                          min_requests=int(p.get("min_requests") or 0))
@@ -208,9 +216,6 @@ def recorded_runner(ctx: Any, runner: Callable[[CaseEnv, CaseSpec], CaseResult]
                     ) -> Callable[[CaseEnv, CaseSpec], CaseResult]:
     """``runner`` that, once a case's folder is written (whatever its verdict, an engine crash included), records
     the ``reproduce`` command re-running that case as a new attempt (once per case and run)."""
-    from servelab.phases.case_rerun import case_command
-    from servelab.phases.context import log_command
-
     def run(env: CaseEnv, case: CaseSpec) -> CaseResult:
         try:
             return runner(env, case)
@@ -269,7 +274,6 @@ def search_table(res: Phase1Result) -> pd.DataFrame:
 
 
 def frontier_figure(res: Phase1Result) -> Any:
-    from servelab.report import perf_figures as pf
     if res.search is None:
         return pf.slo_frontier(pd.DataFrame(), None, res.definition)
     return pf.slo_frontier(res.search.frontier(), res.search.slo, res.definition)
@@ -295,8 +299,6 @@ def m1_windows_table(res: Phase1Result) -> pd.DataFrame:
 def m1_log_join(res: Phase1Result, sides: dict[str, Any] | None = None) -> Any:
     """M1 treatment's client chunks joined with the prefills its engine log times (``analyse.serverside.log_join``,
     docs/metrics.md#m1-log-join); None when M1 did not run or its files are missing."""
-    from servelab.analyse.serverside import log_join
-    from servelab.measure.client import read_records
     r = case_result(res, "M1_treatment")
     side = (sides if sides is not None else m1_serverside(res)).get("treatment")
     if r is None or side is None:
@@ -308,82 +310,9 @@ def m1_log_join(res: Phase1Result, sides: dict[str, Any] | None = None) -> Any:
     return log_join(recs, side, _adapter(r.case_dir))
 
 
-def _short(rid: str) -> str:
-    return "-".join(str(rid).split("-")[-3:])          # measure-0-4 / inject-0-2000000: role, repeat, index
-
-
-def _stall_finding(join: Any) -> str:
-    """One findings line: M1's stalls and what overlapped them, the injected request's TTFT split."""
-    if join is None:
-        return "M1's stalls could not be joined with the engine's log (case files missing)."
-    if not join.timed:
-        return f"Stalls in M1 are not attributed on this page: {join.note}."
-    sm = join.summary()
-    if sm["threshold_ms"] is None:
-        return "M1's decode streams left no steady-state gaps to set a stall threshold."
-    text = (f"Stalls in M1's treatment (decode-stream gaps above the steady-state P99 {sm['threshold_ms']:.1f} ms, "
-            f"from {sm['steady_gaps']} gaps): {sm['stalls']}, {sm['by_prefill']} of them overlapping a logged prefill")
-    sp = join.ttft.filter(join.ttft["identified"]) if join.ttft.height else join.ttft
-    if sp.height:
-        r = sp.row(0, named=True)
-        text += (f"; the injected request's TTFT {r['ttft_ms']:.1f} ms = queueing {r['queueing_ms']:.1f} + prefill "
-                 f"{r['prefill_ms']:.1f} + delivery {r['delivery_ms']:.1f} ms")
-    return text + "."
-
-
-def m1_stall_summary(join: Any) -> pd.DataFrame:
-    """One row per cause: how many decode-stream stalls (gaps above the steady-state P99), on how many streams,
-    the worst gap and the logged prefill that overlapped it."""
-    if join is None:
-        return pd.DataFrame({"note": ["M1 did not run or its case files are missing: no stall attribution"]})
-    if not join.timed:
-        return pd.DataFrame({"note": [join.note]})
-    st = join.stalls.to_pandas()
-    if st.empty:
-        return pd.DataFrame({"note": [f"no decode-stream gap above the steady-state P99 ({join.threshold_ms:.1f} ms "
-                                      f"over {join.steady_gaps} gaps)" if join.threshold_ms is not None
-                                      else "no steady-state gaps to set a threshold"]})
-    st["cause"] = st["cause"].where(st["cause"] == "prefill", "no logged prefill")
-    rows = []
-    for cause, g in st.groupby("cause", sort=False):
-        w = g.sort_values("gap_ms", ascending=False).iloc[0]
-        rows.append({"cause": "overlapped a logged prefill" if cause == "prefill" else "overlapped no logged prefill",
-                     "stalls": len(g), "streams": g["request_id"].nunique(), "worst gap (ms)": round(w["gap_ms"], 1),
-                     "overlapping prefill": w["longest_step"] or "—",
-                     f"threshold: steady P99 (ms, {join.steady_gaps} gaps)": round(join.threshold_ms, 1)})
-    return pd.DataFrame(rows)
-
-
-def m1_stalls_table(join: Any, limit: int = 24) -> pd.DataFrame:
-    """Every stall (longest first, up to ``limit``): stream, chunk, gap, and the logged prefills it overlapped."""
-    if join is None or not join.timed or join.stalls.height == 0:
-        return m1_stall_summary(join)
-    st = join.stalls.to_pandas().sort_values("gap_ms", ascending=False).head(limit)
-    return pd.DataFrame({"stream": st["request_id"].map(_short), "chunk": st["chunk"],
-                         "gap (ms)": st["gap_ms"].round(1),
-                         "prefill overlap (% of gap)": st["step_cover_pct"].round().astype(int),
-                         "overlapping prefills": st["steps"].replace("", "—")}).reset_index(drop=True)
-
-
-def m1_ttft_split(join: Any) -> pd.DataFrame:
-    """Each injected request's TTFT = queueing (send → slot taken) + prefill (the logged prompt evaluation) +
-    delivery (prefill end → first chunk at the client)."""
-    if join is None or not join.timed:
-        return m1_stall_summary(join)
-    t = join.ttft.to_pandas()
-    if t.empty:
-        return pd.DataFrame({"note": ["no injected request completed in M1's first repeat"]})
-    return pd.DataFrame({"request": t["request_id"].map(_short), "input tokens": t["input_tokens"],
-                         "TTFT (ms)": t["ttft_ms"].round(1), "queueing (ms)": t["queueing_ms"].round(1),
-                         "prefill (ms)": t["prefill_ms"].round(1), "delivery (ms)": t["delivery_ms"].round(1),
-                         "logged prefill": t["prefill_step"].replace("", "not in the log window")})
-
-
 def memory_table(res: Phase1Result, phase_dir: Path) -> pd.DataFrame:
     """What the engine printed about its memory at start (weights, KV pool, compute buffers; the routine Phase 8
     uses), from this phase's server log; says so where the engine does not print it at its log level."""
-    from servelab.analyse.prefix_cache import memory_breakdown
-    from servelab.deploy.engines import engine_for
     engine = res.server.get("engine")
     logs = sorted(Path(phase_dir, "server").glob("*.log"))
     if not logs or not engine:
@@ -413,7 +342,6 @@ def memory_cases(res: Phase1Result, phase_dir: Path) -> tuple[pd.DataFrame, pd.D
 
 
 def m1_figure(res: Phase1Result) -> Any:
-    from servelab.report import perf_figures as pf
     import plotly.graph_objects as go
     if res.m1 is None:
         return go.Figure().update_layout(title="M1 did not run: no ITL timeline")
@@ -425,14 +353,12 @@ def m1_figure(res: Phase1Result) -> Any:
 def _adapter(case_dir: Path) -> Any:
     import json
 
-    from servelab.deploy.engines import engine_for
     return engine_for(json.loads((case_dir / "meta.json").read_text())["engine"])
 
 
 def m1_serverside(res: Phase1Result) -> dict[str, Any]:
     """M1's control and treatment runs seen from the engine, each on the window of its first repeat (the window
     the ITL timeline shows): ``{"control": ServerSide, "treatment": ServerSide}``; empty if M1 did not run."""
-    from servelab.analyse.serverside import case_serverside, records_window
     out: dict[str, Any] = {}
     if res.m1 is None:
         return out
@@ -450,7 +376,6 @@ def m1_serverside(res: Phase1Result) -> dict[str, Any]:
 
 def serverside_figure(res: Phase1Result, sides: dict[str, Any] | None = None) -> Any:
     """The M1 ITL timeline over the engine's running / queued / KV series and its scheduler lines."""
-    from servelab.report import perf_figures as pf
     import plotly.graph_objects as go
     if res.m1 is None:
         return go.Figure().update_layout(title="M1 did not run: no server-side timeline")
@@ -491,7 +416,6 @@ def serverside_percentiles(res: Phase1Result) -> pd.DataFrame:
     """Per case: the client's TTFT/ITL/E2E percentiles beside the engine's histogram percentiles (bucket-
     interpolated, with the bucket that holds the server's P95) and its queue time; one row per case saying so
     where the engine exposes no histograms."""
-    from servelab.analyse.serverside import client_vs_server, read_metrics, server_percentiles
     frames = []
     for r in res.matrix.results:
         if not r.summaries:
@@ -538,8 +462,6 @@ def _import_hint(run_dir: Path) -> str:
 def _peers(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, str]:
     """(peer table, our cases, matches, problem): a ``peers/`` folder that cannot be read is a note on the page,
     never a failed phase."""
-    from servelab.measure import peer_compare as pc
-    from servelab.measure.peer_results import ImportFormatError
     try:
         peers = pc.load_peer_table(run_dir)
         cases = pc.phase1_cases(run_dir)
@@ -573,7 +495,6 @@ def peer_files(run_dir: Path) -> pd.DataFrame:
 def peer_side_by_side(run_dir: Path) -> pd.DataFrame | None:
     """For each imported peer result matched to one of our cases: the peer's numbers, ours re-computed from our
     raw records under the peer's own definition, and the difference (None when nothing was imported)."""
-    from servelab.measure import peer_compare as pc
     peers, cases, matches, problem = _peers(run_dir)
     if problem or peers.empty:
         return None
@@ -589,7 +510,6 @@ def peer_side_by_side(run_dir: Path) -> pd.DataFrame | None:
 def ours_in_peer_definitions(run_dir: Path) -> pd.DataFrame | None:
     """The matched cases' records in every peer's definition (sglang, vllm, aiperf, guidellm) — or, when no peer
     matched, the first case that ran; None when nothing was imported."""
-    from servelab.measure import peer_compare as pc
     peers, cases, matches, problem = _peers(run_dir)
     if problem or peers.empty:
         return None
@@ -604,7 +524,6 @@ def ours_in_peer_definitions(run_dir: Path) -> pd.DataFrame | None:
 
 def peer_definition_notes(run_dir: Path) -> pd.DataFrame | None:
     """Where the four definitions differ, aspect by aspect (None when nothing was imported)."""
-    from servelab.measure import peer_compare as pc
     peers, _, _, problem = _peers(run_dir)
     if problem or peers.empty:
         return None
@@ -672,7 +591,6 @@ def findings(res: Phase1Result, run_dir: Path | None = None) -> list[str]:
                        f"{validity}.")
         side = m1_serverside(res).get("treatment")
         if side is not None:
-            from servelab.analyse.serverside import side_summary
             t = side_summary(side)
             seen = [f"{label} {_num(t[key], 0)}" for key, label in (("running max (req)", "at most"),
                                                                      ("queued max (req)", "queued at most"))
@@ -681,7 +599,7 @@ def findings(res: Phase1Result, run_dir: Path | None = None) -> list[str]:
                        + (f"; /metrics: {' running, '.join(seen)}" if seen else "; no /metrics scrape inside it")
                        + (f"; slots in use per its log up to {_num(t['slots in use max (log)'], 0)}"
                           if t["slots in use max (log)"] is not None else "") + ".")
-            out.append(_stall_finding(m1_log_join(res, {"treatment": side})))
+            out.append(m1_stall_sentence(m1_log_join(res, {"treatment": side})))
     elif any(c.startswith("M1") for c in [*by_id, *res.not_executed]):
         out.append("M1 produced no A/B (a side failed or did not run): no statement about interference.")
     if not df.empty:
@@ -709,7 +627,6 @@ def findings(res: Phase1Result, run_dir: Path | None = None) -> list[str]:
         out.append(f"The run stopped early ({res.aborted}); not executed: {', '.join(res.not_executed) or 'none'}.")
     rdir = run_dir or (res.matrix.results[0].case_dir.parent.parent if res.matrix.results else None)
     if rdir is not None and Path(rdir, "cases").is_dir():
-        from servelab.report import crosscheck
         out += crosscheck.findings(rdir, phases=("phase1",))
     return out
 
@@ -776,7 +693,6 @@ def h6_evidence(res: Phase1Result) -> tuple[str, str, dict[str, Any]]:
 
 def record_h4(ctx: Any, res: Phase1Result) -> pd.DataFrame:
     """Record H4 from M1 (see :func:`h4_evidence`), linking ``m1_windows.csv`` / ``m1_ab.csv``."""
-    from servelab.report.ledger import evidence_frame, record_evidence
     verdict, summary, nums = h4_evidence(res)
     tables = [t for t in ("m1_windows.csv", "m1_ab.csv") if (Path(ctx.phase_dir) / t).is_file()] or ["matrix.csv"]
     return evidence_frame([record_evidence(ctx, "H4", verdict, summary, anchor="Mixed-A/B-(M1)", table=tables,
@@ -785,7 +701,6 @@ def record_h4(ctx: Any, res: Phase1Result) -> pd.DataFrame:
 
 def record_h6(ctx: Any, res: Phase1Result) -> pd.DataFrame:
     """Record H6 from the concurrency search (see :func:`h6_evidence`), linking ``frontier.csv`` / ``search.json``."""
-    from servelab.report.ledger import evidence_frame, record_evidence
     verdict, summary, nums = h6_evidence(res)
     tables = [t for t in ("frontier.csv", "search.json") if (Path(ctx.phase_dir) / t).is_file()] or ["matrix.csv"]
     return evidence_frame([record_evidence(ctx, "H6", verdict, summary, anchor="Concurrency-search", table=tables,

@@ -21,20 +21,28 @@ from typing import Any
 
 import pandas as pd
 
-from servelab.deploy.hosts import connect
+from servelab.deploy.hosts import connect, ProcessTracker
 from servelab.measure import request_metrics as mx
 from servelab.core.paths import samples_root
-from servelab.analyse.telemetry import collectors as C
-from servelab.analyse.telemetry.collectors import display_argv
+from servelab.measure.telemetry import collectors as C
+from servelab.measure.telemetry.collectors import display_argv
 from servelab.analyse.telemetry.figures import timeseries_figure
 from servelab.analyse.telemetry.frames import nan_to_dash
 from servelab.analyse.telemetry.load import CaseTelemetry, load_case_telemetry
 from servelab.analyse.telemetry.parse_smi import parse_smi_csv
-from servelab.analyse.telemetry.runner import (NOT_CONFIGURED, OK, CollectorStatus, NodePlan, RequiredCollectorError,
+from servelab.measure.telemetry.runner import (NOT_CONFIGURED, OK, CollectorStatus, NodePlan, RequiredCollectorError,
                                        start_telemetry)
 from servelab.analyse.telemetry.summary import (CATALOG, answer_questions, compare_cases, coverage_table, status_table,
                                         summarize_case, write_metric_csvs)
 from servelab.analyse.telemetry.windows import CaseWindow
+from servelab.analyse.serverside import case_serverside, side_summary
+from servelab.deploy.engines import engine_for
+from servelab.deploy.server import start_server, stop_server
+from servelab.measure.case import EngineCrash, make_env, quick_matrix
+from servelab.measure.matrix import dispatch_case
+from servelab.phases.context import log_command
+from servelab.report.ledger import evidence_frame, record_evidence
+from servelab.measure.request_metrics import min_samples
 
 WORKLOAD = (
     "import hashlib, json, sys, threading, time\n"
@@ -89,7 +97,6 @@ def collector_plan(ctx: Any, interval_s: float = 1.0) -> pd.DataFrame:
 
 
 def _log(ctx: Any, label: str, argv: list[str], title: str, **kw: Any) -> None:
-    from servelab.phases.context import log_command
     log_command(ctx, label, display_argv(argv), title=title, **kw)
 
 
@@ -158,10 +165,6 @@ def run_engine_cases(ctx: Any, case_ids: list[str] | None = None, interval_s: fl
     exact measurement window. Cases are stored as ``hw-<case>`` so they never overwrite Phase 1's."""
     import dataclasses
 
-    from servelab.measure.case import EngineCrash, make_env, quick_matrix
-    from servelab.deploy.hosts import ProcessTracker
-    from servelab.measure.matrix import dispatch_case
-    from servelab.deploy.server import start_server, stop_server
 
     plan = collector_plan(ctx, interval_s)
     if hasattr(ctx, "add_source"):
@@ -231,8 +234,6 @@ def engine_view(ctx: Any, run: Phase2Run) -> pd.DataFrame:
     """Per engine case, what the engine itself reported inside the same client window as the telemetry: running and
     queued requests, KV usage, slots or batch lines from its log, server TTFT P95 (docs/metrics.md#server-side).
     A case without an engine (the CPU workloads) has no row; none at all is said in one row."""
-    from servelab.analyse.serverside import case_serverside, side_summary
-    from servelab.deploy.engines import engine_for
     rows = []
     for c in run.cases:
         cdir = Path(ctx.run_dir) / "cases" / c.case_id
@@ -347,7 +348,6 @@ def headline(run: Phase2Run, table: pd.DataFrame) -> dict[str, Any]:
     """A few numbers for the run manifest: cases, failures, and per case the machine's CPU busy mean and its
     hottest core — as a P95 where enough samples hold one (20, ``request_metrics.min_samples``), else as the
     maximum of the samples there are, labelled so."""
-    from servelab.measure.request_metrics import min_samples
     out: dict[str, Any] = {"cases": len(run.cases), "telemetry_failures": len(run.failures)}
     if not table.empty:
         busy = {r.case: r for r in table[table.metric == "cpu_busy_pct"].itertuples()}
@@ -473,7 +473,6 @@ def h5_evidence(run: Phase2Run, questions_table: pd.DataFrame) -> tuple[str, str
 
 def record_h5(ctx: Any, run: Phase2Run) -> pd.DataFrame:
     """Record H5 from this phase's telemetry questions (see :func:`h5_evidence`)."""
-    from servelab.report.ledger import evidence_frame, record_evidence
     verdict, summary, nums = h5_evidence(run, questions(run, ctx))
     tables = [t for t in ("phase2_questions.csv", "telemetry_summary.csv") if (Path(ctx.phase_dir) / t).is_file()]
     return evidence_frame([record_evidence(ctx, "H5", verdict, summary,

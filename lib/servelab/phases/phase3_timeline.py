@@ -13,7 +13,22 @@ from servelab.core.paths import cache_root, samples_root
 from servelab.analyse.trace.actions import evidence_actions
 from servelab.analyse.trace.analysis import CaptureAnalysis, analyse, write_tables
 from servelab.analyse.trace.questions import q10, ten_questions
-from servelab.analyse.trace.stalls import OneClock, clock_shift, engine_steps, one_clock, stall_summary
+from servelab.analyse.trace.metrics import dominant_steps
+from servelab.analyse.trace.stalls import (OneClock, clock_shift, mixed_window_problem, one_clock,
+                                            stall_summary)
+from servelab.analyse.kernels import function_base
+from servelab.analyse.trace.nsys import (display, nsys_profile_argv, nsys_stats_argv, NsysReportError, compare_kernels,
+                                         read_stats_dir)
+from servelab.measure.capture import DEFAULT_STEPS
+from servelab.measure.live_capture import can_capture, capture_live, captured_table
+from servelab.measure.records import read_records
+from servelab.report.banner import banner, banner_html
+from servelab.report.ledger import evidence_frame, record_evidence
+from servelab.report.tables import table_html
+from servelab.analyse.trace.cluster import analyse_on_cluster
+from servelab.deploy.cluster import parse_cluster, require_dask, open_cluster
+from servelab.deploy.hosts import ProcessTracker
+from servelab.core.paths import project_root
 
 SAMPLE_DIR = ("h200x2", "traces")
 SAMPLE_TEXT = ("2 x NVIDIA H200 (NVLink), TP=2 torch-profiler traces of a random-weight 8-layer transformer, recorded "
@@ -38,7 +53,6 @@ class Phase3:
 def check_cluster(cluster: str) -> str:
     """The ``cluster`` parameter, checked before anything starts: "" (none), ``local[:N]``, ``nodes[:N]`` or an
     existing scheduler's ``tcp://HOST:PORT``; a one-line error otherwise or when Dask distributed is missing."""
-    from servelab.deploy.cluster import parse_cluster, require_dask
     spec = parse_cluster(cluster)
     if spec is not None:
         require_dask()
@@ -70,7 +84,7 @@ def run_analysis(ctx: Any, trace_dir: str = "", window_regex: str = "", top_n: i
         row = pl.DataFrame([asdict(q10(a, clock))]).with_columns(
             pl.lit(q.filter(pl.col("id") == "Q10")["question_en"][0]).alias("question_en")).select(q.columns)
         q = pl.concat([q.filter(pl.col("id") != "Q10"), row])
-    act = evidence_actions(a)
+    act = evidence_actions(a, run_dir=getattr(ctx, "run_dir", None))
     extra = {"questions": q, "actions": act}
     if a.placement.height:
         extra["placement"] = a.placement
@@ -87,7 +101,6 @@ def run_analysis(ctx: Any, trace_dir: str = "", window_regex: str = "", top_n: i
 
 def _rel(folder: Path) -> str:
     """``data/samples/…`` for a folder of the shipped samples, the path itself otherwise."""
-    from servelab.core.paths import project_root
     try:
         return str(Path(folder).resolve().relative_to(project_root()))
     except ValueError:
@@ -96,9 +109,6 @@ def _rel(folder: Path) -> str:
 
 def _analyse_on_cluster(ctx: Any, cluster: str, folder: Path, cache_dir: Path | None, kw: dict) -> CaptureAnalysis:
     """Open the cluster (joined, or started and tracked), analyse on it, close it — on every exit path."""
-    from servelab.analyse.trace.cluster import analyse_on_cluster
-    from servelab.deploy.cluster import open_cluster
-    from servelab.deploy.hosts import ProcessTracker
     with ProcessTracker() as tracker:
         c = open_cluster(cluster, tracker, ctx.phase_dir / "cluster", target=ctx.target, run_id=ctx.run_id)
         try:
@@ -130,7 +140,6 @@ def case_clock(folder: Path, a: CaptureAnalysis) -> OneClock | None:
     """The one clock of a profiled case: when ``folder`` is a case's ``profiles/`` folder and the case kept its
     client records (``requests.jsonl`` with every chunk's arrival), join them with the trace's steps. None
     otherwise (a bare trace folder, the recorded sample)."""
-    from servelab.measure.client import read_records
     req = Path(folder).parent / "requests.jsonl"
     if Path(folder).name != "profiles" or not req.is_file():
         return None
@@ -318,50 +327,12 @@ def actions_table(p: Phase3) -> pd.DataFrame:
     return _pd(p.actions)
 
 
-DOMINANT_SHARE = 0.5     # one step holding at least this share of a window kind's exposed communication dominates it
-WAIT_SHARE = 0.25        # ... and is a wait when the ranks started it this share of its exposed time apart (or more)
-
-
-def dominant_steps(a: CaptureAnalysis) -> list[dict[str, Any]]:
-    """Window kinds whose exposed communication is mostly one step that is a wait (summed over ranks, ≥
-    :data:`DOMINANT_SHARE` of the kind's, with at least three steps of the kind, and the ranks started that step
-    at least :data:`WAIT_SHARE` of its exposed time apart: one rank waiting in a collective for another to arrive —
-    typical of a first step, not of the steady state): which step, its share, the kind's exposed share of GPU step
-    time with and without it, and the start skew."""
-    w = a.window_metrics
-    if w is None or not w.height or "exposed_comm_ms" not in w.columns:
-        return []
-    out = []
-    for kind in w["kind"].unique().to_list():
-        k = w.filter(pl.col("kind") == kind)
-        per = k.group_by("name").agg(pl.col("exposed_comm_ms").sum(), pl.col("gpu_span_ms").sum()).sort(
-            "exposed_comm_ms", descending=True)
-        total, span = float(per["exposed_comm_ms"].sum()), float(per["gpu_span_ms"].sum())
-        if per.height < 3 or total <= 0 or span <= 0:
-            continue
-        top = per.row(0, named=True)
-        share = top["exposed_comm_ms"] / total
-        if share < DOMINANT_SHARE:
-            continue
-        rest_span = span - top["gpu_span_ms"]
-        skew = a.step_skew.filter(pl.col("name") == top["name"]) if a.step_skew.height else a.step_skew
-        sk = skew.row(0, named=True) if skew.height else {}
-        if (sk.get("start_skew_us") or 0) / 1e3 < WAIT_SHARE * top["exposed_comm_ms"]:
-            continue                       # a long step, not a rank waiting for another: its cost is real
-        out.append({"kind": kind, "step": top["name"], "exposed_ms": top["exposed_comm_ms"], "total_ms": total,
-                    "share_pct": 100 * share, "exposed_pct": 100 * total / span,
-                    "without_pct": 100 * (total - top["exposed_comm_ms"]) / rest_span if rest_span > 0 else None,
-                    "start_skew_us": sk.get("start_skew_us"), "late_rank": sk.get("last_rank"),
-                    "first_rank": sk.get("first_rank")})
-    return out
-
-
 def headline(p: Phase3) -> dict[str, Any]:
     """A few key numbers for the manifest; where one step dominates a kind's exposed communication
     (:func:`dominant_steps`), the kind's share without that step beside it."""
     a = p.analysis
     out: dict[str, Any] = {"ranks": len(a.rops), "from_trace_dir": str(a.capture.trace_dir)}
-    dom = {d["kind"]: d for d in dominant_steps(a)}
+    dom = {d["kind"]: d for d in dominant_steps(a.window_metrics, a.step_skew)}
     for k in ("prefill", "decode", "mixed", "all"):
         s = a.summary.filter(pl.col("kind") == k) if a.summary.height else a.summary
         if s.height:
@@ -391,7 +362,6 @@ def live_capture(ctx: Any, capture: bool, trace_dir: str) -> tuple[str, pd.DataF
     Returns the folder to analyse ("" = the recorded sample) and one row per scenario: what was captured, or why
     not.
     """
-    from servelab.measure.live_capture import can_capture, capture_live
     ctx.captures = []
     if trace_dir:
         return trace_dir, pd.DataFrame([{"capture": "not run", "reason": f"analysing the given trace_dir {trace_dir}"}])
@@ -402,7 +372,8 @@ def live_capture(ctx: Any, capture: bool, trace_dir: str) -> tuple[str, pd.DataF
                                   "reason": f"the {ctx.target.engine} engine has no torch profiler endpoint; "
                                             f"use a vLLM or SGLang target (e.g. local-vllm) for a live capture"}])
     chosen = tuple(ctx.params.get("scenarios") or ()) or None
-    caps = capture_live(ctx, scenarios=chosen, check=mixed_window_check)
+    steps = ctx.params.get("capture_steps") or DEFAULT_STEPS
+    caps = capture_live(ctx, scenarios=chosen, check=mixed_window_check, steps=steps)
     ctx.captures = caps
     table = captured_table(caps, ctx.run_dir)
     table.to_csv(ctx.phase_dir / "captures.csv", index=False)
@@ -414,75 +385,17 @@ def live_capture(ctx: Any, capture: bool, trace_dir: str) -> tuple[str, pd.DataF
 
 
 def mixed_window_check(cap: Any) -> str:
-    """Why a captured mixed scenario cannot show its injected prefill delaying decode ("" when it can, for every
-    other scenario, and when the trace's step names say nothing of prefill tokens). The injected prefill must run
-    inside the traced steps — a replacement background stream's short prefill there does not count — and with
-    decode in flight: decode requests in its own step, or a decode step just before it. It misses the window when
-    the engine runs all its steps (32, ~0.1 s on a CPU engine) before the request reaches it, and finds no decode
-    when the background streams ended during a slow ``/start_profile`` — both on a loaded host. The analysis
-    caches the trace's columns, so the page's own analysis of the same capture reads them back."""
+    """Why a captured mixed scenario cannot show its injected prefill delaying decode (``analyse.trace.stalls.
+    mixed_window_problem`` on its trace's steps; "" when it can, for every other scenario, and for a trace that
+    cannot be read — the page's own analysis reports that). The analysis caches the trace's columns, so the page's
+    own analysis of the same capture reads them back."""
     if cap.scenario.name != "mixed_treatment":
         return ""
     try:
-        steps = engine_steps(analyse(cap.profiles).windows)
+        windows = analyse(cap.profiles).windows
     except (OSError, ValueError):
-        return ""                     # an unreadable trace is reported by the page's own analysis
-    if steps.height == 0 or steps.filter(pl.col("prefill_tokens").is_not_null()).height == 0:
         return ""
-    isl, inj = cap.scenario.isl_tokens, cap.scenario.inject_isl_tokens
-    # more prompt tokens per prefilled request in one step than a background prompt has: the injected prompt (a
-    # chunked one too, one chunk per step)
-    per_req = pl.col("prefill_tokens") / pl.col("prefill_reqs").fill_null(1).clip(lower_bound=1)
-    has_decode = pl.col("decode_reqs").fill_null(0) > 0
-    decode_step = has_decode | (pl.col("prefill_tokens") == 0)
-    steps = steps.sort("rank", "start_ns").with_columns(
-        injected=(per_req > isl).fill_null(False),
-        with_decode=has_decode | decode_step.shift(1).over("rank").fill_null(False))
-    hits = steps.filter(pl.col("injected"))
-    if hits.filter(pl.col("with_decode")).height:
-        return ""
-    if hits.height:
-        return (f"its injected {inj}-token prefill ran with no decode in flight (none in its step or the one before "
-                "it: the background streams had ended), so it delayed nothing")
-    small = steps.filter(pl.col("prefill_tokens") > 0).height
-    return (f"its injected {inj}-token prefill ran outside the {steps.height} traced steps (the engine ran the "
-            "whole window before the request reached it)"
-            + (f"; {small} traced step(s) prefilled only background prompts of {isl} tokens" if small else ""))
-
-
-def _verdict_text(case_dir: Path) -> str:
-    """The profiled case's verdict as its ``summary.json`` records it (``INVALID: profiled …``)."""
-    from servelab.measure.case_record import read_summary
-    try:
-        v = read_summary(case_dir / "summary.json")["verdict"]
-    except (OSError, ValueError) as exc:
-        return f"no summary: {exc}"
-    return f"{v['status']}: {'; '.join(v['reasons'])}" if v["reasons"] else v["status"]
-
-
-def captured_table(caps: list[Any], run_dir: Path) -> pd.DataFrame:
-    """One row per scenario: its case folder, what ran (cache flush, warm-up, requests, chunks timed), the trace
-    files collected (worker / frontend), whether the capture is complete, and the error when it failed."""
-    rows = []
-    for c in caps:
-        recs = c.drive.records if c.drive else []
-        files = c.result.files if c.result else []
-        measured = [r for r in recs if r.role not in ("warmup",)]
-        hit = (c.drive.marks.get("prefix_hit_rate_ppm", -1) if c.drive else -1)
-        rows.append({
-            "scenario": c.scenario.name, "case": str(Path(c.case_dir).relative_to(run_dir)),
-            "workload": c.scenario.description, "cache_flushed": bool(c.prep.get("cache_flush", {}).get("flushed")),
-            "warmup_requests": int(c.prep.get("warmup", {}).get("requests", 0)),
-            "requests": len(measured), "requests_ok": sum(1 for r in measured if r.ok),
-            "chunks_timed": sum(len(r.chunk_ns) for r in measured),
-            "worker_traces": sum(1 for f in files if f.kind == "worker"),
-            "frontend_traces": sum(1 for f in files if f.kind == "frontend"),
-            "trace_MiB": round(sum(f.size_bytes for f in files) / 2**20, 2),
-            "prefix_hit_pct": round(hit / 1e4, 1) if hit >= 0 else None,
-            "complete": bool(c.result.wait.complete) if c.result else False,
-            "attempts": 1 + len(c.rejected), "set_aside": "; ".join(c.rejected),
-            "verdict": _verdict_text(Path(c.case_dir)), "error": c.error})
-    return pd.DataFrame(rows)
+    return mixed_window_problem(windows, cap.scenario.isl_tokens, cap.scenario.inject_isl_tokens)
 
 
 def _short(text: str, limit: int = 400) -> str:
@@ -507,6 +420,10 @@ def findings(p: Phase3, from_samples: bool | None = None) -> list[str]:
     src = "from recorded sample data (2 × H200 traces)" if from_samples else f"from the capture in {a.capture.trace_dir}"
     out = [f"{len(a.rops)} rank(s) analysed {src}; {int(p.questions['answerable'].sum())} of {p.questions.height} "
            f"questions answerable."]
+    if a.rops and all(r.device == "cpu" for r in a.rops):
+        out.append("An engine on CPU: its trace holds no GPU op, so on this page the device work ('GPU' in the table "
+                   "headers) is the forward's torch ops on the step thread, and communication is torch's gloo "
+                   "collectives on their own threads (docs/metrics.md#cpu-engines); CUDA-graph coverage does not apply.")
     if a.placement.height:
         parsed = a.placement.filter(pl.col("status") == "parsed")
         out.append(f"Parsed on a cluster: {parsed.height} rank file(s) on {parsed['node'].n_unique()} node(s), each on "
@@ -516,7 +433,7 @@ def findings(p: Phase3, from_samples: bool | None = None) -> list[str]:
                        f"attempt(s): {r['reason']}.")
     if a.slow_rank.get("slow_stage") is not None:
         out.append("Slow pipeline stage: " + a.slow_rank.get("stage_evidence", "") + ".")
-    for d in dominant_steps(a):
+    for d in dominant_steps(a.window_metrics, a.step_skew):
         wait = ""
         if d["start_skew_us"] is not None and d["start_skew_us"] >= 1000:
             wait = (f": the ranks started it {d['start_skew_us'] / 1e3:.1f} ms apart (rank {d['first_rank']} waited "
@@ -594,7 +511,6 @@ def _share(p: Phase3, cls: str, kind: str | None = None) -> float:
 
 def _record(ctx: Any, hid: str, verdict: str, summary: str, anchor: str, tables: list[str],
             nums: dict[str, Any]) -> pd.DataFrame:
-    from servelab.report.ledger import evidence_frame, record_evidence
     return evidence_frame([record_evidence(ctx, hid, verdict, summary, anchor=anchor, table=tables, numbers=nums)])
 
 
@@ -698,28 +614,11 @@ class NsysImport:
 
 def nsys_howto(trace_dir: str = "") -> str:
     """How to produce the CSVs this section imports (the commands of ``docs/method.md#capture-scenarios``)."""
-    from servelab.analyse.trace.nsys import display, nsys_profile_argv, nsys_stats_argv
     prof = display(nsys_profile_argv(["<the engine's launch command>"], "/data/nsys/report"))
     stats = display(nsys_stats_argv("/data/nsys/report.nsys-rep"))
     return (f"Profile the engine under Nsight Systems: {prof} — then export the summaries as CSV: {stats} "
             "(writes report_cuda_gpu_kern_sum.csv, report_cuda_api_sum.csv, report_nvtx_sum.csv) and re-run this "
             "phase with -p nsys_dir=/data/nsys.")
-
-
-def _trace_kernels(p: Phase3) -> pd.DataFrame:
-    """The trace's kernel time per function (all ranks, all windows): function, cls, trace_ms, trace_share_pct."""
-    from servelab.analyse.kernels import function_base
-    ops = [r.ops.filter(pl.col("cat") == "kernel").select("name", "cls", "dur_ns") for r in p.analysis.rops]
-    ops = [o for o in ops if o.height]
-    if not ops:
-        return pd.DataFrame(columns=["function", "trace_cls", "trace_ms", "trace_share_pct"])
-    t = (pl.concat(ops, how="vertical_relaxed").group_by("name", "cls").agg(pl.col("dur_ns").sum())
-         .with_columns(pl.col("name").cast(pl.String)).to_pandas())
-    t["function"] = t["name"].map(function_base)
-    t = t.groupby("function", as_index=False).agg(trace_cls=("cls", "first"), trace_ns=("dur_ns", "sum"))
-    t["trace_ms"] = t["trace_ns"] / 1e6
-    t["trace_share_pct"] = 100 * t["trace_ms"] / t["trace_ms"].sum()
-    return t.drop(columns="trace_ns")
 
 
 def nsys_import(ctx: Any, p: Phase3, nsys_dir: str = "", top_n: int = 10) -> NsysImport | None:
@@ -730,8 +629,6 @@ def nsys_import(ctx: Any, p: Phase3, nsys_dir: str = "", top_n: int = 10) -> Nsy
     when ``nsys_dir`` is empty."""
     if not nsys_dir:
         return None
-    from servelab.analyse.kernels import function_base
-    from servelab.analyse.trace.nsys import NsysReportError, class_breakdown, kernel_summary, read_stats_dir
     folder = Path(nsys_dir).expanduser()
     if not folder.is_dir():
         raise NsysReportError(f"nsys_dir {folder}: no such folder")
@@ -739,20 +636,8 @@ def nsys_import(ctx: Any, p: Phase3, nsys_dir: str = "", top_n: int = 10) -> Nsy
     if "cuda_gpu_kern_sum" not in reports:
         raise NsysReportError(f"nsys_dir {folder}: no <base>_cuda_gpu_kern_sum.csv among "
                               f"{sorted(x.name for x in folder.glob('*.csv')) or 'no CSV files'}")
-    ks = kernel_summary(reports["cuda_gpu_kern_sum"]).to_pandas()
-    ks["function"] = ks["name"].map(function_base)
-    trace = _trace_kernels(p)
-    k = ks.sort_values("total_ms", ascending=False).head(int(top_n)).merge(trace, on="function", how="left")
-    k.insert(0, "nsys_rank", range(1, len(k) + 1))
-    k["in_trace"] = k["trace_ms"].notna()
-    kernels = k[["nsys_rank", "function", "cls", "instances", "total_ms", "share_pct", "avg_ns", "in_trace", "trace_ms",
-                 "trace_share_pct"]].rename(columns={"total_ms": "nsys_ms", "share_pct": "nsys_share_pct",
-                                                     "avg_ns": "nsys_avg_ns"})
-    nb = class_breakdown(reports["cuda_gpu_kern_sum"]).to_pandas()[["cls", "total_ms", "share_pct"]]
-    tb = trace.groupby("trace_cls", as_index=False)["trace_ms"].sum().rename(columns={"trace_cls": "cls"})
-    tb["trace_share_pct"] = 100 * tb["trace_ms"] / tb["trace_ms"].sum()
-    classes = nb.rename(columns={"total_ms": "nsys_ms", "share_pct": "nsys_share_pct"}).merge(tb, on="cls", how="outer")
-    classes = classes.sort_values("nsys_ms", ascending=False, na_position="last").reset_index(drop=True)
+    kernels, classes = compare_kernels(reports["cuda_gpu_kern_sum"], [r.ops for r in p.analysis.rops], function_base,
+                                       top_n)
     kernels.to_csv(ctx.phase_dir / "nsys_kernels.csv", index=False)
     classes.to_csv(ctx.phase_dir / "nsys_classes.csv", index=False)
     return NsysImport(str(folder), reports, kernels.round(3), classes.round(3))
@@ -763,8 +648,6 @@ def nsys_view(imp: NsysImport | None) -> Any:
     ``nsys_dir``, how to produce the CSVs."""
     from IPython.display import HTML
 
-    from servelab.report.banner import banner, banner_html
-    from servelab.report.tables import table_html
     if imp is None:
         return banner(nsys_howto(), "info", "No Nsight Systems reports imported (nsys_dir is empty)")
     found = ", ".join(f"{name} ({df.height} rows)" for name, df in sorted(imp.reports.items()))

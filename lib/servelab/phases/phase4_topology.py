@@ -16,6 +16,17 @@ import pandas as pd
 from servelab.analyse.topology import (Cluster, CommInputs, MemoryInputs, ModelConfig, cluster_from_target, comm_summary,
                                        comm_table, feasibility, launch_commands, layout_problems, load_model_config,
                                        measured_comparison, memory_table, param_summary, parse_layout, reference_layouts)
+from servelab.core.params import ParamError
+from servelab.core.paths import path_slug
+from servelab.core.run import read_manifest
+from servelab.deploy.engines import engine_for
+from servelab.deploy.targets import load_target
+from servelab.measure.case import make_env, quick_matrix, run_case
+from servelab.measure.launch_variants import serving, with_launch, write_run_record
+from servelab.phases.context import log_command
+from servelab.report.banner import banner
+from servelab.report.ledger import evidence_frame, record_evidence
+from servelab.measure.case import SCALES
 
 
 @dataclass
@@ -48,8 +59,6 @@ def run_phase4(ctx: Any, model_config: str, cluster_target: str, layouts: Sequen
     ``decode_tokens`` = ``concurrency``. Writes ``feasibility.csv``, ``memory.csv``, ``comm.csv`` and
     ``launch_commands.csv`` in the phase folder.
     """
-    from servelab.deploy.targets import load_target
-    from servelab.phases.context import log_command
     cfg = load_model_config(model_config)
     base = load_target(cluster_target)
     cluster = cluster_from_target(base)
@@ -97,29 +106,28 @@ def model_label(cfg: ModelConfig, target: Any) -> str:
     return text
 
 
-MEASURE_CASES = ("D1", "D2_c4")      # the cases each layout is measured with live: single-stream TPOT, C=4 throughput
+def measure_cases(target: Any) -> tuple[str, ...]:
+    """The cases each layout is measured with live by default — the method's test order for a layout after its
+    smoke test: C=1 decode latency (D1), then throughput at the scale's decode concurrencies (D2 at C=16/32/64 on
+    the cluster, 4/8/16 locally)."""
+    cs = SCALES.get(getattr(target, "scale", "cluster"), SCALES["cluster"])["D2_c"]
+    return ("D1", *(f"D2_c{c}" for c in cs))
 
 
-def measure_layouts(ctx: Any, layouts: Sequence[str], cases: Sequence[str] = MEASURE_CASES, repeats: int = 3,
+def measure_layouts(ctx: Any, layouts: Sequence[str], cases: Sequence[str] = (), repeats: int = 3,
                     health_timeout_s: float = 900.0) -> list[str]:
     """Measure each layout live on the phase's own target (``ctx.target``, e.g. ``local-sglang``): the target with the
     layout's launch settings (the engine adapter's notation) and nothing else changed, served once, the ``cases``
     of the quick matrix measured ``repeats`` times (``cases/<layout>-<case>/``), then stopped; each layout becomes a
     run-like record (``phase4/layouts/<layout>/``) that the measured comparison reads as a run — the first layout is
-    the baseline, and only the layout keys may differ between records (the one-variable rule). Returns the record
-    folders, in the order given."""
-    from servelab.core.params import ParamError
-    from servelab.core.paths import path_slug
-    from servelab.core.run import read_manifest
-    from servelab.deploy.engines import engine_for
-    from servelab.measure.case import make_env, quick_matrix, run_case
-    from servelab.measure.launch_variants import serving, with_launch, write_run_record
+    the baseline, and only the layout keys may differ between records (the one-variable rule). ``cases`` empty:
+    :func:`measure_cases`. Returns the record folders, in the order given."""
     target = ctx.target
     eng = engine_for(target.engine)
     lays = [parse_layout(x) for x in layouts]
     if len({lay.label for lay in lays}) != len(lays):
         raise ParamError(f"measure_layouts names a layout twice: {list(layouts)}")
-    specs = quick_matrix(target, list(cases))
+    specs = quick_matrix(target, list(cases or measure_cases(target)))
     parent = read_manifest(ctx.run_dir)
     records: list[str] = []
     for lay in lays:
@@ -145,7 +153,6 @@ def launch_table(res: Phase4Result) -> pd.DataFrame:
 
 def measured_view(res: Phase4Result):
     """The measured comparison table, or a banner saying that no measurement exists yet."""
-    from servelab.report.banner import banner
     if res.measured.empty:
         return banner("No measured run was given (parameter runs), so this page holds the model only: no layout is "
                       "recommended or rejected on evidence yet. Launch each feasible layout with the planned commands "
@@ -226,7 +233,6 @@ def h7_evidence(res: Phase4Result) -> tuple[str, str, dict[str, Any]]:
 
 def record_h7(ctx: Any, res: Phase4Result) -> pd.DataFrame:
     """Record this phase's evidence about H7 (see :func:`h7_evidence`), linking the verdicts or the feasibility."""
-    from servelab.report.ledger import evidence_frame, record_evidence
     verdict, summary, nums = h7_evidence(res)
     measured = not res.verdicts.empty
     tables = ["verdicts.csv", "measured.csv", "feasibility.csv"] if measured else ["feasibility.csv", "comm_summary.csv"]

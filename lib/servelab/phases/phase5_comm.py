@@ -15,11 +15,15 @@ import pandas as pd
 from servelab.deploy.nccl_gate import GateVerdict, check_gate, verdict_table
 from servelab.deploy.nccl_info import NcclInfo, parse_info, parse_info_files, transport_table
 from servelab.analyse.nccl import sweep as sw
-from servelab.analyse.nccl.msgsize import model_message_sizes, place_on_curves
+from servelab.analyse.nccl.msgsize import model_message_sizes, place_on_curves, from_trace
 from servelab.analyse.nccl.perf_log import NcclTestRun, parse_file, runs_frame, runs_table
 from servelab.core.params import ParamError, did_you_mean
 from servelab.core.paths import samples_root
 from servelab.measure import nccl_tests as nt
+from servelab.core.run import emit_progress, read_manifest
+from servelab.deploy.hosts import HostError, ProcessTracker, connect
+from servelab.phases.context import log_command
+from servelab.report.ledger import evidence_frame, record_evidence
 
 TWO_RAIL_GATE = {"required_hcas": ["mlx5_0", "mlx5_3"], "require": ["NET/IB", "GDRDMA"]}
 SWEEP_SAMPLE = "h200x1-nccl-sweep"          # the recorded 1 x H200 sweep (data/samples/h200x1-nccl-sweep/README.md)
@@ -90,9 +94,6 @@ def run_tests(ctx: Any, runs: CommRuns, launcher: list[str] | None = None) -> Co
     node is connected and every binary the run plan uses checked (one line naming the first problem). Each run is a
     tracked process; its command, environment, exit code and log are recorded as ``executed`` as soon as it ends,
     its log kept under ``nccl_runs/logs/``."""
-    from servelab.core.run import emit_progress
-    from servelab.deploy.hosts import HostError, ProcessTracker, connect
-    from servelab.phases.context import log_command
     if not runs.execute:
         for r in runs.plan.runs:
             log_command(ctx, "planned", r.argv, title=f"nccl-tests {r.run_id}", host=r.node, env=r.env,
@@ -281,7 +282,6 @@ def messages(ctx: Any, data: Phase5Data, hidden_size: int, dtype_bytes: int, tp:
                                 tp, num_layers, vocab_size or None, {f"decode C={decode_batch}": decode_batch,
                                                                      f"prefill {prefill_tokens} tok": 1}, ep, top_k)
     if trace_collectives is not None and not trace_collectives.empty:
-        from servelab.analyse.nccl.msgsize import from_trace
         sizes = pd.concat([sizes, from_trace(trace_collectives)], ignore_index=True)
     placed = place_on_curves(sizes, data.curves) if not data.curves.empty else sizes
     placed.to_csv(Path(ctx.phase_dir) / "model_messages.csv", index=False)
@@ -311,7 +311,6 @@ def gate_for_target(ctx: Any, data: Phase5Data) -> GateVerdict:
 def engine_gate_record(ctx: Any) -> dict[str, Any]:
     """The transport gate as judged at this run's last engine start (``manifest["gate"]``, written by the engine
     start of a target that declares ``gate:``); ``{}`` when no gated engine was started in this run."""
-    from servelab.core.run import read_manifest
     return dict(read_manifest(Path(ctx.run_dir)).get("gate") or {})
 
 
@@ -422,7 +421,6 @@ def _decode_step_ms(run_dir: Path) -> tuple[float | None, bool]:
         s = pd.DataFrame()
     if s.empty or not {"kind", "median_step_ms"} <= set(s.columns) or s[s["kind"] == "decode"].empty:
         return None, False
-    from servelab.core.run import read_manifest
     sample = bool(read_manifest(Path(run_dir)).get("phases", {}).get("phase3", {}).get("from_samples"))
     return float(s[s["kind"] == "decode"]["median_step_ms"].median()), sample
 
@@ -432,7 +430,6 @@ def record_h1(ctx: Any, data: Phase5Data, msgs: pd.DataFrame) -> pd.DataFrame:
     measured curves (``model_messages.csv``): their time per decode step against this run's Phase 3 median
     decode step. *supported* at ≥ 15 % of the step, *refuted* below — only for curves that cross nodes (the INFO
     log's nNodes > 1 or NET connections); one-node curves, no INFO log or no decode step: *inconclusive*."""
-    from servelab.report.ledger import evidence_frame, record_evidence
     dec = pd.DataFrame()
     if not msgs.empty and {"scenario", "step_time_us"} <= set(msgs.columns):
         dec = msgs[msgs["scenario"].astype(str).str.startswith("decode") & msgs["step_time_us"].notna()]

@@ -16,6 +16,12 @@ import pandas as pd
 from servelab.analyse.kernels import (KernelTableError, default_repro_argv, derived_metrics, load_kernel_table,
                                       peaks_table, planned_ncu_commands, rank_kernels, read_ncu_csv, roofline,
                                       stall_reasons, top_kernels)
+from servelab.core.paths import samples_root
+from servelab.phases.context import log_command
+from servelab.report.banner import banner, sample_banner
+from servelab.report.ledger import evidence_frame, record_evidence
+from servelab.core.paths import project_root
+from servelab.core.run import read_manifest
 
 
 @dataclass
@@ -47,8 +53,6 @@ def run_phase6(ctx: Any, kernel_source: str = "", ncu_csv: Sequence[str] = (), t
     phase is marked ``from_samples``. ``ncu_csv``: ``ncu --csv`` outputs to import; empty = the shipped
     ``data/samples/ncu/*.csv`` when present (also ``from_samples``).
     """
-    from servelab.core.paths import samples_root
-    from servelab.phases.context import log_command
     if kernel_source:
         source = str(kernel_source)
     else:
@@ -115,7 +119,6 @@ def derived_view(derived: pd.DataFrame) -> pd.DataFrame:
 
 def source_banner(ctx: Any, res: Phase6Result):
     """Where this page's kernels and counters come from: a sample banner when from ``data/samples``."""
-    from servelab.report.banner import banner, sample_banner
     files = ", ".join(Path(f).name for f in res.ncu_files) or "none"
     text = f"Kernel table: {res.source}. ncu CSVs: {files}."
     if ctx.from_samples:
@@ -127,7 +130,6 @@ def source_banner(ctx: Any, res: Phase6Result):
 
 def ncu_view(res: Phase6Result, what: str = "derived"):
     """``derived`` (the kernel table), ``stalls``, ``rules`` or ``roofline`` — or a banner when no ncu CSV was imported."""
-    from servelab.report.banner import banner
     if not res.ncu_files:
         return banner("No ncu CSV was imported: run the planned commands above on the GPU node (or pass ncu_csv) "
                       "and re-run this phase.", "warning", "No Nsight Compute data yet")
@@ -140,7 +142,6 @@ def ncu_view(res: Phase6Result, what: str = "derived"):
 
 def _shown_path(path: str) -> str:
     """A path relative to the project when it is one of its sample folders, else as given."""
-    from servelab.core.paths import project_root
     try:
         return str(Path(path).resolve().relative_to(project_root()))
     except ValueError:
@@ -155,7 +156,6 @@ def phase3_trace(run_dir: Path | None) -> str | None:
     """The trace folder Phase 3 analysed in this run (its headline), or None when Phase 3 did not run."""
     if run_dir is None:
         return None
-    from servelab.core.run import read_manifest
     e = (read_manifest(Path(run_dir)).get("phases") or {}).get("phase3") or {}
     return (e.get("headline") or {}).get("from_trace_dir")
 
@@ -179,7 +179,6 @@ def findings(res: Phase6Result, from_samples: bool = False, run_dir: Path | None
         traces = sorted(x for x in Path(p3).glob("*.json*") if x.is_file())
         redo = ""
         if traces and run_dir is not None:
-            from servelab.core.run import read_manifest
             import shlex
             target = read_manifest(Path(run_dir)).get("target") or "local"
             redo = (" To rank Phase 3's capture: " + shlex.join(["servelab", "run", "phase6", "--target", str(target),
@@ -257,7 +256,6 @@ def kernel_evidence(res: Phase6Result, hypothesis: str) -> tuple[str, str, dict[
 
 
 def _record_kernel(ctx: Any, res: Phase6Result, hypothesis: str) -> pd.DataFrame:
-    from servelab.report.ledger import evidence_frame, record_evidence
     verdict, summary, nums = kernel_evidence(res, hypothesis)
     tables = ["kernels_ranked.csv"] + (["roofline.csv"] if (Path(ctx.phase_dir) / "roofline.csv").is_file() else [])
     return evidence_frame([record_evidence(ctx, hypothesis, verdict, summary, anchor="Roofline", table=tables,

@@ -41,16 +41,32 @@ from servelab.analyse.interference import (InterferenceResult, InterferenceSpec,
                                            mean_clean_gap_ms, plan_schedule, prefill_chunks, steady_from_records,
                                            sweep_table, sweep_verdict, timeline_figure, token_chunk_ns, window_table)
 from servelab.measure import request_metrics as mx
-from servelab.measure.case import CaseEnv, case_seed, flush_cache, max_request_tokens
-from servelab.measure.case_record import client_integrity
-from servelab.measure.client import ClientConfig, ClientRun, RequestRecord, run_async, run_sync
+from servelab.measure.case import case_seed, max_request_tokens
+from servelab.measure.case_record import client_integrity, CaseSummary, request_counts, verdict_of
+from servelab.measure.case_runner import CaseRun, Warmup
+from servelab.measure.client import ClientConfig, run_async, run_sync
+from servelab.measure.records import ClientRun, RequestRecord, read_records
 from servelab.measure.loop_monitor import LoopMonitor
-from servelab.measure.launch_variants import (delta_of, metrics_snapshot, server_cpu_s, snapshot_deltas, write_run_record)
-from servelab.measure.slots import SlotsPoller, has_slots_endpoint
-from servelab.core.run import write_json_atomic
-from servelab.deploy.server import RunningServer, is_healthy, log_clock
-from servelab.measure.workload import RequestSpec, build_workload
+from servelab.measure.engine_metrics import gauge_series
+from servelab.measure.launch_variants import (delta_of, snapshot_deltas, write_run_record, serving, with_launch,
+                                              check_knob_changes_command, log_reproduce)
+from servelab.core.run import write_json_atomic, read_manifest, write_json_atomic as wj
+from servelab.deploy.server import RunningServer
+from servelab.measure.workload import RequestSpec, build_workload, engine_tokenizer, token_pool
 from servelab.deploy.engines import engine_for
+from servelab.analyse.serverside import case_serverside
+from servelab.core.params import ParamError, did_you_mean
+from servelab.core.paths import path_slug
+from servelab.measure.abtest import ab_compare
+from servelab.report import ab_figures
+from servelab.report.banner import banner
+from servelab.report.findings import ab_findings
+from servelab.report.ledger import record_evidence
+from servelab.report.perf_figures import client_over_server
+from servelab.measure.abtest import write_ab_tables
+from servelab.measure.correctness import greedy_summary
+from servelab.measure.correctness import prompts_view
+from servelab.measure.correctness import verdict_sentences
 
 SCALES: dict[str, dict[str, Any]] = {
     "cluster": {"background_input_tokens": 1024, "background_output_tokens": 1024, "concurrency": 32,
@@ -76,7 +92,6 @@ def default_spec(target: Any, case_id: str = "I7", **over: Any) -> InterferenceS
     known = set(InterferenceSpec.__dataclass_fields__)
     for k, v in over.items():
         if k not in known:
-            from servelab.core.params import ParamError, did_you_mean
             raise ParamError(f"unknown interference setting '{k}'{did_you_mean(k, known)}")
         if v:
             setattr(spec, k, v)
@@ -167,88 +182,58 @@ async def _wave_body(bg: list[RequestSpec], inj: list[RequestSpec], cfg: ClientC
 
 
 def run_interference(srv: RunningServer, run_dir: Path, spec: InterferenceSpec, pool: list[int], seed: int = 0,
-                     definition: str = "vllm", poll_interval_s: float = 0.0, phase: str = "phase7",
+                     definition: str = mx.VLLM_BENCH, poll_interval_s: float = 0.0, phase: str = "phase7",
                      repeat_of: str = "") -> InterferenceResult:
     """Warm up, plan, run the background streams with their injections; raw data first, then the tables.
 
     Files: ``cases/<case_id>/{meta.json, requests.jsonl, server/{metrics.parquet, slots.parquet,
     metrics_{before,after}.prom, engine_log_excerpt.txt}, windows.csv, injections.csv, summary.json}``, written
-    through the case contract (:class:`servelab.measure.case_record.CaseFolder`): one repeat per injection.
+    through the case runner (:class:`servelab.measure.case_runner.CaseRun`): one repeat per injection.
     ``repeat_of``: the case this one is a variant of (a sweep value runs ``I7`` as ``I7_<label>``).
     """
-    from servelab.measure.case import read_log_since
-    from servelab.measure.case_record import CaseFolder
-    from servelab.measure.engine_metrics import Scraper, gauge_series
-    folder = CaseFolder(run_dir, spec.case_id, phase, "interference", {
+    case = CaseRun(srv, run_dir, spec.case_id, phase, "interference", {
         "spec": asdict(spec), "engine": srv.target.engine, "base_url": srv.base_url, "launch": srv.target.launch,
-        "definition": definition})
-    cdir, meta = folder.dir, folder.meta
-    if not is_healthy(srv):
-        folder.finish("ENGINE_CRASH", "engine unhealthy before the case")
-        raise RuntimeError(f"{spec.case_id}: engine unhealthy before the case")
-    env = CaseEnv(srv=srv, run_dir=Path(run_dir), pool=pool, seed=seed)
-    cfg = env.client_config(spec.case_id)
-    cfg.on_record = folder.stream_record          # each record on disk as its request completes (Ctrl-C keeps it)
-    _, log_off = read_log_since(env, 0)
-    # decode warm-up at the background's shape (docs/method.md#warmup: decode points yes, the long prefill no)
-    wl_w = build_workload(spec.case_id + "-warmup", spec.concurrency, spec.background_input_tokens, 8, pool,
-                          seed=case_seed(seed, spec.case_id + "/warmup", 0), role="warmup", start_index=10**6)
-    wrun = run_sync(lambda: run_async(wl_w.requests, cfg, concurrency=spec.concurrency))
-    error = ""
-    try:
-        plan = plan_schedule(spec, wrun.records)
-    except RuntimeError as exc:
-        error, plan = str(exc), Schedule(0.0, 0.0, 0.0, 0.0, 0.0)
-    meta["schedule_plan"] = asdict(plan)
-    meta["cache_flush"] = flush_cache(env)
-    n_bg = spec.concurrency * (spec.max_background_requests or 200)
-    bg = build_workload(spec.case_id, n_bg, spec.background_input_tokens, spec.background_output_tokens, pool,
-                        seed=case_seed(seed, spec.case_id, 0), role="background").requests
-    # stagger the streams: equal lengths would keep them in lockstep, all between two requests at the same
-    # moment — an injection landing there would hide behind their new prefills instead of stalling tokens
-    step = spec.background_output_tokens // spec.concurrency
-    for i in range(1, min(spec.concurrency, len(bg))):
-        bg[i] = replace(bg[i], output_tokens=max(2, spec.background_output_tokens - i * step))
-    inj = build_workload(spec.case_id + "-inject", spec.n_injections, spec.inject_input_tokens, 1, pool,
-                         seed=case_seed(seed, spec.case_id + "/inject", 0), role="inject",
-                         start_index=2 * 10**6).requests
-    interval = poll_interval_s or float(min(0.25, max(0.02, plan.window_estimate_s / 4)))
-    poller = (SlotsPoller(srv.base_url, interval_s=interval, headers=srv.auth_headers)
-              if has_slots_endpoint(srv) else None)
-    scraper = Scraper(srv.base_url + srv.engine.metrics_path, interval_s=max(interval, 0.05),
-                      headers=srv.auth_headers)
-    before = metrics_snapshot(srv)
-    cpu0 = server_cpu_s(srv)
-    scraper.start()
-    if poller is not None:
-        poller.start()
+        "definition": definition}, definition=definition, measured_roles=("background",))
+    cdir, meta = case.dir, case.meta
+    plan = Schedule(0.0, 0.0, 0.0, 0.0, 0.0)
     bg_recs: list[RequestRecord] = []
     inj_recs: list[RequestRecord] = []
     schedule: list[dict[str, Any]] = []
     marks = Marks()
     wave_run: ClientRun | None = None
-    try:
-        if not error:
+    plan_error = ""
+    with case:
+        cfg = case.client_config()
+        # decode warm-up at the background's shape (docs/method.md#warmup: decode points yes, the long prefill no)
+        wrecs = case.warm_up(case.client_warmup(cfg, pool, Warmup(
+            spec.concurrency, spec.background_input_tokens, 8, case_seed(seed, spec.case_id + "/warmup", 0),
+            spec.concurrency)))
+        try:
+            plan = plan_schedule(spec, wrecs)
+        except RuntimeError as exc:
+            plan_error = str(exc)
+        meta["schedule_plan"] = asdict(plan)
+        case.flush()
+        n_bg = spec.concurrency * (spec.max_background_requests or 200)
+        bg = build_workload(spec.case_id, n_bg, spec.background_input_tokens, spec.background_output_tokens, pool,
+                            seed=case_seed(seed, spec.case_id, 0), role="background").requests
+        # stagger the streams: equal lengths would keep them in lockstep, all between two requests at the same
+        # moment — an injection landing there would hide behind their new prefills instead of stalling tokens
+        step = spec.background_output_tokens // spec.concurrency
+        for i in range(1, min(spec.concurrency, len(bg))):
+            bg[i] = replace(bg[i], output_tokens=max(2, spec.background_output_tokens - i * step))
+        inj = build_workload(spec.case_id + "-inject", spec.n_injections, spec.inject_input_tokens, 1, pool,
+                             seed=case_seed(seed, spec.case_id + "/inject", 0), role="inject",
+                             start_index=2 * 10**6).requests
+        interval = poll_interval_s or float(min(0.25, max(0.02, plan.window_estimate_s / 4)))
+        case.open_window(server_cpu=True)
+        case.watch(scrape_interval_s=max(interval, 0.05), poll_interval_s=interval)
+        if not plan_error:
             bg_recs, inj_recs, schedule, marks, wave_run = run_sync(lambda: _wave(bg, inj, cfg, spec, plan))
-    except KeyboardInterrupt:      # the user stopped it: the records received stay, the case says INTERRUPTED
-        folder.interrupt(definition=definition, measured_roles=("background",))
-        raise
-    except Exception as exc:
-        error = f"{type(exc).__name__}: {exc}"
-    finally:
-        slots = poller.stop() if poller is not None else pd.DataFrame()
-        scrape = scraper.stop()
-    after = metrics_snapshot(srv)
-    cpu1 = server_cpu_s(srv)
-    records = list(wrun.records) + bg_recs + inj_recs
-    # raw data first
-    folder.write_requests(records)
-    folder.write_metrics(scrape, before, after)
+        case.add(bg_recs + inj_recs)
+    error = plan_error or case.error
+    records, scrape, slots, before, after = case.records, case.scrape, case.slots, case.before, case.after
     write_json_atomic(cdir / "server" / "marks.json", asdict(marks))
-    if not slots.empty:
-        slots.to_parquet(cdir / "server" / "slots.parquet")
-    log_text, _ = read_log_since(env, log_off)
-    folder.write_log_excerpt(log_text, clock=log_clock(srv))
     t0 = marks.t0_ns or (records[0].send_ns if records else 0)
     names = srv.engine.metric_names
     gaps = background_gaps(records)
@@ -284,13 +269,15 @@ def run_interference(srv: RunningServer, run_dir: Path, spec: InterferenceSpec, 
     integrity = client_integrity(wave_run)          # the wave loop's one monitor: did the client keep up?
     reasons += integrity.get("reasons") or []
     verdict = mx.Verdict("INVALID" if reasons else "VALID", reasons)
-    server: dict[str, Any] = {}
+    server: dict[str, Any] = {"error": "the case stopped before its counter window opened"}
     try:
-        deltas = snapshot_deltas(before, after)
-        server = {k: delta_of(deltas, v) for k, v in names.items() if k.endswith("_total")}
+        if before is not None and after is not None:
+            deltas = snapshot_deltas(before, after)
+            server = {k: delta_of(deltas, v) for k, v in names.items() if k.endswith("_total")}
     except ValueError as exc:
         server = {"error": str(exc)}
-    wall_s = (after.ts_ns - before.ts_ns) / 1e9
+    wall_s = (after.ts_ns - before.ts_ns) / 1e9 if before is not None and after is not None else 0.0
+    cpu0, cpu1 = case.cpu
     if cpu0 is not None and cpu1 is not None:
         server["server_cpu_s"] = cpu1 - cpu0
         server["server_cpu_util_cores"] = (cpu1 - cpu0) / max(wall_s, 1e-9)
@@ -304,8 +291,7 @@ def run_interference(srv: RunningServer, run_dir: Path, spec: InterferenceSpec, 
     status = "success" if not error else "failed"
     if status != "success" and verdict.verdict == "VALID":
         res.verdict = mx.Verdict("INVALID", [f"case status {status}"])
-    folder.write_summary(interference_summary(res, status, definition, records, repeat_of))
-    folder.finish(status, error)
+    case.close(interference_summary(res, status, definition, records, repeat_of), status, error)
     return res
 
 
@@ -313,7 +299,6 @@ def interference_summary(res: InterferenceResult, status: str, definition: str, 
                          repeat_of: str = "") -> Any:
     """The case summary of an interference case: the background's metrics pooled, one repeat per injection
     (the during-window numbers the A/B compares), the schedule, windows and damage in ``details``."""
-    from servelab.measure.case_record import CaseSummary, request_counts, verdict_of
     repeats = [{"repeat": r["repeat"], "valid": bool(r["valid"]),
                 "metrics": {definition: {k: v for k, v in r.items() if k not in ("case_id", "repeat", "valid")}}}
                for r in res.summary_rows()]
@@ -330,13 +315,10 @@ def interference_summary(res: InterferenceResult, status: str, definition: str, 
 
 
 def run_variant(target: Any, changes: dict[str, Any], spec: InterferenceSpec, run_dir: Path, record_root: Path,
-                label: str, log_dir: Path, phase: str = "", seed: int = 0, definition: str = "vllm",
+                label: str, log_dir: Path, phase: str = "", seed: int = 0, definition: str = mx.VLLM_BENCH,
                 parent_manifest: dict[str, Any] | None = None, health_timeout_s: float = 300.0
                 ) -> tuple[InterferenceResult | None, Path, str]:
     """Serve ``target`` with ``changes``, run the case as ``<case_id>_<label>``, write the run-like record."""
-    from servelab.measure.launch_variants import serving, with_launch
-    from servelab.measure.workload import engine_tokenizer, token_pool
-    from servelab.core.paths import path_slug
     t = with_launch(target, changes, label)
     slug = path_slug(label)                  # a knob value such as ../../x never leaves record_root
     case = replace(spec, case_id=f"{spec.case_id}_{slug}", notes=list(spec.notes))
@@ -362,10 +344,9 @@ def run_variant(target: Any, changes: dict[str, Any], spec: InterferenceSpec, ru
 
 
 def knob_sweep(target: Any, knob: str, values: list[Any], spec: InterferenceSpec, run_dir: Path, record_root: Path,
-               log_dir: Path, phase: str = "", seed: int = 0, definition: str = "vllm",
+               log_dir: Path, phase: str = "", seed: int = 0, definition: str = mx.VLLM_BENCH,
                parent_manifest: dict[str, Any] | None = None) -> list[SweepPoint]:
     """The same case for each value of ONE launch setting, the engine restarted per value (first = baseline)."""
-    from servelab.measure.launch_variants import check_knob_changes_command
     check_knob_changes_command(target, knob, values)
     out = []
     for v in values:
@@ -420,13 +401,10 @@ def default_confound_setting(target: Any) -> dict[str, Any]:
 
 def run_phase7(ctx: Any, knob: str = "", values: list[Any] | None = None, spec_over: dict[str, Any] | None = None,
                confound_setting: dict[str, Any] | None = None, slo_tpot_ms: float = 0.0, seed: int = 0,
-               definition: str = "vllm", answers: dict[str, str] | None = None) -> Phase7Result:
+               definition: str = mx.VLLM_BENCH, answers: dict[str, str] | None = None) -> Phase7Result:
     """The interference case under each value of one knob (first value = baseline), the A/B over the values,
     and — with ``confound_setting`` — one deliberately confounded variant (the knob's second value plus that
     setting) compared with the baseline so the page shows how a two-variable A/B is flagged."""
-    from servelab.measure.abtest import ab_compare
-    from servelab.core.params import ParamError
-    from servelab.core.run import read_manifest
     target = ctx.target
     d_knob, d_values = engine_for(target.engine).interference_sweep
     knob = knob or d_knob
@@ -434,7 +412,6 @@ def run_phase7(ctx: Any, knob: str = "", values: list[Any] | None = None, spec_o
     if not knob or len(values) < 2:
         raise ParamError(f"phase 7 needs a knob and at least two values (got knob={knob!r}, values={values!r})")
     spec = default_spec(target, "I7", **(spec_over or {}))
-    from servelab.measure.launch_variants import log_reproduce
     log_reproduce(ctx, "phase7")
     record_root = ctx.phase_dir / "ab"
     log_dir = ctx.phase_dir / "server"
@@ -464,8 +441,8 @@ def run_phase7(ctx: Any, knob: str = "", values: list[Any] | None = None, spec_o
 
 
 def write_phase7_tables(phase_dir: Path, res: Phase7Result) -> None:
-    """``sweep.csv``, ``injections.csv`` / ``windows.csv`` (all values), ``ab_*.csv``, ``phase7.json``."""
-    from servelab.core.run import write_json_atomic as wj
+    """``sweep.csv``, ``injections.csv`` / ``windows.csv`` (all values), ``ab_*.csv`` (differences, comparison, the
+    greedy outputs compared, the seven questions), ``phase7.json``."""
     phase_dir.mkdir(parents=True, exist_ok=True)
     res.table.to_csv(phase_dir / "sweep.csv", index=False)
     pts = res.sweep + ([res.confound] if res.confound else [])
@@ -476,8 +453,7 @@ def write_phase7_tables(phase_dir: Path, res: Phase7Result) -> None:
     if win:
         pd.concat(win, ignore_index=True).to_csv(phase_dir / "windows.csv", index=False)
     if res.ab is not None:
-        res.ab.differences.to_csv(phase_dir / "ab_differences.csv", index=False)
-        res.ab.comparison.to_csv(phase_dir / "ab_comparison.csv", index=False)
+        write_ab_tables(res.ab, phase_dir)
     if res.confound_ab is not None:
         res.confound_ab.differences.to_csv(phase_dir / "ab_confounded_differences.csv", index=False)
     wj(phase_dir / "phase7.json", {"headline": res.headline(), "notes": res.notes})
@@ -555,9 +531,6 @@ def baseline_serverside(res: Phase7Result):
     lines from its log) and its scheduler lines, each injection shaded (docs/metrics.md#server-side)."""
     import plotly.graph_objects as go
 
-    from servelab.analyse.serverside import case_serverside
-    from servelab.measure.client import read_records
-    from servelab.report.perf_figures import client_over_server
     b = res.baseline
     if b is None:
         return go.Figure().update_layout(title="no baseline result: no server-side timeline")
@@ -578,7 +551,6 @@ def baseline_serverside(res: Phase7Result):
 
 def verdict_banner(res: Phase7Result):
     """The sweep's verdict as a banner (least damage to the decode SLO, not max prefill speed)."""
-    from servelab.report.banner import banner
     ranked = res.table[res.table["rank"].notna()] if "rank" in res.table.columns else res.table.iloc[0:0]
     kind = "info" if not ranked.empty else "warning"
     return banner(res.verdict, kind, f"Verdict for {res.knob} (ranked by least damage to the decode SLO)")
@@ -586,13 +558,11 @@ def verdict_banner(res: Phase7Result):
 
 def ab_banner(res: Phase7Result, confounded: bool = False):
     """The A/B banner of the sweep (or of the deliberately confounded pair)."""
-    from servelab.report.banner import banner
     ab = res.confound_ab if confounded else res.ab
     if ab is None:
         return banner("not run" + ("" if not confounded else ": confound_setting is empty"), "info",
                       "Confounded A/B demonstration" if confounded else "A/B")
-    from servelab.report.ab_figures import ab_banner
-    return ab_banner(ab)
+    return ab_figures.ab_banner(ab)
 
 
 def ab_differences(res: Phase7Result, confounded: bool = False) -> pd.DataFrame:
@@ -604,8 +574,20 @@ def ab_questions(res: Phase7Result) -> pd.DataFrame:
     return res.ab.questions if res.ab is not None else pd.DataFrame({"note": ["no A/B"]})
 
 
+def ab_correctness(res: Phase7Result) -> pd.DataFrame:
+    """Per value against the baseline: the greedy outputs of the same fixed prompts compared token for token — the
+    verdict (``no regression`` / ``regression`` / ``not decidable`` / ``not measured``) with its counts."""
+    if res.ab is None:
+        return pd.DataFrame({"note": ["no A/B"]})
+    return greedy_summary(res.ab.correctness)
+
+
+def ab_correctness_prompts(res: Phase7Result) -> pd.DataFrame:
+    """The same comparison prompt by prompt (every row in ``phase7/ab_correctness.csv``)."""
+    return prompts_view(res.ab.correctness if res.ab is not None else None)
+
+
 def ab_delta_figure(res: Phase7Result):
-    from servelab.report import ab_figures
     import plotly.graph_objects as go
     if res.ab is None or res.ab.comparison.empty:
         return go.Figure().update_layout(title="no A/B comparison")
@@ -614,7 +596,6 @@ def ab_delta_figure(res: Phase7Result):
 
 def record_h4(ctx: Any, res: Phase7Result) -> pd.DataFrame:
     """Record this phase's evidence about H4 (long prefill interferes with decode) from the baseline value."""
-    from servelab.report.ledger import record_evidence
     inj = res.baseline.injections if res.baseline is not None else pd.DataFrame()
     verdict, summary, nums = h4_evidence(inj)
     summary = f"{res.sweep[0].label}: {summary}"
@@ -627,7 +608,6 @@ def record_h4(ctx: Any, res: Phase7Result) -> pd.DataFrame:
 def findings(res: Phase7Result) -> list[str]:
     """What Phase 7 found, in sentences for the page's findings box: the baseline's damage, the sweep's verdict and
     winning value, the A/B's verdict and whether it is valid, and the confound demonstration."""
-    from servelab.report.findings import ab_findings
     out = []
     b = res.baseline
     if b is not None and b.verdict.verdict != "VALID":
@@ -653,6 +633,7 @@ def findings(res: Phase7Result) -> list[str]:
     if res.ab is not None:
         out += ab_findings(res.ab, {"p95_tpot_ms": "P95 TPOT during injection",
                                     "output_tps": "output TPS during injection", "p95_ttft_ms": "long-request TTFT"})
+        out += verdict_sentences(res.ab.correctness, res.ab.runs[0].label)
     else:
         out.append("The A/B over the sweep did not run: " + ("; ".join(res.notes) or "fewer than two records") + ".")
     if res.confound_ab is not None:

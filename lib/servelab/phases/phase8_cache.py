@@ -26,17 +26,21 @@ from typing import Any
 import pandas as pd
 
 from servelab.analyse.prefix_cache import (TARGET_RATES, HitPoint, PointResult, h6_evidence, kv_usage_series,
-                                           matrix_frame, memory_breakdown, point_row)
+                                           matrix_frame, memory_breakdown, point_row, accepted_results)
 from servelab.measure import request_metrics as mx
-from servelab.measure.case_record import client_integrity
-from servelab.measure.client import ClientConfig, ClientRun, RequestRecord, run_async, run_sync
+from servelab.measure.case import case_seed, max_request_tokens
+from servelab.measure.case_record import client_integrity, CaseSummary, judged_row, request_counts
+from servelab.measure.case_runner import CaseRun, flush_cache
+from servelab.measure.client import ClientConfig, run_async, run_sync
+from servelab.measure.records import ClientRun, RequestRecord
 from servelab.measure.loop_monitor import LoopMonitor
-from servelab.measure.launch_variants import metrics_snapshot
-from servelab.measure.slots import SlotsPoller, has_slots_endpoint
 from servelab.core.run import write_json_atomic
 from servelab.deploy.engines import engine_for
 from servelab.deploy.server import RunningServer
-from servelab.measure.workload import RequestSpec, build_workload
+from servelab.measure.workload import RequestSpec, build_workload, engine_tokenizer, token_pool
+from servelab.core.params import ParamError
+from servelab.measure.launch_variants import serving, with_launch, log_reproduce
+from servelab.report.ledger import record_evidence
 
 SCALES: dict[str, dict[str, Any]] = {
     "cluster": {"input_tokens": 8192, "output_tokens": 64, "groups": 16, "requests_per_group": 4},
@@ -65,78 +69,48 @@ def run_streams(streams: list[list[RequestSpec]], cfg: ClientConfig) -> ClientRu
 
 
 def run_hit_point(srv: RunningServer, run_dir: Path, point: HitPoint, pool: list[int], seed: int = 0,
-                  definition: str = "vllm", flush: dict[str, Any] | None = None,
+                  definition: str = mx.VLLM_BENCH, flush: dict[str, Any] | None = None,
                   poll_interval_s: float = 0.1, phase: str = "phase8") -> PointResult:
     """Run one hit-rate point on a freshly flushed engine: pre-warm, measure, judge; raw data written first.
 
     Files: ``cases/<case_id>/{meta.json, requests.jsonl, server/metrics_{before,after}.prom, server/slots.parquet,
     server/metrics.parquet, summary.json}``, written through the case contract
-    (:class:`servelab.measure.case_record.CaseFolder`); ACCEPTED is the summary's VALID, REJECTED its INVALID.
+    (:class:`servelab.measure.case_runner.CaseRun`); ACCEPTED is the summary's VALID, REJECTED its INVALID.
     """
-    from servelab.measure.case import case_seed
-    from servelab.measure.case_record import CaseFolder
-    from servelab.measure.engine_metrics import Scraper
     engine = srv.target.engine
     n = point.groups * point.requests_per_group
     groups = point.groups if point.prefix_tokens else 0
     wl = build_workload(point.case_id, n, point.input_tokens, point.output_tokens, pool,
                         seed=case_seed(seed, point.case_id, 0), prefix_groups=groups,
                         target_prefix_hit_rate=point.target_rate if groups else 0.0)
-    folder = CaseFolder(run_dir, point.case_id, phase, "prefix_cache", {
+    case = CaseRun(srv, run_dir, point.case_id, phase, "prefix_cache", {
         "point": asdict(point), "engine": engine, "base_url": srv.base_url, "prefix_tokens": point.prefix_tokens,
-        "workload_notes": wl.notes, "flush": flush or {}, "definition": definition})
-    cdir = folder.dir
+        "workload_notes": wl.notes, "flush": flush or {}, "definition": definition}, definition=definition)
     # group g's requests in order (request i belongs to group i % G)
     streams = [[r for r in wl.requests if (r.index % point.groups) == g] for g in range(point.groups)]
     extra: dict[str, Any] = {}
     if srv.engine.request_cache_switch:        # the per-request prefix-reuse flag, where the engine has one
         extra[srv.engine.request_cache_switch] = bool(point.cache_prompt)
-    cfg = ClientConfig(srv.base_url, srv.target.served_model_name or "default", engine=engine, extra_body=extra,
-                       request_id_prefix=f"{Path(run_dir).name}-{point.case_id}", headers=srv.auth_headers,
-                       on_record=folder.stream_record)     # each record on disk as its request completes
-    poller = (SlotsPoller(srv.base_url, interval_s=poll_interval_s, headers=srv.auth_headers)
-              if has_slots_endpoint(srv) else None)
-    scraper = Scraper(srv.base_url + srv.engine.metrics_path, interval_s=max(poll_interval_s, 0.25),
-                      headers=srv.auth_headers)
-    t0 = time.perf_counter_ns()
-    if poller is not None:
-        poller.start()
-    scraper.start()
-    records: list[RequestRecord] = []
-    error = ""
-    before = after = None
     run: ClientRun | None = None
-    try:
-        if point.prewarm and groups:
+    t0 = time.perf_counter_ns()
+    with case:
+        cfg = case.client_config(extra_body=extra)
+        case.watch(scrape_interval_s=max(poll_interval_s, 0.25), poll_interval_s=poll_interval_s)
+        if point.prewarm and groups:       # each group's prefix once: the cache holds it before the window
             warm = [RequestSpec(index=10**6 + g, input_tokens=point.prefix_tokens, output_tokens=1,
                                 prompt_ids=list(streams[g][0].prompt_ids[:point.prefix_tokens]), group=g,
                                 shared_prefix_tokens=point.prefix_tokens, role="prewarm")
                     for g in range(point.groups)]
-            wrun = run_streams([[w] for w in warm], cfg)
-            records += wrun.records
-        before = metrics_snapshot(srv)
+            case.add(run_streams([[w] for w in warm], cfg).records)
+        case.open_window()
         run = run_streams(streams, cfg)
-        records += run.records
-        after = metrics_snapshot(srv)
-    except KeyboardInterrupt:      # the user stopped it: the records received stay, the case says INTERRUPTED
-        folder.interrupt(definition=definition)
-        raise
-    except Exception as exc:  # recorded; the point is rejected below
-        error = f"{type(exc).__name__}: {exc}"
-    finally:
-        slots = poller.stop() if poller is not None else pd.DataFrame()
-        scrape = scraper.stop()
-    # raw data first
-    folder.write_requests(records)
-    folder.write_metrics(scrape, before, after)
-    if not slots.empty:
-        slots.to_parquet(cdir / "server" / "slots.parquet")
-    row = point_row(point, srv, records, run, before, after, definition, error)
+        case.add(run.records)
+    records, error = case.records, case.error
+    row = point_row(point, srv, records, run, case.before, case.after, definition, error)
     row.update(integrity_row(client_integrity(run) if run is not None else {}, row))
     status = "success" if not error else "failed"
-    folder.write_summary(hit_point_summary(point, row, records, run, status, definition))
-    folder.finish(status, error)
-    return PointResult(point, cdir, row, records, slots, scrape, t0, flush or {})
+    case.close(hit_point_summary(point, row, records, run, status, definition), status)
+    return PointResult(point, case.dir, row, records, case.slots, case.scrape, t0, flush or {})
 
 
 def integrity_row(rec: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
@@ -156,7 +130,6 @@ def hit_point_summary(point: HitPoint, row: dict[str, Any], records: list[Reques
                       status: str, definition: str) -> Any:
     """The case summary of a hit-rate point: the verdict (ACCEPTED → VALID, REJECTED → INVALID, with the
     row's reasons), the measured requests' metrics as the one repeat, the matrix row in ``details``."""
-    from servelab.measure.case_record import CaseSummary, judged_row, request_counts
     pooled, judged = judged_row(records, run, definition, row.get("verdict") == "ACCEPTED", row.get("reasons"), status)
     return CaseSummary(
         case_id=point.case_id, phase="", kind="prefix_cache", status=status,
@@ -199,15 +172,10 @@ class Phase8Result:
 
 def run_phase8(ctx: Any, rates: list[float] | None = None, input_tokens: int = 0, output_tokens: int = 0,
                groups: int = 0, requests_per_group: int = 0, bad_point: bool = True, seed: int = 0,
-               definition: str = "vllm", swa_full: bool = True, health_timeout_s: float = 300.0) -> Phase8Result:
+               definition: str = mx.VLLM_BENCH, swa_full: bool = True, health_timeout_s: float = 300.0) -> Phase8Result:
     """The hit-rate matrix on ``ctx.target``: a fresh engine (or a flush) per point, plus an optional
     deliberately bad point (the 50 % workload sent with ``cache_prompt: false`` on llama.cpp — the engine
     reuses nothing, so the achieved rate misses and the point must be REJECTED)."""
-    from servelab.measure.case import CaseEnv, flush_cache
-    from servelab.measure.launch_variants import serving, with_launch
-    from servelab.core.params import ParamError
-    from servelab.measure.workload import engine_tokenizer, token_pool
-    from servelab.measure.launch_variants import log_reproduce
     target = ctx.target
     scale = SCALES[getattr(target, "scale", "local")]
     rates = list(rates) if rates else list(TARGET_RATES)
@@ -218,7 +186,6 @@ def run_phase8(ctx: Any, rates: list[float] | None = None, input_tokens: int = 0
     osl = int(output_tokens or scale["output_tokens"])
     g = int(groups or scale["groups"])
     rpg = int(requests_per_group or scale["requests_per_group"])
-    from servelab.measure.case import max_request_tokens
     limit = max_request_tokens(target)
     notes: list[str] = []
     if limit is not None and isl + osl > limit:
@@ -262,9 +229,8 @@ def run_phase8(ctx: Any, rates: list[float] | None = None, input_tokens: int = 0
     else:
         with serving(served, log_dir, ctx.run_dir, ctx.phase, health_timeout_s) as srv:
             memory = memory_breakdown(_read_log(srv), srv.target.engine, srv.engine.log_markers)
-            env = CaseEnv(srv=srv, run_dir=ctx.run_dir, pool=[])
             for pt in points:
-                one(srv, pt, flush_cache(env))
+                one(srv, pt, flush_cache(srv))
     # one timeline: each point's samples from its own start, laid end to end
     offset = 0.0
     timeline = []
@@ -327,7 +293,6 @@ def accepted_view(res: "Phase8Result") -> pd.DataFrame:
     """The ACCEPTED points relative to the 0 % baseline (``analyse.prefix_cache.accepted_results``), each TTFT
     percentile with the requests it rests on, or ``max of N`` where too few (``hit_rate_matrix.csv`` keeps the
     numbers)."""
-    from servelab.analyse.prefix_cache import accepted_results
     acc = accepted_results(res.matrix)
     if acc.empty:
         return acc
@@ -356,7 +321,6 @@ def memory_points(res: "Phase8Result", phase_dir: Path) -> tuple[pd.DataFrame, p
 
 def record_h6(ctx: Any, res: "Phase8Result") -> pd.DataFrame:
     """Record this phase's evidence about H6 in the run's ledger; returns it as a one-row table."""
-    from servelab.report.ledger import record_evidence
     verdict, summary, nums = h6_evidence(res)
     ev = record_evidence(ctx, "H6", verdict, summary, anchor="KV-usage-over-time", numbers=nums,
                          table=["kv_usage.csv", "hit_rate_matrix.csv"])
@@ -370,7 +334,7 @@ def point_requests(res: Phase8Result, case_id: str) -> pd.DataFrame:
         return pd.DataFrame({"note": [f"no point {case_id}"]})
     rows = [{"request_id": r.request_id, "role": r.role, "group": r.group, "prompt_tokens": r.prompt_tokens,
              "cached_tokens": r.cached_tokens,
-             "ttft_ms": mx.request_metrics(r, "vllm").ttft_ms} for r in p.records]
+             "ttft_ms": mx.request_metrics(r, mx.VLLM_BENCH).ttft_ms} for r in p.records]
     return pd.DataFrame(rows)
 
 
@@ -378,7 +342,6 @@ def findings(res: Phase8Result) -> list[str]:
     """What Phase 8 found, in sentences for the page's findings box: which hit-rate points are valid (ACCEPTED) and
     which were rejected and why, what the cache buys against the 0 % baseline and at which rate most, and the
     KV usage peak."""
-    from servelab.analyse.prefix_cache import accepted_results
     m = res.matrix
     out = []
     if m.empty:

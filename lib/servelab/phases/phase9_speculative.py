@@ -29,13 +29,24 @@ import pandas as pd
 
 from servelab.analyse.speculative import SpecConfig, net_gain, per_position_frame, spec_row
 from servelab.measure import request_metrics as mx
-from servelab.measure.case import CaseEnv, case_seed, flush_cache, max_request_tokens, read_log_since
-from servelab.measure.client import RequestRecord, run_requests
-from servelab.measure.launch_variants import Snapshot, metrics_snapshot, server_cpu_s, write_run_record
-from servelab.core.run import write_json_atomic
+from servelab.measure.case import case_seed, max_request_tokens
+from servelab.measure.case_record import CaseSummary, client_integrity, judged_row, request_counts
+from servelab.measure.case_runner import CaseRun, Warmup
+from servelab.measure.client import run_requests
+from servelab.measure.records import RequestRecord
+from servelab.measure.launch_variants import Snapshot, write_run_record, serving, with_launch, log_reproduce
+from servelab.core.run import write_json_atomic, PhaseUnsupported, read_manifest
 from servelab.deploy.engines import engine_for
-from servelab.deploy.server import RunningServer, is_healthy
-from servelab.measure.workload import build_workload
+from servelab.deploy.server import RunningServer
+from servelab.measure.workload import build_workload, engine_tokenizer, token_pool
+from servelab.core.params import ParamError
+from servelab.measure.abtest import ab_compare
+from servelab.report.findings import ab_findings
+from servelab.measure.abtest import write_ab_tables
+from servelab.measure.correctness import greedy_summary
+from servelab.measure.correctness import prompts_view
+from servelab.measure.correctness import verdict_sentences
+from servelab.report import crosscheck
 
 SCALES: dict[str, dict[str, Any]] = {
     "cluster": {"input_tokens": 1024, "output_tokens": 1024, "concurrencies": [1, 16, 32]},
@@ -83,73 +94,50 @@ class SpecPoint:
 
 
 def run_spec_point(srv: RunningServer, run_dir: Path, cfg: SpecConfig, concurrency: int, input_tokens: int,
-                   output_tokens: int, pool: list[int], seed: int = 0, repeat: int = 0, definition: str = "vllm",
+                   output_tokens: int, pool: list[int], seed: int = 0, repeat: int = 0, definition: str = mx.VLLM_BENCH,
                    case_id: str = "", phase: str = "phase9") -> SpecPoint:
     """Warm-up, flush, snapshot, ``concurrency`` decode requests, snapshot; raw data first, then the row.
 
     The measured requests use the same seed in every config, so speculation on and off decode the same prompts.
-    Written through the case contract (:class:`servelab.measure.case_record.CaseFolder`): one folder per
+    Written through the case runner (:class:`servelab.measure.case_runner.CaseRun`): one folder per
     repeat, ``repeat_of`` = the config at this concurrency (``S9_<config>_c<C>``).
     """
-    from servelab.measure.case_record import CaseFolder
     cid = case_id or f"S9_{_slug(cfg.label)}_c{concurrency}_r{repeat}"
-    folder = CaseFolder(run_dir, cid, phase, "speculative", {
+    case = CaseRun(srv, run_dir, cid, phase, "speculative", {
         "config": asdict(cfg), "concurrency": concurrency, "repeat": repeat, "engine": srv.target.engine,
-        "launch": srv.target.launch, "definition": definition})
-    cdir = folder.dir
-    if not is_healthy(srv):
-        folder.finish("ENGINE_CRASH", "engine unhealthy before the case")
-        raise RuntimeError(f"{cid}: engine unhealthy before the case")
-    env = CaseEnv(srv=srv, run_dir=Path(run_dir), pool=pool, seed=seed)
-    ccfg = env.client_config(cid)
-    ccfg.on_record = folder.stream_record         # each record on disk as its request completes (Ctrl-C keeps it)
-    wl_w = build_workload(cid + "-warmup", 1, input_tokens, min(output_tokens, 8), pool,
-                          seed=case_seed(seed, f"S9-warmup-c{concurrency}", repeat), role="warmup", start_index=10**6)
-    records = list(run_requests(wl_w.requests, ccfg, concurrency=1).records)
-    folder.meta["cache_flush"] = flush_cache(env)
-    # the same prompts for every config (seed independent of the config)
-    wl = build_workload(cid, concurrency, input_tokens, output_tokens, pool,
-                        seed=case_seed(seed, f"S9-c{concurrency}", repeat))
-    log_off = settled_log_offset(env)
-    before = metrics_snapshot(srv)
-    cpu0 = server_cpu_s(srv)
-    error = ""
+        "launch": srv.target.launch, "definition": definition}, definition=definition, settle_log=True)
     run = None
-    try:
+    with case:
+        ccfg = case.client_config()
+        case.warm_up(case.client_warmup(ccfg, pool, Warmup(1, input_tokens, min(output_tokens, 8),
+                                                           case_seed(seed, f"S9-warmup-c{concurrency}", repeat))))
+        case.flush()
+        # the same prompts for every config (seed independent of the config)
+        wl = build_workload(cid, concurrency, input_tokens, output_tokens, pool,
+                            seed=case_seed(seed, f"S9-c{concurrency}", repeat))
+        case.mark_log()                   # the excerpt holds the measured requests' lines only (spec_row reads them)
+        case.open_window(server_cpu=True)
         run = run_requests(wl.requests, ccfg, concurrency=concurrency, repeat=repeat)
-        records += run.records
-    except KeyboardInterrupt:      # the user stopped it: the records received stay, the case says INTERRUPTED
-        folder.interrupt(definition=definition)
-        raise
-    except Exception as exc:
-        error = f"{type(exc).__name__}: {exc}"
-    after = metrics_snapshot(srv)
-    cpu1 = server_cpu_s(srv)
-    settled_log_offset(env)                      # the last requests' lines are written
-    log_text, _ = read_log_since(env, log_off)
-    folder.write_requests(records)
-    folder.write_metrics(before=before, after=after)
-    folder.write_log_excerpt(log_text)
-    row = spec_row(srv, cfg, concurrency, repeat, records, run, before, after, cpu0, cpu1, log_text, definition, error)
+        case.add(run.records)
+    records, error, (cpu0, cpu1) = case.records, case.error, case.cpu
+    row = spec_row(srv, cfg, concurrency, repeat, records, run, case.before, case.after, cpu0, cpu1, case.log_text,
+                   definition, error)
     row["case_id"] = cid
     # a client that fell behind makes the point INVALID in its row too, so the table and summary.json agree
-    from servelab.measure.case_record import client_integrity
     behind = client_integrity(run).get("reasons") or []
     if behind:
         row["validity"] = "INVALID"
         row["reasons"] = "; ".join([x for x in [row.get("reasons") or ""] if x] + list(behind))
     status = "success" if not error else "failed"
     repeat_of = case_id or f"S9_{_slug(cfg.label)}_c{concurrency}"
-    folder.write_summary(spec_point_summary(cfg, row, records, run, status, definition, repeat, repeat_of))
-    folder.finish(status, error)
-    return SpecPoint(cfg, concurrency, repeat, cdir, row, records, before, after)
+    case.close(spec_point_summary(cfg, row, records, run, status, definition, repeat, repeat_of), status)
+    return SpecPoint(cfg, concurrency, repeat, case.dir, row, records, case.before, case.after)
 
 
 def spec_point_summary(cfg: SpecConfig, row: dict[str, Any], records: list[RequestRecord], run: Any, status: str,
                        definition: str, repeat: int, repeat_of: str) -> Any:
     """The case summary of a speculative point: the row's verdict, the measured requests' metrics (with the
     acceptance numbers beside them) as repeat ``repeat`` of ``repeat_of``, the row in ``details``."""
-    from servelab.measure.case_record import CaseSummary, client_integrity, judged_row, request_counts
     pooled, judged = judged_row(records, run, definition, row.get("validity") == "VALID", row.get("reasons"), status)
     rep = {definition: {**pooled[definition], **{k: row.get(k) for k in ACCEPTANCE_KEYS}}} if pooled else {}
     return CaseSummary(
@@ -162,21 +150,6 @@ def spec_point_summary(cfg: SpecConfig, row: dict[str, Any], records: list[Reque
 
 ACCEPTANCE_KEYS = ("acceptance_rate", "mean_accept_length", "tokens_per_target_forward", "step_ms",
                    "server_cpu_idle_pct")
-
-
-def settled_log_offset(env: CaseEnv, quiet_s: float = 0.1, timeout_s: float = 2.0) -> int:
-    """The engine log's length once it stopped growing for ``quiet_s`` (llama.cpp logs from a background
-    thread: a request's last line can land a few ms after its response)."""
-    import time
-    _, off = read_log_since(env, 0)
-    t_end = time.monotonic() + timeout_s
-    while time.monotonic() < t_end:
-        time.sleep(quiet_s)
-        _, new = read_log_since(env, 0)
-        if new == off:
-            break
-        off = new
-    return off
 
 
 def _slug(text: str) -> str:
@@ -211,19 +184,13 @@ def _rounded(v: Any, digits: int) -> float | None:
 
 def run_phase9(ctx: Any, drafts: list[str] | None = None, num_draft_tokens: int = 3,
                concurrencies: list[int] | None = None, input_tokens: int = 0, output_tokens: int = 0,
-               repeats: int = 1, synth_rates: list[float] | None = None, seed: int = 0, definition: str = "vllm",
+               repeats: int = 1, synth_rates: list[float] | None = None, seed: int = 0, definition: str = mx.VLLM_BENCH,
                health_timeout_s: float = 300.0, answers: dict[str, str] | None = None) -> Phase9Result:
     """Speculation off, then each draft config, each served once; every concurrency measured on each. A target
     whose engine cannot speculate raises :class:`PhaseUnsupported` with the reason, before anything starts."""
-    from servelab.core.run import PhaseUnsupported
     why = engine_for(ctx.target.engine).speculation_unsupported(ctx.target)
     if why:
         raise PhaseUnsupported(why)
-    from servelab.measure.abtest import ab_compare
-    from servelab.measure.launch_variants import serving, with_launch
-    from servelab.core.params import ParamError
-    from servelab.core.run import read_manifest
-    from servelab.measure.workload import engine_tokenizer, token_pool
     target = ctx.target
     scale = dict(SCALES[getattr(target, "scale", "local")])
     if getattr(target, "scale", "local") == "local":
@@ -237,7 +204,6 @@ def run_phase9(ctx: Any, drafts: list[str] | None = None, num_draft_tokens: int 
     if limit is not None and isl + osl > limit:
         raise ParamError(f"input {isl} + output {osl} tokens exceed the {limit} a request may hold on this target")
     configs = parse_configs(list(drafts or []), num_draft_tokens, synth_rates, str(target.model))
-    from servelab.measure.launch_variants import log_reproduce
     log_reproduce(ctx, "phase9")
     log_dir = ctx.phase_dir / "server"
     parent = read_manifest(ctx.run_dir)
@@ -289,12 +255,14 @@ def run_phase9(ctx: Any, drafts: list[str] | None = None, num_draft_tokens: int 
 
 
 def write_phase9_tables(phase_dir: Path, res: Phase9Result) -> None:
-    """``points.csv`` (every config × concurrency × repeat), ``net_gain.csv``, ``per_position.csv``,
-    ``phase9.json``."""
+    """``points.csv`` (every config × concurrency × repeat), ``net_gain.csv``, ``per_position.csv``, the A/B's
+    ``ab_*.csv`` (differences, comparison, the greedy outputs compared, the seven questions), ``phase9.json``."""
     phase_dir.mkdir(parents=True, exist_ok=True)
     res.points.to_csv(phase_dir / "points.csv", index=False)
     res.gain.to_csv(phase_dir / "net_gain.csv", index=False)
     res.per_position.to_csv(phase_dir / "per_position.csv", index=False)
+    if res.ab is not None:
+        write_ab_tables(res.ab, phase_dir)
     write_json_atomic(phase_dir / "phase9.json", {"headline": res.headline(), "errors": res.errors,
                                                   "configs": [asdict(c) for c in res.configs]})
 
@@ -306,6 +274,19 @@ def acceptance_view(res: Phase9Result) -> pd.DataFrame:
             "log_generated", "log_matches_counters", "validity", "reasons"]
     p = res.points[res.points["speculative"].astype(bool)] if not res.points.empty else res.points
     return p[[c for c in cols if c in p.columns]].reset_index(drop=True)
+
+
+def ab_correctness(res: Phase9Result) -> pd.DataFrame:
+    """Per config against speculation off: the greedy outputs of the same fixed prompts compared token for token
+    (speculative decoding that verifies greedily should leave them identical), the verdict with its counts."""
+    if res.ab is None:
+        return pd.DataFrame({"note": ["no A/B: fewer than two configs ran"]})
+    return greedy_summary(res.ab.correctness)
+
+
+def ab_correctness_prompts(res: Phase9Result) -> pd.DataFrame:
+    """The same comparison prompt by prompt (every row in ``phase9/ab_correctness.csv``)."""
+    return prompts_view(res.ab.correctness if res.ab is not None else None)
 
 
 def performance_view(res: Phase9Result) -> pd.DataFrame:
@@ -324,7 +305,6 @@ def findings(res: Phase9Result, run_dir: Path | None = None) -> list[str]:
     speculation off per concurrency and the best config — a verdict (pays / does not pay) only where the A/B has a
     noise band, else said as a measurement —, the A/B's verdict and whether it is valid, what did not run, and the
     cross-check of the baseline against Phase 1 (``report.crosscheck``)."""
-    from servelab.report.findings import ab_findings
     out = []
     g = res.gain
     if g.empty or (g["verdict"] == "invalid").all():
@@ -364,11 +344,11 @@ def findings(res: Phase9Result, run_dir: Path | None = None) -> list[str]:
                            "are outside the noise.")
     if res.ab is not None:
         out += ab_findings(res.ab, {"output_tps": "output TPS", "p95_tpot_ms": "P95 TPOT"})
+        out += verdict_sentences(res.ab.correctness, res.ab.runs[0].label)
     else:
         out.append("No A/B: fewer than two configs ran.")
     if res.errors:
         out.append("Not executed: " + "; ".join(f"{k} ({v})" for k, v in res.errors.items()) + ".")
     if run_dir is not None and Path(run_dir, "cases").is_dir():
-        from servelab.report import crosscheck
         out += crosscheck.findings(run_dir, phases=("phase9",))
     return out

@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
+from servelab.report.banner import banner
 
 VERDICT_COLORS = {"better": "#2e8b57", "worse": "#c0392b", "within noise": "#7f8c8d", "no repeats": "#b58900",
                   "invalid": "#000000", "no data": "#bdc3c7"}
@@ -61,6 +62,5 @@ def repeats_figure(repeats: pd.DataFrame, metric: str = "output_tps") -> go.Figu
 def ab_banner(ab: Any) -> Any:
     """The notice an A/B page opens with (red when confounded, green when only the variable changed), from
     :meth:`servelab.measure.abtest.ABResult.verdict_notice`."""
-    from servelab.report.banner import banner
     kind, title, text = ab.verdict_notice()
     return banner(text, kind, title)

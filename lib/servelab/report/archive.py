@@ -13,7 +13,12 @@ from servelab.core.paths import outputs_root
 from servelab.core.notebooks import NOTEBOOKS
 from servelab.core.run import now_iso, read_manifest
 from servelab.report.findings import headline_rows
+from servelab.core.redact import MAX_SCRUB_BYTES, is_text_file, known_secrets, redact_file_bytes
+from servelab.measure.case_record import read_summaries
+from servelab.report.ledger import ledger
+from servelab.report.milestones import milestones
 from servelab.report.run_summary import BADGE_CLASS, SOURCE_KINDS, phase_sources
+from servelab.report import run_summary as rs
 
 CSS = """body{font-family:sans-serif;max-width:1100px;margin:20px auto;color:#222}
 table{border-collapse:collapse;width:100%;margin:8px 0}th,td{border:1px solid #ddd;padding:6px 8px;text-align:left;
@@ -48,7 +53,6 @@ def source_badges(entry: dict[str, Any]) -> str:
 def _summary_html(run_dir: Path) -> str:
     """The run summary that opens the index (``report.run_summary``): what ran where, where each phase's numbers
     come from, and the run-level verdicts with their evidence."""
-    from servelab.report import run_summary as rs
     try:
         facts, sources, verdicts = rs.facts(run_dir), rs.sources_rows(run_dir), rs.verdicts(run_dir)
     except (OSError, ValueError, KeyError, TypeError) as exc:   # the index is still written; it says why
@@ -171,7 +175,6 @@ def _evidence_html(run_dir: Path, e: dict[str, Any]) -> str:
 
 
 def _ledger_html(run_dir: Path) -> str:
-    from servelab.report.ledger import ledger
     df = ledger(run_dir)
     rows = []
     for _, r in df.iterrows():
@@ -190,7 +193,6 @@ def _ledger_html(run_dir: Path) -> str:
 def _cases_html(run_dir: Path) -> str:
     """Measured cases per phase from their summaries: how many, how many VALID, the INVALID ones with their first
     reason, the schema version; summaries that do not follow the case schema are listed as such."""
-    from servelab.measure.case_record import read_summaries
     errors: list[str] = []
     sums = read_summaries(run_dir, errors=errors)
     if not sums and not errors:
@@ -218,7 +220,6 @@ def _cases_html(run_dir: Path) -> str:
 
 
 def _milestones_html(run_dir: Path) -> str:
-    from servelab.report.milestones import milestones
     rows = []
     for m in milestones(run_dir):
         checks = "<br>".join(f'<span class="{STATUS_CLASS.get(c.status, "")}">{html.escape(c.status)}</span> '
@@ -264,7 +265,6 @@ def zip_run(run_dir: Path, out: Path | None = None, known: Iterable[str] | None 
     defence: ``known`` secret values (default: the process environment's) and anything that looks like a secret
     are replaced, whatever wrote the file."""
     import zipfile
-    from servelab.core.redact import MAX_SCRUB_BYTES, is_text_file, known_secrets, redact_file_bytes
     known = tuple(known_secrets() if known is None else known)
     write_run_index(run_dir)
     out = out or run_dir.parent / f"{run_dir.name}.zip"

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+from servelab.measure.case_record import read_summaries
 
 Z = 2.0                      # combined standard errors within which two values agree (about 95 %)
 SOURCE = {"phase1": "Phase 1 matrix", "phase2": "Phase 2 (collectors on)", "phase9": "Phase 9 baseline (speculation off)"}
@@ -124,7 +125,6 @@ def _records_shape(case_dir: Path) -> tuple[int, int] | None:
 def measurements(run_dir: str | Path) -> list[Measurement]:
     """Every case of the run that is a plain closed-loop measurement at one shape and concurrency: Phase 1's
     matrix and search points (not M1), Phase 2's replays, Phase 9's baseline with speculation off."""
-    from servelab.measure.case_record import read_summaries
     run_dir = Path(run_dir)
     target_launch = _launch(run_dir)
     out = []

@@ -10,6 +10,7 @@ from __future__ import annotations
 import html
 import math
 from typing import Any
+from servelab.report.run_summary import phase_sources
 
 # key suffix → unit shown (longest suffixes first)
 UNITS: tuple[tuple[str, str], ...] = (
@@ -97,7 +98,6 @@ SOURCE_STYLE = {"live": ("#e3f3e4", "#1b5e20", "Measured live"),
 def source_badge_html(phase_entry: dict[str, Any]) -> str:
     """Where the page's numbers come from, at its top: one badge per source (measured live on the target,
     recorded sample data, a model), each saying which (``report.run_summary.phase_sources``)."""
-    from servelab.report.run_summary import phase_sources
     rows = []
     for s in phase_sources(phase_entry):
         bg, fg, title = SOURCE_STYLE[s["kind"]]

@@ -29,6 +29,7 @@ import yaml
 
 from servelab.core.paths import project_root
 from servelab.core.run import now_iso
+from servelab.core.params import ParamError, did_you_mean
 
 VERDICTS = ("supported", "refuted", "inconclusive")
 
@@ -70,7 +71,6 @@ def record_evidence(ctx: Any, hypothesis: str, verdict: str, summary: str, ancho
     recorded as ``inconclusive`` with the rule's own verdict in ``numbers["rule_verdict"]``."""
     known = hypotheses()
     if hypothesis not in known:
-        from servelab.core.params import ParamError, did_you_mean
         raise ParamError(f"unknown hypothesis '{hypothesis}'{did_you_mean(hypothesis, set(known))}")
     if verdict not in VERDICTS:
         raise ValueError(f"verdict must be one of {VERDICTS}, not '{verdict}'")

@@ -25,7 +25,7 @@ def _hover(df: pd.DataFrame, cols: list[str]) -> list[str]:
     return out
 
 
-def latency_throughput(frame: pd.DataFrame, latency: str = "p95_tpot_ms", definition: str = "vllm") -> go.Figure:
+def latency_throughput(frame: pd.DataFrame, latency: str = "p95_tpot_ms", definition: str = mx.VLLM_BENCH) -> go.Figure:
     """Output TPS (x) vs a latency percentile (y) per scenario, points labelled by concurrency."""
     df = frame[frame["definition"] == definition] if "definition" in frame else frame
     fig = go.Figure()
@@ -49,7 +49,7 @@ def latency_throughput(frame: pd.DataFrame, latency: str = "p95_tpot_ms", defini
     return fig
 
 
-def slo_frontier(frontier: pd.DataFrame, slo: dict[str, Any] | None = None, definition: str = "vllm") -> go.Figure:
+def slo_frontier(frontier: pd.DataFrame, slo: dict[str, Any] | None = None, definition: str = mx.VLLM_BENCH) -> go.Figure:
     """Throughput vs per-user tok/s (1000/median TPOT) over the search points; SLO-meeting points filled."""
     fig = go.Figure()
     if frontier.empty:
@@ -78,7 +78,7 @@ def slo_frontier(frontier: pd.DataFrame, slo: dict[str, Any] | None = None, defi
     return fig
 
 
-def percentile_bars(frame: pd.DataFrame, metric: str = "ttft", definition: str = "vllm") -> go.Figure:
+def percentile_bars(frame: pd.DataFrame, metric: str = "ttft", definition: str = mx.VLLM_BENCH) -> go.Figure:
     """P50 / P95 / P99 of one metric for every case (grouped bars); INVALID cases hatched and named so."""
     df = frame[frame["definition"] == definition] if "definition" in frame else frame
     fig = go.Figure()
@@ -90,7 +90,7 @@ def percentile_bars(frame: pd.DataFrame, metric: str = "ttft", definition: str =
         shown = [mx.shown_percentile(r, metric, p) for r in rows]
         fig.add_trace(go.Bar(x=labels, y=[v for _, v in shown], name=f"P{p}", marker_pattern_shape=pattern,
                              text=[lab for lab, _ in shown], hovertemplate="%{x}: %{y:.3g} ms (%{text})"))
-    fig.update_layout(barmode="group", title=f"{metric.upper()} percentiles per case ({definition} definition, "
+    fig.update_layout(barmode="group", title=f"{metric.upper()} percentiles per case ({_named(definition)} definition, "
                       "numpy linear interpolation; a bar labelled 'max of N' had too few values for that percentile)",
                       yaxis_title=f"{metric} (ms)", template="plotly_white")
     return fig
@@ -107,10 +107,16 @@ def itl_timeline(m1: dict[str, Any]) -> go.Figure:
     fig.add_vrect(x0=m1["inject_start_s"], x1=max(m1["inject_end_s"], m1["inject_start_s"] + 1e-3),
                   fillcolor="#f1c40f", opacity=0.3, line_width=0, annotation_text="long prefill injected",
                   annotation_position="top left")
-    fig.update_layout(title=f"M1 ITL timeline ({m1.get('definition', 'vllm')} definition: one point per chunk gap)",
+    fig.update_layout(title=f"M1 ITL timeline ({_named(m1.get('definition', mx.VLLM_BENCH))} definition: one point per "
+                            "chunk gap)",
                       xaxis_title="time since the measurement window started (s)", yaxis_title="ITL (ms)",
                       template="plotly_white")
     return fig
+
+
+def _named(definition: str) -> str:
+    """``vllm`` → ``vllm (vllm bench serve)``: a definition is a benchmark's rules, not the engine."""
+    return f"{definition} ({mx.Definition(definition).tool})" if definition in mx.DEFINITIONS else str(definition)
 
 
 def definitions_compared(summaries: dict[str, dict[str, Any]], case_id: str = "") -> go.Figure:
@@ -118,8 +124,8 @@ def definitions_compared(summaries: dict[str, dict[str, Any]], case_id: str = ""
     keys = [f"{st}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for st in ("mean", "p50", "p99")]
     fig = go.Figure()
     for d, s in summaries.items():
-        fig.add_trace(go.Bar(x=keys, y=[s.get(k) for k in keys], name=d))
-    fig.update_layout(barmode="group", title=f"{case_id}: sglang vs vllm metric definitions", yaxis_title="ms",
+        fig.add_trace(go.Bar(x=keys, y=[s.get(k) for k in keys], name=_named(d)))
+    fig.update_layout(barmode="group", title=f"{case_id}: the same requests under both metric definitions", yaxis_title="ms",
                       template="plotly_white")
     return fig
 

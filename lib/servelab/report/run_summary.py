@@ -21,9 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from servelab.core.run import read_manifest
+from servelab.deploy.targets import load_target
+from servelab.measure.case_record import read_summaries
+from servelab.report import crosscheck
 
-SOURCE_KINDS = {"live": "measured live", "samples": "recorded sample data", "model": "model only"}
-BADGE_CLASS = {"live": "live", "samples": "samples", "model": "model"}
+SOURCE_KINDS = {"live": "measured live", "samples": "recorded sample data", "model": "model only",
+                "unsupported": "not supported on this target"}
+BADGE_CLASS = {"live": "live", "samples": "samples", "model": "model", "unsupported": "model"}
 BUSY_PCT = 90.0          # a window whose whole-machine CPU busy mean is at least this is saturated
 FEW_CORES = 8            # a host with at most this many cores, shared by client and engine, bounds the latencies
 
@@ -31,6 +35,8 @@ FEW_CORES = 8            # a host with at most this many cores, shared by client
 def phase_sources(entry: dict[str, Any]) -> list[dict[str, str]]:
     """Where a phase's numbers come from: its recorded ``sources`` (kind + what), else live — or recorded sample
     data when the phase only says ``from_samples``."""
+    if entry.get("status") == "unsupported":      # it said why before starting anything: nothing was measured
+        return [{"kind": "unsupported", "what": str(entry.get("error") or "the target cannot do what it measures")}]
     got = [s for s in entry.get("sources") or [] if isinstance(s, dict) and s.get("kind") in SOURCE_KINDS]
     if got:
         return got
@@ -53,7 +59,6 @@ def _hosts(m: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def _target(m: dict[str, Any], run_dir: Path) -> Any:
-    from servelab.deploy.targets import load_target
     name = str(m.get("target") or "")
     for cand in (run_dir / "targets" / f"{name}.yaml", name):
         try:
@@ -133,7 +138,6 @@ def _cpu_busy(run_dir: Path) -> list[tuple[str, float, int]]:
 
 def client_stalls(run_dir: Path) -> list[tuple[str, str]]:
     """(case, reason) of every INVALID case whose verdict says the client fell behind (integrity)."""
-    from servelab.measure.case_record import read_summaries
     out = []
     for s in read_summaries(run_dir, errors=[]):
         v = s.get("verdict") or {}
@@ -180,8 +184,6 @@ def host_bound(run_dir: Path) -> Verdict | None:
 
 def verdicts(run_dir: Path) -> list[Verdict]:
     """Every run-level verdict, most important first."""
-    from servelab.measure.case_record import read_summaries
-    from servelab.report import crosscheck
     out = []
     hb = host_bound(run_dir)
     if hb is not None:
@@ -211,13 +213,13 @@ def _phase_no(p: str) -> int:
 
 
 def sources_rows(run_dir: Path) -> list[tuple[str, list[tuple[str, str]]]]:
-    """(kind label, [(phase, what)]) for live, recorded and model data."""
+    """(kind label, [(phase, what)]) for live, recorded and model data, and phases the target cannot run."""
     m = read_manifest(run_dir)
     by: dict[str, list[tuple[str, str]]] = {k: [] for k in SOURCE_KINDS}
     for p in sorted(m.get("phases") or {}, key=_phase_no):
         for s in phase_sources(m["phases"][p]):
             by[s["kind"]].append((p, str(s.get("what") or "")))
-    return [(SOURCE_KINDS[k], v) for k, v in by.items()]
+    return [(SOURCE_KINDS[k], v) for k, v in by.items() if v or k != "unsupported"]
 
 
 def summary_json(run_dir: Path) -> dict[str, Any]:

@@ -8,6 +8,9 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+from servelab.analyse.trace.load import load_trace
+from servelab.analyse.trace.taxonomy import classify_names
+from servelab.analyse.trace.windows import DEFAULT_WINDOW_REGEX, window_kind
 
 
 class KernelTableError(ValueError):
@@ -98,7 +101,6 @@ def rank_kernels(frame: Any, window: str | None = None) -> pd.DataFrame:
         if df.empty:
             raise KernelTableError(f"kernel table has no rows for window '{window}'")
     if "class" not in df.columns:
-        from servelab.analyse.trace.taxonomy import classify_names
         cls = classify_names(df["name"].astype(str).tolist()).to_pandas()
         df["class"] = cls["cls"].to_numpy()
     key = "exposed_dur_ns" if "exposed_dur_ns" in df.columns else "total_dur_ns"
@@ -143,9 +145,6 @@ def kernel_table_from_trace(path: str | Path, window_regex: str | None = None) -
     kind (``prefill``, ``decode``, ``mixed`` ...) is Phase 3's :func:`servelab.analyse.trace.windows.window_kind`.
     Kernels outside every window form ``unannotated``. Durations in ns.
     """
-    from servelab.analyse.trace.load import load_trace
-    from servelab.analyse.trace.taxonomy import classify_names
-    from servelab.analyse.trace.windows import DEFAULT_WINDOW_REGEX, window_kind
     rx = re.compile(window_regex or DEFAULT_WINDOW_REGEX)
     ev = load_trace(path, cache=False).events.to_pandas()
     cat = ev["cat"].astype(str)

@@ -1,4 +1,5 @@
-"""Phase 2 telemetry: collectors bound to a case's measurement window, their parsers, summaries, figures.
+"""Phase 2 telemetry read back: the collectors' raw files (written by :mod:`servelab.measure.telemetry`) parsed,
+cut to a case's measurement window, summarised and drawn.
 
 Every parser returns a tidy frame with ``frames.COLUMNS``: node, source, metric, device, ts_ns, value,
 interval_ns — one row per sample per device. Metric names carry their unit (``power_w``, ``net_tx_gbps``).

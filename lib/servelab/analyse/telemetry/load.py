@@ -8,7 +8,7 @@ import pandas as pd
 
 from servelab.analyse.telemetry import parse_dcgm, parse_net, parse_perf, parse_smi, parse_sysstat
 from servelab.analyse.telemetry.frames import COUNTER_COLUMNS, concat, empty_frame, make_counters
-from servelab.analyse.telemetry.runner import CollectorStatus, read_clock, read_statuses, telemetry_dir
+from servelab.measure.telemetry.runner import CollectorStatus, read_clock, read_statuses, telemetry_dir
 from servelab.analyse.telemetry.windows import CaseWindow, to_client_clock
 
 

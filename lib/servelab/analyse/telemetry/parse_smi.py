@@ -15,7 +15,7 @@ import re
 
 import pandas as pd
 
-from servelab.analyse.telemetry.collectors import SMI_FIELDS
+from servelab.measure.telemetry.collectors import SMI_FIELDS
 from servelab.analyse.telemetry.frames import empty_frame, make_frame, to_float
 
 FIELDS = SMI_FIELDS.split(",")

@@ -16,13 +16,13 @@ import sys
 import time
 from pathlib import Path
 
-from servelab.analyse.telemetry.collectors import nvidia_smi
-from servelab.analyse.telemetry.runner import NodePlan, RequiredCollectorError, start_telemetry
+from servelab.measure.telemetry.collectors import nvidia_smi
+from servelab.measure.telemetry.runner import NodePlan, RequiredCollectorError, start_telemetry
+from servelab.deploy.hosts import LocalHost
 
 
 def probe(out: Path, seconds: float, interval_s: float) -> tuple[int, str]:
     """Run the collector for ``seconds``; return (exit status, text to print)."""
-    from servelab.deploy.hosts import LocalHost
     case_dir = Path(out)
     try:
         session = start_telemetry(case_dir, [NodePlan(LocalHost(), [nvidia_smi(interval_s, required=True)],

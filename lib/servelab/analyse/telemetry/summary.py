@@ -19,7 +19,7 @@ import pandas as pd
 from servelab.analyse.telemetry.frames import nan_to_dash
 from servelab.analyse.telemetry.load import CaseTelemetry
 from servelab.analyse.telemetry.parse_net import increments
-from servelab.analyse.telemetry.runner import NOT_CONFIGURED, OK
+from servelab.measure.telemetry.runner import NOT_CONFIGURED, OK
 from servelab.analyse.telemetry.windows import coverage, slice_window
 
 # The metrics every summary lists, per collector (so an absent collector still shows its rows as '-').

@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 
 from servelab.analyse.topology.layout import Layout
+from servelab.measure.abtest import compare_cases, diff_manifests, load_run, read_case_summaries
 
 
 def layout_of_manifest(manifest: dict[str, Any]) -> Layout:
@@ -30,7 +31,6 @@ def measured_comparison(runs: Sequence[str | Path], feas: pd.DataFrame | None = 
     evidence`` (all changes within noise), ``confounded — no conclusion`` (the manifests differ in more than the
     layout keys, see :func:`servelab.measure.abtest.diff_manifests`), with the evidence as text.
     """
-    from servelab.measure.abtest import compare_cases, diff_manifests, load_run, read_case_summaries
     refs = [load_run(r) for r in runs]
     if not refs:
         return pd.DataFrame(), pd.DataFrame()

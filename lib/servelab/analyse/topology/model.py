@@ -12,6 +12,7 @@ import pandas as pd
 import yaml
 
 from servelab.core.params import ParamError, did_you_mean
+from servelab.core.paths import project_root
 
 GIB = 1024 ** 3
 
@@ -130,7 +131,6 @@ def model_config_from_dict(raw: dict[str, Any], source: str = "<dict>", **overri
 
 
 def models_dir() -> Path:
-    from servelab.core.paths import project_root
     return project_root() / "params" / "models"
 
 

@@ -1,17 +1,32 @@
 """The evidence → likely cause → next A/B table (``docs/method.md#evidence-actions``), applied to measured
-trace numbers.
+trace numbers — and, for the three rows a trace cannot decide, to the same run's other phases.
 
 Every row states the metric, the measured value, the threshold and a status: ``triggered``, ``not
 triggered`` or ``not evaluable`` (with the phase whose data would decide it). Thresholds are defaults a
 user may override with ``thresholds={...}``.
+
+Three rows come from the tables other phases wrote into the run folder (``run_dir``), never from their code:
+
+- *slow at C=1, TPS improves with concurrency* — Phase 1's ``phase1/matrix.csv``: the VALID decode points' output
+  TPS at concurrency 1 and above (:func:`concurrency_row`);
+- *KV cache near full for long* — Phase 8's ``phase8/kv_usage.csv``: the KV usage samples of every point
+  (:func:`kv_row`);
+- *rails unbalanced* — Phase 2's ``phase2/phase2_questions.csv``: its rails question answered per case
+  (:func:`rails_row`).
+
+Without the run folder, or where the phase has not run (or read recorded sample data), the row says which phase
+to run.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
 
 import polars as pl
 
 from servelab.analyse.trace.analysis import CaptureAnalysis
+from servelab.core.run import read_manifest
 
 DEFAULT_THRESHOLDS = {
     "decode_exposed_comm_pct": 15.0,     # exposed comm / decode GPU step time
@@ -21,7 +36,14 @@ DEFAULT_THRESHOLDS = {
     "decode_delay_factor": 2.0,          # delayed token interval / steady interval
     "gpu_busy_low_pct": 60.0,            # decode GPU busy below this …
     "cpu_thread_busy_pct": 90.0,         # … while the launching thread is this busy
+    "concurrency_scaling": 0.5,          # decode TPS at C=N / (N × TPS at C=1): this share of linear scaling or more
+    "kv_full_pct": 90.0,                 # KV usage at or above this …
+    "kv_full_time_pct": 20.0,            # … in this share of a Phase 8 point's samples
 }
+# the tables these rows read, relative to the run folder, and the phase that writes each
+PHASE1_MATRIX = "phase1/matrix.csv"
+PHASE8_KV = "phase8/kv_usage.csv"
+PHASE2_QUESTIONS = "phase2/phase2_questions.csv"
 
 
 @dataclass
@@ -44,9 +66,11 @@ def _sum_kind(a: CaptureAnalysis, kinds: tuple[str, ...]) -> dict:
             "host": s["host_bound_idle_ms"].sum(), "busy": s["busy_ms"].sum()}
 
 
-def evidence_actions(a: CaptureAnalysis, thresholds: dict[str, float] | None = None) -> pl.DataFrame:
+def evidence_actions(a: CaptureAnalysis, thresholds: dict[str, float] | None = None,
+                     run_dir: str | Path | None = None) -> pl.DataFrame:
     """The table's rows with measured values. Columns: evidence, metric, measured, threshold, status, likely_cause,
-    next_ab."""
+    next_ab. ``run_dir`` is the run the capture belongs to: the rows a trace cannot decide are read from its Phase 1,
+    8 and 2 tables (module docstring); without it they say which phase to run."""
     th = {**DEFAULT_THRESHOLDS, **(thresholds or {})}
     rows: list[Action] = []
 
@@ -70,9 +94,7 @@ def evidence_actions(a: CaptureAnalysis, thresholds: dict[str, float] | None = N
                            f"≥ {th['decode_exposed_comm_pct']:g}%", "not evaluable (no decode windows)",
                            "TP16 通信受限", "TP8+PP2; NCCL topology and algorithm"))
 
-    rows.append(Action("C=1 很慢，并发增加后 TPS 明显改善 (slow at C=1, TPS improves with concurrency)",
-                       "TPS vs concurrency", "-", "-", "not evaluable from a trace (Phase 1 concurrency search)",
-                       "MoE/权重读取 Memory-bound (memory-bound weight/MoE reads)", "Batch, MoE backend, MTP"))
+    rows.append(concurrency_row(run_dir, th))
 
     worst_kind, worst_pct = None, -1.0
     for k in ("prefill", "decode", "mixed", "all"):
@@ -129,9 +151,7 @@ def evidence_actions(a: CaptureAnalysis, thresholds: dict[str, float] | None = N
 
     rows.append(_attention_growth(a, th))
 
-    rows.append(Action("KV Cache 长期接近满并发生重算 (KV cache near full, recomputation)", "KV usage, retractions", "-",
-                       "-", "not evaluable from a trace (scheduler logs / Phase 8)", "HBM 容量不足 (HBM capacity)",
-                       "FP8 KV; concurrency and context limits"))
+    rows.append(kv_row(run_dir, th))
 
     it = a.interference
     hit = it.filter(pl.col("prefill_between_ms") > 0) if it.height else it
@@ -149,10 +169,123 @@ def evidence_actions(a: CaptureAnalysis, thresholds: dict[str, float] | None = N
 
     rows.append(_host_bottleneck(a, th))
 
-    rows.append(Action("两条 Rail 流量明显不均 (traffic on the two rails clearly unbalanced)", "per-NIC bytes", "-", "-",
-                       "not evaluable from a trace (Phase 2 NIC counters)", "NIC Mapping 或 NCCL 拓扑",
-                       "HCA list; NCCL_CROSS_NIC; NUMA affinity"))
+    rows.append(rails_row(run_dir))
     return pl.DataFrame([asdict(r) for r in rows])
+
+
+# ---------------------------------------------------------------- rows from the run's other phases
+
+def _phase_table(run_dir: str | Path | None, rel: str, phase: str, what: str) -> tuple[Any, str]:
+    """``(frame, "")`` of a phase's table in the run folder, or ``(None, why not and what to run)``."""
+    import pandas as pd
+    run = f" --run-id {Path(run_dir).name}" if run_dir is not None else ""
+    todo = f"run Phase {phase[-1]} in this run (servelab run {phase} --target <target>{run}): {what}"
+    if run_dir is None:
+        return None, f"not evaluable from a trace alone: {todo}"
+    entry = (read_manifest(Path(run_dir)).get("phases") or {}).get(phase) or {}
+    path = Path(run_dir) / rel
+    if entry.get("from_samples"):
+        return None, f"not evaluable: Phase {phase[-1]} read recorded sample data, not this target — {todo}"
+    if not path.is_file():
+        st = entry.get("status")
+        return None, (f"not evaluable: Phase {phase[-1]} {'ended ' + str(st) + ' without' if st else 'has not written'} "
+                      f"{rel} — {todo}")
+    try:
+        return pd.read_csv(path), ""
+    except (pd.errors.EmptyDataError, pd.errors.ParserError, OSError) as exc:
+        return None, f"not evaluable: {rel} cannot be read ({exc}) — {todo}"
+
+
+def concurrency_row(run_dir: str | Path | None, th: dict[str, float]) -> Action:
+    """*Slow at C=1, TPS improves clearly with concurrency* from Phase 1's VALID decode points (``matrix.csv``): the
+    best output TPS above concurrency 1 against C=1's, as a share of linear scaling. Memory-bound decode (every
+    step reads all weights whatever the batch) scales almost linearly: triggered at ≥ ``concurrency_scaling``."""
+    base = ("C=1 很慢，并发增加后 TPS 明显改善 (slow at C=1, TPS improves with concurrency)",
+            f"decode output TPS at the best C > 1 / (C × TPS at C=1) ({PHASE1_MATRIX})")
+    thr = f"≥ {th['concurrency_scaling']:g} of linear"
+    cause, nxt = "MoE/权重读取 Memory-bound (memory-bound weight/MoE reads)", "Batch, MoE backend, MTP"
+    m, why = _phase_table(run_dir, PHASE1_MATRIX, "phase1", "its decode points D1 and D2 at C=1 and above decide it")
+    if m is None:
+        return Action(*base, "-", thr, why, cause, nxt)
+    need = {"kind", "concurrency", "output_throughput"}
+    if not need <= set(m.columns):
+        return Action(*base, "-", thr, f"not evaluable: {PHASE1_MATRIX} lacks {sorted(need - set(m.columns))}",
+                      cause, nxt)
+    d = m[m["kind"] == "decode"]
+    if "validity" in d.columns:
+        d = d[d["validity"] == "VALID"]
+    if "definition" in d.columns and d["definition"].nunique() > 1:     # the same TPS under both definitions
+        d = d[d["definition"] == d["definition"].iloc[0]]
+    d = d.dropna(subset=["concurrency", "output_throughput"])
+    tps = d.groupby("concurrency")["output_throughput"].mean()
+    if 1 not in tps.index or len(tps) < 2 or not tps.loc[1] > 0:
+        have = ", ".join(f"C={int(c)}" for c in tps.index) or "none"
+        return Action(*base, "-", thr, f"not evaluable: Phase 1 has no VALID decode point at C=1 and one above it "
+                      f"(VALID decode points: {have}) — run Phase 1 with D1 and D2", cause, nxt)
+    above = tps[tps.index > 1]
+    best_c = int(above.idxmax())
+    gain = float(above.loc[best_c] / tps.loc[1])
+    share = gain / best_c
+    meas = (f"{share:.2f} of linear: {tps.loc[1]:,.1f} tok/s at C=1 → {above.loc[best_c]:,.1f} at C={best_c} "
+            f"({gain:.2f}×; Phase 1, {len(tps)} VALID decode points)")
+    return Action(*base, meas, thr, "triggered" if share >= th["concurrency_scaling"] else "not triggered", cause, nxt)
+
+
+def kv_row(run_dir: str | Path | None, th: dict[str, float]) -> Action:
+    """*KV cache near full for long* from Phase 8's KV usage samples (``kv_usage.csv``: the engine's KV gauge, or on
+    llama.cpp the tokens of the slots being processed over their capacity): per point the share of samples at or
+    above ``kv_full_pct``; triggered when a point spends ≥ ``kv_full_time_pct`` of its samples there. Retractions and
+    preemptions are not in Phase 8's tables (Phase 1's server metrics and the engine log have them)."""
+    base = ("KV Cache 长期接近满并发生重算 (KV cache near full, recomputation)",
+            f"share of a point's KV usage samples ≥ {th['kv_full_pct']:g}% ({PHASE8_KV})")
+    thr = f"≥ {th['kv_full_time_pct']:g}% of a point's samples"
+    cause, nxt = "HBM 容量不足 (HBM capacity)", "FP8 KV; concurrency and context limits"
+    kv, why = _phase_table(run_dir, PHASE8_KV, "phase8", "its KV usage samples decide it")
+    if kv is None:
+        return Action(*base, "-", thr, why, cause, nxt)
+    if not {"metric", "value", "point"} <= set(kv.columns) or kv.empty:
+        return Action(*base, "-", thr, f"not evaluable: {PHASE8_KV} holds no KV usage samples (the engine exposes "
+                      "no KV gauge and no slots)", cause, nxt)
+    metric = "kv_usage" if (kv["metric"] == "kv_usage").any() else "kv_active"
+    k = kv[kv["metric"] == metric].dropna(subset=["value"])
+    if k.empty:
+        return Action(*base, "-", thr, f"not evaluable: {PHASE8_KV} has no kv_usage or kv_active samples", cause, nxt)
+    full = th["kv_full_pct"] / 100
+    per = k.groupby("point")["value"].agg(peak="max", n="size", full=lambda v: float((v >= full).mean()))
+    worst = per.sort_values(["full", "peak"], ascending=False).iloc[0]
+    name = per.sort_values(["full", "peak"], ascending=False).index[0]
+    meas = (f"{100 * worst['full']:.0f}% of {int(worst['n'])} samples ≥ {th['kv_full_pct']:g}% in {name} (peak "
+            f"{100 * per['peak'].max():.1f}% over {len(per)} point(s); {metric}); retractions not in Phase 8's tables")
+    trig = 100 * worst["full"] >= th["kv_full_time_pct"]
+    return Action(*base, meas, thr, "triggered" if trig else "not triggered", cause, nxt)
+
+
+def rails_row(run_dir: str | Path | None) -> Action:
+    """*Traffic on the two rails clearly unbalanced* from Phase 2's answers to its rails question
+    (``phase2_questions.csv``: every rail carries traffic and the spread of per-rail means ≤ 20 %, per case):
+    triggered when a case answers no; not evaluable when no case had rail counters."""
+    base = ("两条 Rail 流量明显不均 (traffic on the two rails clearly unbalanced)",
+            f"per-rail traffic in each case's window ({PHASE2_QUESTIONS})")
+    thr = "a rail idle, or the spread of per-rail means > 20%"
+    cause, nxt = "NIC Mapping 或 NCCL 拓扑 (NIC mapping or NCCL topology)", "HCA list; NCCL_CROSS_NIC; NUMA affinity"
+    q, why = _phase_table(run_dir, PHASE2_QUESTIONS, "phase2", "its per-rail counters in each case window decide it")
+    if q is None:
+        return Action(*base, "-", thr, why, cause, nxt)
+    if not {"question", "answer"} <= set(q.columns):
+        return Action(*base, "-", thr, f"not evaluable: {PHASE2_QUESTIONS} has no question/answer columns", cause, nxt)
+    r = q[q["question"].astype(str).str.contains("rails", case=False)]
+    answered = r[r["answer"].isin(["yes", "no"])]
+    case = r["case"] if "case" in r.columns else r.index.astype(str)
+    if answered.empty:
+        ev = str(r["evidence"].iloc[0]) if len(r) and "evidence" in r.columns else "no rails question"
+        return Action(*base, "-", thr, f"not evaluable: Phase 2 had no rail counters in any of its {len(r)} case "
+                      f"window(s) ({ev}) — run it on the cluster's nodes with the rdma/ethtool collectors", cause, nxt)
+    bad = answered[answered["answer"] == "no"]
+    show = bad if not bad.empty else answered
+    ev = "; ".join(f"{c}: {e}" for c, e in zip(case.loc[show.index], show.get("evidence", show["answer"]))
+                   )[:400]
+    meas = f"{len(bad)} of {len(answered)} case(s) unbalanced — {ev}"
+    return Action(*base, meas, thr, "triggered" if not bad.empty else "not triggered", cause, nxt)
 
 
 def _attention_growth(a: CaptureAnalysis, th: dict) -> Action:

@@ -30,8 +30,9 @@ import polars as pl
 from servelab.analyse.trace import metrics as M
 from servelab.analyse.trace import prepared as P
 from servelab.analyse.trace.analysis import CaptureAnalysis, analyse
-from servelab.analyse.trace.load import (Capture, RankIdentity, RankTrace, TraceFormatError, _empty_events,
-                                         find_trace_files, identity_from_name, load_trace, looks_like_trace)
+from servelab.analyse.trace.decode import TraceFormatError
+from servelab.analyse.trace.identity import RankIdentity, identity_from_name
+from servelab.analyse.trace.load import Capture, RankTrace, _empty_events, find_trace_files, load_trace, looks_like_trace
 from servelab.analyse.trace.ops import RankOps, prepare_rank
 from servelab.analyse.trace.taxonomy import Rule, load_rules
 from servelab.deploy.cluster import Cluster, worker_placement

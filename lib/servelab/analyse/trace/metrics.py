@@ -15,12 +15,15 @@ Definitions (all times from the GPU op intervals of one device, int64 ns):
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import polars as pl
 
 from servelab.analyse.trace import intervals as iv
 from servelab.analyse.trace.ops import KERNEL_CATS, SYNC_REGEX, RankOps, matches
 from servelab.analyse.trace.taxonomy import short_name
+from servelab.analyse.trace.nccl import parse_comm_name
 
 KIND_ORDER = ("prefill", "decode", "mixed", "draft", "other", "all")
 
@@ -373,7 +376,6 @@ def comm_by_collective(rops: list[RankOps]) -> pl.DataFrame:
     """Communication per (rank, window kind, collective): ops, comm_ms (union) and exposed_ms (not covered
     by compute on the same GPU). Separates TP collectives (AllReduce, AllGather, ...) from PP SendRecv, whose
     kernel time includes waiting for the other stage."""
-    from servelab.analyse.trace.nccl import parse_comm_name
     rows = []
     for r in rops:
         ops = r.ops.select("device", "cat", "cls", "name", "kind", "ts_ns", "end_ns")     # not every column
@@ -424,3 +426,41 @@ def event_census(t) -> pl.DataFrame | None:
                          "ph": ev["ph"].gather(rows).cast(pl.String),
                          "cat": ev["cat"].gather(rows).cast(pl.String),
                          "events": counts[present].astype(np.int64), "total_ms": ms[present]})
+
+
+DOMINANT_SHARE = 0.5     # one step holding at least this share of a window kind's exposed communication dominates it
+WAIT_SHARE = 0.25        # ... and is a wait when the ranks started it this share of its exposed time apart (or more)
+
+
+def dominant_steps(window_metrics: pl.DataFrame, step_skew: pl.DataFrame) -> list[dict[str, Any]]:
+    """Window kinds whose exposed communication is mostly one step that is a wait (summed over ranks, ≥
+    :data:`DOMINANT_SHARE` of the kind's, with at least three steps of the kind, and the ranks started that step
+    at least :data:`WAIT_SHARE` of its exposed time apart: one rank waiting in a collective for another to arrive —
+    typical of a first step, not of the steady state): which step, its share, the kind's exposed share of GPU step
+    time with and without it, and the start skew."""
+    w = window_metrics
+    if w is None or not w.height or "exposed_comm_ms" not in w.columns:
+        return []
+    out = []
+    for kind in w["kind"].unique().to_list():
+        k = w.filter(pl.col("kind") == kind)
+        per = k.group_by("name").agg(pl.col("exposed_comm_ms").sum(), pl.col("gpu_span_ms").sum()).sort(
+            "exposed_comm_ms", descending=True)
+        total, span = float(per["exposed_comm_ms"].sum()), float(per["gpu_span_ms"].sum())
+        if per.height < 3 or total <= 0 or span <= 0:
+            continue
+        top = per.row(0, named=True)
+        share = top["exposed_comm_ms"] / total
+        if share < DOMINANT_SHARE:
+            continue
+        rest_span = span - top["gpu_span_ms"]
+        skew = step_skew.filter(pl.col("name") == top["name"]) if step_skew.height else step_skew
+        sk = skew.row(0, named=True) if skew.height else {}
+        if (sk.get("start_skew_us") or 0) / 1e3 < WAIT_SHARE * top["exposed_comm_ms"]:
+            continue                       # a long step, not a rank waiting for another: its cost is real
+        out.append({"kind": kind, "step": top["name"], "exposed_ms": top["exposed_comm_ms"], "total_ms": total,
+                    "share_pct": 100 * share, "exposed_pct": 100 * total / span,
+                    "without_pct": 100 * (total - top["exposed_comm_ms"]) / rest_span if rest_span > 0 else None,
+                    "start_skew_us": sk.get("start_skew_us"), "late_rank": sk.get("last_rank"),
+                    "first_rank": sk.get("first_rank")})
+    return out

@@ -15,8 +15,9 @@ import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
+import pandas as pd
 import polars as pl
 
 from servelab.analyse.trace.taxonomy import classify_names
@@ -232,3 +233,42 @@ def read_stats_dir(folder: str | Path, base: str | None = None) -> dict[str, pl.
         if name and (base is None or p.stem.startswith(base)):
             out[name] = read_stats_csv(p, name)
     return out
+
+
+# ---------------------------------------------------------------- an nsys summary next to a trace
+
+def trace_kernels(rank_ops: list[pl.DataFrame], function_of: Callable[[str], str]) -> pd.DataFrame:
+    """The trace's kernel time per function (all ranks, all windows): function, cls, trace_ms, trace_share_pct."""
+    ops = [r.filter(pl.col("cat") == "kernel").select("name", "cls", "dur_ns") for r in rank_ops]
+    ops = [o for o in ops if o.height]
+    if not ops:
+        return pd.DataFrame(columns=["function", "trace_cls", "trace_ms", "trace_share_pct"])
+    t = (pl.concat(ops, how="vertical_relaxed").group_by("name", "cls").agg(pl.col("dur_ns").sum())
+         .with_columns(pl.col("name").cast(pl.String)).to_pandas())
+    t["function"] = t["name"].map(function_of)
+    t = t.groupby("function", as_index=False).agg(trace_cls=("cls", "first"), trace_ns=("dur_ns", "sum"))
+    t["trace_ms"] = t["trace_ns"] / 1e6
+    t["trace_share_pct"] = 100 * t["trace_ms"] / t["trace_ms"].sum()
+    return t.drop(columns="trace_ns")
+
+
+def compare_kernels(kern_sum: pl.DataFrame, rank_ops: list[pl.DataFrame], function_of: Callable[[str], str],
+                    top_n: int = 10) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The ``top_n`` kernels of an Nsight Systems kernel summary next to the same kernels (by ``function_of`` of each
+    name, e.g. ``ncu --kernel-name-base function`` style) in a trace's per-rank ops, and the time share per kernel class on
+    both sides: ``(kernels, classes)``."""
+    ks = kernel_summary(kern_sum).to_pandas()
+    ks["function"] = ks["name"].map(function_of)
+    trace = trace_kernels(rank_ops, function_of)
+    k = ks.sort_values("total_ms", ascending=False).head(int(top_n)).merge(trace, on="function", how="left")
+    k.insert(0, "nsys_rank", range(1, len(k) + 1))
+    k["in_trace"] = k["trace_ms"].notna()
+    kernels = k[["nsys_rank", "function", "cls", "instances", "total_ms", "share_pct", "avg_ns", "in_trace", "trace_ms",
+                 "trace_share_pct"]].rename(columns={"total_ms": "nsys_ms", "share_pct": "nsys_share_pct",
+                                                     "avg_ns": "nsys_avg_ns"})
+    nb = class_breakdown(kern_sum).to_pandas()[["cls", "total_ms", "share_pct"]]
+    tb = trace.groupby("trace_cls", as_index=False)["trace_ms"].sum().rename(columns={"trace_cls": "cls"})
+    tb["trace_share_pct"] = 100 * tb["trace_ms"] / tb["trace_ms"].sum()
+    classes = nb.rename(columns={"total_ms": "nsys_ms", "share_pct": "nsys_share_pct"}).merge(tb, on="cls", how="outer")
+    classes = classes.sort_values("nsys_ms", ascending=False, na_position="last").reset_index(drop=True)
+    return kernels, classes

@@ -75,7 +75,8 @@ def read_prepared(trace: RankTrace, key: str | None) -> Prepared | None:
     except Exception:
         return None
     rops = RankOps(trace=trace, ops=t["ops"], windows=t["windows"], runtime=t["runtime"],
-                   window_regex=meta["window_regex"], windows_found=meta["windows_found"])
+                   window_regex=meta["window_regex"], windows_found=meta["windows_found"],
+                   device=meta.get("device", "gpu"))
     return Prepared(rops, t["cpu_threads"] if t["cpu_threads"] is not None else pl.DataFrame(), t["census"])
 
 
@@ -97,7 +98,7 @@ def write_prepared(trace: RankTrace, key: str | None, p: Prepared) -> bool:
                 df.write_parquet(tmp / f"{name}.parquet", compression="lz4", statistics=False)
                 kept.append(name)
         (tmp / "meta.json").write_text(json.dumps({"tables": kept, "window_regex": p.rops.window_regex,
-                                                   "windows_found": p.rops.windows_found,
+                                                   "windows_found": p.rops.windows_found, "device": p.rops.device,
                                                    "version": PREPARED_VERSION}))
         shutil.rmtree(root / key, ignore_errors=True)
         os.replace(tmp, root / key)

@@ -429,3 +429,34 @@ def stall_summary(oc: OneClock) -> dict[str, Any]:
             "requests_stalled": s["request_id"].n_unique() if s.height else 0,
             "outside_trace": oc.outside.height,
             "outside_worst_ms": float(oc.outside["gap_ms"].max()) if oc.outside.height else None}
+
+
+def mixed_window_problem(windows: pl.DataFrame, isl: int, inj: int) -> str:
+    """Why a mixed capture (decode streams of ``isl``-token prompts, one injected ``inj``-token prefill) cannot show
+    the injected prefill delaying decode, from its trace's step ``windows``; "" when it can, and when the step names
+    say nothing of prefill tokens. The injected prefill must run inside the traced steps — a replacement background
+    stream's short prefill there does not count — and with decode in flight: decode requests in its own step, or a
+    decode step just before it. It misses the window when the engine runs all its steps (32, ~0.1 s on a CPU
+    engine) before the request reaches it, and finds no decode when the background streams ended during a slow
+    ``/start_profile`` — both on a loaded host."""
+    steps = engine_steps(windows)
+    if steps.height == 0 or steps.filter(pl.col("prefill_tokens").is_not_null()).height == 0:
+        return ""
+    # more prompt tokens per prefilled request in one step than a background prompt has: the injected prompt (a
+    # chunked one too, one chunk per step)
+    per_req = pl.col("prefill_tokens") / pl.col("prefill_reqs").fill_null(1).clip(lower_bound=1)
+    has_decode = pl.col("decode_reqs").fill_null(0) > 0
+    decode_step = has_decode | (pl.col("prefill_tokens") == 0)
+    steps = steps.sort("rank", "start_ns").with_columns(
+        injected=(per_req > isl).fill_null(False),
+        with_decode=has_decode | decode_step.shift(1).over("rank").fill_null(False))
+    hits = steps.filter(pl.col("injected"))
+    if hits.filter(pl.col("with_decode")).height:
+        return ""
+    if hits.height:
+        return (f"its injected {inj}-token prefill ran with no decode in flight (none in its step or the one before "
+                "it: the background streams had ended), so it delayed nothing")
+    small = steps.filter(pl.col("prefill_tokens") > 0).height
+    return (f"its injected {inj}-token prefill ran outside the {steps.height} traced steps (the engine ran the "
+            "whole window before the request reached it)"
+            + (f"; {small} traced step(s) prefilled only background prompts of {isl} tokens" if small else ""))

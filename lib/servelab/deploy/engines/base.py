@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 
 from servelab.core.params import ParamError, reject_unknown
 from servelab.deploy.container import ContainerSpec, container_spec, validate_docker
+from servelab.core.redact import known_secrets, redact_argv, redact_env
 
 # launch keys every engine understands (meaning documented per key)
 COMMON_LAUNCH_KEYS: dict[str, str] = {
@@ -70,14 +71,12 @@ class LaunchPlan:
         """The command as one line for people (pages, tables, records), secrets redacted: secret-named variables,
         secret flags (``--api-key X``), ``known`` values (default: those of this plan's env and argv, and the
         process environment's). Never executed: processes are started from :attr:`argv` and :attr:`env`."""
-        from servelab.core.redact import known_secrets, redact_argv, redact_env
         known = tuple(known_secrets(self.env, argv=self.argv) if known is None else known)
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in redact_env(self.env, known).items())
         return f"{env} {shlex.join(redact_argv(self.argv, known))}".strip()
 
     def secret_values(self) -> tuple[str, ...]:
         """The secret values this plan carries (its env's and its argv's), for a literal scrub elsewhere."""
-        from servelab.core.redact import known_secrets
         return known_secrets(self.env, argv=self.argv, environ=False)
 
 
@@ -439,6 +438,25 @@ class EngineAdapter:
         """Completion body fields that force exactly ``output_tokens`` tokens."""
         return {"max_tokens": output_tokens, "ignore_eos": True}
 
+    # --- the greedy correctness probe of an A/B (measure.correctness): the same prompts, temperature 0, on A and B
+    greedy_path = "/v1/completions"
+
+    def greedy_body(self, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+        """One greedy completion that returns the chosen tokens' ids and log-probabilities: OpenAI completions as
+        SGLang and vLLM serve them (``logprobs: 1``; ``return_token_ids``, which both accept), no stream."""
+        return {"model": model, "prompt": prompt, "max_tokens": int(max_tokens), "temperature": 0.0, "logprobs": 1,
+                "return_token_ids": True, "stream": False}
+
+    def greedy_output(self, body: Any) -> dict[str, Any]:
+        """``token_ids`` (None where the engine returned none), ``tokens`` (texts), ``logprobs`` of the chosen tokens
+        (None where none), ``text`` and ``finish_reason`` of one :meth:`greedy_body` answer."""
+        ch = body["choices"][0]
+        lp = ch.get("logprobs") or {}
+        return {"token_ids": [int(t) for t in ch["token_ids"]] if ch.get("token_ids") is not None else None,
+                "tokens": [str(t) for t in lp.get("tokens") or []] or None,
+                "logprobs": [None if v is None else float(v) for v in lp.get("token_logprobs") or []] or None,
+                "text": str(ch.get("text", "")), "finish_reason": ch.get("finish_reason")}
+
     # --- profiler (engines that support it override)
     @property
     def can_profile(self) -> bool:
@@ -464,7 +482,7 @@ class EngineAdapter:
 
     def trace_identity(self, file_name: str) -> dict[str, Any] | None:
         """The rank identity a trace file's name carries under this engine's naming rules (fields of
-        ``analyse.trace.load.RankIdentity``: engine, role, rank, tp, dp, pp, ep, stage, profile_id, source).
+        ``analyse.trace.identity.RankIdentity``: engine, role, rank, tp, dp, pp, ep, stage, profile_id, source).
         None: the name does not follow this engine's rules."""
         return None
 

@@ -201,6 +201,32 @@ class LlamaCppAdapter(EngineAdapter):
         """llama.cpp's ``/tokenize`` takes ``content`` (vLLM/SGLang: ``prompt``)."""
         return {"content": text, "add_special": add_special}
 
+    greedy_path = "/completion"        # its own endpoint: token ids and per-token probabilities (n_probs)
+
+    def greedy_body(self, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+        """llama.cpp's ``/completion``: ``top_k: 1`` with ``temperature: 0`` (greedy, whatever the server's sampler
+        defaults), ``n_probs: 1`` for the chosen token's probability, ``return_tokens`` for its id, and no prompt
+        cache (each prompt evaluated whole, as on the other side)."""
+        return {"prompt": prompt, "n_predict": int(max_tokens), "temperature": 0.0, "top_k": 1, "n_probs": 1,
+                "return_tokens": True, "cache_prompt": False, "stream": False}
+
+    def greedy_output(self, body: Any) -> dict[str, Any]:
+        """``tokens`` (the generated ids) and ``completion_probabilities``: one ``{id, token, logprob, …}`` per
+        generated token (a release without ``logprob`` there gives ids and texts only). With a draft model llama.cpp
+        reports probability 1 for every token it took from an accepted draft (measured here: log-probability 0.0
+        for every token after the first with ``-md``, the same tokens as without), so an answer whose ``timings``
+        count drafted tokens carries no log-probabilities: they are not the model's."""
+        probs = body.get("completion_probabilities") or []
+        lps = [float(p["logprob"]) if p.get("logprob") is not None else None for p in probs]
+        drafted = int((body.get("timings") or {}).get("draft_n") or 0)
+        note = (f"{drafted} tokens drafted: llama.cpp reports probability 1 for accepted draft tokens, so no "
+                "log-probabilities are kept" if drafted else "")
+        ids = body.get("tokens")
+        return {"token_ids": [int(t) for t in ids] if ids else None,
+                "tokens": [str(p.get("token", "")) for p in probs] or None,
+                "logprobs": lps if any(v is not None for v in lps) and not drafted else None,
+                "text": str(body.get("content", "")), "finish_reason": body.get("stop_type"), "logprobs_note": note}
+
     def validate_launch(self, launch: dict[str, Any], source: str) -> None:
         super().validate_launch(launch, source)
         for key in ("tp_size", "pp_size", "dp_size", "ep_size"):

@@ -13,6 +13,7 @@ from typing import Any
 
 from servelab.deploy.engines.base import EngineAdapter, LaunchPlan, ProfileError, ProfileRequest, docker_plan
 from servelab.deploy.spec import Target
+from servelab.core.params import ParamError
 
 # trace files of SGLang's profiler: ``[prefix-]{profile_id}-TP-{tp}[-DP-{dp}][-PP-{pp}][-EP-{ep}][-{stage}]
 # .trace.json.gz`` per rank, ``merged-….trace.json.gz`` (every rank in one file), ``…-TP-{tp}-memory….pickle``.
@@ -232,7 +233,6 @@ class SGLangAdapter(EngineAdapter):
                             synth_rates: Any = ()) -> dict[str, Any]:
         """``launch.spec`` for Phase 9's on/off comparison: a draft model served as SGLang's ``STANDALONE`` draft
         (``self`` = the target's own model), ``num_draft_tokens`` drafted per step in a chain (topk 1)."""
-        from servelab.core.params import ParamError
         if draft is None:
             return {"spec": None}
         if synth_rates:

@@ -1,6 +1,6 @@
 """Collector specs: what each Phase 2 collector runs on a node, as argv lists, and whether it is required.
 
-A ``CollectorSpec`` is data only — the runner (``servelab.analyse.telemetry.runner``) starts it for a case on a
+A ``CollectorSpec`` is data only — the runner (``servelab.measure.telemetry.runner``) starts it for a case on a
 host and stops it after. Every argv is a list (``shlex.join`` only for display). Sysstat tools and
 nvidia-smi get ``TZ=UTC LC_ALL=C S_TIME_FORMAT=ISO`` so that their wall-clock stamps parse without
 guessing the node's time zone or locale.
@@ -22,6 +22,7 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from servelab.core.params import did_you_mean
 
 SMI_FIELDS = ("index,timestamp,utilization.gpu,utilization.memory,memory.used,memory.total,"
               "power.draw,temperature.gpu,clocks.sm,clocks.mem,pstate")
@@ -264,7 +265,6 @@ def default_collectors(pid: int | None = None, netdevs: list[str] | None = None,
     known = {s.name for s in specs}
     for name in required:
         if name not in known:
-            from servelab.core.params import did_you_mean
             raise ValueError(f"required collector '{name}' is not in this node's set{did_you_mean(name, known)}; "
                              f"known: {', '.join(sorted(known))}")
     for s in specs:

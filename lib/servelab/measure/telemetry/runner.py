@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from servelab.core.run import redact, write_json_atomic
-from servelab.analyse.telemetry.collectors import CollectorSpec
+from servelab.measure.telemetry.collectors import CollectorSpec
 
 OK = "ok"
 NOT_PRESENT = "not present"
