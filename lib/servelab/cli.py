@@ -423,7 +423,6 @@ def cmd_render(args: argparse.Namespace) -> int:
         raise ParamError(f"--notebook {args.notebook}: no such file")
     m = read_manifest(rdir)
     phases = [args.phase] if args.phase else list(m.get("phases", {}))
-    from servelab.core.redact import scrub_tree
     scrubbed = False
     for p in phases:
         nb = rdir / p / "notebook.ipynb"
@@ -434,7 +433,6 @@ def cmd_render(args: argparse.Namespace) -> int:
             source = Path(recorded)        # run with plain papermill or in JupyterLab: its executed notebook
         if source is not None and source.exists() and (not nb.exists() or not source.samefile(nb)):
             # taken into the run (scrubbed below, with everything the phase wrote), then rendered from there
-            import shutil
             nb.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(source, nb)
         if not nb.exists():

@@ -36,6 +36,8 @@ from typing import Any, Iterable
 import pandas as pd
 
 from servelab.deploy.engines import engine_for
+from servelab.measure import request_metrics as mx
+from servelab.measure.engine_metrics import split_labels
 
 GIB = float(2**30)
 NOT_EXPOSED = "not exposed by this engine (its /metrics and log)"
@@ -73,7 +75,6 @@ COLUMNS = {q.key: q.column for q in QUANTITIES}
 # ---------------------------------------------------------------- /metrics
 
 def _split(key: Any) -> dict[str, str]:
-    from servelab.measure.engine_metrics import split_labels
     return split_labels(str(key or ""))
 
 
@@ -241,7 +242,7 @@ def _output_tps(case_dir: Path, definition: str) -> float | None:
 
 
 def case_memory(case_dir: Path, adapter: Any | None = None, startup_log: str | None = None,
-                definition: str = "vllm") -> dict[str, Any]:
+                definition: str = mx.VLLM_BENCH) -> dict[str, Any]:
     """One case's memory quantities: ``{"case", "output_tps", <quantity>: value, "sources": {quantity: source}}``.
     ``startup_log``: the engine's log from its start (default: the log ``server/engine_log_clock.json`` names).
     The first source that has a quantity wins: ``/metrics``, the start-up log, the case's scheduler lines, its
@@ -280,7 +281,7 @@ def case_memory(case_dir: Path, adapter: Any | None = None, startup_log: str | N
     return row
 
 
-def memory_table(case_dirs: Iterable[Path], definition: str = "vllm", startup_log: str | None = None,
+def memory_table(case_dirs: Iterable[Path], definition: str = mx.VLLM_BENCH, startup_log: str | None = None,
                  adapter: Any | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(per-case table, sources). The table: one row per case, output TPS first, then every quantity with its unit
     in the header — ``not exposed`` where no source of this engine gives it. The sources: per quantity, its

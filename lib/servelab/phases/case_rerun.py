@@ -33,6 +33,7 @@ from typing import Any
 from servelab.core import run as runlib
 from servelab.core.params import ParamError, did_you_mean
 from servelab.core.paths import project_root
+from servelab.core.redact import known_secrets, scrub_tree
 from servelab.measure import request_metrics as mx
 from servelab.measure.case import (ATTEMPT_SEP, ENGINE_CRASH, CaseEnv, CaseSpec, EngineCrash, attempt_folder,
                                    make_env, split_attempt)
@@ -215,7 +216,6 @@ def scrub_attempt(rdir: Path, attempt_dir: Path, log_dir: Path, known: tuple[str
     among its files), the engine's own log of the re-run, and every other text file of the run written since the
     re-run began (manifest, commands) — known secret values (the target's, its launch plans', the API key, the
     process environment's) and secret-looking text replaced."""
-    from servelab.core.redact import known_secrets, scrub_tree
     values = tuple(sorted({*known, *known_secrets()}, key=lambda v: (-len(v), v)))
     for folder in (attempt_dir, log_dir):
         if folder.is_dir():
