@@ -45,6 +45,10 @@ def test_phase3_captures_four_scenarios_live_and_answers_q10_from_the_mixed_one(
         assert any(t == f"flush the prefix cache before {name}" for t in titles)
         assert any(t.startswith(f"warm-up before {name}") for t in titles)
         assert any(t.startswith(f"start profile {name}") for t in titles)
+        # the same case under Nsight Systems on a GPU host: its nsys profile command per node, planned, bound to it
+        nsys = [r for r in read_commands(rdir, "phase3") if r.title == f"nsys profile of case {case.name} on local"]
+        assert len(nsys) == 1 and nsys[0].label == "planned" and nsys[0].argv[:2] == ["nsys", "profile"]
+        assert f"/data/nsys/{case.name}.local" in nsys[0].argv and "vllm" in " ".join(nsys[0].argv)
     # the prefix-hit capture really hit the cache
     hit = read_summary(rdir / "cases" / "H8-profile--profile-prefix_hit" / "summary.json")["details"]["marks_wall_ns"]
     assert hit["prefix_hit_rate_ppm"] >= 900_000

@@ -147,14 +147,28 @@ TINY_HF_KEY = "tiny-hf"        # a target's model key for the generated tiny HF 
 TINY_HF_SCRIPT = Path(__file__).resolve().parents[1] / "data" / "make_tiny_hf.py"
 
 
-def _tiny_model_current(out: Path, seed: int) -> bool:
+TINY_MOE_KEY = "tiny-moe"      # a target's model key for the generated tiny HF Qwen2-MoE (SGLang on CPU)
+TINY_MOE_SCRIPT = TINY_HF_SCRIPT.with_name("make_tiny_moe_hf.py")
+
+
+def _generator_sha(scripts: tuple[Path, ...]) -> str:
+    return hashlib.sha256(b"".join(p.read_bytes() for p in scripts)).hexdigest()
+
+
+def _tiny_model_current(out: Path, seed: int, scripts: tuple[Path, ...] = (TINY_HF_SCRIPT,)) -> bool:
     """A finished model made by this generator version with this seed is already in ``out``."""
     info = out / "servelab.json"
     if not (info.exists() and (out / "config.json").exists()):
         return False
     meta = json.loads(info.read_text())
-    want = hashlib.sha256(TINY_HF_SCRIPT.read_bytes()).hexdigest()
-    return meta.get("generator_sha256") == want and meta.get("seed") == seed
+    return meta.get("generator_sha256") == _generator_sha(scripts) and meta.get("seed") == seed
+
+
+def make_tiny_moe_model(out_dir: str | Path, python: str | Path, seed: int = 0) -> Path:
+    """Write (once) the tiny random HF Qwen2-MoE (8 experts, top-2, no shared expert; ``make_tiny_moe_hf.py``
+    says why this shape) with the tiny Llama's tokenizer into ``out_dir``; return ``out_dir``. Same rules as
+    :func:`make_tiny_hf_model` (``python``: the sglang-cpu venv's interpreter; deterministic for a seed)."""
+    return _make_tiny(out_dir, python, seed, (TINY_MOE_SCRIPT, TINY_HF_SCRIPT))
 
 
 def make_tiny_hf_model(out_dir: str | Path, python: str | Path, seed: int = 0) -> Path:
@@ -169,23 +183,28 @@ def make_tiny_hf_model(out_dir: str | Path, python: str | Path, seed: int = 0) -
     a given seed. Runs the generator with ``python``: an engine venv's interpreter (torch, transformers, tokenizers;
     the project venv has none).
     """
+    return _make_tiny(out_dir, python, seed, (TINY_HF_SCRIPT,))
+
+
+def _make_tiny(out_dir: str | Path, python: str | Path, seed: int, scripts: tuple[Path, ...]) -> Path:
+    """Run ``scripts[0]`` (the others are what it imports: part of its version) into ``out_dir`` once."""
     out = Path(out_dir)
-    if _tiny_model_current(out, seed):
+    if _tiny_model_current(out, seed, scripts):
         return out
     py = Path(python)
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f".{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if _tiny_model_current(out, seed):
+        if _tiny_model_current(out, seed, scripts):
             return out
         tmp = out.parent / f".{out.name}.tmp"
         if tmp.exists():
             shutil.rmtree(tmp)
-        p = subprocess.run([str(py), str(TINY_HF_SCRIPT), str(tmp), "--seed", str(seed)], capture_output=True,
+        p = subprocess.run([str(py), str(scripts[0]), str(tmp), "--seed", str(seed)], capture_output=True,
                            text=True, timeout=900, env={**os.environ, "HF_HUB_OFFLINE": "1"})
         if p.returncode != 0 or not (tmp / "servelab.json").exists():
             raise RuntimeError(f"generating the tiny HF model failed (exit {p.returncode}): "
-                               f"{' '.join([str(py), str(TINY_HF_SCRIPT), str(tmp)])}\n{p.stderr[-3000:]}")
+                               f"{' '.join([str(py), str(scripts[0]), str(tmp)])}\n{p.stderr[-3000:]}")
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

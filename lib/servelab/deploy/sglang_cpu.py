@@ -6,12 +6,16 @@ that the SGLang adapter meets a real server: launch flags, ``/metrics``, schedul
 Install (``ensure_sglang_cpu``; ``servelab build --sglang``; ``make test``): every package pinned in
 ``servelab/data/sglang_cpu/requirements.txt`` (138 packages, ``pip install --no-deps``: no resolver run; torch
 ``2.13.0+cpu`` from a local wheel folder named by ``PIP_FIND_LINKS`` or the PyTorch CPU index), about 2 minutes and
-3.3 GB the first time, instant afterwards. Two workarounds make SGLang 0.5.23 start on a CPU-only machine; both are
+3.3 GB the first time, instant afterwards. Workarounds make SGLang 0.5.23 run on a CPU-only machine; all are
 files written into that venv only, documented in themselves, and verified by the install's probe:
 
 1. ``servelab_sglang_cpu_hook.py`` (+ ``.pth``): declares the ``torchvision::nms``/``::qnms`` schemas before the
    first ``import torchvision`` (PyPI's CUDA torchvision cannot load its ops beside torch+cpu, and SGLang imports
    torchvision unconditionally).
+   The same hook (workaround 3) gives ``torch.cpu`` the ``is_current_stream_capturing`` and ``empty_cache`` that
+   SGLang's expert-distribution recorder calls on its device module (without them the recorder kills the
+   scheduler at the first MoE forward on CPU); a venv installed earlier gets changed workaround files at its next
+   ``ensure_sglang_cpu``.
 2. ``sgl_kernel/``: a stand-in for SGLang's compiled kernel package (no CPU build is published) implementing the one
    helper plain decoding needs (``assign_req_to_token_pool_cpu``); every other helper raises
    ``NotImplementedError`` naming itself when called — speculative decoding among them, which is why Phase 9 says
@@ -29,7 +33,7 @@ from typing import Any
 
 from servelab.core.paths import cache_root
 from servelab.deploy.engine_venv import EngineVenv, EngineVenvError
-from servelab.deploy.models import TINY_HF_KEY, make_tiny_hf_model
+from servelab.deploy.models import TINY_HF_KEY, TINY_MOE_KEY, make_tiny_hf_model, make_tiny_moe_model
 
 SGLANG_VERSION = "0.5.23"
 TORCH_VERSION = "2.13.0+cpu"
@@ -56,6 +60,8 @@ try:
     raise AssertionError("a missing helper did not raise")
 except NotImplementedError:
     pass
+import sglang.srt.eplb.expert_distribution        # the recorder: workaround (3) gives torch.cpu what it calls
+assert torch.cpu.is_current_stream_capturing() is False and torch.cpu.empty_cache() is None
 print(json.dumps({"sglang": sglang.__version__, "torch": torch.__version__, "torchvision": torchvision.__version__,
                   "transformers": transformers.__version__}))
 """
@@ -82,32 +88,57 @@ def install_info() -> dict:
     return VENV.info()
 
 
-def _install(v: EngineVenv, pip_args: list[str], timeout_s: float) -> dict:
-    pip = [str(v.python), "-m", "pip"]
-    v.run([*pip, "install", "--no-input", "--no-deps", "-r", str(REQUIREMENTS), *pip_args], timeout_s,
-          hint=_torch_hint)
-    site = Path(v.probe("import json, sysconfig; print(json.dumps({'p': sysconfig.get_paths()['purelib']}))")["p"])
+def _site(v: EngineVenv) -> Path:
+    return Path(v.probe("import json, sysconfig; print(json.dumps({'p': sysconfig.get_paths()['purelib']}))")["p"])
+
+
+def _same(src: Path, dst: Path) -> bool:
+    if src.is_dir():
+        return dst.is_dir() and all(_same(f, dst / f.name) for f in src.iterdir() if f.name != "__pycache__")
+    return dst.is_file() and dst.read_bytes() == src.read_bytes()
+
+
+def _write_workarounds(site: Path, only_changed: bool = False) -> list[str]:
+    """Copy the workaround files into the venv's site-packages (``only_changed``: those that differ); return the
+    names written."""
+    written = []
     for name in WORKAROUNDS:
         src, dst = FILES / name, site / name
+        if only_changed and _same(src, dst):
+            continue
         if dst.is_dir():
             shutil.rmtree(dst)
         if src.is_dir():
             shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
         else:
             shutil.copyfile(src, dst)
+        written.append(name)
+    return written
+
+
+def _install(v: EngineVenv, pip_args: list[str], timeout_s: float) -> dict:
+    pip = [str(v.python), "-m", "pip"]
+    v.run([*pip, "install", "--no-input", "--no-deps", "-r", str(REQUIREMENTS), *pip_args], timeout_s,
+          hint=_torch_hint)
+    _write_workarounds(_site(v))
     versions = v.probe(PROBE)
     if versions["sglang"] != SGLANG_VERSION:
         raise SGLangCPUError(f"sglang=={SGLANG_VERSION} installed but reports {versions['sglang']} (log {v.log})")
     return {**versions, "workarounds": [
         "servelab_sglang_cpu_hook.py: torchvision::nms/qnms schemas declared before torchvision's first import",
-        "sgl_kernel stand-in: assign_req_to_token_pool_cpu in torch; every other helper raises NotImplementedError"]}
+        "sgl_kernel stand-in: assign_req_to_token_pool_cpu in torch; every other helper raises NotImplementedError",
+        "servelab_sglang_cpu_hook.py: torch.cpu.is_current_stream_capturing (False) and empty_cache (no-op) for "
+        "SGLang's expert-distribution recorder"]}
 
 
 def ensure_sglang_cpu(pip_args: list[str] | None = None, timeout_s: float = 3600.0) -> Path:
     """The sglang-cpu venv's verified interpreter, installing it first if needed (locked against concurrent
     installs; a failed install leaves no marker)."""
     try:
-        return VENV.ensure(lambda v: _install(v, list(pip_args or []), timeout_s))
+        py = VENV.ensure(lambda v: _install(v, list(pip_args or []), timeout_s))
+        # a venv installed by an older servelab gets this version's workaround files (they only add, never remove)
+        _write_workarounds(_site(VENV), only_changed=True)
+        return py
     except SGLangCPUError:
         raise
     except EngineVenvError as e:
@@ -115,8 +146,9 @@ def ensure_sglang_cpu(pip_args: list[str] | None = None, timeout_s: float = 3600
 
 
 def needs_sglang_cpu(model: str, launch: dict[str, Any]) -> bool:
-    """Whether an SGLang target names this local CPU build: ``launch.python: sglang-cpu`` or ``model: tiny-hf``."""
-    return launch.get("python") == SGLANG_CPU_PYTHON or model == TINY_HF_KEY
+    """Whether an SGLang target names this local CPU build: ``launch.python: sglang-cpu`` or ``model: tiny-hf`` /
+    ``tiny-moe``."""
+    return launch.get("python") == SGLANG_CPU_PYTHON or model in (TINY_HF_KEY, TINY_MOE_KEY)
 
 
 def resolve_sglang_cpu(model: str, launch: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -127,4 +159,7 @@ def resolve_sglang_cpu(model: str, launch: dict[str, Any]) -> tuple[str, dict[st
     if model == TINY_HF_KEY:
         py = la["python"] if la.get("python") == str(VENV.python) else str(ensure_sglang_cpu())
         model = str(make_tiny_hf_model(cache_root() / "models" / TINY_HF_KEY, python=py))
+    elif model == TINY_MOE_KEY:
+        py = la["python"] if la.get("python") == str(VENV.python) else str(ensure_sglang_cpu())
+        model = str(make_tiny_moe_model(cache_root() / "models" / TINY_MOE_KEY, python=py))
     return model, la

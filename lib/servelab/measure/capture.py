@@ -51,6 +51,7 @@ from typing import Any, Callable
 from servelab.deploy.engines import ProfileError, profile_file
 from servelab.core.run import CommandRecord, now_iso, record_command, write_json_atomic, read_manifest
 from servelab.deploy.server import http_json
+from servelab.measure import expert_record
 
 SCENARIOS = ("decode_control", "mixed_treatment", "long_prefill", "prefix_hit")
 AUTO_STOP_GRACE_S = 20.0       # an engine that stops by itself gets this long to write its trace after the workload
@@ -604,10 +605,12 @@ def capture(srv: Any, scenario: ProfileScenario, case_dir: Path,
     collect into ``case_dir/profiles/<node>/`` and mark the case profiled. A drive that never calls
     ``start()`` is an error; if the drive fails after starting, the profiler is still stopped."""
     holder: list[ProfileSession] = []
+    experts: list[Any] = []          # the engine's expert-distribution recording (MoE), when it has one
 
     def start() -> ProfileSession:
         if holder:
             raise CaptureError("start() called twice in one capture")
+        experts.append(expert_record.begin(srv, list_trace_dir, run_dir, phase))
         holder.append(start_profile(srv, scenario, out_dir, run_dir=run_dir, phase=phase, **opts))
         return holder[0]
 
@@ -619,6 +622,8 @@ def capture(srv: Any, scenario: ProfileScenario, case_dir: Path,
                 stop_profile(srv, holder[0], force=True, run_dir=run_dir, phase=phase)
             except CaptureError:
                 pass
+        if experts:            # the recorder is stopped too (its record says what it got); never masks the error
+            expert_record.end(srv, experts[0], Path(case_dir), list_trace_dir, run_dir, phase)
         raise
     if not holder:
         raise CaptureError(f"scenario {scenario.name}: the drive function returned without calling start()")
@@ -634,6 +639,8 @@ def capture(srv: Any, scenario: ProfileScenario, case_dir: Path,
             wait = wait_for_traces(srv, session, timeout_s=wait_timeout_s)
     else:
         wait = wait_for_traces(srv, session, timeout_s=wait_timeout_s)
+    if experts:
+        expert_record.end(srv, experts[0], Path(case_dir), list_trace_dir, run_dir, phase)
     files = collect_profiles(srv, session, Path(case_dir), wait)
     meta = mark_profiled(Path(case_dir), session, files, wait)
     write_json_atomic(Path(case_dir) / CASE_CLOCK_FILE, case_clock_record(run_dir, srv.target))

@@ -2,7 +2,8 @@
 and write every table into the phase folder (``trace_*.csv`` / ``.json``) for tests and reports."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import html
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -12,13 +13,14 @@ import polars as pl
 from servelab.core.paths import cache_root, samples_root
 from servelab.analyse.trace.actions import evidence_actions
 from servelab.analyse.trace.analysis import CaptureAnalysis, analyse, write_tables
+from servelab.analyse.trace.experts import capture_expert_counts, expert_imbalance
 from servelab.analyse.trace.questions import q10, ten_questions
 from servelab.analyse.trace.metrics import dominant_steps
 from servelab.analyse.trace.stalls import (OneClock, clock_shift, mixed_window_problem, one_clock,
                                             stall_summary)
 from servelab.analyse.kernels import function_base
-from servelab.analyse.trace.nsys import (display, nsys_profile_argv, nsys_stats_argv, NsysReportError, compare_kernels,
-                                         read_stats_dir)
+from servelab.analyse.trace.nsys import compare_kernels, method_reports, read_nsys_folder
+from servelab.measure.nsys_capture import display, nsys_profile_argv, nsys_stats_argv, plan_target_captures
 from servelab.measure.capture import DEFAULT_STEPS
 from servelab.measure.live_capture import can_capture, capture_live, captured_table
 from servelab.measure.records import read_records
@@ -79,13 +81,16 @@ def run_analysis(ctx: Any, trace_dir: str = "", window_regex: str = "", top_n: i
     else:
         a = analyse(folder, cache_dir=cache_dir, **kw)
     clock = case_clock(folder, a)
-    q = ten_questions(a)
+    experts = capture_expert_counts(folder)       # the engine's expert counts recorded with this capture (MoE)
+    q = ten_questions(a, experts)
     if clock is not None:      # Q10 from the one clock too (a CPU trace has no kernels for the GPU-side answer)
         row = pl.DataFrame([asdict(q10(a, clock))]).with_columns(
             pl.lit(q.filter(pl.col("id") == "Q10")["question_en"][0]).alias("question_en")).select(q.columns)
         q = pl.concat([q.filter(pl.col("id") != "Q10"), row])
     act = evidence_actions(a, run_dir=getattr(ctx, "run_dir", None))
     extra = {"questions": q, "actions": act}
+    if experts is not None:
+        extra["expert_imbalance"] = expert_imbalance(experts)
     if a.placement.height:
         extra["placement"] = a.placement
     if clock is not None:
@@ -381,6 +386,7 @@ def live_capture(ctx: Any, capture: bool, trace_dir: str) -> tuple[str, pd.DataF
     ok = [c for c in caps if c.result is not None]
     if not ok:
         raise RuntimeError("no scenario was captured: " + "; ".join(f"{c.scenario.name}: {c.error}" for c in caps))
+    plan_target_captures(ctx.run_dir, ctx.phase, [Path(c.case_dir).name for c in ok], ctx.target)
     return str((mixed or ok)[0].profiles), table
 
 
@@ -610,6 +616,12 @@ class NsysImport:
     reports: dict[str, pl.DataFrame]
     kernels: pd.DataFrame        # nsys kernel summary, classified, with the trace's time for the same kernel
     classes: pd.DataFrame        # kernel time share per class: nsys vs the trace
+    # the method's other Nsight Systems reports, when the folder holds them (empty otherwise)
+    nccl: pd.DataFrame = field(default_factory=pd.DataFrame)       # nccl_sum (NCCL's NVTX API ranges)
+    gpu_util: pd.DataFrame = field(default_factory=pd.DataFrame)   # cuda/nccl_gpu_time_util_map
+    overlap: pd.DataFrame = field(default_factory=pd.DataFrame)    # from nccl_gpu_time_util_map
+    osrt: pd.DataFrame = field(default_factory=pd.DataFrame)       # osrt_sum, top calls
+    recipes: list = field(default_factory=list)
 
 
 def nsys_howto(trace_dir: str = "") -> str:
@@ -617,7 +629,9 @@ def nsys_howto(trace_dir: str = "") -> str:
     prof = display(nsys_profile_argv(["<the engine's launch command>"], "/data/nsys/report"))
     stats = display(nsys_stats_argv("/data/nsys/report.nsys-rep"))
     return (f"Profile the engine under Nsight Systems: {prof} — then export the summaries as CSV: {stats} "
-            "(writes report_cuda_gpu_kern_sum.csv, report_cuda_api_sum.csv, report_nvtx_sum.csv) and re-run this "
+            "(writes report_cuda_gpu_kern_sum.csv, report_cuda_api_sum.csv, report_nvtx_sum.csv; add osrt_sum for "
+            "the OS runtime, and nsys recipe nccl_sum / nccl_gpu_time_util_map --input /data/nsys/report.nsys-rep "
+            "--output /data/nsys/<recipe> for the NCCL summary, GPU utilisation and overlap) and re-run this "
             "phase with -p nsys_dir=/data/nsys.")
 
 
@@ -630,17 +644,16 @@ def nsys_import(ctx: Any, p: Phase3, nsys_dir: str = "", top_n: int = 10) -> Nsy
     if not nsys_dir:
         return None
     folder = Path(nsys_dir).expanduser()
-    if not folder.is_dir():
-        raise NsysReportError(f"nsys_dir {folder}: no such folder")
-    reports = read_stats_dir(folder)
-    if "cuda_gpu_kern_sum" not in reports:
-        raise NsysReportError(f"nsys_dir {folder}: no <base>_cuda_gpu_kern_sum.csv among "
-                              f"{sorted(x.name for x in folder.glob('*.csv')) or 'no CSV files'}")
+    reports, recipes = read_nsys_folder(folder)
     kernels, classes = compare_kernels(reports["cuda_gpu_kern_sum"], [r.ops for r in p.analysis.rops], function_base,
                                        top_n)
     kernels.to_csv(ctx.phase_dir / "nsys_kernels.csv", index=False)
     classes.to_csv(ctx.phase_dir / "nsys_classes.csv", index=False)
-    return NsysImport(str(folder), reports, kernels.round(3), classes.round(3))
+    out = method_reports(reports, recipes)
+    for name, t in out.items():
+        if not t.empty:
+            t.to_csv(ctx.phase_dir / f"nsys_{name}.csv", index=False)
+    return NsysImport(str(folder), reports, kernels.round(3), classes.round(3), recipes=sorted(recipes), **out)
 
 
 def nsys_view(imp: NsysImport | None) -> Any:
@@ -655,5 +668,24 @@ def nsys_view(imp: NsysImport | None) -> Any:
     text = (f"From {imp.folder}: {found}. {matched} of the {len(imp.kernels)} top Nsight Systems kernels are in this "
             "trace too (same function name); shares are of each side's own kernel time, so a capture of a different "
             "run or length compares by share, not by milliseconds.")
-    return HTML(banner_html(text, "info", "Nsight Systems stats imported") + table_html(imp.kernels)
-                + "<p><b>Kernel time per class</b> (the trace taxonomy on both sides)</p>" + table_html(imp.classes))
+    parts = [banner_html(text, "info", "Nsight Systems stats imported"), table_html(imp.kernels),
+             "<p><b>Kernel time per class</b> (the trace taxonomy on both sides)</p>", table_html(imp.classes)]
+    sections = (
+        ("nccl", "NCCL summary (recipe nccl_sum: NCCL's own NVTX ranges, one per API call; times of the calls, not "
+                 "of their kernels)"),
+        ("gpu_util", "GPU utilisation (recipe nccl_gpu_time_util_map, else cuda_gpu_time_util_map: % of each time bin "
+                     "covered by kernels, averaged over the bins)"),
+        ("overlap", "Communication/computation overlap (from nccl_gpu_time_util_map: NCCL + compute − all = the % of a "
+                    "bin where both ran; overlap_of_nccl_pct = the share of NCCL time that ran beside compute)"),
+        ("osrt", "OS runtime (osrt_sum: the host threads' libc/pthread calls by total time)"))
+    for key, caption in sections:
+        t = getattr(imp, key)
+        if not t.empty:
+            parts += [f"<p><b>{html.escape(caption)}</b></p>", table_html(t)]
+    missing = [k for k, _ in sections if getattr(imp, k).empty]
+    if missing:
+        parts.append(banner_html("Not in this folder: " + ", ".join(missing) + " — run nsys stats -r osrt_sum and "
+                                 "nsys recipe nccl_sum / nccl_gpu_time_util_map on the report (servelab.analyse.trace."
+                                 "nsys.nsys_recipe_argv) and put their folders beside the CSVs.", "info",
+                                 "Some Nsight Systems reports missing"))
+    return HTML("".join(parts))

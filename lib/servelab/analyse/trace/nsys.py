@@ -1,5 +1,8 @@
-"""Nsight Systems: the ``nsys profile`` / ``nsys stats`` command lines of ``docs/method.md#capture-scenarios``, and an importer of
-``nsys stats --format csv`` reports.
+"""Nsight Systems, read: an importer of ``nsys stats --format csv`` reports (kernels, CUDA API, NVTX, OS
+runtime) and of the NCCL / GPU-utilisation recipes' outputs, the kernel comparison with a trace, and the method's
+NCCL summary / GPU utilisation / overlap / OS-runtime tables of one folder (``read_nsys_folder``, ``method_reports``). The
+command lines that make these files, and a capture per node bound to its case id, are acquisition:
+:mod:`servelab.measure.nsys_capture`.
 
 Column names follow the Nsight Systems analysis guide (``nsys stats`` report names; ``cuda_gpu_kern_sum``: ``Time
 (%),Total Time (ns),Instances,Avg (ns),
@@ -11,85 +14,20 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import re
-import shlex
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable
 
 import pandas as pd
 import polars as pl
 
 from servelab.analyse.trace.taxonomy import classify_names
-
-CAPTURE_RANGES = ("cudaProfilerApi", "nvtx", "hotkey", "none")
-RANGE_END_MODES = ("defer", "sync", "async")
-
+from servelab.measure.nsys_capture import RECIPE_NAMES
 
 class NsysReportError(ValueError):
     """A CSV that is not the nsys report it claims to be; the message names the file and the columns."""
-
-
-def nsys_profile_argv(app_argv: Sequence[str], output: str, *, trace: Sequence[str] = ("cuda", "nvtx", "nccl"),
-                      trace_fork_before_exec: bool = True, cuda_graph_trace: str | None = "node",
-                      capture_range: str | None = "cudaProfilerApi", capture_range_end: str | None = "repeat",
-                      repeat: int | None = None, repeat_mode: str | None = None, sample: str | None = None,
-                      force_overwrite: bool = True, nsys: str = "nsys", extra: Sequence[str] = ()) -> list[str]:
-    """``nsys profile`` argv wrapping ``app_argv`` (``docs/method.md#capture-scenarios``).
-
-    ``capture_range_end="repeat"`` with ``repeat=3`` and ``repeat_mode="defer"`` gives
-    ``--capture-range-end=repeat:3:defer`` (three capture ranges in one model load; results written at
-    exit). ``output`` may contain nsys placeholders such as ``%n`` (range number) or ``%h`` (host).
-    """
-    if not app_argv:
-        raise ValueError("nsys_profile_argv: app_argv is empty — the command to profile is required")
-    if capture_range is not None and capture_range not in CAPTURE_RANGES:
-        raise ValueError(f"capture_range {capture_range!r}: expected one of {', '.join(CAPTURE_RANGES)}")
-    argv = [nsys, "profile", f"--trace={','.join(trace)}"]
-    if trace_fork_before_exec:
-        argv.append("--trace-fork-before-exec=true")
-    if cuda_graph_trace:
-        if cuda_graph_trace not in ("node", "graph"):
-            raise ValueError(f"cuda_graph_trace {cuda_graph_trace!r}: expected 'node' or 'graph'")
-        argv.append(f"--cuda-graph-trace={cuda_graph_trace}")
-    if sample is not None:
-        argv.append(f"--sample={sample}")
-    if capture_range:
-        argv.append(f"--capture-range={capture_range}")
-    if capture_range_end:
-        end = capture_range_end
-        if end.startswith("repeat"):
-            if repeat is not None:
-                if int(repeat) < 1:
-                    raise ValueError(f"repeat={repeat}: must be ≥ 1")
-                end = f"{end}:{int(repeat)}"
-            if repeat_mode is not None:
-                if repeat_mode not in RANGE_END_MODES:
-                    raise ValueError(f"repeat_mode {repeat_mode!r}: expected one of {', '.join(RANGE_END_MODES)}")
-                if repeat is None and end == "repeat":
-                    raise ValueError("repeat_mode needs repeat=N (nsys syntax repeat[:N][:mode])")
-                end = f"{end}:{repeat_mode}"
-        elif capture_range_end not in ("none", "stop", "stop-shutdown"):
-            raise ValueError(f"capture_range_end {capture_range_end!r}: expected none | stop | stop-shutdown | "
-                             "repeat | repeat-shutdown:N")
-        argv.append(f"--capture-range-end={end}")
-    if force_overwrite:
-        argv.append("--force-overwrite=true")
-    argv += ["-o", output, *extra, *app_argv]
-    return argv
-
-
-def nsys_stats_argv(report: str, reports: Sequence[str] = ("cuda_gpu_kern_sum", "cuda_api_sum", "nvtx_sum"),
-                    output_base: str | None = None, nsys: str = "nsys") -> list[str]:
-    """``nsys stats --report a,b --format csv --output <base>`` → files ``<base>_<report>.csv``."""
-    base = output_base or re.sub(r"\.(nsys-rep|qdrep|sqlite)$", "", report)
-    return [nsys, "stats", "--report", ",".join(reports), "--format", "csv", "--output", base, "--force-export=true",
-            report]
-
-
-def display(argv: Sequence[str]) -> str:
-    """Shell-quoted rendering for humans (commands are run as argv lists)."""
-    return shlex.join(list(argv))
 
 
 # ------------------------------------------------------------------------------------------------ import
@@ -122,6 +60,9 @@ REPORTS: dict[str, ReportSpec] = {
                                      "Proj Avg": "proj_avg_ns", "Proj Med": "proj_med_ns", "Proj Min": "proj_min_ns",
                                      "Proj Max": "proj_max_ns", "Proj StdDev": "proj_stddev_ns",
                                      "Total GPU Ops": "gpu_ops", "Avg GPU Ops": "avg_gpu_ops"}),
+    # OS runtime (libc/pthread calls) of the traced processes: where the host threads blocked (poll, futex, sleeps)
+    "osrt_sum": ReportSpec(("Time (%)", "Total Time", "Num Calls", "Avg", "Med", "Min", "Max", "StdDev", "Name"),
+                           _stats_rename("Num Calls", "calls", "Name")),
     "cuda_gpu_trace": ReportSpec(("Start", "Duration", "Name"),
                                  {"Start": "start_ns", "Duration": "duration_ns", "CorrId": "correlation",
                                   "Device": "device", "Strm": "stream", "Name": "name", "Bytes": "bytes"}),
@@ -177,7 +118,8 @@ def read_stats_csv(path: str | Path, report: str | None = None) -> pl.DataFrame:
     for j, (b, u) in enumerate(zip(bases, units)):
         out = spec.rename.get(b, re.sub(r"[^0-9a-z]+", "_", b.lower()).strip("_"))
         vals = [r[j] if j < len(r) else "" for r in body]
-        numeric = ("instances", "calls", "gpu_ops", "correlation", "device", "stream", "bytes")
+        # "Device" is a name in real cuda_gpu_trace output ("NVIDIA H200 (0)"), not a number
+        numeric = ("instances", "calls", "gpu_ops", "correlation", "stream", "bytes")
         if u in _UNIT_NS or u == "%" or out.endswith("_ns") or out in numeric:
             scale = _UNIT_NS.get(u, 1) if u != "%" else 1
             try:
@@ -272,3 +214,180 @@ def compare_kernels(kern_sum: pl.DataFrame, rank_ops: list[pl.DataFrame], functi
     classes = nb.rename(columns={"total_ms": "nsys_ms", "share_pct": "nsys_share_pct"}).merge(tb, on="cls", how="outer")
     classes = classes.sort_values("nsys_ms", ascending=False, na_position="last").reset_index(drop=True)
     return kernels, classes
+
+
+# ------------------------------------------------------------------------------------------------ OS runtime
+
+def osrt_summary(osrt_sum: pl.DataFrame, top_n: int = 10) -> pl.DataFrame:
+    """The ``osrt_sum`` report's top calls by total time: name, calls, total_ms, avg_us, max_ms, time_pct. The
+    host threads' blocking calls (``poll``, ``pthread_cond_timedwait``, ``futex``-backed waits) dominate an idle
+    process; look at what blocks *during* the steps (``--capture-range`` keeps the report to the window)."""
+    if osrt_sum.height == 0:
+        return osrt_sum
+    return (osrt_sum.sort("total_time_ns", descending=True).head(top_n)
+            .select("name", "calls", (pl.col("total_time_ns") / 1e6).alias("total_ms"),
+                    (pl.col("avg_ns") / 1e3).alias("avg_us"), (pl.col("max_ns") / 1e6).alias("max_ms"),
+                    pl.col("time_pct")))
+
+
+# ------------------------------------------------------------------------------------------------ recipes
+#
+# ``nsys recipe <name> --input <report>.nsys-rep --output <dir> [--csv]`` (Nsight Systems 2023.4+) writes a folder
+# holding ``<dir>.nsys-analysis`` (JSON naming the recipe) and its tables as parquet (``--csv``: also CSV, for the
+# stats recipes). The recipes and their tables, as Nsight Systems 2023.4.4 writes them (times in ns):
+#
+# - ``nccl_sum`` (NCCL Summary): the NCCL API ranges that NCCL's own NVTX annotations (domain "NCCL") mark —
+#   ``all_stats`` (Text, Count, Mean, Std (approx), Min, Q1/Median/Q3 (approx), Max, Sum) and ``rank_stats`` (the
+#   same per report file, with Rank, File);
+# - ``nccl_gpu_proj_sum``: the same ranges projected onto the GPU (the kernels they launched);
+# - ``cuda_gpu_time_util_map`` / ``nccl_gpu_time_util_map``: ``analysis.parquet``, the capture cut into bins
+#   (Duration = the bin's start, ns from the session start), per bin the % of the bin a GPU was busy with any kernel
+#   (Kernel; the NCCL map: All, and split into NCCL and Compute kernels), per PID, Device ID, File;
+# - ``gpu_time_util``: ``analysis.parquet``, the stretches where a GPU's utilisation fell below ``--threshold``
+#   (Row#, In-Use %, Duration, Start, PID, Device ID, Context ID, File; here Duration is the stretch's length).
+#
+# Newer Nsight Systems adds ``nccl_gpu_overlap_trace`` (per NCCL kernel, its overlap with compute); 2023.4.4 has no
+# such recipe, so the overlap is taken from ``nccl_gpu_time_util_map`` (below).
+
+_STAT_COLS = {"Text": "name", "Count": "count", "Mean": "mean_ns", "Std (approx)": "std_ns", "Std": "std_ns",
+              "Min": "min_ns", "Q1 (approx)": "q1_ns", "Q1": "q1_ns", "Median (approx)": "median_ns",
+              "Median": "median_ns", "Q3 (approx)": "q3_ns", "Q3": "q3_ns", "Max": "max_ns", "Sum": "total_ns",
+              "Rank": "rank", "File": "file"}
+_UTIL_COLS = {"Duration": "bin_start_ns", "Kernel": "kernel_pct", "All": "all_pct", "NCCL": "nccl_pct",
+              "Compute": "compute_pct", "PID": "pid", "Device ID": "device", "File": "file",
+              "Row#": "row", "In-Use": "in_use_pct", "Start": "start_ns", "Context ID": "context"}
+
+
+def recipe_name(folder: str | Path) -> str | None:
+    """The recipe a ``nsys recipe`` output folder holds, from its ``*.nsys-analysis`` file."""
+    for f in sorted(Path(folder).glob("*.nsys-analysis")):
+        try:
+            return json.loads(f.read_text()).get("RecipeName")
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def read_recipe(folder: str | Path) -> dict[str, pl.DataFrame]:
+    """One ``nsys recipe`` output folder → {table: frame} with snake_case columns (``all_stats``, ``rank_stats``
+    for the stats recipes; ``analysis`` for the maps). Raises :class:`NsysReportError` naming the folder when it
+    is not a recipe output this module knows."""
+    folder = Path(folder)
+    name = recipe_name(folder)
+    if name not in RECIPE_NAMES:
+        raise NsysReportError(f"{folder}: not an nsys recipe output of {', '.join(RECIPE_NAMES)} "
+                              f"(its .nsys-analysis names {name!r})")
+    out: dict[str, pl.DataFrame] = {}
+    for table in ("all_stats", "rank_stats", "analysis"):
+        pq = folder / f"{table}.parquet"
+        if not pq.exists():
+            continue
+        df = pl.read_parquet(pq)
+        df = df.drop([c for c in df.columns if c.startswith("__index_level")])
+        cols = _STAT_COLS if table != "analysis" else \
+            ({**_UTIL_COLS, "Duration": "duration_ns"} if name == "gpu_time_util" else _UTIL_COLS)
+        df = df.rename({c: cols.get(c, re.sub(r"[^0-9a-z]+", "_", c.lower()).strip("_")) for c in df.columns})
+        out[table] = df
+    if not out:
+        raise NsysReportError(f"{folder}: recipe {name} but none of all_stats / rank_stats / analysis .parquet")
+    return out
+
+
+def read_recipes(folder: str | Path) -> dict[str, dict[str, pl.DataFrame]]:
+    """Every recipe output folder directly under ``folder`` → {recipe name: tables}."""
+    out: dict[str, dict[str, pl.DataFrame]] = {}
+    for d in sorted(p for p in Path(folder).iterdir() if p.is_dir()):
+        if recipe_name(d) in RECIPE_NAMES:
+            out[recipe_name(d)] = read_recipe(d)
+    return out
+
+
+def nccl_summary(recipe: dict[str, pl.DataFrame]) -> pl.DataFrame:
+    """The NCCL Summary (``nccl_sum``; or ``nccl_gpu_proj_sum``, the GPU side) as the page shows it: collective,
+    calls, total_ms, mean_us, median_us, max_us, share_pct of all NCCL time."""
+    s = recipe.get("all_stats")
+    if s is None or s.height == 0:
+        return pl.DataFrame()
+    total = s["total_ns"].sum()
+    return (s.select(pl.col("name").alias("collective"), pl.col("count").alias("calls"),
+                     (pl.col("total_ns") / 1e6).alias("total_ms"), (pl.col("mean_ns") / 1e3).alias("mean_us"),
+                     (pl.col("median_ns") / 1e3).alias("median_us"), (pl.col("max_ns") / 1e3).alias("max_us"),
+                     (100 * pl.col("total_ns") / total).alias("share_pct"))
+            .sort("total_ms", descending=True))
+
+
+def gpu_utilisation(recipe: dict[str, pl.DataFrame]) -> pl.DataFrame:
+    """From ``cuda_gpu_time_util_map`` or ``nccl_gpu_time_util_map``: per GPU (device, pid), the bins, the bin width,
+    the mean utilisation over the bins and the share of bins that are idle (0 %) or saturated (≥ 95 %). The
+    recipe's utilisation of a bin is the % of its time covered by kernels."""
+    a = recipe.get("analysis")
+    if a is None or a.height == 0:
+        return pl.DataFrame()
+    col = "kernel_pct" if "kernel_pct" in a.columns else "all_pct"
+    width = (a.sort("bin_start_ns").group_by("device", "pid", maintain_order=True)
+             .agg(pl.col("bin_start_ns").diff().median().alias("bin_ns")))
+    g = a.group_by("device", "pid", maintain_order=True).agg(
+        pl.len().alias("bins"), pl.col(col).mean().alias("util_mean_pct"),
+        (100 * (pl.col(col) == 0).mean()).alias("idle_bins_pct"),
+        (100 * (pl.col(col) >= 95).mean()).alias("busy_bins_pct"),
+        *([pl.col("nccl_pct").mean().alias("nccl_mean_pct"), pl.col("compute_pct").mean().alias("compute_mean_pct")]
+          if "nccl_pct" in a.columns else []))
+    return g.join(width, on=["device", "pid"]).with_columns((pl.col("bin_ns") / 1e6).alias("bin_ms")).drop("bin_ns")
+
+
+def nccl_overlap(recipe: dict[str, pl.DataFrame]) -> pl.DataFrame:
+    """Communication/computation overlap per bin from ``nccl_gpu_time_util_map``: the recipe gives, per bin, the %
+    of time covered by any kernel (All), by NCCL kernels and by the others (Compute), each a union over the GPU's
+    streams, so NCCL + Compute − All is the % of the bin where both ran at once. Per GPU: nccl_pct and
+    overlapped_pct (summed over bins, as % of one bin), and overlap_of_nccl_pct = the share of NCCL time that ran
+    beside compute (100 − the exposed share)."""
+    a = recipe.get("analysis")
+    if a is None or a.height == 0 or "nccl_pct" not in a.columns:
+        return pl.DataFrame()
+    # the recipe rounds each % to 0.1: so is the difference (no float noise in "no overlap")
+    a = a.with_columns((pl.col("nccl_pct") + pl.col("compute_pct") - pl.col("all_pct")).round(1).clip(lower_bound=0)
+                       .alias("both_pct"))
+    g = a.group_by("device", "pid", maintain_order=True).agg(
+        pl.len().alias("bins"), (pl.col("nccl_pct") > 0).sum().alias("bins_with_nccl"),
+        pl.col("nccl_pct").sum().alias("nccl_pct_sum"), pl.col("both_pct").sum().alias("both_pct_sum"))
+    return g.with_columns(pl.when(pl.col("nccl_pct_sum") > 0)
+                          .then(100 * pl.col("both_pct_sum") / pl.col("nccl_pct_sum")).otherwise(None)
+                          .alias("overlap_of_nccl_pct"))
+
+
+# ------------------------------------------------------------------------------------------------ one folder
+
+def read_nsys_folder(folder: str | Path) -> tuple[dict[str, pl.DataFrame], dict[str, dict[str, pl.DataFrame]]]:
+    """A folder of one capture's exports → ``(stats reports, recipes)``: the ``nsys stats`` CSVs directly in it or
+    in ``<folder>/stats/``, the ``nsys recipe`` output folders directly in it or in ``<folder>/recipes/``. Raises
+    :class:`NsysReportError` naming the folder when it is missing or has no ``<base>_cuda_gpu_kern_sum.csv``."""
+    folder = Path(folder).expanduser()
+    if not folder.is_dir():
+        raise NsysReportError(f"nsys_dir {folder}: no such folder")
+    reports = read_stats_dir(folder)
+    if not reports and (folder / "stats").is_dir():          # <dir>/stats/*.csv beside <dir>/recipes/<recipe>/
+        reports = read_stats_dir(folder / "stats")
+    if "cuda_gpu_kern_sum" not in reports:
+        raise NsysReportError(f"nsys_dir {folder}: no <base>_cuda_gpu_kern_sum.csv among "
+                              f"{sorted(x.name for x in folder.glob('*.csv')) or 'no CSV files'}")
+    recipes: dict[str, dict[str, pl.DataFrame]] = {}
+    for where in (folder, folder / "recipes"):
+        if where.is_dir():
+            recipes.update(read_recipes(where))
+    return reports, recipes
+
+
+METHOD_REPORTS = ("nccl", "gpu_util", "overlap", "osrt")
+
+
+def method_reports(reports: dict[str, pl.DataFrame], recipes: dict[str, dict[str, pl.DataFrame]]
+                   ) -> dict[str, pd.DataFrame]:
+    """The method's other Nsight Systems reports from one folder's exports, rounded to 3 decimals, each empty when
+    its input is missing: ``nccl`` (``nccl_sum``), ``gpu_util`` (``nccl_gpu_time_util_map``, else
+    ``cuda_gpu_time_util_map``), ``overlap`` (``nccl_gpu_time_util_map``) and ``osrt`` (``osrt_sum``)."""
+    util_map = recipes.get("nccl_gpu_time_util_map") or recipes.get("cuda_gpu_time_util_map") or {}
+    frames = {"nccl": nccl_summary(recipes["nccl_sum"]) if "nccl_sum" in recipes else pl.DataFrame(),
+              "gpu_util": gpu_utilisation(util_map),
+              "overlap": nccl_overlap(recipes.get("nccl_gpu_time_util_map") or {}),
+              "osrt": osrt_summary(reports["osrt_sum"]) if "osrt_sum" in reports else pl.DataFrame()}
+    return {k: df.to_pandas().round(3) if df.height else pd.DataFrame() for k, df in frames.items()}

@@ -2,7 +2,8 @@
 one capture.
 
 Each answer carries the numbers it rests on and the trace files they come from, or says "not answerable
-from this capture" and why (e.g. no MoE kernels → Q8).
+from this capture" and why (e.g. no MoE kernels → Q8). Q8 answers from the engine's expert-token counts when the
+capture recorded them (``analyse.trace.experts``), else from a kernel-time proxy, and says which.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from dataclasses import asdict, dataclass
 import polars as pl
 
 from servelab.analyse.trace.analysis import CaptureAnalysis
+from servelab.analyse.trace.experts import HOT_FACTOR, IMBALANCED_RATIO, ExpertCounts, expert_imbalance
 from servelab.analyse.trace.stalls import OneClock, stall_summary
 
 QUESTIONS = (
@@ -241,12 +243,43 @@ def q7(a: CaptureAnalysis) -> Answer:
     return Answer("Q7", QUESTIONS[6][1], True, ans, sr.get("evidence", ""), _files(a))
 
 
-def q8(a: CaptureAnalysis) -> Answer:
+def q8_from_counts(ec: ExpertCounts, source: str) -> Answer:
+    """Q8 from the engine's expert-token counts (``analyse.trace.experts``): per layer max/mean tokens per expert,
+    the imbalance ratio and the hot experts."""
+    t = expert_imbalance(ec)
+    t = t.filter(pl.col("tokens") > 0)
+    if t.height == 0:
+        return Answer("Q8", QUESTIONS[7][1], False, "not answerable from this capture",
+                      f"the expert-distribution record ({ec.mode}) holds no routed token: no MoE forward ran while it "
+                      "recorded", source)
+    worst = t.sort("imbalance", descending=True).row(0, named=True)
+    bad = t.filter(pl.col("imbalance") >= IMBALANCED_RATIO)
+    verdict = (f"yes: {bad.height} of {t.height} MoE layers have max/mean ≥ {IMBALANCED_RATIO:g}" if bad.height
+               else f"no: every MoE layer's max/mean is below {IMBALANCED_RATIO:g}")
+    per_layer = "; ".join(f"layer {r['layer']}: max {r['max_tokens']} / mean {r['mean_tokens']:.1f} = "
+                          f"{r['imbalance']:.2f}, hot {r['hot_experts'] or '-'}, idle {r['idle_experts']}"
+                          for r in t.head(8).iter_rows(named=True))
+    more = f" (+{t.height - 8} more layers in the table)" if t.height > 8 else ""
+    ans = (f"{verdict}; worst layer {worst['layer']}: the hottest expert took {worst['top_share_pct']:.1f}% of its "
+           f"{worst['tokens']} token assignments ({worst['imbalance']:.2f}× the mean of {worst['mean_tokens']:.1f})")
+    ev = (f"from expert counts: SGLang's expert-distribution recorder (mode {ec.mode}, ranks {ec.ranks}, "
+          f"{ec.passes} forward passes with routed tokens, {ec.experts} experts × {ec.layers} layers; a token counts "
+          f"once per expert it is routed to); hot = ≥ {HOT_FACTOR:g}× the layer mean. {per_layer}{more}"
+          + ("; " + "; ".join(ec.notes) if ec.notes else ""))
+    return Answer("Q8", QUESTIONS[7][1], True, ans, ev, source)
+
+
+def q8(a: CaptureAnalysis, experts: ExpertCounts | None = None) -> Answer:
+    """From the engine's expert counts when the capture has them (``experts``); else the kernel-time proxy (MoE
+    GEMM time per rank), which says so."""
+    if experts is not None:
+        return q8_from_counts(experts, ", ".join(experts.files))
     moe = a.breakdown.filter(pl.col("cls") == "moe") if a.breakdown.height else a.breakdown
     if moe.height == 0:
         return Answer("Q8", QUESTIONS[7][1], False, "not answerable from this capture",
-                      "no MoE kernels (gate / dispatch / grouped GEMM / combine) in the trace — a dense model or "
-                      "unclassified MoE kernels (extend the taxonomy rules)", _files(a))
+                      "no expert counts recorded with this capture and no MoE kernels (gate / dispatch / grouped GEMM "
+                      "/ combine) in the trace — a dense model, unclassified MoE kernels (extend the taxonomy rules), "
+                      "or an engine started without its expert-distribution recorder", _files(a))
     per_rank = []
     for r in a.rops:
         o = r.ops.filter((pl.col("cls") == "moe") & (pl.col("subclass") == "grouped_gemm"))
@@ -259,13 +292,15 @@ def q8(a: CaptureAnalysis) -> Answer:
     slowest = max(per_rank, key=lambda x: x[1])[0] if per_rank else None
     if len(per_rank) < 2:
         return Answer("Q8", QUESTIONS[7][1], False, "not answerable from this capture",
-                      f"MoE kernels present ({sum(vals):.2f} ms) but only one rank: per-expert token counts are not in "
-                      "Kineto traces and a single rank gives no cross-rank comparison", _files(a))
-    verdict = "likely imbalanced" if ratio and ratio >= 1.3 else "no strong imbalance visible"
+                      f"MoE kernels present ({sum(vals):.2f} ms) but only one rank and no expert counts recorded: "
+                      "per-expert token counts are not in Kineto traces and a single rank gives no cross-rank "
+                      "comparison (start the engine with its expert-distribution recorder)", _files(a))
+    verdict = "likely imbalanced" if ratio and ratio >= IMBALANCED_RATIO else "no strong imbalance visible"
     return Answer("Q8", QUESTIONS[7][1], True,
                   f"{verdict}: per-rank MoE GEMM time max/mean = {_fmt(ratio, '', 2)} (slowest rank {slowest})",
-                  "proxy from kernel time per rank; per-expert token counts are not recorded in Kineto traces "
-                  "(use the engine's expert-distribution recorder for the exact counts)", _files(a))
+                  "from the kernel-time proxy (no expert counts were recorded with this capture): MoE GEMM time per "
+                  "rank; per-expert token counts are not in Kineto traces (start the engine with its "
+                  "expert-distribution recorder for exact counts)", _files(a))
 
 
 def q9(a: CaptureAnalysis) -> Answer:
@@ -355,12 +390,16 @@ def _no_gpu(a: CaptureAnalysis) -> list[Answer]:
     return [Answer(qid, zh, False, "not answerable from this capture", why, _files(a)) for qid, zh, _ in QUESTIONS]
 
 
-def ten_questions(a: CaptureAnalysis) -> pl.DataFrame:
-    """The ten questions as a table: id, question, answerable, answer, evidence, source (trace files)."""
+def ten_questions(a: CaptureAnalysis, experts: ExpertCounts | None = None) -> pl.DataFrame:
+    """The ten questions as a table: id, question, answerable, answer, evidence, source (trace files).
+    ``experts``: the engine's expert counts recorded with this capture (Q8 answers from them)."""
     if sum(r.ops.height for r in a.rops) == 0:
         rows = [asdict(x) for x in _no_gpu(a)]
+        if experts is not None:
+            rows[7] = asdict(q8(a, experts))
     else:
-        rows = [asdict(f(a)) for f in (q1, q2, q3, q4, q5, q6, q7, q8, q9, q10)]
+        rows = [asdict(f(a)) for f in (q1, q2, q3, q4, q5, q6, q7)] + [asdict(q8(a, experts))] + \
+            [asdict(f(a)) for f in (q9, q10)]
     en = {q[0]: q[2] for q in QUESTIONS}
     df = pl.DataFrame(rows)
     return df.with_columns(pl.col("id").replace_strict(en, return_dtype=pl.String).alias("question_en")) \

@@ -126,6 +126,12 @@ class EngineAdapter:
     flush_cache_path: str | None = None
     start_profile_path: str | None = None
     stop_profile_path: str | None = None
+    # the engine's expert-distribution recorder (MoE models): its start/stop/dump paths (each a POST without a body),
+    # the launch key that turns it on, the variable naming the folder its dump files go to, and their file names
+    expert_record_paths: dict[str, str] | None = None
+    expert_record_mode_key = "expert_distribution_recorder_mode"
+    expert_record_dir_env = ""
+    expert_dump_file = r"$^"
     version_paths: tuple[str, ...] = ()
     slots_path: str | None = None          # per-slot state (prompt progress, KV tokens held), polled while a case runs
     # the variable naming where the engine creates its IPC socket files (default: the node's temp folder, where
@@ -183,6 +189,11 @@ class EngineAdapter:
     # launch keys that must be a positive integer when set (each adapter may add its own)
     positive_int_keys: tuple[str, ...] = (*TOPOLOGY_KEYS, "context_length", "max_running_requests",
                                           "cuda_graph_max_bs", "max_prefill_tokens")
+
+    @staticmethod
+    def expert_record_dir(launch: dict[str, Any]) -> str:
+        """Where the expert-distribution recorder writes its dumps on each node ("" when the engine has none)."""
+        return ""
 
     def validate_launch(self, launch: dict[str, Any], source: str) -> None:
         if not isinstance(launch, dict):

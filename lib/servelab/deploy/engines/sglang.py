@@ -41,6 +41,12 @@ class SGLangAdapter(EngineAdapter):
         "dtype": "--dtype", "max_total_tokens": "--max-total-tokens (the KV pool; on CPU it sizes itself from free RAM)",
         "sleep_on_idle": "--sleep-on-idle (an idle scheduler otherwise spins a core)",
         "cpu_threads_bind": "SGLANG_CPU_OMP_THREADS_BIND: the cores of each rank, '|'-separated (device cpu)",
+        "expert_distribution_recorder_mode": "--expert-distribution-recorder-mode (stat | stat_approx | per_pass | "
+                                             "per_token): MoE models; Phase 3 records expert counts per capture",
+        "expert_distribution_recorder_buffer_size": "--expert-distribution-recorder-buffer-size (forward passes kept; "
+                                                    "SGLang's default 1000, -1 unbounded)",
+        "expert_record_dir": "SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR: the recorder's dump folder on every node "
+                             "(default <profiler_dir>/expert-distribution)",
     }
     positive_int_keys = (*EngineAdapter.positive_int_keys, "max_total_tokens")
     health_path = "/health"
@@ -56,6 +62,14 @@ class SGLangAdapter(EngineAdapter):
     term_leader_first = True
     start_profile_path = "/start_profile"
     stop_profile_path = "/stop_profile"
+    # SGLang 0.5.23 http_server.py: GET or POST, no body; /dump_… writes a torch.save file into
+    # SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR (default /tmp): mode stat → one file from rank 0,
+    # ``expert_distribution_recorder_<time>.pt`` (counts summed over ranks); per_pass/per_token → one file per rank,
+    # ``expert_distribution_recorder_<time>_<rank>.pt``. The recorder exists only with --expert-distribution-recorder-mode.
+    expert_record_paths = {"start": "/start_expert_distribution_record", "stop": "/stop_expert_distribution_record",
+                           "dump": "/dump_expert_distribution_record"}
+    expert_record_dir_env = "SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR"
+    expert_dump_file = r"^expert_distribution_recorder_\d+(?:\.\d+)?(?:_\d+)?\.pt$"
     version_paths = ("/server_info", "/get_server_info", "/model_info")
     tokenize_path = "/v1/tokenize"
     metric_names = {
@@ -145,6 +159,14 @@ class SGLangAdapter(EngineAdapter):
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
         return "|".join(str(cores[r % len(cores)]) for r in range(ranks))
 
+    @staticmethod
+    def expert_record_dir(launch: dict[str, Any]) -> str:
+        """Where the expert-distribution recorder's dumps go on each node: ``launch.expert_record_dir``, else
+        ``<launch.profiler_dir>/expert-distribution``, else "" (SGLang's own default, /tmp)."""
+        if launch.get("expert_record_dir"):
+            return str(launch["expert_record_dir"])
+        return str(Path(launch["profiler_dir"]) / "expert-distribution") if launch.get("profiler_dir") else ""
+
     def launch_plans(self, target: Target, port: int) -> list[LaunchPlan]:
         """One plan per node: the same server argv plus ``--nnodes/--node-rank/--dist-init-addr``."""
         la = target.launch
@@ -168,7 +190,9 @@ class SGLangAdapter(EngineAdapter):
                "kv_cache_dtype": "--kv-cache-dtype", "attention_backend": "--attention-backend",
                "moe_runner_backend": "--moe-runner-backend", "moe_a2a_backend": "--moe-a2a-backend",
                "hicache_ratio": "--hicache-ratio", "page_size": "--page-size", "device": "--device",
-               "dtype": "--dtype", "max_total_tokens": "--max-total-tokens"}
+               "dtype": "--dtype", "max_total_tokens": "--max-total-tokens",
+               "expert_distribution_recorder_mode": "--expert-distribution-recorder-mode",
+               "expert_distribution_recorder_buffer_size": "--expert-distribution-recorder-buffer-size"}
         for key, flag in opt.items():
             if la.get(key) is not None:
                 base += [flag, str(la[key])]
@@ -198,6 +222,8 @@ class SGLangAdapter(EngineAdapter):
         env = dict(target.env)
         if la.get("profiler_dir"):
             env["SGLANG_TORCH_PROFILER_DIR"] = str(la["profiler_dir"])
+        if la.get("expert_distribution_recorder_mode") and self.expert_record_dir(la):
+            env[self.expert_record_dir_env] = self.expert_record_dir(la)
         if la.get("device") == "cpu":
             env.setdefault("SGLANG_USE_CPU_ENGINE", "1")
             if t["tp"] * t["pp"] > 1 or la.get("cpu_threads_bind"):
