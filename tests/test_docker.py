@@ -507,5 +507,10 @@ def test_phase0_in_docker_mode_shows_the_containers_rank_environment_and_writes_
     assert seen[("llama-server", "NCCL_SOCKET_IFNAME")] == ("lo", "ok")
     assert "0c1e570" in m["engine"]["version"]                 # asked of the engine inside its container
     assert containers_of("p0-docker") == []
+    # the freeze: the image and its id, the commit from `llama-server --version` in a throw-away container of it
+    fz = m["frozen"]["local"]
+    assert fz["image"] == IMAGE and fz["image_id"] == docker("image", "inspect", "--format", "{{.Id}}", IMAGE).stdout.strip()
+    assert fz["engine_commit"] == "0c1e570" and m["frozen_changes"] == []
+    assert docker("ps", "-aq", "--filter", "name=servelab-probe").stdout.split() == []     # probes removed
     leaked = [p for p in rdir.rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes()]
     assert leaked == []

@@ -33,7 +33,7 @@ def test_names_stay_importable_from_run():
     ("max_tokens", False), ("bos_token", False), ("eos_token", False), ("time_to_first_token", False),
     ("total_token_throughput", False), ("itl_per_token", False), ("prompt_token_count", False),
     ("token_ids", False), ("token_check", False), ("tokenizer", False), ("first_pass", False), ("author", False), ("NCCL_IB_HCA", False),
-    ("kv_bytes_per_token", False), ("next_token", False)])
+    ("kv_bytes_per_token", False), ("next_token", False), ("api_key_env", False), ("password_file", False)])
 def test_secret_names(name, secret):
     assert rd.is_secret_name(name) is secret
 
@@ -269,4 +269,10 @@ def test_an_engine_scheduler_line_keeps_its_token_counts():
     line = ("[2026-12-02 09:34:53] Prefill batch, #new-seq: 1, #new-token: 64, #cached-token: 1536, token usage: 0.05, "
             "#running-req: 0, #queue-req: 0, #pending-token: 0, cpu graph: False, input throughput (token/s): 10.72")
     assert redact_text(line) == line
+    # a target's api_key_env holds the NAME of the variable with the key: a derived target must keep it to load
+    assert redact_text("api_key_env: SERVELAB_API_KEY") == "api_key_env: SERVELAB_API_KEY"
+    decode = ("[2026-12-02 10:16:53] Decode batch, #running-req: 1, #token: 98, token usage: 0.00, cpu graph: False, "
+              "gen throughput (token/s): 0.48, #queue-req: 0")          # SGLang 0.5.23's own line: #token is a count
+    assert redact_text(decode) == decode
     assert "s3cr3t-value-1" not in redact_text("HF_TOKEN=s3cr3t-value-1 cached-token: 12")
+    assert "s3cr3t-value-2" not in redact_text("token: s3cr3t-value-2")

@@ -143,6 +143,9 @@ def kernel_manager_class(log_path: Path | None = None, env: dict[str, str] | Non
         async def _async_launch_kernel(self, kernel_cmd: list[str], **kw: Any) -> None:
             if env:           # the secrets a derived target names as ${NAME}: in the kernel's environment only
                 kw["env"] = {**(kw.get("env") or os.environ), **env}
+            if "JPY_SESSION_NAME" in (kw.get("env") or os.environ):    # run from a JupyterLab notebook: that
+                kw["env"] = {k: v for k, v in (kw.get("env") or os.environ).items()    # notebook is not this phase's
+                             if k != "JPY_SESSION_NAME"}
             if log_path is not None:
                 log_path.parent.mkdir(parents=True, exist_ok=True)
                 log = open(log_path, "ab")          # the child keeps its own copy of the descriptor
@@ -414,26 +417,34 @@ def cmd_render(args: argparse.Namespace) -> int:
     rdir = run_dir(args.run_id)
     if not rdir.exists():
         raise ParamError(f"no run directory {rdir}")
+    if args.notebook and not args.phase:
+        raise ParamError("--notebook renders one phase: name it (servelab render RUN_ID PHASE --notebook FILE)")
+    if args.notebook and not Path(args.notebook).is_file():
+        raise ParamError(f"--notebook {args.notebook}: no such file")
     m = read_manifest(rdir)
     phases = [args.phase] if args.phase else list(m.get("phases", {}))
+    scrubbed = False
     for p in phases:
-        nb = Path(args.notebook) if args.notebook else rdir / p / "notebook.ipynb"
+        nb = rdir / p / "notebook.ipynb"
+        source = Path(args.notebook) if args.notebook else None
         recorded = m.get("phases", {}).get(p, {}).get("executed_notebook")
-        if not args.notebook and recorded and Path(recorded).exists() and (
+        if source is None and recorded and Path(recorded).exists() and (
                 not nb.exists() or Path(recorded).stat().st_mtime > nb.stat().st_mtime):
-            # run with plain papermill: keep the executed copy with the run, then render it
-            import shutil
+            source = Path(recorded)        # run with plain papermill or in JupyterLab: its executed notebook
+        if source is not None and source.exists() and (not nb.exists() or not source.samefile(nb)):
+            # taken into the run (scrubbed below, with everything the phase wrote), then rendered from there
             nb.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(recorded, nb)
+            shutil.copyfile(source, nb)
         if not nb.exists():
-            _say(f"{p}: no executed notebook (expected {nb}); run the phase with `servelab run` or pass --notebook")
+            _say(f"{p}: no executed notebook (expected {source or nb}); run the phase with `servelab run` or pass "
+                 "--notebook")
             continue
         if nb.exists():
             entry = m.get("phases", {}).get(p, {})
             status = entry.get("status", "")
             known = recorded_run_secrets(rdir)
-            if nb.resolve().is_relative_to(rdir.resolve()):
-                scrub_phase_outputs(rdir, p, known)        # e.g. a notebook executed with plain papermill
+            scrub_tree(rdir / p, known)                # the notebook and the phase's files: secrets never stay
+            scrubbed = True
             kept = entry.get("kept_page") if not args.notebook else None
             # a kept good page (a later attempt failed) is rendered as the good attempt it is, with its banner
             out = render_notebook(nb, rdir / p / "report.html", {"run_id": args.run_id, "phase": p,
@@ -447,6 +458,8 @@ def cmd_render(args: argparse.Namespace) -> int:
                 mark_later_failure(out, str(entry.get("ended") or ""), status, str(entry.get("error") or status),
                                    entry.get("failed_page"))
             print(out)
+    if scrubbed:                 # the run's other files (cases, manifest, commands) once, e.g. after plain papermill
+        scrub_tree(rdir, recorded_run_secrets(rdir))
     write_run_index(rdir)
     write_root_index(rdir.parent)
     print(rdir / "index.html")
@@ -495,10 +508,11 @@ def cmd_case(args: argparse.Namespace) -> int:
         if nb.exists():            # the phase page lists the re-run among its executed commands
             m = read_manifest(rdir)
             entry = m.get("phases", {}).get(recipe.phase, {})
+            known = tuple(sorted({*recorded_run_secrets(rdir), *target.secret_values()}, key=lambda v: (-len(v), v)))
             render_notebook(nb, rdir / recipe.phase / "report.html",
                             {"run_id": args.run_id, "phase": recipe.phase, "target": m.get("target", ""),
                              "status": entry.get("status", ""), "error": entry.get("error", ""),
-                             "title": f"{recipe.phase} · {NOTEBOOKS.get(recipe.phase, recipe.phase)}"})
+                             "title": f"{recipe.phase} · {NOTEBOOKS.get(recipe.phase, recipe.phase)}"}, known=known)
         write_run_index(rdir)
         write_root_index(rdir.parent)
     return att.exit_code
@@ -567,7 +581,8 @@ def build_parser() -> argparse.ArgumentParser:
     rn = sub.add_parser("render", help="(re)render a run's pages and indexes")
     rn.add_argument("run_id")
     rn.add_argument("phase", nargs="?")
-    rn.add_argument("--notebook", help="an executed notebook (e.g. from plain papermill) to render as PHASE")
+    rn.add_argument("--notebook", help="an executed notebook (plain papermill, JupyterLab) to take into the run as "
+                                       "PHASE's notebook, scrubbed of secrets, and render")
     rn.set_defaults(fn=cmd_render)
     cs = sub.add_parser("case", help="re-run one measured case from its recorded meta as a new attempt "
                                      "(cases/<case>@a<n>/)")

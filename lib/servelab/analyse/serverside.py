@@ -444,3 +444,34 @@ def m1_ttft_split(join: Any) -> pd.DataFrame:
                          "TTFT (ms)": t["ttft_ms"].round(1), "queueing (ms)": t["queueing_ms"].round(1),
                          "prefill (ms)": t["prefill_ms"].round(1), "delivery (ms)": t["delivery_ms"].round(1),
                          "logged prefill": t["prefill_step"].replace("", "not in the log window")})
+
+
+def lines_table(sides: dict[str, Any], limit: int = 30) -> pd.DataFrame:
+    """The scheduler lines of each run's window (``{run: ServerSide}``, e.g. M1's control and treatment) as a table:
+    run, time (s), event, the parsed numbers, the line."""
+    frames = []
+    for run, side in sides.items():
+        ln = side.lines
+        if ln is None or ln.empty:
+            continue
+        keep = [c for c in ln.columns if c not in ("order", "wall_ns", "line", "t_s", "event", "clock")]
+        df = ln.assign(run=run).rename(columns={"t_s": "t (s)"})
+        frames.append(df[["run", "t (s)", "event", *keep, "line"]])
+    if not frames:
+        return pd.DataFrame({"note": ["no scheduler lines in M1's engine log excerpts"]})
+    out = pd.concat(frames, ignore_index=True).sort_values(["run", "t (s)"], na_position="last")
+    out = out.groupby("run", sort=False).head(limit).round(4).reset_index(drop=True)
+    for col in out.columns:                  # counts (slot, task, tokens, requests) as integers, not 25.00
+        v = out[col]
+        if v.dtype.kind == "f" and col != "t (s)" and v.dropna().eq(v.dropna().round()).all():
+            out[col] = v.astype("Int64")
+    return out
+
+
+def clock_table(sides: dict[str, Any]) -> pd.DataFrame:
+    """How each run's log lines were placed in time, and what the engine could not say."""
+    if not sides:
+        return pd.DataFrame({"note": ["no server-side view: M1 did not run or its case files are missing"]})
+    return pd.DataFrame([{"run": run, "engine": s.engine, "log lines in window": len(s.lines),
+                          "metric samples in window": len(s.series), "alignment": s.clock,
+                          "notes": "; ".join(s.notes)} for run, s in sides.items()])

@@ -39,6 +39,9 @@ _TOKENISH = {"bos", "eos", "pad", "unk", "sep", "cls", "mask", "first", "next", 
 # "pass" names a secret (DB_PASS, SSHPASS) unless it is a pass of a computation
 _PASSISH = {"first", "second", "third", "forward", "backward", "single", "multi", "prefill", "decode", "one", "two",
             "each", "num", "n", "by"}
+# a name ending with one of these names where a secret is kept, not the secret: api_key_env (a variable's NAME),
+# password_file, token_path
+_REFERENCE_WORDS = {"env", "var", "variable", "file", "path", "dir"}
 # query parameters that carry a credential though their name alone would not say so
 _QUERY_SECRET_NAMES = {"key", "sig", "signature", "code", "access_token", "id_token", "refresh_token"}
 
@@ -50,8 +53,11 @@ def _words(name: str) -> list[str]:
 
 def is_secret_name(name: str) -> bool:
     """``HF_TOKEN``, ``api-key``, ``db.password``, ``Authorization``, ``SSHPASS`` name secrets; ``max_tokens``,
-    ``bos_token``, ``time_to_first_token``, ``token_count``, ``tokenizer`` and ``first_pass`` do not."""
+    ``bos_token``, ``time_to_first_token``, ``token_count``, ``tokenizer``, ``first_pass`` and ``api_key_env`` (the
+    name of the variable that holds a key) do not."""
     words = _words(name)
+    if len(words) > 1 and words[-1] in _REFERENCE_WORDS:     # api_key_env, password_file: where a secret is, not it
+        return False
     for i, w in enumerate(words):
         prev = words[i - 1] if i else ""
         nxt = words[i + 1] if i + 1 < len(words) else ""
@@ -125,6 +131,12 @@ def _redact_query(url: str) -> str:
     return _sub_named(QUERY_PARAM_RE, url, lambda m: _secret_query_name(m.group("name")))
 
 
+def _is_count(m: re.Match[str]) -> bool:
+    """``#token: 122`` — a name written with ``#`` before it is a count in an engine's log line (SGLang's scheduler
+    lines: ``#token``, ``#new-token``, ``#running-req``), never a secret's name."""
+    return m.start() > 0 and m.string[m.start() - 1] == "#"
+
+
 def redact_patterns(text: str, names: bool = True) -> str:
     """Hide what looks like a secret (by shape, and by name unless ``names=False``); no known values.
 
@@ -141,7 +153,7 @@ def redact_patterns(text: str, names: bool = True) -> str:
     text = _sub_named(BEARER_RE, text, lambda m: True)
     if names:
         text = _sub_named(FLAG_RE, text, lambda m: is_secret_name(m.group("flag").lstrip("-")))
-        text = _sub_named(ASSIGN_RE, text, lambda m: is_secret_name(m.group("name")))
+        text = _sub_named(ASSIGN_RE, text, lambda m: is_secret_name(m.group("name")) and not _is_count(m))
     return text
 
 

@@ -159,3 +159,406 @@ def gguf_facts(path: Path) -> dict[str, Any]:
         out[name] = val
     out["tensor_count"] = len(reader.tensors)
     return out
+
+
+# ---------------------------------------------------------------- the frozen software and weights
+#
+# What Phase 0 freezes per node, taken before the engine starts and again after it stopped
+# (``docs/method.md#freeze``): the engine's container image (name and id), the engine's own Python packages
+# read by the engine's own interpreter (never servelab's), the engine's git commit where its install records one,
+# and the sha256 of every file of the model. Every probe runs on the node through the host layer (SSH for a
+# remote node), in docker mode inside a throw-away container of the engine's image.
+
+# Run with the engine's interpreter: argv[1] is the engine's top-level module ("sglang", "vllm"), which is located
+# but never imported. Prints one JSON object: the interpreter, every installed distribution (name, version, the
+# raw direct_url.json where pip wrote one) and the engine module's place, with the git checkout that holds it.
+SOFTWARE_SCRIPT = r'''
+import json, os, subprocess, sys
+from importlib import metadata, util
+
+def git_checkout(start):
+    d = os.path.abspath(start)
+    while not os.path.exists(os.path.join(d, ".git")):
+        if os.path.dirname(d) == d:
+            return None
+        d = os.path.dirname(d)
+    gitdir = os.path.join(d, ".git")
+    if os.path.isfile(gitdir):
+        text = open(gitdir).read().strip()
+        gitdir = os.path.normpath(os.path.join(d, text.split(":", 1)[1].strip())) if text.startswith("gitdir:") else gitdir
+    common = gitdir
+    if os.path.isfile(os.path.join(gitdir, "commondir")):
+        common = os.path.normpath(os.path.join(gitdir, open(os.path.join(gitdir, "commondir")).read().strip()))
+    try:
+        head = open(os.path.join(gitdir, "HEAD")).read().strip()
+    except OSError as exc:
+        return {"root": d, "error": str(exc)}
+    ref, commit = "", head
+    if head.startswith("ref:"):
+        ref, commit = head[4:].strip(), None
+        for base in (gitdir, common):
+            if os.path.isfile(os.path.join(base, ref)):
+                commit = open(os.path.join(base, ref)).read().strip()
+                break
+        if commit is None and os.path.isfile(os.path.join(common, "packed-refs")):
+            for line in open(os.path.join(common, "packed-refs")):
+                parts = line.split()
+                if len(parts) == 2 and parts[1] == ref:
+                    commit = parts[0]
+    dirty = None
+    try:
+        r = subprocess.run(["git", "-C", d, "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                           text=True, timeout=120)
+        dirty = bool(r.stdout.strip()) if r.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {"root": d, "ref": ref, "commit": commit, "dirty": dirty}
+
+pkg = sys.argv[1] if len(sys.argv) > 1 else ""
+out = {"python": sys.version.split()[0], "executable": sys.executable, "prefix": sys.prefix, "packages": []}
+seen = set()
+for dist in metadata.distributions():
+    name = dist.metadata["Name"] or ""
+    key = name.lower().replace("_", "-").replace(".", "-")
+    if not name or key in seen:
+        continue
+    seen.add(key)
+    out["packages"].append({"name": name, "version": dist.version, "direct_url": dist.read_text("direct_url.json")})
+if pkg:
+    spec = util.find_spec(pkg)
+    where = None
+    if spec is not None:
+        where = list(spec.submodule_search_locations or [])[:1] or [spec.origin]
+        where = where[0]
+    dists = metadata.packages_distributions().get(pkg, [])
+    out["engine"] = {"module": pkg, "location": where, "distributions": dists,
+                     "git": git_checkout(os.path.dirname(where) if where and os.path.isfile(where) else where)
+                     if where else None}
+print(json.dumps(out))
+'''
+
+# Run with python3 on the node: argv[1] the model path (a file, or a folder whose top-level files are hashed),
+# argv[2] "list" or "hash", argv[3] (hash) the previous pass as {file: [size, mtime_ns, ctime_ns, inode, sha256]}:
+# a file whose four stat values are unchanged keeps its sha256 (a changed content changes mtime and ctime, and
+# ctime cannot be set back). One JSON line per file, streamed in 1 MiB reads.
+WEIGHTS_SCRIPT = r'''
+import hashlib, json, os, sys, time
+root, mode = sys.argv[1], sys.argv[2]
+prev = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
+if not os.path.exists(root):
+    print(json.dumps({"error": "no such file or folder on this node: " + root}))
+    sys.exit(3)
+if os.path.isfile(root):
+    files = [(os.path.basename(root), root)]
+else:
+    files = [(n, os.path.join(root, n)) for n in sorted(os.listdir(root))
+             if not n.startswith(".") and os.path.isfile(os.path.join(root, n))]
+for rel, path in files:
+    st = os.stat(path)
+    key = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+    rec = {"file": rel, "bytes": st.st_size, "stat": key}
+    if mode == "hash":
+        old = prev.get(rel)
+        if old and list(old[:4]) == key:
+            rec.update(sha256=old[4], seconds=0.0, how="unchanged since hashed")
+        else:
+            t0, h = time.monotonic(), hashlib.sha256()
+            with open(path, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    h.update(chunk)
+            rec.update(sha256=h.hexdigest(), seconds=round(time.monotonic() - t0, 3), how="hashed")
+    print(json.dumps(rec), flush=True)
+'''
+
+HASH_MB_PER_S = 100.0          # the slowest hashing rate a timeout allows for (a network file system)
+PROBE_PREFIX = "servelab-probe"
+
+
+@dataclass
+class EngineEnv:
+    """Where a node's engine runs, as its launch plan says: the interpreter that runs it (None for a compiled
+    engine), its top-level module, its argv (for the version command), and in docker mode the image and the
+    container client. A probe runs bare on the node or in a throw-away container of the image."""
+    node: str
+    argv: tuple[str, ...]
+    python: str | None = None
+    package: str | None = None
+    image: str | None = None
+    client: str = "docker"
+    env: dict[str, str] | None = None
+    role: str = "head"
+
+    def argv_for(self, argv: list[str], run_id: str = "") -> tuple[list[str], str]:
+        """(``argv`` as run on the node, the probe container's name or ``""``): in docker mode
+        ``docker run --rm --network none --entrypoint argv[0] IMAGE argv[1:]`` under a fresh name."""
+        if not self.image:
+            return list(argv), ""
+        import secrets as _secrets
+        name = f"{PROBE_PREFIX}-{re.sub(r'[^A-Za-z0-9_.-]+', '-', run_id)[:40].strip('-.') or 'x'}-{_secrets.token_hex(3)}"
+        return [self.client, "run", "--rm", "--name", name, "--network", "none", "--entrypoint", argv[0], self.image,
+                *argv[1:]], name
+
+
+def engine_env(plan: Any, adapter: Any) -> EngineEnv:
+    """The :class:`EngineEnv` of one launch plan (bare argv, or the container's engine argv and image)."""
+    c = getattr(plan, "container", None)
+    argv = list(c.engine_argv if c is not None else plan.argv)
+    return EngineEnv(node=plan.node, argv=tuple(argv), python=adapter.engine_python(argv),
+                     package=adapter.engine_package, image=c.image if c is not None else None,
+                     client=c.client if c is not None else "docker", env=None if c is not None else dict(plan.env),
+                     role=plan.role)
+
+
+def run_in_engine_env(host: Any, eng: EngineEnv, argv: list[str], timeout: float, run_id: str = "") -> Any:
+    """Run ``argv`` where the engine runs (bare with the engine's environment, or in a throw-away container of its
+    image, removed on every exit path). Returns the host's ``Result``."""
+    full, name = eng.argv_for(argv, run_id)
+    try:
+        return host.run(full, env=eng.env or None, timeout=timeout)
+    finally:
+        if name:
+            host.run([eng.client, "rm", "-f", name], timeout=60)
+
+
+def parse_direct_url(text: str | None) -> dict[str, Any]:
+    """``direct_url.json`` (PEP 610, written by pip for a URL, VCS or local-folder install) → ``{"source", "url",
+    "commit", "editable"}``; ``{}`` for an install from an index (pip writes no such file then)."""
+    if not text:
+        return {}
+    import json as _json
+    try:
+        d = _json.loads(text)
+    except ValueError:
+        return {"source": "unreadable direct_url.json"}
+    url = str(d.get("url", ""))
+    if "vcs_info" in d:
+        v = d["vcs_info"]
+        return {"source": f"{v.get('vcs', 'vcs')} {url}" + (f"@{v['requested_revision']}" if v.get("requested_revision")
+                                                             else ""), "url": url, "commit": v.get("commit_id", ""),
+                "editable": False}
+    if "dir_info" in d:
+        return {"source": ("editable " if d["dir_info"].get("editable") else "") + f"folder {url}", "url": url,
+                "commit": "", "editable": bool(d["dir_info"].get("editable"))}
+    if "archive_info" in d:
+        h = d["archive_info"].get("hash") or (d["archive_info"].get("hashes") or {}).get("sha256", "")
+        return {"source": f"archive {url}" + (f" ({h})" if h else ""), "url": url, "commit": "", "editable": False}
+    return {"source": url, "url": url, "commit": "", "editable": False}
+
+
+_SCM_COMMIT = re.compile(r"(?:\+|\.)g([0-9a-f]{7,40})\b")     # setuptools-scm local versions: 0.6.1.dev12+g1a2b3c4
+
+
+def parse_software(stdout: str) -> dict[str, Any]:
+    """The output of :data:`SOFTWARE_SCRIPT` → ``{"python", "executable", "packages": DataFrame(package, version,
+    installed_from, commit), "engine": {"distribution", "version", "commit", "commit_source", "location"}}``.
+
+    The engine's commit, in this order: its distribution's ``direct_url.json`` (a VCS install records the commit
+    it was built from), the git checkout holding its module (a source or editable install: ``HEAD``, with
+    ``dirty`` when tracked files differ), the commit a setuptools-scm version carries (``+g<hex>``); otherwise
+    none is recorded and ``commit_source`` says why."""
+    import json as _json
+    d = _json.loads(stdout.strip().splitlines()[-1])
+    rows = []
+    for p in d.get("packages", []):
+        du = parse_direct_url(p.get("direct_url"))
+        rows.append({"package": p["name"], "version": p["version"], "installed_from": du.get("source") or "index or wheel",
+                     "commit": du.get("commit", "")})
+    packages = pd.DataFrame(rows, columns=["package", "version", "installed_from", "commit"])
+    packages = packages.sort_values("package", key=lambda s: s.str.lower()).reset_index(drop=True)
+    out: dict[str, Any] = {"python": d.get("python", ""), "executable": d.get("executable", ""), "packages": packages}
+    eng = d.get("engine")
+    if eng is not None:
+        dists = eng.get("distributions") or []
+        dist = next((r for r in rows if r["package"] in dists), None)
+        info = {"module": eng.get("module", ""), "location": eng.get("location") or "",
+                "distribution": dist["package"] if dist else "", "version": dist["version"] if dist else "",
+                "commit": "", "commit_source": ""}
+        git = eng.get("git") or {}
+        if not eng.get("location"):
+            info["commit_source"] = f"the module {eng.get('module')} is not importable by this interpreter"
+        elif dist and dist["commit"]:
+            info.update(commit=dist["commit"], commit_source=f"direct_url.json of {dist['package']} ({dist['installed_from']})")
+        elif git.get("commit"):
+            info.update(commit=git["commit"] + ("-dirty" if git.get("dirty") else ""),
+                        commit_source=f"git checkout {git['root']}" + (f" ({git['ref']})" if git.get("ref") else "")
+                        + (": tracked files modified" if git.get("dirty") else ""))
+        elif dist and (m := _SCM_COMMIT.search(dist["version"])):
+            info.update(commit=m.group(1), commit_source=f"the version {dist['version']} (setuptools-scm)")
+        elif dist:
+            how = "an index or a wheel" if dist["installed_from"] == "index or wheel" else dist["installed_from"]
+            info["commit_source"] = f"not recorded: {dist['package']} {dist['version']} was installed from {how}, " \
+                                    "which records no commit"
+        else:
+            info["commit_source"] = "not recorded: no installed distribution owns the module"
+        out["engine"] = info
+    return out
+
+
+def parse_image_inspect(stdout: str) -> dict[str, Any]:
+    """``docker image inspect --format '{{json .}}' IMAGE`` → ``{"id", "tags", "digests", "created", "revision"}``
+    (``revision``: the OCI ``org.opencontainers.image.revision`` label, the commit the image was built from, where
+    the image carries it)."""
+    import json as _json
+    d = _json.loads(stdout.strip().splitlines()[-1])
+    labels = ((d.get("Config") or {}).get("Labels") or {})
+    return {"id": d.get("Id", ""), "tags": list(d.get("RepoTags") or []), "digests": list(d.get("RepoDigests") or []),
+            "created": d.get("Created", ""), "revision": labels.get("org.opencontainers.image.revision", "")}
+
+
+def parse_weight_lines(stdout: str) -> tuple[pd.DataFrame, str]:
+    """The output of :data:`WEIGHTS_SCRIPT` → (frame: file, bytes, stat, sha256, seconds, how; error or ``""``)."""
+    import json as _json
+    rows, error = [], ""
+    for line in stdout.splitlines():
+        line = line.strip()
+        if not line.startswith("{"):
+            continue
+        rec = _json.loads(line)
+        if "error" in rec:
+            error = rec["error"]
+            continue
+        rows.append(rec)
+    cols = ["file", "bytes", "stat", "sha256", "seconds", "how"]
+    return pd.DataFrame(rows, columns=cols) if rows else pd.DataFrame(columns=cols), error
+
+
+def weight_checksums(host: Any, model_path: str, previous: pd.DataFrame | None = None, rehash: bool = False,
+                     python: str = "python3") -> dict[str, Any]:
+    """sha256 of the model on ``host``: the GGUF (or other) file, or every top-level file of a model folder
+    (weights, config, tokenizer), streamed on the node itself. With ``previous`` (an earlier pass of the same node)
+    a file whose size, mtime, ctime and inode are unchanged keeps its hash unless ``rehash``. Returns ``{"files":
+    frame, "seconds", "bytes", "error", "results"}`` (``seconds``: the wall time of the hashing call; ``results``:
+    the host's ``Result`` of each call)."""
+    import json as _json
+    import time as _time
+    listing = host.run([python, "-c", WEIGHTS_SCRIPT, model_path, "list"], timeout=120)
+    files, error = parse_weight_lines(listing.stdout)
+    if listing.exit_code == 127 or (listing.exit_code != 0 and not error):
+        why = (listing.stderr or listing.stdout).strip().splitlines()
+        return {"files": files, "seconds": 0.0, "bytes": 0, "error": error or f"{python} on {host.name}: "
+                + (why[-1] if why else f"exit {listing.exit_code}"), "results": [listing]}
+    if error:
+        return {"files": files, "seconds": 0.0, "bytes": 0, "error": error, "results": [listing]}
+    total = int(files["bytes"].sum()) if len(files) else 0
+    prev = {}
+    if previous is not None and not rehash and len(previous):
+        prev = {r.file: [*r.stat, r.sha256] for r in previous.itertuples() if isinstance(r.sha256, str) and r.sha256}
+    t0 = _time.monotonic()
+    r = host.run([python, "-c", WEIGHTS_SCRIPT, model_path, "hash", _json.dumps(prev)],
+                 timeout=120 + total / (HASH_MB_PER_S * 1e6))
+    seconds = round(_time.monotonic() - t0, 2)
+    files, error = parse_weight_lines(r.stdout)
+    if r.exit_code != 0 and not error:
+        error = f"hashing stopped (exit {r.exit_code}): {(r.stderr or '').strip()[-200:]}"
+    return {"files": files, "seconds": seconds, "bytes": total, "error": error, "results": [listing, r]}
+
+
+def weights_fingerprint(files: pd.DataFrame) -> str:
+    """The model's one checksum: a single file's own sha256, else one sha256 over the ``<file> <sha256>`` lines of
+    every file (sorted) — equal exactly when every file is."""
+    import hashlib
+    if files.empty or files["sha256"].isna().any():
+        return ""
+    if len(files) == 1:
+        return str(files["sha256"].iloc[0])
+    lines = "".join(f"{f} {h}\n" for f, h in sorted(zip(files["file"], files["sha256"])))
+    return hashlib.sha256(lines.encode()).hexdigest()
+
+
+@dataclass
+class NodeFreeze:
+    """One node's frozen software and weights at one moment (``before`` the engine started, ``after`` it stopped)."""
+    node: str
+    moment: str
+    engine: dict[str, Any]                  # name, distribution, version, commit, commit_source, python, executable
+    packages: pd.DataFrame                  # package, version, installed_from, commit
+    weights: pd.DataFrame                   # file, bytes, stat, sha256, seconds, how
+    weights_seconds: float = 0.0
+    weights_bytes: int = 0
+    image: dict[str, Any] | None = None     # docker mode: name, id, tags, digests, created, revision
+    notes: list[str] | None = None          # what could not be read, in sentences
+    commands: list[Any] | None = None       # the host Results of the probes (recorded as executed commands)
+
+
+def freeze_node(host: Any, eng: EngineEnv, adapter: Any, model_path: str, moment: str,
+                previous: NodeFreeze | None = None, rehash: bool = False, run_id: str = "",
+                raw_dir: Path | None = None) -> NodeFreeze:
+    """Read on ``host`` what its engine runs from: the image (docker mode), the engine's packages with the engine's
+    own interpreter (bare, or inside a throw-away container of the image), its commit, its version output
+    (compiled engines), and the model's sha256 per file (see :func:`weight_checksums`; ``previous`` lets unchanged
+    files keep their hash). Raw outputs go to ``raw_dir`` (redacted)."""
+    import json as _json
+    notes: list[str] = []
+    commands: list[Any] = []
+    raw: dict[str, str] = {}
+    image = None
+    if eng.image:
+        r = host.run([eng.client, "image", "inspect", "--format", "{{json .}}", eng.image], timeout=60)
+        commands.append(r)
+        raw["image_inspect"] = r.stdout + r.stderr
+        if r.ok and r.stdout.strip():
+            image = {"name": eng.image, **parse_image_inspect(r.stdout)}
+        else:
+            image = {"name": eng.image, "id": ""}
+            notes.append(f"the image {eng.image} is not on {host.name} ({(r.stderr or '').strip()[:160] or r.exit_code})")
+    engine: dict[str, Any] = {"name": adapter.name, "distribution": "", "version": "", "commit": "", "commit_source": "",
+                              "python": "", "executable": eng.python or (eng.argv[0] if eng.argv else "")}
+    packages = pd.DataFrame(columns=["package", "version", "installed_from", "commit"])
+    if eng.python and eng.package and (not eng.image or (image and image.get("id"))):
+        r = run_in_engine_env(host, eng, [eng.python, "-c", SOFTWARE_SCRIPT, eng.package], 300, run_id)
+        commands.append(r)
+        raw["packages"] = r.stdout + r.stderr
+        try:
+            sw = parse_software(r.stdout) if r.ok else None
+        except (ValueError, KeyError, IndexError):
+            sw = None
+        if sw is None:
+            why = (r.stderr or r.stdout).strip().splitlines()
+            notes.append(f"the engine's packages could not be read with {eng.python}"
+                         + (" in the image" if eng.image else "") + f" on {host.name}: "
+                         + (why[-1][:200] if why else f"exit {r.exit_code}"))
+        else:
+            packages = sw["packages"]
+            engine.update({k: v for k, v in sw.get("engine", {}).items()
+                           if k in ("distribution", "version", "commit", "commit_source")},
+                          python=sw["python"], executable=sw["executable"])
+    elif not eng.python:
+        engine["commit_source"] = "a compiled engine: no Python packages"
+    if not eng.python and not eng.image and eng.argv:      # a compiled engine on the node: its executable's sha256
+        r = host.run(["sh", "-c", 'sha256sum "$(command -v "$1")"', "servelab-sha256", eng.argv[0]], timeout=300)
+        commands.append(r)
+        digest = r.stdout.split()[0] if r.ok and r.stdout.strip() else ""
+        engine["executable_sha256"] = digest if re.fullmatch(r"[0-9a-f]{64}", digest) else ""
+        if not engine["executable_sha256"]:
+            notes.append(f"the sha256 of {eng.argv[0]} on {host.name} could not be taken: "
+                         f"{(r.stderr or r.stdout).strip()[:160] or r.exit_code}")
+    # the version output of the head's engine (a worker may run another program: llama.cpp's RPC server)
+    vcmd = adapter.version_command(list(eng.argv)) if eng.argv and eng.role == "head" else None
+    if vcmd and (not eng.image or (image and image.get("id"))):
+        r = run_in_engine_env(host, eng, vcmd, 60, run_id)
+        commands.append(r)
+        text = (r.stdout + r.stderr).strip()
+        raw["version"] = text
+        first = text.splitlines()[0].removeprefix("version:").strip()[:120] if r.ok and text else ""
+        engine["version"] = engine["version"] or first
+        commit = adapter.commit_from_version(text) if r.ok else ""
+        if commit and not engine["commit"]:
+            engine.update(commit=commit, commit_source=f"`{' '.join(vcmd)}`")
+    if image and image.get("revision") and not engine["commit"]:
+        engine.update(commit=image["revision"], commit_source="image label org.opencontainers.image.revision")
+    if not engine["commit"] and not engine["commit_source"]:
+        engine["commit_source"] = "not recorded by this engine's install"
+    w = weight_checksums(host, model_path, previous.weights if previous is not None else None, rehash,
+                         python=eng.python if eng.python and not eng.image else "python3")
+    commands += w["results"]
+    if w["error"]:
+        notes.append(f"model checksums on {host.name}: {w['error']}")
+    if raw_dir is not None:
+        raw_dir.mkdir(parents=True, exist_ok=True)
+        for k, v in raw.items():
+            (raw_dir / f"{k}.txt").write_text(redact_text(v))
+        (raw_dir / "weights.jsonl").write_text("".join(_json.dumps(rec, default=str) + "\n"
+                                                       for rec in w["files"].to_dict(orient="records")))
+    return NodeFreeze(node=host.name, moment=moment, engine=engine, packages=packages, weights=w["files"],
+                      weights_seconds=w["seconds"], weights_bytes=w["bytes"], image=image, notes=notes,
+                      commands=commands)

@@ -17,7 +17,10 @@ Difference statuses (:func:`diff_manifests`):
 - ``accepted``  listed by the user as known and harmless (``accepted=[...]``) — still shown;
 - ``volatile``  snapshot values expected to differ between any two runs (GPU utilisation/clock/memory readings,
   container uptime, timestamps, run ids, log paths);
-- ``confound``  anything else: the A/B is confounded, and the page says so loudly.
+- ``confound``  anything else: the A/B is confounded, and the page says so loudly — a package version, a model
+  file's sha256, the image id or the engine's commit that differs between the runs' frozen environments
+  (``frozen.<node>.*``, written by Phase 0) included; where only some runs froze their environment, one row says
+  that those could not be compared.
 
 Noise rule (:func:`compare_cases`): per case and metric, mean / min / max / CV (sample std, ddof = 1, as
 :func:`servelab.measure.request_metrics.cv_across_repeats`) over the repeats of each side. The change is **within noise** when
@@ -144,6 +147,8 @@ def category(key: str) -> str:
         return "host"
     if head in ("tool", "python", "platform"):
         return "tool"
+    if head == "frozen":                 # Phase 0's freeze: the engine's software, and the model's files
+        return "model" if ".weights" in key else "software"
     return head if head in ("target", "engine", "model") else "other"
 
 
@@ -164,6 +169,11 @@ def diff_manifests(runs: Sequence[RunRef], variable: str | Sequence[str] = "",
     declared = [variable] if isinstance(variable, str) else list(variable)
     declared = [d for d in declared if d]
     flats = [flatten_manifest(r.manifest) for r in runs]
+    froze = [bool(r.manifest.get("frozen")) for r in runs]
+    if any(froze) and not all(froze):      # one row, not one per package: these runs cannot be compared there
+        flats = [{k: v for k, v in f.items() if not k.startswith("frozen.")} for f in flats]
+        for f, r, fz in zip(flats, runs, froze):
+            f["frozen"] = f"recorded ({len(r.manifest['frozen'])} node(s))" if fz else "<absent>"
     keys = sorted(set().union(*[f.keys() for f in flats]))
     rows = []
     for k in keys:
@@ -199,12 +209,39 @@ def diff_manifests(runs: Sequence[RunRef], variable: str | Sequence[str] = "",
             status.append("derived"), note.append("phase parameter that sets the declared variable")
         elif _matches(k, accepted):
             status.append("accepted"), note.append("accepted by the user as harmless")
+        elif k.startswith("frozen"):
+            derived, why = _frozen_follows(k, declared)
+            status.append("derived" if derived else "confound"), note.append(why)
         else:
             status.append("confound"), note.append("changed besides the declared variable")
     df["status"], df["note"] = status, note
     order = {"declared": 0, "confound": 1, "accepted": 2, "derived": 3, "volatile": 4}
     return df.sort_values(["status", "category", "key"], key=lambda s: s.map(order) if s.name == "status" else s
                           ).reset_index(drop=True)
+
+
+# a frozen key follows from a declared change of what produces it: the weights from the model, the image id from
+# the image, the packages and the engine's commit from the image or the interpreter
+_FROZEN_SOURCES = {"weights": ("model",), "weights_sha256": ("model",), "image": ("image", "docker"),
+                   "image_id": ("image", "docker"), "packages": ("image", "docker", "python"),
+                   "engine": ("image", "docker", "python"), "engine_commit": ("image", "docker", "python"),
+                   "python": ("image", "docker", "python"), "executable_sha256": ("image", "docker", "binary")}
+
+
+def _frozen_follows(key: str, declared: Sequence[str]) -> tuple[bool, str]:
+    """(derived?, note) for a differing ``frozen.*`` key."""
+    if key == "frozen":
+        return False, ("only some runs recorded their frozen environment (Phase 0): packages, image and model "
+                       "checksums not compared — run Phase 0 in each")
+    part = key.split(".")[2] if key.count(".") >= 2 else ""
+    what = {"packages": f"package {key.split('.', 3)[-1]} version", "weights": f"model file {key.split('.', 3)[-1]} "
+            "sha256", "weights_sha256": "model checksum", "image_id": "image id", "image": "image",
+            "engine_commit": "engine commit", "engine": "engine version", "python": "interpreter version",
+            "executable_sha256": "engine executable sha256"}.get(part, part)
+    sources = _FROZEN_SOURCES.get(part, ())
+    if any(_matches(d, sources) for d in declared):
+        return True, f"{what} follows from the declared {', '.join(declared)}"
+    return False, f"{what} differs between the runs: a different engine build or model than the declared change"
 
 
 # ---------------------------------------------------------------- case summaries

@@ -25,6 +25,7 @@ import dataclasses
 import json
 import re
 import shutil
+import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from typing import Any
 from servelab.core import run as runlib
 from servelab.core.params import ParamError, did_you_mean
 from servelab.core.paths import project_root
+from servelab.core.redact import known_secrets, scrub_tree
 from servelab.measure import request_metrics as mx
 from servelab.measure.case import (ATTEMPT_SEP, ENGINE_CRASH, CaseEnv, CaseSpec, EngineCrash, attempt_folder,
                                    make_env, split_attempt)
@@ -167,13 +169,16 @@ def rerun_case(run_id: str, case_id: str, target: str | None = None, health_time
     tgt = load_target(target or r.target)
     rdir = r.run_dir
     started = runlib.now_iso()
+    t0_wall = time.time() - 2.0            # files written from here on are scrubbed (2 s: coarse modification times)
     n, adir = _reserve(rdir, r.case_id)
     folder = adir.name
+    log_dir = rdir / r.phase / "server" / folder
+    known = set(tgt.secret_values())
     status, verdict, reasons, error = ENGINE_CRASH, "INVALID", ["the case did not run"], ""
     try:
         with ProcessTracker() as tracker:
-            srv = start_server(tgt, rdir / r.phase / "server" / folder, tracker, run_dir=rdir, phase=r.phase,
-                               health_timeout_s=health_timeout_s)
+            srv = start_server(tgt, log_dir, tracker, run_dir=rdir, phase=r.phase, health_timeout_s=health_timeout_s)
+            known |= {v for p in srv.plans for v in p.secret_values()} | ({srv.api_key} if srv.api_key else set())
             try:
                 env: CaseEnv = make_env(srv, rdir, attempt=n, **r.env_kw)
                 try:
@@ -202,4 +207,17 @@ def rerun_case(run_id: str, case_id: str, target: str | None = None, health_time
             label="executed", argv=case_command(run_id, case_id, target), phase=r.phase, title=title,
             cwd=str(project_root()), start=started, end=runlib.now_iso(), exit_code=code,
             note=f"verdict {verdict}" if ran else ""))
+        scrub_attempt(rdir, adir, log_dir, tuple(known), since=t0_wall)
     return Attempt(r.case_id, n, adir, status, verdict, list(reasons), tgt.name, error)
+
+
+def scrub_attempt(rdir: Path, attempt_dir: Path, log_dir: Path, known: tuple[str, ...], since: float) -> None:
+    """The re-run's last pass, as a phase's (``docs/method.md#secrets``): the attempt's folder (its engine-log excerpt
+    among its files), the engine's own log of the re-run, and every other text file of the run written since the
+    re-run began (manifest, commands) — known secret values (the target's, its launch plans', the API key, the
+    process environment's) and secret-looking text replaced."""
+    values = tuple(sorted({*known, *known_secrets()}, key=lambda v: (-len(v), v)))
+    for folder in (attempt_dir, log_dir):
+        if folder.is_dir():
+            scrub_tree(folder, values)
+    scrub_tree(rdir, values, since=since, exclude=(".ipynb",))

@@ -102,6 +102,20 @@ def papermill_output(pid: int | None = None) -> Path | None:
     return path if path.is_absolute() else (cwd / path).resolve()
 
 
+def jupyter_notebook(environ: dict[str, str] | None = None) -> Path | None:
+    """The notebook file a JupyterLab (jupyter-server) kernel runs: jupyter-server starts each notebook's kernel with
+    ``JPY_SESSION_NAME`` = the notebook's path (absolute, or relative to the server's root, where the kernel's
+    working folder is the notebook's own). ``None`` outside JupyterLab or when the file is not found."""
+    name = (os.environ if environ is None else environ).get("JPY_SESSION_NAME", "")
+    if not name.endswith(".ipynb"):
+        return None
+    p = Path(name)
+    for cand in ([p] if p.is_absolute() else [Path.cwd() / p, Path.cwd() / p.name]):
+        if cand.is_file():
+            return cand.resolve()
+    return None
+
+
 def stop_on_sigterm() -> None:
     """SIGTERM in this process (the kernel: papermill/nbclient terminating it, ``kill PID``) ends the same way as
     Ctrl-C: a ``KeyboardInterrupt`` in the running cell, so every ``ProcessTracker`` stops what it started, on
@@ -141,8 +155,8 @@ def open_phase(notebook_name: str, namespace: dict[str, Any]) -> PhaseContext:
     started = runlib.now_iso()
     params = {**params, "run_id": run_id}
     entry = {"status": "running", "started": started, "params": params, "notebook": nb.name}
-    executed = papermill_output()
-    if executed is not None:       # plain papermill: `servelab render RUN_ID` finds the page's notebook here
+    executed = papermill_output() or jupyter_notebook()
+    if executed is not None:       # plain papermill, JupyterLab: `servelab render RUN_ID` takes the notebook from here
         entry["executed_notebook"] = str(executed)
     runlib.update_manifest(rdir, phases={phase: entry})
     runlib.write_json_atomic(pdir / "params.json", runlib.redact(params))

@@ -7,7 +7,6 @@ on failure or Ctrl-C) and returns the tables the notebook shows. Raw probe outpu
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,9 +15,8 @@ import pandas as pd
 
 from servelab.deploy import hosts as hostlib
 from servelab.deploy.engines import engine_for
-from servelab.deploy.facts import (collect_facts, gguf_facts, nccl_env, port_snapshot, process_snapshot,
-                            snapshot_diff)
-from servelab.deploy.models import file_digest
+from servelab.deploy.facts import (NodeFreeze, collect_facts, engine_env, freeze_node, gguf_facts, nccl_env,
+                                   port_snapshot, process_snapshot, snapshot_diff, weights_fingerprint)
 from servelab.phases.context import PhaseContext, log_command
 from servelab.core.run import read_manifest, redact, update_manifest, write_json_atomic
 from servelab.deploy.preflight import PreflightFailed, PreflightReport, ensure_preflight, fingerprint
@@ -46,6 +44,9 @@ class Phase0Result:
     exposure: list[str] = field(default_factory=list)     # warnings: reachable head without a key, dev endpoints
     exposure_notes: list[str] = field(default_factory=list)   # loopback-only exposure (info)
     host_keys: pd.DataFrame = field(default_factory=pd.DataFrame)
+    facts_after: pd.DataFrame = field(default_factory=pd.DataFrame)
+    frozen_before: dict[str, NodeFreeze] = field(default_factory=dict)
+    frozen_after: dict[str, NodeFreeze] = field(default_factory=dict)
     start_engine: bool = True
 
     def headline(self) -> dict[str, Any]:
@@ -112,28 +113,34 @@ def engine_settings(target_launch: dict[str, Any], engine: str, info: dict[str, 
                          for s, c, v in rows])
 
 
-def model_facts(model_path: str, is_local: bool) -> pd.DataFrame:
-    """Model file, size, sha256 and configuration (GGUF metadata or HF config.json)."""
+def model_facts(model_path: str, is_local: bool, frozen: NodeFreeze | None = None) -> pd.DataFrame:
+    """Model file or folder, size, sha256 and configuration (GGUF metadata or HF config.json). The checksums are
+    the head node's (``frozen``, taken on the node by :func:`servelab.deploy.facts.freeze_node`): the file's sha256,
+    or for a folder the number of files and one sha256 over every file's (the per-file list is the weights table)."""
     p = Path(model_path)
     rows: dict[str, Any] = {"path": model_path}
-    if is_local and p.is_file():
-        t0 = time.monotonic()
-        rows["size_bytes"] = p.stat().st_size
-        rows["sha256"] = file_digest(p)
-        rows["checksum_s"] = round(time.monotonic() - t0, 2)
-        if p.suffix == ".gguf":
-            for k, v in gguf_facts(p).items():
-                if any(s in k for s in ("architecture", "name", "context_length", "embedding_length", "block_count",
-                                        "head_count", "feed_forward_length", "file_type", "vocab_size", "expert",
-                                        "tensor_count", "quantization")):
-                    rows[k] = v
+    files = frozen.weights if frozen is not None else pd.DataFrame()
+    if len(files):
+        rows["size_bytes"] = int(files["bytes"].sum())
+        if p.suffix == ".gguf" or len(files) == 1 and not (is_local and p.is_dir()):
+            rows["sha256"] = str(files["sha256"].iloc[0])
+        else:
+            rows["files"] = len(files)
+            rows["files_sha256"] = weights_fingerprint(files)
+        rows["checksum_s"] = frozen.weights_seconds
+    elif frozen is not None and frozen.notes:
+        rows["checksum"] = "; ".join(n for n in frozen.notes if "checksum" in n) or "-"
+    if is_local and p.is_file() and p.suffix == ".gguf":
+        for k, v in gguf_facts(p).items():
+            if any(s in k for s in ("architecture", "name", "context_length", "embedding_length", "block_count",
+                                    "head_count", "feed_forward_length", "file_type", "vocab_size", "expert",
+                                    "tensor_count", "quantization")):
+                rows[k] = v
     elif is_local and p.is_dir() and (p / "config.json").exists():
         cfg = json.loads((p / "config.json").read_text())
         rows.update({f"config.{k}": v for k, v in cfg.items() if not isinstance(v, (dict, list))})
-        for w in sorted(p.glob("*.safetensors"))[:64]:
-            rows[f"weights.{w.name}.size"] = w.stat().st_size
-    else:
-        rows["note"] = "model lives on the nodes; checksums are taken there (see raw/<node>/model_sha256.txt)"
+    elif not is_local:
+        rows["note"] = "the model lives on the nodes; its checksums were taken there (the weights table)"
     return _kv(rows, "field")
 
 
@@ -177,20 +184,47 @@ def preflight(ctx: PhaseContext) -> PreflightReport:
     return report
 
 
+def _record_freeze_commands(ctx: PhaseContext, frozen: NodeFreeze) -> None:
+    for r in frozen.commands or []:
+        what = ("image" if "image" in r.argv and "inspect" in r.argv else "packages" if "-c" in r.argv and
+                any("metadata.distributions" in str(a) for a in r.argv) else
+                f"model files ({'list' if 'list' in r.argv else 'sha256'})" if any("hashlib" in str(a) for a in r.argv)
+                else "executable sha256" if "servelab-sha256" in r.argv else "engine version")
+        log_command(ctx, "executed", r.argv, title=f"freeze {frozen.moment}: {what} on {frozen.node}", host=frozen.node,
+                    exit_code=r.exit_code, start=r.start, end=r.end)
+
+
+def freeze_nodes(ctx: PhaseContext, nodes: dict[str, Any], plans: list[Any], model_path: str, moment: str,
+                 before: dict[str, NodeFreeze] | None = None, rehash: bool = False) -> dict[str, NodeFreeze]:
+    """:func:`servelab.deploy.facts.freeze_node` on every node of the launch ``plans`` (raw outputs under
+    ``raw/<node>/freeze-<moment>/``, every probe recorded as an executed command)."""
+    adapter = engine_for(ctx.target.engine)
+    out: dict[str, NodeFreeze] = {}
+    for plan in plans:
+        host = nodes[plan.node]
+        out[plan.node] = freeze_node(host, engine_env(plan, adapter), adapter, model_path, moment,
+                                     previous=(before or {}).get(plan.node), rehash=rehash, run_id=ctx.run_id,
+                                     raw_dir=ctx.phase_dir / "raw" / plan.node / f"freeze-{moment}")
+        _record_freeze_commands(ctx, out[plan.node])
+    return out
+
+
 def run(ctx: PhaseContext) -> Phase0Result:
     """Phase 0's entry (the phase contract): the preflight this run recorded for the target (the notebook's
     :func:`preflight` step; run here when it has not run), then :func:`run_phase0` with the ``start_engine`` and
-    ``health_timeout_s`` parameters."""
+    ``health_timeout_s`` and ``rehash_after`` parameters."""
     rec = read_manifest(ctx.run_dir).get("preflight") or {}
     pre = (PreflightReport.from_manifest(rec) if rec.get("fingerprint") == fingerprint(ctx.target) and rec.get("checks")
            else preflight(ctx))
     return run_phase0(ctx, start_engine=ctx.params["start_engine"], health_timeout_s=ctx.params["health_timeout_s"],
-                      preflight=pre)
+                      preflight=pre, rehash_after=ctx.params["rehash_after"])
 
 
 def run_phase0(ctx: PhaseContext, start_engine: bool = True, health_timeout_s: float = 900.0,
-               preflight: PreflightReport | None = None) -> Phase0Result:
-    """Collect the Phase 0 facts on every node; start the engine, record how it runs, stop it, verify cleanup.
+               preflight: PreflightReport | None = None, rehash_after: bool = False) -> Phase0Result:
+    """Collect the Phase 0 facts on every node; freeze the engine's image, packages, commit and the model's
+    checksums; start the engine, record how it runs, stop it, verify cleanup; take the facts and the freeze again
+    after (``rehash_after``: hash every model file again, not only those whose size, mtime, ctime or inode changed).
     A ``preflight`` report with a failed required check stops here, before anything is started."""
     if preflight is not None and not preflight.passed:
         raise PreflightFailed(preflight)
@@ -201,13 +235,14 @@ def run_phase0(ctx: PhaseContext, start_engine: bool = True, health_timeout_s: f
                 for k in getattr(h, "accepted_keys", [])]
     host_keys = [dict(h.host_key, phase=ctx.phase) for h in nodes.values() if getattr(h, "host_key", None)]
     facts = pd.concat([collect_facts(h, raw_dir=raw / name) for name, h in nodes.items()], ignore_index=True)
+    plans, model_path = plan_launch(target)        # the resolved launch: interpreter, image, model path per node
+    frozen_before = freeze_nodes(ctx, nodes, plans, model_path, "before")
     procs_before = pd.concat([process_snapshot(h) for h in nodes.values()], ignore_index=True)
     ports_before = pd.concat([port_snapshot(h) for h in nodes.values()], ignore_index=True)
     launch_rows, info, server_info = [], {}, {"started": False}
     rank_env = pd.DataFrame()
     procs_started = pd.DataFrame(columns=procs_before.columns)
     ports_opened = pd.DataFrame(columns=ports_before.columns)
-    model_path = target.model
     with hostlib.ProcessTracker() as tracker:
         if start_engine:
             srv = start_server(target, ctx.phase_dir / "logs", tracker, run_dir=ctx.run_dir, phase=ctx.phase,
@@ -231,7 +266,6 @@ def run_phase0(ctx: PhaseContext, start_engine: bool = True, health_timeout_s: f
                            for p in srv.plans]
             server_info.update(stop_server(srv, tracker, run_dir=ctx.run_dir, phase=ctx.phase))
         else:
-            plans, model_path = plan_launch(target)
             for p in plans:
                 log_command(ctx, "planned", p.argv, title=f"start {target.engine} on {p.node}", host=p.node,
                             env=p.env)
@@ -243,6 +277,9 @@ def run_phase0(ctx: PhaseContext, start_engine: bool = True, health_timeout_s: f
     # a zombie has exited (its parent, the stopped engine, is gone and this machine's init has not reaped it yet):
     # it holds no memory, port or device, so it is not a process left running
     leftovers = leftovers[~leftovers["state"].astype(str).str.startswith("Z")]
+    facts_after = pd.concat([collect_facts(h, raw_dir=raw / name / "after") for name, h in nodes.items()],
+                            ignore_index=True)
+    frozen_after = freeze_nodes(ctx, nodes, plans, model_path, "after", before=frozen_before, rehash=rehash_after)
     for h in nodes.values():
         h.close()
 
@@ -262,7 +299,8 @@ def run_phase0(ctx: PhaseContext, start_engine: bool = True, health_timeout_s: f
 
     result = Phase0Result(
         facts=facts, launch=pd.DataFrame(launch_rows, columns=["node", "command", "port", "log"]),
-        engine=_kv(engine_rows, "field"), model=model_facts(model_path, target.is_local),
+        engine=_kv(engine_rows, "field"),
+        model=model_facts(model_path, target.is_local, frozen_before.get(target.head.name)),
         settings=engine_settings(target.launch, target.engine, info), comm_env=nccl_env(target.env),
         processes_before=procs_before, ports_before=ports_before, processes_started=procs_started,
         ports_opened=ports_opened, leftovers_after=leftovers, rank_env=rank_env, server=server_info,
@@ -272,19 +310,193 @@ def run_phase0(ctx: PhaseContext, start_engine: bool = True, health_timeout_s: f
         host_keys=pd.DataFrame(host_keys + [{"node": h.name, "host": "this machine", "key_type": "—", "sha256": "—",
                                               "check": "no SSH: the node is the machine servelab runs on"}
                                              for h in nodes.values() if getattr(h, "kind", "") == "local"],
-                               columns=["node", "host", "key_type", "sha256", "check"]))
+                               columns=["node", "host", "key_type", "sha256", "check"]),
+        facts_after=facts_after, frozen_before=frozen_before, frozen_after=frozen_after)
     write_json_atomic(ctx.phase_dir / "engine_info.json", redact(info))
     facts.to_csv(ctx.phase_dir / "facts.csv", index=False)
     result.settings.to_csv(ctx.phase_dir / "settings.csv", index=False)
     result.model.to_csv(ctx.phase_dir / "model.csv", index=False)
+    facts_after.to_csv(ctx.phase_dir / "facts_after.csv", index=False)
+    for name, table in (("frozen", freeze_table), ("packages", packages_table), ("weights", weights_table),
+                        ("state_before_after", state_table), ("changes", changes_table)):
+        table(result).to_csv(ctx.phase_dir / f"{name}.csv", index=False)
+    changes = changes_table(result)
     hosts_section = {n: {r["fact"]: r["value"] for _, r in facts[facts["node"] == n].iterrows()} for n in nodes}
     update_manifest(ctx.run_dir, hosts=hosts_section, security=security, host_keys=host_keys,
                     exposure=result.exposure,
                     engine={"name": target.engine, **{k: v for k, v in engine_rows.items()}},
                     model={r["field"]: r["value"] for _, r in result.model.iterrows()},
                     launch={"plans": launch_rows, "env": target.env, "settings": target.launch},
-                    rank_env=rank_env.to_dict(orient="records"))
+                    rank_env=rank_env.to_dict(orient="records"), frozen=frozen_manifest(result.frozen_before),
+                    frozen_changes=[f"{r.node}: {r.what} {r.before} -> {r.after}"
+                                    for r in changes[changes["kind"] == "frozen"].itertuples()])
     return result
+
+
+# ---------------------------------------------------------------- the freeze, before and after
+
+STATE_FACTS = ("gpu_query", "gpu_list", "gpu_driver", "gpu_topology", "nccl_library", "containers", "docker",
+               "rdma_devices", "netdevs", "addresses")
+
+
+def _changed(a: Any, b: Any) -> str:
+    return "same" if str(a) == str(b) else "CHANGED"
+
+
+def _freeze_items(f: NodeFreeze) -> dict[str, str]:
+    e, w = f.engine, f.weights
+    eng = " ".join(x for x in (e.get("distribution") or e.get("name", ""), e.get("version", "")) if x)
+    items = {}
+    if f.image is not None:
+        items["image"] = str(f.image.get("name") or "-")
+        items["image id"] = str(f.image.get("id") or "not on the node")
+        items["image digest"] = ", ".join(f.image.get("digests") or []) or "-"
+    items.update({
+        "engine": eng or "-",
+        "engine commit": e.get("commit") or "-",
+        "commit from": e.get("commit_source") or "-",
+        "runs as": f"Python {e['python']} {e.get('executable', '')}" if e.get("python") else
+                   (e.get("executable") or "-"),
+        **({"executable sha256": e["executable_sha256"]} if e.get("executable_sha256") else {}),
+        "packages": f"{len(f.packages)} distributions" if len(f.packages) else "-",
+        "model files": f"{len(w)} files, {f.weights_bytes / 2**20:,.1f} MiB" if len(w) else "-",
+        "weights sha256": weights_fingerprint(w) or "-",
+    })
+    return items
+
+
+def freeze_table(result: Phase0Result) -> pd.DataFrame:
+    """Per node: image, image id, engine, its commit (and where it comes from), interpreter, package count, model
+    files and one sha256 over every model file — before the engine started and after it stopped."""
+    rows = []
+    for node, before in result.frozen_before.items():
+        after = result.frozen_after.get(node)
+        b, a = _freeze_items(before), _freeze_items(after) if after is not None else {}
+        for item, v in b.items():
+            rows.append({"node": node, "item": item, "before": v, "after": a.get(item, "not taken"),
+                         "changed": _changed(v, a.get(item, "not taken")) if after is not None else "-"})
+    return pd.DataFrame(rows, columns=["node", "item", "before", "after", "changed"])
+
+
+def packages_table(result: Phase0Result) -> pd.DataFrame:
+    """Every Python distribution the engine's interpreter sees, one row per package, a version column per node
+    before and after, where it was installed from; changed rows first."""
+    frames = []
+    for node, before in result.frozen_before.items():
+        for moment, f in (("before", before), ("after", result.frozen_after.get(node))):
+            if f is None or f.packages.empty:
+                continue
+            frames.append(f.packages.assign(col=f"{node} {moment}"))
+    if not frames:
+        return pd.DataFrame({"note": ["no Python packages read: a compiled engine, or its interpreter could not be "
+                                      "run (see the notes under the freeze table)"]})
+    allp = pd.concat(frames, ignore_index=True)
+    wide = allp.pivot_table(index="package", columns="col", values="version", aggfunc="first").reset_index()
+    cols = [c for c in dict.fromkeys(allp["col"]) if c in wide.columns]
+    src = allp.drop_duplicates("package").set_index("package")
+    wide["installed from"] = wide["package"].map(src["installed_from"])
+    wide["commit"] = wide["package"].map(src["commit"]).replace("", "-")
+    wide["changed"] = wide[cols].astype(str).nunique(axis=1).map(lambda n: "same" if n <= 1 else "CHANGED")
+    wide = wide[["package", *cols, "installed from", "commit", "changed"]].fillna("absent")
+    wide.columns.name = None
+    wide = wide.assign(_same=wide["changed"].eq("same"), _name=wide["package"].str.lower())
+    out = wide.sort_values(["_same", "_name"]).drop(columns=["_same", "_name"]).reset_index(drop=True)
+    out.attrs["max_rows"] = len(out)          # the page lists every package (the method asks for all of them)
+    return out
+
+
+def weights_table(result: Phase0Result) -> pd.DataFrame:
+    """Every model file per node: size, sha256 before and after, how long hashing it took and how the after value
+    was obtained (hashed again, or unchanged size/mtime/ctime/inode since it was hashed)."""
+    rows = []
+    for node, before in result.frozen_before.items():
+        after = result.frozen_after.get(node)
+        amap = {r.file: r for r in after.weights.itertuples()} if after is not None and len(after.weights) else {}
+        for r in before.weights.itertuples():
+            a = amap.get(r.file)
+            rows.append({"node": node, "file": r.file, "size (MiB)": r.bytes / 2**20, "sha256 before": r.sha256,
+                         "hashed in (s)": r.seconds, "sha256 after": a.sha256 if a is not None else "absent",
+                         "after": a.how if a is not None else "file gone",
+                         "changed": _changed(r.sha256, a.sha256) if a is not None else "CHANGED"})
+        for f, a in amap.items():
+            if f not in set(before.weights["file"]):
+                rows.append({"node": node, "file": f, "size (MiB)": a.bytes / 2**20, "sha256 before": "absent",
+                             "hashed in (s)": None, "sha256 after": a.sha256, "after": "new file",
+                             "changed": "CHANGED"})
+    if not rows:
+        notes = [n for f in result.frozen_before.values() for n in (f.notes or []) if "checksum" in n]
+        return pd.DataFrame({"note": notes or ["no model file was hashed"]})
+    out = pd.DataFrame(rows)
+    out.attrs["max_rows"] = len(out)          # every model file's checksum on the page
+    return out
+
+
+def state_table(result: Phase0Result) -> pd.DataFrame:
+    """GPU, container and network state per node (the facts of :data:`STATE_FACTS`) before the engine started and
+    after it stopped."""
+    if result.facts_after.empty:
+        return pd.DataFrame(columns=["node", "fact", "before", "after", "changed"])
+    key = ["node", "fact"]
+    b = result.facts[result.facts["fact"].isin(STATE_FACTS)].set_index(key)
+    a = result.facts_after[result.facts_after["fact"].isin(STATE_FACTS)].set_index(key)
+    rows = []
+    for k in b.index:
+        bv = b.loc[k, "value"] if b.loc[k, "status"] == "ok" else b.loc[k, "status"]
+        av = (a.loc[k, "value"] if a.loc[k, "status"] == "ok" else a.loc[k, "status"]) if k in a.index else "not taken"
+        rows.append({"node": k[0], "group": b.loc[k, "group"], "fact": k[1], "before": bv, "after": av,
+                     "changed": _changed(bv, av)})
+    return pd.DataFrame(rows, columns=["node", "group", "fact", "before", "after", "changed"])
+
+
+def changes_table(result: Phase0Result) -> pd.DataFrame:
+    """Everything that differs between before and after: frozen items, packages and model files (``frozen``: each
+    is a failure of the freeze) and GPU, container and network state (``state``: shown, judged by the reader)."""
+    rows = []
+    ft = freeze_table(result)
+    for r in ft[ft["changed"] == "CHANGED"].itertuples():
+        rows.append({"kind": "frozen", "node": r.node, "what": r.item, "before": r.before, "after": r.after})
+    pt = packages_table(result)
+    if "changed" in pt.columns:
+        for _, r in pt[pt["changed"] == "CHANGED"].iterrows():
+            for node in result.frozen_before:
+                if f"{node} before" in r and str(r[f"{node} before"]) != str(r.get(f"{node} after")):
+                    rows.append({"kind": "frozen", "node": node, "what": f"package {r['package']}",
+                                 "before": r[f"{node} before"], "after": r.get(f"{node} after", "absent")})
+    wt = weights_table(result)
+    if "changed" in wt.columns:
+        for _, r in wt[wt["changed"] == "CHANGED"].iterrows():
+            rows.append({"kind": "frozen", "node": r["node"], "what": f"model file {r['file']}",
+                         "before": r["sha256 before"], "after": r["sha256 after"]})
+    st = state_table(result)
+    for r in st[st["changed"] == "CHANGED"].itertuples():
+        rows.append({"kind": "state", "node": r.node, "what": r.fact, "before": r.before, "after": r.after})
+    return pd.DataFrame(rows, columns=["kind", "node", "what", "before", "after"])
+
+
+def frozen_manifest(frozen: dict[str, NodeFreeze]) -> dict[str, Any]:
+    """What the manifest keeps of the freeze (taken before the engine started), per node: image and image id,
+    engine, commit, interpreter, every package's version and every model file's sha256 — the keys the A/B guard
+    (:func:`servelab.measure.abtest.diff_manifests`) compares between runs."""
+    out: dict[str, Any] = {}
+    for node, f in frozen.items():
+        e = f.engine
+        d: dict[str, Any] = {}
+        if f.image is not None:
+            d.update(image=f.image.get("name", ""), image_id=f.image.get("id", ""))
+        d.update(engine=" ".join(x for x in (e.get("distribution") or e.get("name", ""), e.get("version", "")) if x),
+                 engine_commit=e.get("commit", ""), python=e.get("python", ""),
+                 **({"executable_sha256": e["executable_sha256"]} if e.get("executable_sha256") else {}),
+                 packages={r.package: r.version for r in f.packages.itertuples()},
+                 weights={r.file: r.sha256 for r in f.weights.itertuples()},
+                 weights_sha256=weights_fingerprint(f.weights))
+        out[node] = d
+    return out
+
+
+def freeze_notes(result: Phase0Result) -> list[str]:
+    """What the freeze could not read, per node and moment, in sentences."""
+    return [f"{f.node} ({f.moment}): {n}" for fr in (result.frozen_before, result.frozen_after)
+            for f in fr.values() for n in (f.notes or [])]
 
 
 def headline(result: Phase0Result) -> dict[str, Any]:
@@ -294,12 +506,57 @@ def headline(result: Phase0Result) -> dict[str, Any]:
 
 
 def verdict(result: Phase0Result) -> tuple[str, str]:
-    """(status, why): Phase 0 fails when a process the engine started outlived its stop."""
+    """(status, why): Phase 0 fails when the frozen environment (image, engine, packages, model files) changed
+    between before and after, or when a process the engine started outlived its stop."""
     left = result.leftovers_after
+    changed = changes_table(result)
+    changed = changed[changed["kind"] == "frozen"]
+    if not changed.empty:
+        what = "; ".join(f"{r.node} {r.what}: {str(r.before)[:40]} -> {str(r.after)[:40]}"
+                         for r in changed.head(3).itertuples())
+        return "failed", (f"the frozen environment changed while Phase 0 ran ({len(changed)} item(s)): {what} — "
+                          "find what modified it, then run Phase 0 again")
     if left.empty:
         return "success", ""
     what = ", ".join(f"{r.node} pid {r.pid} ({str(r.command)[:60]})" for r in left.head(3).itertuples())
     return "failed", f"{len(left)} process(es) the engine started were still running after it stopped: {what}"
+
+
+def freeze_findings(result: Phase0Result) -> list[str]:
+    """The freeze in sentences: per node the engine, its commit, its packages, the model's checksum and how long
+    hashing took; what changed between before and after; what could not be read."""
+    out = []
+    for node, f in result.frozen_before.items():
+        e = f.engine
+        parts = []
+        if f.image is not None:
+            parts.append(f"image {f.image.get('name')} ({str(f.image.get('id') or 'not on the node')[:19]})")
+        eng = " ".join(x for x in (e.get("distribution") or e.get("name", ""), e.get("version", "")) if x)
+        src = str(e.get("commit_source") or "-")
+        parts.append(f"engine {eng or 'version not read'}, "
+                     + (f"commit {e['commit'][:12]} (from {src})" if e.get("commit") else
+                        "commit " + (src if src.startswith("not recorded") else f"not recorded ({src})")))
+        if len(f.packages):
+            parts.append(f"{len(f.packages)} Python packages read with {e.get('executable') or 'its interpreter'}")
+        if len(f.weights):
+            hashed = f.weights[f.weights["how"] == "hashed"]
+            busy = float(hashed["seconds"].sum()) if len(hashed) else 0.0
+            rate = hashed["bytes"].sum() / 2**20 / busy if busy >= 1.0 else None     # a rate only where it means one
+            parts.append(f"{len(f.weights)} model file(s), {f.weights_bytes / 2**20:,.1f} MiB, sha256 "
+                         f"{weights_fingerprint(f.weights)[:12]}…, hashed on the node in {f.weights_seconds:.2f} s"
+                         + (f" ({rate:,.0f} MiB/s)" if rate else ""))
+        out.append(f"Frozen on {node}: " + "; ".join(parts) + ".")
+    if result.frozen_after:
+        ch = changes_table(result)
+        frozen, state = ch[ch["kind"] == "frozen"], ch[ch["kind"] == "state"]
+        out.append(("Nothing frozen changed between before and after (image, engine, packages, model files)"
+                    if frozen.empty else f"{len(frozen)} frozen item(s) CHANGED between before and after: "
+                    + ", ".join(f"{r.node} {r.what}" for r in frozen.head(5).itertuples()))
+                   + ("; GPU, container and network state identical." if state.empty else
+                      "; state that differs after the run: " + ", ".join(sorted({f"{r.node} {r.what}"
+                                                                                  for r in state.itertuples()})) + "."))
+    out += [f"Not read: {n}" for n in freeze_notes(result)]
+    return out
 
 
 def findings(result: Phase0Result, start_engine: bool = True) -> list[str]:
@@ -309,8 +566,12 @@ def findings(result: Phase0Result, start_engine: bool = True) -> list[str]:
     model = dict(zip(result.model["field"], result.model["value"])) if not result.model.empty else {}
     sett = result.settings.set_index("setting") if not result.settings.empty else pd.DataFrame()
     out = []
-    version = str(eng.get("version") or eng.get("build_info") or eng.get("server_info.version") or "not reported")
+    version = str(eng.get("version") or eng.get("build_info") or eng.get("server_info.version") or "")
     version = version.removeprefix("version:").strip()
+    frozen = next(iter(result.frozen_before.values()), None)
+    if not version and frozen is not None and frozen.engine.get("version"):
+        version = f"{frozen.engine['version']} (its installed package; the engine was not asked)"
+    version = version or "not reported"
     name = Path(str(model.get("path", "-"))).name
     size = model.get("size_bytes")
     detail = []
@@ -318,6 +579,8 @@ def findings(result: Phase0Result, start_engine: bool = True) -> list[str]:
         detail.append(f"{int(size) / 2**20:,.1f} MiB")
     if model.get("sha256") not in (None, "-"):
         detail.append(f"sha256 {str(model['sha256'])[:12]}…")
+    elif model.get("files_sha256") not in (None, "-", ""):
+        detail.append(f"{model.get('files')} files, sha256 over all {str(model['files_sha256'])[:12]}…")
     arch = model.get("general.architecture") or model.get("config.model_type")
     if arch:
         detail.append(f"architecture {arch}")
@@ -348,6 +611,7 @@ def findings(result: Phase0Result, start_engine: bool = True) -> list[str]:
     elif not start_engine:
         out.append("The engine was not started (start_engine=false): its launch command is only planned and no "
                    "live setting was verified.")
+    out += freeze_findings(result)
     unverified = [s for s, r in sett.iterrows() if str(r["live"]) in ("-", "None", "")] if not sett.empty else []
     absent = sorted(set(result.facts.loc[result.facts["status"] != "ok", "fact"])) if not result.facts.empty else []
     if unverified:

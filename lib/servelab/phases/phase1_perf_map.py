@@ -26,6 +26,7 @@ from servelab.measure.matrix import dispatch_case
 from servelab.measure.mixed import m1_analysis
 from servelab.core.run import merge_table, write_json_atomic
 from servelab.measure.search import SearchConfig, SearchResult, concurrency_search
+from servelab.analyse import memory as memory_layer
 from servelab.analyse.prefix_cache import memory_breakdown
 from servelab.core.params import ParamError
 from servelab.deploy.engines import engine_for
@@ -330,6 +331,24 @@ def memory_table(res: Phase1Result, phase_dir: Path) -> pd.DataFrame:
     return out.assign(log=logs[0].name)
 
 
+def memory_cases(res: Phase1Result, phase_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The memory layer per case beside its output TPS (``analyse.memory``, ``docs/metrics.md#memory``): weights,
+    KV pool and its peak use, graphs, workspace and allocated/reserved where the engine exposes them, from each
+    case's ``/metrics`` scrapes, this phase's engine log (start-up lines) and the case's log excerpt. Returns (table,
+    where each number came from); both are written to ``phase1/memory_per_case.csv`` / ``memory_sources.csv``."""
+    dirs = [r.case_dir for r in res.matrix.results]
+    if res.search is not None:
+        dirs += [Path(phase_dir).parent / "cases" / p.case_id for p in res.search.points]
+    logs = sorted(Path(phase_dir, "server").glob("*.log"))
+    engine = res.server.get("engine")
+    table, sources = memory_layer.memory_table(dirs, res.definition,
+                                               startup_log=logs[0].read_text(errors="replace") if logs else None,
+                                               adapter=engine_for(engine) if engine else None)
+    table.to_csv(Path(phase_dir) / "memory_per_case.csv", index=False)
+    sources.to_csv(Path(phase_dir) / "memory_sources.csv", index=False)
+    return table, sources
+
+
 def m1_figure(res: Phase1Result) -> Any:
     import plotly.graph_objects as go
     if res.m1 is None:
@@ -369,36 +388,6 @@ def serverside_figure(res: Phase1Result, sides: dict[str, Any] | None = None) ->
     if res.m1 is None:
         return go.Figure().update_layout(title="M1 did not run: no server-side timeline")
     return pf.serverside_timeline(res.m1, sides if sides is not None else m1_serverside(res))
-
-
-def serverside_lines(sides: dict[str, Any], limit: int = 30) -> pd.DataFrame:
-    """The scheduler lines of M1's windows as a table: run, time (s), event, the parsed numbers, the line."""
-    frames = []
-    for run, side in sides.items():
-        ln = side.lines
-        if ln is None or ln.empty:
-            continue
-        keep = [c for c in ln.columns if c not in ("order", "wall_ns", "line", "t_s", "event", "clock")]
-        df = ln.assign(run=run).rename(columns={"t_s": "t (s)"})
-        frames.append(df[["run", "t (s)", "event", *keep, "line"]])
-    if not frames:
-        return pd.DataFrame({"note": ["no scheduler lines in M1's engine log excerpts"]})
-    out = pd.concat(frames, ignore_index=True).sort_values(["run", "t (s)"], na_position="last")
-    out = out.groupby("run", sort=False).head(limit).round(4).reset_index(drop=True)
-    for col in out.columns:                  # counts (slot, task, tokens, requests) as integers, not 25.00
-        v = out[col]
-        if v.dtype.kind == "f" and col != "t (s)" and v.dropna().eq(v.dropna().round()).all():
-            out[col] = v.astype("Int64")
-    return out
-
-
-def serverside_clock(sides: dict[str, Any]) -> pd.DataFrame:
-    """How each run's log lines were placed in time, and what the engine could not say."""
-    if not sides:
-        return pd.DataFrame({"note": ["no server-side view: M1 did not run or its case files are missing"]})
-    return pd.DataFrame([{"run": run, "engine": s.engine, "log lines in window": len(s.lines),
-                          "metric samples in window": len(s.series), "alignment": s.clock,
-                          "notes": "; ".join(s.notes)} for run, s in sides.items()])
 
 
 def serverside_percentiles(res: Phase1Result) -> pd.DataFrame:

@@ -25,6 +25,7 @@ from typing import Any
 
 import pandas as pd
 
+from servelab.analyse import memory as memory_layer
 from servelab.analyse.prefix_cache import (TARGET_RATES, HitPoint, PointResult, h6_evidence, kv_usage_series,
                                            matrix_frame, memory_breakdown, point_row, accepted_results)
 from servelab.measure import request_metrics as mx
@@ -318,6 +319,20 @@ def accepted_view(res: "Phase8Result") -> pd.DataFrame:
 def memory_view(res: "Phase8Result") -> pd.DataFrame:
     """The memory breakdown without the raw log lines (kept in ``phase8/memory.csv``)."""
     return res.memory.drop(columns=["line"], errors="ignore")
+
+
+def memory_points(res: "Phase8Result", phase_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The memory layer per point beside its output TPS (``analyse.memory``): the KV pool and its peak use, weights,
+    graphs, workspace and allocated/reserved where the engine exposes them, from each point's ``/metrics`` scrapes
+    and this phase's engine log. Returns (table, sources), also written to ``phase8/memory_per_point.csv`` /
+    ``memory_sources.csv``."""
+    logs = sorted(Path(phase_dir, "server").glob("*.log"))
+    table, sources = memory_layer.memory_table([p.case_dir for p in res.points],
+                                               startup_log=logs[0].read_text(errors="replace") if logs else None,
+                                               adapter=engine_for(res.engine))
+    table.to_csv(Path(phase_dir) / "memory_per_point.csv", index=False)
+    sources.to_csv(Path(phase_dir) / "memory_sources.csv", index=False)
+    return table, sources
 
 
 def record_h6(ctx: PhaseContext, res: "Phase8Result") -> pd.DataFrame:

@@ -156,6 +156,14 @@ class EngineAdapter:
     request_cache_switch: str | None = None
     memory_log_patterns: tuple[tuple[str, str], ...] = ()
     memory_log_note: str = ""
+    # the memory layer (analyse.memory, docs/metrics.md#memory), where the engine exposes it:
+    # /metrics series: quantity -> (series, "last" | "max" | "min", scale to the quantity's unit)
+    memory_series: dict[str, tuple[str, str, float]] = {}
+    # an info metric whose labels carry memory settings: (series, {quantity: (label, scale)})
+    memory_info: tuple[str, dict[str, tuple[str, float]]] | None = None
+    # start-up log lines: (quantity, regex whose named groups are numbers, scale, "sum" | "product" of the groups,
+    # "max" | "sum" over matching lines: per rank, or over a rank's devices and buffers)
+    memory_log_lines: tuple[tuple[str, str, float, str, str], ...] = ()
     # the server-side layer of a case (docs/metrics.md#server-side): the engine's scheduler/batch log lines as
     # event -> regex (named groups are numeric fields; "key: number" pairs after the match are read too), how a
     # log line carries its time (kind "elapsed" = seconds since the process started, "wall" = the server's local
@@ -365,6 +373,21 @@ class EngineAdapter:
         """The command that prints the engine's build/version, given a launch argv (its executable first);
         None where the version comes from an HTTP endpoint (``version_paths``) only."""
         return None
+
+    # the engine's top-level Python module (its packages and commit are read with the interpreter that runs it,
+    # Phase 0's freeze); None for a compiled engine
+    engine_package: str | None = None
+
+    def engine_python(self, argv: list[str]) -> str | None:
+        """The interpreter that runs the engine, from its launch argv (``PY -m module ...``); None when the engine
+        is not started through a Python interpreter."""
+        if self.engine_package and len(argv) > 2 and argv[1] == "-m" and str(argv[2]).split(".")[0] == self.engine_package:
+            return str(argv[0])
+        return None
+
+    def commit_from_version(self, text: str) -> str:
+        """The source commit the engine's version output names (``version_command``); ``""`` where it names none."""
+        return ""
 
     def implied_settings(self, launch: dict[str, Any]) -> dict[str, str]:
         """Live values of Phase 0 settings that follow from the engine itself when it has no server-info

@@ -6,6 +6,7 @@ Endpoints (verified on llama.cpp 0.5.0 / llama-cpp-python 0.3.36): ``/health``, 
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Callable, Sequence
 
 from servelab.deploy.engines.base import EngineAdapter, LaunchPlan, docker_plan
@@ -86,6 +87,17 @@ class LlamaCppAdapter(EngineAdapter):
                            r"(?P<mib>[\d.]+) MiB"),
     )
     memory_log_note = "llama.cpp prints it at -lv 4"
+    # the same -lv 4 lines for the memory layer: per device buffers and KV groups summed (MiB → GiB); the KV pool's
+    # tokens are its cells times its sequences (`-c 4096 -np 4`: 1024 cells, 4/4 seqs, 2.00 MiB — as `-np 1`: 4096
+    # cells, 1/1 seqs, 2.00 MiB)
+    memory_log_lines = (
+        ("weights_gib", r"load_tensors:\s+\S+ model buffer size = +(?P<mib>[\d.]+) MiB", 1 / 1024, "sum", "sum"),
+        ("kv_pool_gib", r"llama_kv_cache: size = +(?P<mib>[\d.]+) MiB", 1 / 1024, "sum", "sum"),
+        ("kv_pool_tokens", r"llama_kv_cache: size = .*\( *(?P<cells>\d+) cells, .*?(?P<seqs>\d+)/\d+ seqs\)", 1.0,
+         "product", "sum"),
+        ("workspace_peak_gib", r"(?:sched_reserve|llama_context): +\S+ compute buffer size = +(?P<mib>[\d.]+) MiB",
+         1 / 1024, "sum", "sum"),
+    )
     spec_per_position_series = "llamacpp:spec_decode_num_accepted_tokens_per_pos_total"   # label position="i"
     log_markers = {
         "ready": r"server is listening on",
@@ -161,6 +173,11 @@ class LlamaCppAdapter(EngineAdapter):
     def version_command(self, argv: list[str]) -> list[str] | None:
         """``llama-server --version`` (build number and commit; /props has only the build string)."""
         return [argv[0], "--version"]
+
+    def commit_from_version(self, text: str) -> str:
+        """``version: 0.5.0-dev (build 1, commit 0c1e570)``: the llama.cpp commit the binary was built from."""
+        m = re.search(r"\bcommit ([0-9a-f]{7,40})\b", text)
+        return m.group(1) if m else ""
 
     def implied_settings(self, launch: dict[str, Any]) -> dict[str, str]:
         """One CPU process: no parallel topology and no CUDA graphs; prefill goes in logical batches of

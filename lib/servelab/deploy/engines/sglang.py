@@ -31,6 +31,7 @@ MERGED_PREFIX = "merged-"
 
 class SGLangAdapter(EngineAdapter):
     name = "sglang"
+    engine_package = "sglang"
     extra_launch_keys = {
         "attention_backend": "--attention-backend", "moe_runner_backend": "--moe-runner-backend",
         "moe_a2a_backend": "--moe-a2a-backend (deepep...)", "disable_overlap_schedule": "--disable-overlap-schedule",
@@ -86,13 +87,31 @@ class SGLangAdapter(EngineAdapter):
         "weight_memory_gb": "sglang:weight_memory_usage_gb", "kv_memory_gb": "sglang:kv_cache_memory_usage_gb",
         "graph_memory_gb": "sglang:graph_memory_usage_gb", "kv_pool_tokens": "sglang:max_total_num_tokens",
     }
+    # seen on SGLang 0.5.23 (set once at start by its scheduler's emit_constants, one series per tp/pp rank; its
+    # "GB" is 2^30 bytes) and the pool gauges its scheduler updates at its log interval
+    memory_series = {
+        "weights_gib": ("sglang:weight_memory_usage_gb", "last", 1.0),
+        "kv_pool_gib": ("sglang:kv_cache_memory_usage_gb", "last", 1.0),
+        "graphs_gib": ("sglang:graph_memory_usage_gb", "last", 1.0),          # one series per phase label: summed
+        "kv_pool_tokens": ("sglang:max_total_num_tokens", "last", 1.0),
+        "kv_used_peak_tokens": ("sglang:kv_used_tokens", "max", 1.0),
+        "kv_free_min_tokens": ("sglang:kv_available_tokens", "min", 1.0),
+        "kv_usage_peak_pct": ("sglang:token_usage", "max", 100.0),
+    }
+    memory_log_lines = (
+        ("weights_gib", r"Load weight end\..*mem usage=(?P<gb>-?[\d.]+) GB", 1.0, "sum", "max"),
+        ("kv_pool_tokens", r"KV Cache is allocated\..*?#tokens: (?P<tokens>\d+)", 1.0, "sum", "max"),
+        ("kv_pool_gib", r"KV Cache is allocated\..*K size: (?P<k>[\d.]+) GB, V size: (?P<v>[\d.]+) GB", 1.0, "sum",
+         "max"),
+        ("graphs_gib", r"Capture cuda graph end\..*mem usage=(?P<gb>-?[\d.]+) GB", 1.0, "sum", "max"),
+    )
     interference_sweep = ("chunked_prefill_size", (8192, 4096, 2048))
     confound_setting = {"cuda_graph_max_bs": 8}
     log_markers = {
         "ready": r"The server is fired up and ready to roll",
-        "weights_loaded": r"Load weight end\..*mem usage=(?P<mem_gb>[\d.]+) GB",
-        "kv_allocated": r"KV Cache is allocated\. #tokens: (?P<tokens>\d+)",
-        "cuda_graph": r"Capture cuda graph end\..*mem usage=(?P<mem_gb>[\d.]+) GB",
+        "weights_loaded": r"Load weight end\..*mem usage=(?P<mem_gb>-?[\d.]+) GB",
+        "kv_allocated": r"KV Cache is allocated\..*?#tokens: (?P<tokens>\d+)",
+        "cuda_graph": r"Capture cuda graph end\..*mem usage=(?P<mem_gb>-?[\d.]+) GB",
         # "Decode out of memory happened." is a retraction (scheduler_log), not an OOM
         "oom": r"(CUDA out of memory|OutOfMemoryError|(?<!Decode )out of memory)",
         "crash": r"(Traceback \(most recent call last\)|Received sigquit|SIGKILL|Child process unexpectedly failed)",

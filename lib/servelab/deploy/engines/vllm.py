@@ -38,6 +38,7 @@ def vllm_start_profile_body(prefix: str | None, skip_steps: int = 0, num_steps: 
 
 class VLLMAdapter(EngineAdapter):
     name = "vllm"
+    engine_package = "vllm"
     extra_launch_keys = {
         "dtype": "--dtype", "enforce_eager": "--enforce-eager", "max_num_batched_tokens": "--max-num-batched-tokens",
         "profiler_with_stack": "torch profiler with_stack (default false)", "dev_mode": "VLLM_SERVER_DEV_MODE=1",
@@ -77,6 +78,14 @@ class VLLMAdapter(EngineAdapter):
     interference_sweep = ("max_num_batched_tokens", (8192, 4096, 2048))
     confound_setting = {"max_running_requests": 8}
     default_page_tokens = 16                     # KV block size
+    # vLLM 0.32: its KV gauge, the KV pool in the labels of its cache-config info metric, the pool in its log
+    memory_series = {"kv_usage_peak_pct": ("vllm:kv_cache_usage_perc", "max", 100.0)}
+    memory_info = ("vllm:cache_config_info", {"kv_pool_tokens": ("kv_cache_size_tokens", 1.0),
+                                              "kv_pool_gib": ("kv_cache_memory_bytes", 1 / 2**30)})
+    memory_log_lines = (
+        ("kv_pool_tokens", r"(?:GPU|CPU) KV cache size: (?P<tokens>[\d,]+) tokens", 1.0, "sum", "max"),
+        ("kv_pool_gib", r"Explicitly set \((?P<gib>[\d.]+)/[\d.]+\) GiB for KV cache", 1.0, "sum", "max"),  # CPU build
+    )
     log_markers = {
         "ready": r"Application startup complete",
         "stats": r"Avg prompt throughput: (?P<prompt_tps>[\d.]+) tokens/s, Avg generation throughput: "
