@@ -193,11 +193,12 @@ def test_launch_commands_come_from_the_sglang_adapter():
     assert ep[ep.index("--node-rank") + 1] == "1" and ep[0] == "docker"
 
 
-def _run(run_id: str, settings: dict, tps: dict[str, list[float]], tpot: float = 50.0, env: dict | None = None):
+def _run(run_id: str, settings: dict, tps: dict[str, list[float]], tpot: float = 50.0, env: dict | None = None,
+         valid: bool = True, **manifest):
     rdir = init_run(run_id, "example-2node")
-    update_manifest(rdir, launch={"settings": settings, "env": env or {}, "plans": []})
+    update_manifest(rdir, launch={"settings": settings, "env": env or {}, "plans": []}, **manifest)
     rows = [{"case_id": c, "repeat": i, "output_tps": v, "p95_ttft_ms": 300.0, "p95_tpot_ms": tpot,
-             "p95_e2e_ms": 9000.0, "valid": True} for c, vals in tps.items() for i, v in enumerate(vals)]
+             "p95_e2e_ms": 9000.0, "valid": valid} for c, vals in tps.items() for i, v in enumerate(vals)]
     write_cases(rdir, rows)
     return rdir
 
@@ -222,3 +223,16 @@ def test_measured_comparison_recommends_with_evidence(outputs):
     assert "launch.env.NCCL_ALGO" in v2.loc["m-cf", "evidence"] and "chunked_prefill_size" in v2.loc["m-cf", "evidence"]
     row = table[(table["layout"] == "TP8+PP2") & (table["case_id"] == "D1")].iloc[0]
     assert row["output_tps"] == pytest.approx(120.0) and row["repeats"] == 3
+
+
+def test_a_measured_layouts_label_is_the_variable_and_invalid_cases_decide_nothing(outputs):
+    """The records Phase 4's measure_layouts writes carry their layout's label (``layout: TP2``): that is the
+    variable, not a confound. Cases with an INVALID repeat give no verdict and say so."""
+    base = _run("l-tp1", {"tp_size": 1}, {"D1": [100, 101, 99]}, layout="TP1")
+    tp2 = _run("l-tp2", {"tp_size": 2}, {"D1": [130, 131, 129]}, layout="TP2")
+    v = measured_comparison([base, tp2])[1].set_index("run_id")
+    assert v.loc["l-tp2", "verdict"] == "recommended", v.loc["l-tp2", "evidence"]
+    bad = _run("l-tp2-bad", {"tp_size": 2}, {"D1": [130, 131, 129]}, valid=False, layout="TP2")
+    v = measured_comparison([base, bad])[1].set_index("run_id")
+    assert v.loc["l-tp2-bad", "verdict"] == "invalid — no conclusion"
+    assert "1 INVALID" in v.loc["l-tp2-bad", "evidence"]

@@ -24,12 +24,13 @@ def measured_comparison(runs: Sequence[str | Path], feas: pd.DataFrame | None = 
                         comm: pd.DataFrame | None = None, k: float = 2.0) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Measured TTFT / TPOT / TPS per layout and case from run summaries, next to the modelled memory and comm.
 
-    The first run is the baseline (TP16 stays the reference, ``docs/method.md#topology``). Returns ``(table, verdicts)``:
-    ``table`` one row per run × case (means over repeats, CV of output TPS); ``verdicts`` one row per layout:
-    ``recommended`` (faster outside the noise band on output TPS in most shared cases and no latency regression
-    outside noise), ``not recommended`` (slower or a latency regression outside noise, or does not fit), ``no
-    evidence`` (all changes within noise), ``confounded — no conclusion`` (the manifests differ in more than the
-    layout keys, see :func:`servelab.measure.abtest.diff_manifests`), with the evidence as text.
+    The first run is the baseline (on a cluster the method's reference is TP16, ``docs/method.md#topology``).
+    Returns ``(table, verdicts)``: ``table`` one row per run × case (means over repeats, CV of output TPS);
+    ``verdicts`` one row per layout: ``recommended`` (faster outside the noise band on output TPS in most shared
+    cases and no latency regression outside noise), ``not recommended`` (slower or a latency regression outside
+    noise, or does not fit), ``no evidence`` (all changes within noise), ``invalid — no conclusion`` (every shared
+    case has an INVALID repeat), ``confounded — no conclusion`` (the manifests differ in more than the layout —
+    its launch keys and its label —, see :func:`servelab.measure.abtest.diff_manifests`), with the evidence as text.
     """
     refs = [load_run(r) for r in runs]
     if not refs:
@@ -60,8 +61,10 @@ def measured_comparison(runs: Sequence[str | Path], feas: pd.DataFrame | None = 
             columns={"cross_node_mib_per_step": "model_cross_node_mib_per_step"}), on="layout", how="left")
     base_ref, base_lay, base_s, _ = per_run[0]
     verdicts = [{"layout": base_lay.label, "run_id": base_ref.run_id, "verdict": "baseline",
-                 "evidence": "reference layout (TP16 stays the baseline)"}]
-    layout_keys = ["launch.settings." + k for k in ("tp_size", "pp_size", "dp_size", "ep_size", "dp_attention")]
+                 "evidence": "the first run given is the baseline (on a cluster the method's reference is TP16)"}]
+    # the layout is the variable: its launch keys, and the label a measured layout's record carries (``layout``)
+    layout_keys = ["layout"] + ["launch.settings." + k for k in ("tp_size", "pp_size", "dp_size", "ep_size",
+                                                                  "dp_attention")]
     for ref, lay, s, _ in per_run[1:]:
         diff = diff_manifests([base_ref, ref], layout_keys)
         confounds = diff[diff["status"] == "confound"]["key"].tolist() if not diff.empty else []
@@ -78,8 +81,11 @@ def measured_comparison(runs: Sequence[str | Path], feas: pd.DataFrame | None = 
         better = int((tps["verdict"] == "better").sum())
         worse_tps = int((tps["verdict"] == "worse").sum())
         worse_lat = lat[lat["verdict"] == "worse"]
+        invalid = int((tps["verdict"] == "invalid").sum())
         ev = [f"output TPS: {better} better / {worse_tps} worse / "
-              f"{int((tps['verdict'] == 'within noise').sum())} within noise of {len(tps)} cases"]
+              f"{int((tps['verdict'] == 'within noise').sum())} within noise"
+              + (f" / {invalid} INVALID (a repeat of either side failed its validity checks)" if invalid else "")
+              + f" of {len(tps)} cases"]
         ev += [f"{r.case_id} {r.metric} {r.delta_pct:+.1f} % (band ±{r.noise_band_pct:.1f} %)" for r in worse_lat.itertuples()]
         if not fits:
             verdict = "not recommended"
@@ -88,6 +94,8 @@ def measured_comparison(runs: Sequence[str | Path], feas: pd.DataFrame | None = 
             verdict = "not recommended"
         elif len(tps) and better > len(tps) / 2:
             verdict = "recommended"
+        elif len(tps) and invalid == len(tps):
+            verdict = "invalid — no conclusion"
         else:
             verdict = "no evidence"
         verdicts.append({"layout": lay.label, "run_id": ref.run_id, "verdict": verdict, "evidence": "; ".join(ev)})
