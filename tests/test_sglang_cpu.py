@@ -258,8 +258,8 @@ def bench_serving(srv, out: Path, n: int, isl: int, osl: int, conc: int, seed: i
     """``python -m sglang.benchmark.serving`` (the engine's own client, from its venv) against ``srv``: token-id
     prompts of exactly ``isl`` tokens (``--tokenize-prompt``, which it allows only with its native backend ``sglang``:
     streamed ``/generate``, the endpoint ours then streams too), ``osl`` output tokens, greedy, ``conc`` in flight.
-    Measured here: the two endpoints differ on this CPU (``/generate`` 10-25 % faster per token than
-    ``/v1/completions``, for bench_serving itself as for ours), so the clients are compared on one endpoint."""
+    The clients are compared on one endpoint: across the two (theirs on ``/generate``, ours on ``/v1/completions``)
+    our median TPOT came out 17-26 % higher, while on one endpoint they agree (docs/metrics.md#sglang-conformance)."""
     from servelab.deploy.sglang_cpu import ensure_sglang_cpu
     argv = [str(ensure_sglang_cpu()), "-m", "sglang.benchmark.serving", "--backend", "sglang", "--base-url",
             srv.base_url, "--model", "tiny-hf", "--tokenizer", srv.model_path, "--dataset-name", "random-ids",
