@@ -79,13 +79,13 @@ def stream(srv, body: dict) -> tuple[list[str], dict]:
 
 
 def test_install_is_pinned_and_its_workarounds_verified():
-    """The venv's marker records the pinned versions and both workarounds; the stand-in ``sgl_kernel`` raises
+    """The venv's marker records the pinned versions and its three workarounds; the stand-in ``sgl_kernel`` raises
     NotImplementedError naming a helper it does not implement (a feature that needs it fails loudly)."""
     from servelab.deploy.sglang_cpu import SGLANG_VERSION, cached_sglang_cpu, ensure_sglang_cpu, install_info
     py = ensure_sglang_cpu()
     assert cached_sglang_cpu() == py
     info = install_info()
-    assert info["sglang"] == SGLANG_VERSION and info["torch"].endswith("+cpu") and len(info["workarounds"]) == 2
+    assert info["sglang"] == SGLANG_VERSION and info["torch"].endswith("+cpu") and len(info["workarounds"]) == 3
     p = subprocess.run([str(py), "-c", "import sgl_kernel; sgl_kernel.fill_bonus_tokens_cpu(None)"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and "MissingKernel" in p.stderr       # a NotImplementedError
@@ -278,26 +278,47 @@ E2E_KEYS = (("median_ttft_ms", "median_ttft_ms"), ("median_tpot_ms", "median_tpo
 ROUNDS = 5
 
 
-def _server_side(d) -> dict:
-    """The server's own view of one client's window from its ``/metrics`` deltas: requests and tokens it counted, and
-    the mean of each latency histogram (``sum / count``, ms)."""
+def _server_side(d, before, after) -> dict:
+    """The server's own view of one client's window: the requests and tokens it counted (``/metrics`` counter
+    deltas) and the mean of its TTFT, ITL and E2E histograms over the window (``Δsum / Δcount``, ms)."""
     val = {str(k): float(v) for k, v in d.groupby("name")["delta"].sum().items()}
     out = {k: val.get(f"sglang:{k}", 0.0) for k in ("prompt_tokens_total", "generation_tokens_total",
                                                       "num_requests_total")}
-    for name, total in val.items():
-        if name.endswith("_seconds_sum") and val.get(name[:-4] + "_count"):
-            out[f"mean_{name[len('sglang:'):-len('_seconds_sum')]}_ms"] = 1e3 * total / val[name[:-4] + "_count"]
+
+    def series(text: str) -> dict[str, float]:
+        tot: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("sglang:") and ("_seconds_sum" in line or "_seconds_count" in line):
+                name = line.split("{")[0].split(" ")[0]
+                tot[name] = tot.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        return tot
+
+    b, e = series(before.text), series(after.text)
+    for h in ("time_to_first_token", "inter_token_latency", "e2e_request_latency"):
+        n = e.get(f"sglang:{h}_seconds_count", 0.0) - b.get(f"sglang:{h}_seconds_count", 0.0)
+        total = e.get(f"sglang:{h}_seconds_sum", 0.0) - b.get(f"sglang:{h}_seconds_sum", 0.0)
+        out[f"server_mean_{h}_ms"] = 1e3 * total / n if n else None
     return out
+
+
+# which of the server's own histograms a client metric is checked against (output throughput moves inversely)
+SERVER_OF = {"median_ttft_ms": "time_to_first_token", "median_tpot_ms": "inter_token_latency",
+             "median_itl_ms": "inter_token_latency", "median_e2el_ms": "e2e_request_latency",
+             "output_throughput": "e2e_request_latency"}
 
 
 def test_end_to_end_with_sglang_bench_serving(sglang, tmp_path):
     """Level 2: SGLang's own client and ours, same server, same endpoint (``/generate``, token ids), same workload
-    shape, in five interleaved
-    rounds (who goes first alternates). Counts exact in every round (completed, output tokens, and the prompt and
-    output tokens the server counted in each client's window equal); the median over the rounds of each shared
-    median and of output throughput within 10 % of the other client's (or 2 ms, or half the widest round-to-round
-    spread of either client: the noise of this machine, where engine and clients share two cores). The server's own counts and
-    histogram means over each client's window are written beside both (``conformance.json``)."""
+    shape, in five interleaved rounds (who goes first alternates). Counts exact in every round (completed, output
+    tokens, and the prompt and output tokens the server counted in each client's window equal).
+
+    Each shared median and output throughput (median over the rounds) is within 10 % of the other client's (or 2 ms,
+    or half the widest round-to-round spread of either client) — unless the engine itself served the two clients at
+    different speeds, which on this 2-core host, where the engine and the client share the cores, it does from run
+    to run: then the server's own histograms (TTFT, ITL, E2E means over each client's windows) moved by the same
+    amount (within 10 points). And always: each client's mean TTFT and E2E over the server's own mean for the same
+    window agree between the clients within 10 % — both clients measure what the engine's own clock says. Everything
+    is written to ``conformance.json``."""
     from servelab.measure import request_metrics as mx
     from servelab.measure.launch_variants import metrics_snapshot, snapshot_deltas
     srv, _, _ = sglang
@@ -311,7 +332,8 @@ def test_end_to_end_with_sglang_bench_serving(sglang, tmp_path):
                 theirs = bench_serving(srv, tmp_path / f"bs{i}.jsonl", n, isl, osl, conc, seed=11 + i)
             else:
                 run = _our_run(srv, n, isl, osl, conc, seed=11 + i, api="generate")
-            side[who] = _server_side(snapshot_deltas(before, metrics_snapshot(srv)))
+            after = metrics_snapshot(srv)
+            side[who] = _server_side(snapshot_deltas(before, after), before, after)
         ours = mx.summarize(run.records, run.duration_s, "sglang")
         assert theirs["completed"] == ours["completed"] == n
         assert ours["total_input_tokens"] == n * isl and ours["token_check"]["exact"]
@@ -322,22 +344,40 @@ def test_end_to_end_with_sglang_bench_serving(sglang, tmp_path):
         server.append(side)
         theirs_runs.append(theirs)
         ours_runs.append(ours)
+
+    def med(values: list) -> float:
+        return float(np.median([v for v in values if v is not None]))
+
     rows = []
     for k_theirs, k_ours in E2E_KEYS:
-        a = float(np.median([o[k_ours] for o in ours_runs]))
-        b = float(np.median([t[k_theirs] for t in theirs_runs]))
+        a = med([o[k_ours] for o in ours_runs])
+        b = med([t[k_theirs] for t in theirs_runs])
+        h = f"server_mean_{SERVER_OF[k_ours]}_ms"
+        sa, sb = med([s["servelab"][h] for s in server]), med([s["bench_serving"][h] for s in server])
+        server_pct = 100 * (sa - sb) / sb * (-1 if k_ours == "output_throughput" else 1)
         rows.append({"metric": k_ours, "servelab": a, "bench_serving": b, "diff_pct": 100 * (a - b) / b,
+                     "server_" + h[len("server_"):] + "_servelab": sa, "server_" + h[len("server_"):] + "_bench": sb,
+                     "server_diff_pct": server_pct,
                      "servelab_rounds": [o[k_ours] for o in ours_runs],
                      "bench_serving_rounds": [t[k_theirs] for t in theirs_runs]})
-    # within 10 % (or 2 ms), or within this machine's own round-to-round noise: half the widest spread of either
-    # client's round values (engine and both clients share 2 cores here; a bias beyond that noise still fails)
     for r in rows:
         r["noise_half_range"] = float(max(np.ptp(r["servelab_rounds"]), np.ptp(r["bench_serving_rounds"]))) / 2
-    (tmp_path / "conformance.json").write_text(json.dumps({"rows": rows, "server": server}, indent=1))
-    print(json.dumps(rows, indent=1))
+    # both clients against the engine's own clock, window by window: client mean / server mean
+    ratios = []
+    for k_theirs, k_ours, h in (("mean_ttft_ms", "mean_ttft_ms", "time_to_first_token"),
+                                ("mean_e2e_latency_ms", "mean_e2el_ms", "e2e_request_latency")):
+        ro = med([o[k_ours] / s["servelab"][f"server_mean_{h}_ms"] for o, s in zip(ours_runs, server)])
+        rt = med([t[k_theirs] / s["bench_serving"][f"server_mean_{h}_ms"] for t, s in zip(theirs_runs, server)])
+        ratios.append({"metric": k_ours, "servelab_over_server": ro, "bench_serving_over_server": rt,
+                       "diff_pct": 100 * (ro - rt) / rt})
+    (tmp_path / "conformance.json").write_text(json.dumps({"rows": rows, "ratios": ratios, "server": server},
+                                                          indent=1))
+    print(json.dumps({"rows": rows, "ratios": ratios}, indent=1))
     bad = [r for r in rows if abs(r["diff_pct"]) > 10 and abs(r["servelab"] - r["bench_serving"]) > 2.0
-           and abs(r["servelab"] - r["bench_serving"]) > r["noise_half_range"]]
+           and abs(r["servelab"] - r["bench_serving"]) > r["noise_half_range"]
+           and abs(r["diff_pct"] - r["server_diff_pct"]) > 10]
     assert not bad, rows
+    assert all(abs(r["diff_pct"]) <= 10 for r in ratios), ratios
 
 
 def test_phase9_says_sglang_on_cpu_cannot_speculate_before_starting_anything(tmp_path, monkeypatch):

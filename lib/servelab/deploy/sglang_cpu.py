@@ -27,6 +27,8 @@ off), and runs the stand-in's helper against its reference semantics. A failure 
 """
 from __future__ import annotations
 
+import json
+
 import shutil
 from pathlib import Path
 from typing import Any
@@ -124,11 +126,27 @@ def _install(v: EngineVenv, pip_args: list[str], timeout_s: float) -> dict:
     versions = v.probe(PROBE)
     if versions["sglang"] != SGLANG_VERSION:
         raise SGLangCPUError(f"sglang=={SGLANG_VERSION} installed but reports {versions['sglang']} (log {v.log})")
-    return {**versions, "workarounds": [
-        "servelab_sglang_cpu_hook.py: torchvision::nms/qnms schemas declared before torchvision's first import",
-        "sgl_kernel stand-in: assign_req_to_token_pool_cpu in torch; every other helper raises NotImplementedError",
-        "servelab_sglang_cpu_hook.py: torch.cpu.is_current_stream_capturing (False) and empty_cache (no-op) for "
-        "SGLang's expert-distribution recorder"]}
+    return {**versions, "workarounds": list(WORKAROUND_NOTES)}
+
+
+WORKAROUND_NOTES = (
+    "servelab_sglang_cpu_hook.py: torchvision::nms/qnms schemas declared before torchvision's first import",
+    "sgl_kernel stand-in: assign_req_to_token_pool_cpu in torch; every other helper raises NotImplementedError",
+    "servelab_sglang_cpu_hook.py: torch.cpu.is_current_stream_capturing (False) and empty_cache (no-op) for "
+    "SGLang's expert-distribution recorder")
+
+
+def _refresh_workarounds() -> None:
+    """A venv installed by an older servelab gets this version's workaround files (they only add, never remove);
+    when any changed (or the marker lists others), the verification probe runs again and the marker records the
+    workarounds now in place."""
+    marker = VENV.root / "installed.json"
+    info = json.loads(marker.read_text())
+    if not _write_workarounds(_site(VENV), only_changed=True) and info.get("workarounds") == list(WORKAROUND_NOTES):
+        return
+    versions = VENV.probe(PROBE)
+    info.update(versions, workarounds=list(WORKAROUND_NOTES))
+    marker.write_text(json.dumps(info, indent=1) + "\n")
 
 
 def ensure_sglang_cpu(pip_args: list[str] | None = None, timeout_s: float = 3600.0) -> Path:
@@ -136,8 +154,7 @@ def ensure_sglang_cpu(pip_args: list[str] | None = None, timeout_s: float = 3600
     installs; a failed install leaves no marker)."""
     try:
         py = VENV.ensure(lambda v: _install(v, list(pip_args or []), timeout_s))
-        # a venv installed by an older servelab gets this version's workaround files (they only add, never remove)
-        _write_workarounds(_site(VENV), only_changed=True)
+        _refresh_workarounds()
         return py
     except SGLangCPUError:
         raise
