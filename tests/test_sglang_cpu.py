@@ -16,6 +16,7 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -278,26 +279,19 @@ E2E_KEYS = (("median_ttft_ms", "median_ttft_ms"), ("median_tpot_ms", "median_tpo
 ROUNDS = 5
 
 
-def _server_side(d, before, after) -> dict:
-    """The server's own view of one client's window: the requests and tokens it counted (``/metrics`` counter
-    deltas) and the mean of its TTFT, ITL and E2E histograms over the window (``Δsum / Δcount``, ms)."""
+def _server_side(before, after) -> dict:
+    """The server's own view of one client's window between two ``/metrics`` snapshots: the requests and tokens it
+    counted (counter deltas) and the mean of its TTFT, ITL and E2E histograms (``Δsum / Δcount``, ms)."""
+    from servelab.measure.engine_metrics import histogram_mean
+    from servelab.measure.launch_variants import snapshot_deltas
+    d = snapshot_deltas(before, after)
     val = {str(k): float(v) for k, v in d.groupby("name")["delta"].sum().items()}
     out = {k: val.get(f"sglang:{k}", 0.0) for k in ("prompt_tokens_total", "generation_tokens_total",
                                                       "num_requests_total")}
-
-    def series(text: str) -> dict[str, float]:
-        tot: dict[str, float] = {}
-        for line in text.splitlines():
-            if line.startswith("sglang:") and ("_seconds_sum" in line or "_seconds_count" in line):
-                name = line.split("{")[0].split(" ")[0]
-                tot[name] = tot.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-        return tot
-
-    b, e = series(before.text), series(after.text)
+    frame = pd.concat([before.frame(), after.frame()], ignore_index=True)
     for h in ("time_to_first_token", "inter_token_latency", "e2e_request_latency"):
-        n = e.get(f"sglang:{h}_seconds_count", 0.0) - b.get(f"sglang:{h}_seconds_count", 0.0)
-        total = e.get(f"sglang:{h}_seconds_sum", 0.0) - b.get(f"sglang:{h}_seconds_sum", 0.0)
-        out[f"server_mean_{h}_ms"] = 1e3 * total / n if n else None
+        mean_s = histogram_mean(frame, f"sglang:{h}_seconds")
+        out[f"server_mean_{h}_ms"] = 1e3 * mean_s if mean_s is not None else None
     return out
 
 
@@ -321,7 +315,7 @@ def test_end_to_end_with_sglang_bench_serving(sglang, tmp_path):
     clients measure what the engine's own clock says. Everything
     is written to ``conformance.json``."""
     from servelab.measure import request_metrics as mx
-    from servelab.measure.launch_variants import metrics_snapshot, snapshot_deltas
+    from servelab.measure.launch_variants import metrics_snapshot
     srv, _, _ = sglang
     n, isl, osl, conc = 32, 32, 48, 4
     theirs_runs, ours_runs, server = [], [], []
@@ -334,7 +328,7 @@ def test_end_to_end_with_sglang_bench_serving(sglang, tmp_path):
             else:
                 run = _our_run(srv, n, isl, osl, conc, seed=11 + i, api="generate")
             after = metrics_snapshot(srv)
-            side[who] = _server_side(snapshot_deltas(before, after), before, after)
+            side[who] = _server_side(before, after)
         ours = mx.summarize(run.records, run.duration_s, "sglang")
         assert theirs["completed"] == ours["completed"] == n
         assert ours["total_input_tokens"] == n * isl and ours["token_check"]["exact"]

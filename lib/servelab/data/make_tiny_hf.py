@@ -54,6 +54,65 @@ def build_tokenizer(seed: int):
     return tok
 
 
+def save_tokenizer(tok, out: Path) -> tuple[int, int, int, int, list[int]]:
+    """Save ``tok`` as a fast HF tokenizer with the chat template into ``out``; return ``(vocab, unk, bos, eos,
+    allowed)``: ``allowed`` the ids that decode to printable ASCII, the only ones the output layer lets through."""
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = tok.get_vocab_size()
+    unk, bos, eos = (tok.token_to_id(t) for t in ("<unk>", "<s>", "</s>"))
+    specials = {unk, bos, eos}
+    allowed = []
+    for i in range(vocab):
+        text = tok.decode([i], skip_special_tokens=False)
+        if i not in specials and text and all(32 <= ord(c) <= 126 for c in text):
+            allowed.append(i)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   clean_up_tokenization_spaces=False, model_max_length=4096)
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)
+    return vocab, unk, bos, eos, allowed
+
+
+def random_weights(model, g) -> None:
+    """Our own init, independent of the transformers version's initialiser (under ``torch.no_grad``): norms 1,
+    biases 0, every other parameter N(0, 0.02) from ``g``, in parameter-name order."""
+    import torch
+
+    for name, p in sorted(model.named_parameters()):
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif name.endswith(".bias"):
+            p.zero_()
+        else:
+            p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+
+
+def output_layers(model, g, allowed: list[int], eos: int) -> None:
+    """Embeddings with a constant 1 in dimension 0, and an output layer that reads it: the ``allowed`` ids get a
+    +5 logit bias, every other id -50, and EOS 0 (``logit_bias {eos: 100}`` makes it near certain)."""
+    import torch
+
+    vocab, hidden = model.lm_head.weight.shape
+    mask = torch.zeros(vocab, dtype=torch.bool)
+    mask[allowed] = True
+    emb = torch.randn(vocab, hidden, generator=g) * 0.3
+    emb[:, 0] = 1.0
+    model.model.embed_tokens.weight.copy_(emb)
+    head = torch.randn(vocab, hidden, generator=g) * 0.3
+    head[mask, 0] = 5.0
+    head[~mask, :] = 0.0
+    head[~mask, 0] = -50.0
+    head[eos, :] = 0.0
+    model.lm_head.weight.copy_(head)
+
+
+def weights_sha256(out: Path) -> str:
+    """One digest of the saved ``*.safetensors`` files (sha256 of their sha256s, in name order)."""
+    weights = sorted(out.glob("*.safetensors"))
+    return hashlib.sha256(b"".join(hashlib.sha256(w.read_bytes()).digest() for w in weights)).hexdigest()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out_dir")
@@ -63,22 +122,10 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
 
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     tok = build_tokenizer(args.seed)
-    vocab = tok.get_vocab_size()
-    unk, bos, eos = (tok.token_to_id(t) for t in ("<unk>", "<s>", "</s>"))
-    specials = {unk, bos, eos}
-    allowed = []
-    for i in range(vocab):
-        text = tok.decode([i], skip_special_tokens=False)
-        if i not in specials and text and all(32 <= ord(c) <= 126 for c in text):
-            allowed.append(i)
-
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                   clean_up_tokenization_spaces=False, model_max_length=4096)
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(out)
+    vocab, unk, bos, eos, allowed = save_tokenizer(tok, out)
 
     torch.manual_seed(args.seed)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=FF, num_hidden_layers=LAYERS,
@@ -87,27 +134,11 @@ def main() -> None:
                       torch_dtype="float32")
     model = LlamaForCausalLM(cfg)
     g = torch.Generator().manual_seed(args.seed)
-    mask = torch.zeros(vocab, dtype=torch.bool)
-    mask[allowed] = True
     with torch.no_grad():
-        # our own init, independent of the transformers version's initialiser
-        for name, p in sorted(model.named_parameters()):
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
-        emb = torch.randn(vocab, HIDDEN, generator=g) * 0.3
-        emb[:, 0] = 1.0
-        model.model.embed_tokens.weight.copy_(emb)
-        head = torch.randn(vocab, HIDDEN, generator=g) * 0.3
-        head[mask, 0] = 5.0
-        head[~mask, :] = 0.0
-        head[~mask, 0] = -50.0
-        head[eos, :] = 0.0
-        model.lm_head.weight.copy_(head)
+        random_weights(model, g)
+        output_layers(model, g, allowed, eos)
     model.save_pretrained(out, safe_serialization=True)
-    weights = sorted(out.glob("*.safetensors"))
-    digest = hashlib.sha256(b"".join(hashlib.sha256(w.read_bytes()).digest() for w in weights)).hexdigest()
+    digest = weights_sha256(out)
     info = {"name": "servelab-tiny-random-llama-hf", "seed": args.seed, "vocab_size": vocab, "bos_id": bos,
             "eos_id": eos, "unk_id": unk, "hidden_size": HIDDEN, "num_layers": LAYERS, "num_heads": HEADS,
             "head_dim": HIDDEN // HEADS, "parameters": sum(p.numel() for p in model.parameters()),

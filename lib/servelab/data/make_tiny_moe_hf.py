@@ -42,22 +42,14 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
 
     import torch
-    from transformers import PreTrainedTokenizerFast, Qwen2MoeConfig, Qwen2MoeForCausalLM
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     here = Path(__file__).resolve().parent
     sys.path.insert(0, str(here))
-    from make_tiny_hf import CHAT_TEMPLATE, build_tokenizer
+    from make_tiny_hf import build_tokenizer, output_layers, random_weights, save_tokenizer, weights_sha256
 
     tok = build_tokenizer(args.seed)
-    vocab = tok.get_vocab_size()
-    unk, bos, eos = (tok.token_to_id(t) for t in ("<unk>", "<s>", "</s>"))
-    specials = {unk, bos, eos}
-    allowed = [i for i in range(vocab) if i not in specials
-               and (text := tok.decode([i], skip_special_tokens=False)) and all(32 <= ord(c) <= 126 for c in text)]
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                   clean_up_tokenization_spaces=False, model_max_length=4096)
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(out)
+    vocab, unk, bos, eos, allowed = save_tokenizer(tok, out)
 
     torch.manual_seed(args.seed)
     cfg = Qwen2MoeConfig(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=MOE_FF, num_hidden_layers=LAYERS,
@@ -68,31 +60,14 @@ def main() -> None:
                          use_sliding_window=False, torch_dtype="float32")
     model = Qwen2MoeForCausalLM(cfg)
     g = torch.Generator().manual_seed(args.seed)
-    mask = torch.zeros(vocab, dtype=torch.bool)
-    mask[allowed] = True
     with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith(".bias"):
-                p.zero_()
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+        random_weights(model, g)
         for layer in model.model.layers:
             gate = layer.mlp.gate.weight            # (experts, hidden): router logits = h @ gate.T
             gate[:, 0] = torch.randn(EXPERTS, generator=g) * ROUTER_BIAS_STD
-        emb = torch.randn(vocab, HIDDEN, generator=g) * 0.3
-        emb[:, 0] = 1.0
-        model.model.embed_tokens.weight.copy_(emb)
-        head = torch.randn(vocab, HIDDEN, generator=g) * 0.3
-        head[mask, 0] = 5.0
-        head[~mask, :] = 0.0
-        head[~mask, 0] = -50.0
-        head[eos, :] = 0.0
-        model.lm_head.weight.copy_(head)
+        output_layers(model, g, allowed, eos)
     model.save_pretrained(out, safe_serialization=True)
-    weights = sorted(out.glob("*.safetensors"))
-    digest = hashlib.sha256(b"".join(hashlib.sha256(w.read_bytes()).digest() for w in weights)).hexdigest()
+    digest = weights_sha256(out)
     gen = hashlib.sha256(Path(__file__).read_bytes() + (here / "make_tiny_hf.py").read_bytes()).hexdigest()
     info = {"name": "servelab-tiny-random-qwen2-moe-hf", "seed": args.seed, "vocab_size": vocab, "bos_id": bos,
             "eos_id": eos, "unk_id": unk, "hidden_size": HIDDEN, "num_layers": LAYERS, "num_heads": HEADS,

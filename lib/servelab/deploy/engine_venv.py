@@ -56,6 +56,10 @@ class EngineVenv:
         marker = self.root / "installed.json"
         return json.loads(marker.read_text()) if marker.exists() else {}
 
+    def record(self, **fields) -> None:
+        """Write the marker: what the install recorded, with ``fields`` merged in (called once it is verified)."""
+        (self.root / "installed.json").write_text(json.dumps({**self.info(), **fields}, indent=1) + "\n")
+
     def run(self, argv: list[str], timeout_s: float, env: dict[str, str] | None = None,
             hint: Callable[[str], str] | None = None) -> None:
         """One install step, its output appended to the log; a failure raises with the log's tail."""
@@ -105,6 +109,5 @@ class EngineVenv:
             base = getattr(sys, "_base_executable", sys.executable)
             self.run([base, "-m", "venv", str(venv)], 300)
             recorded = install(self)
-            marker = {**recorded, "install_s": round(time.monotonic() - t0, 1), "python": str(self.python)}
-            (self.root / "installed.json").write_text(json.dumps(marker, indent=1) + "\n")
+            self.record(**recorded, install_s=round(time.monotonic() - t0, 1), python=str(self.python))
             return self.python

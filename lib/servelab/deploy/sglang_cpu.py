@@ -27,7 +27,6 @@ off), and runs the stand-in's helper against its reference semantics. A failure 
 """
 from __future__ import annotations
 
-import json
 
 import shutil
 from pathlib import Path
@@ -140,13 +139,10 @@ def _refresh_workarounds() -> None:
     """A venv installed by an older servelab gets this version's workaround files (they only add, never remove);
     when any changed (or the marker lists others), the verification probe runs again and the marker records the
     workarounds now in place."""
-    marker = VENV.root / "installed.json"
-    info = json.loads(marker.read_text())
-    if not _write_workarounds(_site(VENV), only_changed=True) and info.get("workarounds") == list(WORKAROUND_NOTES):
+    if not _write_workarounds(_site(VENV), only_changed=True) and \
+            VENV.info().get("workarounds") == list(WORKAROUND_NOTES):
         return
-    versions = VENV.probe(PROBE)
-    info.update(versions, workarounds=list(WORKAROUND_NOTES))
-    marker.write_text(json.dumps(info, indent=1) + "\n")
+    VENV.record(**VENV.probe(PROBE), workarounds=list(WORKAROUND_NOTES))
 
 
 def ensure_sglang_cpu(pip_args: list[str] | None = None, timeout_s: float = 3600.0) -> Path:
