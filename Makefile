@@ -6,7 +6,7 @@
 PY      ?= python3
 VENV    ?= .venv
 STAMP   := $(VENV)/.installed
-SYSTEM_PACKAGES := cmake ninja-build gcc g++ python3-dev openssh-server sysstat numactl ethtool chromium fonts-dejavu-core fonts-wqy-zenhei iproute2 procps util-linux docker.io
+SYSTEM_PACKAGES := cmake ninja-build gcc g++ python3-dev openssh-server sysstat numactl ethtool chromium fonts-dejavu-core fonts-wqy-zenhei iproute2 procps util-linux docker.io slurmctld slurmd slurm-client munge
 
 .PHONY: demo test lint env system clean-outputs
 

@@ -17,9 +17,16 @@ Configurations, each point a fresh child process tree:
 - ``processes_N``: ``run_requests_multi(..., clients=N, cpus=first N client cores)``: one wave split over N
   processes, one start instant, records merged.
 
-Per configuration the streams per process climb ``--ladder`` until a point fails (tried once more); the ceiling
-is the last passing point's offered chunks/s, and ``ratio_to_single`` its ratio to ``single``'s (aim:
-≥ 0.8 × N up to the cores). Each point records its load average and the servers' CPU seconds.
+Per configuration the streams per process climb ``--ladder``; each rung is ``--waves`` waves (one child process
+runs them back to back) and the **median** wave decides it (median steady p99 |gap − ITL| and median fraction
+within the run against the rule; the spread — min and max over the waves — is recorded beside it), so one short
+host stall no longer decides a rung. The ladder stops at the first failing rung; the ceiling is the last passing
+rung's offered chunks/s. A first rung that fails is reported as such (``first_rung_failed``, ceiling ``null``),
+never as a ceiling of 0. The whole ladder (every configuration) runs ``--repeats`` times in one result file;
+``summary`` gives per configuration the ceiling of each repeat, their median and spread (max − min over the
+median: the repeats agree when it is ≤ 15 %), and ``ratio_to_single`` the median over repeats of the ratio of a
+configuration's ceiling to ``single``'s in the same repeat, with its min and max, also over N (aim: ≥ 0.8 × N up
+to the cores). Each wave records its load average and the servers' CPU seconds.
 """
 from __future__ import annotations
 
@@ -70,7 +77,8 @@ def evaluate(records: list, streams: int, tokens: int, itl_ms: float) -> dict:
             "fraction_within_run": frac, "completed": sum(r.ok for r in records), "passes": ok}
 
 
-def child(url: str, kind: str, n: int, per_process: int, tokens: int, itl_ms: float, cpus: list[int]) -> dict:
+def child(url: str, kind: str, n: int, per_process: int, tokens: int, itl_ms: float, cpus: list[int],
+          waves: int = 1) -> list[dict]:
     from servelab.measure.client import ClientConfig, run_requests
     from servelab.measure.multiclient import run_requests_multi
     from servelab.measure.workload import build_workload
@@ -82,15 +90,89 @@ def child(url: str, kind: str, n: int, per_process: int, tokens: int, itl_ms: fl
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     if kind == "single":
         os.sched_setaffinity(0, {cpus[0]})
-        run = run_requests(wl.requests, cfg, concurrency=streams, loop="auto")
-        procs = 1
-    else:
-        run = run_requests_multi(wl.requests, cfg, n, concurrency=streams, loop="auto", cpus=cpus[:n])
-        procs = len(run.processes)
-    out = evaluate(run.records, streams, tokens, itl_ms)
-    out.update(processes=procs, client_cpu_s=run.client_cpu_s, event_loop=run.event_loop,
-               start_spread_ms=(run.sizing.get("clients") or {}).get("start_spread_ms"))
-    return out
+    outs = []
+    for _ in range(waves):
+        la = os.getloadavg()[0]
+        if kind == "single":
+            run = run_requests(wl.requests, cfg, concurrency=streams, loop="auto")
+            procs = 1
+        else:
+            run = run_requests_multi(wl.requests, cfg, n, concurrency=streams, loop="auto", cpus=cpus[:n])
+            procs = len(run.processes)
+        out = evaluate(run.records, streams, tokens, itl_ms)
+        out.update(processes=procs, client_cpu_s=run.client_cpu_s, event_loop=run.event_loop,
+                   start_spread_ms=(run.sizing.get("clients") or {}).get("start_spread_ms"),
+                   loadavg_1m=[round(la, 2), round(os.getloadavg()[0], 2)])
+        outs.append(out)
+    return outs
+
+
+def decide(waves: list[dict], streams: int) -> dict:
+    """A rung from its waves: the median wave's p99 error and fraction within the run against the rule."""
+    import numpy as np
+    p99 = [w["steady_p99_itl_error_ms"] for w in waves if w.get("steady_p99_itl_error_ms") is not None]
+    frac = [w.get("fraction_within_run", 0.0) for w in waves]
+    gaps = [w.get("steady_gaps", 0) for w in waves]
+    med_p99 = float(np.median(p99)) if len(p99) == len(waves) and p99 else None
+    med_frac = float(np.median(frac)) if frac else 0.0
+    ok = bool(med_p99 is not None and med_p99 <= RULE["max_p99_itl_error_ms"]
+              and med_frac >= RULE["min_fraction_within_run"] and min(gaps) >= RULE["min_steady_gaps"])
+    return {"streams": streams, "offered_chunks_per_s": waves[0].get("offered_chunks_per_s") if waves else None,
+            "waves": len(waves), "waves_passing": sum(bool(w.get("passes")) for w in waves),
+            "median_p99_itl_error_ms": med_p99, "p99_itl_error_ms_min_max": [min(p99), max(p99)] if p99 else None,
+            "median_fraction_within_run": med_frac, "fraction_within_run_min_max": [min(frac), max(frac)],
+            "passes": ok}
+
+
+def ladder_run(name: str, n: int, ladder: list[int], a, url: str, servers: list) -> dict:
+    """One configuration's ladder: rungs climbed until the median of a rung's waves fails."""
+    rungs, best, failed = [], None, None
+    for per in ladder:
+        s0 = server_cpu([p.pid for p in servers])
+        p = subprocess.run([sys.executable, __file__, "--child", url, "single" if name == "single" else "multi",
+                            str(n), str(per), "--itl-ms", str(a.itl_ms), "--point-s", str(a.point_s),
+                            "--client-cpus", a.client_cpus, "--waves", str(a.waves)],
+                           capture_output=True, text=True, timeout=300 + 60 * a.waves)
+        waves = json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else []
+        r = decide(waves, n * per) if waves else {"streams": n * per, "passes": False, "error": p.stderr[-1500:]}
+        r.update(per_process=per, server_cpu_s=round(server_cpu([p.pid for p in servers]) - s0, 2),
+                 wave_results=waves)
+        rungs.append(r)
+        print(name, per, {k: r.get(k) for k in ("streams", "median_p99_itl_error_ms", "p99_itl_error_ms_min_max",
+                                                 "median_fraction_within_run", "waves_passing", "passes", "error")},
+              flush=True)
+        if not r["passes"]:
+            failed = r
+            break
+        best = r
+    return {"processes": n, "ceiling_streams": best["streams"] if best else None,
+            "ceiling_chunks_per_s": best["offered_chunks_per_s"] if best else None,
+            "first_rung_failed": best is None, "capped_by_ladder": failed is None,
+            "first_failing_streams": failed["streams"] if failed else None, "rungs": rungs}
+
+
+def summarise(repeats: list[dict]) -> tuple[dict, dict]:
+    """Per configuration: ceilings of every repeat, median and spread; ratios to ``single`` per repeat."""
+    import numpy as np
+    summary, ratios = {}, {}
+    for name in repeats[0]:
+        ceil = [r[name]["ceiling_chunks_per_s"] for r in repeats]
+        got = [c for c in ceil if c is not None]
+        med = float(np.median(got)) if got else None
+        summary[name] = {"processes": repeats[0][name]["processes"], "ceilings_chunks_per_s": ceil,
+                         "first_rung_failed": [r[name]["first_rung_failed"] for r in repeats],
+                         "capped_by_ladder": [r[name]["capped_by_ladder"] for r in repeats],
+                         "median_chunks_per_s": med,
+                         "spread_over_median": round((max(got) - min(got)) / med, 3) if med else None,
+                         "repeats_agree_within_15pct": bool(med and len(got) == len(ceil)
+                                                            and (max(got) - min(got)) / med <= 0.15)}
+        per = [r[name]["ceiling_chunks_per_s"] / r["single"]["ceiling_chunks_per_s"] for r in repeats
+               if r[name]["ceiling_chunks_per_s"] and r["single"]["ceiling_chunks_per_s"]]
+        n = repeats[0][name]["processes"]
+        ratios[name] = {"per_repeat": [round(x, 2) for x in per], "median": round(float(np.median(per)), 2) if per
+                        else None, "min": round(min(per), 2) if per else None, "max": round(max(per), 2) if per
+                        else None, "median_over_n": round(float(np.median(per)) / n, 2) if per else None}
+    return summary, ratios
 
 
 def server_cpu(pids: list[int]) -> float:
@@ -112,6 +194,8 @@ def main() -> int:
     ap.add_argument("--server-cpus", default="8-15")
     ap.add_argument("--spin-ms", type=float, default=1.0, help="the servers' spin before each due chunk (0 on a "
                                                                 "shared machine)")
+    ap.add_argument("--waves", type=int, default=3, help="waves per rung; the median decides it")
+    ap.add_argument("--repeats", type=int, default=3, help="times the whole ladder runs (every configuration)")
     ap.add_argument("--label", default="")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" /
                                          f"client_processes_{time.strftime('%Y%m%d')}.json"))
@@ -119,7 +203,7 @@ def main() -> int:
     tokens = max(2, round(a.point_s * 1000 / a.itl_ms))
     if a.child:
         url, kind, n, per = a.child[0], a.child[1], int(a.child[2]), int(a.child[3])
-        print(json.dumps(child(url, kind, n, per, tokens, a.itl_ms, cpu_list(a.client_cpus))))
+        print(json.dumps(child(url, kind, n, per, tokens, a.itl_ms, cpu_list(a.client_cpus), a.waves)))
         return 0
     import resource
     import signal
@@ -138,7 +222,8 @@ def main() -> int:
     doc = {"command": " ".join(["python", *sys.argv]), "label": a.label, "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
            "nproc": os.cpu_count(), "machine": {"python": platform.python_version(), "platform": platform.platform()},
            "rule": RULE, "itl_ms": a.itl_ms, "tokens_per_stream": tokens, "client_cpus": a.client_cpus,
-           "server_cpus": a.server_cpus, "servers": len(servers), "configs": {}}
+           "server_cpus": a.server_cpus, "servers": len(servers), "waves_per_rung": a.waves,
+           "ladder_per_process": a.ladder}
     try:
         for _ in range(200):
             if http_json(url + "/health", timeout=1)[0] == 200:
@@ -146,36 +231,13 @@ def main() -> int:
             time.sleep(0.05)
         ladder = [int(x) for x in a.ladder.split(",")]
         configs = [("single", 1)] + [(f"processes_{n}", n) for n in (int(x) for x in a.processes.split(","))]
-        for name, n in configs:
-            points, best = [], None
-            for per in ladder:
-                ok = False
-                for attempt in range(2):
-                    la, s0 = os.getloadavg()[0], server_cpu([p.pid for p in servers])
-                    p = subprocess.run([sys.executable, __file__, "--child", url, "single" if name == "single" else
-                                        "multi", str(n), str(per), "--itl-ms", str(a.itl_ms), "--point-s",
-                                        str(a.point_s), "--client-cpus", a.client_cpus],
-                                       capture_output=True, text=True, timeout=300)
-                    r = json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else \
-                        {"passes": False, "error": p.stderr[-1500:], "streams": n * per}
-                    r.update(per_process=per, attempt=attempt, loadavg_1m=[round(la, 2), round(os.getloadavg()[0], 2)],
-                             server_cpu_s=round(server_cpu([p.pid for p in servers]) - s0, 2))
-                    points.append(r)
-                    print(name, per, {k: r.get(k) for k in ("streams", "steady_p99_itl_error_ms",
-                                                             "fraction_within_run", "passes", "error")}, flush=True)
-                    if r["passes"]:
-                        ok = True
-                        break
-                if not ok:
-                    break
-                best = r
-            doc["configs"][name] = {"processes": n, "ceiling_streams": best["streams"] if best else 0,
-                                    "ceiling_chunks_per_s": best["offered_chunks_per_s"] if best else 0.0,
-                                    "capped_by_ladder": ok, "points": points}
-            out.write_text(json.dumps(doc, indent=1) + "\n")
-        single = doc["configs"]["single"]["ceiling_chunks_per_s"]
-        doc["ratio_to_single"] = {k: round(v["ceiling_chunks_per_s"] / single, 2) if single else None
-                                  for k, v in doc["configs"].items()}
+        doc["repeats"] = []
+        for _ in range(a.repeats):
+            doc["repeats"].append({})
+            for name, n in configs:
+                doc["repeats"][-1][name] = ladder_run(name, n, ladder, a, url, servers)
+                out.write_text(json.dumps(doc, indent=1) + "\n")
+        doc["summary"], doc["ratio_to_single"] = summarise(doc["repeats"])
         out.write_text(json.dumps(doc, indent=1) + "\n")
     finally:
         for s in servers:
@@ -185,6 +247,7 @@ def main() -> int:
                 s.wait(10)
             except subprocess.TimeoutExpired:
                 s.kill()
+    print("summary", {k: (v["ceilings_chunks_per_s"], v["spread_over_median"]) for k, v in doc.get("summary", {}).items()})
     print("ratios", doc.get("ratio_to_single"))
     print("wrote", out)
     return 0

@@ -12,10 +12,15 @@ Each configuration runs in a fresh process, cold (a new, empty cache folder: eve
 and prepared tables written), and computes every table of Phase 3 plus the ten questions:
 
 - ``local``: ``analyse(folder, keep_events=False)`` — the single-process streaming path (ranks parsed one after
-  another, each over the loader's own pool of parse processes: one per usable core, at most 8);
-- ``cluster_<N>``: a Dask cluster of N single-threaded workers on this machine (``deploy.cluster``, ``local:N``),
-  then ``analyse_on_cluster``: each rank parsed and reduced by one worker, the cross-rank steps in the controller.
-  ``start_s`` is the cluster's start (scheduler + workers ready), ``wall_s`` the analysis alone.
+  another, each over the loader's own pool of parse processes: one per usable core, each child one thread);
+- ``cluster_<N>``: a Dask cluster of N workers on this machine (``deploy.cluster``, ``local:N``), each with its
+  share of the cores (cores // N threads for its libraries, and as many parse processes; ``worker_threads`` is
+  what the workers' pools really had), then ``analyse_on_cluster``: each rank parsed and reduced by one worker,
+  the cross-rank steps in the controller. ``start_s`` is the cluster's start (scheduler + workers ready),
+  ``wall_s`` the analysis alone, ``wall_with_start_s`` both.
+
+Figures: ``speedup_vs_local``, ``fraction_of_linear_vs_1_worker`` (wall of 1 worker / wall of N / N; the aim is
+≥ 0.8 at 8 workers, ≥ 0.6 at 16), ``cluster_1_over_local`` (aim ≤ 1.15) and ``wall_with_start_over_local``.
 
 Memory: peak RSS of the controller (ru_maxrss) and of each worker process (its own ru_maxrss, asked over Dask at the
 end), and for ``local`` the controller plus its largest parse child. Wall and the load average beside every run.
@@ -50,6 +55,13 @@ def worker_peak() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
+def worker_threads() -> dict:
+    """On a worker: the thread pools its libraries actually have (polars, Arrow) and its share."""
+    import polars as pl
+    import pyarrow as pa
+    return {"polars": pl.thread_pool_size(), "arrow": pa.cpu_count(), "share": os.environ.get("SERVELAB_THREADS")}
+
+
 def run_local(folder: str, cache: str) -> dict:
     from servelab.analyse.trace import analyse, ten_questions
     t0 = time.perf_counter()
@@ -77,10 +89,12 @@ def run_cluster(folder: str, cache: str, workers: int, logs: str) -> dict:
             q = ten_questions(a)
             wall = time.perf_counter() - t0
             peaks = sorted(_mb(v) for v in c.client.run(worker_peak).values())
+            pools = list(c.client.run(worker_threads).values())
         finally:
             c.close()
     per = a.placement["reduce_s"].drop_nulls()
-    return {"start_s": round(start, 2), "wall_s": round(wall, 2),
+    return {"start_s": round(start, 2), "wall_s": round(wall, 2), "wall_with_start_s": round(start + wall, 2),
+            "worker_threads": pools[0] if all(p == pools[0] for p in pools) else pools,
             "timings_s": {k: round(v, 2) for k, v in a.timings_s.items()}, "ranks": len(a.rops),
             "missing": int((a.placement["status"] == "missing").sum()), "events": int(a.ranks["events"].sum()),
             "answered": int(q["answerable"].sum()), "reduce_s_per_rank": {"median": round(float(per.median()), 2),
@@ -107,7 +121,7 @@ def main() -> int:
     ap.add_argument("--run", nargs="+", help="(internal) one configuration in this process")
     ap.add_argument("--ranks", type=int, default=64)
     ap.add_argument("--rank-mb", type=float, default=4.0, help="gzip MB of each synthetic rank")
-    ap.add_argument("--workers", default="8,4,1", help="cluster sizes, run in this order (the slowest last)")
+    ap.add_argument("--workers", default="16,8,4,2,1", help="cluster sizes, run in this order (the slowest last)")
     ap.add_argument("--label", default="", help="where it ran")
     ap.add_argument("--work-dir", default="")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / f"trace_cluster_{time.strftime('%Y%m%d')}.json"))
@@ -158,6 +172,14 @@ def main() -> int:
         base = doc["runs"]["local"].get("wall_s")
         doc["speedup_vs_local"] = {k: round(base / r["wall_s"], 2) for k, r in doc["runs"].items()
                                    if base and r.get("wall_s")}
+        one = doc["runs"].get("cluster_1", {}).get("wall_s")
+        # the targets: N workers against 1 worker, as a fraction of linear (N×); 1 worker against local
+        doc["fraction_of_linear_vs_1_worker"] = {k: round(one / r["wall_s"] / int(k.split("_")[1]), 2)
+                                                 for k, r in doc["runs"].items()
+                                                 if one and k.startswith("cluster_") and r.get("wall_s")}
+        doc["cluster_1_over_local"] = round(one / base, 2) if one and base else None
+        doc["wall_with_start_over_local"] = {k: round(r["wall_with_start_s"] / base, 2) for k, r in doc["runs"].items()
+                                             if base and r.get("wall_with_start_s")}
         save()
     finally:
         shutil.rmtree(work, ignore_errors=True)

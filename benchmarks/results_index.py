@@ -93,6 +93,13 @@ def _trace_vs_hta(d: dict) -> str:
 
 
 def _client_processes(d: dict) -> str:
+    if d.get("summary"):          # repeated ladders: each repeat's ceiling (— where its first rung failed)
+        s, r = d["summary"], d.get("ratio_to_single") or {}
+        return (f"ceiling (chunks/s) by client processes in {len(d.get('repeats') or [])} ladders "
+                "(— first rung failed): " + "; ".join(
+                    f"{k.replace('processes_', '')} {_f(v.get('ceilings_chunks_per_s'), ',.0f')} "
+                    f"(median ratio to single {_f((r.get(k) or {}).get('median'), '.3g')}×)"
+                    for k, v in s.items() if k != "single") + f"; single {_f(s['single'].get('ceilings_chunks_per_s'), ',.0f')}")
     c = {k: (v or {}).get("ceiling_chunks_per_s") for k, v in (d.get("configs") or {}).items()}
     r = d.get("ratio_to_single") or {}
     return "ceiling (chunks/s) by client processes: " + ", ".join(
@@ -108,9 +115,21 @@ def _cluster_engines(d: dict) -> str:
 def _trace_cluster(d: dict) -> str:
     cap, runs = d.get("capture") or {}, d.get("runs") or {}
     out = f"{cap.get('ranks')} ranks ({_f(cap.get('gz_mb'), '.0f')} MB gz): local {_f((runs.get('local') or {}).get('wall_s'), '.3g')} s"
-    for k, v in sorted(((k, v) for k, v in runs.items() if k.startswith("cluster_")), key=lambda kv: kv[0]):
+    for k, v in sorted(((k, v) for k, v in runs.items() if k.startswith("cluster_")),
+                       key=lambda kv: int(kv[0].removeprefix("cluster_"))):
         out += f", Dask cluster of {k.removeprefix('cluster_')} {_f(v.get('wall_s'), '.3g')} s"
+        lin = (d.get("fraction_of_linear_vs_1_worker") or {}).get(k)
+        if lin is not None and k != "cluster_1":
+            out += f" ({_f(lin, '.2f')}× linear)"
     return out
+
+
+def _soak(d: dict) -> str:
+    v = d.get("verdict") or {}
+    return (f"{_f(d.get('duration_s'), '.0f')} s up to C={d.get('highest_concurrency')}: "
+            f"{v.get('recorded_total')} of {v.get('issued_total')} issued requests recorded; RSS "
+            f"{_f(v.get('rss_first_quarter_median_mib'), '.1f')} → {_f(v.get('rss_last_quarter_median_mib'), '.1f')} MiB; "
+            f"FDs {_f(v.get('fds_first_quarter_median'), '.0f')} → {_f(v.get('fds_last_quarter_median'), '.0f')}")
 
 
 FIGURES: dict[str, tuple[str, Callable[[dict], str]]] = {
@@ -123,6 +142,7 @@ FIGURES: dict[str, tuple[str, Callable[[dict], str]]] = {
     "client_processes": ("bench_client_processes.py", _client_processes),
     "cluster_engines": ("bench_cluster_engines.py", _cluster_engines),
     "trace_cluster": ("bench_trace_cluster.py", _trace_cluster),
+    "soak": ("bench_soak.py", _soak),
 }
 
 

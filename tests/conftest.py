@@ -167,3 +167,12 @@ def pool(tok):
     """The tiny model's pool of ordinary tokens for exact-length prompts (``measure.workload.token_pool``)."""
     from servelab.measure.workload import token_pool
     return token_pool(tok)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A suite stopped by SIGTERM (turned into KeyboardInterrupt while an engine fixture's tracker is open) ends with
+    128 + 15, as the process a shell saw killed by it, not pytest's plain "interrupted" (2)."""
+    from servelab.core import signals
+    if signals.received():
+        session.exitstatus = signals.exit_status()

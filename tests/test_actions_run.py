@@ -81,7 +81,7 @@ def test_missing_phases_say_which_phase_to_run(outputs, h200x2, tmp_path):
     rows = {r["evidence"][:6]: r for r in act.iter_rows(named=True)}
     for start, phase in (("C=1 很慢", "phase1"), ("KV Cac", "phase8"), ("两条 Rai", "phase2")):
         st = rows[start]["status"]
-        assert st.startswith("not evaluable") and f"servelab run {phase} --target <target> --run-id act-none" in st
+        assert st.startswith("not evaluable") and f"servelab run {phase} --target local-tiny --run-id act-none" in st
     # a phase that read recorded sample data decides nothing about this target
     rdir = _run(outputs, "act-samples", "phase2")
     runlib.update_manifest(rdir, phases={"phase2": {"status": "success", "from_samples": True}})

@@ -183,6 +183,23 @@ def test_findings_agree_with_the_tables_they_cite(run_dir):
 
 
 @pytest.mark.slow
+def test_the_consistency_check_reports_nothing(run_dir, monkeypatch):
+    """``servelab check`` over the whole run (every page and fact): no finding. One answer per question in the facts
+    (Phase 1's max output TPS, its concurrency and the max concurrency under the SLO, each with its source or
+    "unsettled"), the index's headline states them as recorded, and M4 agrees with every recorded correctness
+    verdict."""
+    from servelab.core.facts import read_facts
+    from servelab.report.check import check_run
+    found = check_run(run_dir)
+    assert found == [], "\n".join(f.line() for f in found)
+    names = [f.name for f in read_facts(run_dir)]
+    assert len(names) == len(set(names))
+    assert {"max_output_tps", "max_tps_concurrency", "max_under_slo_concurrency"} <= set(names)
+    monkeypatch.setenv("SERVELAB_OUTPUTS", str(run_dir.parent))
+    assert main(["check", run_dir.name]) == 0
+
+
+@pytest.mark.slow
 def test_an_invalid_p1_is_never_put_forward(run_dir, tmp_path):
     """The issue's run: P1 INVALID because the client fell behind (the reason a Gemma run on this 2-core host gave).
     Phase 1's headline and findings built from this run's real case folders, with P1's verdict INVALID, name P1 as

@@ -23,8 +23,12 @@ from servelab.measure.engine_metrics import named_deltas
 def test_cluster_matrix_is_the_method_table():
     t = load_target("example-2node")                     # SGLang, context 131072
     m = {c.case_id: c for c in cs.quick_matrix(t)}
-    assert list(m) == ["P1", "P2", "P3", "P4_c4", "P4_c16", "D1", "D2_c16", "D2_c32", "D2_c64", "M1_control",
-                       "M1_treatment"]
+    assert list(m) == ["P1", "P2", "P3", "P4_c4", "P4_c16", "D1", "D2_c16", "D2_c32", "D2_c64", "D3_c16", "D4_c16",
+                       "M1_control", "M1_treatment"]
+    # long-output and long-context decode at D2's lowest concurrency: one length differs from D2_c16
+    assert (m["D3_c16"].input_tokens, m["D3_c16"].output_tokens, m["D3_c16"].concurrency) == (1024, 4096, 16)
+    assert (m["D4_c16"].input_tokens, m["D4_c16"].output_tokens, m["D4_c16"].concurrency) == (32768, 1024, 16)
+    assert m["D4_c16"].num_prompts == m["D3_c16"].num_prompts == 32
     assert (m["P1"].input_tokens, m["P1"].output_tokens, m["P1"].concurrency) == (1024, 1, 1)
     assert m["P2"].input_tokens == 32768 and m["P4_c16"].input_tokens == 32768
     # 128K + 1 output token does not fit a 131072 context: clamped, and the case says why
@@ -39,8 +43,8 @@ def test_cluster_matrix_is_the_method_table():
     assert (tr.concurrency, tr.output_tokens, tr.inject_after_s, tr.inject_input_tokens) == (32, 1024, 10.0, 131071)
     assert m["M1_control"].inject_input_tokens == 0
     # warm-up policy: short prefill and decode points only
-    assert {c.case_id for c in m.values() if c.warmup} == {"P1", "D1", "D2_c16", "D2_c32", "D2_c64", "M1_control",
-                                                           "M1_treatment"}
+    assert {c.case_id for c in m.values() if c.warmup} == {"P1", "D1", "D2_c16", "D2_c32", "D2_c64", "D3_c16",
+                                                           "M1_control", "M1_treatment"}
 
 
 def test_local_matrix_is_sized_by_prompt_cost():
@@ -64,6 +68,8 @@ def test_local_matrix_fits_the_slots_and_filters():
     assert all(c.input_tokens + c.output_tokens <= 1024 for c in ms)
     assert all(c.inject_input_tokens + 1 <= 1024 for c in ms)
     assert [c.case_id for c in cs.quick_matrix(t, ["D2", "P1"])] == ["P1", "D2_c4", "D2_c8", "D2_c16"]
+    long = {c.case_id: c for c in cs.quick_matrix(t, ["D3", "D4"])}
+    assert [(c.input_tokens, c.output_tokens, c.concurrency) for c in long.values()] == [(64, 256, 4), (512, 64, 4)]
     with pytest.raises(ParamError, match="did you mean 'D1'"):
         cs.quick_matrix(t, ["D11"])
 
@@ -208,3 +214,18 @@ def test_engine_crash_stops_the_run_and_resume_continues(tmp_path):
         assert mr2.skipped == ["P1"] and not mr2.aborted
         assert [r.status for r in mr2.results] == ["success"] * 3
         stop_server(srv2, tracker)
+
+
+def test_long_decode_compares_with_d2_at_the_same_concurrency():
+    def row(cid, scen, isl, osl, c, tpot, valid="VALID"):
+        return {"case_id": cid, "scenario": scen, "input_len": isl, "output_len": osl, "concurrency": c,
+                "validity": valid, "p50_tpot_ms": tpot, "output_throughput": 100.0 / tpot}
+    frame = pd.DataFrame([row("D2_c4", "D2", 64, 64, 4, 10.0), row("D3_c4", "D3", 64, 256, 4, 12.5),
+                          row("D4_c4", "D4", 512, 64, 4, 15.0, "INVALID")])
+    t = cs.long_decode_table(frame).set_index("case")
+    assert t.loc["D3_c4", "TPOT change (%)"] == pytest.approx(25.0) and t.loc["D3_c4", "D2 case"] == "D2_c4"
+    assert pd.isna(t.loc["D4_c4", "TPOT change (%)"]) and t.loc["D4_c4", "note"] == "D4_c4 INVALID: not compared"
+    text = cs.long_decode_sentence(cs.long_decode_table(frame))
+    assert "D3_c4 (long output, 64 → 256) P50 TPOT 12.50 ms vs D2_c4 10.00 ms (+25 %)" in text
+    assert "D4_c4 (long context) D4_c4 INVALID: not compared" in text
+    assert cs.long_decode_sentence(cs.long_decode_table(frame.iloc[:1])) is None

@@ -106,6 +106,32 @@ def local_cluster(tmp_path_factory):
 
 
 @pytest.mark.slow
+def test_workers_use_exactly_their_share(local_cluster):
+    """N workers on C cores: each worker's polars and Arrow pools hold C // N threads (set before they started),
+    not C each; the loader's parse children start with one thread each; this process's environment is kept."""
+    from servelab.analyse.trace import chunked
+    from servelab.core.threads import usable_cpus
+    share = max(1, usable_cpus() // 2)
+
+    def pools():            # pickled by value (cloudpickle): runs in each worker
+        import os as _os
+
+        import polars as _pl
+        import pyarrow as _pa
+        return {"polars": _pl.thread_pool_size(), "arrow": _pa.cpu_count(), "share": _os.environ.get("SERVELAB_THREADS")}
+    got = list(local_cluster.client.run(pools).values())
+    assert len(got) == 2 and all(p == {"polars": share, "arrow": share, "share": str(share)} for p in got), got
+    before = os.environ.get("POLARS_MAX_THREADS")
+    ex = chunked.spawn_pool(2)
+    assert ex is not None
+    try:
+        assert [ex.submit(os.getenv, "POLARS_MAX_THREADS").result() for _ in range(4)] == ["1"] * 4
+    finally:
+        ex.shutdown()
+    assert os.environ.get("POLARS_MAX_THREADS") == before
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("capture", sorted(CAPTURES))
 def test_tables_equal_the_local_path(local_cluster, capture, tmp_path):
     from servelab.analyse.trace.analysis import analyse
@@ -118,7 +144,7 @@ def test_tables_equal_the_local_path(local_cluster, capture, tmp_path):
     assert assert_same_tables(got, want, tmp_path) >= 20
     pl_ = got.placement
     assert pl_["status"].to_list() == ["parsed"] * len(want.rops) and set(pl_["node"]) == {"local"}
-    assert all(w.startswith("tcp://127.0.0.1:") for w in pl_["worker"])
+    assert all(w.startswith("tls://127.0.0.1:") for w in pl_["worker"])      # the locked cluster
     # each rank's Parquet cache is beside its file (where the worker ran)
     assert len(list((folder / ".servelab_cache").glob("*.parquet"))) == len(want.rops)
 
@@ -244,9 +270,12 @@ def test_ranks_parsed_on_the_ssh_nodes_that_hold_them(nodes, tmp_path):
         (cap / node).mkdir(parents=True)
         src = next(CAPTURES["h200x2"].glob(f"*-TP-{rank}.trace.json.gz"))
         shutil.copy(src, cap / node / src.name)
+    tls_root = Path.home() / ".cache" / "servelab" / "tls"          # the nodes' default state_dir, on this machine
+    tls_before = set(tls_root.glob("*")) if tls_root.is_dir() else set()
     with ProcessTracker() as tracker:
         c = open_cluster("nodes:1", tracker, tmp_path / "logs", target=ssh_target(a_, b_, known))
         assert set(c.nodes()) == {"127.0.0.2", "127.0.0.3"}
+        assert len(set(tls_root.glob("*")) - tls_before) >= 2          # each node got the certificates over SSH
         got = analyse_on_cluster(c, str(cap / "{node}"))
         c.close()
         handles = list(tracker.entries)
@@ -255,7 +284,8 @@ def test_ranks_parsed_on_the_ssh_nodes_that_hold_them(nodes, tmp_path):
     assert (tmp_path / "logs" / "workers-head.log").exists() and (tmp_path / "logs" / "workers-worker.log").exists()
     pl_ = got.placement.sort("rank")
     assert pl_["node"].to_list() == ["head", "worker"]
-    assert pl_["worker"][0].startswith("tcp://127.0.0.2:") and pl_["worker"][1].startswith("tcp://127.0.0.3:")
+    assert pl_["worker"][0].startswith("tls://127.0.0.2:") and pl_["worker"][1].startswith("tls://127.0.0.3:")
+    assert set(tls_root.glob("*")) - tls_before == set()                # no certificate left on a node after stop
     for node in ("head", "worker"):                      # the Parquet cache was written on the node holding the file
         assert len(list((cap / node / ".servelab_cache").glob("*.parquet"))) == 1
     assert [t.identity.node for t in got.capture.ranks] == ["head", "worker"]

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
+from conftest import SAMPLES
 from servelab.cli import main
 from servelab.explore import (capture_analysis, case_choices, case_view, explorer, first_valid_case, list_cases,
                               list_runs, one_line, span_ms, timeline_view, trace_folders, trace_view)
@@ -212,3 +214,15 @@ def test_explore_run_notebook_over_a_run_made_here(outputs, llama_server_binary,
     assert "explore_run" not in available_phases()
     with pytest.raises(ParamError):
         notebook_path("explore_run")
+
+
+def test_each_captured_scenario_is_a_capture_to_switch_to(tmp_path):
+    """A run's profiled cases are the explorer's captures, each named by its scenario (here the real vLLM
+    mixed-treatment case of ``data/samples/vllm-cpu-mixed``, placed in a run as Phase 3 writes it)."""
+    from servelab.explore import capture_folders
+    rdir = tmp_path / "r"
+    shutil.copytree(SAMPLES / "vllm-cpu-mixed", rdir / "cases" / "M1-profile--profile-mixed_treatment",
+                    ignore=shutil.ignore_patterns(".servelab_cache"))
+    found = dict(capture_folders(rdir))
+    case = (rdir / "cases" / "M1-profile--profile-mixed_treatment" / "profiles").resolve()
+    assert found[case] == "profiled case of this run (scenario mixed_treatment)"

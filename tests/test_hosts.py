@@ -86,12 +86,44 @@ def test_tracker_stops_everything_on_ctrl_c(tmp_path):
             f"    h = t.start(LocalHost(), ['sleep', '300'], {str(tmp_path / 's.log')!r})\n"
             "    print(h.pid, flush=True)\n"
             "    time.sleep(60)\n")
-    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    # SIGINT with its default action, as at a terminal: a suite started as a background job of a non-interactive
+    # shell hands its children SIGINT ignored, and the self-sent Ctrl-C would then do nothing (the failure seen
+    # under `make test &`: "did not exit within 20 s of SIGINT")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     pid = int(p.stdout.readline())
     assert pid_alive(pid)
     p.send_signal(signal.SIGINT)
-    p.wait(20)
-    time.sleep(0.2)
+    assert p.wait(30) == -signal.SIGINT             # Python ends an uncaught KeyboardInterrupt with SIGINT
+    assert not pid_alive(pid)                       # stopped and reaped by the tracker before the process ended
+
+
+SWALLOWER = """
+import sys, time
+sys.path.insert(0, {lib!r})
+from servelab.deploy.hosts import LocalHost, ProcessTracker
+with ProcessTracker() as t:
+    h = t.start(LocalHost(), ['sleep', '300'], {log!r})
+    print(h.pid, flush=True)
+    try:
+        time.sleep(60)
+    except BaseException:       # the defect under test: a library that swallows the interrupt
+        pass
+    time.sleep(120)
+"""
+
+
+def test_sigterm_stops_a_tracker_even_when_the_interrupt_is_swallowed(tmp_path):
+    """SIGTERM becomes KeyboardInterrupt; code that swallows it cannot keep the process (or its sleeper) alive:
+    the watchdog stops every tracked process and exits with 128 + 15 within the bound."""
+    code = SWALLOWER.format(lib=str(Path(__file__).parents[1] / "lib"), log=str(tmp_path / "s.log"))
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                         env={**os.environ, "SERVELAB_HARD_STOP_S": "2"})
+    pid = int(p.stdout.readline())
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(30) == 128 + signal.SIGTERM
+    assert time.monotonic() - t0 < 30
     assert not pid_alive(pid)
 
 

@@ -86,14 +86,44 @@ def test_two_processes_send_the_single_process_requests(paced_server):
     assert off2 and all(abs(a - b) < 1e6 for a, b in zip(off1, off2))
 
 
+def _client_children() -> list[psutil.Process]:
+    """This process's running client processes (spawned by multiprocessing). A child that ends while it is looked at
+    is skipped, not an error: the helper keeps watching for the ones of the case it waits for."""
+    kids = []
+    for p in psutil.Process().children():
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and "spawn_main" in " ".join(p.cmdline()):
+                kids.append(p)
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            pass
+    return kids
+
+
+def _has_tcp(p: psutil.Process) -> bool:
+    try:
+        return bool(p.net_connections(kind="tcp"))
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return False
+
+
+def _zombie_children() -> list[int]:
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() == psutil.STATUS_ZOMBIE:
+                out.append(p.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
 def _stop_one_child(stop_s: float, hold_s: float, out: list) -> None:
     """SIGSTOP the second client process for ``hold_s``, ``stop_s`` after it opened its first connection to the
     server (inside its measurement window): it really falls behind."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        kids = sorted((p for p in psutil.Process().children() if "spawn_main" in " ".join(p.cmdline())),
-                      key=lambda p: p.pid)           # the client processes, in start order
-        if len(kids) >= 2 and kids[1].net_connections(kind="tcp"):
+        kids = sorted(_client_children(), key=lambda p: p.pid)   # the client processes, in start order
+        if len(kids) >= 2 and _has_tcp(kids[1]):
             time.sleep(stop_s)
             os.kill(kids[1].pid, signal.SIGSTOP)
             time.sleep(hold_s)
@@ -116,6 +146,7 @@ def test_a_process_that_fell_behind_makes_the_case_invalid_naming_it(tiny_server
         res[n] = cs.run_case(env, case)
         summ[n] = json.loads((res[n].case_dir / "summary.json").read_text())
         assert res[n].status == "success"
+        assert _zombie_children() == []                    # every client process of the case was reaped
     m1, m2 = (summ[n]["metrics"]["vllm"] for n in (1, 2))
     assert m1["completed"] == m2["completed"] == 16 and m1["failed"] == m2["failed"] == 0
     assert m1["total_output_tokens"] == m2["total_output_tokens"] == 16 * 48
@@ -138,6 +169,7 @@ def test_a_process_that_fell_behind_makes_the_case_invalid_naming_it(tiny_server
     r = cs.run_case(env, slow)
     th.join(30)
     assert stopped
+    assert _zombie_children() == []
     s = json.loads((r.case_dir / "summary.json").read_text())
     assert s["verdict"]["status"] == "INVALID"
     named = [x for x in s["verdict"]["reasons"] if x.startswith(f"client process 2 of 2 (pid {stopped[0]})")]

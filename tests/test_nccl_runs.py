@@ -93,6 +93,11 @@ def test_env_check_reached_and_other_value():
     rec2 = {**rec, "setting": "NCCL_CROSS_NIC=1", "variable": "NCCL_CROSS_NIC", "value": "1"}
     data = sw.SweepData(Path("."), [rec2], [], pd.DataFrame(), pd.DataFrame(), {"x": cross})
     assert sw.env_check(data).verdict.tolist() == ["reached NCCL"]
+    # two ranks logged INFO lines, one never said it read the variable: named (the A/B rank check, by pid)
+    two = cross + "vm:2:2 [1] NCCL INFO Using network Socket\n"
+    data = sw.SweepData(Path("."), [rec2], [], pd.DataFrame(), pd.DataFrame(), {"x": two})
+    got = sw.env_check(data)
+    assert got.verdict.tolist() == ["not reported by every rank"] and got.missing_on.tolist() == ["vm:2"]
 
 
 # ---------------------------------------------------------------- the run plan and its refusals

@@ -49,6 +49,8 @@ def test_phase4_local_with_measured_runs(tmp_path, monkeypatch):
     assert phase["status"] == "success" and phase["headline"]["measured runs"] == 2
     html = (rdir / "phase4" / "report.html").read_text()
     assert "planned" in html and "Memory per GPU by layout" in html
+    # the cluster is planned; the run's own target and the model it serves are named as they are
+    assert "this run&#x27;s target local serves" in html or "this run's target local serves" in html
 
 
 def test_phase6_local_from_samples(tmp_path, monkeypatch, samples):
@@ -59,12 +61,17 @@ def test_phase6_local_from_samples(tmp_path, monkeypatch, samples):
     rdir = tmp_path / "p6"
     phase = json.loads((rdir / "phase6" / "phase.json").read_text())
     assert phase["from_samples"] is True
+    # the page says first what it is not about: recorded samples, not this target's kernels
+    assert phase["findings"][0].startswith("Not") and "recorded sample data" in phase["findings"][0]
     top = pd.read_csv(rdir / "phase6" / "top_kernels.csv")
     assert set(top["window"]) == {"decode", "prefill"} and top.groupby("window").size().max() == 2
     every = read_commands(rdir, "phase6")
     assert [c.label for c in every if c.label != "planned"] == ["executed", "reproduce"]
     cmds = [c for c in every if c.label == "planned"]
     assert len(cmds) == 4 and all(c.argv[0] == "ncu" for c in cmds)
+    # the sample's H200 kernels never wrap this target's engine: the reproduction is a fill-in value on its own line
+    assert all(c.argv[-1] == "REPRO_COMMAND" and "llama-bench" not in c.argv for c in cmds)
+    assert "fill in: <code>REPRO_COMMAND</code>" in (rdir / "phase6" / "report.html").read_text()
     roof = pd.read_csv(rdir / "phase6" / "roofline.csv")
     assert (roof["bound"] == "compute").any() and (roof["bound"] == "memory").any()
     assert "Recorded sample data" in (rdir / "phase6" / "report.html").read_text()

@@ -420,3 +420,27 @@ def test_rdma_presence_needs_a_port_with_counters():
     rc = subprocess.run(C.RDMA_PRESENCE, capture_output=True).returncode
     assert (rc == 0) == bool(glob.glob("/sys/class/infiniband/*/ports/*/counters/port_xmit_data"))
     assert C.rdma_counters(None).presence == [C.RDMA_PRESENCE]
+
+
+def test_a_collector_that_did_not_run_is_never_executed(tmp_path, monkeypatch):
+    """Phase 2's commands section after a real case: the collector that started is ``executed``; the one whose
+    binary is not found is ``planned`` with why it did not run (never EXECUTED)."""
+    from types import SimpleNamespace
+    from servelab.core.run import init_run, read_commands
+    from servelab.phases.phase2_hardware import log_collectors
+    monkeypatch.setenv("SERVELAB_OUTPUTS", str(tmp_path / "outputs"))
+    rdir = init_run("collectors", "local-tiny")
+    cdir = rdir / "cases" / "idle"
+    host = LocalHost()
+    specs = [C.CollectorSpec("sleeper", [sys.executable, "-c", "import time; print(1, flush=True); time.sleep(30)"],
+                             "s.txt", "smi", required=False),
+             C.CollectorSpec("gpu-tool", ["no-such-tool-xyz", "--loop"], "x.txt", "smi", required=False,
+                             requires=["no-such-tool-xyz"])]
+    session = start_telemetry(cdir, [NodePlan(host, specs, node="local")], grace_s=0.2)
+    session.stop()
+    log_collectors(SimpleNamespace(run_dir=rdir, phase="phase2"), "idle", cdir, [("local", specs)])
+    got = {r.title: r for r in read_commands(rdir, "phase2")}
+    assert got["idle sleeper"].label == "executed"
+    missing = got["idle gpu-tool (not run)"]
+    assert missing.label == "planned" and "no-such-tool-xyz' not found" in missing.note
+    assert not any(r.label == "executed" and "gpu-tool" in r.title for r in got.values())

@@ -103,6 +103,29 @@ def test_pipeline_stages_send_and_receive_through_gloo(tmp_path):
     assert a.slow_rank["slow_stage"] in (0, 1)          # the per-stage view judges the stages
 
 
+def test_pipeline_send_recv_between_steps_is_communication_of_the_step_it_delays(tmp_path):
+    """SGLang's PP send/recv runs between the ``step[...]`` annotations; each is given the step it delays
+    (docs/metrics.md#point-to-point), so Q2 reports it — the same number as the window summary and the
+    per-collective table — and the slow-stage verdict sees the other stage's wait."""
+    pp = read_only_copy(SAMPLES / "sglang-cpu-pp2")
+    a = analyse(pp / "traces", cache_dir=tmp_path)
+    for r in a.rops:
+        comm = r.ops.filter(pl.col("cls") == "communication")
+        assert comm.height and comm["window"].null_count() == 0 and comm["attributed"].all()
+        assert r.ops.filter(pl.col("cls") != "communication")["attributed"].sum() == 0
+    dec = a.summary.filter(pl.col("kind") == "decode")
+    exposed = float(dec["exposed_comm_ms"].sum())
+    assert exposed > 100                                  # ~1.2 s of the 1.8 s in this capture
+    cbc = a.comm_by_collective
+    assert float(cbc["exposed_ms"].sum()) == pytest.approx(exposed, rel=1e-6)
+    assert float(a.overlap_table()["exposed_comm_ms"].sum()) == pytest.approx(exposed, rel=1e-3)
+    q2 = {r["id"]: r for r in ten_questions(a).iter_rows(named=True)}["Q2"]
+    assert q2["answerable"] and q2["answer"].startswith(f"decode: {exposed:,.2f} ms exposed")
+    assert f"decode/SendRecv {exposed:.2f} ms" in q2["evidence"]
+    st = a.slow_rank["stage"]
+    assert a.slow_rank["slow_stage"] == 1 and st["wait_stage"] == 0 and st["wait_sendrecv_ms"] > 100
+
+
 def test_a_cached_cpu_capture_is_still_read_as_cpu(tp2, tmp_path):
     """The prepared tables of each rank are cached; a second analysis reads them back, and knows the rank was CPU."""
     first = analyse(tp2 / "traces", cache_dir=tmp_path)

@@ -168,13 +168,36 @@ def test_per_node_subfolders_set_the_node(h200_dir: Path, tmp_path: Path):
 
 # ------------------------------------------------------------------------------------------ errors
 
-def test_truncated_gzip_names_the_file(h200_dir: Path, tmp_path: Path):
+@pytest.mark.parametrize("frac", [0.02, 0.3, 0.75, 0.999])
+def test_a_gzip_cut_mid_write_is_read_up_to_where_it_ends(h200_dir: Path, tmp_path: Path, frac: float):
+    """A profiler killed mid-write: the stream cut at a byte offset. The events read are exactly the whole events
+    of the text the cut stream holds (ground truth: zlib + json here, cut at the last whole event by hand), in
+    order; the metadata says it is truncated and how much was read."""
+    import zlib
     raw = (h200_dir / TP0).read_bytes()
     bad = tmp_path / "cut-TP-0.trace.json.gz"
-    bad.write_bytes(raw[: len(raw) // 2])
+    bad.write_bytes(raw[: int(len(raw) * frac)])
+    text = zlib.decompressobj(wbits=31).decompress(bad.read_bytes())
+    start = text.index(b"[", text.index(b'"traceEvents"'))
+    whole = json.loads(text[: text.rindex(b"\n  },\n  {") + 4] + b"]}") if text.count(b"\n  },\n  {", start) \
+        else None
+    frame, meta = parse_trace(bad, workers=1)
+    assert meta["truncated"]["compressed_bytes"] == len(bad.read_bytes())
+    assert meta["truncated"]["json_bytes"] == len(text)
+    want = whole["traceEvents"]
+    assert frame.height == meta["truncated"]["events_read"] == len(want) > 0
+    assert frame["name"].cast(pl.String).to_list() == [str(e.get("name", "")) for e in want]
+    full, _ = parse_trace(h200_dir / TP0, workers=1)
+    assert frame.height < full.height
+
+
+def test_a_gzip_cut_before_any_event_names_the_file(h200_dir: Path, tmp_path: Path):
+    raw = (h200_dir / TP0).read_bytes()
+    bad = tmp_path / "cut-TP-0.trace.json.gz"
+    bad.write_bytes(raw[:300])
     with pytest.raises(TraceFormatError) as e:
         parse_trace(bad, workers=1)
-    assert str(bad) in str(e.value) and "gzip" in str(e.value)
+    assert str(bad) in str(e.value) and "truncated" in str(e.value)
 
 
 def test_truncated_json_names_the_file(h200_dir: Path, tmp_path: Path):
@@ -302,3 +325,38 @@ def test_non_trace_json_in_the_folder_is_set_aside(h200_dir: Path, tmp_path: Pat
     (d / "capture.json").write_text(json.dumps({"tp": 2, "pp": 1}))
     cap = load_capture(d, cache=False)
     assert [t.path.name for t in cap.ranks] == [TP0] and cap.skipped == ["capture.json"]
+
+
+def test_a_truncated_rank_is_analysed_and_weakens_the_answers_while_the_other_is_whole(h200_dir: Path,
+                                                                                       tmp_path: Path):
+    """A capture whose rank 0 was cut mid-write (60 % of its gzip bytes) and whose rank 1 is whole: both ranks
+    analysed; rank 1 exactly as alone; rank 0 marked truncated with its events and steps read; every answered
+    question says the truncated rank weakens it; trace_analysis.json lists it."""
+    from servelab.analyse.trace.analysis import analyse, write_tables
+    from servelab.analyse.trace.questions import ten_questions
+    cap = tmp_path / "cap"
+    cap.mkdir()
+    raw = (h200_dir / TP0).read_bytes()
+    (cap / TP0).write_bytes(raw[: int(len(raw) * 0.6)])
+    shutil.copyfile(h200_dir / TP1, cap / TP1)
+    a = analyse(cap, cache_dir=tmp_path / "c")
+    ranks = {r["rank"]: r for r in a.ranks.to_dicts()}
+    assert ranks[0]["truncated"] is True and ranks[1]["truncated"] is False
+    whole1, _ = parse_trace(h200_dir / TP1, workers=1)
+    assert ranks[1]["events"] == whole1.height
+    assert 0 < ranks[0]["events"] < parse_trace(h200_dir / TP0, workers=1)[0].height
+    r0, r1 = (next(r for r in a.rops if r.rank == k) for k in (0, 1))
+    steps0, seen0 = r0.steps_read, r0.windows.height
+    assert 0 < steps0 < seen0 and r1.steps_read == r1.windows.height    # rank 0's later steps lost their kernels
+    q = ten_questions(a)
+    answered = q.filter(pl.col("answerable"))
+    assert answered.height > 0
+    want = f"rank 0's trace {TP0} is truncated (cut mid-write): analysed up to where it ends, " \
+           f"{ranks[0]['events']} events and {steps0} of {seen0} steps read"
+    assert all(want in e for e in answered["evidence"].to_list())
+    out = tmp_path / "tables"
+    out.mkdir()
+    write_tables(a, out)
+    summary = json.loads((out / "trace_analysis.json").read_text())
+    assert summary["truncated"][TP0]["steps_read"] == steps0
+    assert summary["truncated"][TP0]["events_read"] == ranks[0]["events"]

@@ -75,3 +75,6 @@ def test_short_name_drops_signature():
     assert short_name("void foo::bar<int, (bool)1>(int, float*)") == "foo::bar<int, (bool)1>"
     assert short_name("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)") == \
         "ncclDevKernel_AllReduce_Sum_bf16_RING_LL"
+    # a namespace in parentheses is not the parameter list: the name is not cut to "at::native::"
+    assert short_name("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float>(float*, int)") == \
+        "at::native::anonymous_namespace::cunn_SoftMaxForward<4, float>"

@@ -3,6 +3,7 @@
     servelab run phase1 --target local [--run-id ID] [-p key=value ...] [--resume]
     servelab demo [--run-id ID]
     servelab render RUN_ID [PHASE]
+    servelab check RUN_ID                       # every page and fact of a run read back: contradictions reported
     servelab case RUN_ID CASE_ID [--target T]   # re-run one measured case as a new attempt
     servelab phases | targets | params PHASE
     servelab build            # build/cache llama-server and the models
@@ -24,27 +25,30 @@ from pathlib import Path
 from typing import Any
 
 from servelab.core.params import (ParamError, coerce, notebook_param_specs, parse_overrides, resolve_phase_params,
+                                  run_phase_checks,
                                   did_you_mean)
 
 from servelab.deploy.targets import available_targets, load_target, target_from_dict
-from servelab.core.notebooks import NOTEBOOKS, available_phases, notebook_path
+from servelab.core.notebooks import NOTEBOOKS, available_phases, kernel_manager_class, notebook_path
 from servelab.core.paths import project_root
 from servelab.core.run import UNSUPPORTED, read_manifest, new_run_id, validate_run_id, run_dir
 from servelab.deploy.target_secrets import (derived_target, launch_over_secrets, recorded_run_secrets, run_secrets,
                                             target_dict_with_launch)
 from servelab.core import run as runlib
+from servelab.core import signals
+from servelab.phases import param_checks  # noqa: F401  (registers the phase checks)
 from servelab.core.redact import scrub_tree
+from servelab.deploy.attach import check_attached
 from servelab.deploy.engines import engine_for
+from servelab.deploy.server import http_json
 from servelab.deploy.llamacpp_build import ensure_llama_server
 from servelab.deploy.models import gemma_model, tiny_model, TINY_HF_KEY
 from servelab.deploy.sglang_cpu import SGLANG_CPU_PYTHON, SGLANG_VERSION, resolve_sglang_cpu
+from servelab.phases.freeze_end import freeze_end
+from servelab.report.archive import write_run_index
 
 # phases the demo runs, in order; those without a live meaning locally read data/samples themselves
 DEMO_PHASES = ("phase0", "phase1", "phase2", "phase3", "phase5", "phase4", "phase6", "phase7", "phase8", "phase9")
-
-
-def _term_to_interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _say(line: str) -> None:
@@ -127,38 +131,6 @@ def failure_reason(exc: BaseException) -> str:
     return first[:500]
 
 
-def kernel_manager_class(log_path: Path | None = None, env: dict[str, str] | None = None) -> type:
-    """Kernels talk to papermill over IPC sockets in the user's private runtime dir: no TCP port is opened (and
-    ipykernel has nothing to warn about). The kernel process's own output — its logging, a traceback while it is
-    being shut down after Ctrl-C — goes to ``log_path`` (the phase folder's ``kernel.log``), not the terminal.
-    ``env`` is added to the kernel's environment (the secrets a derived target names; never on disk or argv)."""
-    from jupyter_client.manager import AsyncKernelManager
-    from traitlets import default
-
-    class IPCKernelManager(AsyncKernelManager):
-        @default("transport")
-        def _default_transport(self) -> str:
-            return "ipc"
-
-        async def _async_launch_kernel(self, kernel_cmd: list[str], **kw: Any) -> None:
-            if env:           # the secrets a derived target names as ${NAME}: in the kernel's environment only
-                kw["env"] = {**(kw.get("env") or os.environ), **env}
-            if "JPY_SESSION_NAME" in (kw.get("env") or os.environ):    # run from a JupyterLab notebook: that
-                kw["env"] = {k: v for k, v in (kw.get("env") or os.environ).items()    # notebook is not this phase's
-                             if k != "JPY_SESSION_NAME"}
-            if log_path is not None:
-                log_path.parent.mkdir(parents=True, exist_ok=True)
-                log = open(log_path, "ab")          # the child keeps its own copy of the descriptor
-                try:
-                    kw.update(stdout=log, stderr=log)
-                    await super()._async_launch_kernel(kernel_cmd, **kw)
-                finally:
-                    log.close()
-            else:
-                await super()._async_launch_kernel(kernel_cmd, **kw)
-    return IPCKernelManager
-
-
 def split_overrides(phase: str, target: str, overrides: dict[str, str]) -> tuple[dict[str, str], dict[str, Any]]:
     """``-p`` keys are phase parameters or, where the phase has no such key, launch settings of the target's
     engine (``-p tp_size=8``). Anything else is an error naming the closest key of either kind."""
@@ -177,19 +149,29 @@ def split_overrides(phase: str, target: str, overrides: dict[str, str]) -> tuple
             raise ParamError(f"unknown parameter '{k}'{did_you_mean(k, phase_keys | launch_keys)}; "
                              f"{phase.split('_')[0]} parameters: {', '.join(sorted(phase_keys))}; "
                              f"{t.engine} launch settings: {', '.join(sorted(launch_keys))}")
+    if launch_over and t.attached:
+        raise ParamError(f"-p {', '.join(sorted(launch_over))}: {t.name} is attached to {t.endpoint}, which servelab "
+                         f"did not start; its launch settings are not servelab's to change")
     if launch_over:
         target_from_dict(target_dict_with_launch(t, launch_over), f"{target} with -p {launch_over}")   # validates the combination
     return phase_over, launch_over
 
 
-def validate(phase: str, target: str, overrides: dict[str, str]) -> tuple[Path, dict[str, Any]]:
-    """Resolve and check everything a phase run needs; no side effect. Returns (notebook, parameters)."""
+def validate(phase: str, target: str, overrides: dict[str, str], run_id: str = "") -> tuple[Path, dict[str, Any]]:
+    """Resolve and check everything a phase run needs; no side effect. Returns (notebook, parameters). ``run_id``:
+    the run it goes into ("" for a new one), for parameters that name another phase's results (Phase 3's
+    ``capture_at``)."""
     nb = notebook_path(phase)
     phase_over, _ = split_overrides(phase, target, overrides)
     params = resolve_phase_params(nb, phase.split("_")[0], overrides=phase_over)
     t = load_target(target)
-    engine_for(t.engine).check_model(t)
+    if t.attached:
+        check_attached(t, phase, params, engine_for(t.engine), http_json)
+    else:
+        engine_for(t.engine).check_model(t)
     params["target"] = target
+    # the folders, files, cases, runs and Phase 1 points (capture_at) the parameters name
+    run_phase_checks(phase, {**params, "run_id": run_id or params.get("run_id") or ""})
     return nb, params
 
 
@@ -211,7 +193,7 @@ def execute_phase(phase: str, target: str, run_id: str, overrides: dict[str, str
     from servelab.report.archive import write_root_index, write_run_index
     from servelab.report.html import render_notebook
 
-    nb, _ = validate(phase, target, overrides)
+    nb, _ = validate(phase, target, overrides, run_id=run_id)
     t0_wall = time.time() - 2.0        # files written from here on are scrubbed (2 s: coarse modification times)
     phase_over, launch_over = split_overrides(phase, target, overrides)
     key = phase.split("_")[0]
@@ -360,15 +342,56 @@ def cmd_run(args: argparse.Namespace) -> int:
     overrides = parse_overrides(args.p or [])
     if args.resume:
         overrides.setdefault("resume", "true")
-    validate(args.phase, args.target, overrides)            # before any side effect
+    validate(args.phase, args.target, overrides, run_id=args.run_id or "")      # before any side effect
     run_id = validate_run_id(args.run_id) if args.run_id else new_run_id(args.target)
     rdir, status = execute_phase(args.phase, args.target, run_id, overrides, render=not args.no_render,
                                  timeout_s=args.timeout)
     key = args.phase.split("_")[0]
+    if key != "phase0":
+        _end_freeze(rdir, args.target)
     print(f"{key}: {status}{_why(rdir, key, status)}")
     print(rdir / key / "report.html")
     print(rdir / "index.html")
     return 0 if status in ("success", UNSUPPORTED) else 1
+
+
+def _run_target(rdir: Path, name: str = "") -> Any:
+    """The target a run ran on: ``name`` (else the manifest's), with the launch settings Phase 0 recorded."""
+    m = read_manifest(rdir)
+    t = load_target(name or str(m.get("target") or ""))
+    settings = (m.get("launch") or {}).get("settings")
+    return target_from_dict(target_dict_with_launch(t, {k: v for k, v in settings.items() if t.launch.get(k) != v}),
+                            f"{t.source} as run {rdir.name} recorded it") if isinstance(settings, dict) else t
+
+
+def _end_freeze(rdir: Path, target: str = "") -> int:
+    """The run-end freeze (``phases.freeze_end``) where Phase 0 froze the run; one line for what it found, the run
+    index rewritten. A freeze that fails says why in one line and fails nothing else."""
+    if not (read_manifest(rdir).get("frozen") or {}):
+        return 0
+    try:
+        changes = freeze_end(rdir, _run_target(rdir, target))
+    except Exception as exc:      # an unreachable node, a missing interpreter ...: said, the run stays as it is
+        _say(f"run-end freeze not taken: {failure_reason(exc)}")
+        return 1
+    _say("run-end freeze: " + ("no change since Phase 0" if changes.empty else
+                               f"{len(changes)} change(s) since Phase 0: " + "; ".join(
+                                   f"{r.node} {r.what} {r.before} → {r.after}" for r in changes.head(4).itertuples())))
+    write_run_index(rdir)
+    return 0
+
+
+def cmd_freeze(args: argparse.Namespace) -> int:
+    """``servelab freeze RUN_ID``: take the run-end freeze of an existing run now."""
+    rdir = run_dir(validate_run_id(args.run_id))
+    if not (rdir / "manifest.json").is_file():
+        raise ParamError(f"no run '{args.run_id}' under {rdir.parent} (servelab run ... --run-id ID makes one)")
+    if not (read_manifest(rdir).get("frozen") or {}):
+        raise ParamError(f"run '{args.run_id}' has no Phase 0 freeze to compare with: "
+                         f"servelab run phase0 --target <target> --run-id {args.run_id}")
+    code = _end_freeze(rdir, args.target or "")
+    print(rdir / "freeze_end.csv")
+    return code
 
 
 def _why(rdir: Path, key: str, status: str) -> str:
@@ -403,12 +426,34 @@ def cmd_demo(args: argparse.Namespace) -> int:
         elif status != "success":
             failed.append(p)
     assert rdir is not None
+    _end_freeze(rdir, args.target)
     ok = len(phases) - len(failed) - len(unsupported)
     _say(f"demo finished in {time.monotonic() - t0:.0f} s; {ok} of {len(phases)} phases succeeded"
          + (f"; not supported on this target: {', '.join(unsupported)}" if unsupported else "")
          + (f"; failed: {', '.join(failed)}" if failed else ""))
+    report_check(rdir)          # each finding on stderr and in check.json; `servelab check` exits 1 on any
     print(rdir / "index.html")
     return 1 if failed else 0
+
+
+def report_check(rdir: Path) -> int:
+    """The run's consistency check (``report.check``): each finding one line on stderr, the count last; written to
+    ``<run>/check.json``. Returns the number of findings."""
+    from dataclasses import asdict
+    from servelab.report.check import check_run
+    found = check_run(rdir)
+    runlib.write_json_atomic(rdir / "check.json", {"checked": runlib.now_iso(), "findings": [asdict(f) for f in found]})
+    for f in found:
+        _say(f"check: {f.line()}")
+    _say(f"consistency check of {rdir.name}: " + (f"{len(found)} finding(s)" if found else "no contradictions"))
+    return len(found)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    rdir = run_dir(args.run_id)
+    if not (rdir / "manifest.json").exists():
+        raise ParamError(f"no run '{args.run_id}' under {rdir.parent}")
+    return 1 if report_check(rdir) else 0
 
 
 def cmd_render(args: argparse.Namespace) -> int:
@@ -462,6 +507,7 @@ def cmd_render(args: argparse.Namespace) -> int:
         scrub_tree(rdir, recorded_run_secrets(rdir))
     write_run_index(rdir)
     write_root_index(rdir.parent)
+    report_check(rdir)                     # the pages just rendered, read back (render itself still succeeds)
     print(rdir / "index.html")
     return 0
 
@@ -584,6 +630,9 @@ def build_parser() -> argparse.ArgumentParser:
     rn.add_argument("--notebook", help="an executed notebook (plain papermill, JupyterLab) to take into the run as "
                                        "PHASE's notebook, scrubbed of secrets, and render")
     rn.set_defaults(fn=cmd_render)
+    ck = sub.add_parser("check", help="read every page and fact of a run and report contradictions (exit 1 on any)")
+    ck.add_argument("run_id")
+    ck.set_defaults(fn=cmd_check)
     cs = sub.add_parser("case", help="re-run one measured case from its recorded meta as a new attempt "
                                      "(cases/<case>@a<n>/)")
     cs.add_argument("run_id")
@@ -591,6 +640,11 @@ def build_parser() -> argparse.ArgumentParser:
     cs.add_argument("--target", help="run on this target instead of the recorded one")
     cs.add_argument("--no-render", action="store_true", help="do not render the phase page and the run index again")
     cs.set_defaults(fn=cmd_case)
+    fz = sub.add_parser("freeze", help="freeze an existing run's environment again now and compare with its Phase 0 "
+                                       "freeze (done after every phase run and at the end of the demo)")
+    fz.add_argument("run_id")
+    fz.add_argument("--target", help="the target's name or file, if not the recorded one")
+    fz.set_defaults(fn=cmd_freeze)
     sub.add_parser("phases", help="list phases").set_defaults(
         fn=lambda a: print("\n".join(f"{k}  {v}{'' if k in available_phases() else '  (not yet)'}"
                                      for k, v in NOTEBOOKS.items())) or 0)
@@ -618,7 +672,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    signal.signal(signal.SIGTERM, _term_to_interrupt)
+    # SIGTERM takes Ctrl-C's path, in bounded time, with the status naming the signal (Ctrl-C reaches the kernel
+    # from the terminal itself, and keeps Python's own handler)
+    changed = signals.stop_on((signal.SIGTERM,))
     try:
         return int(args.fn(args) or 0)
     except ParamError as exc:
@@ -632,8 +688,12 @@ def main(argv: list[str] | None = None) -> int:
         import logging
         logging.getLogger("asyncio").disabled = True
         gc.collect()
-        print("servelab: interrupted; everything measured so far is kept in the run directory", file=sys.stderr)
-        return 130
+        got = signals.received()
+        by = f" by {signal.Signals(got).name}" if got else ""
+        print(f"servelab: interrupted{by}; everything measured so far is kept in the run directory", file=sys.stderr)
+        return signals.exit_status()
+    finally:
+        signals.restore(changed)
 
 
 if __name__ == "__main__":

@@ -133,13 +133,23 @@ def capture_folders(run_dir: Path) -> list[tuple[Path, str]]:
     sample = samples_root().joinpath(*SAMPLE_CAPTURE).resolve()
     found: dict[Path, str] = {}
     for f in sorted({p.parent.parent for p in (run_dir / "cases").glob("*/profiles/*/*.trace.json.gz")}):
-        found.setdefault(f.resolve(), "profiled case of this run")
+        found.setdefault(f.resolve(), "profiled case of this run" + _scenario_of(f.parent))
     p3 = phase3_capture(run_dir)
     if p3 is not None:
         found.setdefault(p3, "recorded sample (data/samples)" if p3 == sample else "Phase 3's trace_dir")
     if sample.is_dir():
         found.setdefault(sample, "recorded sample (data/samples)")
     return list(found.items())
+
+
+def _scenario_of(case_dir: Path) -> str:
+    """`` (scenario <name>)`` for a Phase 3 profiled case (its ``meta.json``), "" otherwise: the explorer's list of
+    captures names each captured scenario, so one can switch between them."""
+    try:
+        name = json.loads((case_dir / "meta.json").read_text()).get("scenario")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return ""
+    return f" (scenario {name})" if isinstance(name, str) and name else ""
 
 
 def phase3_capture(run_dir: Path) -> Path | None:

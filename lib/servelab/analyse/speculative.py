@@ -30,6 +30,7 @@ from typing import Any
 
 import pandas as pd
 
+from servelab.core.facts import MIN_SAMPLES, enough, indicative
 from servelab.measure import request_metrics as mx
 from servelab.measure.records import RequestRecord
 from servelab.measure.launch_variants import Snapshot, delta_of, snapshot_deltas
@@ -145,6 +146,10 @@ def spec_row(srv: RunningServer, cfg: SpecConfig, concurrency: int, repeat: int,
             reasons.append(f"{s['failed']} request(s) failed: {s['errors_by_kind']}")
         if s["token_check"]["mismatches"] and not cfg.synth_rates:
             reasons.append(f"achieved tokens off target in {s['token_check']['mismatches']} request(s)")
+    done = row.get("completed")
+    if done is not None and not enough("throughput", done):      # the sample-size rule (core.facts)
+        reasons.append(f"{indicative(done)}: fewer than {MIN_SAMPLES['throughput']} completed requests make no "
+                       "throughput point")
     row["validity"] = "INVALID" if reasons else "VALID"
     row["reasons"] = "; ".join(reasons)
     row["definition"] = definition
@@ -181,8 +186,8 @@ def net_gain(points: pd.DataFrame) -> pd.DataFrame:
         gain = 100.0 * (r["output_throughput"] / b["output_throughput"] - 1) if b["output_throughput"] else None
         spread = None
         if len(reps) > 1 and len(breps) > 1:
-            spread = (f"spec {reps['output_throughput'].min():.3g}–{reps['output_throughput'].max():.3g}, "
-                      f"off {breps['output_throughput'].min():.3g}–{breps['output_throughput'].max():.3g}")
+            spread = (f"spec {reps['output_throughput'].min():,.1f}–{reps['output_throughput'].max():,.1f}, "
+                      f"off {breps['output_throughput'].min():,.1f}–{breps['output_throughput'].max():,.1f}")
         rows.append({"config": config, "concurrency": c, "acceptance_rate": r.get("acceptance_rate"),
                      "mean_accept_length": r.get("mean_accept_length"),
                      "output_tps_off": b["output_throughput"], "output_tps_spec": r["output_throughput"],

@@ -4,9 +4,12 @@ Each phase has one notebook and one library module of the same name (``servelab.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Any
 
 from servelab.core.params import ParamError, did_you_mean
+from servelab.core import signals
 from servelab.core.paths import project_root
 
 NOTEBOOKS = {
@@ -37,3 +40,38 @@ def notebook_path(phase: str) -> Path:
 
 def available_phases() -> list[str]:
     return [k for k, v in NOTEBOOKS.items() if (project_root() / "notebooks" / f"{v}.ipynb").exists()]
+
+
+def kernel_manager_class(log_path: Path | None = None, env: dict[str, str] | None = None) -> type:
+    """Kernels talk to papermill over IPC sockets in the user's private runtime dir: no TCP port is opened (and
+    ipykernel has nothing to warn about). The kernel process's own output — its logging, a traceback while it is
+    being shut down after Ctrl-C — goes to ``log_path`` (the phase folder's ``kernel.log``), not the terminal.
+    ``env`` is added to the kernel's environment (the secrets a derived target names; never on disk or argv)."""
+    from jupyter_client.manager import AsyncKernelManager
+    from traitlets import default
+
+    class IPCKernelManager(AsyncKernelManager):
+        @default("transport")
+        def _default_transport(self) -> str:
+            return "ipc"
+
+        async def _async_launch_kernel(self, kernel_cmd: list[str], **kw: Any) -> None:
+            if env:           # the secrets a derived target names as ${NAME}: in the kernel's environment only
+                kw["env"] = {**(kw.get("env") or os.environ), **env}
+            if "JPY_SESSION_NAME" in (kw.get("env") or os.environ):    # run from a JupyterLab notebook: that
+                kw["env"] = {k: v for k, v in (kw.get("env") or os.environ).items()    # notebook is not this phase's
+                             if k != "JPY_SESSION_NAME"}
+            if log_path is not None:
+                log_path.parent.mkdir(parents=True, exist_ok=True)
+                log = open(log_path, "ab")          # the child keeps its own copy of the descriptor
+                try:
+                    kw.update(stdout=log, stderr=log)
+                    await super()._async_launch_kernel(kernel_cmd, **kw)
+                finally:
+                    log.close()
+            else:
+                await super()._async_launch_kernel(kernel_cmd, **kw)
+            pid = getattr(getattr(self, "provisioner", None), "pid", None)
+            if pid:                 # SIGTERM to `servelab run` reaches the kernel at once (core.signals)
+                signals.forward_to(int(pid))
+    return IPCKernelManager

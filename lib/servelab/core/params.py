@@ -3,6 +3,13 @@
 A phase's parameters are the typed literals of its notebook's ``parameters`` cell (papermill's own
 contract), layered as: notebook defaults < ``params/<phase>.yaml`` < ``-p key=value`` overrides.
 A target is a YAML file under ``params/targets/``. Unknown keys are errors that name the closest key.
+
+Checks that need more than one parameter or the file system — a folder, file, case, point or run a parameter
+names — are **phase checks**: a function ``check(params) -> None`` registered for its phase with
+:func:`phase_check` (``servelab.phases.param_checks`` holds them) that raises :class:`ParamError` with one line
+saying what to do. :func:`run_phase_checks` runs them on the resolved parameters (with ``target``, the target's
+name), from ``servelab run`` (before a run folder or a kernel exists) and from the notebook (``open_phase``), so
+both refuse the same inputs the same way.
 """
 from __future__ import annotations
 
@@ -13,7 +20,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -37,6 +44,41 @@ def reject_unknown(given: dict, known: set[str], where: str) -> None:
 
 
 # ---------------------------------------------------------------- phase parameters
+
+PhaseCheck = Callable[[dict[str, Any]], None]
+PHASE_CHECKS: dict[str, list[PhaseCheck]] = {}
+
+
+def phase_check(phase: str) -> Callable[[PhaseCheck], PhaseCheck]:
+    """Register ``check(params)`` for ``phase`` (``phase3``): it raises :class:`ParamError` (one line, what to do)
+    on a value that names something missing; run by :func:`run_phase_checks` on the typed parameters."""
+    def add(fn: PhaseCheck) -> PhaseCheck:
+        checks = PHASE_CHECKS.setdefault(phase, [])
+        if fn not in checks:
+            checks.append(fn)
+        return fn
+    return add
+
+
+def run_phase_checks(phase: str, params: dict[str, Any]) -> None:
+    """Every check registered for ``phase`` on ``params`` (resolved, typed, ``target`` = the target's name)."""
+    for fn in PHASE_CHECKS.get(phase.split("_")[0], []):
+        fn(params)
+
+
+def existing_path(value: str, name: str, kind: str = "dir", what: str = "", base: Path | None = None) -> Path:
+    """``value`` (``~`` expanded; relative to ``base`` when given) as an existing folder (``kind="dir"``) or file;
+    else :class:`ParamError` naming the parameter, the value as given and ``what`` it should hold."""
+    path = Path(value).expanduser()
+    if base is not None and not path.is_absolute():
+        path = base / path
+    ok = path.is_dir() if kind == "dir" else path.is_file()
+    if not ok:
+        state = "does not exist" if not path.exists() else f"is not a {'folder' if kind == 'dir' else 'file'}"
+        hint = f" (give the {'folder' if kind == 'dir' else 'file'} {what})" if what else ""
+        raise ParamError(f"{name}: {value} {state}{hint}")
+    return path
+
 
 @dataclass(frozen=True)
 class ParamSpec:

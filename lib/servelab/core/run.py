@@ -31,6 +31,12 @@ from servelab.core.redact import (REDACTED, SECRET_NAME_RE, SECRET_VALUE_RES, is
 
 SCHEMA_VERSION = 1
 LABELS = ("executed", "reproduce", "planned")
+# values a planned command cannot know: written as these names in the command, each explained on a separate "fill in"
+# line under it (report.commands) — never a <placeholder> inside the command
+FILL_IN = {"ENV_FILE": "a file of the target's env, mode 0600, outside outputs/ (servelab writes one per start)",
+           "ENGINE_COMMAND": "the engine's launch command (Phase 0's manifest and commands.jsonl record it)",
+           "REPRO_COMMAND": "a one-batch reproduction on the engine, model and GPU the kernels were recorded on "
+                            "(Phase 6's repro parameter fills it in)"}
 MANIFEST_LOCK = ".manifest.lock"     # flock'ed around every manifest update
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 

@@ -14,8 +14,12 @@ kernel left. The local scheduler dies with the kernel (parent-death signal); a w
 stops itself after ``DEATH_TIMEOUT_S``. The scheduler fails a task whose worker died at once
 (``allowed-failures`` 0), so that the caller decides about a retry; an existing cluster keeps its own setting.
 
-Dask's protocol carries pickled code and has no authentication of its own: the scheduler binds loopback or the one
-address facing the nodes, never ``0.0.0.0`` — run it on a network only the cluster's machines reach.
+Dask's protocol carries pickled code: whoever can talk to a scheduler or a worker runs code on every node. So what
+servelab starts speaks TLS with mutual authentication (:mod:`servelab.deploy.cluster_tls`: a CA and certificate made
+for this start, on each node in an owner-only folder, removed at stop, swept at the next start): a peer without that
+certificate is refused by the scheduler and by every worker. The scheduler still binds loopback or the one address
+facing the nodes, never ``0.0.0.0``. An existing ``tls://`` cluster is joined with the user's own certificate paths
+(Dask's configuration: ``distributed.comm.tls.ca-file``, ``.client.cert``, ``.client.key``).
 """
 from __future__ import annotations
 
@@ -29,9 +33,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from servelab.core import threads
+from servelab.deploy import cluster_tls
 from servelab.deploy.hosts import HostError, LocalHost, ProcessTracker, connect
 
-FORMS = "local[:N] (workers on this machine), nodes[:N] (N workers on every node of the target) or tcp://HOST:PORT"
+FORMS = ("local[:N] (workers on this machine), nodes[:N] (N workers on every node of the target) or tcp://HOST:PORT "
+         "(tls://HOST:PORT with your certificates in Dask's configuration)")
 DEATH_TIMEOUT_S = 60           # a worker stops itself when its scheduler has been gone this long
 MAX_DEFAULT_WORKERS = 8
 
@@ -93,6 +100,7 @@ class Cluster:
     sweep: list[dict] = field(default_factory=list)
     log_dir: str = ""
     spec: ClusterSpec | None = None
+    tls: cluster_tls.TLSFiles | None = None     # the controller's certificate files (a cluster servelab started)
 
     def nodes(self) -> dict[str, list[str]]:
         """Live workers grouped by host: {host: [worker addresses]} (a host is one node)."""
@@ -115,10 +123,11 @@ def _host_of(addr: str) -> str:
     return addr.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
 
 
-def _client(address: str, timeout_s: float):
+def _client(address: str, timeout_s: float, security: Any = None):
     from distributed import Client
     try:
-        return Client(address, timeout=timeout_s, set_as_default=False)
+        return Client(address, timeout=timeout_s, set_as_default=False,
+                      **({"security": security} if security is not None else {}))
     except (OSError, TimeoutError) as exc:
         raise ClusterError(f"cannot reach the Dask scheduler at {address}: {exc}; check the address and that "
                            f"this machine can reach it") from None
@@ -127,6 +136,14 @@ def _client(address: str, timeout_s: float):
 def connect_cluster(address: str, timeout_s: float = 30.0) -> Cluster:
     """Join an existing cluster (nothing started or stopped there); its workers must run the same Dask as here."""
     require_dask()
+    if address.startswith("tls://"):
+        import dask
+        need = {"ca-file": "distributed.comm.tls.ca-file", "client cert": "distributed.comm.tls.client.cert"}
+        missing = [k for k, key in need.items() if not dask.config.get(key, None)]
+        if missing:
+            raise ClusterError(f"joining {address} needs your TLS files: set DASK_DISTRIBUTED__COMM__TLS__CA_FILE, "
+                               f"DASK_DISTRIBUTED__COMM__TLS__CLIENT__CERT (and __KEY when the key is separate), or "
+                               f"the same keys in ~/.config/dask/*.yaml (missing: {', '.join(missing)})")
     client = _client(address, timeout_s)
     try:
         client.get_versions(check=True)
@@ -150,12 +167,24 @@ def facing_address(hosts: list[str]) -> str:
         return s.getsockname()[0]
 
 
-def _default_workers(host: Any) -> int:
+def _node_cpus(host: Any) -> int:
+    """The CPUs the node's processes may use (``nproc`` there: its affinity)."""
     r = host.run(["nproc"], timeout=30)
     try:
-        return max(1, min(MAX_DEFAULT_WORKERS, int(r.stdout.strip())))
+        return max(1, int(r.stdout.strip()))
     except ValueError:
         return 1
+
+
+def _default_workers(cpus: int) -> int:
+    return max(1, min(MAX_DEFAULT_WORKERS, cpus))
+
+
+def worker_env(cpus: int, n: int) -> dict[str, str]:
+    """A node's ``n`` workers each get ``cpus // n`` of its CPUs: their libraries' thread pools sized to that
+    (set before polars / pyarrow / BLAS start in the worker, :mod:`servelab.core.threads`), and a worker with
+    more than one may start parse processes of its own (not a daemon process)."""
+    return {**threads.thread_env(max(1, cpus // max(1, n))), "DASK_DISTRIBUTED__WORKER__DAEMON": "False"}
 
 
 def start_cluster(nodes: list[tuple[str, Any, str]], tracker: ProcessTracker, log_dir: str | Path,
@@ -183,12 +212,18 @@ def start_cluster(nodes: list[tuple[str, Any, str]], tracker: ProcessTracker, lo
                                f"here; install the same version on every node")
     local = LocalHost("controller")
     local.run_id = run_id
-    swept = [row for _, host, _ in nodes for row in host.sweep()] + local.sweep()
+    swept = [row for _, host, _ in nodes for row in host.sweep() + cluster_tls.sweep(host)] + local.sweep() \
+        + cluster_tls.sweep(local)
     bind = facing_address([b for _, _, b in nodes])
+    pems = cluster_tls.make_certificates([bind, *[b for _, _, b in nodes], "localhost"])
+    tls = {"controller": _install_tls(local, pems, run_id, tracker, "controller")}
+    for name, host, _ in nodes:
+        tls[name] = _install_tls(host, pems, run_id, tracker, name)
     sched_file = log_dir / "scheduler.json"
     sched_file.unlink(missing_ok=True)
     env = {"DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES": "0"}
     tracker.start(local, [python, "-m", "distributed.cli.dask_scheduler", "--host", bind, "--port", "0",
+                          "--protocol", "tls", *tls["controller"].cli_args(),
                           "--scheduler-file", str(sched_file), "--no-dashboard", "--no-show"],
                   log_dir / "scheduler.log", env=env, what="dask scheduler")
     deadline = time.monotonic() + timeout_s
@@ -201,7 +236,8 @@ def start_cluster(nodes: list[tuple[str, Any, str]], tracker: ProcessTracker, lo
     first = len(tracker.entries) - 1
     total, names, remote_logs = 0, {}, []
     for name, host, node_bind in nodes:
-        n = workers or _default_workers(host)
+        cpus = _node_cpus(host)
+        n = workers or _default_workers(cpus)
         total += n
         names[node_bind] = name
         if isinstance(host, LocalHost):
@@ -212,10 +248,11 @@ def start_cluster(nodes: list[tuple[str, Any, str]], tracker: ProcessTracker, lo
             wdir, log = f"{priv}/dask", f"{priv}/workers.log"
             remote_logs.append((name, host, log))
         tracker.start(host, [python, "-m", "distributed.cli.dask_worker", address, "--host", node_bind,
+                             "--protocol", "tls", *tls[name].cli_args(),
                              "--nworkers", str(n), "--nthreads", "1", "--name", name, "--no-dashboard",
                              "--local-directory", str(wdir), "--death-timeout", str(DEATH_TIMEOUT_S)],
-                      log, what=f"dask workers ({n}) of {address}")
-    client = _client(address, timeout_s)
+                      log, env=worker_env(cpus, n), what=f"dask workers ({n}) of {address}")
+    client = _client(address, timeout_s, tls["controller"].security())
     try:
         client.wait_for_workers(total, timeout=max(1.0, deadline - time.monotonic()))
     except TimeoutError:
@@ -225,10 +262,21 @@ def start_cluster(nodes: list[tuple[str, Any, str]], tracker: ProcessTracker, lo
                          if isinstance(h, LocalHost))
         raise ClusterError(f"{have} of {total} Dask workers joined within {timeout_s:.0f} s"
                            + (f" ({logs})" if logs else f" (the nodes' worker logs are copied to {log_dir})")) from None
-    return Cluster(address=address, client=client, started=True, node_names=names,
+    return Cluster(address=address, client=client, started=True, node_names=names, tls=tls["controller"],
                    handles=[h for _, h in tracker.entries[first:]], sweep=swept, log_dir=str(log_dir),
                    spec=ClusterSpec("nodes" if any(not isinstance(h, LocalHost) for _, h, _ in nodes) else "local",
                                     workers))
+
+
+def _install_tls(host: Any, pems: dict[str, bytes], run_id: str, tracker: ProcessTracker,
+                 name: str) -> cluster_tls.TLSFiles:
+    """The start's certificates on ``host``, removed once the tracker has stopped the processes."""
+    try:
+        files = cluster_tls.install(host, pems, run_id)
+    except HostError as exc:
+        raise ClusterError(str(exc)) from None
+    tracker.on_exit(f"cluster-tls-{name}", lambda: cluster_tls.remove(host, files))
+    return files
 
 
 def _fetch_and_remove(host: Any, priv: str, local_log: Path):

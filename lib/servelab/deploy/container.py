@@ -42,7 +42,7 @@ DOCKER_KEYS: dict[str, str] = {
     "stop_grace_s": "seconds docker stop waits before it kills the container (default 10)",
     "client": "the docker client on the node (default: docker)",
 }
-PLANNED_ENV_FILE = "<private run folder>/container.env"
+PLANNED_ENV_FILE = "ENV_FILE"          # a planned command's fill-in value (core.run.FILL_IN)
 LABEL = "servelab.run"
 
 

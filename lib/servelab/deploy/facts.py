@@ -562,3 +562,47 @@ def freeze_node(host: Any, eng: EngineEnv, adapter: Any, model_path: str, moment
     return NodeFreeze(node=host.name, moment=moment, engine=engine, packages=packages, weights=w["files"],
                       weights_seconds=w["seconds"], weights_bytes=w["bytes"], image=image, notes=notes,
                       commands=commands)
+
+
+def freeze_summary(f: NodeFreeze) -> dict[str, Any]:
+    """What a run keeps of one node's freeze: image and image id (docker mode), engine and version, commit,
+    interpreter, the executable's sha256, every package's version, every model file's sha256 and one sha256 over them
+    — the manifest's ``frozen.<node>`` (Phase 0, before the engine started) and ``frozen_end.<node>`` (the run's end)."""
+    e = f.engine
+    d: dict[str, Any] = {}
+    if f.image is not None:
+        d.update(image=f.image.get("name", ""), image_id=f.image.get("id", ""))
+    d.update(engine=" ".join(x for x in (e.get("distribution") or e.get("name", ""), e.get("version", "")) if x),
+             engine_commit=e.get("commit", ""), python=e.get("python", ""),
+             **({"executable_sha256": e["executable_sha256"]} if e.get("executable_sha256") else {}),
+             packages={r.package: r.version for r in f.packages.itertuples()},
+             weights={r.file: r.sha256 for r in f.weights.itertuples()},
+             weights_sha256=weights_fingerprint(f.weights))
+    return d
+
+
+FREEZE_COLUMNS = ["node", "kind", "what", "before", "after"]
+FREEZE_MARKING = ("driver", "engine", "image", "weights")     # the kinds that mark the run's comparisons
+FREEZE_ITEM_KIND = {"image": "image", "image_id": "image", "engine": "engine", "engine_commit": "engine",
+             "python": "engine", "executable_sha256": "engine", "weights_sha256": "weights"}
+
+
+def compare_freezes(before: dict[str, Any], after: dict[str, Any], node: str) -> list[dict[str, Any]]:
+    """The changed items between two freeze summaries of one node (``deploy.facts.freeze_summary`` dicts); the
+    engine's own distribution among the packages counts as an ``engine`` change."""
+    rows = []
+    for item, kind in FREEZE_ITEM_KIND.items():
+        if item in before or item in after:
+            b, a = before.get(item, "absent"), after.get(item, "absent")
+            if str(b) != str(a):
+                rows.append({"node": node, "kind": kind, "what": item, "before": b, "after": a})
+    own = str(after.get("engine") or before.get("engine") or "").split(" ")[0].lower().replace("_", "-")
+    for group, kind in (("packages", "package"), ("weights", "weights")):
+        b, a = before.get(group) or {}, after.get(group) or {}
+        for name in sorted(set(b) | set(a)):
+            if str(b.get(name, "absent")) != str(a.get(name, "absent")):
+                is_engine = kind == "package" and own and name.lower().replace("_", "-") == own
+                label = f"{'package' if kind == 'package' else 'model file'} {name}"
+                rows.append({"node": node, "kind": "engine" if is_engine else kind, "what": label,
+                             "before": b.get(name, "absent"), "after": a.get(name, "absent")})
+    return rows

@@ -8,7 +8,8 @@
 - ``put(local, remote)``, ``get(remote, local)``, ``read_file(path)``, ``write_file(path, data)``
 
 Every started process belongs to a ``ProcessTracker``; ``with ProcessTracker() as t`` stops all of them
-on success, failure, KeyboardInterrupt (SIGTERM included, while the tracker is open) and interpreter exit.
+on success, failure, KeyboardInterrupt (SIGTERM included, while the tracker is open) and interpreter exit; a
+SIGTERM whose interrupt something swallowed still stops them in bounded time (``core.signals``' watchdog).
 SSH host keys are verified against known_hosts; accepting an unknown key is an explicit per-node option and is recorded.
 """
 from __future__ import annotations
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from servelab.core import signals
 from servelab.core.paths import cache_root
 from servelab.core.run import is_secret_name, now_iso
 from servelab.deploy.pid_records import DEFAULT_STATE_DIR, PROC_TAG_ENV, HostError, PidRecords
@@ -463,8 +465,18 @@ class ProcessTracker:
     def running(self) -> list[Handle]:
         return [h for host, h in self.entries if h.stopped is None and host.is_running(h)]
 
+    def kill_all(self) -> None:
+        """The watchdog's stop (``core.signals``): every process still running, with a 1 s grace."""
+        for host, h in reversed(self.entries):
+            if h.stopped is None:
+                try:
+                    host.stop(h, grace_s=1.0)
+                except Exception as exc:  # noqa: BLE001  (recorded; the next one is still stopped)
+                    h.stopped = f"stop failed: {exc}"
+
     def __enter__(self) -> "ProcessTracker":
-        self._term_before = _term_as_interrupt()
+        self._term_before = signals.stop_on((signal.SIGTERM,))
+        signals.register(id(self), self.kill_all)
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -472,26 +484,10 @@ class ProcessTracker:
             self.stop_all()
         finally:
             atexit.unregister(self.stop_all)
-            if self._term_before is not None:
-                signal.signal(signal.SIGTERM, self._term_before)
+            signals.unregister(id(self))
+            if self._term_before:
+                signals.restore(self._term_before)
                 self._term_before = None
-
-
-def _raise_interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
-def _term_as_interrupt() -> Any:
-    """SIGTERM (a kernel or a run being terminated) becomes KeyboardInterrupt — the Ctrl-C path, where every
-    tracked process and container is stopped — while a tracker is open. Only in the main thread and only where
-    SIGTERM had its default action; returns that action to restore, or None when nothing was changed."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    before = signal.getsignal(signal.SIGTERM)
-    if before is not signal.SIG_DFL:
-        return None
-    signal.signal(signal.SIGTERM, _raise_interrupt)
-    return before
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import getpass
 import json
+import os
 import posixpath
 import time
 import urllib.error
@@ -16,8 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from servelab.deploy import attach as attachlib
 from servelab.deploy import container as containerlib
 from servelab.deploy import hosts as hostlib
+from servelab.deploy import slurm as slurmlib
 from servelab.deploy import start_checks
 from servelab.deploy.engines import engine_for
 from servelab.deploy.engines.base import SECRET_DIR, LaunchPlan
@@ -46,6 +49,8 @@ class RunningServer:
     containers: dict[str, containerlib.RunningContainer] = field(default_factory=dict)   # mode=docker, per node
     api_key: str = field(default="", repr=False)
     notes: list[str] = field(default_factory=list)      # exposure warnings and the like, for the page
+    attached: bool = False                                # a server servelab did not start (deploy.attach)
+    slurm_job: Any = None                                 # launch.via: slurm: its deploy.slurm.SlurmJob
 
     @property
     def auth_headers(self) -> dict[str, str]:
@@ -55,6 +60,11 @@ class RunningServer:
     @property
     def engine(self):
         return engine_for(self.target.engine)
+
+    @property
+    def metrics_path(self) -> str:
+        """The Prometheus path of this server ("" when an attached target says it has none)."""
+        return attachlib.metrics_path(self.target, self.engine) if self.attached else self.engine.metrics_path
 
     @property
     def head_handle(self) -> hostlib.Handle:
@@ -172,6 +182,11 @@ def start_server(target: Target, log_dir: Path, tracker: hostlib.ProcessTracker,
     is still alive; a target with a ``gate:`` then has its rank logs judged by the transport gate. Any failure
     stops everything already started (their logs are kept).
     """
+    if target.attached:
+        return attach_server(target, run_dir, phase, tracker, health_timeout_s=min(health_timeout_s, 60.0),
+                             hosts=hosts)
+    if slurmlib.uses_slurm(target.launch):
+        return slurm_server(target, log_dir, tracker, run_dir, phase, health_timeout_s, port)
     target = start_checks.prepare(target)           # a gated target's engine prints NCCL INFO
     plans, model_path = plan_launch(target, port)
     engine = engine_for(target.engine)
@@ -239,6 +254,90 @@ def start_server(target: Target, log_dir: Path, tracker: hostlib.ProcessTracker,
     return RunningServer(target, base_url, head_plan.port, plans, handles, hosts, logs, model_path, started, ready,
                          containers=containers, api_key=api_key, notes=engine.exposure_warnings(target, bool(api_key)) +
                          engine.exposure_notes(target, bool(api_key)))
+
+
+def attach_server(target: Target, run_dir: Path | None, phase: str, tracker: hostlib.ProcessTracker,
+                  health_timeout_s: float = 60.0, hosts: dict[str, Any] | None = None) -> RunningServer:
+    """An attached target (``deploy.attach``): nothing is started; its declared nodes are connected (closed when the
+    tracker exits), the endpoint must answer its health probe, and the run manifest says it was attached."""
+    try:
+        key = target.api_key()
+    except ValueError as exc:
+        raise ServerError(str(exc)) from None
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    url = attachlib.base_url(target)
+    ready = attachlib.wait_endpoint(url, engine_for(target.engine).health_path, health_timeout_s, headers, http_json)
+    if hosts is None and target.nodes_given:
+        hosts = connect_nodes(target)
+        for name, host in hosts.items():
+            tracker.on_exit(f"close {name}", host.close)
+    if run_dir is not None:
+        update_manifest(run_dir, attached={"endpoint": target.endpoint, "phase": phase, "at": now_iso(),
+                                           "nodes": [n.name for n in target.nodes] if target.nodes_given else []})
+    return RunningServer(target, url, attachlib.endpoint_port(target), [], {}, hosts or {}, {},
+                         target.served_model_name or target.model, now_iso(), ready, api_key=key,
+                         notes=[f"{attachlib.ATTACH_NOTE} ({target.endpoint})"], attached=True)
+
+
+def slurm_server(target: Target, log_dir: Path, tracker: hostlib.ProcessTracker, run_dir: Path | None, phase: str,
+                 health_timeout_s: float, port: int | None) -> RunningServer:
+    """``launch.via: slurm`` (``deploy.slurm``): earlier runs' orphaned jobs cancelled, one allocation (salloc) of the target's
+    node count, its nodes as the target's, the per-node commands planned there, one job step of one task per node
+    (``srun``, tracked here), healthy; the job is cancelled at stop and on every exit path (the tracker's step)."""
+    run_id = run_dir.name if run_dir is not None else ""
+    swept = slurmlib.sweep()
+    local = hostlib.LocalHost("slurm-step")
+    name = f"servelab-{target.name}-{run_id or 'run'}-{os.urandom(3).hex()}"
+    try:
+        holder: list[hostlib.Handle] = []
+        job = slurmlib.allocate(target.launch, len(target.nodes), name, Path(log_dir), run_id,
+                                timeout_s=health_timeout_s,
+                                start=lambda argv, log: holder.append(tracker.start(local, argv, log,
+                                                                                    what="slurm allocation")),
+                                alive=lambda: bool(holder) and local.is_running(holder[0]))
+    except BaseException:
+        tracker.stop_all()
+        raise
+    tracker.on_exit(f"slurm {job.job_id}", job.cancel)
+    try:
+        placed = start_checks.prepare(slurmlib.placed_target(target, job.nodes))
+        if run_dir is not None:
+            update_manifest(run_dir, slurm={"job_id": job.job_id, "nodes": job.nodes, "phase": phase,
+                                            "submitted": job.submitted}, **({"swept": swept} if swept else {}))
+            for c in job.commands or []:
+                record_command(run_dir, CommandRecord(label="executed", argv=c["argv"], phase=phase, host="local",
+                                                      title=f"Slurm allocation {job.job_id}", start=c["at"]))
+        plans, model_path = plan_launch(placed, port)
+        hosts = connect_nodes(placed)
+        for name, host in hosts.items():
+            tracker.on_exit(f"close {name}", host.close)
+        start_checks.before_launch(placed, hosts, run_dir, phase, Path(log_dir))     # on the nodes Slurm gave
+        folder = local.private_dir()
+        tracker.on_exit(f"{SECRETS_CLEANUP} slurm {folder}", lambda: local.remove_private_dir(folder))
+        for p in plans:
+            if p.secret_files:
+                _write_secret_files(p, local, tracker)
+        script = slurmlib.task_script(plans, [n.name for n in placed.nodes], folder, local.write_file)
+        argv = job.step_argv(script, list(target.launch.get("srun_args") or []))
+        log = Path(log_dir) / f"{target.engine}_slurm_{job.job_id}.log"
+        h = tracker.start(local, argv, log, what=f"{target.engine} slurm step")
+        if run_dir is not None:
+            record_command(run_dir, CommandRecord(label="executed", argv=argv, phase=phase, host="local", start=h.started,
+                                                  title=f"start {target.engine} on {', '.join(job.nodes)} (job "
+                                                        f"{job.job_id})", log=str(log),
+                                                  note="one task per node; each runs its node's planned command "
+                                                       "from a mode-0700 task script in a private folder"))
+        head = next(p for p in plans if p.role == "head")
+        base_url = f"http://{placed.api_host}:{head.port}"
+        key = placed.api_key()
+        ready = wait_healthy(base_url, engine_for(target.engine).health_path, health_timeout_s,
+                             alive=lambda: local.is_running(h), log_path=str(log),
+                             headers={"Authorization": f"Bearer {key}"} if key else None)
+    except BaseException:
+        tracker.stop_all()
+        raise
+    return RunningServer(placed, base_url, head.port, plans, {placed.head.name: h}, {**hosts, placed.head.name: local},
+                         {placed.head.name: str(log)}, model_path, job.submitted, ready, api_key=key, slurm_job=job)
 
 
 def log_clock(srv: RunningServer) -> dict[str, Any]:
@@ -353,7 +452,10 @@ def is_healthy(srv: RunningServer, timeout: float = 5.0) -> bool:
 def stop_server(srv: RunningServer, tracker: hostlib.ProcessTracker, run_dir: Path | None = None,
                 phase: str = "") -> dict[str, Any]:
     """Stop every engine process (head first, then workers, in parallel); report exit codes, whether the
-    ports were released on every node, and any process still alive."""
+    ports were released on every node, and any process still alive. An attached server is left as it is."""
+    if srv.attached:
+        return {"stopped": None, "attached": srv.target.endpoint, "port_released": None, "exit_codes": {},
+                "cleanup": [], "note": attachlib.ATTACH_NOTE}
     head = srv.target.head.name
     if head in srv.handles:
         tracker.stop(srv.handles[head])
@@ -363,7 +465,7 @@ def stop_server(srv: RunningServer, tracker: hostlib.ProcessTracker, run_dir: Pa
     var = srv.engine.ipc_dir_env
     ipc = {f"{IPC_CLEANUP} {p.node} {p.env[var]}" for p in srv.plans if var and var in p.env}
     for name in [c[0] for c in tracker.cleanups
-                 if c[0].startswith(("workdir ", f"{SECRETS_CLEANUP} ")) or c[0] in ipc]:
+                 if c[0].startswith(("workdir ", f"{SECRETS_CLEANUP} ", "slurm ")) or c[0] in ipc]:
         tracker.run_cleanup(name)        # logs copied back, the nodes' private folders removed
     cleanup = verify_cleanup(srv)
     released = bool(cleanup["port_free"].all()) if len(cleanup) else None
@@ -492,6 +594,42 @@ def rank_environments(srv: RunningServer, prefixes: tuple[str, ...] = ENV_PREFIX
                              "verdict": ("ok" if want == got else "MISSING" if got is None else
                                          "extra" if want is None else "DIFFERENT") if k != "-" else "none set"})
     return pd.DataFrame(rows, columns=["node", "pid", "process", "variable", "expected", "seen", "verdict"])
+
+
+# The title of each pid given as an argument (its /proc cmdline, NULs as spaces): engines name their ranks there
+_TITLE_SCRIPT = 'for p do printf "%s " "$p"; tr "\\000\\n" "  " < /proc/$p/cmdline 2>/dev/null; echo; done'
+
+
+def engine_processes(srv: RunningServer) -> tuple[list[dict[str, Any]], list[str]]:
+    """Every engine process on every node with the whole environment it started with (``/proc/<pid>/environ``),
+    its title (``/proc/<pid>/cmdline``, bare engines; the process name in a container) and the parallel rank the
+    engine adapter reads from the title (``EngineAdapter.rank_of_process``); on a node where no process names a
+    rank, the node's engine process itself (the group leader) is marked ``rank`` ``"engine"``. Returns
+    ``(processes, notes)``: one note per node whose processes could not be read."""
+    out: list[dict[str, Any]] = []
+    notes: list[str] = []
+    for node, h in srv.handles.items():
+        if node in srv.containers:
+            procs, why = srv.containers[node].process_environments()
+            titles: dict[str, str] = {}
+            if why:
+                notes.append(why)
+        else:
+            procs = _group_environments(srv.hosts[node], h.pid)
+            r = srv.hosts[node].run(["sh", "-c", _TITLE_SCRIPT, "servelab-title", *(p for p, _ in procs)],
+                                    timeout=30) if procs else None
+            titles = dict(line.split(" ", 1) for line in (r.stdout.splitlines() if r else []) if " " in line)
+            if not procs:
+                notes.append(f"{node}: no process of the engine's group {h.pid} could be read")
+        rows = [{"node": node, "pid": int(pid), "process": comm, "title": titles.get(pid, "").strip() or comm,
+                 "env": env} for (pid, comm), env in procs.items()]
+        for row in rows:
+            row["rank"] = srv.engine.rank_of_process(row["title"])
+        if rows and not any(r["rank"] for r in rows):
+            lead = next((r for r in rows if r["pid"] == h.pid), rows[0])
+            lead["rank"] = "engine"
+        out += rows
+    return out, notes
 
 
 def _group_environments(host: Any, pgid: int) -> dict[tuple[str, str], dict[str, str]]:

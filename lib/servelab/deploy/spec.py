@@ -49,7 +49,13 @@ class Target:
     preflight: dict[str, Any] = field(default_factory=dict)
     scale: str = "local"              # case length scale: local | cluster
     api_key_env: str = ""             # name of the variable holding the head's API key (never the key itself)
+    # attach: a server already running (Kubernetes, Slurm, a team's scripts); servelab starts and stops nothing
+    endpoint: str = ""                # http(s)://host:port of the running server; set = attached, no launch
+    metrics_path: str = ""            # its Prometheus page (default: the engine's), "none" when it has none
+    profile: dict[str, Any] = field(default_factory=dict)   # attached profiler: {trace_dir: path as the nodes see it}
+    variants: dict[str, str] = field(default_factory=dict)  # one endpoint per launch variant (TP16: url, ...)
     source: str = ""                  # the file it was read from
+    nodes_given: bool = True          # False: an attached target without nodes (no node facts, no collectors)
 
     def secret_values(self) -> tuple[str, ...]:
         """The secrets this target carries — values of its secret-named ``env`` variables, of secret flags in its
@@ -75,6 +81,11 @@ class Target:
             raise ValueError(f"target {self.name}: api_key_env names {self.api_key_env}, which is not set (or empty) "
                              f"here; export {self.api_key_env}=<the key> before running")
         return key.strip()
+
+    @property
+    def attached(self) -> bool:
+        """A server already running at ``endpoint``: servelab starts and stops nothing there."""
+        return bool(self.endpoint)
 
     @property
     def is_local(self) -> bool:

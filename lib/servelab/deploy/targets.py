@@ -11,9 +11,11 @@ import yaml
 
 from servelab.core.params import ParamError, did_you_mean, reject_unknown
 from servelab.core.paths import project_root
+from servelab.deploy.attach import validate_attach
 from servelab.deploy.engines import ADAPTERS, engine_for
 from servelab.deploy.nccl_gate import validate_gate
 from servelab.deploy.preflight import validate_preflight
+from servelab.deploy.slurm import engine_launch, validate_slurm
 from servelab.deploy.spec import Node, Target
 
 ENGINES = set(ADAPTERS)
@@ -88,7 +90,7 @@ _TYPES = {"str": str, "int": int, "bool": bool, "dict": dict, "list": list, "flo
 def check_field_types(raw: dict, cls: type, where: str) -> None:
     """Each key's value has the type its dataclass field declares (``port: int``, ``launch: dict``...)."""
     for f in fields(cls):
-        if f.name not in raw or raw[f.name] is None and f.name not in ("launch", "env", "nodes", "gate", "preflight"):
+        if f.name not in raw or raw[f.name] is None and f.name not in ("launch", "env", "nodes", "gate", "preflight", "profile"):
             continue
         want = _TYPES.get(str(f.type).split("[")[0])
         v = raw[f.name]
@@ -101,8 +103,12 @@ def check_field_types(raw: dict, cls: type, where: str) -> None:
 def target_from_dict(raw: dict, source: str = "<dict>") -> Target:
     if not isinstance(raw, dict):
         raise ParamError(f"{source}: a target must be a mapping")
-    known = {f.name for f in fields(Target)} - {"source"}
-    reject_unknown(raw, known, source)
+    known = {f.name for f in fields(Target)} - {"source", "nodes_given"}
+    reject_unknown(raw, {*known, "nodes_given"} if "nodes_given" in raw else known, source)
+    attached = bool(raw.get("endpoint"))
+    if attached:
+        validate_attach(raw, source)
+        raw = {**raw, "model": raw.get("model") or raw["served_model_name"]}
     for required in ("name", "engine", "model"):
         if required not in raw:
             raise ParamError(f"{source}: missing required key '{required}'")
@@ -134,9 +140,10 @@ def target_from_dict(raw: dict, source: str = "<dict>") -> Target:
         nodes.append(node)
     if len({n.name for n in nodes}) != len(nodes):
         raise ParamError(f"{source}: node names must be unique")
-    body = {k: v for k, v in raw.items() if k != "nodes"}
+    body = {k: v for k, v in raw.items() if k not in ("nodes", "nodes_given")}
+    body["nodes_given"] = bool(raw.get("nodes")) or not attached if "nodes_given" not in raw else raw["nodes_given"]
     body["env"] = {str(k): str(v) for k, v in (raw.get("env") or {}).items()}
-    for key in ("launch", "gate", "preflight"):
+    for key in ("launch", "gate", "preflight", "profile"):
         body[key] = body.get(key) or {}
     try:
         validate_gate(body["gate"])
@@ -144,5 +151,6 @@ def target_from_dict(raw: dict, source: str = "<dict>") -> Target:
         raise ParamError(f"{source}: gate: {exc}") from None
     validate_preflight(body["preflight"], source)
     target = Target(**body, nodes=nodes, source=source)
-    engine_for(target.engine).validate_launch(target.launch, source)
+    validate_slurm(target.launch, source)
+    engine_for(target.engine).validate_launch(engine_launch(target.launch), source)
     return target

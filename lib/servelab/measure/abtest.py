@@ -28,6 +28,11 @@ Noise rule (:func:`compare_cases`): per case and metric, mean / min / max / CV (
 is ``better`` or ``worse`` according to the metric's direction. Fewer than two repeats on a side: ``no repeats``
 (uncertainty unknown). A case invalid on either side: ``invalid`` — nothing invalid is a result.
 
+Environment variables (:mod:`servelab.measure.env_reach`): where a run-like record holds the check that its
+environment-variable change reached every rank (``env_reach.json``, written by
+:func:`servelab.measure.launch_variants.write_run_record`), a run whose check failed makes the A/B **INVALID**:
+the notice names each rank the variable missed, and every comparison row against that run is ``invalid``.
+
 Correctness (:mod:`servelab.measure.correctness`): where both runs hold the greedy outputs of the same fixed prompts
 (``greedy_outputs.json``, written into every launch variant's record), each B's outputs are compared with A's token
 for token (``ABResult.correctness``) and the sixth question (accuracy risk) says whether they are identical.
@@ -66,6 +71,8 @@ from servelab.measure.case_record import SummarySchemaError, repeat_frame, summa
 from servelab.measure.request_metrics import SGLANG_BENCH
 from servelab.measure.correctness import correctness_verdict
 from servelab.measure.correctness import ab_greedy
+from servelab.measure.env_reach import EnvReach, read_reach
+from servelab.deploy.facts import FREEZE_MARKING
 
 # metric → True when higher is better
 METRICS: dict[str, bool] = {"output_tps": True, "p95_ttft_ms": False, "p95_tpot_ms": False, "p95_e2e_ms": False}
@@ -439,6 +446,30 @@ class ABResult:
     notes: list[str] = field(default_factory=list)
     # each other run's greedy outputs against the baseline's, per prompt (measure.correctness.compare_greedy rows)
     correctness: pd.DataFrame = field(default_factory=pd.DataFrame)
+    # per run: the check that its environment-variable change reached every rank (None: no such check)
+    env_reach: list[EnvReach | None] = field(default_factory=list)
+
+    @property
+    def env_failures(self) -> list[str]:
+        """``<run>: <which variable missed which rank>`` for each run whose environment check failed."""
+        return [f"{r.label}: {e.reason}" for r, e in zip(self.runs, self.env_reach) if e is not None and not e.ok]
+
+    @property
+    def drift(self) -> list[str]:
+        """``<run>: <node> <what> <before> → <after>`` for each driver, engine, image or weights change between a
+        run's Phase 0 freeze and its run-end freeze (``frozen_end_changes``, :mod:`servelab.phases.freeze_end`)."""
+        return [f"{r.label}: {c.get('node')} {c.get('what')} {c.get('before')} → {c.get('after')}"
+                for r in self.runs for c in (r.manifest.get("frozen_end_changes") or [])
+                if isinstance(c, dict) and c.get("kind") in FREEZE_MARKING]
+
+    @property
+    def env_table(self) -> pd.DataFrame:
+        """Every run's environment check, one row per rank × variable, with the run's label first."""
+        parts = [e.table.assign(run=r.label) for r, e in zip(self.runs, self.env_reach) if e is not None]
+        if not parts:
+            return pd.DataFrame()
+        t = pd.concat(parts, ignore_index=True)
+        return t[["run", *[c for c in t.columns if c != "run"]]]
 
     @property
     def confounds(self) -> pd.DataFrame:
@@ -457,7 +488,16 @@ class ABResult:
 
     def verdict_notice(self) -> tuple[str, str, str]:
         """(kind, title, text) of the notice an A/B page opens with: a warning when confounded (or profiled vs
-        clean), information when only the variable changed. Drawn by ``servelab.report.ab_figures.ab_banner``."""
+        clean), information when only the variable changed. Drawn by ``servelab.report.ab_figures.ab_banner``.
+        An environment variable that did not reach every rank makes the A/B INVALID, before anything else."""
+        if self.env_failures:
+            return ("warning", "INVALID A/B — the variable did not reach every rank",
+                    "; ".join(self.env_failures) + ". A side whose ranks did not all run with the value compares "
+                    "nothing about it: no conclusion can be drawn.")
+        if self.drift and not (self.confounded or self.profiled_vs_clean):
+            return ("warning", "The environment changed during a run",
+                    "; ".join(self.drift[:6]) + (" …" if len(self.drift) > 6 else "") + ". Its measurements may come "
+                    "from two environments: re-run it, or compare only what it measured before the change.")
         if self.confounded or self.profiled_vs_clean:
             keys = ", ".join(self.confounds["key"].head(10))
             extra = " A profiled run is compared with a clean run." if self.profiled_vs_clean else ""
@@ -497,6 +537,11 @@ def ab_compare(runs: Sequence[str | Path | RunRef], variable: str | Sequence[str
                                       "absent", list(metrics), [str(exc)]))
         notes += [f"{r.label}: {n}" for n in sums[-1].notes]
     comps = [compare_cases(sums[0], s, metrics, k).assign(b_run=refs[i].label) for i, s in enumerate(sums) if i > 0]
+    reach = [read_reach(r.run_dir) for r in refs]
+    bad = [e is not None and not e.ok for e in reach]
+    for i, c in enumerate(comps, start=1):
+        if (bad[0] or bad[i]) and not c.empty:
+            c["verdict"] = "invalid"
     comparison = pd.concat(comps, ignore_index=True) if comps else pd.DataFrame()
     last = comparison[comparison["b_run"] == refs[-1].label] if not comparison.empty else comparison
     correctness = ab_greedy([(r.label, r.run_dir) for r in refs])
@@ -504,7 +549,10 @@ def ab_compare(runs: Sequence[str | Path | RunRef], variable: str | Sequence[str
     questions = seven_questions(diff, last, [refs[0].label, refs[-1].label], answers, last_ok)
     if not variables:
         notes.append("no variable declared: every difference counts as a confound")
-    return ABResult(refs, variables, diff, sums, comparison, questions, notes, correctness)
+    notes += [f"environment changed during the run {c}" for c in
+              ABResult(refs, variables, diff, sums, comparison, questions).drift]
+    notes += [f"INVALID: {f}" for f in (f"{r.label}: {e.reason}" for r, e, b in zip(refs, reach, bad) if b)]
+    return ABResult(refs, variables, diff, sums, comparison, questions, notes, correctness, reach)
 
 
 def write_ab_tables(ab: ABResult, phase_dir: Path) -> None:

@@ -1,4 +1,4 @@
-"""The Phase 1 quick matrix (P1–P4, D1, D2, M1) and the case runner.
+"""The Phase 1 quick matrix (P1–P4, D1–D4, M1) and the case runner.
 
 Matrix (``docs/method.md#cases``), scaled by ``target.scale``:
 
@@ -10,9 +10,12 @@ Matrix (``docs/method.md#cases``), scaled by ``target.scale``:
 | P4 | 32K → 1, C 4 / 16 | 256 → 1, C 2 / 4 | prefill throughput, chunked prefill |
 | D1 | 1K → 1K, C 1 | 64 → 64, C 1 | single-request TPOT |
 | D2 | 1K → 1K, C 16 / 32 / 64 | 64 → 64, C 4 / 8 / 16 | decode throughput, batching |
+| D3 | 1K → 4K, C 16 | 64 → 256, C 4 | long-output decode (the context grows while decoding) |
+| D4 | 32K → 1K, C 16 | 512 → 64, C 4 | decode at a long context (attention over a long KV) |
 | M1 | decode 1K → 1K C 32 + one 128K → 1 injected 10 s in | decode 64 → 128 C 8 + one 768 → 1 at 2 s | prefill interference |
 
-9 fixed points + M1 (control, treatment, and the injected request): "9 + 3". Lengths never exceed
+11 fixed points + M1 (control, treatment, and the injected request). D3 and D4 run at D2's lowest concurrency, so
+each differs from that D2 point in one length only (the Phase 1 page compares their TPOT with it). Lengths never exceed
 the serving capacity: an input that does not fit the per-request context (llama.cpp: context / slots) is
 clamped, and the reason is written into the case (``docs/method.md#capacity``: if 128K is not available, lower it and
 record why).
@@ -56,6 +59,7 @@ from servelab.measure.case_runner import (ENGINE_CRASH, CaseRun, EngineCrash, Wa
 from servelab.measure.client import ClientConfig, run_requests
 from servelab.measure.records import ClientRun, RequestRecord, read_records
 from servelab.measure.engine_metrics import named_deltas
+from servelab.core import signals
 from servelab.core.run import emit_progress, human_duration, merge_table, now_iso
 from servelab.deploy.server import RunningServer, is_healthy
 from servelab.measure.workload import build_workload, engine_tokenizer, spec_source, token_pool
@@ -91,10 +95,12 @@ class CaseSpec:
 
 SCALES: dict[str, dict[str, Any]] = {
     "cluster": {"P1": 1024, "P2": 32768, "P3": 131072, "P4": 32768, "P4_c": (4, 16), "D_in": 1024, "D_out": 1024,
-                "D2_c": (16, 32, 64), "M1_c": 32, "M1_out": 1024, "M1_inject": 131072, "M1_after_s": 10.0,
+                "D2_c": (16, 32, 64), "D3_out": 4096, "D4_in": 32768, "M1_c": 32, "M1_out": 1024,
+                "M1_inject": 131072, "M1_after_s": 10.0,
                 "min_window_s": 5.0, "min_requests": 200, "decode_weight": 50},
     "local": {"P1": 64, "P2": 256, "P3": 768, "P4": 256, "P4_c": (2, 4), "D_in": 64, "D_out": 64,
-              "D2_c": (4, 8, 16), "M1_c": 8, "M1_out": 128, "M1_inject": 768, "M1_after_s": 2.0,
+              "D2_c": (4, 8, 16), "D3_out": 256, "D4_in": 512, "M1_c": 8, "M1_out": 128, "M1_inject": 768,
+              "M1_after_s": 2.0,
               "min_window_s": 0.5, "min_requests": 100, "decode_weight": 10},
 }
 C1_MIN_REQUESTS = 8          # the fewest requests a concurrency-1 case sends, however long its prompt
@@ -167,6 +173,9 @@ def quick_matrix(target: Any, cases: list[str] | None = None, min_duration_s: fl
             for c in s["P4_c"]]
     out.append(c1("D1", "D1", "decode", s["D_in"], s["D_out"], True, "single-request TPOT"))
     out += [cc(f"D2_c{c}", "D2", "decode", s["D_in"], s["D_out"], c, True, "decode throughput") for c in s["D2_c"]]
+    c3 = s["D2_c"][0]
+    out.append(cc(f"D3_c{c3}", "D3", "decode", s["D_in"], s["D3_out"], c3, True, "long-output decode"))
+    out.append(cc(f"D4_c{c3}", "D4", "decode", s["D4_in"], s["D_out"], c3, False, "decode at a long context"))
     m1 = max(w, 2 * s["M1_after_s"])
     out.append(cc("M1_control", "M1", "mixed", s["D_in"], s["M1_out"], s["M1_c"], True,
                   "decode background without injection", dur=m1))
@@ -546,6 +555,10 @@ def run_matrix(env: CaseEnv, cases: list[CaseSpec], resume: bool = False,
               n=len(cases), done=len(results), valid=valid, aborted=aborted)
     mr = MatrixResult(results, skipped, not_executed, aborted, restarts)
     write_summary_csv(env.run_dir, mr)
+    if aborted.startswith("STOPPED_BY_USER") and signals.received():
+        # a signal (SIGTERM to the kernel or the run) means stop, not "render what was measured": the interrupt
+        # goes on once summary.csv holds every case (Ctrl-C in a notebook keeps the page path)
+        raise KeyboardInterrupt(f"{aborted} (signal {signals.received()})")
     return mr
 
 
@@ -562,3 +575,46 @@ def write_summary_csv(run_dir: Path, mr: MatrixResult) -> Path:
     path = Path(run_dir) / "summary.csv"
     merge_table(path, mr.frame(), SUMMARY_KEYS)
     return path
+
+
+LONG_DECODE = {"D3": "long output", "D4": "long context"}
+
+
+def long_decode_table(frame: pd.DataFrame) -> pd.DataFrame:
+    """D3 (long output) and D4 (long context) against the D2 point at the same concurrency, which differs from each
+    in one length only: P50 TPOT and output TPS of both, and the TPOT change. Only VALID cases are compared; a pair
+    with an INVALID side says so in ``note`` and carries no change."""
+    cols = ["case", "what", "ISL → OSL", "C", "P50 TPOT (ms)", "D2 case", "D2 P50 TPOT (ms)", "TPOT change (%)",
+            "output TPS (tok/s)", "D2 output TPS (tok/s)", "note"]
+    if frame.empty:
+        return pd.DataFrame(columns=cols)
+    rows = []
+    by_id = {r["case_id"]: r for r in frame.to_dict("records")}
+    for r in frame[frame["scenario"].isin(list(LONG_DECODE))].to_dict("records"):
+        ref = by_id.get(f"D2_c{int(r['concurrency'])}")
+        bad = [x["case_id"] for x in (r, ref) if x is not None and x["validity"] != "VALID"]
+        note = ("no D2 point at this concurrency" if ref is None else
+                f"{', '.join(bad)} INVALID: not compared" if bad else "")
+        ok = not note and r.get("p50_tpot_ms") is not None and ref.get("p50_tpot_ms")
+        rows.append({"case": r["case_id"], "what": LONG_DECODE[r["scenario"]],
+                     "ISL → OSL": f"{int(r['input_len'])} → {int(r['output_len'])}", "C": int(r["concurrency"]),
+                     "P50 TPOT (ms)": r.get("p50_tpot_ms"), "D2 case": ref["case_id"] if ref else "—",
+                     "D2 P50 TPOT (ms)": ref.get("p50_tpot_ms") if ref else None,
+                     "TPOT change (%)": (100.0 * (r["p50_tpot_ms"] / ref["p50_tpot_ms"] - 1)) if ok else None,
+                     "output TPS (tok/s)": r.get("output_throughput"),
+                     "D2 output TPS (tok/s)": ref.get("output_throughput") if ref else None, "note": note})
+    return pd.DataFrame(rows, columns=cols)
+
+
+def long_decode_sentence(table: pd.DataFrame) -> str | None:
+    """The Phase 1 finding about D3/D4: TPOT at long output / long context against the same-C D2 point."""
+    if table.empty:
+        return None
+    parts = []
+    for r in table.to_dict("records"):
+        if r["TPOT change (%)"] is None or pd.isna(r["TPOT change (%)"]):
+            parts.append(f"{r['case']} ({r['what']}) {r['note'] or 'no TPOT'}")
+        else:
+            parts.append(f"{r['case']} ({r['what']}, {r['ISL → OSL']}) P50 TPOT {r['P50 TPOT (ms)']:.2f} ms vs "
+                         f"{r['D2 case']} {r['D2 P50 TPOT (ms)']:.2f} ms ({r['TPOT change (%)']:+.0f} %)")
+    return "Long decode against D2 at the same concurrency: " + "; ".join(parts) + "."

@@ -236,8 +236,8 @@ class CaseRun:
         ``poll_interval_s`` (where it has a slots endpoint); both stop when the block ends."""
         if poll_interval_s is not None and has_slots_endpoint(self.srv):
             self.poller = SlotsPoller(self.srv.base_url, interval_s=poll_interval_s, headers=self.srv.auth_headers)
-        if scrape_interval_s is not None:
-            self.scraper = Scraper(self.srv.base_url + self.srv.engine.metrics_path, interval_s=scrape_interval_s,
+        if scrape_interval_s is not None and self.srv.metrics_path:
+            self.scraper = Scraper(self.srv.base_url + self.srv.metrics_path, interval_s=scrape_interval_s,
                                    timeout_s=scrape_timeout_s, headers=self.srv.auth_headers)
         if self.poller is not None:
             self.poller.start()

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
 import pandas as pd
 
 from servelab.core.run import CommandRecord, now_iso, record_command, write_json_atomic
@@ -55,6 +56,11 @@ VERDICTS = ("no regression", "regression", "not decidable", "not measured")
 
 
 # ---------------------------------------------------------------- one side: send the prompts
+
+
+def plain_number(x: float, sig: int) -> str:
+    """``x`` to ``sig`` significant digits, written out (0.000057, never 5.7e-05: pages carry no exponent notation)."""
+    return np.format_float_positional(float(x), precision=sig, unique=False, fractional=False, trim="-")
 
 def _key(out: dict[str, Any]) -> list[Any] | None:
     """What identifies an output token for token: its ids where the engine returned them, else its token texts."""
@@ -196,12 +202,12 @@ def _one(a: dict[str, Any] | None, b: dict[str, Any] | None, tol: float) -> dict
     drift = row["max_logprob_drift"]
     if drift is not None and drift > tol:
         row.update({"status": "logprob drift",
-                    "detail": f"same {n} tokens, but a chosen token's log-probability moved by {drift:.3g} nats "
+                    "detail": f"same {n} tokens, but a chosen token's log-probability moved by {plain_number(drift, 3)} nats "
                               f"(> {tol:g})"})
         return row
     why = "; ".join(dict.fromkeys(str(o.get("logprobs_note")) for o in (a, b) if o.get("logprobs_note")))
     row.update({"status": "identical",
-                "detail": f"same {n} tokens" + (f"; log-probabilities within {drift:.2g} nats" if drift is not None
+                "detail": f"same {n} tokens" + (f"; log-probabilities within {plain_number(drift, 2)} nats" if drift is not None
                                                  else f"; no log-probabilities to compare{f' ({why})' if why else ''}")})
     return row
 
@@ -258,7 +264,7 @@ def correctness_verdict(rows: pd.DataFrame) -> tuple[str, str]:
     if same == n:
         drift = pd.to_numeric(rows["max_logprob_drift"], errors="coerce").max()
         return "no regression", (f"{n} of {n} prompts identical token for token"
-                                 + (f" (log-probabilities within {drift:.2g} nats)" if drift == drift else ""))
+                                 + (f" (log-probabilities within {plain_number(drift, 2)} nats)" if drift == drift else ""))
     other = rows[st != "identical"]
     return "not decidable", (f"{same} of {n} prompts identical, {len(other)} decide nothing: "
                              + "; ".join(f"{s} ({int((other['status'] == s).sum())})" for s in

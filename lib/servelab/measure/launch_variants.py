@@ -4,7 +4,9 @@ Phases 7–9 restart the engine for every value of a setting (a scheduler knob, 
 model). This module holds what they share:
 
 - :func:`with_launch` — the target with some ``launch`` keys changed (``None`` removes a key), validated by the
-  engine adapter exactly as a target file would be;
+  engine adapter exactly as a target file would be; a key that is an environment variable (``env.NCCL_ALGO`` or a
+  bare upper-case name, :func:`env_variable`) changes the target's ``env`` instead, and :func:`serving` then
+  checks that the value reached every rank (:mod:`servelab.measure.env_reach`) before anything is measured;
 - :func:`launch_argv` — the head node's command for a target, so a sweep can refuse a setting the engine
   ignores (the same argv for two values means the knob does not exist on this engine);
 - :func:`serving` — start the engine inside a ``ProcessTracker`` and always stop it; once it is healthy, the
@@ -24,6 +26,7 @@ import contextlib
 import copy
 import dataclasses
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +47,21 @@ from servelab.deploy.server import RunningServer, http_text, plan_launch, start_
 from servelab.deploy.engines import engine_for
 from servelab.deploy.hosts import ProcessTracker
 from servelab.measure.correctness import write_greedy
+from servelab.measure.env_reach import EnvReach, env_reach, write_reach
+
+ENV_KNOB = re.compile(r"^(?:env\.)?([A-Z][A-Z0-9_]*)$")
+
+
+def env_variable(knob: str) -> str | None:
+    """The environment variable a sweep or A/B variable names (``env.NCCL_ALGO``, ``NCCL_ALGO``), else ``None``
+    (a launch setting: lower case, as every engine adapter spells them)."""
+    m = ENV_KNOB.match(str(knob))
+    return m.group(1) if m else None
+
+
+def env_changes(changes: dict[str, Any]) -> dict[str, str]:
+    """The environment variables ``changes`` sets (removals left out), by name, values as strings."""
+    return {name: str(v) for k, v in changes.items() if (name := env_variable(k)) and v is not None}
 
 
 def with_launch(target: Target, changes: dict[str, Any], name_suffix: str = "") -> Target:
@@ -51,12 +69,15 @@ def with_launch(target: Target, changes: dict[str, Any], name_suffix: str = "") 
     raw = dataclasses.asdict(target)
     source = raw.pop("source")
     launch = copy.deepcopy(raw.get("launch") or {})
+    env = dict(raw.get("env") or {})
     for k, v in changes.items():
+        name = env_variable(k)
+        into, key = (env, name) if name else (launch, k)
         if v is None:
-            launch.pop(k, None)
+            into.pop(key, None)
         else:
-            launch[k] = v
-    raw["launch"] = launch
+            into[key] = str(v) if name else v
+    raw["launch"], raw["env"] = launch, env
     if name_suffix:
         raw["description"] = f"{target.description} [{name_suffix}]"
     return target_from_dict(raw, f"{source} with launch {changes}")
@@ -97,14 +118,19 @@ def _launch_keys(target: Target) -> set[str]:
 
 @contextlib.contextmanager
 def serving(target: Target, log_dir: Path, run_dir: Path | None = None, phase: str = "",
-            health_timeout_s: float = 300.0, greedy: bool = True) -> Iterator[RunningServer]:
+            health_timeout_s: float = 300.0, greedy: bool = True,
+            check_env: dict[str, str] | None = None) -> Iterator[RunningServer]:
     """Start ``target``'s engine (commands recorded as executed when ``run_dir`` is given); always stop it. With
     ``greedy`` the correctness probe runs on the healthy engine before anything else (its outputs in
-    ``srv.facts["greedy_outputs"]``, which :func:`write_run_record` writes into the variant's record)."""
+    ``srv.facts["greedy_outputs"]``, which :func:`write_run_record` writes into the variant's record). With
+    ``check_env`` (variable → value), whether each reached every rank (``srv.facts["env_reach"]``, an
+    :class:`~servelab.measure.env_reach.EnvReach` that :func:`write_run_record` writes beside the manifest)."""
     with ProcessTracker() as tracker:
         srv = start_server(target, Path(log_dir), tracker, run_dir=run_dir, phase=phase,
                            health_timeout_s=health_timeout_s)
         try:
+            if check_env:
+                srv.facts["env_reach"] = env_reach(srv, check_env)
             if greedy:
                 srv.facts["greedy_outputs"] = greedy_probe(srv, run_dir=run_dir, phase=phase)
             yield srv
@@ -139,7 +165,9 @@ class Snapshot:
 def metrics_snapshot(srv: RunningServer, timeout_s: float = 10.0) -> Snapshot:
     """One ``GET /metrics`` of the head node (raw text kept: tests recompute deltas from it by hand)."""
     t, wall = time.perf_counter_ns(), time.time_ns()
-    status, text = http_text(srv.base_url + srv.engine.metrics_path, timeout=timeout_s, headers=srv.auth_headers)
+    if not srv.metrics_path:            # an attached target with metrics_path: none
+        return Snapshot(t, wall, 0, "")
+    status, text = http_text(srv.base_url + srv.metrics_path, timeout=timeout_s, headers=srv.auth_headers)
     return Snapshot(t, wall, status, text)
 
 
@@ -219,6 +247,8 @@ def write_run_record(record_dir: Path, run_id: str, target: Target, srv: Running
     write_case_index(record_dir, cases)
     if srv is not None and srv.facts.get("greedy_outputs") is not None:
         write_greedy(record_dir, srv.facts["greedy_outputs"])
+    if srv is not None and isinstance(srv.facts.get("env_reach"), EnvReach):
+        write_reach(record_dir, srv.facts["env_reach"])
     frame, _ = repeat_frame(record_dir)
     frame.to_csv(record_dir / "summary.csv", index=False)
     return record_dir

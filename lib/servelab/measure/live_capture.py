@@ -40,6 +40,7 @@ from servelab.core.run import CommandRecord, now_iso, record_command
 from servelab.measure import request_metrics as mx
 from servelab.measure.capture import (DEFAULT_STEPS, CaptureError, CaptureResult, ProfileScenario, capture,
                                       capture_scenarios)
+from servelab.measure.capture_point import CapturePoint, at_point
 from servelab.measure.case_record import INVALID, CaseSummary, read_summary, request_counts, verdict
 from servelab.measure.case_runner import CaseRun
 from servelab.measure.client import ReadLog, parse_stream
@@ -47,7 +48,8 @@ from servelab.measure.records import RequestRecord
 from servelab.measure.workload import RequestSpec, build_workload, engine_tokenizer, request_body, token_pool
 from servelab.deploy.engines import engine_for
 from servelab.deploy.hosts import ProcessTracker
-from servelab.deploy.server import RunningServer, http_json, start_server, stop_server
+from servelab.deploy.attach import served_topology
+from servelab.deploy.server import RunningServer, engine_info, http_json, start_server, stop_server
 from servelab.measure.launch_variants import delta_of, metrics_snapshot, snapshot_deltas
 
 SCENARIO_KIND = {"decode_control": "decode", "mixed_treatment": "mixed", "long_prefill": "prefill",
@@ -59,6 +61,19 @@ PROFILED_REASON = "profiled case (torch profiler attached): its numbers are neve
 
 def can_capture(target: Any) -> bool:
     return engine_for(target.engine).can_profile
+
+
+def attached_capture_refusal(target: Any) -> str:
+    """Why a live capture cannot run on an attached target ("" when it can): servelab reads the traces where the
+    server writes them (``profile.trace_dir`` as the nodes see it), over the nodes it declares."""
+    if not getattr(target, "attached", False):
+        return ""
+    if not target.profile.get("trace_dir"):
+        return (f"{target.name} is attached and names no profile.trace_dir: the folder the server's profiler writes "
+                f"to (SGLANG_TORCH_PROFILER_DIR / vLLM --profiler-config) as its nodes see it")
+    if not target.nodes_given:
+        return f"{target.name} is attached and declares no nodes: its traces are read on the nodes (add nodes:)"
+    return ""
 
 
 # ---------------------------------------------------------------- the streaming reader
@@ -439,7 +454,7 @@ def capture_one(srv: RunningServer, scenario: ProfileScenario, run_dir: Path, ph
 
 def capture_live(ctx: Any, health_timeout_s: float = 900.0, scenarios: tuple[str, ...] | None = None,
                  seed: int = 0, check: Callable[[ScenarioCapture], str] | None = None,
-                 attempts: int = 5, steps: int = DEFAULT_STEPS) -> list[ScenarioCapture]:
+                 attempts: int = 5, steps: int = DEFAULT_STEPS, at: CapturePoint | None = None) -> list[ScenarioCapture]:
     """Start the target's engine once with its profiler writing under the phase folder, capture every scenario
     (all four by default) — each after a cache flush and a short warm-up — and stop the engine on every exit
     path. Returns one ``ScenarioCapture`` per scenario, in order (a failed one carries its error).
@@ -448,21 +463,27 @@ def capture_live(ctx: Any, health_timeout_s: float = 900.0, scenarios: tuple[str
     scenario's injected prefill fell outside the traced steps because the engine ran the whole window before the
     request reached it (a loaded host). Such an attempt is set aside (:func:`set_aside`, the reason in the phase's
     notes) and the scenario captured again, at most ``attempts`` times in all; the last attempt is kept
-    whatever its check says, and its ``rejected`` lists the earlier ones. ``steps`` is each capture's window of engine
+    whatever its check says, and its ``rejected`` lists the earlier ones. ``at``: the Phase 1 case to capture at
+    (:func:`servelab.measure.capture_point.at_point`: its lengths and concurrency). ``steps`` is each capture's window of engine
     steps (5–32; the mixed one holds more, :func:`servelab.measure.capture.mixed_steps`)."""
     raw = ctx.phase_dir / "engine-profiles"
     raw.mkdir(parents=True, exist_ok=True)
-    target = dataclasses.replace(ctx.target, launch={**ctx.target.launch, "profiler_dir": str(raw)})
+    # an attached server writes where it was started to write (profile.trace_dir, as its nodes see it)
+    folder = str(ctx.target.profile.get("trace_dir") or "") if ctx.target.attached else str(raw)
+    target = dataclasses.replace(ctx.target, launch={**ctx.target.launch, "profiler_dir": folder})
     scale = "cluster" if target.scale == "cluster" else "local"
-    chosen = [s for s in capture_scenarios(scale, decode_case="D2-profile", mixed_case="M1-profile",
-                                           prefill_case="P3-profile", prefix_case="H8-profile", steps=steps)
+    chosen = [s for s in at_point(capture_scenarios(scale, decode_case="D2-profile", mixed_case="M1-profile",
+                                                    prefill_case="P3-profile", prefix_case="H8-profile", steps=steps),
+                                  at)
               if scenarios is None or s.name in scenarios]
     out: list[ScenarioCapture] = []
     with ProcessTracker() as tracker:
         srv = start_server(target, ctx.phase_dir / "logs", tracker, run_dir=ctx.run_dir, phase=ctx.phase,
                            health_timeout_s=health_timeout_s)
         try:
-            tok = engine_tokenizer(srv.base_url, srv.target.engine, srv.engine.tokenize_path)
+            if srv.attached:    # the rank traces to wait for: the parallel sizes the server reports
+                srv.target.launch.update(served_topology(engine_info(srv)))
+            tok = engine_tokenizer(srv.base_url, srv.target.engine, srv.engine.tokenize_path, headers=srv.auth_headers)
             pool = _Pool(token_pool(tok, seed=seed), seed)
             for sc in chosen:
                 rejected: list[str] = []
@@ -519,6 +540,8 @@ def captured_table(caps: list[Any], run_dir: Path) -> pd.DataFrame:
         hit = (c.drive.marks.get("prefix_hit_rate_ppm", -1) if c.drive else -1)
         rows.append({
             "scenario": c.scenario.name, "case": str(Path(c.case_dir).relative_to(run_dir)),
+            "bound_case": c.scenario.case_id, "isl_osl_c": f"{c.scenario.isl_tokens}->{c.scenario.osl_tokens}, "
+                                                           f"C={c.scenario.concurrency}",
             "workload": c.scenario.description, "skipped_steps": c.scenario.skip_steps,
             "captured_steps": c.scenario.num_steps, "window": _window_note(c),
             "cache_flushed": bool(c.prep.get("cache_flush", {}).get("flushed")),

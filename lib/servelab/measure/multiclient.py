@@ -180,19 +180,28 @@ def run_requests_multi(specs: list[RequestSpec], cfg: ClientConfig, clients: int
                 raise MultiClientError(f"client process {k + 1} of {n} failed: {msg[1]}")
             runs.append(msg[1])
     finally:
-        for proc, conn in procs:
-            if proc.is_alive():
-                proc.terminate()
-            proc.join(5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
-            conn.close()
+        _reap(procs)
     merged = merge_runs(runs, concurrency, rate_rps, start_wall_ns)
     if cfg.on_record is not None:
         for rec in merged.records:
             cfg.on_record(rec)
     return merged
+
+
+def _reap(procs: list[tuple[Any, Any]], grace_s: float = 5.0) -> None:
+    """Every client process ended and waited for (no zombie left behind): those still running get SIGTERM, then
+    SIGKILL after ``grace_s``; a killed process is waited for until it is gone (SIGKILL cannot be refused)."""
+    for proc, _ in procs:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + grace_s
+    for proc, conn in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join()
+        conn.close()
+        proc.close()
 
 
 def _receive(conn: Any, proc: Any, k: int, n: int, timeout_s: float | None, what: str) -> tuple:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -21,12 +22,16 @@ from typing import Any, Protocol, runtime_checkable
 import pandas as pd
 
 from servelab.core import run as runlib
+from servelab.core import signals
 from servelab.core.notebooks import notebook_path
-from servelab.core.params import notebook_param_specs, resolve_phase_params
+from servelab.core.params import notebook_param_specs, resolve_phase_params, run_phase_checks
+from servelab.phases import param_checks  # noqa: F401  (registers the phase checks)
 from servelab.report.findings import format_value
 from servelab.report.tables import register_table_display
 from servelab.deploy.spec import Target
 from servelab.deploy.targets import load_target
+from servelab.deploy.attach import check_phase
+from servelab.deploy.engines import engine_for
 from servelab.core.redact import scrub_tree
 
 
@@ -119,15 +124,9 @@ def jupyter_notebook(environ: dict[str, str] | None = None) -> Path | None:
 def stop_on_sigterm() -> None:
     """SIGTERM in this process (the kernel: papermill/nbclient terminating it, ``kill PID``) ends the same way as
     Ctrl-C: a ``KeyboardInterrupt`` in the running cell, so every ``ProcessTracker`` stops what it started, on
-    every node. Only the main thread can install it; elsewhere nothing changes."""
-    import signal
-    import threading
-    if threading.current_thread() is not threading.main_thread():
-        return
-
-    def _interrupt(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt(f"signal {signum} (SIGTERM)")
-    signal.signal(signal.SIGTERM, _interrupt)
+    every node; and if the interrupt is swallowed, the process still ends in bounded time (``core.signals``). Only
+    the main thread can install it; elsewhere nothing changes."""
+    signals.stop_on((signal.SIGTERM,), only_default=False)
 
 
 def open_phase(notebook_name: str, namespace: dict[str, Any]) -> PhaseContext:
@@ -145,7 +144,10 @@ def open_phase(notebook_name: str, namespace: dict[str, Any]) -> PhaseContext:
     specs = notebook_param_specs(nb)
     given = {k: namespace[k] for k in specs if k in namespace}
     params = resolve_phase_params(nb, phase, given=given)
-    target = load_target(params.get("target") or "local")
+    given_target = params.get("target") or "local"          # a name or a target file's path, as servelab run had it
+    target = load_target(given_target)
+    check_phase(target, phase, params, engine_for(target.engine))     # attached: a restart is refused here
+    run_phase_checks(phase, {**params, "target": given_target})     # before the run folder is made
     run_id = params.get("run_id") or os.environ.get("SERVELAB_RUN_ID") or runlib.new_run_id(target.name)
     rdir = runlib.init_run(run_id, target.name)
     pdir = rdir / phase

@@ -12,6 +12,7 @@ import pandas as pd
 import polars as pl
 
 from servelab.analyse.kernels import function_base
+from servelab.core.run import FILL_IN
 from servelab.analyse.trace.nsys import compare_kernels, method_reports, read_nsys_folder
 from servelab.measure.nsys_capture import display, nsys_profile_argv, nsys_stats_argv
 from servelab.phases.context import PhaseContext
@@ -36,13 +37,14 @@ class NsysImport:
 
 def nsys_howto(trace_dir: str = "") -> str:
     """How to produce the CSVs this section imports (the commands of ``docs/method.md#capture-scenarios``)."""
-    prof = display(nsys_profile_argv(["<the engine's launch command>"], "/data/nsys/report"))
+    prof = display(nsys_profile_argv(["ENGINE_COMMAND"], "/data/nsys/report"))
     stats = display(nsys_stats_argv("/data/nsys/report.nsys-rep"))
     return (f"Profile the engine under Nsight Systems: {prof} — then export the summaries as CSV: {stats} "
             "(writes report_cuda_gpu_kern_sum.csv, report_cuda_api_sum.csv, report_nvtx_sum.csv; add osrt_sum for "
             "the OS runtime, and nsys recipe nccl_sum / nccl_gpu_time_util_map --input /data/nsys/report.nsys-rep "
-            "--output /data/nsys/<recipe> for the NCCL summary, GPU utilisation and overlap) and re-run this "
-            "phase with -p nsys_dir=/data/nsys.")
+            "--output /data/nsys/nccl_sum (and /data/nsys/nccl_gpu_time_util_map) for the NCCL summary, GPU "
+            "utilisation and overlap) and re-run this phase with -p nsys_dir=/data/nsys. Fill in: ENGINE_COMMAND — "
+            f"{FILL_IN['ENGINE_COMMAND']}.")
 
 
 def nsys_import(ctx: PhaseContext, p: Any, nsys_dir: str = "", top_n: int = 10) -> NsysImport | None:

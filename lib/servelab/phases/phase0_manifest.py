@@ -15,13 +15,14 @@ import pandas as pd
 
 from servelab.deploy import hosts as hostlib
 from servelab.deploy.engines import engine_for
-from servelab.deploy.facts import (NodeFreeze, collect_facts, engine_env, freeze_node, gguf_facts, nccl_env,
-                                   port_snapshot, process_snapshot, snapshot_diff, weights_fingerprint)
+from servelab.deploy.facts import (NodeFreeze, freeze_summary, collect_facts, engine_env, freeze_node, gguf_facts,
+                                   nccl_env, port_snapshot, process_snapshot, snapshot_diff, weights_fingerprint)
 from servelab.phases.context import PhaseContext, log_command
 from servelab.core.run import read_manifest, redact, update_manifest, write_json_atomic
 from servelab.deploy.preflight import PreflightFailed, PreflightReport, ensure_preflight, fingerprint
-from servelab.deploy.server import (connect_nodes, engine_info, is_healthy, plan_launch, rank_environments,
-                                    start_server, stop_server, version_argv)
+from servelab.deploy.attach import ATTACH_NOTE, endpoint_facts
+from servelab.deploy.server import (connect_nodes, engine_info, http_json, http_text, is_healthy, plan_launch,
+                                    rank_environments, start_server, stop_server, version_argv)
 from servelab.report.banner import banner
 
 
@@ -170,6 +171,8 @@ def preflight(ctx: PhaseContext) -> PreflightReport:
     and recorded in ``manifest["preflight"]`` (the later phases of this run reuse it) and ``preflight.csv``.
     Returns the report even when a required check failed: the page shows the table, then :func:`run_phase0`
     refuses to go on."""
+    if ctx.target.attached and not ctx.target.nodes_given:      # no node of its own to check
+        return PreflightReport(ctx.target.name, fingerprint(ctx.target), [])
     hosts = connect_nodes(ctx.target)
     try:
         try:
@@ -228,6 +231,8 @@ def run_phase0(ctx: PhaseContext, start_engine: bool = True, health_timeout_s: f
     A ``preflight`` report with a failed required check stops here, before anything is started."""
     if preflight is not None and not preflight.passed:
         raise PreflightFailed(preflight)
+    if ctx.target.attached:
+        return attached_phase0(ctx, preflight)
     target = ctx.target
     raw = ctx.phase_dir / "raw"
     nodes = {n.name: hostlib.connect(n) for n in target.nodes}
@@ -330,6 +335,54 @@ def run_phase0(ctx: PhaseContext, start_engine: bool = True, health_timeout_s: f
                     rank_env=rank_env.to_dict(orient="records"), frozen=frozen_manifest(result.frozen_before),
                     frozen_changes=[f"{r.node}: {r.what} {r.before} -> {r.after}"
                                     for r in changes[changes["kind"] == "frozen"].itertuples()])
+    return result
+
+
+def attached_phase0(ctx: PhaseContext, preflight: PreflightReport | None) -> Phase0Result:
+    """Phase 0 on an attached server (``deploy.attach``): nothing started or stopped; what its endpoints say about
+    it, the declared nodes' facts and process tables before and after, and one row per fact it could not know."""
+    target = ctx.target
+    nodes = {n.name: hostlib.connect(n) for n in target.nodes} if target.nodes_given else {}
+    raw = ctx.phase_dir / "raw"
+    empty = pd.DataFrame(columns=["node", "group", "fact", "value", "status"])
+
+    def facts(sub: str) -> pd.DataFrame:
+        return pd.concat([collect_facts(h, raw_dir=raw / n / sub) for n, h in nodes.items()], ignore_index=True) \
+            if nodes else empty
+    try:
+        before, procs_before = facts(""), [process_snapshot(h) for h in nodes.values()]
+        with hostlib.ProcessTracker() as tracker:
+            srv = start_server(target, ctx.phase_dir / "logs", tracker, run_dir=ctx.run_dir, phase=ctx.phase,
+                               hosts=nodes)
+            info, unknown = endpoint_facts(srv, http_json, http_text)
+            server = {"started": False, "attached": target.endpoint, "ready_s": round(srv.ready_s, 3),
+                      "healthy": is_healthy(srv), "unknown": unknown}
+            stop_server(srv, tracker, run_dir=ctx.run_dir, phase=ctx.phase)
+        after = facts("after")
+    finally:
+        for h in nodes.values():
+            h.close()
+    pb = pd.concat(procs_before, ignore_index=True) if procs_before else pd.DataFrame(columns=["node", "pid"])
+    ctx.notes += [f"{ATTACH_NOTE} ({target.endpoint})"] + [f"not known: {u['fact']} — {u['why']}" for u in unknown]
+    props = info.get("/props") if isinstance(info.get("/props"), dict) else {}
+    sinfo = info.get("/server_info") if isinstance(info.get("/server_info"), dict) else {}
+    eng = {"engine": target.engine, "endpoint": target.endpoint,
+           "version": props.get("build_info") or sinfo.get("version") or "not reported",
+           **{f"not known: {u['fact']}": u["why"] for u in unknown}}
+    result = Phase0Result(
+        facts=before, launch=pd.DataFrame(columns=["node", "command", "port", "log"]), engine=_kv(eng, "field"),
+        model=_kv({"served_model_name": target.served_model_name, "path": props.get("model_path") or
+                   sinfo.get("model_path") or "not reported"}, "field"),
+        settings=engine_settings({}, target.engine, info), comm_env=nccl_env({}), processes_before=pb,
+        ports_before=pd.DataFrame(), processes_started=pd.DataFrame(columns=pb.columns),
+        ports_opened=pd.DataFrame(), leftovers_after=pd.DataFrame(columns=pb.columns), server=server, preflight=preflight,
+        facts_after=after)
+    write_json_atomic(ctx.phase_dir / "engine_info.json", redact(info))
+    before.to_csv(ctx.phase_dir / "facts.csv", index=False)
+    result.settings.to_csv(ctx.phase_dir / "settings.csv", index=False)
+    update_manifest(ctx.run_dir, engine={"name": target.engine, "attached": target.endpoint},
+                    not_known=unknown, hosts={n: {r["fact"]: r["value"] for _, r in before[before["node"] == n].iterrows()}
+                                              for n in nodes})
     return result
 
 
@@ -477,20 +530,7 @@ def frozen_manifest(frozen: dict[str, NodeFreeze]) -> dict[str, Any]:
     """What the manifest keeps of the freeze (taken before the engine started), per node: image and image id,
     engine, commit, interpreter, every package's version and every model file's sha256 — the keys the A/B guard
     (:func:`servelab.measure.abtest.diff_manifests`) compares between runs."""
-    out: dict[str, Any] = {}
-    for node, f in frozen.items():
-        e = f.engine
-        d: dict[str, Any] = {}
-        if f.image is not None:
-            d.update(image=f.image.get("name", ""), image_id=f.image.get("id", ""))
-        d.update(engine=" ".join(x for x in (e.get("distribution") or e.get("name", ""), e.get("version", "")) if x),
-                 engine_commit=e.get("commit", ""), python=e.get("python", ""),
-                 **({"executable_sha256": e["executable_sha256"]} if e.get("executable_sha256") else {}),
-                 packages={r.package: r.version for r in f.packages.itertuples()},
-                 weights={r.file: r.sha256 for r in f.weights.itertuples()},
-                 weights_sha256=weights_fingerprint(f.weights))
-        out[node] = d
-    return out
+    return {node: freeze_summary(f) for node, f in frozen.items()}
 
 
 def freeze_notes(result: Phase0Result) -> list[str]:

@@ -21,7 +21,8 @@ from servelab.analyse.serverside import (m1_stall_sentence, log_join, case_serve
                                          client_vs_server, read_metrics, server_percentiles, side_summary)
 from servelab.measure import request_metrics as mx, peer_compare as pc
 from servelab.measure.case import (SCALES, SUMMARY_KEYS, SUCCESS, CaseEnv, CaseResult, CaseSpec, MatrixResult,
-                                   c1_requests, case_is_done, load_case_result, make_env, quick_matrix, run_matrix)
+                                   long_decode_sentence, long_decode_table, c1_requests, case_is_done,
+                                   load_case_result, make_env, quick_matrix, run_matrix)
 from servelab.measure.matrix import dispatch_case
 from servelab.measure.mixed import m1_analysis
 from servelab.core.run import merge_table, write_json_atomic
@@ -31,6 +32,7 @@ from servelab.analyse.prefix_cache import memory_breakdown
 from servelab.core.params import ParamError
 from servelab.deploy.engines import engine_for
 from servelab.deploy.hosts import ProcessTracker
+from servelab.deploy.attach import ATTACH_NOTE
 from servelab.deploy.server import engine_info, start_server, stop_server
 from servelab.measure.peer_results import ImportFormatError
 from servelab.measure.records import read_records
@@ -38,7 +40,8 @@ from servelab.phases.case_rerun import case_command
 from servelab.phases.context import PhaseContext, log_command
 from servelab.report import perf_figures as pf
 from servelab.report.ledger import evidence_frame, record_evidence
-from servelab.report import crosscheck
+from servelab.report import answers, crosscheck
+from servelab.core.facts import VALID, Fact
 
 
 @dataclass
@@ -50,6 +53,7 @@ class Phase1Result:
     m1: dict[str, Any] | None = None
     restarts: list[dict[str, Any]] = field(default_factory=list)
     server: dict[str, Any] = field(default_factory=dict)
+    facts: list[Fact] = field(default_factory=list)        # the run's answers, recorded once (report.answers)
 
     @property
     def aborted(self) -> str:
@@ -84,17 +88,10 @@ class Phase1Result:
                 out[f"{cid}_p50_{metric}"] = got
                 continue
             out[f"{cid}_p50_{metric}_ms"], out[f"{cid}_{metric}_samples"] = got
-        d2 = df[(df["scenario"] == "D2") & (df["validity"] == "VALID")] if not df.empty else df
-        if not d2.empty:
-            best = d2.loc[d2["output_throughput"].idxmax()]
-            out["D2_max_output_tps"] = float(best["output_throughput"])
-            out["D2_max_output_at_c"] = int(best["concurrency"])
-        elif not df.empty and (df["scenario"] == "D2").any():
-            out["D2_max_output"] = "no VALID D2 case: not a result"
+        for f in self.facts:           # one answer per question, as recorded (report.answers)
+            out[f.name] = f.value if f.settled and f.validity == VALID else f.shown()
         if self.search is not None:
-            out.update(search_stop=self.search.stop_reason, max_successful_c=self.search.max_successful_concurrency,
-                       max_tps_c=self.search.max_tps_concurrency if self.search.max_tps_concurrency is not None
-                       else "no VALID point", max_under_slo_c=self.search.max_under_slo_concurrency)
+            out.update(search_stop=self.search.stop_reason, max_successful_c=self.search.max_successful_concurrency)
         if self.m1 is not None:
             bad = [c for c in ("M1_control", "M1_treatment")
                    if (r := case_result(self, c)) is None or r.verdict.verdict != "VALID"]
@@ -102,8 +99,10 @@ class Phase1Result:
                 out["M1_change"] = f"{', '.join(bad)} INVALID: not a result"
             else:
                 ab = self.m1["ab"].set_index("metric")
-                out["M1_output_tps_change_pct"] = ab.loc["output_throughput", "change_pct"]
-                out["M1_p95_tpot_change_pct"] = ab.loc["p95_tpot_ms", "change_pct"]
+                for key, metric in (("M1_output_tps_change_pct", "output_throughput"),
+                                    ("M1_p95_tpot_change_pct", "p95_tpot_ms")):    # a % to one decimal, never -62.0013
+                    v = ab.loc[metric, "change_pct"]
+                    out[key] = None if v is None or pd.isna(v) else round(float(v), 1)
         return out
 
 
@@ -189,7 +188,9 @@ def run_phase1(ctx: PhaseContext, health_timeout_s: float = 900.0) -> Phase1Resu
                                                       phase=ctx.phase, health_timeout_s=health_timeout_s)}
         try:
             server = {"base_url": holder["srv"].base_url, "engine": ctx.target.engine, "info": engine_info(holder["srv"]),
-                      "model_path": holder["srv"].model_path, "ready_s": holder["srv"].ready_s}
+                      "model_path": holder["srv"].model_path, "ready_s": holder["srv"].ready_s,
+                      "attached": holder["srv"].attached}
+            ctx.notes += holder["srv"].notes if holder["srv"].attached else []
             env = make_env(holder["srv"], ctx.run_dir, **env_kw)
 
             def on_oom(old: CaseEnv, res: CaseResult) -> CaseEnv:
@@ -204,7 +205,9 @@ def run_phase1(ctx: PhaseContext, health_timeout_s: float = 900.0) -> Phase1Resu
                                            ctx.run_id, "-p", f"repeats={env.repeats}", "-p", "resume=true"],
                         title="re-run / resume this phase")
             runner = recorded_runner(ctx, dispatch_case)
-            matrix = run_matrix(env, cases, resume=bool(p.get("resume", False)), case_runner=runner, on_oom=on_oom)
+            # an attached server is never restarted: an OOM there stops the matrix with its reason
+            matrix = run_matrix(env, cases, resume=bool(p.get("resume", False)), case_runner=runner,
+                                on_oom=None if holder["srv"].attached else on_oom)
             env = env if not restarts else make_env(holder["srv"], ctx.run_dir, **env_kw)
             search = None
             if p.get("search") and not matrix.aborted:
@@ -218,6 +221,8 @@ def run_phase1(ctx: PhaseContext, health_timeout_s: float = 900.0) -> Phase1Resu
         m1 = m1_analysis(by_id["M1_control"], by_id["M1_treatment"], definition)
     res = Phase1Result(matrix, definition, search, m1, restarts + matrix.restarts, server)
     write_phase_tables(ctx.phase_dir, res)
+    res.facts = answers.record_phase1(ctx.run_dir)          # from the tables just written; phase1.json again:
+    write_phase_tables(ctx.phase_dir, res)                  # its headline states the recorded answers
     return res
 
 
@@ -521,17 +526,16 @@ def findings(res: Phase1Result, run_dir: Path | None = None) -> list[str]:
     reason, M1's effect on P95 TPOT and output TPS with its validity, the matrix's validity and key numbers — each
     number from a VALID case with enough samples for its statistic — and the cross-checks of results that answer
     the same question (``report.crosscheck``: search vs matrix, Phase 2's replays)."""
-    out: list[str] = []
+    out: list[str] = [f"Measured on {res.server['base_url']}, {ATTACH_NOTE}."] if res.server.get("attached") else []
     df = res.matrix.frame(res.definition)
     s = res.search
     if s is not None:
         slo = ", ".join(f"P95 {k.split('_')[0].upper()} ≤ {v:g} ms" for k, v in (s.slo or {}).items() if v) or "no SLO"
-        best = next((p for p in s.points if p.concurrency == s.max_tps_concurrency and p.verdict == "VALID"), None)
-        out.append(f"Concurrency search: max successful concurrency {s.max_successful_concurrency or '—'}, max-TPS "
-                   f"concurrency {s.max_tps_concurrency or '— (no VALID point)'}"
-                   + (f" ({_num(best.output_tps)} tok/s output over {best.completed} requests, the best VALID point)"
-                      if best is not None and best.output_tps is not None else "")
-                   + f", max concurrency under the SLO ({slo}) {s.max_under_slo_concurrency or '—'}.")
+        got = {f.name: f.shown() for f in res.facts}
+        out.append(f"Concurrency search: max successful concurrency {s.max_successful_concurrency or '—'}; the "
+                   f"run's answers (search and matrix together) — max output TPS {got.get(answers.MAX_TPS, '—')}, "
+                   f"at concurrency {got.get(answers.MAX_TPS_C, '—')}, max concurrency under the SLO ({slo}) "
+                   f"{got.get(answers.MAX_UNDER_SLO_C, '—')}.")
         bad = [p for p in s.points if p.verdict != "VALID"]
         out.append(f"The search stopped with {s.stop_reason}" + (f": {s.stop_detail}" if s.stop_detail else "")
                    + (f"; {len(bad)} of its {len(s.points)} points INVALID, decided nothing ("
@@ -595,12 +599,11 @@ def findings(res: Phase1Result, run_dir: Path | None = None) -> list[str]:
                 if not isinstance(got, str):
                     nums.append(f"{cid} P50 {metric.upper()} ({what}) {_num(got[0], 2)} ms, "
                                 f"{mx.percentile_label(50, got[1])}")
-        d2 = df[(df["scenario"] == "D2") & (df["validity"] == "VALID")]
-        if not d2.empty:
-            best = d2.loc[d2["output_throughput"].idxmax()]
-            nums.append(f"D2 max output TPS {_num(best['output_throughput'])} tok/s at C={int(best['concurrency'])} "
-                        f"({int(best['completed'])} requests)")
+        if s is None and (f := next((x for x in res.facts if x.name == answers.MAX_TPS), None)) is not None:
+            nums.append(f"max output TPS {f.shown()}")
         out.append(text + (". " + ", ".join(nums) if nums else "") + ".")
+        if (long := long_decode_sentence(long_decode_table(df))) is not None:
+            out.append(long)
     if res.aborted:
         out.append(f"The run stopped early ({res.aborted}); not executed: {', '.join(res.not_executed) or 'none'}.")
     rdir = run_dir or (res.matrix.results[0].case_dir.parent.parent if res.matrix.results else None)

@@ -31,7 +31,7 @@ from servelab.analyse.telemetry.frames import nan_to_dash
 from servelab.analyse.telemetry.load import CaseTelemetry, load_case_telemetry
 from servelab.analyse.telemetry.parse_smi import parse_smi_csv
 from servelab.measure.telemetry.runner import (NOT_CONFIGURED, OK, CollectorStatus, NodePlan, RequiredCollectorError,
-                                       start_telemetry)
+                                       read_statuses, start_telemetry)
 from servelab.analyse.telemetry.summary import (CATALOG, answer_questions, compare_cases, coverage_table, status_table,
                                         summarize_case, write_metric_csvs)
 from servelab.analyse.telemetry.windows import CaseWindow
@@ -42,6 +42,7 @@ from servelab.measure.case import EngineCrash, make_env, quick_matrix
 from servelab.measure.matrix import dispatch_case
 from servelab.phases.context import PhaseContext, log_command
 from servelab.report.ledger import evidence_frame, record_evidence
+from servelab.report.findings import format_value
 from servelab.measure.request_metrics import min_samples
 
 WORKLOAD = (
@@ -57,7 +58,7 @@ WORKLOAD = (
     "[t.start() for t in ts]\n"
     "time.sleep(max(0.0, (end - time.time_ns()) / 1e9)) if not ts else [t.join() for t in ts]\n"
     "stop = time.time_ns()\n"
-    "open(out + '.tmp', 'w').write(json.dumps({'start_ns': start, 'end_ns': stop, 'threads': threads}))\n"
+    "open(out + '.tmp', 'w').write(json.dumps(dict(start_ns=start, end_ns=stop, threads=threads)))\n"
     "import os; os.replace(out + '.tmp', out)\n"
     "time.sleep(120)\n"
 )
@@ -176,10 +177,9 @@ def run_local_cases(ctx: PhaseContext, case_seconds: float = 4.0, interval_s: fl
         finally:
             child.kill()
             child.wait()
-        _log(ctx, "executed", wl[:2] + ["<cpu workload>"] + wl[3:], f"{case_id} workload", host=node.name,
+        _log(ctx, "executed", wl, f"{case_id} workload", host=node.name,       # the exact argv, script included
              start=time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)), exit_code=0)
-        for s in specs:
-            _log(ctx, "executed", s.argv, f"{case_id} {s.name}", host=node.name, env=dict(s.env))
+        log_collectors(ctx, case_id, cdir, [(node.name, specs)])
         window = None
         if stamp.exists():
             w = json.loads(stamp.read_text())
@@ -191,7 +191,24 @@ def run_local_cases(ctx: PhaseContext, case_seconds: float = 4.0, interval_s: fl
     return Phase2Run(cases, plan, status_table(cases), coverage_table(valid), failures)
 
 
-ENGINE_CASES = ("P3", "P4_c4", "D2_c8", "M1_control", "M1_treatment")   # the Phase 2 replay (docs/method.md#phase2), scaled
+def log_collectors(ctx: PhaseContext, case_id: str, cdir: Path, plans: list[tuple[str, list[Any]]]) -> None:
+    """Each collector's command after its case, as its status says: ``executed`` where it started, ``planned`` with
+    why where it did not (a binary not found, no hardware, a failed probe) — a collector that did not run is never
+    shown as executed."""
+    ran = {(st.node, st.collector): st for st in read_statuses(cdir)}
+    for node, specs in plans:
+        for spec in specs:
+            st = ran.get((node, spec.name))
+            if st is not None and st.started:
+                _log(ctx, "executed", spec.argv, f"{case_id} {spec.name}", host=node, env=dict(spec.env))
+            else:
+                why = st.reason if st is not None and st.reason else "it did not start"
+                _log(ctx, "planned", spec.argv, f"{case_id} {spec.name} (not run)", host=node, env=dict(spec.env),
+                     note=f"not run: {why}")
+
+
+# the Phase 2 replay (docs/method.md#phase2), scaled; D3/D4 by scenario (their concurrency follows the scale)
+ENGINE_CASES = ("P3", "P4_c4", "D2_c8", "D3", "D4", "M1_control", "M1_treatment")
 
 
 def run_engine_cases(ctx: PhaseContext, case_ids: list[str] | None = None, interval_s: float = 1.0,
@@ -215,12 +232,12 @@ def run_engine_cases(ctx: PhaseContext, case_ids: list[str] | None = None, inter
             env = make_env(srv, ctx.run_dir, phase=ctx.phase)
             for case in specs_cases:
                 cdir = ctx.case_dir(case.case_id)
-                plans = [NodePlan(srv.hosts[n.name], node_specs(n, srv.handles[n.name].pid, interval_s,
+                # the nodes the server runs on (Slurm: those it gave; attached: those declared, none = client side and
+                # /metrics only); no per-process collector where servelab does not hold the engine's own pid
+                plans = [NodePlan(srv.hosts[n.name], node_specs(n, srv.handles[n.name].pid if n.name in srv.handles
+                                                                 and srv.slurm_job is None else None, interval_s,
                                                                  python=sys.executable if n.kind == "local" else "python3"),
-                                  node=n.name, workdir=n.workdir) for n in ctx.target.nodes]
-                for p in plans:
-                    for spec in p.specs:
-                        _log(ctx, "executed", spec.argv, f"{case.case_id} {spec.name}", host=p.node, env=dict(spec.env))
+                                  node=n.name, workdir=n.workdir) for n in srv.target.nodes if n.name in srv.hosts]
                 session = None
                 try:
                     session = start_telemetry(cdir, plans, grace_s=0.5)
@@ -230,6 +247,7 @@ def run_engine_cases(ctx: PhaseContext, case_ids: list[str] | None = None, inter
                         time.sleep(interval_s + 0.3)      # the sample that closes the window
                         result = session.stop()
                         failures += [f"{case.case_id}: {f}" for f in result.failures]
+                        log_collectors(ctx, case.case_id, cdir, [(p.node, p.specs) for p in plans])
                 except RequiredCollectorError as exc:
                     failures.append(f"{case.case_id}: {exc}")
                 except EngineCrash as exc:
@@ -437,7 +455,8 @@ def risers(table: pd.DataFrame, case: str, baseline: str, top: int = 2) -> list[
         else:
             score = 100 * (value - a) / abs(a) if a and value >= 1.25 * a else (1e6 if not a and value > 0 else None)
         if score is not None:
-            rows.append((unit.startswith("%"), score, f"{label} mean {a:,.3g} → {value:,.3g} {unit}"))
+            rows.append((unit.startswith("%"), score,        # plain numbers: 1,120 → 1,470 MiB, never 1.12e+03
+                         f"{label} mean {format_value(float(a))} → {format_value(float(value))} {unit}"))
     rows.sort(key=lambda r: (not r[0], -r[1]))
     return [r[2] for r in rows[:top]]
 

@@ -2,7 +2,7 @@
 and write every table into the phase folder (``trace_*.csv`` / ``.json``) for tests and reports."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -11,16 +11,18 @@ import polars as pl
 
 from servelab.core.paths import cache_root, samples_root
 from servelab.analyse.trace.actions import evidence_actions
+from servelab.analyse.topology.placement import with_placement
+from servelab.analyse.ceiling import ceiling_finding
+from servelab.phases.evidence_section import ceiling_table, placement_finding, rank_placement  # the evidence chain
 from servelab.analyse.trace.analysis import CaptureAnalysis, analyse, write_tables
-from servelab.analyse.trace.experts import capture_expert_counts, expert_imbalance
-from servelab.analyse.trace.questions import q10, ten_questions
 from servelab.analyse.trace.metrics import dominant_steps
-from servelab.analyse.trace.stalls import (OneClock, clock_shift, mixed_window_problem, one_clock,
-                                            stall_summary)
+from servelab.analyse.trace.scenarios import (ScenarioView, analyse_scenarios, answer_capture, case_clock,  # noqa: F401
+                                              compare_findings, compare_table, split_q1)
+from servelab.analyse.trace.stalls import OneClock, mixed_window_problem, stall_summary
 from servelab.measure.nsys_capture import plan_target_captures
 from servelab.measure.capture import DEFAULT_STEPS
-from servelab.measure.live_capture import can_capture, capture_live, captured_table
-from servelab.measure.records import read_records
+from servelab.measure.capture_point import resolve_capture_point
+from servelab.measure.live_capture import attached_capture_refusal, can_capture, capture_live, captured_table
 from servelab.report.ledger import evidence_frame, record_evidence
 from servelab.analyse.trace.cluster import analyse_on_cluster
 from servelab.deploy.cluster import parse_cluster, require_dask, open_cluster
@@ -28,6 +30,8 @@ from servelab.deploy.hosts import ProcessTracker
 from servelab.core.paths import project_root
 from servelab.phases.context import PhaseContext
 from servelab.phases.nsys_section import NsysImport, nsys_howto, nsys_import, nsys_view  # noqa: F401 (the page's)
+from servelab.phases.scenario_section import (capture_point_note, scenario_sections, scenarios_table,  # noqa: F401
+                                              subset_findings, subset_table)
 
 SAMPLE_DIR = ("h200x2", "traces")
 SAMPLE_TEXT = ("2 x NVIDIA H200 (NVLink), TP=2 torch-profiler traces of a random-weight 8-layer transformer, recorded "
@@ -52,6 +56,10 @@ class Phase3:
     nsys: NsysImport | None = None
     timeline_bins: int = 600
     from_samples: bool = False
+    scenarios: list[ScenarioView] = field(default_factory=list)     # every captured scenario, analysed on its own
+    rank_placement: pd.DataFrame = field(default_factory=pd.DataFrame)   # :func:`rank_placement`
+    ceiling: pd.DataFrame = field(default_factory=pd.DataFrame)          # :func:`ceiling_table`
+    ceiling_source: str = ""
 
     def headline(self) -> dict[str, Any]:
         return headline(self)
@@ -75,17 +83,23 @@ def run(ctx: PhaseContext) -> Phase3:
     (:func:`run_analysis`) and the nsys import (:func:`nsys_import`)."""
     p = ctx.params
     cluster = check_cluster(p["cluster"])
-    trace_dir, captured = live_capture(ctx, p["capture"], p["trace_dir"])
-    res = run_analysis(ctx, trace_dir, p["window_regex"], p["top_n"], p["min_gap_us"], p["profile_id"], cluster=cluster)
+    trace_dir, captured = live_capture(ctx, p["capture"], p["trace_dir"], p["capture_at"])
+    res = run_analysis(ctx, trace_dir, p["window_regex"], p["top_n"], p["min_gap_us"], p["profile_id"], cluster=cluster,
+                       max_capture_gb=float(p["max_capture_gb"]))
     res.captured = captured
+    run_scenarios(ctx, res, window_regex=p["window_regex"] or None, top_n=int(p["top_n"]),
+                  min_gap_us=float(p["min_gap_us"]), profile_id=p["profile_id"] or None,
+                  max_capture_gb=float(p["max_capture_gb"]))
     res.timeline_bins = int(p["timeline_bins"])
     res.from_samples = ctx.from_samples
     res.nsys = nsys_import(ctx, res, p["nsys_dir"], p["top_n"])
+    res.rank_placement = rank_placement(res.analysis, ctx.run_dir)
+    res.ceiling, res.ceiling_source = ceiling_table(res.analysis, ctx.run_dir, ctx.phase_dir)
     return res
 
 
 def run_analysis(ctx: PhaseContext, trace_dir: str = "", window_regex: str = "", top_n: int = 10, min_gap_us: float = 0.0,
-                 profile_id: str = "", cluster: str = "") -> Phase3:
+                 profile_id: str = "", cluster: str = "", max_capture_gb: float = 0.0) -> Phase3:
     """Analyse ``trace_dir`` (empty: the recorded H200 sample, and ``ctx.from_samples`` is set), answer the
     ten questions, apply the evidence → action table and write every table into ``ctx.phase_dir``.
 
@@ -101,23 +115,11 @@ def run_analysis(ctx: PhaseContext, trace_dir: str = "", window_regex: str = "",
               profile_id=profile_id or None)
     if check_cluster(cluster):
         a = _analyse_on_cluster(ctx, cluster, folder, cache_dir, kw)
-    else:
-        a = analyse(folder, cache_dir=cache_dir, **kw)
-    clock = case_clock(folder, a)
-    experts = capture_expert_counts(folder)       # the engine's expert counts recorded with this capture (MoE)
-    q = ten_questions(a, experts)
-    if clock is not None:      # Q10 from the one clock too (a CPU trace has no kernels for the GPU-side answer)
-        row = pl.DataFrame([asdict(q10(a, clock))]).with_columns(
-            pl.lit(q.filter(pl.col("id") == "Q10")["question_en"][0]).alias("question_en")).select(q.columns)
-        q = pl.concat([q.filter(pl.col("id") != "Q10"), row])
+    else:      # over max_capture_gb: a representative rank subset, every left-out rank said (analyse.trace.subset)
+        a = analyse(folder, cache_dir=cache_dir, max_capture_gb=0.0 if ctx.from_samples else max_capture_gb, **kw)
+    q, clock, extra = answer_capture(a, folder, _capture_label(ctx, folder))   # Q10 also from the one clock
     act = evidence_actions(a, run_dir=getattr(ctx, "run_dir", None))
-    extra = {"questions": q, "actions": act}
-    if experts is not None:
-        extra["expert_imbalance"] = expert_imbalance(experts)
-    if a.placement.height:
-        extra["placement"] = a.placement
-    if clock is not None:
-        extra.update({"stalls": clock.stalls, "ttft_split": clock.ttft, "engine_steps": clock.steps})
+    extra["actions"] = act
     files = write_tables(a, ctx.phase_dir, extra)
     if hasattr(ctx, "add_source"):
         if ctx.from_samples:
@@ -125,6 +127,34 @@ def run_analysis(ctx: PhaseContext, trace_dir: str = "", window_regex: str = "",
         else:
             ctx.add_source("live", f"the capture in {folder}")
     return Phase3(a, q, act, files, clock)
+
+
+def _capture_label(ctx: PhaseContext, folder: Path) -> str:
+    """How an answer names the capture it comes from: the scenario and its case for a live capture, the sample, or
+    the folder given."""
+    for c in getattr(ctx, "captures", None) or []:
+        if Path(c.profiles).resolve() == Path(folder).resolve():
+            return f"{c.scenario.name} ({Path(c.case_dir).name})"
+    return f"recorded sample ({_rel(folder)})" if ctx.from_samples else str(folder)
+
+
+def run_scenarios(ctx: PhaseContext, res: Phase3, **kw: Any) -> None:
+    """Every scenario the live capture wrote, analysed on its own (``analyse.trace.scenarios``; the main capture's
+    analysis reused), its tables under ``<phase>/scenarios/<scenario>/``, the side-by-side table as
+    ``scenarios/trace_scenario_compare.csv``; the page's Q1 then answers prefill from the long-prefill capture and
+    decode from the decode control. Nothing without a live capture (``trace_dir``, the sample)."""
+    caps = [{"scenario": c.scenario.name, "case_id": Path(c.case_dir).name, "bound_case_id": c.scenario.case_id,
+             "folder": c.profiles} for c in getattr(ctx, "captures", None) or [] if c.result is not None]
+    if not caps:
+        return
+    out = ctx.phase_dir / "scenarios"
+    res.scenarios = analyse_scenarios(caps, out, {Path(res.analysis.capture.trace_dir): res.analysis}, **kw)
+    compare_table(res.scenarios).write_csv(out / "trace_scenario_compare.csv")
+    q1 = split_q1(res.scenarios)
+    if q1 is not None:
+        res.questions = pl.concat([pl.DataFrame([q1]).select(res.questions.columns),
+                                   res.questions.filter(pl.col("id") != "Q1")])
+        write_tables(res.analysis, ctx.phase_dir, {"questions": res.questions}, only_extra=True)
 
 
 def _rel(folder: Path) -> str:
@@ -162,24 +192,6 @@ def placement_table(p: Phase3) -> pd.DataFrame:
                              if missing.height else "none missing. ")
                           + " ".join(a.cluster_notes))
     return t
-
-
-def case_clock(folder: Path, a: CaptureAnalysis) -> OneClock | None:
-    """The one clock of a profiled case: when ``folder`` is a case's ``profiles/`` folder and the case kept its
-    client records (``requests.jsonl`` with every chunk's arrival), join them with the trace's steps. None
-    otherwise (a bare trace folder, the recorded sample)."""
-    req = Path(folder).parent / "requests.jsonl"
-    if Path(folder).name != "profiles" or not req.is_file():
-        return None
-    return one_clock(read_records(req), a.windows, shift=clock_shift(Path(folder).parent, _rank_nodes(a)))
-
-
-def _rank_nodes(a: CaptureAnalysis) -> dict[int, str]:
-    """Each trace rank's node (its sub-folder under ``profiles/``), as the loader identified it."""
-    r = a.ranks
-    if r is None or r.height == 0 or "node" not in r.columns:
-        return {}
-    return {int(k): str(n) for k, n in zip(r["rank"], r["node"]) if k is not None}
 
 
 def _pd(df: pl.DataFrame, round_to: int = 3) -> pd.DataFrame:
@@ -231,17 +243,30 @@ def graph_table(p: Phase3) -> pd.DataFrame:
     return _pd(p.analysis.graph)
 
 
+def ceiling_view(p: Phase3) -> pd.DataFrame:
+    """The collectives-against-the-ceiling table, its ceiling's source as the caption."""
+    if p.ceiling.empty:
+        return pd.DataFrame({"note": ["no collective with a message size in this capture"]})
+    t = p.ceiling.round(3)
+    t.attrs["caption"] = f"ceiling: {p.ceiling_source or 'none measured (run Phase 5)'}"
+    return t
+
+
 def alignment_table(p: Phase3) -> pd.DataFrame:
     """Clock offsets per rank with the alignment notes, the skew per step and the slow-rank verdict."""
     a = p.analysis
     t = _pd(a.alignment.table)
     notes = "; ".join(a.alignment.notes)
     slow = a.slow_rank.get("evidence", "")
-    caption = f"alignment ok: {a.alignment.alignment_ok}. {notes}. Slow rank: {a.slow_rank.get('slow_rank')} — {slow}"
+    rank = a.slow_rank.get("slow_rank")              # words, never a repr ("alignment ok: True", "Slow rank: None")
+    caption = (f"clocks {'aligned' if a.alignment.alignment_ok else 'not aligned'}. {notes}. Slow rank: "
+               + (f"{rank} — {slow}" if rank is not None else f"none — {slow}" if slow else "none"))
     if a.slow_rank.get("slow_stage") is not None:
         caption += f". Slow pipeline stage: {a.slow_rank['slow_stage']} (see Which stage holds the pipeline back)"
     if not len(t):
         return pd.DataFrame({"note": [caption]})
+    if not p.rank_placement.empty and "rank" in t.columns:        # where each rank runs
+        t = with_placement(t, p.rank_placement)
     t.attrs["caption"] = caption            # drawn above the table by the page's table display (escaped)
     return t
 
@@ -347,7 +372,8 @@ def ttft_split_table(p: Phase3) -> pd.DataFrame:
 def questions_table(p: Phase3) -> pd.DataFrame:
     """The ten questions with their answers, evidence and sources: a plain table, every cell escaped and shown in
     full by the page's table display (trace file and kernel names are data, never markup)."""
-    return _pd(p.questions.select("id", "question_en", "question", "answerable", "answer", "evidence", "source"))
+    return _pd(p.questions.select("id", "question_en", "question", "answerable", "answer", "capture", "evidence",
+                                  "source"))
 
 
 def actions_table(p: Phase3) -> pd.DataFrame:
@@ -382,26 +408,34 @@ def headline(p: Phase3) -> dict[str, Any]:
     return out
 
 
-def live_capture(ctx: PhaseContext, capture: bool, trace_dir: str) -> tuple[str, pd.DataFrame]:
+def live_capture(ctx: PhaseContext, capture: bool, trace_dir: str, capture_at: str = "") -> tuple[str, pd.DataFrame]:
     """Capture on the target's engine when it can write traces (vLLM, SGLang) and no ``trace_dir`` was given: the
     four scenarios, one engine start (``measure.live_capture.capture_live``). The capture analysed by the rest of
     the page is the mixed scenario's (it answers Q10); ``ctx.captures`` keeps all of them for the one-clock view.
 
+    ``capture_at`` (checked by the CLI before the run was made): the Phase 1 case whose lengths and concurrency the
+    decode and mixed captures run (``measure.capture_point``); ``ctx.capture_point`` keeps it for the page's link.
+
     Returns the folder to analyse ("" = the recorded sample) and one row per scenario: what was captured, or why
     not.
     """
-    ctx.captures = []
+    ctx.captures, ctx.capture_point = [], None
+    at = resolve_capture_point(capture_at, ctx.run_id)
+    unused = f"; capture_at={capture_at} not used: nothing was captured" if at is not None else ""
     if trace_dir:
-        return trace_dir, pd.DataFrame([{"capture": "not run", "reason": f"analysing the given trace_dir {trace_dir}"}])
+        return trace_dir, pd.DataFrame([{"capture": "not run", "reason": f"analysing the given trace_dir {trace_dir}{unused}"}])
     if not capture:
-        return "", pd.DataFrame([{"capture": "not run", "reason": "capture=False"}])
+        return "", pd.DataFrame([{"capture": "not run", "reason": f"capture=False{unused}"}])
     if not can_capture(ctx.target):
         return "", pd.DataFrame([{"capture": "not run",
                                   "reason": f"the {ctx.target.engine} engine has no torch profiler endpoint; "
-                                            f"use a vLLM or SGLang target (e.g. local-vllm) for a live capture"}])
+                                            f"use a vLLM or SGLang target (e.g. local-vllm) for a live capture{unused}"}])
+    if attached_capture_refusal(ctx.target):
+        return "", pd.DataFrame([{"capture": "not run", "reason": attached_capture_refusal(ctx.target)}])
     chosen = tuple(ctx.params.get("scenarios") or ()) or None
     steps = ctx.params.get("capture_steps") or DEFAULT_STEPS
-    caps = capture_live(ctx, scenarios=chosen, check=mixed_window_check, steps=steps)
+    ctx.capture_point = at
+    caps = capture_live(ctx, scenarios=chosen, check=mixed_window_check, steps=steps, at=at)
     ctx.captures = caps
     table = captured_table(caps, ctx.run_dir)
     table.to_csv(ctx.phase_dir / "captures.csv", index=False)
@@ -449,10 +483,15 @@ def findings(p: Phase3, from_samples: bool | None = None) -> list[str]:
     src = "from recorded sample data (2 × H200 traces)" if from_samples else f"from the capture in {a.capture.trace_dir}"
     out = [f"{len(a.rops)} rank(s) analysed {src}; {int(p.questions['answerable'].sum())} of {p.questions.height} "
            f"questions answerable."]
+    if p.scenarios:
+        out.append(f"{len(p.scenarios)} captured scenarios analysed, each on its own (see Every captured scenario): "
+                   + ", ".join(v.label + (f" NOT analysed: {v.error}" if v.error else "") for v in p.scenarios) + ".")
+        out += compare_findings(p.scenarios)
     if a.rops and all(r.device == "cpu" for r in a.rops):
         out.append("An engine on CPU: its trace holds no GPU op, so on this page the device work ('GPU' in the table "
                    "headers) is the forward's torch ops on the step thread, and communication is torch's gloo "
                    "collectives on their own threads (docs/metrics.md#cpu-engines); CUDA-graph coverage does not apply.")
+    out += subset_findings(a.rank_subset)
     if a.placement.height:
         parsed = a.placement.filter(pl.col("status") == "parsed")
         out.append(f"Parsed on a cluster: {parsed.height} rank file(s) on {parsed['node'].n_unique()} node(s), each on "
@@ -462,6 +501,10 @@ def findings(p: Phase3, from_samples: bool | None = None) -> list[str]:
                        f"attempt(s): {r['reason']}.")
     if a.slow_rank.get("slow_stage") is not None:
         out.append("Slow pipeline stage: " + a.slow_rank.get("stage_evidence", "") + ".")
+    if (shared := placement_finding(p.analysis, p.rank_placement)) is not None:     # shared NIC/NUMA
+        out.append(shared)
+    if not p.ceiling.empty and (ceil := ceiling_finding(p.ceiling, f"ceiling ({p.ceiling_source})")):
+        out.append(ceil)
     for d in dominant_steps(a.window_metrics, a.step_skew):
         wait = ""
         if d["start_skew_us"] is not None and d["start_skew_us"] >= 1000:
@@ -491,7 +534,8 @@ def findings(p: Phase3, from_samples: bool | None = None) -> list[str]:
                        f"{split or 'No prefill step identified.'}")
     for r in p.questions.iter_rows(named=True):
         why = "" if r["answerable"] else f" ({str(r['evidence']).split(' — ')[0]})"
-        out.append(f"{r['id']} {r['question_en']} {_short(r['answer'])}{why}")
+        src = f" [from {r['capture']}]" if r.get("capture") else ""       # answers made outside a phase name none
+        out.append(f"{r['id']} {r['question_en']} {_short(r['answer'])}{why}{src}")
     act = p.actions.filter(pl.col("status") == "triggered") if p.actions.height else p.actions
     if act.height:
         out.append("Next A/B, triggered by the evidence: " + "; ".join(

@@ -98,7 +98,7 @@ def run_phase4(ctx: PhaseContext, model_config: str, cluster_target: str, layout
         log_command(ctx, "planned", r["argv"], title=f"launch {r['layout']} on {r['node']}", host=r["node"],
                     env=r["env"], note="Phase 4 layout candidate; not executed by this notebook")
     res = Phase4Result(cfg, cluster, param_summary(cfg), memory, feas, comms, summary, launch)
-    res.model_note = model_label(cfg, base)
+    res.model_note = model_label(cfg, base, ctx.target)
     res.runs = [str(r) for r in runs]
     if hasattr(ctx, "add_source"):
         ctx.add_source("model", res.model_note)
@@ -116,14 +116,20 @@ def run_phase4(ctx: PhaseContext, model_config: str, cluster_target: str, layout
     return res
 
 
-def model_label(cfg: ModelConfig, target: Any) -> str:
-    """Which model the arithmetic is about, against what the target serves: the same, or a stand-in said so."""
+def model_label(cfg: ModelConfig, target: Any, run_target: Any = None) -> str:
+    """Which model the arithmetic is about, against what the cluster target would serve (the same, or a stand-in
+    said so) — and, where the run's own target is another, the model that one really serves: a plan for a cluster
+    never claims the run's target is that cluster."""
     served = str(getattr(target, "model", "") or "")
     text = f"memory / communication model of {cfg.name} (config: {getattr(cfg, 'source', '') or 'given'}) on " \
            f"{target.name}"
     if served and cfg.name.lower().replace("-", "") not in served.lower().replace("-", ""):
-        text += (f"; the target serves {Path(served).name}, so {cfg.name} stands in for it (same family assumed) and "
-                 f"the planned commands launch {Path(served).name}")
+        text += (f"; {target.name} would serve {Path(served).name}, so {cfg.name} stands in for it (same family "
+                 f"assumed) and the planned commands launch {Path(served).name}")
+    if run_target is not None and getattr(run_target, "name", None) != target.name:
+        model = Path(str(getattr(run_target, "model", "") or "its model")).name
+        text += (f"; this run's target {run_target.name} serves {model} ({run_target.engine}) — {target.name} is "
+                 "planned here, not measured")
     return text
 
 

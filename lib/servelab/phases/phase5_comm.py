@@ -16,6 +16,7 @@ from servelab.deploy.nccl_gate import GateVerdict, check_gate, verdict_table
 from servelab.deploy.nccl_info import NcclInfo, parse_info, parse_info_files, transport_table
 from servelab.analyse.nccl import sweep as sw
 from servelab.analyse.nccl.msgsize import model_message_sizes, place_on_curves, from_trace
+from servelab.analyse.ceiling import ceiling_finding, with_ceiling
 from servelab.analyse.nccl.perf_log import NcclTestRun, parse_file, runs_frame, runs_table
 from servelab.core.params import ParamError, did_you_mean
 from servelab.core.paths import samples_root
@@ -443,7 +444,9 @@ class Phase5Result:
 
     def findings(self) -> list[str]:
         return (sweep_findings(self.comm, self.sweep)
-                + findings(self.data, self.verdict, self.msgs, self.from_samples, self.engine_gate))
+                + findings(self.data, self.verdict, self.msgs, self.from_samples, self.engine_gate)
+                + self.engine_ceiling[1])
+    engine_ceiling: tuple[pd.DataFrame, list[str]] = (pd.DataFrame(), [])    # :func:`engine_collectives`
 
 
 def run(ctx: PhaseContext) -> Phase5Result:
@@ -460,7 +463,22 @@ def run(ctx: PhaseContext) -> Phase5Result:
                     p["prefill_chunk"], p["vocab_size"])
     sweep = sweep_tables(ctx, comm, msgs)
     verdict = gate_for_target(ctx, data)
-    return Phase5Result(comm, data, msgs, sweep, verdict, engine_gate_record(ctx), ctx.from_samples)
+    return Phase5Result(comm, data, msgs, sweep, verdict, engine_gate_record(ctx), ctx.from_samples,
+                        engine_collectives(ctx, data))
+
+
+def engine_collectives(ctx: PhaseContext, data: Phase5Data) -> tuple[pd.DataFrame, list[str]]:
+    """The engine's collectives as Phase 3 of this run captured them (``phase3/collectives_vs_ceiling.csv``)
+    against this phase's curves (``analyse.ceiling.with_ceiling``), and the finding; empty with a note when
+    Phase 3 has not run in this run."""
+    f = Path(ctx.run_dir) / "phase3" / "collectives_vs_ceiling.csv"
+    if not f.is_file():
+        return pd.DataFrame({"note": ["Phase 3 has not captured this run's collectives: servelab run phase3 --target "
+                                      f"<target> --run-id {ctx.run_id}, then this phase again"]}), []
+    t = with_ceiling(pd.read_csv(f), data.curves)
+    t.to_csv(Path(ctx.phase_dir) / "engine_vs_ceiling.csv", index=False)
+    text = ceiling_finding(t, "ceiling measured here" if not ctx.from_samples else "recorded H200 ceiling")
+    return t, [f"The engine's collectives (Phase 3): {text}"] if text else []
 
 
 def record_h1(ctx: PhaseContext, data: Phase5Data, msgs: pd.DataFrame) -> pd.DataFrame:

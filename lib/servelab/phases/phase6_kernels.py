@@ -19,7 +19,7 @@ from servelab.analyse.kernels import (KernelTableError, default_repro_argv, deri
 from servelab.core.paths import samples_root
 from servelab.phases.context import PhaseContext, log_command
 from servelab.report.banner import banner, sample_banner
-from servelab.report.ledger import evidence_frame, record_evidence
+from servelab.report.ledger import evidence_frame, record_evidence, target_has_gpu
 from servelab.core.paths import project_root
 from servelab.core.run import read_manifest
 
@@ -83,7 +83,9 @@ def run_phase6(ctx: PhaseContext, kernel_source: str = "", ncu_csv: Sequence[str
     top = top_kernels(table, n=top_n)
     if set(top["window"]) - {"unannotated"}:     # step windows exist: kernels outside them are not the target
         top = top[top["window"] != "unannotated"].reset_index(drop=True)
-    app = list(repro) or default_repro_argv(ctx.target)
+    # kernels recorded elsewhere (the samples) ran on another engine and GPU: their filters never wrap this target's
+    # engine — the reproduction is a fill-in value (core.run.FILL_IN) unless the user gives one (repro)
+    app = list(repro) or (["REPRO_COMMAND"] if ctx.from_samples else default_repro_argv(ctx.target))
     cmds = planned_ncu_commands(top, app, launch_skip=launch_skip, launch_count=launch_count,
                                 export_dir=str(ctx.phase_dir / "ncu"))
     for _, c in cmds.iterrows():
@@ -201,7 +203,16 @@ def findings(res: Phase6Result, from_samples: bool = False, run_dir: Path | None
     and suspect, what bounds them on the roofline (where ``ncu`` data exists), and the planned ``ncu`` commands —
     and, when this run's Phase 3 analysed another capture, that it did (their shares are not comparable)."""
     src = " (from recorded sample data, 2 × H200 toy models)" if from_samples else ""
-    out = [f"Kernel table{src}: {Path(res.source).name}; {len(res.ranked):,} kernels ranked."]
+    out = []
+    if from_samples:         # applicability first: what this page is not about
+        target = read_manifest(Path(run_dir)).get("target") if run_dir is not None else None
+        gpu = target_has_gpu(Path(run_dir)) if run_dir is not None else None
+        out.append(("Not applicable on this target: " if gpu is False else "Not this target's kernels: ")
+                   + (f"{target} " if target else "this target ") + ("has no GPU to profile; " if gpu is False else
+                                                                     "was not profiled here; ")
+                   + "everything below is recorded sample data (2 × H200), shown to teach the method, and says "
+                     "nothing about this target.")
+    out.append(f"Kernel table{src}: {Path(res.source).name}; {len(res.ranked):,} kernels ranked.")
     p3 = phase3_trace(run_dir)
     if p3 and not same_capture(res.source, p3):
         traces = sorted(x for x in Path(p3).glob("*.json*") if x.is_file())

@@ -49,7 +49,7 @@ from servelab.measure.records import ClientRun, RequestRecord, read_records
 from servelab.measure.loop_monitor import LoopMonitor
 from servelab.measure.engine_metrics import gauge_series
 from servelab.measure.launch_variants import (delta_of, snapshot_deltas, write_run_record, serving, with_launch,
-                                              check_knob_changes_command, log_reproduce)
+                                              check_knob_changes_command, log_reproduce, env_changes)
 from servelab.core.run import write_json_atomic, read_manifest, write_json_atomic as wj
 from servelab.deploy.server import RunningServer
 from servelab.measure.workload import RequestSpec, build_workload, engine_tokenizer, token_pool
@@ -64,6 +64,7 @@ from servelab.report.findings import ab_findings
 from servelab.report.ledger import record_evidence
 from servelab.report.perf_figures import client_over_server
 from servelab.measure.abtest import answers_from_params, write_ab_tables
+from servelab.report.answers import record_correctness
 from servelab.measure.correctness import greedy_summary
 from servelab.measure.correctness import prompts_view
 from servelab.measure.correctness import verdict_sentences
@@ -327,7 +328,7 @@ def run_variant(target: Any, changes: dict[str, Any], spec: InterferenceSpec, ru
     res, error = None, ""
     srv_ref = None
     try:
-        with serving(t, log_dir, run_dir, phase, health_timeout_s) as srv:
+        with serving(t, log_dir, run_dir, phase, health_timeout_s, check_env=env_changes(changes)) as srv:
             srv_ref = srv
             pool = token_pool(engine_tokenizer(srv.base_url, srv.target.engine, srv.engine.tokenize_path,
                                                headers=srv.auth_headers), seed=seed)
@@ -476,6 +477,7 @@ def write_phase7_tables(phase_dir: Path, res: Phase7Result) -> None:
         pd.concat(win, ignore_index=True).to_csv(phase_dir / "windows.csv", index=False)
     if res.ab is not None:
         write_ab_tables(res.ab, phase_dir)
+    record_correctness(phase_dir.parent, phase_dir.name)      # the A/B's greedy-output verdicts as facts (M4)
     if res.confound_ab is not None:
         res.confound_ab.differences.to_csv(phase_dir / "ab_confounded_differences.csv", index=False)
     wj(phase_dir / "phase7.json", {"headline": res.headline(), "notes": res.notes})

@@ -217,7 +217,10 @@ def run_phase8(ctx: PhaseContext, rates: list[float] | None = None, input_tokens
             points.append(HitPoint(0.5, isl, osl, g, 1, cache_prompt=False, label="H8_hit50_bad"))
     served = target
     changes, change_notes = adapter.cache_study_launch_changes(target.launch, swa_full)
-    if changes:
+    if changes and target.attached:
+        notes.append(f"attached server: the study's launch settings ({', '.join(f'{k}={v}' for k, v in changes.items())})"
+                     f" are not servelab's to set; measured as the server runs")
+    elif changes:
         notes.extend(change_notes)
         served = with_launch(target, changes, ", ".join(f"{k}={v}" for k, v in changes.items()))
     log_dir = ctx.phase_dir / "server"

@@ -43,6 +43,8 @@ from servelab.core.params import ParamError
 from servelab.measure.abtest import ab_compare
 from servelab.report.findings import ab_findings
 from servelab.measure.abtest import answers_from_params, write_ab_tables
+from servelab.core.facts import MIN_SAMPLES
+from servelab.report.answers import record_correctness
 from servelab.measure.correctness import greedy_summary
 from servelab.measure.correctness import prompts_view
 from servelab.measure.correctness import verdict_sentences
@@ -114,7 +116,8 @@ def run_spec_point(srv: RunningServer, run_dir: Path, cfg: SpecConfig, concurren
                                                            case_seed(seed, f"S9-warmup-c{concurrency}", repeat))))
         case.flush()
         # the same prompts for every config (seed independent of the config)
-        wl = build_workload(cid, concurrency, input_tokens, output_tokens, pool,
+        # at least the sample-size rule's requests (core.facts.MIN_SAMPLES): one request is no throughput point
+        wl = build_workload(cid, max(concurrency, MIN_SAMPLES["throughput"]), input_tokens, output_tokens, pool,
                             seed=case_seed(seed, f"S9-c{concurrency}", repeat))
         case.mark_log()                   # the excerpt holds the measured requests' lines only (spec_row reads them)
         case.open_window(server_cpu=True)
@@ -266,6 +269,7 @@ def run_phase9(ctx: PhaseContext, drafts: list[str] | None = None, num_draft_tok
             ctx.notes.append(f"A/B over the configs failed: {exc}")
     res = Phase9Result(configs, points, gain, per_position_frame(points), ab, errors, [], run_dir=ctx.run_dir)
     write_phase9_tables(ctx.phase_dir, res)
+    record_correctness(ctx.run_dir, ctx.phase)        # each config's greedy-output verdict, for M4 and the index
     return res
 
 

@@ -178,8 +178,10 @@ def _ledger_html(run_dir: Path) -> str:
     df = ledger(run_dir)
     rows = []
     for _, r in df.iterrows():
-        ev = "<br>".join(_evidence_html(run_dir, e) for e in r["evidence"]) \
-            or f"<small>decided by: {html.escape(r['decided_by'])}</small>"
+        ev = "<br>".join(_evidence_html(run_dir, e) for e in r["evidence"])
+        if r["status"] == "not applicable" or not ev:
+            note = r["decided_by"] if r["status"] == "not applicable" else f"decided by: {r['decided_by']}"
+            ev = f"<small>{html.escape(note)}</small>" + (f"<br>{ev}" if ev else "")
         rows.append(f"<tr><td>{html.escape(r['id'])}</td><td>{html.escape(r['hypothesis'])}"
                     f"<br><small>{html.escape(r['source'])}</small></td>"
                     f'<td class="{STATUS_CLASS.get(r["status"], "")}">{html.escape(r["status"])}</td><td>{ev}</td></tr>')
@@ -245,7 +247,8 @@ def _lessons_html(m: dict[str, Any]) -> str:
         page = a.get("page")
         if page and ".." not in Path(str(page)).parts and (Path(str(page)).suffix == ".html"):
             extra += f"<br><small><a href=\"{html.escape(str(page), quote=True)}\">its page</a></small>"
-        return (f"<tr><td>{html.escape(str(a.get('phase', '')))}</td><td><small>{html.escape(str(a.get('started', '')))}"
+        when = a.get("started") or a.get("ended") or "—"          # an interrupted attempt may have no start
+        return (f"<tr><td>{html.escape(str(a.get('phase', '')))}</td><td><small>{html.escape(str(when))}"
                 f"</small></td><td class='bad'>{html.escape(str(a.get('status', '')))}</td>"
                 f"<td>{html.escape(str(a.get('error') or '-'))}{extra}</td><td><small>{params}</small></td></tr>")
     rows = "".join(row(a)

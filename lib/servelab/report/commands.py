@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import html
+import re
 from pathlib import Path
 
 import pandas as pd
 from IPython.display import HTML
 
-from servelab.core.run import LABELS, CommandRecord, read_commands
+from servelab.core.run import FILL_IN, LABELS, CommandRecord, read_commands
 
 LABEL_TEXT = {"executed": "EXECUTED", "reproduce": "REPRODUCE", "planned": "PLANNED — NOT EXECUTED"}
 LABEL_HELP = {
@@ -37,9 +38,12 @@ def _block(r: CommandRecord) -> str:
     if r.note:
         meta.append(r.note)
     title = f"<b>{html.escape(r.title)}</b> " if r.title else ""
+    shell = r.shell()
+    fill = "".join(f'<div class="servelab-fill-in"><small>fill in: <code>{k}</code> — {html.escape(v)}</small></div>'
+                   for k, v in FILL_IN.items() if re.search(rf"\b{k}\b", shell))
     return (f'<div class="servelab-cmd servelab-cmd-{r.label}"><span class="servelab-label servelab-label-{r.label}">'
             f'{LABEL_TEXT[r.label]}</span>{title}<small>{html.escape(" · ".join(meta))}</small>\n'
-            f'{html.escape(r.shell())}</div>')
+            f'{html.escape(shell)}</div>{fill}')
 
 
 def commands_html(run_dir: Path, phase: str | None = None) -> str:

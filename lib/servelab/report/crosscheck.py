@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+from servelab.core.facts import MIN_SAMPLES, enough, indicative
 from servelab.measure.case_record import read_summaries
 
 Z = 2.0                      # combined standard errors within which two values agree (about 95 %)
@@ -165,6 +166,11 @@ def compare(a: Measurement, b: Measurement, z: float = Z) -> dict[str, Any]:
     row = {"question": a.question, "a": a.shown(), "b": b.shown(), "a_case": a.case_id, "b_case": b.case_id,
            "delta_pct": None, "band_pct": None}
     bad = [x for x in (a, b) if x.verdict != "VALID" or x.output_tps is None]
+    few = [x for x in (a, b) if not enough("throughput", x.n)]
+    if few and not bad:          # the sample-size rule (core.facts): no standard error, no verdict below it
+        row.update(verdict="not compared", why=", ".join(f"{x.case_id} {indicative(x.n)}" for x in few)
+                   + f": fewer than {MIN_SAMPLES['throughput']} requests decide no agreement")
+        return row
     if bad:
         row.update(verdict="not compared", why=", ".join(f"{x.case_id} is INVALID" if x.verdict != "VALID"
                                                           else f"{x.case_id} has no output TPS" for x in bad)

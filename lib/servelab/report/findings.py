@@ -64,7 +64,9 @@ def format_value(value: Any) -> str:
             return "0"
         if a >= 1000:
             return f"{value:,.0f}"
-        text = f"{value:.1f}" if a >= 100 else (f"{value:.2f}" if a >= 1 else f"{value:.3g}")
+        # three significant digits below 1, written out: 0.0000651, never 6.51e-05
+        text = f"{value:.1f}" if a >= 100 else (f"{value:.2f}" if a >= 1 else
+                                                f"{value:.{max(3, 2 - math.floor(math.log10(a)))}f}".rstrip("0"))
         if 1 <= a < 100 and value != round(value) and float(text) == round(value):
             return f"{value:.6g}"        # a value that is not whole never reads as a count (1.000244, not 1.00)
         return text

@@ -28,7 +28,7 @@ import pandas as pd
 import yaml
 
 from servelab.core.paths import project_root
-from servelab.core.run import now_iso
+from servelab.core.run import now_iso, read_manifest
 from servelab.core.params import ParamError, did_you_mean
 
 VERDICTS = ("supported", "refuted", "inconclusive")
@@ -125,20 +125,35 @@ def current_evidence(run_dir: Path) -> list[Evidence]:
     return list(latest.values())
 
 
+def target_has_gpu(run_dir: Path) -> bool | None:
+    """Whether the run's nodes have a GPU, as Phase 0 recorded them (``hosts.<node>.gpu_list``); None unrecorded."""
+    hosts = [h for h in (read_manifest(Path(run_dir)).get("hosts") or {}).values() if isinstance(h, dict)]
+    if not hosts or not any("gpu_list" in h for h in hosts):
+        return None
+    return any(h.get("gpu_list") not in (None, "", "-") for h in hosts)
+
+
 def ledger(run_dir: Path) -> pd.DataFrame:
-    """One row per hypothesis: status (open / supported / refuted / inconclusive / contested) and its current
-    evidence (:func:`current_evidence`: the latest of each phase)."""
+    """One row per hypothesis: status (open / supported / refuted / inconclusive / contested / not applicable) and
+    its current evidence (:func:`current_evidence`: the latest of each phase). A hypothesis that ``requires: gpu``
+    on a target Phase 0 recorded without a GPU is ``not applicable`` (unless live evidence decided it)."""
     evs = current_evidence(run_dir)
+    gpu = target_has_gpu(run_dir)
     rows = []
     for hid, h in hypotheses().items():
         mine = [e for e in evs if e.hypothesis == hid]
         decisive = {e.verdict for e in mine if e.verdict != "inconclusive"}
-        if not mine:
+        if h.get("requires") == "gpu" and gpu is False and not decisive:
+            status = "not applicable"
+        elif not mine:
             status = "open"
         elif len(decisive) > 1:
             status = "contested"
         else:
             status = mine[-1].verdict if mine[-1].verdict != "inconclusive" or not decisive else decisive.pop()
+        decided_by = ", ".join(h.get("decided_by", []))
+        if status == "not applicable":
+            decided_by = f"GPU-only: not applicable on this target (Phase 0 recorded no GPU); elsewhere: {decided_by}"
         rows.append({"id": hid, "hypothesis": h.get("title", ""), "source": h.get("source", ""), "status": status,
-                     "evidence": [asdict(e) for e in mine], "decided_by": ", ".join(h.get("decided_by", []))})
+                     "evidence": [asdict(e) for e in mine], "decided_by": decided_by})
     return pd.DataFrame(rows)

@@ -26,6 +26,7 @@ from servelab.measure.case import SCALES
 from servelab.measure.abtest import load_run
 from servelab.measure.case_record import summary_paths
 from servelab.measure.correctness import correctness_verdict
+from servelab.core.facts import read_facts
 
 M1_CV_BOUND_PCT = 3.0          # docs/method.md#milestones: key TPS coefficient of variation within 3 %
 M1_REPEATS = 3
@@ -469,6 +470,10 @@ def m4(run_dir: Path) -> Milestone:
         for c in titles:
             ms.checks.append(Check(c, "not measured", "no A/B recorded (<phase>/ab_comparison.csv)"))
         return ms
+    # the A/Bs' correctness as the phases recorded it (core.facts): M4 states the same verdicts, never its own
+    recorded = {f.name.split(":", 1)[1]: (str(f.value), f.note) for f in read_facts(run_dir)
+                if f.name.startswith("correctness:")}
+    regressions = {k: v for k, v in recorded.items() if v[0] == "regression"}
     clean, cands = [], []
     for phase, diff, cmp in tables:
         st = diff["status"] if "status" in diff.columns else pd.Series(dtype=str)
@@ -491,8 +496,10 @@ def m4(run_dir: Path) -> Milestone:
                           "free": bool(a_free) and bool(b_free),
                           "free_why": "; ".join(w for w in (f"A {a_why}" if a_why else "", f"B {b_why}" if b_why
                                                             else "") if w),
-                          "corr": correctness_verdict(rows) if rows is not None else
-                          ("not measured", f"{phase}/ab_correctness.csv absent: the A/B compared no greedy outputs"),
+                          "corr": (recorded[f"{phase}/{b}"] if f"{phase}/{b}" in recorded else
+                                   correctness_verdict(rows) if rows is not None else
+                                   ("not measured", f"{phase}/ab_correctness.csv absent: the A/B compared no greedy "
+                                                    "outputs")),
                           "gain": kind, "what": what, "exclusion": _exclusion(run_dir, phase)})
     ms.checks.append(Check(titles[0], "pass" if clean else "fail",
                            "; ".join(f"{p}: {', '.join(d)}" for p, d in clean) if clean else
@@ -510,7 +517,10 @@ def m4(run_dir: Path) -> Milestone:
     excluded = [c for c in free if not c["gain"] and c["exclusion"]]
     # what a change answers does not depend on whether its timings were valid: every clean A/B's verdict is shown
     corr_detail = "; ".join(f"{c['name']}: {c['corr'][0]} — {c['corr'][1]}" for c in cands)
-    if correct:
+    if regressions:              # a regression recorded anywhere in the run: this check cannot pass beside it
+        ms.checks.append(Check(titles[3], "fail", "a correctness regression is recorded — " + "; ".join(
+            f"{k}: regression — {v[1]}" for k, v in regressions.items())))
+    elif correct:
         ms.checks.append(Check(titles[3], "pass", corr_detail))
     elif excluded:
         ms.checks.append(Check(titles[3], "pass", "not required: the direction is excluded, not kept — " + corr_detail))

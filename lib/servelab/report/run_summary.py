@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from servelab.core.run import read_manifest
+from servelab.deploy.facts import FREEZE_MARKING
 from servelab.deploy.targets import load_target
 from servelab.measure.case_record import read_summaries
 from servelab.report import crosscheck
@@ -77,6 +78,24 @@ def _int(v: Any) -> int | None:
         return None
 
 
+def end_changes_text(m: dict[str, Any]) -> str | None:
+    """The run index's line: when the end freeze was taken and what changed per node since Phase 0 (None when no
+    end freeze was taken)."""
+    end = m.get("frozen_end") or {}
+    if not end:
+        return None
+    changes = m.get("frozen_end_changes") or []
+    when = max((str(v.get("taken", "")) for v in end.values() if isinstance(v, dict)), default="")
+    per_node = []
+    for node in end:
+        mine = [c for c in changes if c.get("node") == node]
+        per_node.append(f"{node}: " + ("no change" if not mine else "; ".join(
+            f"{c['what']} {c['before']} → {c['after']}" for c in mine[:6]) + (" …" if len(mine) > 6 else "")))
+    marked = sorted({c["kind"] for c in changes if c.get("kind") in FREEZE_MARKING})
+    return (f"frozen again at the run's end ({when}) against Phase 0: " + "; ".join(per_node)
+            + (f". CHANGED {', '.join(marked)}: the run's comparisons are marked" if marked else ""))
+
+
 def facts(run_dir: Path) -> list[tuple[str, str]]:
     """(label, text) rows: target, engine, model, hardware, client."""
     m = read_manifest(run_dir)
@@ -107,6 +126,8 @@ def facts(run_dir: Path) -> list[tuple[str, str]]:
         hw.append(f"{node}: {h.get('cpu_count', '?')} CPU core(s) ({h.get('cpu_model', '?')}){mem_txt}, {gpu}")
     rows.append(("hardware", "; ".join(hw) or "not recorded (Phase 0 did not run)"))
     rows.append(("client", client_location(m, t)))
+    if (end := end_changes_text(m)) is not None:
+        rows.append(("environment at the end", end))
     return rows
 
 

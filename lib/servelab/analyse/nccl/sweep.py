@@ -22,6 +22,8 @@ import numpy as np
 import pandas as pd
 
 from servelab.analyse.nccl.perf_log import NcclTestRun, parse_run
+from servelab.deploy.nccl_info import PREFIX_RE
+from servelab.measure.env_reach import nccl_env_lines
 
 NOISE_K = 2.0
 SWEEP_SCOPES = ("node", "cross-node")
@@ -266,22 +268,32 @@ def p2p_pivot(matrix: pd.DataFrame, value: str = "busbw_gbps") -> pd.DataFrame:
 def env_check(data: SweepData) -> pd.DataFrame:
     """For each ``env-check`` run (``NCCL_DEBUG=INFO``): the variable and value set, what NCCL's INFO log says it
     read (``<VAR> set by environment to <value>``), and the verdict — ``reached NCCL``, ``NCCL reported another
-    value`` or ``not reported by NCCL`` (then the sweep's runs of that setting prove nothing about it)."""
-    cols = ["node", "setting", "variable", "value", "nccl_says", "verdict", "ranks", "status"]
+    value``, ``not reported by NCCL`` (then the sweep's runs of that setting prove nothing about it), or — the
+    rank check of every environment-variable A/B (:mod:`servelab.measure.env_reach`, joined by the line's pid) —
+    ``not reported by every rank`` when some process that logged NCCL INFO lines never said it read the variable
+    (``missing_on``: those processes as ``host:pid``)."""
+    cols = ["node", "setting", "variable", "value", "nccl_says", "verdict", "missing_on", "ranks", "status"]
     out = []
     for r in data.records:
         if r.get("scope") != "env-check":
             continue
         var, val = r.get("variable", ""), str(r.get("value", ""))
-        said = [m["val"] for m in ENV_SET_RE.finditer(data.texts.get(r["run_id"], "")) if m["var"] == var]
+        text = data.texts.get(r["run_id"], "")
+        said = [m["val"] for m in ENV_SET_RE.finditer(text) if m["var"] == var]
+        by_pid = {pid: v for (pid, name), v in nccl_env_lines(text).items() if name == var}
+        procs = {int(m["pid"]): m["host"] for m in map(PREFIX_RE.search, text.splitlines()) if m is not None}
+        missing = [f"{procs[p]}:{p}" for p in sorted(procs) if p not in by_pid]
         run = next((p for p, rec in zip(data.parsed, data.records) if rec is r), None)
         if not said:
             verdict = "not reported by NCCL"
-        elif all(s.rstrip(".") == val for s in said):
-            verdict = "reached NCCL"
-        else:
+        elif not all(s.rstrip(".") == val for s in said):
             verdict = "NCCL reported another value"
+        elif missing:
+            verdict = "not reported by every rank"
+        else:
+            verdict = "reached NCCL"
         out.append({"node": r.get("node", ""), "setting": r.get("setting", ""), "variable": var, "value": val,
                     "nccl_says": ", ".join(dict.fromkeys(said)) or "-", "verdict": verdict,
+                    "missing_on": ", ".join(missing) if said and missing else "-",
                     "ranks": run.nranks if run else r.get("ranks"), "status": run.status if run else "-"})
     return pd.DataFrame(out, columns=cols)

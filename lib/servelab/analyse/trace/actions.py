@@ -178,18 +178,22 @@ def evidence_actions(a: CaptureAnalysis, thresholds: dict[str, float] | None = N
 def _phase_table(run_dir: str | Path | None, rel: str, phase: str, what: str) -> tuple[Any, str]:
     """``(frame, "")`` of a phase's table in the run folder, or ``(None, why not and what to run)``."""
     import pandas as pd
-    run = f" --run-id {Path(run_dir).name}" if run_dir is not None else ""
-    todo = f"run Phase {phase[-1]} in this run (servelab run {phase} --target <target>{run}): {what}"
     if run_dir is None:
-        return None, f"not evaluable from a trace alone: {todo}"
-    entry = (read_manifest(Path(run_dir)).get("phases") or {}).get(phase) or {}
+        return None, f"not evaluable from a trace alone: run Phase {phase[-1]} on the target: {what}"
+    manifest = read_manifest(Path(run_dir))
+    # a command to paste: the run's own target, never a <placeholder> (none recorded: say so in words)
+    target = manifest.get("target")
+    todo = (f"run Phase {phase[-1]} in this run (servelab run {phase} --target {target} --run-id "
+            f"{Path(run_dir).name}): {what}" if target else f"run Phase {phase[-1]} in this run on its target: {what}")
+    entry = (manifest.get("phases") or {}).get(phase) or {}
     path = Path(run_dir) / rel
     if entry.get("from_samples"):
         return None, f"not evaluable: Phase {phase[-1]} read recorded sample data, not this target — {todo}"
     if not path.is_file():
         st = entry.get("status")
-        return None, (f"not evaluable: Phase {phase[-1]} {'ended ' + str(st) + ' without' if st else 'has not written'} "
-                      f"{rel} — {todo}")
+        # worded by run order: a later run of that phase does not make this sentence false
+        return None, (f"not evaluable: Phase {phase[-1]} {'had ended ' + str(st) + ' without' if st else 'had not written'} "
+                      f"{rel} when this was computed — {todo}")
     try:
         return pd.read_csv(path), ""
     except (pd.errors.EmptyDataError, pd.errors.ParserError, OSError) as exc:

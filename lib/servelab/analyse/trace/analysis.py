@@ -16,6 +16,7 @@ from servelab.analyse.trace import ranks as R
 from servelab.analyse.trace import stages as S
 from servelab.analyse.trace.load import Capture, load_capture
 from servelab.analyse.trace.ops import RankOps, prepare_rank
+from servelab.analyse.trace.subset import plan_subset
 from servelab.analyse.trace.taxonomy import Rule, load_rules
 
 
@@ -54,6 +55,8 @@ class CaptureAnalysis:
     # analysed on a cluster (analyse.trace.cluster): where each rank file was parsed, and what the listing found
     placement: pl.DataFrame = field(default_factory=pl.DataFrame)
     cluster_notes: list[str] = field(default_factory=list)
+    # max_capture_gb: every rank file, kept or left out of the analysis, and why (analyse.trace.subset)
+    rank_subset: pl.DataFrame = field(default_factory=pl.DataFrame)
 
     @property
     def trace_files(self) -> list[str]:
@@ -77,7 +80,8 @@ def analyse(capture: Capture | str | Path, *, window_regex: str | None = None, t
             extra_rules: Sequence[Rule | Sequence[str] | dict] | None = None, min_gap_us: float = 0.0,
             cache: bool = True, cache_dir: str | Path | None = None, profile_id: str | None = None,
             nodes: dict[str, str] | None = None, workers: int | None = None,
-            keep_events: bool = True, prepared_tables: Sequence[P.Prepared] | None = None) -> CaptureAnalysis:
+            keep_events: bool = True, prepared_tables: Sequence[P.Prepared] | None = None,
+            max_capture_gb: float = 0.0) -> CaptureAnalysis:
     """Analyse a capture folder (or an already loaded :class:`Capture`): every table of Phase 3.
 
     ``window_regex`` selects the step annotations (default: SGLang ``step[...]``, ``*_step_N``,
@@ -96,12 +100,16 @@ def analyse(capture: Capture | str | Path, *, window_regex: str | None = None, t
     ``prepared_tables``: the ranks' prepared tables already made elsewhere (one per rank of a :class:`Capture`,
     e.g. by cluster workers on the nodes that hold the files: :mod:`~servelab.analyse.trace.cluster`); the
     cross-rank steps then run on them exactly as on tables prepared here.
+
+    ``max_capture_gb`` (> 0, a capture folder): over this many GB of rank files only a representative subset is
+    loaded (:func:`~servelab.analyse.trace.subset.plan_subset`); ``rank_subset`` says which rank was left out and why.
     """
     t = {}
     rules = load_rules(extra_rules)
     prepared: dict[int, RankOps] = {}
     given = {id(p.rops.trace): p for p in prepared_tables or ()}
     per_rank: dict[int, tuple[pl.DataFrame, pl.DataFrame]] = {}
+    timelines: dict[int, dict[str, pl.DataFrame]] = {}
 
     def prepare(tr, release: bool) -> RankOps:
         """The rank's op tables and event-level tables: from the prepared cache (its events never read), else
@@ -116,6 +124,8 @@ def analyse(capture: Capture | str | Path, *, window_regex: str | None = None, t
             if release:
                 tr.release_events()
         per_rank[id(tr)] = (hit.cpu_threads, hit.census)
+        if hit.timeline is not None:
+            timelines[id(tr)] = hit.timeline
         return hit.rops
 
     def on_rank(tr) -> None:       # streaming: prepare now, keep the event-level tables, drop the events
@@ -123,19 +133,21 @@ def analyse(capture: Capture | str | Path, *, window_regex: str | None = None, t
 
     stream = not keep_events and not isinstance(capture, Capture)
     t0 = time.perf_counter()
+    only, subset = (plan_subset(capture, max_capture_gb, profile_id, nodes)
+                    if max_capture_gb > 0 and not isinstance(capture, Capture) else (None, pl.DataFrame()))
     cap = capture if isinstance(capture, Capture) else load_capture(capture, cache=cache, cache_dir=cache_dir,
                                                                     profile_id=profile_id, nodes=nodes,
                                                                     workers=workers, events=not cache,
-                                                                    on_rank=on_rank if stream else None)
+                                                                    on_rank=on_rank if stream else None, only=only)
     t["load"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     rops = [prepared.pop(id(tr)) if id(tr) in prepared else prepare(tr, release=False) for tr in cap.ranks]
     t["prepare"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    all_gaps = [M.gap_intervals(r) for r in rops]
-    wm = _concat(M.window_metrics(r, g) for r, g in zip(rops, all_gaps))
+    tls = [timelines.get(id(r.trace)) or rank_timeline(r) for r in rops]
+    wm = _concat(tl["window_metrics"] for tl in tls)
     summary = M.summarise_windows(wm) if wm.height else pl.DataFrame()
-    gaps = _concat(g.filter(pl.col("gap_ns") > int(min_gap_us * 1e3)) for g in all_gaps)
+    gaps = _concat(tl["gaps"].filter(pl.col("gap_ns") > int(min_gap_us * 1e3)) for tl in tls)
     t["timeline"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     al = R.align_ranks(rops)
@@ -156,18 +168,27 @@ def analyse(capture: Capture | str | Path, *, window_regex: str | None = None, t
         windows=_concat(r.windows for r in rops), window_metrics=wm, summary=summary,
         breakdown=M.kernel_breakdown(rops), top_kernels=M.top_kernels(rops, top_n), gaps=gaps,
         gap_summary=M.gap_summary(gaps), graph=M.graph_coverage(rops), launch=M.launch_stats(rops),
-        device_busy=_concat(M.device_busy(r) for r in rops),
+        device_busy=_concat(tl["device_busy"] for tl in tls),
         cpu_threads=_concat(per_rank[id(r.trace)][0] if id(r.trace) in per_rank
                                                    else M.cpu_thread_busy(r) for r in rops),
         alignment=al, collective_skew=cskew, step_skew=sskew, slow_rank=slow,
         pp=R.pp_overlap(rops, al), pp_compute=R.pp_overlap(rops, al, compute_only=True),
-        nccl=N.forensics(rops), interference=_concat(M.decode_interference(r) for r in rops))
+        nccl=N.forensics(rops), interference=_concat(tl["interference"] for tl in tls))
     result.census = census(cap, {k: v[1] for k, v in per_rank.items()})
     result.comm_by_collective = M.comm_by_collective(rops)
     result.stage_steps, result.stages = st_steps, st_table
+    result.rank_subset = subset
     t["tables"] = time.perf_counter() - t0
     result.timings_s = t
     return result
+
+
+def rank_timeline(r: RankOps) -> dict[str, pl.DataFrame]:
+    """One rank's timeline tables — idle gaps (unfiltered), per-window metrics, device busy, decode
+    interference: each needs that rank alone, so a cluster worker makes them beside the rank's op tables."""
+    g = M.gap_intervals(r)
+    return {"gaps": g, "window_metrics": M.window_metrics(r, g), "device_busy": M.device_busy(r),
+            "interference": M.decode_interference(r)}
 
 
 def census(cap: Capture, done: dict[int, pl.DataFrame] | None = None) -> pl.DataFrame:
@@ -182,15 +203,15 @@ def census(cap: Capture, done: dict[int, pl.DataFrame] | None = None) -> pl.Data
             .select("rank", "ph", "cat", "events", "total_ms"))
 
 
-def write_tables(a: CaptureAnalysis, out_dir: str | Path, extra: dict[str, pl.DataFrame] | None = None
-                 ) -> dict[str, str]:
+def write_tables(a: CaptureAnalysis, out_dir: str | Path, extra: dict[str, pl.DataFrame] | None = None,
+                 only_extra: bool = False) -> dict[str, str]:
     """Write the key tables as CSV (and the small ones also as JSON) into ``out_dir``; returns name → path.
 
     Files: ranks, windows, window_metrics, summary, kernel_breakdown, top_kernels, gap_summary,
     graph_coverage, launch, alignment, collective_skew, step_skew, pp_overlap, nccl_forensics, interference,
     stage_steps and stages (the per-stage view, empty without two PP stages),
     plus ``extra`` (e.g. questions, actions) and ``trace_analysis.json`` (headline numbers, slow rank,
-    alignment notes, timings)."""
+    alignment notes, timings). ``only_extra``: write only ``extra`` (a table replaced after the first write)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tables = {
@@ -200,8 +221,9 @@ def write_tables(a: CaptureAnalysis, out_dir: str | Path, extra: dict[str, pl.Da
         "step_skew": a.step_skew, "pp_overlap": _concat([a.pp, a.pp_compute]), "nccl_forensics": a.nccl,
         "interference": a.interference, "overlap": a.overlap_table(), "census": a.census,
         "comm_by_collective": a.comm_by_collective, "stage_steps": a.stage_steps, "stages": a.stages,
+        **({"rank_subset": a.rank_subset} if a.rank_subset.height else {}),
     }
-    tables.update(extra or {})
+    tables = dict(extra or {}) if only_extra else {**tables, **(extra or {})}
     paths = {}
     for name, df in tables.items():
         if df is None:
@@ -212,9 +234,14 @@ def write_tables(a: CaptureAnalysis, out_dir: str | Path, extra: dict[str, pl.Da
         if df.height <= 2000:
             pj = out / f"trace_{name}.json"
             pj.write_text(json.dumps(_csv_safe(df).to_dicts(), default=str, indent=1))
+    if only_extra:
+        return paths
     summary = {
         "trace_dir": str(a.capture.trace_dir), "trace_files": a.trace_files, "ranks": len(a.rops),
         "window_regex": a.window_regex, "slow_rank": a.slow_rank,
+        "truncated": {r.trace.path.name: {**r.trace.meta["truncated"], "steps_read": r.steps_read,
+                                          "steps_seen": r.windows.height}
+                      for r in a.rops if r.trace.meta.get("truncated")},
         "alignment": {"ok": a.alignment.alignment_ok, "residual_us": a.alignment.residual_us,
                       "notes": a.alignment.notes},
         "timings_s": a.timings_s,

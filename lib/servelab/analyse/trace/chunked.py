@@ -21,6 +21,8 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.ipc as pa_ipc
 
+from servelab.core import threads
+
 try:  # ISA-L gunzip is ~1.6x faster than zlib (measured); zlib is the fallback
     from isal import igzip as _gzip
 except ImportError:  # pragma: no cover - isal is a declared dependency of the trace analyser
@@ -42,12 +44,10 @@ CHUNK_BYTES = 4 << 20             # JSON text per decode task: 4 MB slices cost 
 
 
 def default_workers() -> int:
-    """Worker processes for parsing: the CPUs this process may use, at most 8."""
-    try:
-        n = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - non-Linux
-        n = os.cpu_count() or 1
-    return max(1, min(8, n))
+    """Worker processes for parsing: this process's share of threads (:func:`servelab.core.threads.share`: every
+    usable CPU unless its starter gave it fewer — a Dask worker's share of its node). Each parse child is held to
+    one thread of its own (:func:`spawn_pool`)."""
+    return threads.share()
 
 
 def parse_trace(path: str | Path, workers: int | None = None, executor=None) -> tuple[pl.DataFrame, dict[str, Any]]:
@@ -56,8 +56,9 @@ def parse_trace(path: str | Path, workers: int | None = None, executor=None) -> 
     Metadata: ``baseTimeNanoseconds``, ``distributedInfo``, ``deviceProperties``, versions, and
     ``process_names`` / ``thread_names`` / ``process_labels`` from the ``ph: "M"`` events.
     Large files (≥ ``PARALLEL_MIN_BYTES`` of JSON) are gunzipped as a stream, cut at event boundaries into
-    ``CHUNK_BYTES`` slices and decoded by ``workers`` processes (default: the usable CPUs, ≤ 8; in this
-    process when 1; ``executor``: a process pool to reuse across files), so the whole text and all its Python
+    ``CHUNK_BYTES`` slices and decoded by ``workers`` processes (default: this process's share of CPUs, every
+    usable one unless its starter gave fewer; in this process when 1; ``executor``: a process pool to reuse
+    across files), so the whole text and all its Python
     objects never exist at once; any doubt about a cut falls back to the single-process decoder, which also
     produces the error messages.
     Raises :class:`TraceFormatError` naming the file for truncated gzip, invalid JSON, or JSON that is
@@ -84,9 +85,11 @@ def spawn_pool(workers: int):
     try:
         ex = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
         # one task per worker submitted together: the pool spawns a process per task while none is idle, so
-        # all workers import at once (one task alone starts one; the next would start only when work comes)
-        for f in [ex.submit(int, 0) for _ in range(workers)]:
-            f.result()
+        # all workers import at once (one task alone starts one; the next would start only when work comes);
+        # each child decodes one slice at a time: its libraries get one thread (else N children × all cores)
+        with threads.spawning_with(1):
+            for f in [ex.submit(int, 0) for _ in range(workers)]:
+                f.result()
         return ex
     except Exception:
         if ex is not None:

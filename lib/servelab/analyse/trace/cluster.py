@@ -6,9 +6,13 @@
 
 A worker on each node lists the node's trace folder; every rank file is then parsed into its Parquet cache
 (beside the file, on that node), prepared (GPU op table, step windows, runtime calls, CPU thread busy, census) by a
-worker pinned to that node, and only those per-rank tables travel back. The cross-rank steps (alignment, skew,
-PP, NCCL forensics, every table) run here on them, through the same :func:`~servelab.analyse.trace.analysis.analyse`
-as a local capture, so the tables are the local path's. A rank whose worker died (or failed otherwise) is submitted
+worker pinned to that node, which also makes the rank's own timeline tables (gaps, per-window metrics, device
+busy, decode interference: :func:`~servelab.analyse.trace.analysis.rank_timeline`); only those per-rank tables
+travel back (fetched together as workers finish them). A worker uses its share of its node's cores
+(:func:`servelab.deploy.cluster.worker_env`): its libraries' thread pools and, with more than one, its own parse
+processes. The cross-rank steps (alignment, skew, PP, NCCL forensics, every table) run here on them, through
+the same :func:`~servelab.analyse.trace.analysis.analyse` as a local capture, so the tables are the local
+path's. A rank whose worker died (or failed otherwise) is submitted
 once more; if that fails too, the rank is left out and listed in :attr:`CaptureAnalysis.placement` with the
 reason (``status`` missing), never dropped silently.
 
@@ -19,6 +23,7 @@ alignment fits one offset per node); on one node the loader's own naming applies
 """
 from __future__ import annotations
 
+import atexit
 import time
 import uuid
 from dataclasses import asdict
@@ -27,14 +32,16 @@ from typing import Any, Sequence
 
 import polars as pl
 
+from servelab.analyse.trace import chunked
 from servelab.analyse.trace import metrics as M
 from servelab.analyse.trace import prepared as P
-from servelab.analyse.trace.analysis import CaptureAnalysis, analyse
+from servelab.analyse.trace.analysis import CaptureAnalysis, analyse, rank_timeline
 from servelab.analyse.trace.decode import TraceFormatError
 from servelab.analyse.trace.identity import RankIdentity, identity_from_name
 from servelab.analyse.trace.load import Capture, RankTrace, _empty_events, find_trace_files, load_trace, looks_like_trace
 from servelab.analyse.trace.ops import RankOps, prepare_rank
 from servelab.analyse.trace.taxonomy import Rule, load_rules
+from servelab.core import threads
 from servelab.deploy.cluster import Cluster, worker_placement
 from servelab.deploy.engines import engine_for
 
@@ -65,7 +72,10 @@ def reduce_rank(path: str, node: str, fallback_rank: int, extra_rules: Sequence[
     (cached too) and return them with its identity, metadata and counts — never its events."""
     t0 = time.perf_counter()
     rules = load_rules(extra_rules)
-    tr = load_trace(path, cache=cache, cache_dir=cache_dir, node=node, workers=1, events=not cache)
+    n = threads.share()           # this worker's share of its node (deploy.cluster.worker_env)
+    big = n > 1 and chunked.json_size_hint(Path(path)) >= chunked.PARALLEL_MIN_BYTES
+    tr = load_trace(path, cache=cache, cache_dir=cache_dir, node=node, workers=n,
+                    executor=_parse_pool(n) if big else None, events=not cache)
     if tr.identity.rank is None:           # as the local loader does: TP index, else the file's order
         tr.identity.rank = tr.identity.tp if tr.identity.tp is not None else fallback_rank
         tr.identity.source = tr.identity.source or "file order"
@@ -81,11 +91,24 @@ def reduce_rank(path: str, node: str, fallback_rank: int, extra_rules: Sequence[
     else:
         n_events, n_kernels = tr.n_events, tr.n_kernels
     r = hit.rops
+    tl = rank_timeline(r)          # per-rank: made here, in parallel, not in the controller one rank at a time
     return {"identity": asdict(tr.identity), "meta": tr.meta, "load_s": tr.load_s, "from_cache": tr.from_cache,
             "cache_path": str(tr.cache_path) if tr.cache_path else "", "n_events": n_events, "n_kernels": n_kernels,
             "ops": r.ops, "windows": r.windows, "runtime": r.runtime, "window_regex": r.window_regex,
-            "windows_found": r.windows_found, "cpu_threads": hit.cpu_threads, "census": hit.census,
-            "reduce_s": time.perf_counter() - t0, **worker_placement()}
+            "windows_found": r.windows_found, "cpu_threads": hit.cpu_threads, "census": hit.census, "timeline": tl,
+            "reduce_s": time.perf_counter() - t0, "threads": pl.thread_pool_size(), **worker_placement()}
+
+
+_POOL: dict[int, Any] = {}
+
+
+def _parse_pool(n: int):
+    """This worker's parse processes (started once, reused for every rank it parses; None: parse here)."""
+    if n not in _POOL:
+        _POOL[n] = chunked.spawn_pool(n)
+        if _POOL[n] is not None:
+            atexit.register(_POOL[n].shutdown, wait=False, cancel_futures=True)
+    return _POOL[n]
 
 
 # ------------------------------------------------------------------------------------------ here
@@ -196,14 +219,19 @@ def analyse_on_cluster(cluster: Cluster, trace_dir: str, *, window_regex: str | 
     failures: dict[int, list[str]] = {}
     gone_since: dict[str, float] = {}
     checked = time.monotonic()
+    fetch_s = 0.0
     while pending:
         done = [f for f in pending if f.done()]
         if not done:
             time.sleep(0.05)
+        fin = [f for f in done if f.status == "finished"]
+        t0 = time.perf_counter()
+        got = dict(zip(fin, client.gather(fin))) if fin else {}    # fetched together, from all their workers
+        fetch_s += time.perf_counter() - t0
         for fut in done:
             i, attempt = pending.pop(fut)
-            if fut.status == "finished":
-                results[i] = {**fut.result(), "attempts": attempt}
+            if fut in got:
+                results[i] = {**got[fut], "attempts": attempt}
                 continue
             exc = fut.exception() if fut.status == "error" else None
             failures.setdefault(i, []).append(_reason(exc))
@@ -245,7 +273,7 @@ def analyse_on_cluster(cluster: Cluster, trace_dir: str, *, window_regex: str | 
             rops = RankOps(trace=tr, ops=r["ops"], windows=r["windows"], runtime=r["runtime"],
                            window_regex=r["window_regex"], windows_found=r["windows_found"])
             traces.append(tr)
-            tables.append(P.Prepared(rops, r["cpu_threads"], r["census"]))
+            tables.append(P.Prepared(rops, r["cpu_threads"], r["census"], r.get("timeline")))
         rows.append(row)
     placement = pl.DataFrame(rows, infer_schema_length=None).sort("status", "rank", "file", nulls_last=True)
     if not traces:
@@ -264,5 +292,6 @@ def analyse_on_cluster(cluster: Cluster, trace_dir: str, *, window_regex: str | 
                 cache=cache, prepared_tables=[tables[k] for k in order])
     a.placement = placement
     a.cluster_notes = notes
-    a.timings_s = {"cluster_reduce": t_reduce, **a.timings_s}
+    # cluster_fetch: of cluster_reduce, the time the controller spent fetching the ranks' tables from the workers
+    a.timings_s = {"cluster_reduce": t_reduce, "cluster_fetch": fetch_s, **a.timings_s}
     return a

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import gc
 import json
+import re
 import zlib
 from operator import attrgetter
 from pathlib import Path
@@ -128,6 +129,7 @@ class _Trace(msgspec.Struct):
 _DECODER = msgspec.json.Decoder(_Trace)
 _LIST_DECODER = msgspec.json.Decoder(list[_Event])
 _LENIENT = msgspec.json.Decoder()
+_SKIM = msgspec.json.Decoder(msgspec.Raw)
 
 _INT_ARG_FIELDS = {  # column → (args key) for the lenient path
     "external_id": "External id", "correlation": "correlation", "in_nelems": "In msg nelems", "out_nelems": "Out msg nelems", "group_size": "Group size",  # noqa: E501
@@ -157,6 +159,48 @@ def _read_bytes(path: Path) -> bytes:
         raise TraceFormatError(f"{path}: gzip stream is truncated or corrupt ({msg})") from e
     except Exception as e:  # isal raises its own error type on corrupt streams
         raise TraceFormatError(f"{path}: gzip stream is truncated or corrupt ({e})") from e
+
+
+def _read_text(path: Path) -> tuple[bytes, dict[str, Any] | None]:
+    """The file's JSON text, and — for a gzip stream cut short (a profiler killed mid-write) — what it held up
+    to where it ends, with ``{"compressed_bytes", "json_bytes"}`` saying how much; None when it is whole.
+    A stream that is corrupt (not merely short) is still an error."""
+    try:
+        return _read_bytes(path), None
+    except TraceFormatError as first:
+        try:
+            raw = path.read_bytes()
+            d = zlib.decompressobj(wbits=31)
+            text = d.decompress(raw)
+        except (OSError, zlib.error):
+            raise first from None
+        if d.eof or not text:        # whole (another error) or nothing readable: the first error stands
+            raise first from None
+        return text, {"compressed_bytes": len(raw), "json_bytes": len(text)}
+
+
+_EVENT_SEP_RE = re.compile(rb"\}\s*,\s*\{")
+_RECOVER_TRIES = 16
+
+
+def _cut_to_whole_events(path: Path, text: bytes) -> bytes:
+    """A trace whose text ends mid-event: the text up to its last whole event of ``traceEvents``, the array and
+    the document closed. Tries the last separators first; :class:`TraceFormatError` when none decodes."""
+    key = text.find(b'"traceEvents"')
+    start = text.find(b"[", key) if key >= 0 else -1
+    if start < 0:
+        raise TraceFormatError(f"{path}: truncated before its first event (no 'traceEvents' array)")
+    opener = text.lstrip()[:1]
+    close = b"]" if opener == b"[" else b"]}"
+    seps = list(_EVENT_SEP_RE.finditer(text, start))
+    for m in reversed(seps[-_RECOVER_TRIES:]):
+        candidate = text[:m.start() + 1] + close
+        try:
+            _SKIM.decode(candidate)             # syntax only: skimmed, no objects built
+        except msgspec.DecodeError:
+            continue
+        return candidate
+    raise TraceFormatError(f"{path}: truncated, and no whole event could be recovered from it")
 
 
 def _us_to_ns(ts_us: np.ndarray) -> np.ndarray:
@@ -345,10 +389,12 @@ def _lenient_frame(events: list[dict], base_ns: int) -> tuple[pl.DataFrame, list
 
 
 def _parse_serial(path: Path) -> tuple[pl.DataFrame, dict[str, Any]]:
-    text = _read_bytes(path)
+    text, truncated = _read_text(path)
     head = text[:4096].lstrip()
     if not head:
         raise TraceFormatError(f"{path}: file is empty")
+    if truncated is not None:           # analysed up to where it ends: its whole events
+        text = _cut_to_whole_events(path, text)
     gc_was = gc.isenabled()
     gc.disable()  # msgspec allocates millions of small objects; cyclic GC passes double the time
     try:
@@ -382,7 +428,10 @@ def _parse_serial(path: Path) -> tuple[pl.DataFrame, dict[str, Any]]:
     finally:
         if gc_was:
             gc.enable()
-    return frame, _meta_dict(trace, meta_events)
+    meta = _meta_dict(trace, meta_events)
+    if truncated is not None:
+        meta["truncated"] = {**truncated, "events_read": frame.height}
+    return frame, meta
 
 
 def _meta_dict(trace: _Trace, meta_events: list[dict]) -> dict[str, Any]:

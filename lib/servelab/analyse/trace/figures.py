@@ -233,3 +233,19 @@ def stage_steps_figure(stage_steps: pl.DataFrame, stages: pl.DataFrame | None = 
                       yaxis_title="ms per step (log)", yaxis_type="log", height=420,
                       legend={"orientation": "h", "y": -0.2})
     return fig
+
+
+def scenario_compare_bar(compare: pl.DataFrame) -> go.Figure:
+    """The captured scenarios side by side (``analyse.trace.scenarios.compare_table``): exposed communication and
+    GPU idle (gap) as % of step time per scenario, the median step time (ms) in each bar's label."""
+    fig = go.Figure()
+    if compare.height == 0 or "median_step_ms" not in compare.columns:
+        return fig.update_layout(title="no captured scenario analysed")
+    c = compare.filter(pl.col("median_step_ms").is_not_null())
+    names = [f"{s}<br>median step {m:.2f} ms" for s, m in zip(c["scenario"], c["median_step_ms"])]
+    for col, label, color in (("exposed_comm_pct", "exposed communication % of step time", "#E45756"),
+                              ("gap_pct", "GPU idle (gaps) % of step time", "#BAB0AC")):
+        fig.add_bar(x=names, y=c[col].fill_null(0).to_list(), name=label, marker_color=color)
+    fig.update_layout(barmode="group", title="Captured scenarios side by side", yaxis_title="% of step time",
+                      height=380)
+    return fig

@@ -292,7 +292,8 @@ class Capture:
                      kernels=int((t.events["cat"] == "kernel").sum()) if in_memory else t.n_kernels,
                      gpu=", ".join(sorted({str(p.get("name")) for p in t.meta.get("deviceProperties") or []
                                           if isinstance(p, dict)})) or None,
-                     load_s=round(t.load_s, 3), from_cache=t.from_cache)
+                     load_s=round(t.load_s, 3), from_cache=t.from_cache,
+                     truncated=bool(t.meta.get("truncated")))        # cut mid-write: read up to where it ends
             rows.append(d)
         for f in self.frontend:
             d = asdict(f)
@@ -303,19 +304,21 @@ class Capture:
 
 def load_capture(trace_dir: str | Path, *, profile_id: str | None = None, cache: bool = True,
                  cache_dir: str | Path | None = None, nodes: dict[str, str] | None = None,
-                 workers: int | None = None, on_rank=None, events: bool = True) -> Capture:
+                 workers: int | None = None, on_rank=None, events: bool = True,
+                 only: set[Path] | None = None) -> Capture:
     """Load every rank trace of a capture folder (SGLang per-rank files or vLLM ``rank*.pt.trace.json.gz``).
 
     Frontend traces (vLLM ``async_llm``) are listed but not loaded as ranks. A folder holding several
     SGLang captures needs ``profile_id``. Node: ``nodes[<sub-folder>]`` or the sub-folder name when
     traces sit in per-node sub-folders, else ``node0``. Ranks are sorted by global rank.
     When several ranks must be parsed (no cache hit) and together hold ≥ ``PARALLEL_MIN_BYTES`` of JSON,
-    they are parsed by ``workers`` processes, one rank each (default: usable CPUs, ≤ 8); big ranks are parsed
-    one after another, each chunked over the same processes. ``on_rank(trace)`` is called on each rank as soon
+    they are parsed by ``workers`` processes, one rank each (default: this process's share of CPUs,
+    :func:`~servelab.core.threads.share`); big ranks are parsed one after another, each chunked over the same
+    processes. ``on_rank(trace)`` is called on each rank as soon
     as it is loaded (rank identity settled) — streaming analysis prepares it there and releases its events.
     ``events=False``: a rank found in the Parquet cache is loaded without its event frame, which
     :attr:`RankTrace.events` reads on first use (the analysis needs none when the rank's prepared tables are
-    cached too).
+    cached too). ``only``: load only these rank files (a rank subset, :mod:`~servelab.analyse.trace.subset`).
     """
     root = Path(trace_dir)
     files = find_trace_files(root)
@@ -345,6 +348,8 @@ def load_capture(trace_dir: str | Path, *, profile_id: str | None = None, cache:
         if ident.role == "frontend":
             ident.node = node
             frontend.append(ident)
+            continue
+        if only is not None and p not in only:
             continue
         todo.append((p, node))
     order = {p: i for i, p in enumerate(sorted((p for p, _ in todo), key=str))}

@@ -373,12 +373,13 @@ def decode_interference(rops: RankOps) -> pl.DataFrame:
 
 
 def comm_by_collective(rops: list[RankOps]) -> pl.DataFrame:
-    """Communication per (rank, window kind, collective): ops, comm_ms (union) and exposed_ms (not covered
-    by compute on the same GPU). Separates TP collectives (AllReduce, AllGather, ...) from PP SendRecv, whose
-    kernel time includes waiting for the other stage."""
+    """Communication per (rank, window kind, collective): ops, comm_ms (union per step window, summed over the
+    windows as in :func:`window_metrics`) and exposed_ms (not covered by compute on the same GPU). Separates TP
+    collectives (AllReduce, AllGather, ...) from PP SendRecv, whose kernel time includes waiting for the other
+    stage."""
     rows = []
     for r in rops:
-        ops = r.ops.select("device", "cat", "cls", "name", "kind", "ts_ns", "end_ns")     # not every column
+        ops = r.ops.select("device", "cat", "cls", "name", "kind", "window", "ts_ns", "end_ns")   # not every column
         comm = ops.filter(pl.col("cls") == "communication")
         if comm.height == 0:
             continue
@@ -390,9 +391,11 @@ def comm_by_collective(rops: list[RankOps]) -> pl.DataFrame:
                                    & (pl.col("cls") != "communication"))
             cs, ce = iv.union(dev_ops["ts_ns"].to_numpy(), dev_ops["end_ns"].to_numpy())
             for (kind, c), g in d.group_by("kind", "collective", maintain_order=True):
-                s, e = iv.union(g["ts_ns"].to_numpy(), g["end_ns"].to_numpy())
-                total = iv.total(s, e)
-                exposed = total - int(iv.covered_in(cs, ce, s, e).sum())
+                total = exposed = 0
+                for _, gw in g.group_by("window"):       # per step window, as trace_summary's comm / exposed
+                    s, e = iv.union(gw["ts_ns"].to_numpy(), gw["end_ns"].to_numpy())
+                    total += iv.total(s, e)
+                    exposed += iv.total(s, e) - int(iv.covered_in(cs, ce, s, e).sum())
                 rows.append({"rank": r.rank, "kind": kind, "collective": c, "ops": g.height, "comm_ms": total / 1e6,
                              "exposed_ms": exposed / 1e6})
     return pl.DataFrame(rows) if rows else pl.DataFrame(schema={"rank": pl.Int64, "kind": pl.String,

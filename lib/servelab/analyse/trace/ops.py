@@ -8,6 +8,7 @@ kernels. Every metric then reads a CPU capture as it reads a GPU one; the page s
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import polars as pl
@@ -46,6 +47,14 @@ class RankOps:
     def rank(self) -> int:
         return self.trace.rank
 
+    @property
+    def steps_read(self) -> int:
+        """Step windows whose device work is in the trace (a trace cut mid-write keeps the later steps' CPU
+        annotations without their kernels: those are not read steps)."""
+        if "gpu_ops" not in self.windows.columns:
+            return self.windows.height
+        return int((self.windows["gpu_ops"] > 0).sum())
+
 
 def matches(frame: pl.DataFrame, column: str, regex: str) -> pl.Expr:
     """Whether ``frame[column]`` (categorical or string) matches ``regex`` (``str.contains``), null → False;
@@ -71,6 +80,7 @@ _OP_COLUMNS = ("rank", "device", "stream", "cat", "name", "ts_ns", "dur_ns", "en
 KERNEL_CATS = ("kernel", "cpu_op", "user_annotation")
 COLLECTIVE_CALL_REGEX = r"^c10d::"     # the forward thread's call into a collective (enqueue, wait): not compute
 GLOO_REGEX = r"^gloo:"
+P2P_REGEX = re.compile(r"send|recv", re.I)   # point-to-point comm ops (nccl.parse_comm_name's SendRecv rule)
 
 
 def outermost(frame: pl.DataFrame) -> pl.DataFrame:
@@ -105,6 +115,35 @@ def cpu_device_ops(trace: RankTrace, windows: pl.DataFrame) -> pl.DataFrame:
     return both.select(pl.lit(trace.rank, dtype=pl.Int64).alias("rank"), pl.col("pid").alias("device"),
                        pl.col("tid").alias("stream"), "pid", *[c for c in _OP_COLUMNS[3:] if c in both.columns]
                        ).sort("ts_ns")
+
+
+def attribute_outside_comm(ops: pl.DataFrame, windows: pl.DataFrame) -> pl.DataFrame:
+    """Give every point-to-point op that no step window claimed (a pipeline send/recv between two annotated
+    forwards, gloo's or an NCCL SendRecv kernel launched outside the step) the step it delays: the first
+    window of the rank that starts at or after the op starts (the step cannot begin its work before the stage
+    boundary's data has moved), else — an op after the rank's last window — that last window. A window's start
+    is its first op's start (its CPU start when it has none). Adds ``attributed`` (True: placed by this rule, not
+    by the step's annotation); docs/metrics.md#point-to-point."""
+    ops = ops.with_columns(pl.lit(False).alias("attributed"))
+    comm = ops.filter(pl.col("window").is_null() & (pl.col("cls") == "communication"))["name"].unique()
+    p2p = [n for n in comm.to_list() if P2P_REGEX.search(str(n))]
+    loose = pl.col("window").is_null() & pl.col("name").is_in(p2p)
+    if windows.height == 0 or not p2p:
+        return ops
+    first = (ops.filter(pl.col("window").is_not_null()).group_by("window").agg(pl.col("ts_ns").min().alias("_g0")))
+    starts = (windows.select("window", "cpu_start_ns").join(first, on="window", how="left")
+              .select(pl.col("window").alias("_w"), pl.coalesce("_g0", "cpu_start_ns").cast(pl.Int64).alias("_start"))
+              .drop_nulls().sort("_start"))
+    if starts.height == 0:
+        return ops
+    last = int(starts["_w"][-1])
+    todo = ops.with_row_index("_row").filter(loose).select("_row", pl.col("ts_ns").cast(pl.Int64)).sort("ts_ns")
+    placed = (todo.join_asof(starts, left_on="ts_ns", right_on="_start", strategy="forward", check_sortedness=False)
+              .select("_row", pl.col("_w").fill_null(last)))
+    return (ops.with_row_index("_row").join(placed, on="_row", how="left")
+            .with_columns(pl.coalesce("window", pl.col("_w").cast(ops.schema["window"])).alias("window"),
+                          pl.col("_w").is_not_null().alias("attributed"))
+            .drop("_row", "_w"))
 
 
 def prepare_rank(trace: RankTrace, rules: list[Rule] | None = None, window_regex: str | None = None) -> RankOps:
@@ -153,6 +192,7 @@ def prepare_rank(trace: RankTrace, rules: list[Rule] | None = None, window_regex
     if not found:
         windows = whole_trace_window(trace, ops)
         ops = ops.with_columns(pl.lit(0, dtype=pl.Int64).alias("window"))
+    ops = attribute_outside_comm(ops, windows)
     ops = ops.join(windows.select("window", "kind"), on="window", how="left").sort("ts_ns")
     windows = window_spans(windows, ops)
     return RankOps(trace=trace, ops=ops, windows=windows, runtime=rt, window_regex=window_regex,

@@ -34,10 +34,12 @@ _TABLES = ("ops", "windows", "runtime", "cpu_threads", "census")
 
 @dataclass
 class Prepared:
-    """A rank's op tables and the two tables that need its events (CPU thread busy, census)."""
+    """A rank's op tables and the two tables that need its events (CPU thread busy, census); ``timeline``: its
+    per-rank timeline tables when they were made where the rank was prepared (a cluster worker; never cached)."""
     rops: RankOps
     cpu_threads: pl.DataFrame
     census: pl.DataFrame | None
+    timeline: dict[str, pl.DataFrame] | None = None
 
 
 @functools.lru_cache(maxsize=1)

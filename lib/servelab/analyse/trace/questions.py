@@ -390,6 +390,19 @@ def _no_gpu(a: CaptureAnalysis) -> list[Answer]:
     return [Answer(qid, zh, False, "not answerable from this capture", why, _files(a)) for qid, zh, _ in QUESTIONS]
 
 
+def truncated_ranks(a: CaptureAnalysis) -> list[str]:
+    """One sentence per rank whose trace file was cut mid-write (``meta["truncated"]``, read up to where it ends):
+    its file, the events and steps read."""
+    out = []
+    for r in a.rops:
+        t = r.trace.meta.get("truncated")
+        if t:
+            out.append(f"rank {r.rank}'s trace {r.trace.path.name} is truncated (cut mid-write): analysed up to "
+                       f"where it ends, {t.get('events_read', 0)} events and {r.steps_read} of {r.windows.height} steps read, "
+                       f"its later steps missing")
+    return out
+
+
 def ten_questions(a: CaptureAnalysis, experts: ExpertCounts | None = None) -> pl.DataFrame:
     """The ten questions as a table: id, question, answerable, answer, evidence, source (trace files).
     ``experts``: the engine's expert counts recorded with this capture (Q8 answers from them)."""
@@ -400,6 +413,12 @@ def ten_questions(a: CaptureAnalysis, experts: ExpertCounts | None = None) -> pl
     else:
         rows = [asdict(f(a)) for f in (q1, q2, q3, q4, q5, q6, q7)] + [asdict(q8(a, experts))] + \
             [asdict(f(a)) for f in (q9, q10)]
+    cut = truncated_ranks(a)
+    if cut:
+        note = "; ".join(cut)
+        for row in rows:
+            if row["answerable"]:        # every answer reads every rank: the cut one's missing end weakens it
+                row["evidence"] = f"{row['evidence']}; weakened — {note}"
     en = {q[0]: q[2] for q in QUESTIONS}
     df = pl.DataFrame(rows)
     return df.with_columns(pl.col("id").replace_strict(en, return_dtype=pl.String).alias("question_en")) \

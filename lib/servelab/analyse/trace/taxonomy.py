@@ -103,6 +103,8 @@ def classify_ops(ops: pl.DataFrame, rules: list[Rule] | None = None) -> pl.DataF
 def short_name(name: str, width: int = 80) -> str:
     """A readable kernel name: C++ signature and ``void`` dropped, shortened to ``width`` characters."""
     s = name[5:] if name.startswith("void ") else name
+    # a namespace in parentheses is part of the name, not its parameter list (at::native::(anonymous namespace)::f)
+    s = s.replace("(anonymous namespace)", "anonymous_namespace")
     depth, cut = 0, len(s)
     for i, ch in enumerate(s):
         if ch == "<":

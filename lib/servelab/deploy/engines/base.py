@@ -99,6 +99,11 @@ class ProfileError(ValueError):
 NAME_RANK_TOKEN = re.compile(r"(?<![a-z])(rank|tp|pp|dp|ep)[-_]?(\d+)(?![0-9])", re.IGNORECASE)
 
 
+# an engine process title naming its parallel rank: SGLang's "sglang::scheduler_TP1" / "..._PP0_TP1" (setproctitle),
+# vLLM's "VllmWorker TP1" / "VLLM::Worker_TP0"; the rank part is returned ("TP1", "PP0_TP1")
+RANK_TITLE = re.compile(r"(?:scheduler|worker)[\s_:-]*((?:(?:DP|PP|TP|EP)\d+_?)+)", re.IGNORECASE)
+
+
 def name_rank_tokens(stem: str) -> dict[str, int]:
     """``{"rank": .., "tp": .., ...}`` from the parallel-rank tokens of a file name stem (later ones win)."""
     return {key.lower(): int(val) for key, val in NAME_RANK_TOKEN.findall(stem)}
@@ -311,6 +316,13 @@ class EngineAdapter:
             return [f"The head listens on {host} only; it mounts {', '.join(dev)}" +
                     (" behind the API key" if api_key else "") + ", reachable by every user of that machine."]
         return []
+
+    def rank_of_process(self, title: str) -> str | None:
+        """The parallel rank an engine process serves, from its title (``/proc/<pid>/cmdline`` as set by the engine):
+        ``TP1``, ``PP0_TP1`` …; ``None`` for a process that is no rank (launcher, tokenizer, detokenizer) or an
+        engine that runs in one process."""
+        m = RANK_TITLE.search(title or "")
+        return m.group(1).rstrip("_").upper() if m else None
 
     def max_request_tokens(self, launch: dict[str, Any]) -> int | None:
         """Tokens one request may hold (prompt + output): the context length (None where unset)."""

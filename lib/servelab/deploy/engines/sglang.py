@@ -220,6 +220,10 @@ class SGLangAdapter(EngineAdapter):
                     base += [flag, str(spec[key])]
         base += [str(a) for a in la.get("extra_args", [])]
         env = dict(target.env)
+        # SGLang titles its ranks with setproctitle ("sglang::scheduler_TP1"), which by default zeroes the process's
+        # original environment block: /proc/<pid>/environ of a rank would then read empty and no check could see
+        # what the rank started with (docs/method.md#rank-env). SPT_NOENV keeps the block; the title still fits.
+        env.setdefault("SPT_NOENV", "1")
         if la.get("profiler_dir"):
             env["SGLANG_TORCH_PROFILER_DIR"] = str(la["profiler_dir"])
         if la.get("expert_distribution_recorder_mode") and self.expert_record_dir(la):

@@ -1,0 +1,250 @@
+"""The consistency check of a whole run (``servelab check RUN_ID``; ``render`` and the demo run it too): every
+page and every recorded fact read back, and every contradiction a reader would trip on reported
+(``docs/method.md#check``).
+
+From the facts (:mod:`servelab.core.facts`):
+
+- **same fact, different values** — a question answered twice with two answers;
+- **VALID below its sample rule** — a fact VALID on fewer samples than :data:`~servelab.core.facts.MIN_SAMPLES`
+  of its kind; a Phase 9 point VALID on fewer completed requests than a throughput needs;
+- **headline against its fact** — a phase's headline number for a fact that is not what the fact states (a bare
+  number where the fact is unsettled, INDICATIVE or INVALID: an invalid source behind a finding);
+- **milestone against a recorded verdict** — M4's correctness check passing beside a recorded regression.
+
+From the pages (``<phase>/report.html``, ``index.html``): a Python repr (``np.float64(``, ``{'``, ``: None``, a
+``True``/``nan`` cell), ``nan`` in a sentence, a ``<placeholder>`` in a command, a number in exponent notation, a
+latency or throughput header without its unit, and a stale cross-reference (a page saying another phase "has not
+written" a file the run holds: it was rendered before that phase ran).
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from html.parser import HTMLParser
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from servelab.core.facts import INDICATIVE, INVALID, MIN_SAMPLES, VALID, enough, indicative, read_facts
+from servelab.core.run import read_manifest
+
+
+@dataclass
+class Finding:
+    """One contradiction: where (a page or ``facts.jsonl``), which rule, what exactly."""
+    where: str
+    rule: str
+    detail: str
+
+    def line(self) -> str:
+        return f"{self.where}: {self.rule}: {self.detail}"
+
+
+# ---------------------------------------------------------------- pages
+
+class _Page(HTMLParser):
+    """A rendered page as the check reads it: the findings box's text, the commands, every table (header and cells)
+    and the visible text outside code inputs, scripts and styles."""
+
+    SKIP = {"script", "style"}
+    VOID = {"br", "img", "meta", "link", "input", "hr", "wbr", "col", "source"}
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.stack: list[tuple[str, str]] = []
+        self.text: list[str] = []
+        self.findings: list[str] = []
+        self.captions: list[str] = []
+        self.commands: list[str] = []
+        self.tables: list[dict[str, Any]] = []
+        self._cell: list[str] | None = None
+        self._cmd: list[str] | None = None
+        self._cmd_depth = 0
+
+    def _in(self, cls: str) -> bool:
+        return any(cls in c for _, c in self.stack)
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        cls = dict(attrs).get("class") or ""
+        self.text.append(" ")                 # a tag separates words (<br>, a new cell, a list item)
+        if tag in self.VOID:
+            if tag == "br" and self._cell is not None:
+                self._cell.append("\n")
+            return
+        self.stack.append((tag, cls))
+        if tag == "table":
+            self.tables.append({"heads": [], "rows": []})
+        elif tag == "tr" and self.tables:
+            self.tables[-1]["rows"].append([])
+        elif tag in ("td", "th"):
+            self._cell = []
+        if self._cmd is None and "servelab-cmd" in cls.split():
+            self._cmd, self._cmd_depth = [], len(self.stack)
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag in self.VOID:
+            return
+        while self.stack:
+            t, _ = self.stack.pop()
+            if self._cmd is not None and len(self.stack) < self._cmd_depth:
+                self.commands.append("".join(self._cmd))
+                self._cmd = None
+            if t in ("td", "th") and self._cell is not None and self.tables:
+                cell = " ".join("".join(self._cell).split())
+                row = self.tables[-1]["rows"]
+                if t == "th":
+                    self.tables[-1]["heads"].append(cell)
+                elif row:
+                    row[-1].append(cell)
+                self._cell = None
+            if t == tag:
+                break
+
+    def handle_data(self, data: str) -> None:
+        if any(t in self.SKIP for t, _ in self.stack) or self._in("jp-InputArea") or self._in("input_area"):
+            return
+        if self._cell is not None:
+            self._cell.append(data)
+        if self._cmd is not None:
+            self._cmd.append(data)
+        if self._in("servelab-findings"):
+            self.findings.append(data)
+        if self._in("servelab-caption"):
+            self.captions.append(" ".join(data.split()))
+        self.text.append(data)
+
+
+def read_page(path: Path) -> _Page:
+    p = _Page()
+    p.feed(path.read_text(encoding="utf-8", errors="replace"))
+    p.close()
+    return p
+
+
+REPR_RE = re.compile(r"np\.(?:float|int)\d*\(|\{'|Timestamp\(|\bdtype[:=]|=None\b|=True\b|=False\b|"
+                     r"\bobject at 0x[0-9a-f]+|:\s(?:True|False|None)\b")
+CELL_REPRS = {"True", "False", "None", "nan", "NaN", "NaT", "<NA>", "[]", "{}"}
+NAN_RE = re.compile(r"(?<![\w.])(?:nan|NaN)(?![\w])")
+PLACEHOLDER_RE = re.compile(r"<[A-Za-z_][^<>\n]{0,60}>")
+EXPONENT_RE = re.compile(r"(?<![\w.])\d(?:\.\d+)?e[+-]\d{1,3}\b")
+UNIT_HEADER_RE = re.compile(r"^(?:p\d+ |mean |median |max |min )?(?:ttft|tpot|itl|e2e|e2el|latency|output tps|"
+                            r"throughput)$", re.IGNORECASE)
+STALE_RE = re.compile(r"has not (?:yet )?written ((?:phase\d+|cases)/[\w./\-]+\w)")
+
+
+def page_findings(run_dir: Path, path: Path) -> list[Finding]:
+    """What a reader would trip on in one page."""
+    where = str(path.relative_to(run_dir))
+    page = read_page(path)
+    out: list[Finding] = []
+    said = " ".join("".join(page.findings).split())
+    for m in REPR_RE.finditer(said):
+        out.append(Finding(where, "Python repr in the findings", said[max(0, m.start() - 60):m.end() + 20]))
+    for m in NAN_RE.finditer(said):
+        out.append(Finding(where, "nan in the findings", said[max(0, m.start() - 60):m.end() + 20]))
+    for m in EXPONENT_RE.finditer(said):
+        out.append(Finding(where, "exponent notation in the findings", said[max(0, m.start() - 40):m.end() + 10]))
+    for cap in page.captions:
+        for m in REPR_RE.finditer(cap):
+            out.append(Finding(where, "Python repr in a table caption", cap[max(0, m.start() - 60):m.end() + 20]))
+    for cmd in page.commands:
+        for m in PLACEHOLDER_RE.finditer(cmd):
+            out.append(Finding(where, "placeholder in a command", f"{m.group(0)} in {' '.join(cmd.split())[:160]!r}"))
+    for i, t in enumerate(page.tables):
+        name = " | ".join(t["heads"][:4])[:80] or f"table {i + 1}"
+        cells = [c for row in t["rows"] for c in row]
+        cmd_cols = [j for j, h in enumerate(t["heads"]) if "command" in h.lower()]
+        for h in t["heads"]:
+            if REPR_RE.search(h):
+                out.append(Finding(where, "Python repr in a table header", f"{name}: {h!r}"))
+            if UNIT_HEADER_RE.match(h.strip()):
+                out.append(Finding(where, "header without its unit", f"{name}: {h!r}"))
+        bad = sorted({c for c in cells if c in CELL_REPRS})
+        if bad:
+            out.append(Finding(where, "Python repr as a table cell", f"{name}: {', '.join(map(repr, bad))}"))
+        exp = sorted({m.group(0) for c in cells for m in EXPONENT_RE.finditer(c)})
+        if exp:
+            out.append(Finding(where, "exponent notation in a table", f"{name}: {', '.join(exp[:4])}"))
+        for row in t["rows"]:
+            for j in cmd_cols:
+                if j < len(row) and PLACEHOLDER_RE.search(row[j]):
+                    out.append(Finding(where, "placeholder in a command", f"{name}: {row[j][:160]!r}"))
+    text = " ".join("".join(page.text).split())
+    for m in STALE_RE.finditer(text):
+        if (run_dir / m.group(1)).exists():
+            out.append(Finding(where, "stale cross-reference",
+                               f"says it has not written {m.group(1)}, which the run holds: render it again"))
+    return out
+
+
+# ---------------------------------------------------------------- facts
+
+def _stated(f: Any) -> Any:
+    """What a headline may state for fact ``f``: the value where VALID and settled, else the fact as shown."""
+    return f.value if f.settled and f.validity == VALID else f.shown()
+
+
+def fact_findings(run_dir: Path) -> list[Finding]:
+    """Contradictions among the facts, and between the facts and what the phases' headlines and the milestones
+    state."""
+    facts = read_facts(run_dir)
+    out: list[Finding] = []
+    by_name: dict[str, list[Any]] = {}
+    for f in facts:
+        by_name.setdefault(f.name, []).append(f)
+    for name, fs in by_name.items():
+        values = {json.dumps(f.value, sort_keys=True, default=str) for f in fs}
+        if len(values) > 1:
+            out.append(Finding("facts.jsonl", "same fact, different values", f"{name}: " + " vs ".join(
+                f"{f.value!s} ({f.phase}{', ' + f.source if f.source else ''})" for f in fs)))
+    for f in facts:
+        if f.validity == VALID and f.samples is not None and not enough(f.kind, f.samples):
+            out.append(Finding("facts.jsonl", "VALID below its sample rule",
+                               f"{f.name} = {f.value} on n={f.samples} ({f.kind} needs {MIN_SAMPLES.get(f.kind, 1)}): "
+                               f"{indicative(f.samples)} at most"))
+    phases = read_manifest(run_dir).get("phases") or {}
+    latest = {name: fs[-1] for name, fs in by_name.items()}
+    for phase, entry in phases.items():
+        for key, v in (entry.get("headline") or {}).items():
+            f = latest.get(key)
+            if f is None:
+                continue
+            want = _stated(f)
+            if v != want and not (isinstance(v, (int, float)) and isinstance(want, (int, float))
+                                  and abs(float(v) - float(want)) <= 1e-9 * max(1.0, abs(float(want)))):
+                why = ("an INVALID source behind a headline" if f.validity in (INVALID, INDICATIVE)
+                       else "headline against its fact")
+                out.append(Finding(f"{phase} headline", why, f"{key} = {v!s}, the recorded fact: {want!s}"))
+    regressions = [f for f in facts if f.name.startswith("correctness:") and f.value == "regression"]
+    index = run_dir / "index.html"
+    if regressions and index.is_file():
+        text = " ".join("".join(read_page(index).text).split())
+        if re.search(r"\bpass no correctness regression\b", text):
+            out.append(Finding("index.html", "milestone against a recorded verdict",
+                               "M4 passes 'no correctness regression' while the run records " + "; ".join(
+                                   f"{f.name.split(':', 1)[1]}: regression ({f.note})" for f in regressions)))
+    points = run_dir / "phase9" / "points.csv"
+    if points.is_file():
+        try:
+            p = pd.read_csv(points)
+        except (ValueError, pd.errors.EmptyDataError):
+            p = pd.DataFrame()
+        if {"validity", "completed"} <= set(p.columns):
+            few = p[(p["validity"] == VALID) & ~p["completed"].map(lambda n: enough("throughput", n if n == n else 0))]
+            for r in few.itertuples():
+                out.append(Finding("phase9/points.csv", "VALID below its sample rule",
+                                   f"{getattr(r, 'case_id', '?')}: VALID on {r.completed:.0f} completed request(s) "
+                                   f"(a throughput needs {MIN_SAMPLES['throughput']})"))
+    return out
+
+
+def check_run(run_dir: str | Path) -> list[Finding]:
+    """Every finding of the run: the facts first, then each page (phases in order, then the index)."""
+    run_dir = Path(run_dir)
+    out = fact_findings(run_dir)
+    for page in sorted(run_dir.glob("phase*/report.html")) + [run_dir / "index.html"]:
+        if page.is_file():
+            out += page_findings(run_dir, page)
+    return out
