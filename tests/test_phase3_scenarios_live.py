@@ -3,7 +3,9 @@ TP=2 with every scenario analysed and shown on its own, and PP=2 with the pipeli
 exposed communication. The commands are the ones whose figures are quoted in the branch's report:
 
     servelab run phase1 --target local-tiny --run-id p1 -p 'cases=["D2_c4"]' -p search=false
+    servelab run phase5 --target local-sglang --run-id tp2 -p tp_size=2 -p max_bytes=4M
     servelab run phase3 --target local-sglang --run-id tp2 -p tp_size=2 -p capture_at=p1:D2_c4
+    servelab run phase5 --target local-sglang --run-id tp2 -p tp_size=2 -p max_bytes=4M
     servelab run phase3 --target local-sglang --run-id pp2 -p pp_size=2 -p capture_at=p1:D2_c4 \\
         -p 'scenarios=[decode_control, long_prefill]'
 
@@ -74,6 +76,22 @@ def check_pp2(rdir: Path) -> None:
             assert f"{k}: {ms:,.2f} ms exposed" in q2["answer"]
 
 
+def check_gloo_ceiling(rdir: Path) -> None:
+    """The engine's gloo collectives against the gloo sweep Phase 5 measured on this machine, on both pages."""
+    sweep = rows(rdir / "phase5" / "gloo_sweep.csv")
+    assert {r["collective"] for r in sweep} == {"all_reduce", "all_gather"} and {r["nranks"] for r in sweep} == {"2"}
+    assert {r["status"] for r in sweep} == {"ok"} and all(float(r["busbw_gbps"]) > 0 for r in sweep)
+    for table in ("phase3/collectives_vs_ceiling.csv", "phase5/engine_vs_ceiling.csv"):
+        t = rows(rdir / table)
+        placed = [r for r in t if r["ceiling busbw (GB/s)"] not in ("", "nan")]
+        assert {r["collective"] for r in placed} >= {"all_reduce"}, t
+        assert all(float(r["share of ceiling (%)"]) > 0 for r in placed)
+    assert "this run&#x27;s Phase 5 gloo sweep" in (rdir / "phase3" / "report.html").read_text() or \
+        "this run's Phase 5 gloo sweep" in (rdir / "phase3" / "report.html").read_text()
+    p5 = json.loads((rdir / "manifest.json").read_text())["phases"]["phase5"]
+    assert any("gloo ceiling measured here" in f for f in p5.get("findings", [])), p5.get("findings")
+
+
 def check_capture_at(rdir: Path, isl: int, osl: int, conc: int) -> None:
     cdir = rdir / "cases" / "D2_c4-profile--profile-decode_control"
     meta = json.loads((cdir / "meta.json").read_text())
@@ -94,9 +112,13 @@ def test_phase3_at_a_phase1_point_tp2_and_pp2(tmp_path, monkeypatch):
     point = int(case["input_len"]), int(case["output_len"]), int(case["concurrency"])
     assert main(["run", "phase3", "--target", "local-sglang", "--run-id", "tp2", "-p", "capture_at=p1:D9"]) == 2
     assert not (tmp_path / "tp2").exists()                 # an unknown point: nothing made
+    gloo = ["run", "phase5", "--target", "local-sglang", "--run-id", "tp2", "-p", "tp_size=2", "-p", "max_bytes=4M"]
+    assert main(gloo) == 0                                  # the ceiling first: Phase 3's page places on it
     assert main(["run", "phase3", "--target", "local-sglang", "--run-id", "tp2", "-p", "tp_size=2",
                  "-p", "capture_at=p1:D2_c4"]) == 0
+    assert main(gloo) == 0                                  # and Phase 5's page places Phase 3's collectives
     check_tp2(tmp_path / "tp2")
+    check_gloo_ceiling(tmp_path / "tp2")
     check_capture_at(tmp_path / "tp2", *point)
     assert main(["run", "phase3", "--target", "local-sglang", "--run-id", "pp2", "-p", "pp_size=2",
                  "-p", "capture_at=p1:D2_c4", "-p", "scenarios=[decode_control, long_prefill]"]) == 0

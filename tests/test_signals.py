@@ -140,10 +140,6 @@ def _wait_for(cond, timeout_s: float, proc: subprocess.Popen, what: str):
 
 
 @pytest.mark.slow
-# known defect, open: in about half the runs the kernel dies on a ZMQ 'Socket operation on non-socket' while it
-# handles the forwarded SIGTERM, before the case's INTERRUPTED summary is written (the case stays 'running';
-# --resume re-runs it, nothing measured is lost). Everything else this test checks held in every run.
-@pytest.mark.flaky(reruns=2, reruns_delay=5)
 def test_sigterm_to_servelab_run_mid_case_stops_everything(tmp_path):
     """SIGTERM to the `servelab run` process alone (as a service manager or `kill PID` sends it) while a Phase 1
     case measures on the real llama-server: it exits with 128 + 15 within 30 s, its kernel and engine are gone (no

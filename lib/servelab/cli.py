@@ -119,18 +119,6 @@ class ProgressTail:
         return n
 
 
-def failure_reason(exc: BaseException) -> str:
-    """One line saying why a phase failed: the notebook's own exception (type and message), not papermill's
-    banner. Papermill's error carries the kernel's ``ename``/``evalue``."""
-    ename, evalue = getattr(exc, "ename", None), getattr(exc, "evalue", None)
-    if ename:
-        text = f"{ename}: {evalue}" if evalue else str(ename)
-    else:
-        text = f"{type(exc).__name__}: {exc}" if str(exc).strip() else type(exc).__name__
-    first = next((ln.strip() for ln in text.splitlines() if ln.strip()), type(exc).__name__)
-    return first[:500]
-
-
 def split_overrides(phase: str, target: str, overrides: dict[str, str]) -> tuple[dict[str, str], dict[str, Any]]:
     """``-p`` keys are phase parameters or, where the phase has no such key, launch settings of the target's
     engine (``-p tp_size=8``). Anything else is an error naming the closest key of either kind."""
@@ -230,13 +218,16 @@ def execute_phase(phase: str, target: str, run_id: str, overrides: dict[str, str
         raise
     except Exception as exc:  # the notebook failed: keep everything, mark the phase, still render
         status, error = "failed", exc
-        reason = failure_reason(exc)
-        if getattr(exc, "ename", None) == runlib.PhaseUnsupported.__name__:   # the target cannot: said so, no failure
+        reason = runlib.failure_reason(exc)
+        if signals.received():        # the kernel failed its cell on the signal forwarded to it (core.signals)
+            status, error, reason = "interrupted", None, f"interrupted by {signal.Signals(signals.received()).name}"
+        elif getattr(exc, "ename", None) == runlib.PhaseUnsupported.__name__:   # the target cannot: no failure
             status, error = runlib.UNSUPPORTED, None
             reason = str(getattr(exc, "evalue", "") or reason)
         runlib.edit_manifest(rdir, lambda m: m.setdefault("phases", {}).setdefault(key, {}).update(
             status=status, ended=runlib.now_iso(), error=reason))
     finally:
+        signals.stop_forwarding()     # the kernel has ended
         record_phase_commands(rdir, key, nb, out_nb, params, overrides, target, started,
                               0 if status == "success" else 1)
         scrub_phase_outputs(rdir, key, known, since=t0_wall)
@@ -264,6 +255,8 @@ def execute_phase(phase: str, target: str, run_id: str, overrides: dict[str, str
                 render_notebook(out_nb, rdir / key / "report.html", page_meta, known=known)
         write_run_index(rdir)
         write_root_index(rdir.parent)
+    if signals.received():
+        raise KeyboardInterrupt(f"signal {signals.received()}")       # the page is written; no phase after it
     if error is not None:
         status = "failed"
     elif entry.get("status") not in (None, "success"):
@@ -372,7 +365,7 @@ def _end_freeze(rdir: Path, target: str = "") -> int:
     try:
         changes = freeze_end(rdir, _run_target(rdir, target))
     except Exception as exc:      # an unreachable node, a missing interpreter ...: said, the run stays as it is
-        _say(f"run-end freeze not taken: {failure_reason(exc)}")
+        _say(f"run-end freeze not taken: {runlib.failure_reason(exc)}")
         return 1
     _say("run-end freeze: " + ("no change since Phase 0" if changes.empty else
                                f"{len(changes)} change(s) since Phase 0: " + "; ".join(
@@ -540,7 +533,7 @@ def cmd_case(args: argparse.Namespace) -> int:
     except ParamError:
         raise
     except Exception as exc:       # the engine did not start, a node is unreachable ...: one line, exit 1
-        print(f"servelab: error: {failure_reason(exc)}", file=sys.stderr)
+        print(f"servelab: error: {runlib.failure_reason(exc)}", file=sys.stderr)
         return 1
     _say(f"attempt {att.attempt} of {att.case_id} done in {time.monotonic() - t0:.1f} s")
     print(f"{att.case_dir.name}: {att.verdict} ({att.status})"

@@ -346,3 +346,15 @@ def human_duration(seconds: float) -> str:
     if s < 3600:
         return f"{s // 60} min {s % 60:02d} s"
     return f"{s // 3600} h {s % 3600 // 60:02d} min"
+
+
+def failure_reason(exc: BaseException) -> str:
+    """One line saying why a phase failed: the notebook's own exception (type and message), not papermill's
+    banner. Papermill's error carries the kernel's ``ename``/``evalue``."""
+    ename, evalue = getattr(exc, "ename", None), getattr(exc, "evalue", None)
+    if ename:
+        text = f"{ename}: {evalue}" if evalue else str(ename)
+    else:
+        text = f"{type(exc).__name__}: {exc}" if str(exc).strip() else type(exc).__name__
+    first = next((ln.strip() for ln in text.splitlines() if ln.strip()), type(exc).__name__)
+    return first[:500]

@@ -52,14 +52,20 @@ def unregister(key: int) -> None:
 
 def forward_to(pid: int) -> None:
     """The first stopping signal is also sent to process ``pid`` at once (the CLI's notebook kernel: it stops its
-    engines without waiting for papermill's graceful shutdown to give up first)."""
+    engines and writes what it measured without waiting for papermill's graceful shutdown to give up first). While
+    a process is forwarded to, the signal raises nothing here: the kernel's failed cell ends the notebook, and the
+    caller asks :func:`received` (the watchdog still bounds the wait)."""
     with _lock:
         _forward.add(pid)
 
 
-def stop_forwarding(pid: int) -> None:
+def stop_forwarding(pid: int | None = None) -> None:
+    """Forget ``pid`` (None: every forwarded process — the kernel has ended; its pid may be reused)."""
     with _lock:
-        _forward.discard(pid)
+        if pid is None:
+            _forward.clear()
+        else:
+            _forward.discard(pid)
 
 
 def _run_stoppers() -> None:
@@ -90,13 +96,20 @@ def _handler(signum: int, frame: Any) -> None:
             _received.append(signum)
     if not first:
         return                  # already stopping: a second signal must not break the clean-up under way
-    for pid in list(_forward):
+    with _lock:
+        forwarded = list(_forward)
+    for pid in forwarded:
         try:
             os.kill(pid, signum)
         except OSError:
             pass
     threading.Thread(target=_watchdog, args=(signum, HARD_STOP_S), daemon=True,
                      name="servelab-signal-watchdog").start()
+    if forwarded:
+        # the kernel stops itself and fails its cell, which ends the notebook through the kernel's own messages;
+        # an interrupt here would make papermill shut the kernel down while it is still writing what it measured
+        # (its sockets closed under it: a ZMQError instead of an INTERRUPTED case). The caller checks received().
+        return
     raise KeyboardInterrupt(f"signal {signum} ({signal.Signals(signum).name})")
 
 

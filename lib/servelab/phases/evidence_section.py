@@ -65,13 +65,18 @@ def placement_finding(a: CaptureAnalysis, placement: pd.DataFrame) -> str | None
 def ceiling_table(a: CaptureAnalysis, run_dir: Path | None = None, phase_dir: Path | None = None
                   ) -> tuple[pd.DataFrame, str]:
     """The capture's collectives against the communication ceiling (``analyse.ceiling``): the curves of this
-    run's Phase 5 (``phase5/nccl_tests.csv``) when it ran, else — for the recorded H200 sample — the nccl-tests log
+    run's Phase 5 (``phase5/gloo_sweep.csv`` for ranks on CPU, ``phase5/nccl_tests.csv`` otherwise) when it ran,
+    else — for the recorded H200 sample — the nccl-tests log
     recorded beside its traces; without either, the engine's side alone. Written as ``collectives_vs_ceiling.csv``
     (Phase 5 puts its own curves beside it)."""
     curves, source = pd.DataFrame(), ""
     p5 = Path(run_dir) / "phase5" / "nccl_tests.csv" if run_dir is not None else None
+    gloo = Path(run_dir) / "phase5" / "gloo_sweep.csv" if run_dir is not None else None
     log = Path(a.capture.trace_dir).parent / "nccl_tests.log"
-    if p5 is not None and p5.is_file():
+    if a.rops and all(r.device == "cpu" for r in a.rops):       # gloo collectives: only the gloo sweep compares
+        if gloo is not None and gloo.is_file():
+            curves, source = pd.read_csv(gloo), "this run's Phase 5 gloo sweep"
+    elif p5 is not None and p5.is_file():
         curves, source = pd.read_csv(p5), "this run's Phase 5"
     elif log.is_file():
         curves, source = runs_frame(parse_file(log)), f"the nccl-tests log beside the traces ({log.name})"

@@ -20,8 +20,10 @@ from servelab.analyse.ceiling import ceiling_finding, with_ceiling
 from servelab.analyse.nccl.perf_log import NcclTestRun, parse_file, runs_frame, runs_table
 from servelab.core.params import ParamError, did_you_mean
 from servelab.core.paths import samples_root
+from servelab.measure import gloo_sweep as gs
 from servelab.measure import nccl_tests as nt
-from servelab.core.run import emit_progress, read_manifest
+from servelab.core.run import emit_progress, now_iso, read_manifest
+from servelab.deploy.engines import engine_for
 from servelab.deploy.hosts import HostError, ProcessTracker, connect
 from servelab.phases.context import PhaseContext, log_command
 from servelab.report.ledger import evidence_frame, record_evidence
@@ -447,6 +449,7 @@ class Phase5Result:
                 + findings(self.data, self.verdict, self.msgs, self.from_samples, self.engine_gate)
                 + self.engine_ceiling[1])
     engine_ceiling: tuple[pd.DataFrame, list[str]] = (pd.DataFrame(), [])    # :func:`engine_collectives`
+    gloo: pd.DataFrame = field(default_factory=pd.DataFrame)             # :func:`gloo_ceiling`
 
 
 def run(ctx: PhaseContext) -> Phase5Result:
@@ -463,21 +466,72 @@ def run(ctx: PhaseContext) -> Phase5Result:
                     p["prefill_chunk"], p["vocab_size"])
     sweep = sweep_tables(ctx, comm, msgs)
     verdict = gate_for_target(ctx, data)
+    gloo = gloo_ceiling(ctx, p["gloo_sweep"], p["max_bytes"], p["step_factor"], p["run_timeout_s"])
     return Phase5Result(comm, data, msgs, sweep, verdict, engine_gate_record(ctx), ctx.from_samples,
-                        engine_collectives(ctx, data))
+                        engine_collectives(ctx, data, gloo), gloo)
 
 
-def engine_collectives(ctx: PhaseContext, data: Phase5Data) -> tuple[pd.DataFrame, list[str]]:
+GLOO_MIN_BYTES = 64        # a CPU engine's collectives are small (a tiny model's decode all-reduce: a few hundred B)
+
+
+def gloo_ceiling(ctx: PhaseContext, run_it: bool = True, max_bytes: str = "64M", step_factor: int = 2,
+                 timeout_s: int = 300) -> pd.DataFrame:
+    """The CPU engine's communication ceiling (``measure.gloo_sweep``): gloo all-reduce and all-gather from 64 B to
+    ``max_bytes`` with the engine's own interpreter and as many ranks as its TP group (at least 2), written to
+    ``gloo_sweep.csv`` (Phase 3 reads it beside its capture). One row with a note where it does not apply."""
+    adapter = engine_for(ctx.target.engine)
+    if not run_it:
+        return pd.DataFrame({"note": ["gloo_sweep is off"]})
+    python = adapter.gloo_python(ctx.target)
+    if python is None:
+        return pd.DataFrame({"note": [f"target {ctx.target.name}'s ranks do not talk through gloo on this machine's "
+                                      "CPU: its ceiling is nccl-tests'"]})
+    world = max(2, adapter.topology(ctx.target.launch)["tp"])
+    out = Path(ctx.phase_dir) / "gloo_runs"
+    plan = gs.plan(python, world, gs.sizes(GLOO_MIN_BYTES, nt.size_bytes(max_bytes), step_factor), out)
+    emit_progress(Path(ctx.run_dir), ctx.phase, f"gloo sweep: {world} ranks, all-reduce and all-gather")
+    start = now_iso()
+    try:
+        with ProcessTracker() as tracker:
+            plan = gs.run_sweep(plan, tracker, timeout_s=timeout_s)
+    except gs.GlooSweepError as exc:
+        raise RuntimeError(str(exc)) from None
+    finally:
+        for r, argv in enumerate(plan.argv):
+            log_command(ctx, "executed", argv, title=f"gloo sweep rank {r}", host="local", env=plan.env,
+                        start=start, end=now_iso(), log=str(plan.logs[r]),
+                        exit_code=plan.exit_codes[r] if r < len(plan.exit_codes) else None)
+    rows = plan.rows
+    rows.to_csv(Path(ctx.phase_dir) / "gloo_sweep.csv", index=False)
+    return rows
+
+
+def gloo_table(rows: pd.DataFrame) -> pd.DataFrame:
+    """The sweep as the page shows it: one line per collective and size."""
+    if rows.empty or "note" in rows.columns:
+        return rows
+    t = rows[["collective", "nranks", "size_bytes", "time_us", "algbw_gbps", "busbw_gbps", "status"]]
+    return t.rename(columns={"nranks": "ranks", "size_bytes": "size (B)", "time_us": "time (µs)",
+                             "algbw_gbps": "algbw (GB/s)", "busbw_gbps": "busbw (GB/s)"}).round(
+        {"time (µs)": 1, "algbw (GB/s)": 3, "busbw (GB/s)": 3})
+
+
+def engine_collectives(ctx: PhaseContext, data: Phase5Data, gloo: pd.DataFrame | None = None
+                       ) -> tuple[pd.DataFrame, list[str]]:
     """The engine's collectives as Phase 3 of this run captured them (``phase3/collectives_vs_ceiling.csv``)
-    against this phase's curves (``analyse.ceiling.with_ceiling``), and the finding; empty with a note when
-    Phase 3 has not run in this run."""
+    against this phase's curves (``analyse.ceiling.with_ceiling``) — the gloo sweep's on a CPU engine, nccl-tests'
+    otherwise — and the finding; empty with a note when Phase 3 has not run in this run."""
     f = Path(ctx.run_dir) / "phase3" / "collectives_vs_ceiling.csv"
     if not f.is_file():
         return pd.DataFrame({"note": ["Phase 3 has not captured this run's collectives: servelab run phase3 --target "
                                       f"<target> --run-id {ctx.run_id}, then this phase again"]}), []
-    t = with_ceiling(pd.read_csv(f), data.curves)
+    if gloo is not None and not gloo.empty and "note" not in gloo.columns:
+        curves, source = gloo, "gloo ceiling measured here"
+    else:
+        curves, source = data.curves, ("ceiling measured here" if not ctx.from_samples else "recorded H200 ceiling")
+    t = with_ceiling(pd.read_csv(f), curves)
     t.to_csv(Path(ctx.phase_dir) / "engine_vs_ceiling.csv", index=False)
-    text = ceiling_finding(t, "ceiling measured here" if not ctx.from_samples else "recorded H200 ceiling")
+    text = ceiling_finding(t, source)
     return t, [f"The engine's collectives (Phase 3): {text}"] if text else []
 
 

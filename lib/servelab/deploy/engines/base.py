@@ -234,6 +234,12 @@ class EngineAdapter:
         """{"tp": .., "pp": .., "dp": .., "ep": ..} from the launch settings (1 where unset)."""
         return {k[:2]: int(launch.get(k, 1)) for k in TOPOLOGY_KEYS}
 
+    def gloo_python(self, target: Any) -> str | None:
+        """The interpreter (with the engine's torch) that runs a gloo collective sweep like the engine's own
+        collectives, where this engine's ranks talk through torch's gloo backend on this machine's CPU; None where
+        they do not (their ceiling is nccl-tests')."""
+        return None
+
     def world_size(self, launch: dict[str, Any]) -> int:
         t = self.topology(launch)
         return t["tp"] * t["pp"] * (t["dp"] if not launch.get("dp_attention") else 1)

@@ -139,6 +139,15 @@ class SGLangAdapter(EngineAdapter):
     trace_skip_dirs = ("graph_capture_profile",)      # CUDA-graph capture traces, not serving steps
     trace_profile_id_shared = True
 
+    def gloo_python(self, target: Any) -> str | None:
+        """SGLang on this machine's CPU (``device: cpu``, local nodes, not attached): its venv's interpreter."""
+        if (str(target.launch.get("device", "")) != "cpu" or target.attached
+                or not all(n.kind == "local" for n in target.nodes)):
+            return None
+        from servelab.deploy.sglang_cpu import SGLANG_CPU_PYTHON, ensure_sglang_cpu
+        py = target.launch.get("python") or SGLANG_CPU_PYTHON
+        return str(ensure_sglang_cpu()) if py == SGLANG_CPU_PYTHON else str(py)
+
     def resolve_launch(self, target: Target, port: int) -> tuple[list[LaunchPlan], str]:
         """A local target naming the CPU build (``launch.python: sglang-cpu`` or ``model: tiny-hf``) gets it
         installed/generated first (``sglang_cpu``); anything else launches as configured."""
