@@ -92,6 +92,15 @@ def check_gloo_ceiling(rdir: Path) -> None:
     assert any("gloo ceiling measured here" in f for f in p5.get("findings", [])), p5.get("findings")
 
 
+def check_cpu_placement(rdir: Path, ranks: int) -> None:
+    """Each rank's process, cores and NUMA node, read while the engine ran, beside the per-rank tables."""
+    rec = json.loads((rdir / "phase3" / "rank_processes.json").read_text())
+    assert len(rec["ranks"]) == ranks and all(r["cpus_allowed"] for r in rec["ranks"]) and rec["numa"]["local"]
+    assert all(r["title"].startswith("sglang::scheduler") for r in rec["ranks"])
+    page = (rdir / "phase3" / "report.html").read_text()
+    assert "NUMA node" in page and "CPU cores" in page and "— (CPU)" in page
+
+
 def check_capture_at(rdir: Path, isl: int, osl: int, conc: int) -> None:
     cdir = rdir / "cases" / "D2_c4-profile--profile-decode_control"
     meta = json.loads((cdir / "meta.json").read_text())
@@ -119,8 +128,10 @@ def test_phase3_at_a_phase1_point_tp2_and_pp2(tmp_path, monkeypatch):
     assert main(gloo) == 0                                  # and Phase 5's page places Phase 3's collectives
     check_tp2(tmp_path / "tp2")
     check_gloo_ceiling(tmp_path / "tp2")
+    check_cpu_placement(tmp_path / "tp2", 2)
     check_capture_at(tmp_path / "tp2", *point)
     assert main(["run", "phase3", "--target", "local-sglang", "--run-id", "pp2", "-p", "pp_size=2",
                  "-p", "capture_at=p1:D2_c4", "-p", "scenarios=[decode_control, long_prefill]"]) == 0
     check_pp2(tmp_path / "pp2")
+    check_cpu_placement(tmp_path / "pp2", 2)
     check_capture_at(tmp_path / "pp2", *point)

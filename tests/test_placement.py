@@ -73,3 +73,23 @@ def test_phase3_places_the_h200_sample_ranks_beside_the_slow_rank_table(tmp_path
     t = alignment_table(p)
     assert {"NUMA node", "NIC", "PCIe switch"} <= set(t.columns) and t["NUMA node"].tolist() == ["0", "0"]
     assert placement_finding(p.analysis, p.rank_placement) is None      # no fixed slow rank in this capture
+
+
+def test_cpu_ranks_from_the_facts_recorded_while_the_engine_ran():
+    """Trace ranks matched to the engine's rank processes by their TP/PP coordinates (SGLang's titles), cores to
+    NUMA nodes by the node's cpulists; the stage table reads the placement of its ranks as one value per column."""
+    from servelab.analyse.topology.placement import cpu_placement_from, with_group_placement
+    from servelab.measure.rank_processes import rank_identity
+    assert rank_identity("PP1_TP0") == {"pp": 1, "tp": 0} and rank_identity("TP3") == {"tp": 3}
+    record = {"numa": {"local": {"0": "0-3", "1": "4-7"}},
+              "ranks": [{"rank": "PP0_TP0", "identity": {"pp": 0, "tp": 0}, "node": "local", "pid": 11,
+                         "title": "sglang::scheduler_PP0_TP0", "cpus_allowed": "0-1"},
+                        {"rank": "PP1_TP0", "identity": {"pp": 1, "tp": 0}, "node": "local", "pid": 12,
+                         "title": "sglang::scheduler_PP1_TP0", "cpus_allowed": "4"}]}
+    placed = cpu_placement_from(record, {0: {"pp": 0, "tp": 0}, 1: {"pp": 1, "tp": 0}, 2: {"pp": 2, "tp": 0}})
+    assert placed[["rank", "NUMA node", "CPU cores"]].values.tolist() == [[0, "0", "0-1"], [1, "1", "4"]]
+    assert placed["source"].iloc[1].startswith("sglang::scheduler_PP1_TP0 (pid 12)")
+    stages = pd.DataFrame({"stage": [0, 1, 0], "ranks": ["0", "1", "0,1"]})
+    side = with_group_placement(stages, placed)
+    assert side["NUMA node"].tolist() == ["0", "1", "0 / 1"] and side["node"].tolist() == ["local"] * 3
+    assert with_group_placement(stages, pd.DataFrame()) is stages

@@ -51,6 +51,7 @@ from servelab.deploy.hosts import ProcessTracker
 from servelab.deploy.attach import served_topology
 from servelab.deploy.server import RunningServer, engine_info, http_json, start_server, stop_server
 from servelab.measure.launch_variants import delta_of, metrics_snapshot, snapshot_deltas
+from servelab.measure.rank_processes import record_rank_processes
 
 SCENARIO_KIND = {"decode_control": "decode", "mixed_treatment": "mixed", "long_prefill": "prefill",
                  "prefix_hit": "prefix_cache"}
@@ -483,6 +484,7 @@ def capture_live(ctx: Any, health_timeout_s: float = 900.0, scenarios: tuple[str
         try:
             if srv.attached:    # the rank traces to wait for: the parallel sizes the server reports
                 srv.target.launch.update(served_topology(engine_info(srv)))
+            record_rank_processes(srv, ctx.phase_dir)      # where each rank runs (placement beside the verdicts)
             tok = engine_tokenizer(srv.base_url, srv.target.engine, srv.engine.tokenize_path, headers=srv.auth_headers)
             pool = _Pool(token_pool(tok, seed=seed), seed)
             for sc in chosen:

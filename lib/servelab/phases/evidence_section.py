@@ -3,17 +3,19 @@ per-rank verdicts (``analyse.topology.placement``), and the capture's collective
 (``analyse.ceiling``). ``phases/phase3_timeline.py`` calls them from its marked hooks."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pandas as pd
 
 from servelab.analyse.ceiling import collectives_vs_ceiling
 from servelab.analyse.nccl.perf_log import parse_file, runs_frame
-from servelab.analyse.topology.placement import gpu_placement, parse_topo_m, shared_placement
+from servelab.analyse.topology.placement import cpu_placement_from, gpu_placement, parse_topo_m, shared_placement
 from servelab.analyse.trace.analysis import CaptureAnalysis
 from servelab.analyse.trace.metrics import comm_by_collective
 from servelab.analyse.trace.nccl import comm_ops
 from servelab.core.run import read_manifest
+from servelab.measure.rank_processes import FILE as RANK_PROCESSES
 
 
 def _rank_nodes(a: CaptureAnalysis) -> dict[int, str]:
@@ -27,10 +29,12 @@ def rank_placement(a: CaptureAnalysis, run_dir: Path | None = None) -> pd.DataFr
     """Each GPU rank's node, GPU, NUMA node, cores, nearest NIC and PCIe switch (``analyse.topology.placement``) from
     each node's ``nvidia-smi topo -m`` — Phase 0's ``gpu_topology`` fact in the run's manifest, or, for the recorded
     H200 sample, the ``env.txt`` recorded beside its traces. A rank's GPU is its local rank on its node (rank order
-    within the node: SGLang's ``base_gpu_id`` 0, ``gpu_id_step`` 1). Empty when no topology was recorded or the
-    ranks ran on CPU."""
-    if not a.rops or all(r.device == "cpu" for r in a.rops):
+    within the node: SGLang's ``base_gpu_id`` 0, ``gpu_id_step`` 1). Ranks on CPU: their process's cores and NUMA
+    nodes as recorded while this run's live capture ran. Empty when nothing was recorded."""
+    if not a.rops:
         return pd.DataFrame()
+    if all(r.device == "cpu" for r in a.rops):
+        return _cpu_rank_placement(a, run_dir)
     nodes = _rank_nodes(a)
     hosts = (read_manifest(Path(run_dir)).get("hosts") or {}) if run_dir is not None else {}
     texts = {n: str(f.get("gpu_topology") or "") for n, f in hosts.items() if isinstance(f, dict)}
@@ -47,6 +51,23 @@ def rank_placement(a: CaptureAnalysis, run_dir: Path | None = None) -> pd.DataFr
     out = gpu_placement(topo, rank_gpu)
     out["source"] = out["source"].replace("nvidia-smi topo -m", "nvidia-smi topo -m; GPU = local rank")
     return out
+
+
+def _cpu_rank_placement(a: CaptureAnalysis, run_dir: Path | None) -> pd.DataFrame:
+    """Ranks on CPU: from what Phase 3's live capture recorded while the engine ran
+    (``<run>/phase3/rank_processes.json``, ``measure.rank_processes``), for a capture of this run's Phase 3 only."""
+    if run_dir is None:
+        return pd.DataFrame()
+    ph = (Path(run_dir) / "phase3").resolve()
+    rec = ph / RANK_PROCESSES
+    if not rec.is_file() or not Path(a.capture.trace_dir).resolve().is_relative_to(ph):
+        return pd.DataFrame()
+    r = a.ranks
+    if r is None or r.height == 0 or "rank" not in r.columns:
+        return pd.DataFrame()
+    ids = {int(row["rank"]): {k: int(row[k]) for k in ("tp", "pp") if row.get(k) is not None}
+           for row in r.iter_rows(named=True) if row.get("rank") is not None}
+    return cpu_placement_from(json.loads(rec.read_text()), ids)
 
 
 def placement_finding(a: CaptureAnalysis, placement: pd.DataFrame) -> str | None:

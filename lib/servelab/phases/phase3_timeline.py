@@ -11,7 +11,7 @@ import polars as pl
 
 from servelab.core.paths import cache_root, samples_root
 from servelab.analyse.trace.actions import evidence_actions
-from servelab.analyse.topology.placement import with_placement
+from servelab.analyse.topology.placement import with_group_placement, with_placement
 from servelab.analyse.ceiling import ceiling_finding
 from servelab.phases.evidence_section import ceiling_table, placement_finding, rank_placement  # the evidence chain
 from servelab.analyse.trace.analysis import CaptureAnalysis, analyse, write_tables
@@ -232,7 +232,8 @@ def top_kernels_table(p: Phase3) -> pd.DataFrame:
 
 
 def overlap_table(p: Phase3) -> pd.DataFrame:
-    return _pd(p.analysis.overlap_table())
+    """Exposed communication and overlap per rank and window kind, with where each rank runs."""
+    return with_placement(_pd(p.analysis.overlap_table()), p.rank_placement)
 
 
 def gaps_table(p: Phase3) -> pd.DataFrame:
@@ -310,7 +311,7 @@ def stage_table(p: Phase3) -> pd.DataFrame:
                        pl.col("baseline_sendrecv_ms_per_step").alias("balanced_sendrecv_ms_per_step"),
                        pl.col("excess_sendrecv_ms").alias("wait_caused_ms")))
     out.attrs["caption"] = f"Slow stage: {a.slow_rank.get('slow_stage')} — {a.slow_rank.get('stage_evidence', '')}"
-    return out
+    return with_group_placement(out, p.rank_placement)
 
 
 def nccl_table(p: Phase3) -> pd.DataFrame:

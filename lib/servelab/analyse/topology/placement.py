@@ -147,6 +147,28 @@ def cpu_placement(processes: list[dict[str, Any]], sys_root: Path = Path("/")) -
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
+def cpu_placement_from(record: dict[str, Any], trace_ranks: dict[int, dict[str, int]]) -> pd.DataFrame:
+    """Ranks on CPU from the facts recorded while the engine ran (``measure.rank_processes``): each trace rank
+    (``{rank: {"tp": .., "pp": ..}}`` from its file name) matched to the process with the same parallel
+    coordinates, with its cores and their NUMA nodes. Ranks without a matching process are left out."""
+    numa = {node: {int(k): v for k, v in m.items()} for node, m in (record.get("numa") or {}).items()}
+    rows = []
+    for rank, ident in sorted(trace_ranks.items()):
+        want = {k: v for k, v in ident.items() if k in ("tp", "pp")}
+        proc = next((p for p in record.get("ranks", [])
+                     if {k: p["identity"].get(k, 0) for k in ("tp", "pp")} == {k: want.get(k, 0) for k in ("tp", "pp")}),
+                    None)
+        if proc is None:
+            continue
+        cores = str(proc.get("cpus_allowed") or "")
+        nodes = cpu_numa_of(parse_cpulist(cores), numa.get(proc["node"], {})) if cores else []
+        rows.append({"rank": rank, "node": proc["node"], "GPU": "— (CPU)", "PCI bus": "—",
+                     "NUMA node": ",".join(map(str, nodes)) or "—", "CPU cores": cores or "—", "NIC": "—",
+                     "NIC link": "—", "PCIe switch": "—", "HCA used": "—",
+                     "source": f"{proc['title']} (pid {proc['pid']}): /proc status + /sys NUMA, read while it ran"})
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
 def with_placement(table: pd.DataFrame, placement: pd.DataFrame, on: str = "rank") -> pd.DataFrame:
     """A per-rank table with the placement columns beside it (left join on ``on``; ``—`` where unplaced)."""
     if placement.empty or on not in table.columns:
@@ -159,6 +181,25 @@ def with_placement(table: pd.DataFrame, placement: pd.DataFrame, on: str = "rank
         return table
     out = table.merge(p, on=on, how="left")
     out[cols] = out[cols].astype(object).fillna("—")
+    out.attrs = dict(table.attrs)
+    return out
+
+
+def with_group_placement(table: pd.DataFrame, placement: pd.DataFrame, on: str = "ranks") -> pd.DataFrame:
+    """A table whose rows are groups of ranks (a pipeline stage: ``ranks`` = ``"0,1"``) with where they run beside
+    it: per placement column, the distinct values of the group's ranks joined by ``/`` (``—`` where unplaced), so a
+    stage on one NUMA node or NIC reads as one value and a stage across two as both."""
+    if placement.empty or on not in table.columns or table.empty:
+        return table
+    by_rank = placement.assign(rank=placement["rank"].astype(str)).set_index("rank")
+    cols = [c for c in ("node", "NUMA node", "NIC", "PCIe switch") if c in by_rank.columns]
+    out = table.copy()
+    for c in cols:
+        vals = []
+        for group in out[on].astype(str):
+            got = [str(by_rank.at[r, c]) for r in group.split(",") if r.strip() in by_rank.index]
+            vals.append(" / ".join(dict.fromkeys(got)) if got else "—")
+        out[c] = vals
     out.attrs = dict(table.attrs)
     return out
 
