@@ -136,3 +136,16 @@ def test_table_beside_throughput_with_sources_and_not_exposed(tmp_path):
     assert s["KV pool (tokens)"] == "sglang:max_total_num_tokens (/metrics, set once at start)"
     none, _ = memory_table([tmp_path / "nope"])
     assert "no case folder" in none["note"].iloc[0]
+
+
+def test_the_page_names_unexposed_quantities_once_instead_of_a_column_each():
+    import pandas as pd
+    from servelab.analyse.memory import page_view
+    t = pd.DataFrame({"case": ["D1", "P1"], "output TPS (tok/s)": [50.0, 60.0], "weights (GiB)": [0.2, 0.2],
+                      "KV pool (tokens)": ["not exposed"] * 2, "graphs (GiB)": ["not exposed"] * 2})
+    v = page_view(t)
+    assert v.columns.tolist() == ["case", "output TPS (tok/s)", "weights (GiB)"]
+    assert v.attrs["caption"] == "Not exposed by this engine here: KV pool (tokens), graphs (GiB) (the sources table says why)."
+    none = page_view(t.drop(columns=["weights (GiB)"]))
+    assert none.columns.tolist() == ["note"] and "none of the memory quantities for these 2 cases" in none["note"][0]
+    assert page_view(t.iloc[:, :3]).columns.tolist() == ["case", "output TPS (tok/s)", "weights (GiB)"]

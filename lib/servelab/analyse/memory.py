@@ -304,3 +304,20 @@ def memory_table(case_dirs: Iterable[Path], definition: str = mx.VLLM_BENCH, sta
         none = NOT_TRACED if q.key in TRACE_QUANTITIES else NOT_EXPOSED
         srcs.append({"quantity": q.column, "meaning": q.meaning, "source": "; ".join(used) if used else none})
     return table, pd.DataFrame(srcs)
+
+
+def page_view(table: pd.DataFrame) -> pd.DataFrame:
+    """The per-case memory table as a page shows it: the quantities no case has are named once in the caption
+    instead of filling a column of ``not exposed`` each (the CSV keeps every column); only cases and TPS left: a
+    note saying the engine exposed none of it."""
+    if "case" not in table.columns:
+        return table
+    gone = [c for c in table.columns if c not in ("case", "output TPS (tok/s)")
+            and table[c].astype(str).eq("not exposed").all()]
+    view = table.drop(columns=gone)
+    if len(view.columns) <= 2 and gone:
+        return pd.DataFrame({"note": [f"the engine exposed none of the memory quantities for these {len(table)} "
+                                      f"cases at this log level ({', '.join(gone)}); the sources table says why"]})
+    if gone:
+        view.attrs["caption"] = f"Not exposed by this engine here: {', '.join(gone)} (the sources table says why)."
+    return view

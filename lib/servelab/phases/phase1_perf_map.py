@@ -351,7 +351,7 @@ def memory_cases(res: Phase1Result, phase_dir: Path) -> tuple[pd.DataFrame, pd.D
                                                adapter=engine_for(engine) if engine else None)
     table.to_csv(Path(phase_dir) / "memory_per_case.csv", index=False)
     sources.to_csv(Path(phase_dir) / "memory_sources.csv", index=False)
-    return table, sources
+    return memory_layer.page_view(table), sources
 
 
 def m1_figure(res: Phase1Result) -> Any:

@@ -335,7 +335,7 @@ def memory_points(res: "Phase8Result", phase_dir: Path) -> tuple[pd.DataFrame, p
                                                adapter=engine_for(res.engine))
     table.to_csv(Path(phase_dir) / "memory_per_point.csv", index=False)
     sources.to_csv(Path(phase_dir) / "memory_sources.csv", index=False)
-    return table, sources
+    return memory_layer.page_view(table), sources
 
 
 def record_h6(ctx: PhaseContext, res: "Phase8Result") -> pd.DataFrame:
