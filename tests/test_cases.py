@@ -229,3 +229,13 @@ def test_long_decode_compares_with_d2_at_the_same_concurrency():
     assert "D3_c4 (long output, 64 → 256) P50 TPOT 12.50 ms vs D2_c4 10.00 ms (+25 %)" in text
     assert "D4_c4 (long context) D4_c4 INVALID: not compared" in text
     assert cs.long_decode_sentence(cs.long_decode_table(frame.iloc[:1])) is None
+
+
+def test_phase2_replays_points_of_the_targets_own_scale():
+    """Phase 2's default replay names cases that exist at the target's scale (a cluster has no D2_c8)."""
+    from servelab.phases.phase2_hardware import engine_case_ids
+    assert engine_case_ids(load_target("local")) == ["P3", "P4_c4", "D2_c8", "D3_c4", "D4_c4", "M1_control",
+                                                     "M1_treatment"]
+    cluster = engine_case_ids(load_target("example-2node"))
+    assert cluster == ["P3", "P4_c16", "D2_c32", "D3_c16", "D4_c16", "M1_control", "M1_treatment"]
+    assert {c.case_id for c in cs.quick_matrix(load_target("example-2node"), cluster)} == set(cluster)

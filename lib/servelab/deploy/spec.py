@@ -53,7 +53,6 @@ class Target:
     endpoint: str = ""                # http(s)://host:port of the running server; set = attached, no launch
     metrics_path: str = ""            # its Prometheus page (default: the engine's), "none" when it has none
     profile: dict[str, Any] = field(default_factory=dict)   # attached profiler: {trace_dir: path as the nodes see it}
-    variants: dict[str, str] = field(default_factory=dict)  # one endpoint per launch variant (TP16: url, ...)
     source: str = ""                  # the file it was read from
     nodes_given: bool = True          # False: an attached target without nodes (no node facts, no collectors)
 

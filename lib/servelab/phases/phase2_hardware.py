@@ -207,8 +207,16 @@ def log_collectors(ctx: PhaseContext, case_id: str, cdir: Path, plans: list[tupl
                      note=f"not run: {why}")
 
 
-# the Phase 2 replay (docs/method.md#phase2), scaled; D3/D4 by scenario (their concurrency follows the scale)
-ENGINE_CASES = ("P3", "P4_c4", "D2_c8", "D3", "D4", "M1_control", "M1_treatment")
+# the Phase 2 replay (docs/method.md#phase2), scaled: P3, the highest-concurrency P4 point, the middle D2 point
+# (local: P4_c4 and D2_c8; cluster: P4_c16 and D2_c32), D3/D4 and M1
+def engine_case_ids(target: Any) -> list[str]:
+    """The Phase 1 cases Phase 2 replays by default on ``target`` (ids of its scale's quick matrix)."""
+    ids = [c.case_id for c in quick_matrix(target)]
+    p4 = [i for i in ids if i.startswith("P4_c")]
+    d2 = [i for i in ids if i.startswith("D2_c")]
+    picked = ["P3", p4[-1] if p4 else "", d2[len(d2) // 2] if d2 else "",
+              *(i for i in ids if i.startswith(("D3", "D4"))), "M1_control", "M1_treatment"]
+    return [i for i in picked if i and i in ids]
 
 
 def run_engine_cases(ctx: PhaseContext, case_ids: list[str] | None = None, interval_s: float = 1.0,
@@ -222,7 +230,7 @@ def run_engine_cases(ctx: PhaseContext, case_ids: list[str] | None = None, inter
     if hasattr(ctx, "add_source"):
         ctx.add_source("live", f"collectors around Phase 1 cases on {ctx.target.name}")
     specs_cases = [dataclasses.replace(c, case_id=f"hw-{c.case_id}")
-                   for c in quick_matrix(ctx.target, list(case_ids or ENGINE_CASES))]
+                   for c in quick_matrix(ctx.target, list(case_ids or engine_case_ids(ctx.target)))]
     cases: list[CaseTelemetry] = []
     failures: list[str] = []
     with ProcessTracker() as tracker:
