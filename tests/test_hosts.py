@@ -104,8 +104,8 @@ sys.path.insert(0, {lib!r})
 from servelab.deploy.hosts import LocalHost, ProcessTracker
 with ProcessTracker() as t:
     h = t.start(LocalHost(), ['sleep', '300'], {log!r})
-    print(h.pid, flush=True)
-    try:
+    try:                        # the pid is printed inside: the test's SIGTERM always lands in this try
+        print(h.pid, flush=True)
         time.sleep(60)
     except BaseException:       # the defect under test: a library that swallows the interrupt
         pass
