@@ -14,6 +14,7 @@ that names the closest valid one.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import shutil
@@ -673,6 +674,12 @@ def main(argv: list[str] | None = None) -> int:
     except ParamError as exc:
         print(f"servelab: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        print(f"servelab: error: the disk is full ({exc.strerror}: {exc.filename or '?'}); nothing measured was marked "
+              "done and the run directory cannot record more: free space, then the same command with --resume", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         # nbclient may leave a task that later fails with DeadKernelError (the kernel got the same SIGINT); asyncio
         # would log it with a traceback when the task is collected, after our one line. The kernel's own account
