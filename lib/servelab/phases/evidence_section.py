@@ -55,12 +55,12 @@ def rank_placement(a: CaptureAnalysis, run_dir: Path | None = None) -> pd.DataFr
 
 def _cpu_rank_placement(a: CaptureAnalysis, run_dir: Path | None) -> pd.DataFrame:
     """Ranks on CPU: from what Phase 3's live capture recorded while the engine ran
-    (``<run>/phase3/rank_processes.json``, ``measure.rank_processes``), for a capture of this run's Phase 3 only."""
+    (``<run>/phase3/rank_processes.json``, ``measure.rank_processes``), for a capture inside this run only (its
+    case folders: ``cases/<case>/profiles``)."""
     if run_dir is None:
         return pd.DataFrame()
-    ph = (Path(run_dir) / "phase3").resolve()
-    rec = ph / RANK_PROCESSES
-    if not rec.is_file() or not Path(a.capture.trace_dir).resolve().is_relative_to(ph):
+    rec = Path(run_dir).resolve() / "phase3" / RANK_PROCESSES
+    if not rec.is_file() or not Path(a.capture.trace_dir).resolve().is_relative_to(Path(run_dir).resolve()):
         return pd.DataFrame()
     r = a.ranks
     if r is None or r.height == 0 or "rank" not in r.columns:
