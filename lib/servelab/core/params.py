@@ -72,11 +72,20 @@ def existing_path(value: str, name: str, kind: str = "dir", what: str = "", base
     path = Path(value).expanduser()
     if base is not None and not path.is_absolute():
         path = base / path
-    ok = path.is_dir() if kind == "dir" else path.is_file()
+    try:
+        ok = path.is_dir() if kind == "dir" else path.is_file()
+        exists = path.exists()
+    except OSError as exc:          # a name too long for the filesystem, a loop of links...
+        ok, exists = False, False
+        kind_err = exc.strerror
+    else:
+        kind_err = ""
     if not ok:
-        state = "does not exist" if not path.exists() else f"is not a {'folder' if kind == 'dir' else 'file'}"
+        state = (f"is not a usable path ({kind_err})" if kind_err else "does not exist" if not exists
+                 else f"is not a {'folder' if kind == 'dir' else 'file'}")
         hint = f" (give the {'folder' if kind == 'dir' else 'file'} {what})" if what else ""
-        raise ParamError(f"{name}: {value} {state}{hint}")
+        shown = value if "\n" not in str(value) and len(str(value)) <= 300 else repr(str(value))[:300]   # one line
+        raise ParamError(f"{name}: {shown} {state}{hint}")
     return path
 
 
