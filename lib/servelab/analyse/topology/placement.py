@@ -126,6 +126,14 @@ def parse_cpulist(text: str) -> list[int]:
     return out
 
 
+def _cpu_row(rank: Any, node: str, cores: str, node_cpulists: dict[int, str], source: str) -> dict[str, Any]:
+    """One placement row of a rank on CPU: its allowed cores and the NUMA nodes that hold them."""
+    numa = cpu_numa_of(parse_cpulist(cores), node_cpulists) if cores else []
+    return {"rank": rank, "node": node, "GPU": "— (CPU)", "PCI bus": "—", "NUMA node": ",".join(map(str, numa)) or "—",
+            "CPU cores": cores or "—", "NIC": "—", "NIC link": "—", "PCIe switch": "—", "HCA used": "—",
+            "source": source}
+
+
 def cpu_placement(processes: list[dict[str, Any]], sys_root: Path = Path("/")) -> pd.DataFrame:
     """Ranks on CPU: one row per rank process (``rank``, ``node``, ``pid``; ``rank`` as the engine names it) with the
     cores it may run on (``/proc/<pid>/status`` ``Cpus_allowed_list``) and their NUMA nodes (``/sys``), read on this
@@ -139,11 +147,7 @@ def cpu_placement(processes: list[dict[str, Any]], sys_root: Path = Path("/")) -
         if status.is_file():
             cores = next((ln.split(":", 1)[1].strip() for ln in status.read_text().splitlines()
                           if ln.startswith("Cpus_allowed_list:")), "")
-        numa = cpu_numa_of(parse_cpulist(cores), nodes) if cores else []
-        rows.append({"rank": p["rank"], "node": p["node"], "GPU": "— (CPU)", "PCI bus": "—",
-                     "NUMA node": ",".join(map(str, numa)) or "—", "CPU cores": cores or "—", "NIC": "—",
-                     "NIC link": "—", "PCIe switch": "—", "HCA used": "—",
-                     "source": f"/proc/{p['pid']}/status + /sys NUMA"})
+        rows.append(_cpu_row(p["rank"], p["node"], cores, nodes, f"/proc/{p['pid']}/status + /sys NUMA"))
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
@@ -151,21 +155,17 @@ def cpu_placement_from(record: dict[str, Any], trace_ranks: dict[int, dict[str, 
     """Ranks on CPU from the facts recorded while the engine ran (``measure.rank_processes``): each trace rank
     (``{rank: {"tp": .., "pp": ..}}`` from its file name) matched to the process with the same parallel
     coordinates, with its cores and their NUMA nodes. Ranks without a matching process are left out."""
+    def coords(ident: dict[str, int]) -> tuple[int, int]:
+        return int(ident.get("tp") or 0), int(ident.get("pp") or 0)
+
     numa = {node: {int(k): v for k, v in m.items()} for node, m in (record.get("numa") or {}).items()}
+    procs = {coords(p["identity"]): p for p in record.get("ranks", [])}
     rows = []
     for rank, ident in sorted(trace_ranks.items()):
-        want = {k: v for k, v in ident.items() if k in ("tp", "pp")}
-        proc = next((p for p in record.get("ranks", [])
-                     if {k: p["identity"].get(k, 0) for k in ("tp", "pp")} == {k: want.get(k, 0) for k in ("tp", "pp")}),
-                    None)
-        if proc is None:
-            continue
-        cores = str(proc.get("cpus_allowed") or "")
-        nodes = cpu_numa_of(parse_cpulist(cores), numa.get(proc["node"], {})) if cores else []
-        rows.append({"rank": rank, "node": proc["node"], "GPU": "— (CPU)", "PCI bus": "—",
-                     "NUMA node": ",".join(map(str, nodes)) or "—", "CPU cores": cores or "—", "NIC": "—",
-                     "NIC link": "—", "PCIe switch": "—", "HCA used": "—",
-                     "source": f"{proc['title']} (pid {proc['pid']}): /proc status + /sys NUMA, read while it ran"})
+        proc = procs.get(coords(ident))
+        if proc is not None:
+            rows.append(_cpu_row(rank, proc["node"], str(proc.get("cpus_allowed") or ""), numa.get(proc["node"], {}),
+                                 f"{proc['title']} (pid {proc['pid']}): /proc status + /sys NUMA, read while it ran"))
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
