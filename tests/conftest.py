@@ -106,6 +106,39 @@ def llama_server_binary() -> Path:
     return ensure_llama_server()
 
 
+# every phase on the tiny target, each as cheap as it can be while still showing its tables: Phase 1 with the cases
+# the cross-checks need (D1 and D2_c4 against the search's C=1 and C=4) and a two-step search; Phase 2 with its
+# collectors around one engine case (P1) sampled every second. One run (about five minutes on two cores) serves every test that reads a whole run.
+TINY_RUN_PHASES = [
+    ("phase0", []),
+    ("phase1", ["-p", 'cases=["P1","D1","D2_c4","M1"]', "-p", "search=true", "-p", "search_max_concurrency=4"]),
+    ("phase2", ["-p", "cases=[P1]", "-p", "interval_s=1"]), ("phase3", []), ("phase4", []),
+    ("phase5", []), ("phase6", []), ("phase7", []), ("phase8", []), ("phase9", [])]
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory, llama_server_binary: Path) -> Path:
+    """The run folder of all ten phases on local-tiny (:data:`TINY_RUN_PHASES`): Phase 0 through ``servelab demo``
+    (the README's command path: prepare, run, end-of-run freeze, consistency check), the others through ``servelab
+    run`` with their parameters, then ``servelab archive``. Shared by the session: tests read it, and copy it before
+    changing anything."""
+    from servelab.cli import main
+    out = tmp_path_factory.mktemp("pages")
+    old = os.environ.get("SERVELAB_OUTPUTS")
+    os.environ["SERVELAB_OUTPUTS"] = str(out)
+    try:
+        assert main(["demo", "--target", "local-tiny", "--run-id", "pages", "--phases", "phase0"]) == 0
+        for phase, extra in TINY_RUN_PHASES[1:]:
+            assert main(["run", phase, "--target", "local-tiny", "--run-id", "pages", *extra]) == 0, phase
+        assert main(["archive", "pages"]) == 0
+    finally:
+        if old is None:
+            os.environ.pop("SERVELAB_OUTPUTS", None)
+        else:
+            os.environ["SERVELAB_OUTPUTS"] = old
+    return out / "pages"
+
+
 @pytest.fixture(scope="session")
 def tiny_server(llama_server_binary: Path, tmp_path_factory: pytest.TempPathFactory):
     """A real llama-server with the tiny random model on 127.0.0.1 (32 slots), shared by a test session.

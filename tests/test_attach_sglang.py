@@ -76,4 +76,8 @@ def test_phase3_on_an_attached_sglang_captures_through_start_profile(outside_sgl
     got = sorted(p.name for p in (rdir / "cases" / "D2-profile--profile-decode_control").rglob("*.trace.json.gz"))
     assert [t.rsplit("-TP-", 1)[1] for t in got] == ["0.trace.json.gz", "1.trace.json.gz"], got   # both ranks
     assert (rdir / "phase3" / "trace_analysis.json").is_file()                                      # analysed
+    # the drive saw the server's trace where the server writes it (profile.trace_dir) and stopped its load then —
+    # not at the end of its keep-alive bound, which it once ran out looking in the run's own folder
+    marks = json.loads((rdir / "cases" / "D2-profile--profile-decode_control" / "summary.json").read_text())
+    assert "trace_written" in marks["details"]["marks_wall_ns"], marks["details"]["marks_wall_ns"]
     assert list(traces.rglob("*.trace.json.gz")), "the server wrote where it was started to write"

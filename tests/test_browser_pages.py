@@ -2,7 +2,8 @@
 content drawn, plotly figures drawn, links resolve, findings first, no table clipped at 1400 px, no count printed
 as ``N.00``, no Python repr, no placeholder in a command, where the numbers come from badged at the top, the index
 opening with the run summary — and the findings consistent with the tables they cite. One run serves every test
-of this module (about five minutes on two cores). A screenshot per page lands in test-artifacts/screenshots/."""
+of this module (the session's ``tiny_run``, shared with other modules). A screenshot per page lands in
+test-artifacts/screenshots/."""
 from __future__ import annotations
 
 import csv
@@ -17,29 +18,16 @@ import pytest
 from servelab.cli import main
 
 sys.path.insert(0, str(Path(__file__).parent))
+from conftest import TINY_RUN_PHASES  # noqa: E402
 from browser import (assert_page_rules, chromium, command_problems, content_fraction, dom_text,  # noqa: E402
                      page_checks, screenshot, table_problems)
 
-# every phase, each as cheap as it can be while still showing its tables: Phase 1 with the cases the cross-checks
-# need (D1 and D2_c4 against the search's C=1 and C=4) and a two-step search; Phase 2 on synthetic CPU workloads
-PHASES = [("phase0", []),
-          ("phase1", ["-p", 'cases=["P1","D1","D2_c4","M1"]', "-p", "search=true", "-p", "search_max_concurrency=4"]),
-          ("phase2", ["-p", "workload=cpu", "-p", "case_seconds=1.5"]), ("phase3", []), ("phase4", []),
-          ("phase5", []), ("phase6", []), ("phase7", []), ("phase8", []), ("phase9", [])]
+PHASES = TINY_RUN_PHASES
 
 
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory, llama_server_binary):
-    import os
-    out = tmp_path_factory.mktemp("pages")
-    os.environ["SERVELAB_OUTPUTS"] = str(out)
-    try:
-        for phase, extra in PHASES:
-            assert main(["run", phase, "--target", "local-tiny", "--run-id", "pages", *extra]) == 0, phase
-        assert main(["archive", "pages"]) == 0
-    finally:
-        os.environ.pop("SERVELAB_OUTPUTS", None)
-    return out / "pages"
+@pytest.fixture
+def run_dir(tiny_run: Path) -> Path:
+    return tiny_run
 
 
 def _skip_without_chromium() -> None:

@@ -407,6 +407,15 @@ def _new_files(session: ProfileSession, node: str, listing: dict[str, RemoteFile
     return {k: v for k, v in listing.items() if k not in old or old[k] != v}
 
 
+def worker_trace_written(srv: Any, session: ProfileSession) -> bool:
+    """Whether every node of ``session`` holds a worker trace file that was not there when it started, listed where
+    the engine writes (``session.trace_dirs``: the launch's profiler folder, or an attached server's own
+    ``profile.trace_dir``; over SSH on a remote node) — the drive keeps its load on until then."""
+    return all(any(trace_identity(name)["kind"] == "worker"
+                   for name in _new_files(session, n, list_trace_dir(srv.hosts[n], folder)))
+               for n, folder in session.trace_dirs.items())
+
+
 def wait_for_traces(srv: Any, session: ProfileSession, timeout_s: float = 300.0, poll_s: float = 0.5,
                     settle_s: float = 1.0) -> TraceWait:
     """Poll every node's trace folder until each has its expected worker rank traces and every new file

@@ -39,7 +39,7 @@ import pandas as pd
 from servelab.core.run import CommandRecord, now_iso, record_command
 from servelab.measure import request_metrics as mx
 from servelab.measure.capture import (DEFAULT_STEPS, CaptureError, CaptureResult, ProfileScenario, capture,
-                                      capture_scenarios)
+                                      capture_scenarios, worker_trace_written)
 from servelab.measure.capture_point import CapturePoint, at_point
 from servelab.measure.case_record import INVALID, CaseSummary, read_summary, request_counts, verdict
 from servelab.measure.case_runner import CaseRun
@@ -57,6 +57,7 @@ SCENARIO_KIND = {"decode_control": "decode", "mixed_treatment": "mixed", "long_p
                  "prefix_hit": "prefix_cache"}
 WARMUP_REQUESTS = 2          # a couple of tiny requests after the flush, before each capture
 WARMUP_TOKENS = (16, 4)      # their prompt and output lengths
+TRACE_POLL_S = 0.5           # how often a drive looks for the engine's worker trace while it keeps the load on
 PROFILED_REASON = "profiled case (torch profiler attached): its numbers are never compared with clean results"
 
 
@@ -145,13 +146,6 @@ def _trace_files(trace_dir: Path, prefix: str) -> set[Path]:
     return set(trace_dir.rglob(f"{prefix}*"))
 
 
-def _worker_trace_written(srv: RunningServer, trace_dir: Path, prefix: str, before: set[Path] = frozenset()) -> bool:
-    """Whether a worker trace of this session (file name starting with ``prefix``, not among ``before``: the files
-    there when the session started) is in ``trace_dir`` or below it."""
-    return any((srv.engine.profile_file(p.name) or {}).get("kind") == "worker"
-               for p in _trace_files(trace_dir, prefix) - before)
-
-
 class _Pool:
     """Prompts of exact lengths from the engine's token pool, indices never reused within one drive."""
     def __init__(self, pool: list[int], seed: int) -> None:
@@ -166,8 +160,8 @@ class _Pool:
 
 # ---------------------------------------------------------------- the four drives
 
-def _streams_until_trace(drive: Drive, scenario: ProfileScenario, pool: _Pool, trace_dir: Path, prefix: str,
-                         start: Callable[[], Any], keep_alive_s: float,
+def _streams_until_trace(drive: Drive, scenario: ProfileScenario, pool: _Pool, start: Callable[[], Any],
+                         keep_alive_s: float,
                          after_start: Callable[[int, float], None] | None = None) -> None:
     """C decode streams; once each has its first read (decode active) ``start()``, then keep C streams decoding
     (finished ones replaced) until the engine has written the worker trace. ``start()`` runs in a thread while the
@@ -204,13 +198,13 @@ def _streams_until_trace(drive: Drive, scenario: ProfileScenario, pool: _Pool, t
         raise CaptureError(f"scenario {scenario.name}: the {conc} decode streams were not all decoding within 300 s"
                            + (f" ({bad[0]})" if bad else "")) from None
     failed: list[BaseException] = []
+    session: list[Any] = []
 
     def run_start() -> None:
         try:
-            start()
+            session.append(start())
         except BaseException as exc:        # re-raised below, in the caller's thread
             failed.append(exc)
-    before = _trace_files(trace_dir, prefix)         # an earlier session's files are not this one's trace
     starter = threading.Thread(target=run_start, daemon=True, name="servelab-start-profile")
     starter.start()
     try:
@@ -224,23 +218,29 @@ def _streams_until_trace(drive: Drive, scenario: ProfileScenario, pool: _Pool, t
         raise failed[0]
     drive.mark("profile_started")
     started = time.monotonic()
-    deadline = started + keep_alive_s
-    while not _worker_trace_written(drive.srv, trace_dir, prefix, before) and time.monotonic() < deadline:
+    deadline, listed, written = started + keep_alive_s, 0.0, False
+    while time.monotonic() < deadline:
         keep_c()
         if after_start is not None:
             after_start(sum(n > 0 for n in reads), time.monotonic() - started)
+        if time.monotonic() - listed >= TRACE_POLL_S:       # a listing is an SSH command on a remote node
+            written = bool(session) and worker_trace_written(drive.srv, session[0])
+            if written:
+                break
+            listed = time.monotonic()
         time.sleep(0.02)
-    drive.mark("trace_written")
+    # why the load stopped: the engine's trace is there, or the keep-alive bound ran out without one
+    drive.mark("trace_written" if written else "keep_alive_ended")
     for t in threads:
         t.join(600)
 
 
-def decode_drive(drive: Drive, scenario: ProfileScenario, pool: _Pool, trace_dir: Path, prefix: str,
+def decode_drive(drive: Drive, scenario: ProfileScenario, pool: _Pool,
                  keep_alive_s: float = 300.0) -> Callable[[Callable[[], Any]], Drive]:
     """decode_control: C streams; once every stream has its first chunk call ``start()``; keep C streams decoding
     until the engine has written the worker trace."""
     def run(start: Callable[[], Any]) -> Drive:
-        _streams_until_trace(drive, scenario, pool, trace_dir, prefix, start, keep_alive_s)
+        _streams_until_trace(drive, scenario, pool, start, keep_alive_s)
         return drive
     return run
 
@@ -248,7 +248,7 @@ def decode_drive(drive: Drive, scenario: ProfileScenario, pool: _Pool, trace_dir
 INJECT_WAIT_S = 2.0     # the longest the injected prefill waits for every background slot to be decoding
 
 
-def mixed_drive(drive: Drive, scenario: ProfileScenario, pool: _Pool, trace_dir: Path, prefix: str,
+def mixed_drive(drive: Drive, scenario: ProfileScenario, pool: _Pool,
                 keep_alive_s: float = 300.0) -> Callable[[Callable[[], Any]], Drive]:
     """mixed_treatment: the decode-control background; the ``inject_isl_tokens → inject_osl_tokens`` request is
     sent as soon as ``start_profile`` has returned (the profiler is running) and every background slot holds a
@@ -273,7 +273,7 @@ def mixed_drive(drive: Drive, scenario: ProfileScenario, pool: _Pool, trace_dir:
     def run(start: Callable[[], Any]) -> Drive:
         nonlocal spec
         spec = pool.specs(1, scenario.inject_isl_tokens, scenario.inject_osl_tokens, "inject")[0]
-        _streams_until_trace(drive, scenario, pool, trace_dir, prefix, start, keep_alive_s, inject)
+        _streams_until_trace(drive, scenario, pool, start, keep_alive_s, inject)
         send_inject()     # the window closed first (a slow /start_profile): sent late, the check refuses the capture
         for t in injected:
             t.join(600)
@@ -417,11 +417,10 @@ def capture_one(srv: RunningServer, scenario: ProfileScenario, run_dir: Path, ph
         case.flush(lambda: recorded_flush(srv, run_dir, phase, scenario))
         warm = recorded_warmup(srv, drive, pool, run_dir, phase, scenario)
         case.warm_up(lambda: warm, input_tokens=isl, output_tokens=osl)
-        prefix = scenario.profile_prefix
         if scenario.name == "decode_control":
-            fn = decode_drive(drive, scenario, pool, raw, prefix)
+            fn = decode_drive(drive, scenario, pool)
         elif scenario.name == "mixed_treatment":
-            fn = mixed_drive(drive, scenario, pool, raw, prefix)
+            fn = mixed_drive(drive, scenario, pool)
         elif scenario.name == "long_prefill":
             fn = prefill_drive(drive, scenario, pool)
         else:
