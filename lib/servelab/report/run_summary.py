@@ -217,7 +217,8 @@ def verdicts(run_dir: Path) -> list[Verdict]:
     bad = [s for s in sums if (s.get("verdict") or {}).get("status") != "VALID"]
     if sums:
         out.append(Verdict("validity", f"{len(sums) - len(bad)} of {len(sums)} measured cases are VALID"
-                           + (f"; {len(bad)} INVALID are never presented as results" if bad else "") + ".",
+                           + (f"; the {len(bad)} INVALID {'is' if len(bad) == 1 else 'are'} never presented as results"
+                              if bad else "") + ".",
                            "warning" if bad else "ok", [("Measured cases", "#measured-cases")]))
     m = read_manifest(run_dir)
     rec = [p for p, e in (m.get("phases") or {}).items()
