@@ -222,7 +222,7 @@ def notebook_cells(path: Path) -> tuple[list[str], list[str]]:
 def notebook_contract_problems(phase_module: str, params: list[str], cells: list[str]) -> list[str]:
     """What breaks the contract in one notebook's code after its parameters cell: ``run(ctx)`` of its phase module
     called other than once; a private library name used; a parameter handed to a call by hand (``name=name``,
-    ``p["name"]``, ``ctx.params["name"]`` or the bare name)."""
+    ``p["name"]``, ``ctx.params["name"]``, ``ctx.params.name`` or the bare name)."""
     out: list[str] = []
     lib: set[str] = set()           # names bound to servelab modules or objects
     phase_aliases: set[str] = set()  # names bound to this notebook's phase module
@@ -262,6 +262,8 @@ def notebook_contract_problems(phase_module: str, params: list[str], cells: list
                     out.append(f"hands the parameter {arg.id} to {ast.unparse(f)} by hand")
                 if isinstance(arg, ast.Subscript) and isinstance(arg.slice, ast.Constant) and arg.slice.value in params:
                     out.append(f"hands the parameter {ast.unparse(arg)} to {ast.unparse(f)} by hand")
+                if isinstance(arg, ast.Attribute) and arg.attr in params and ast.unparse(arg.value).endswith("params"):
+                    out.append(f"hands the parameter {ast.unparse(arg)} to {ast.unparse(f)} by hand")
     if runs != 1:
         out.append(f"calls {phase_module}.run(ctx) {runs} times, not once")
     return out
@@ -275,7 +277,7 @@ def test_each_notebook_calls_its_phase_run_once_and_copies_no_parameter(nb: Path
 
 def test_the_notebook_check_fails_on_counter_examples() -> None:
     good = ['from servelab.phases.context import open_phase, finish_phase\n'
-            'from servelab.phases import phase6_kernels as phase6\nctx = open_phase("phase6_kernels", globals())',
+            'from servelab.phases import phase6_kernels as phase6\nctx = open_phase(phase6.Params, globals())',
             'result = phase6.run(ctx)', 'phase6.ncu_view(result, "derived")',
             'finish_phase(ctx, headline=result.headline(), findings=result.findings())']
     params = ["top_n", "gpu"]
@@ -284,6 +286,7 @@ def test_the_notebook_check_fails_on_counter_examples() -> None:
                 ['phase6.ncu_view(result, top_n=top_n)'],                         # name=name
                 ['p = ctx.params\nphase6.ncu_view(result, p["top_n"])'],          # p["name"]
                 ['phase6.ncu_view(result, ctx.params["gpu"])'],
+                ['phase6.ncu_view(result, ctx.params.gpu)'],
                 ['phase6.ncu_view(result, gpu)'],                                 # the bare name
                 ['phase6._short_name("x")'],                                      # a private name
                 ['from servelab.phases.phase6_kernels import _short_name']):
@@ -308,3 +311,38 @@ def test_every_phase_result_is_a_phase_result() -> None:
         def headline(self) -> dict:
             return {}
     assert not isinstance(HeadlineOnly(), PhaseResult)
+
+
+# ---------------------------------------------------------------- each room holds what its name says
+
+def test_phases_holds_only_the_phase_modules_and_their_context() -> None:
+    """``phases/`` is one module per notebook plus the context (and the package's ``definition`` lookup); the
+    sections, checks and commands that lived there belong to the layer that does their work."""
+    names = sorted(p.name for p in PHASES.glob("*.py"))
+    assert [n for n in names if not re.fullmatch(r"phase[0-9]_[a-z0-9_]+\.py", n)] == ["__init__.py", "context.py"]
+
+
+def test_no_phase_module_keeps_a_run_phase_shell() -> None:
+    """``run(ctx)`` is the phase: no ``run_phaseN`` beside it anywhere in the library."""
+    found = [f"{rel}:{node.lineno} {node.name}" for rel, tree in library_trees(re.compile(r"def run_phase")).items()
+             for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and re.fullmatch(r"run_phase\d", node.name)]
+    assert found == []
+
+
+def test_figures_are_drawn_only_in_figure_modules() -> None:
+    """A function named ``*_figure`` lives in a figure module (``figures.py`` or ``*_figures.py``), never in a
+    compute or phase module."""
+    found = [f"{rel}:{node.lineno} {node.name}" for rel, tree in library_trees(re.compile(r"def \w+_figure\b")).items()
+             if not re.search(r"(^|/|_)figures\.py$", rel)
+             for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and node.name.endswith("_figure")]
+    assert found == []
+
+
+def test_measure_and_report_type_the_run_scope_and_never_probe_it() -> None:
+    """``measure`` and ``report`` take a ``core.scope.RunScope``: no ``ctx: Any`` and no ``getattr``/``hasattr`` on
+    a context."""
+    probe = re.compile(r"ctx: Any\b|(?:getattr|hasattr)\(ctx\b")
+    found = [f"{rel}: {m.group(0)}" for rel, tree in library_trees(probe).items()
+             if rel.startswith(("measure/", "report/"))
+             for m in probe.finditer((ROOT / "lib" / "servelab" / rel).read_text())]
+    assert found == []

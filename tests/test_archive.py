@@ -8,10 +8,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from contexts import phase_ctx  # noqa: E402
 from servelab.core import run as runlib
 from servelab.cli import main
-from servelab.phases.context import PhaseContext
-from servelab.deploy.targets import load_target
 from servelab.report.archive import write_root_index, write_run_index, zip_run
 from servelab.report.ledger import ledger, record_evidence
 from servelab.report.milestones import milestones
@@ -21,9 +20,7 @@ from casefiles import write_cases  # noqa: E402
 
 
 def ctx_for(rdir, phase="phase3"):
-    (rdir / phase).mkdir(parents=True, exist_ok=True)
-    return PhaseContext(phase=phase, run_id=rdir.name, run_dir=rdir, phase_dir=rdir / phase, params={},
-                        target=load_target("local-tiny"), started=runlib.now_iso())
+    return phase_ctx(rdir, phase)
 
 
 def test_ledger_statuses(outputs):

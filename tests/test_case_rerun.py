@@ -21,7 +21,7 @@ from servelab.core import run as runlib
 from servelab.measure import case as cs
 from servelab.measure import request_metrics as mx
 from servelab.measure.case_record import read_summary
-from servelab.phases.case_rerun import read_recipe
+from servelab.measure.case_rerun import read_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -48,7 +48,7 @@ def test_h200_all_reduce_against_its_nccl_tests_ceiling(tmp_path):
 
 def test_phase3_and_phase5_sections_on_the_h200_sample(tmp_path):
     from servelab.analyse.ceiling import with_ceiling
-    from servelab.phases.evidence_section import ceiling_table
+    from servelab.report.evidence_section import ceiling_table
     from servelab.phases.phase3_timeline import Phase3, ceiling_view, findings
     a = analyse(H200 / "traces", cache_dir=tmp_path / "c")
     t, source = ceiling_table(a, None, tmp_path)            # no run: the nccl-tests log beside the sample traces

@@ -11,15 +11,13 @@ from types import SimpleNamespace
 import pandas as pd
 import pytest
 
+from contexts import phase_ctx  # noqa: E402
 from servelab.core import run as runlib
 from servelab.phases.context import PhaseContext
-from servelab.deploy.targets import load_target
 
 
 def ctx_for(rdir: Path, phase: str) -> PhaseContext:
-    (rdir / phase).mkdir(parents=True, exist_ok=True)
-    return PhaseContext(phase=phase, run_id=rdir.name, run_dir=rdir, phase_dir=rdir / phase, params={},
-                        target=load_target("local-tiny"), started=runlib.now_iso())
+    return phase_ctx(rdir, phase)
 
 
 def test_phase1_h4_from_m1_windows_and_h6_from_the_search_stop():

@@ -150,7 +150,7 @@ def test_weights_hashed_streamed_reused_when_unchanged_and_rehashed_when_modifie
 # ---------------------------------------------------------------- the A/B guard compares the freeze
 
 def _frozen(packages: pd.DataFrame, sha: str, image_id: str = "") -> dict:
-    from servelab.phases.phase0_manifest import frozen_manifest
+    from servelab.deploy.freeze_tables import frozen_manifest
     weights = pd.DataFrame([{"file": "model.safetensors", "bytes": 10, "stat": [10, 0, 0, 0], "sha256": sha,
                              "seconds": 0.0, "how": "hashed"}])
     f = NodeFreeze(node="node5", moment="before", engine={"name": "sglang", "distribution": "sglang",

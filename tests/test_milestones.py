@@ -1,5 +1,5 @@
 """M3 — the topology sequence of ``docs/method.md#topology`` answered, not "some measured CSV exists": Phase 4 run
-for real on measured runs (``run_phase4``: feasibility, measured comparison, verdicts), Phase 3's per-stage view
+for real on measured runs (``phase4.run``: feasibility, measured comparison, verdicts), Phase 3's per-stage view
 from real pipeline captures (``data/samples/sglang-cpu-pp2``: stage 1 slow; ``h200x2-pp2``: balanced)."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from servelab.core import run as runlib
 from servelab.deploy.engines import engine_for
 from servelab.deploy.targets import load_target
 from servelab.phases.context import PhaseContext
-from servelab.phases.phase4_topology import run_phase4
+from servelab.phases import phase4_topology as phase4
 from servelab.report.milestones import m3
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -37,9 +37,11 @@ def measured_run(run_id: str, settings: dict, tps: float, cases: tuple[str, ...]
 def phase4_run(run_id: str, runs: list[str]) -> Path:
     rdir = runlib.init_run(run_id, "example-2node")
     (rdir / "phase4").mkdir()
-    ctx = PhaseContext(phase="phase4", run_id=run_id, run_dir=rdir, phase_dir=rdir / "phase4", params={},
+    params = phase4.Params.resolve(given={"model_config": "deepseek-v3", "cluster_target": "example-2node",
+                                          "gpu_memory_gib": 141.0, "runs": runs}, phase_file_values=False)
+    ctx = PhaseContext(phase="phase4", run_id=run_id, run_dir=rdir, phase_dir=rdir / "phase4", params=params,
                        target=load_target("example-2node"), started=runlib.now_iso())
-    run_phase4(ctx, "deepseek-v3", "example-2node", gpu_memory_gib=141.0, runs=runs)
+    phase4.run(ctx)
     return rdir
 
 

@@ -17,7 +17,7 @@ from servelab.deploy.nccl_info import classify_transport, parse_info, transport_
 from servelab.analyse.nccl.msgsize import from_trace, model_message_sizes, place_on_curves
 from servelab.analyse.nccl.perf_log import parse_log, parse_run, runs_frame, runs_table
 from servelab.deploy.spec import Node
-from servelab.measure.nccl_tests import execute, launch_argv, perf_argv, plan_runs
+from servelab.measure.nccl_tests import PlanSettings, execute, launch_argv, perf_argv, plan_runs
 
 
 @pytest.fixture(scope="module")
@@ -219,8 +219,8 @@ def test_execute_records_logs_and_verdicts(tmp_path, h200):
         script.write_text(f"#!{sys.executable}\nimport sys\nsys.stdout.write(open({str(bin_dir / (name + '.txt'))!r}).read())\n"
                           f"sys.stdout.write(' '.join(sys.argv[1:]) + '\\n')\nsys.exit({code})\n")
         script.chmod(script.stat().st_mode | stat.S_IEXEC)
-    plan = plan_runs([Node("local", gpus=2)], str(bin_dir), ["all_reduce", "all_gather", "sendrecv"], sweep=[],
-                     repeats=1, p2p=False, env_check=False)
+    plan = plan_runs([Node("local", gpus=2)], str(bin_dir), PlanSettings(["all_reduce", "all_gather", "sendrecv"], sweep=[],
+                                                                         repeats=1, p2p_matrix=False, env_check=False))
     (bin_dir / "sendrecv_perf").unlink(missing_ok=True)
     seen = []
     with ProcessTracker() as tracker:

@@ -6,16 +6,18 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from types import SimpleNamespace
 
 import pandas as pd
 import pytest
 
+from contexts import phase_ctx  # noqa: E402
 from servelab.analyse.nccl import sweep as sw
 from servelab.core.params import ParamError
 from servelab.deploy.hosts import LocalHost, ProcessTracker
 from servelab.deploy.spec import Node
 from servelab.measure import nccl_tests as nt
+
+S = nt.PlanSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKE = ROOT / "tests" / "fake_nccl_tests.py"
@@ -104,8 +106,8 @@ def test_env_check_reached_and_other_value():
 
 def test_plan_scopes_ids_env_and_what_is_left_out():
     nodes = [Node("head", role="head", host="10.0.0.1", gpus=3), Node("worker", role="worker", host="10.0.0.2", gpus=3)]
-    plan = nt.plan_runs(nodes, "/opt/nt/build", ["all_reduce"], {"NCCL_ALGO": ["Ring", "Tree"], "NCCL_CROSS_NIC": [0, 1]},
-                        repeats=2, launcher=["mpirun", "-np", "{nranks}", "-H", "{hosts}", "{env:-x}", "{cmd}"],
+    plan = nt.plan_runs(nodes, "/opt/nt/build", S(["all_reduce"], {"NCCL_ALGO": ["Ring", "Tree"], "NCCL_CROSS_NIC": [0, 1]},
+                        repeats=2, launcher=["mpirun", "-np", "{nranks}", "-H", "{hosts}", "{env:-x}", "{cmd}"]),
                         env={"NCCL_IB_HCA": "mlx5_0", "HF_TOKEN": "hf_secret", "OMP_NUM_THREADS": "4",
                              "UCX_NET_PASSWORD": "pw"})
     scopes = pd.Series([r.scope for r in plan.runs]).value_counts().to_dict()
@@ -121,9 +123,9 @@ def test_plan_scopes_ids_env_and_what_is_left_out():
     assert tree.argv[9:] == ["/opt/nt/build/all_reduce_perf", "-b", "8K", "-e", "64M", "-f", "2", "-g", "1"]
     pairs = [(r.node, r.env["CUDA_VISIBLE_DEVICES"]) for r in plan.runs if r.scope == "p2p"]
     assert pairs[:3] == [("head", "0,1"), ("head", "0,2"), ("head", "1,2")]
-    one = nt.plan_runs([Node("solo", gpus=1)], "/b", ["sendrecv"], {"NCCL_PROTO": ["LL128"]}, repeats=1)
+    one = nt.plan_runs([Node("solo", gpus=1)], "/b", S(["sendrecv"], {"NCCL_PROTO": ["LL128"]}, repeats=1))
     assert "P2P matrix of solo: one GPU, no pair" in one.skipped and "cross-node runs: the target has one node" in one.skipped
-    none = nt.plan_runs(nodes, "/b", ["all_reduce"], {}, repeats=1, p2p=False)
+    none = nt.plan_runs(nodes, "/b", S(["all_reduce"], {}, repeats=1, p2p_matrix=False))
     assert any("no launcher template" in s for s in none.skipped)
 
 
@@ -139,35 +141,35 @@ def test_plan_scopes_ids_env_and_what_is_left_out():
 ])
 def test_bad_plan_is_one_line(kwargs, message):
     nodes = [Node("a", host="h1", gpus=2), Node("b", host="h2", gpus=2)]
-    args = {"bin_dir": "/b", **kwargs}
+    kwargs = dict(kwargs)
+    bin_dir = kwargs.pop("bin_dir", "/b")
     with pytest.raises(nt.NcclPlanError) as e:
-        nt.plan_runs(nodes, **args)
+        nt.plan_runs(nodes, bin_dir, S(**kwargs))
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
 def test_node_without_gpus_and_unknown_node_are_refused_before_anything(tmp_path):
-    from servelab.deploy.targets import load_target
     from servelab.phases import phase5_comm as phase5
     with pytest.raises(nt.NcclPlanError, match="node local declares no GPUs: set gpus: N"):
         nt.plan_runs([Node("local")], "/b")
-    ctx = SimpleNamespace(target=load_target("local-tiny"), phase_dir=tmp_path, run_dir=tmp_path, phase="phase5")
     with pytest.raises(ParamError, match=r"node 'locl' is not a node of target local-tiny \(did you mean 'local'\?\)"):
-        phase5.plan_runs(ctx, "/b", nodes=["locl"])
-    with pytest.raises(ParamError, match="node local declares no GPUs"):
-        phase5.plan_runs(ctx, "/b")                     # a bin folder given: it would run, so GPUs must be declared
-    planned = phase5.plan_runs(ctx, "")                 # no bin folder: planned only, one GPU assumed
+        phase5.plan_runs(phase_ctx(tmp_path / "r1", "phase5", nccl_tests_bin="/b", nodes=["locl"]))
+    with pytest.raises(ParamError, match="node local declares no GPUs"):     # a bin folder given: it would run, so
+        phase5.plan_runs(phase_ctx(tmp_path / "r2", "phase5", nccl_tests_bin="/b"))     # GPUs must be declared
+    ctx = phase_ctx(tmp_path / "r3", "phase5")
+    planned = phase5.plan_runs(ctx)                     # no bin folder: planned only, one GPU assumed
     assert not planned.execute and "declares no GPUs" in planned.why_not_run and len(planned.table) == 22
-    assert list(tmp_path.iterdir()) == [tmp_path / "nccl_plan.csv"]
+    assert list(ctx.phase_dir.iterdir()) == [ctx.phase_dir / "nccl_plan.csv"]
 
 
 def test_missing_binaries_are_found_before_any_run(tmp_path):
     bins = fake_bin(tmp_path / "bin")
     (bins / "alltoall_perf").unlink()
-    plan = nt.plan_runs([Node("local", gpus=2)], str(bins), repeats=1, sweep={})
+    plan = nt.plan_runs([Node("local", gpus=2)], str(bins), S(repeats=1, sweep={}))
     problems = nt.check_plan(plan, {"local": LocalHost()})
     assert problems == [f"node local: {bins}/alltoall_perf is not an executable file — build nccl-tests there, or "
                         "point nccl_tests_bin at its build folder"]
-    plan2 = nt.plan_runs([Node("local", gpus=2)], str(tmp_path / "nowhere"), ["all_reduce", "sendrecv"], {}, repeats=1)
+    plan2 = nt.plan_runs([Node("local", gpus=2)], str(tmp_path / "nowhere"), S(["all_reduce", "sendrecv"], {}, repeats=1))
     assert nt.check_plan(plan2, {"local": LocalHost()})[0].endswith("(nor 1 more) — build nccl-tests there, or point "
                                                                    "nccl_tests_bin at its build folder")
     assert not (bins / "calls.jsonl").exists()                     # nothing ran
@@ -179,7 +181,7 @@ def test_runner_on_the_stand_in_keeps_each_runs_real_log(tmp_path):
     """Locally, 2 GPUs: the baseline and NCCL_ALGO=Ring print the 2 x H200 log B, Tree prints A; the sweep table
     shows exactly those logs' numbers and their difference."""
     bins = fake_bin(tmp_path / "bin")
-    plan = nt.plan_runs([Node("local", gpus=2)], str(bins), ["all_reduce"], {"NCCL_ALGO": ["Ring", "Tree"]}, repeats=2)
+    plan = nt.plan_runs([Node("local", gpus=2)], str(bins), S(["all_reduce"], {"NCCL_ALGO": ["Ring", "Tree"]}, repeats=2))
     with ProcessTracker() as tracker:
         res = nt.execute(plan, {"local": LocalHost()}, tmp_path / "out", tracker)
     assert [r.exit_code for r in res] == [0] * len(plan.runs) == [0] * 9
@@ -212,7 +214,7 @@ def test_a_run_past_its_timeout_is_stopped_and_recorded(tmp_path):
     marker = f"servelab-test-hang-{tmp_path.name}"
     (bins / "all_reduce_perf").write_text(f"#!/bin/sh\necho started\nexec python3 -c 'import time; time.sleep(600)' {marker}\n")
     (bins / "all_reduce_perf").chmod(0o755)
-    plan = nt.plan_runs([Node("local", gpus=1)], str(bins), ["all_reduce"], {}, repeats=1, timeout_s=1.5)
+    plan = nt.plan_runs([Node("local", gpus=1)], str(bins), S(["all_reduce"], {}, repeats=1, run_timeout_s=1.5))
     import subprocess
     import threading
     seen = []

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from servelab.core.params import PHASE_CHECKS, ParamError, phase_check, run_phase_checks
+from servelab.phases import phase3_timeline
 from servelab.phases.context import open_phase
 from cli_here import run_cli
 
@@ -64,7 +65,7 @@ def test_a_trace_dir_read_by_the_nodes_is_not_checked_here(tmp_path, monkeypatch
 def test_the_notebook_path_refuses_the_same_before_its_run_folder(tmp_path, monkeypatch):
     monkeypatch.setenv("SERVELAB_OUTPUTS", str(tmp_path / "outputs"))
     with pytest.raises(ParamError, match="trace_dir: /nonexistent does not exist"):
-        open_phase("phase3_timeline", {"trace_dir": "/nonexistent", "run_id": "nb", "target": "local-tiny"})
+        open_phase(phase3_timeline.Params, {"trace_dir": "/nonexistent", "run_id": "nb", "target": "local-tiny"})
     assert not (tmp_path / "outputs" / "nb").exists()
 
 

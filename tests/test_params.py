@@ -1,6 +1,7 @@
 """Parameters and targets are validated before anything runs; typos name the closest key."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -8,7 +9,8 @@ import pytest
 from servelab.core.params import ParamError, notebook_param_specs, parse_overrides, resolve_phase_params
 
 from servelab.deploy.targets import load_target, target_from_dict
-from servelab.core.notebooks import notebook_path
+from servelab.core.notebooks import NOTEBOOKS, notebook_path
+from servelab.phases import definition
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,3 +71,32 @@ def test_every_notebook_parameter_is_visible_to_papermill():
         specs = notebook_param_specs(nb)
         assert {"run_id", "target"} <= set(specs), nb.name
         assert set(pm.inspect_notebook(str(nb))) == set(specs), nb.name
+
+
+@pytest.mark.parametrize("phase", sorted(NOTEBOOKS))
+def test_each_notebooks_parameters_cell_is_its_definition_written_out(phase: str) -> None:
+    """A phase's parameters are defined once (its module's ``Params``): the notebook's ``parameters`` cell is that
+    definition written out, line for line — names, types, defaults, help and rules."""
+    nb = notebook_path(phase)
+    cell = next(c for c in json.loads(nb.read_text())["cells"] if "parameters" in c["metadata"].get("tags", []))
+    defn = definition(phase)
+    assert "".join(cell["source"]) == defn.cell_source(), \
+        f"{nb.name}'s parameters cell differs from {defn.__module__}.Params: paste `servelab params {phase} --cell`"
+    assert notebook_param_specs(nb) == defn.specs()
+    assert defn.phase == phase and list(defn.specs())[:2] == ["target", "run_id"]
+
+
+def test_a_definition_resolves_typed_and_checked_and_its_cell_changes_with_it() -> None:
+    from dataclasses import FrozenInstanceError
+    defn = definition("phase4")
+    p = defn.resolve(overrides={"concurrency": "8", "layouts": "[TP16]"}, phase_file_values=False)
+    assert (p.concurrency, p.layouts, p.model_config) == (8, ["TP16"], "deepseek-v3")
+    with pytest.raises(FrozenInstanceError):
+        p.concurrency = 2
+    assert p.replace(concurrency=4).concurrency == 4 and p.concurrency == 8
+    with pytest.raises(ParamError, match="'concurrency' must be >= 1"):
+        defn.resolve(overrides={"concurrency": "0"}, phase_file_values=False)
+    with pytest.raises(ParamError, match="did you mean 'concurrency'"):
+        defn.resolve(overrides={"concurency": "8"}, phase_file_values=False)
+    assert defn().layouts is not defn().layouts            # a fresh list per instance
+    assert 'concurrency: int = 16  # requests at full context' in defn.cell_source()

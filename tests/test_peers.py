@@ -285,18 +285,18 @@ def test_after_phase1_it_says_how_to_rerun_with_resume(run, tmp_path, capsys):
 # ---------------------------------------------------------------- the Phase 1 section
 
 def test_without_peers_the_section_is_one_line(run):
-    t = perf_map.peer_files(run)
+    t = pc.peer_files(run)
     assert t.shape == (1, 1) and t.iloc[0, 0].startswith("no peer result imported into this run: `servelab import "
                                                          "FILE... --run-id peers`")
-    assert perf_map.peer_side_by_side(run) is None
-    assert perf_map.ours_in_peer_definitions(run) is None and perf_map.peer_definition_notes(run) is None
+    assert pc.peer_side_by_side(run) is None
+    assert pc.ours_in_peer_definitions(run) is None and pc.peer_definition_notes(run) is None
 
 
 def test_the_section_puts_the_peer_beside_ours_in_its_definition(run, tmp_path):
     pc.import_into_run(run, [sglang_file(tmp_path), DATA / "guidellm_0.8.1_benchmarks.json"])
-    files = perf_map.peer_files(run)
+    files = pc.peer_files(run)
     assert list(files["case_id"].fillna("")) == ["D2_c4", ""] and "peer_row" not in files
-    side = perf_map.peer_side_by_side(run)
+    side = pc.peer_side_by_side(run)
     cols = ["metric", "D2_c4 · sglang bench_serving, sglang def.", "D2_c4 · ours, sglang def.",
             "D2_c4 · ours − sglang bench_serving (%)"]
     assert list(side.columns) == cols
@@ -305,10 +305,10 @@ def test_the_section_puts_the_peer_beside_ours_in_its_definition(run, tmp_path):
     assert row.iloc[0] == theirs and row.iloc[1] == 20.0
     assert row.iloc[2] == pytest.approx(100 * (20.0 - theirs) / theirs)
     assert side.set_index("metric").loc["completed requests"].tolist()[:2] == [4, 4]      # counts stay integers
-    every = perf_map.ours_in_peer_definitions(run)
+    every = pc.ours_in_peer_definitions(run)
     assert list(every.columns) == ["metric", *[f"D2_c4 · ours, {d} def." for d in pc.PEER_DEFINITIONS]]
     assert every.set_index("metric").loc["E2E p50 (ms)"].tolist() == [37.0, 36.0, 35.0, 37.0]
-    notes = perf_map.peer_definition_notes(run)
+    notes = pc.peer_definition_notes(run)
     assert {"TTFT ends", "ITL", "E2E ends", "requests counted"} <= set(notes["aspect"])
     assert "stream tail" in notes.set_index("aspect").loc["E2E ends", "sglang bench_serving (sglang def.)"]
 
@@ -335,10 +335,10 @@ def test_resume_replays_stored_search_points(run):
 def test_an_unreadable_peers_folder_is_a_note_not_a_failed_phase(run, tmp_path):
     pc.import_into_run(run, [sglang_file(tmp_path)])
     (run / "peers" / "files" / "bs.jsonl").unlink()
-    t = perf_map.peer_files(run)
+    t = pc.peer_files(run)
     assert t.shape == (1, 1) and t.iloc[0, 0].startswith("peers/ of this run could not be read: ")
     assert "bs.jsonl: no such file" in t.iloc[0, 0]
-    assert perf_map.peer_side_by_side(run) is None and perf_map.ours_in_peer_definitions(run) is None
+    assert pc.peer_side_by_side(run) is None and pc.ours_in_peer_definitions(run) is None
 
 
 def test_the_json_table_keeps_an_unlimited_rate(run, tmp_path):
@@ -350,4 +350,4 @@ def test_the_json_table_keeps_an_unlimited_rate(run, tmp_path):
 
 def test_the_matched_case_carries_its_verdict(run, tmp_path):
     pc.import_into_run(run, [sglang_file(tmp_path)])
-    assert perf_map.peer_files(run)["case_verdict"].tolist() == ["VALID"]
+    assert pc.peer_files(run)["case_verdict"].tolist() == ["VALID"]

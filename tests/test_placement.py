@@ -64,7 +64,7 @@ def test_cpu_ranks_are_placed_from_proc_and_sys():
 def test_phase3_places_the_h200_sample_ranks_beside_the_slow_rank_table(tmp_path):
     import polars as pl
     from servelab.analyse.trace.analysis import analyse
-    from servelab.phases.evidence_section import placement_finding, rank_placement
+    from servelab.report.evidence_section import placement_finding, rank_placement
     from servelab.phases.phase3_timeline import Phase3, alignment_table
     p = Phase3(analyse(H200 / "traces", cache_dir=tmp_path / "c"), pl.DataFrame(), pl.DataFrame(), {})
     p.rank_placement = rank_placement(p.analysis)        # the sample's env.txt: our own topo -m of that machine

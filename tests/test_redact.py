@@ -245,7 +245,7 @@ def test_figure_hover_text_from_data_is_escaped():
     """Plotly reads tags in hover text: a value from a record (a case's rejection reason) goes in escaped, so a
     payload is shown as text (plotly turns the entities back into characters), never read as markup."""
     import pandas as pd
-    from servelab.analyse.prefix_cache import hit_rate_figure
+    from servelab.analyse.prefix_cache_figures import hit_rate_figure
     payload = "<img src=x onerror=alert(1)>"
     m = pd.DataFrame([{"case_id": "H8_hit50", "target_rate": 0.5, "counter_hit_rate": 0.1, "usage_hit_rate": None,
                        "verdict": "REJECTED", "reasons": payload, "tolerance_pp": 5.0}])

@@ -10,14 +10,14 @@ of the same vocabulary agrees with the target about 1 time in 95 (printable-ASCI
 from __future__ import annotations
 
 import re
-from types import SimpleNamespace
 
 import pandas as pd
 import pytest
 
 from servelab.deploy.targets import load_target
 from servelab.analyse.speculative import net_gain
-from servelab.phases.phase9_speculative import run_phase9
+from servelab.phases import phase9_speculative as phase9_module
+from servelab.phases.context import PhaseContext
 
 
 def prom(text: str, name: str, labels: str = "") -> float:
@@ -37,11 +37,13 @@ def per_pos(text: str) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def phase9(llama_server_binary, tmp_path_factory):
     d = tmp_path_factory.mktemp("phase9")
-    ctx = SimpleNamespace(target=load_target("local-tiny"), run_dir=d, phase_dir=d / "phase9", phase="phase9",
-                          notes=[])
-    res = run_phase9(ctx, drafts=["self", "random:1"], num_draft_tokens=3, concurrencies=[1, 3],
-                     output_tokens=96, synth_rates=[0.9, 0.5])
-    return d, res
+    (d / "phase9").mkdir()
+    params = phase9_module.Params.resolve(given={"drafts": ["self", "random:1"], "num_draft_tokens": 3,
+                                                 "concurrencies": [1, 3], "output_tokens": 96,
+                                                 "synth_rates": [0.9, 0.5]}, phase_file_values=False)
+    ctx = PhaseContext(phase="phase9", run_id=d.name, run_dir=d, phase_dir=d / "phase9",
+                       target=load_target("local-tiny"), params=params)
+    return d, phase9_module.run(ctx)
 
 
 @pytest.mark.slow

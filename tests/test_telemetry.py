@@ -15,6 +15,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from contexts import phase_ctx  # noqa: E402
 from servelab.deploy.hosts import LocalHost as BaseLocalHost
 from servelab.measure.telemetry import collectors as C
 from servelab.analyse.telemetry.frames import make_frame
@@ -425,7 +426,6 @@ def test_rdma_presence_needs_a_port_with_counters():
 def test_a_collector_that_did_not_run_is_never_executed(tmp_path, monkeypatch):
     """Phase 2's commands section after a real case: the collector that started is ``executed``; the one whose
     binary is not found is ``planned`` with why it did not run (never EXECUTED)."""
-    from types import SimpleNamespace
     from servelab.core.run import init_run, read_commands
     from servelab.phases.phase2_hardware import log_collectors
     monkeypatch.setenv("SERVELAB_OUTPUTS", str(tmp_path / "outputs"))
@@ -438,7 +438,7 @@ def test_a_collector_that_did_not_run_is_never_executed(tmp_path, monkeypatch):
                              requires=["no-such-tool-xyz"])]
     session = start_telemetry(cdir, [NodePlan(host, specs, node="local")], grace_s=0.2)
     session.stop()
-    log_collectors(SimpleNamespace(run_dir=rdir, phase="phase2"), "idle", cdir, [("local", specs)])
+    log_collectors(phase_ctx(rdir, "phase2"), "idle", cdir, [("local", specs)])
     got = {r.title: r for r in read_commands(rdir, "phase2")}
     assert got["idle sleeper"].label == "executed"
     missing = got["idle gpu-tool (not run)"]

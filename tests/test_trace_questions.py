@@ -7,11 +7,11 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import polars as pl
 import pytest
 
+from contexts import phase_ctx  # noqa: E402
 from servelab.analyse.trace import figures as F
 from servelab.phases import phase3_timeline as phase3
 from servelab.analyse.trace.actions import evidence_actions
@@ -89,8 +89,7 @@ def test_figures(h200):
 
 
 def test_phase3_writes_tables(h200x2: Path, tmp_path: Path):
-    ctx = SimpleNamespace(phase_dir=tmp_path / "phase3", from_samples=False)
-    ctx.phase_dir.mkdir()
+    ctx = phase_ctx(tmp_path / "run", "phase3")
     p = phase3.run_analysis(ctx, str(h200x2 / "traces"))
     q = json.loads((ctx.phase_dir / "trace_questions.json").read_text())
     assert [r["id"] for r in q] == [f"Q{i}" for i in range(1, 11)]
@@ -109,7 +108,7 @@ def test_phase3_sample_mode_uses_data_samples(samples: Path, tmp_path: Path, mon
     if not (samples / "h200x2" / "traces").is_dir():
         pytest.skip("data/samples/h200x2/traces is absent")
     monkeypatch.setenv("SERVELAB_CACHE", str(tmp_path / "cache"))
-    ctx = SimpleNamespace(phase_dir=tmp_path, from_samples=False)
+    ctx = phase_ctx(tmp_path / "run", "phase3")
     p = phase3.run_analysis(ctx, "")
     assert ctx.from_samples and len(p.analysis.rops) == 2
     assert not (samples / "h200x2" / "traces" / ".servelab_cache").exists()   # no cache inside the repo
@@ -172,8 +171,7 @@ def test_phase3_question_and_action_tables_render_names_as_text(h200x2: Path, tm
                                                         b'"' + payload.encode() + b"ncclDevKernel_AllReduce_Sum_bf16_RING_LL")
         name = src.name.replace("-TP-", f"{payload}-TP-")
         (traces / name).write_bytes(gzip.compress(raw, compresslevel=1))
-    ctx = SimpleNamespace(phase_dir=tmp_path / "phase3", from_samples=False)
-    ctx.phase_dir.mkdir()
+    ctx = phase_ctx(tmp_path / "run", "phase3")
     p = phase3.run_analysis(ctx, str(traces))
     q = phase3.questions_table(p)
     assert q.map(lambda v: payload in str(v)).to_numpy().sum() >= 2        # the file name and the kernel name

@@ -77,7 +77,7 @@ def test_side_by_side_table_and_findings_come_from_each_scenarios_windows(views)
 
 def test_the_page_has_one_block_per_scenario(views):
     from types import SimpleNamespace
-    from servelab.phases.scenario_section import scenario_sections, scenarios_table
+    from servelab.report.scenario_section import scenario_sections, scenarios_table
     vs, _ = views
     page = scenario_sections(SimpleNamespace(scenarios=vs)).data
     for v in vs:

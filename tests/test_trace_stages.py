@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import types
 from bisect import bisect_right
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import polars as pl
 import pytest
 from plain import plain_trace
 
+from contexts import phase_ctx  # noqa: E402
 from servelab.analyse.trace import figures as F
 from servelab.analyse.trace import ranks as R
 from servelab.analyse.trace.actions import evidence_actions
@@ -148,7 +148,7 @@ def test_questions_actions_and_page_name_the_stage(slow1, tmp_path: Path):
     assert q["Q7"]["answerable"] and q["Q7"]["answer"].startswith("yes: pipeline stage 1") and "8–31" in q["Q7"]["answer"]
     row = evidence_actions(a).filter(pl.col("evidence").str.contains(STAGE_PROBE)).row(0, named=True)
     assert row["status"] == "triggered" and "stage 0 waits" in row["measured"]
-    ctx = types.SimpleNamespace(phase_dir=tmp_path / "phase", from_samples=False)
+    ctx = phase_ctx(tmp_path / "run", "phase3")
     user = shutil.copytree(d, tmp_path / "capture")     # a user's folder (its parse cache is written beside it)
     p = P.run_analysis(ctx, str(user))                   # the folder with capture.json, as a user would pass it
     tbl = P.stage_table(p)
@@ -157,8 +157,8 @@ def test_questions_actions_and_page_name_the_stage(slow1, tmp_path: Path):
     fnd = P.findings(p, False)
     assert any(f.startswith("Slow pipeline stage: pipeline stage 1") for f in fnd)
     assert P.headline(p)["slow_stage"] == 1
-    assert (tmp_path / "phase" / "trace_stages.csv").is_file()
-    assert (tmp_path / "phase" / "trace_stage_steps.csv").is_file()
+    assert (ctx.phase_dir / "trace_stages.csv").is_file()
+    assert (ctx.phase_dir / "trace_stage_steps.csv").is_file()
     fig = F.stage_steps_figure(a.stage_steps, a.stages)
     assert len(fig.data) == 4                            # GPU compute and SendRecv, for each stage
     shapes = [(s.x0, s.x1) for s in fig.layout.shapes]

@@ -25,9 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from servelab.core.params import (ParamError, coerce, notebook_param_specs, parse_overrides, resolve_phase_params,
-                                  run_phase_checks,
-                                  did_you_mean)
+from servelab.core.params import ParamError, coerce, parse_overrides, run_phase_checks, did_you_mean
 
 from servelab.deploy.targets import available_targets, load_target, target_from_dict
 from servelab.core.notebooks import NOTEBOOKS, available_phases, kernel_manager_class, notebook_path
@@ -37,7 +35,8 @@ from servelab.deploy.target_secrets import (derived_target, launch_over_secrets,
                                             target_dict_with_launch)
 from servelab.core import run as runlib
 from servelab.core import signals
-from servelab.phases import param_checks  # noqa: F401  (registers the phase checks)
+from servelab.measure import param_checks  # noqa: F401  (registers the phase checks)
+from servelab.phases import definition
 from servelab.core.redact import scrub_tree
 from servelab.deploy.attach import check_attached
 from servelab.deploy.engines import engine_for
@@ -45,7 +44,7 @@ from servelab.deploy.server import http_json
 from servelab.deploy.llamacpp_build import ensure_llama_server
 from servelab.deploy.models import gemma_model, tiny_model, TINY_HF_KEY
 from servelab.deploy.sglang_cpu import SGLANG_CPU_PYTHON, SGLANG_VERSION, resolve_sglang_cpu
-from servelab.phases.freeze_end import freeze_end
+from servelab.deploy.freeze_end import freeze_end
 from servelab.report.archive import write_run_index
 
 # phases the demo runs, in order; those without a live meaning locally read data/samples themselves
@@ -123,9 +122,8 @@ class ProgressTail:
 def split_overrides(phase: str, target: str, overrides: dict[str, str]) -> tuple[dict[str, str], dict[str, Any]]:
     """``-p`` keys are phase parameters or, where the phase has no such key, launch settings of the target's
     engine (``-p tp_size=8``). Anything else is an error naming the closest key of either kind."""
-    nb = notebook_path(phase)
     t = load_target(target)
-    phase_keys = set(notebook_param_specs(nb))
+    phase_keys = set(definition(phase).specs())
     launch_keys = engine_for(t.engine).launch_keys()
     phase_over, launch_over = {}, {}
     for k, v in overrides.items():
@@ -152,7 +150,7 @@ def validate(phase: str, target: str, overrides: dict[str, str], run_id: str = "
     ``capture_at``)."""
     nb = notebook_path(phase)
     phase_over, _ = split_overrides(phase, target, overrides)
-    params = resolve_phase_params(nb, phase.split("_")[0], overrides=phase_over)
+    params = definition(phase).resolve(overrides=phase_over).as_dict()
     t = load_target(target)
     if t.attached:
         check_attached(t, phase, params, engine_for(t.engine), http_json)
@@ -186,7 +184,7 @@ def execute_phase(phase: str, target: str, run_id: str, overrides: dict[str, str
     t0_wall = time.time() - 2.0        # files written from here on are scrubbed (2 s: coarse modification times)
     phase_over, launch_over = split_overrides(phase, target, overrides)
     key = phase.split("_")[0]
-    specs = notebook_param_specs(nb)
+    specs = definition(phase).specs()
     params: dict[str, Any] = {k: coerce(specs[k], v, "-p") for k, v in phase_over.items()}
     rdir = runlib.init_run(run_id, load_target(target).name)
     kernel_env: dict[str, str] = {}
@@ -521,7 +519,7 @@ def cmd_archive(args: argparse.Namespace) -> int:
 def cmd_case(args: argparse.Namespace) -> int:
     """Re-run one measured case from its recorded meta as a new attempt; one line for its verdict, one for its
     folder (stdout). A case that cannot be re-run is a ParamError (exit 2) before anything starts."""
-    from servelab.phases.case_rerun import read_recipe, rerun_case
+    from servelab.measure.case_rerun import read_recipe, rerun_case
     recipe = read_recipe(args.run_id, args.case_id)
     target = load_target(args.target or recipe.target)                 # validated before anything starts
     for note in recipe.notes:
@@ -579,9 +577,9 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def cmd_params(args: argparse.Namespace) -> int:
-    nb = notebook_path(args.phase)
-    for s in notebook_param_specs(nb).values():
-        print(f"{s.name:28s} {s.type_name:6s} = {s.default!r:24s} # {s.help}")
+    defn = definition(args.phase)      # the parameters cell it writes out, or one line per parameter
+    print(defn.cell_source() if args.cell else "\n".join(f"{s.name:28s} {s.type_name:6s} = {s.default!r:24s} # {s.help}"
+                                                          for s in defn.specs().values()))
     return 0
 
 
@@ -655,6 +653,7 @@ def build_parser() -> argparse.ArgumentParser:
     im.set_defaults(fn=cmd_import)
     pp = sub.add_parser("params", help="a phase's parameters, types and defaults")
     pp.add_argument("phase")
+    pp.add_argument("--cell", action="store_true", help="print the notebook's parameters cell this definition makes")
     pp.set_defaults(fn=cmd_params)
     b = sub.add_parser("build", help="build and cache llama-server and the local models")
     b.add_argument("--tiny-only", action="store_true", help="only the tiny test model, not Gemma-3-270M")

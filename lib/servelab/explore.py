@@ -257,7 +257,7 @@ def mime_table(df: pd.DataFrame) -> dict[str, Any]:
             "data": {"text/html": table_html(df), "text/plain": f"table: {len(df)} rows × {len(df.columns)} columns"}}
 
 
-def mime_figure(fig: Any) -> dict[str, Any]:
+def figure_mime(fig: Any) -> dict[str, Any]:
     """A display_data output of a plotly figure (JupyterLab's plotly renderer draws it)."""
     spec = json.loads(fig.to_json())
     title = (fig.layout.title.text or "figure") if fig.layout.title else "figure"
@@ -332,7 +332,7 @@ def explorer(root: Path | None = None, run_id: str | None = None) -> Any:
             return
         row = choices.set_index("case_id").loc[case_dd.value]
         table, fig = case_view(run_dir(), case_dd.value, def_dd.value)
-        out_case.outputs = (mime_table(table), mime_figure(fig))
+        out_case.outputs = (mime_table(table), figure_mime(fig))
         text = f"{case_dd.value} · {row['phase']} · {row['verdict']}"
         if row["verdict"] != "VALID":
             none = "" if (choices["verdict"] == "VALID").any() else "no VALID case in this run; "
@@ -351,7 +351,7 @@ def explorer(root: Path | None = None, run_id: str | None = None) -> Any:
             return
         rank = None if rank_dd.value in (None, -1) else int(rank_dd.value)
         fig, text = timeline_view(a, rank, (lo, hi))
-        out_trace.outputs = (mime_figure(fig),)
+        out_trace.outputs = (figure_mime(fig),)
         readout.value = note_html(text)
         trace_note.value = note_html(f"{trace_dd.label} · {'all ranks' if rank is None else f'rank {rank}'} "
                                      f"of {len(a.rops)} · parsed traces cached under {trace_cache_dir()}")

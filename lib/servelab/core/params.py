@@ -1,12 +1,15 @@
 """Parameters: targets (where to run) and phase parameters (what to run), validated before anything starts.
 
-A phase's parameters are the typed literals of its notebook's ``parameters`` cell (papermill's own
-contract), layered as: notebook defaults < ``params/<phase>.yaml`` < ``-p key=value`` overrides.
+A phase's parameters are defined once, as a frozen dataclass (a :class:`PhaseParams` subclass named ``Params`` in
+the phase's module): name, type, default, help and the rules written in the help (``[min 1]``). The notebook's
+``parameters`` cell (papermill's contract) is that definition written out (:meth:`PhaseParams.cell_source`; a test
+keeps them equal), ``servelab params`` prints it, ``-p`` is validated against it and the phase's code receives
+one instance of it. Values are layered as: defaults < ``params/<phase>.yaml`` < ``-p key=value`` overrides.
 A target is a YAML file under ``params/targets/``. Unknown keys are errors that name the closest key.
 
 Checks that need more than one parameter or the file system — a folder, file, case, point or run a parameter
 names — are **phase checks**: a function ``check(params) -> None`` registered for its phase with
-:func:`phase_check` (``servelab.phases.param_checks`` holds them) that raises :class:`ParamError` with one line
+:func:`phase_check` (``servelab.measure.param_checks`` holds them) that raises :class:`ParamError` with one line
 saying what to do. :func:`run_phase_checks` runs them on the resolved parameters (with ``target``, the target's
 name), from ``servelab run`` (before a run folder or a kernel exists) and from the notebook (``open_phase``), so
 both refuse the same inputs the same way.
@@ -18,9 +21,9 @@ import difflib
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar, TypeVar
 
 import yaml
 
@@ -226,19 +229,98 @@ def phase_file(phase: str) -> Path:
 
 def resolve_phase_params(notebook: Path, phase: str, overrides: dict[str, Any] | None = None,
                          given: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Layer notebook defaults < ``params/<phase>.yaml`` < ``given`` (notebook namespace values that
-    differ from the defaults) < ``overrides``; every key validated and typed."""
-    specs = notebook_param_specs(notebook)
+    """A notebook's own parameters cell, layered like :meth:`PhaseParams.resolve` (for a notebook that is not a
+    phase's: the run explorer)."""
+    return resolve_values(notebook_param_specs(notebook), phase, given, overrides)
+
+
+# ---------------------------------------------------------------- the one definition of a phase's parameters
+
+TYPE_NAMES = ("str", "int", "float", "bool", "list", "dict")
+P = TypeVar("P", bound="PhaseParams")
+
+
+def param(default: Any, help: str = "") -> Any:
+    """One parameter of a :class:`PhaseParams` definition: its default and its help (the constraints in brackets,
+    see :attr:`ParamSpec.rules`). Lists and dicts get a fresh copy per instance."""
+    meta = {"help": help}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _literal(value: Any) -> str:
+    """A default as the notebook's cell writes it: JSON-style strings and containers, Python's True/False."""
+    if isinstance(value, bool):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, list):
+        return "[" + ", ".join(_literal(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_literal(k)}: {_literal(v)}" for k, v in value.items()) + "}"
+    return repr(value)
+
+
+@dataclass(frozen=True)
+class PhaseParams:
+    """The parameters every phase has (``target``, ``run_id``: first in every cell); each phase's ``Params`` adds
+    its own with :func:`param` (and may re-declare these two with its own help). Build one with :meth:`resolve`
+    (validated), read its fields as attributes."""
+    phase: ClassVar[str] = ""            # phase0 ... phase9, set by each phase's definition
+    target: str = param("local", "params/targets/<name>.yaml")
+    run_id: str = param("", "empty: a new run id, target-YYYYmmdd-HHMMSS")
+
+    @classmethod
+    def specs(cls) -> dict[str, ParamSpec]:
+        """Name, type, default and help of every parameter, in the definition's order."""
+        out: dict[str, ParamSpec] = {}
+        for f in fields(cls):
+            default = f.default if f.default is not MISSING else f.default_factory()   # type: ignore[misc]
+            type_name = str(f.type).split("[")[0]
+            if type_name not in TYPE_NAMES:
+                raise TypeError(f"{cls.__name__}.{f.name}: type {f.type} is not one of {TYPE_NAMES}")
+            out[f.name] = ParamSpec(f.name, type_name, default, f.metadata.get("help", ""))
+        return out
+
+    @classmethod
+    def cell_source(cls) -> str:
+        """The notebook's ``parameters`` cell: one ``name: type = literal  # help`` line per parameter."""
+        lines = []
+        for s in cls.specs().values():
+            line = f"{s.name}: {s.type_name} = {_literal(s.default)}"
+            lines.append(f"{line}  # {s.help}" if s.help else line)
+        return "\n".join(lines)
+
+    @classmethod
+    def resolve(cls: type[P], given: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None,
+                phase_file_values: bool = True) -> P:
+        """Defaults < ``params/<phase>.yaml`` < ``given`` (values that differ from the defaults: a notebook's
+        namespace, a test's keywords) < ``overrides`` (``-p``); every key known, typed and within its rules."""
+        return cls(**resolve_values(cls.specs(), cls.phase, given, overrides, phase_file_values))
+
+    def as_dict(self) -> dict[str, Any]:
+        """The values by name, in the definition's order (for the manifest, ``params.json`` and the page)."""
+        return asdict(self)
+
+    def replace(self: P, **changes: Any) -> P:
+        """A copy with ``changes`` (validated like ``-p``)."""
+        return type(self).resolve(given={**self.as_dict(), **changes}, phase_file_values=False)
+
+
+def resolve_values(specs: dict[str, ParamSpec], phase: str, given: dict[str, Any] | None = None,
+                   overrides: dict[str, Any] | None = None, phase_file_values: bool = True) -> dict[str, Any]:
+    """The layering of :meth:`PhaseParams.resolve` on plain specs."""
     resolved = {name: s.default for name, s in specs.items()}
-    pf = phase_file(phase)
-    if pf.exists():
+    pf = phase_file(phase) if phase else None
+    if phase_file_values and pf is not None and pf.exists():
         file_values = yaml.safe_load(pf.read_text()) or {}
         reject_unknown(file_values, set(specs), str(pf))
         for k, v in file_values.items():
             resolved[k] = coerce(specs[k], v, str(pf))
     for k, v in (given or {}).items():
         if k in specs and v != specs[k].default:
-            resolved[k] = coerce(specs[k], v, "notebook parameters")
+            resolved[k] = coerce(specs[k], v, f"{phase or 'phase'} parameters")
     if overrides:
         reject_unknown(overrides, set(specs), f"-p parameters of {phase}")
         for k, v in overrides.items():

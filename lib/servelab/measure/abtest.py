@@ -457,7 +457,7 @@ class ABResult:
     @property
     def drift(self) -> list[str]:
         """``<run>: <node> <what> <before> → <after>`` for each driver, engine, image or weights change between a
-        run's Phase 0 freeze and its run-end freeze (``frozen_end_changes``, :mod:`servelab.phases.freeze_end`)."""
+        run's Phase 0 freeze and its run-end freeze (``frozen_end_changes``, :mod:`servelab.deploy.freeze_end`)."""
         return [f"{r.label}: {c.get('node')} {c.get('what')} {c.get('before')} → {c.get('after')}"
                 for r in self.runs for c in (r.manifest.get("frozen_end_changes") or [])
                 if isinstance(c, dict) and c.get("kind") in FREEZE_MARKING]

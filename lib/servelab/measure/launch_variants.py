@@ -42,7 +42,8 @@ from servelab.deploy.targets import target_from_dict
 from servelab.measure.case_record import repeat_frame, write_case_index
 from servelab.measure.engine_metrics import counter_deltas, parse_text, label_key
 from servelab.measure.correctness import greedy_probe
-from servelab.core.run import now_iso, redact, write_json_atomic, CommandRecord, record_command
+from servelab.core.scope import RunScope
+from servelab.core.run import now_iso, redact, write_json_atomic
 from servelab.deploy.server import RunningServer, http_text, plan_launch, start_server, stop_server
 from servelab.deploy.engines import engine_for
 from servelab.deploy.hosts import ProcessTracker
@@ -207,13 +208,11 @@ def server_cpu_s(srv: RunningServer) -> float | None:
         return None
 
 
-def log_reproduce(ctx: Any, phase_key: str) -> None:
-    """Record how to re-run this phase (label ``reproduce``) in the run's command log."""
-    target = (getattr(ctx, "params", None) or {}).get("target") or ctx.target.name
-    run_id = getattr(ctx, "run_id", "") or Path(ctx.run_dir).name
-    record_command(Path(ctx.run_dir), CommandRecord(
-        label="reproduce", argv=["servelab", "run", phase_key, "--target", str(target), "--run-id", run_id],
-        phase=getattr(ctx, "phase", phase_key), title=f"re-run {phase_key}"))
+def log_reproduce(ctx: RunScope, target: str = "") -> None:
+    """Record how to re-run this phase (label ``reproduce``) in the run's command log; ``target``: as the run was
+    given it (a name or a file), default the target's name."""
+    ctx.log_command("reproduce", ["servelab", "run", ctx.phase, "--target", target or ctx.target.name,
+                                  "--run-id", ctx.run_id], title=f"re-run {ctx.phase}")
 
 
 # ---------------------------------------------------------------- run-like records for abtest

@@ -36,11 +36,12 @@ from typing import Any, Callable
 
 import pandas as pd
 
+from servelab.core.scope import RunScope
 from servelab.core.run import CommandRecord, now_iso, record_command
 from servelab.measure import request_metrics as mx
 from servelab.measure.capture import (DEFAULT_STEPS, CaptureError, CaptureResult, ProfileScenario, capture,
                                       capture_scenarios, worker_trace_written)
-from servelab.measure.capture_point import CapturePoint, at_point
+from servelab.measure.capture_point import CapturePoint, at_point, resolve_capture_point
 from servelab.measure.case_record import INVALID, CaseSummary, read_summary, request_counts, verdict
 from servelab.measure.case_runner import CaseRun
 from servelab.measure.client import ReadLog, parse_stream
@@ -52,6 +53,7 @@ from servelab.deploy.attach import served_topology
 from servelab.deploy.server import RunningServer, engine_info, http_json, start_server, stop_server
 from servelab.measure.launch_variants import delta_of, metrics_snapshot, snapshot_deltas
 from servelab.measure.rank_processes import record_rank_processes
+from servelab.measure.nsys_capture import plan_target_captures
 
 SCENARIO_KIND = {"decode_control": "decode", "mixed_treatment": "mixed", "long_prefill": "prefill",
                  "prefix_hit": "prefix_cache"}
@@ -452,7 +454,7 @@ def capture_one(srv: RunningServer, scenario: ProfileScenario, run_dir: Path, ph
     return ScenarioCapture(scenario, case.dir, res, drive, prep, error)
 
 
-def capture_live(ctx: Any, health_timeout_s: float = 900.0, scenarios: tuple[str, ...] | None = None,
+def capture_live(ctx: RunScope, health_timeout_s: float = 900.0, scenarios: tuple[str, ...] | None = None,
                  seed: int = 0, check: Callable[[ScenarioCapture], str] | None = None,
                  attempts: int = 5, steps: int = DEFAULT_STEPS, at: CapturePoint | None = None) -> list[ScenarioCapture]:
     """Start the target's engine once with its profiler writing under the phase folder, capture every scenario
@@ -497,9 +499,7 @@ def capture_live(ctx: Any, health_timeout_s: float = 900.0, scenarios: tuple[str
                     dest = set_aside(cap, raw, attempt, why)
                     rel = dest.relative_to(ctx.run_dir)
                     rejected.append(f"attempt {attempt}: {why} (kept in {rel})")
-                    notes = getattr(ctx, "notes", None)
-                    if isinstance(notes, list):
-                        notes.append(f"{sc.name} captured again (attempt {attempt + 1} of {attempts}): attempt "
+                    ctx.notes.append(f"{sc.name} captured again (attempt {attempt + 1} of {attempts}): attempt "
                                      f"{attempt} {why}; its case and traces are kept in {rel}")
                 out.append(cap)
         finally:
@@ -557,3 +557,51 @@ def captured_table(caps: list[Any], run_dir: Path) -> pd.DataFrame:
             "attempts": 1 + len(c.rejected), "set_aside": "; ".join(c.rejected),
             "verdict": _verdict_text(Path(c.case_dir)), "error": c.error})
     return pd.DataFrame(rows)
+
+
+# ---------------------------------------------------------------- a phase's live capture, or why not
+
+@dataclass
+class LiveCapture:
+    """What :func:`live_captures` did: the folder the rest of the page analyses ("" = the recorded sample), one row
+    per scenario (what was captured, or why not), every scenario's capture and the Phase 1 point it ran at."""
+    folder: str
+    table: pd.DataFrame
+    captures: list[ScenarioCapture] = field(default_factory=list)
+    point: CapturePoint | None = None
+
+
+def live_captures(ctx: RunScope, capture: bool, trace_dir: str, capture_at: str = "",
+                  scenarios: tuple[str, ...] | None = None, steps: int = DEFAULT_STEPS,
+                  check: Callable[[ScenarioCapture], str] | None = None) -> LiveCapture:
+    """Capture on the target's engine when it can write traces (vLLM, SGLang) and no ``trace_dir`` was given: the
+    four scenarios, one engine start (``measure.live_capture.capture_live``). The capture analysed by the rest of
+    the page is the mixed scenario's (it answers Q10); ``captures`` keeps all of them for the one-clock view.
+    ``scenarios``: which (default all four); ``steps``: each capture's window; ``check``: see :func:`capture_live`.
+
+    ``capture_at`` (checked by the CLI before the run was made): the Phase 1 case whose lengths and concurrency the
+    decode and mixed captures run (``measure.capture_point``); ``point`` keeps it for the page's link.
+    """
+    at = resolve_capture_point(capture_at, ctx.run_id)
+    unused = f"; capture_at={capture_at} not used: nothing was captured" if at is not None else ""
+
+    def not_run(folder: str, reason: str) -> LiveCapture:
+        return LiveCapture(folder, pd.DataFrame([{"capture": "not run", "reason": reason}]))
+    if trace_dir:
+        return not_run(trace_dir, f"analysing the given trace_dir {trace_dir}{unused}")
+    if not capture:
+        return not_run("", f"capture=False{unused}")
+    if not can_capture(ctx.target):
+        return not_run("", f"the {ctx.target.engine} engine has no torch profiler endpoint; use a vLLM or SGLang "
+                           f"target (e.g. local-vllm) for a live capture{unused}")
+    if attached_capture_refusal(ctx.target):
+        return not_run("", attached_capture_refusal(ctx.target))
+    caps = capture_live(ctx, scenarios=scenarios, check=check, steps=steps, at=at)
+    table = captured_table(caps, ctx.run_dir)
+    table.to_csv(ctx.phase_dir / "captures.csv", index=False)
+    mixed = [c for c in caps if c.scenario.name == "mixed_treatment" and c.result is not None]
+    ok = [c for c in caps if c.result is not None]
+    if not ok:
+        raise RuntimeError("no scenario was captured: " + "; ".join(f"{c.scenario.name}: {c.error}" for c in caps))
+    plan_target_captures(ctx.run_dir, ctx.phase, [Path(c.case_dir).name for c in ok], ctx.target)
+    return LiveCapture(str((mixed or ok)[0].profiles), table, caps, at)

@@ -201,17 +201,40 @@ def comm_env(env: dict[str, str] | None) -> dict[str, str]:
     return {k: str(v) for k, v in (env or {}).items() if k.startswith(COMM_ENV_PREFIXES) and not is_secret_name(k)}
 
 
-def plan_runs(nodes: list[Any], bin_dir: str, collectives: list[str] | None = None,
-              sweep: list[str] | dict[str, Any] | None = None,
-              sweep_collectives: list[str] | None = None, repeats: int = 2, min_bytes: str = "8K",
-              max_bytes: str = "64M", factor: int = 2, gpus: int = 0, launcher: list[str] | None = None,
-              ppn: int = 0, per_node: bool = True, cross_node: bool = True, p2p: bool = True, env_check: bool = True,
-              env: dict[str, str] | None = None, timeout_s: float = 300.0, values: dict[str, Any] | None = None,
-              gpus_default: int = 0) -> NcclPlan:
-    """The whole plan for ``nodes`` (``servelab.deploy.spec.Node``: ``name``, ``host``, ``role``, ``gpus``), checked
-    as a whole; :class:`NcclPlanError` names the first problem. ``gpus`` overrides every node's ``gpus``;
-    ``gpus_default`` is used for a node that declares none (planning only); ``env`` is the target's (only its
-    communication variables are passed on)."""
+@dataclass(frozen=True)
+class PlanSettings:
+    """What to run, named as Phase 5's parameters name it: the collectives at the default setting, the sweep
+    (``NCCL_ALGO=Ring``-style entries or ``{variable: [values]}``) over ``sweep_collectives``, ``repeats`` of each,
+    the size range and step factor, the GPUs per node (0: each node's own), the launcher of cross-node runs and its
+    ranks per node, which scopes (per node, cross-node, the GPU-pair matrix), the env check and each run's
+    timeout. ``None`` collectives / sweep / sweep collectives: the defaults."""
+    collectives: list[str] | None = None
+    sweep: list[str] | dict[str, Any] | None = None
+    sweep_collectives: list[str] | None = None
+    repeats: int = 2
+    min_bytes: str = "8K"
+    max_bytes: str = "64M"
+    step_factor: int = 2
+    gpus: int = 0
+    launcher: list[str] = field(default_factory=list)
+    ppn: int = 0
+    per_node: bool = True
+    cross_node: bool = True
+    p2p_matrix: bool = True
+    env_check: bool = True
+    run_timeout_s: float = 300.0
+
+
+def plan_runs(nodes: list[Any], bin_dir: str, settings: PlanSettings | None = None, env: dict[str, str] | None = None,
+              values: dict[str, Any] | None = None, gpus_default: int = 0) -> NcclPlan:
+    """The whole plan of ``settings`` for ``nodes`` (``servelab.deploy.spec.Node``: ``name``, ``host``, ``role``,
+    ``gpus``), checked as a whole; :class:`NcclPlanError` names the first problem. ``gpus_default`` is used for a
+    node that declares none (planning only); ``env`` is the target's (only its communication variables are passed
+    on)."""
+    s = settings or PlanSettings()
+    collectives, sweep, sweep_collectives, repeats = s.collectives, s.sweep, s.sweep_collectives, s.repeats
+    min_bytes, max_bytes, factor, gpus, launcher, ppn = s.min_bytes, s.max_bytes, s.step_factor, s.gpus, s.launcher, s.ppn
+    per_node, cross_node, p2p, env_check, timeout_s = s.per_node, s.cross_node, s.p2p_matrix, s.env_check, s.run_timeout_s
     if not bin_dir or not str(bin_dir).strip():
         raise NcclPlanError("no nccl-tests folder given: set nccl_tests_bin to the folder holding all_reduce_perf & co "
                             "on every node")
@@ -430,10 +453,11 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     node = Node(name="local", kind="local", gpus=a.gpus)
     try:
-        plan = plan_runs([node], str(Path(a.bin_dir).resolve()), a.collectives.split(","),
-                         a.sweep if a.sweep is not None else DEFAULT_SWEEP,
-                         [c for c in a.sweep_collectives.split(",") if c], a.repeats, a.min_bytes, a.max_bytes, a.factor,
-                         p2p=not a.no_p2p, env_check=not a.no_env_check, timeout_s=a.timeout)
+        plan = plan_runs([node], str(Path(a.bin_dir).resolve()), PlanSettings(
+            collectives=a.collectives.split(","), sweep=a.sweep if a.sweep is not None else DEFAULT_SWEEP,
+            sweep_collectives=[c for c in a.sweep_collectives.split(",") if c], repeats=a.repeats,
+            min_bytes=a.min_bytes, max_bytes=a.max_bytes, step_factor=a.factor, p2p_matrix=not a.no_p2p,
+            env_check=not a.no_env_check, run_timeout_s=a.timeout))
         host = LocalHost()
         problems = check_plan(plan, {"local": host})
         if problems:

@@ -574,3 +574,81 @@ def definition_notes() -> pd.DataFrame:
     which output tokens and which requests count, the percentile method, the throughput window."""
     return pd.DataFrame([{"aspect": a, **{f"{TOOLS[d]} ({d} def.)": v[d] for d in PEER_DEFINITIONS}}
                          for a, v in DEFINITION_NOTES.items()])
+
+
+# ---------------------------------------------------------------- peers side by side (read when the notebook runs)
+
+def _import_hint(run_dir: Path) -> str:
+    return (f"`servelab import FILE... --run-id {Path(run_dir).name}` brings SGLang bench_serving, `vllm bench serve`, "
+            "AIPerf or guidellm result files into this run; then re-run this phase with `--resume`")
+
+
+def _peers(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, str]:
+    """(peer table, our cases, matches, problem): a ``peers/`` folder that cannot be read is a note on the page,
+    never a failed phase."""
+    try:
+        peers = load_peer_table(run_dir)
+        cases = phase1_cases(run_dir)
+        return peers, cases, match(peers, cases), ""
+    except (pr.ImportFormatError, OSError, ValueError, KeyError) as exc:
+        empty = pd.DataFrame()
+        return empty, empty, empty, f"{PEERS_DIR}/ of this run could not be read: {' '.join(str(exc).split())}"
+
+
+def _whole(df: pd.DataFrame, cols: tuple[str, ...]) -> pd.DataFrame:
+    """Counts and lengths that are whole numbers shown as integers."""
+    out = df.copy()
+    for c in cols:
+        out[c] = pd.Series([int(v) if isinstance(v, float) and v == v and v == int(v) else v for v in out[c]],
+                           index=out.index, dtype=object)
+    return out
+
+
+def peer_files(run_dir: Path) -> pd.DataFrame:
+    """The peer result files imported into this run, one row per benchmark they hold: tool, shape, requests, the
+    case of ours it matches (or the closest one and why not). One line saying how to import when there is none."""
+    peers, _, matches, problem = _peers(run_dir)
+    if problem:
+        return pd.DataFrame({"peers": [problem]})
+    if peers.empty:
+        return pd.DataFrame({"peers": [f"no peer result imported into this run: {_import_hint(run_dir)}"]})
+    return _whole(matches.drop(columns=["peer_row"]),
+                  ("input_len", "output_len", "concurrency", "num_prompts", "completed"))
+
+
+def peer_side_by_side(run_dir: Path) -> pd.DataFrame | None:
+    """For each imported peer result matched to one of our cases: the peer's numbers, ours re-computed from our
+    raw records under the peer's own definition, and the difference (None when nothing was imported)."""
+    peers, cases, matches, problem = _peers(run_dir)
+    if problem or peers.empty:
+        return None
+    if matches["case_id"].isna().all():
+        return pd.DataFrame({"note": ["no imported peer result has the shape of a Phase 1 case of this run "
+                                      "(the table above says why, file by file)"]})
+    try:
+        return side_by_side(peers, matches, cases)
+    except (OSError, ValueError, KeyError) as exc:
+        return pd.DataFrame({"note": [f"our records could not be read: {' '.join(str(exc).split())}"]})
+
+
+def ours_in_peer_definitions(run_dir: Path) -> pd.DataFrame | None:
+    """The matched cases' records in every peer's definition (sglang, vllm, aiperf, guidellm) — or, when no peer
+    matched, the first case that ran; None when nothing was imported."""
+    peers, cases, matches, problem = _peers(run_dir)
+    if problem or peers.empty:
+        return None
+    if cases.empty:
+        return pd.DataFrame({"note": ["no Phase 1 case ran in this run"]})
+    ids = list(dict.fromkeys(matches["case_id"].dropna())) or [cases["case_id"].iloc[0]]
+    try:
+        return ours_in_every_definition(cases, ids)
+    except (OSError, ValueError, KeyError) as exc:
+        return pd.DataFrame({"note": [f"our records could not be read: {' '.join(str(exc).split())}"]})
+
+
+def peer_definition_notes(run_dir: Path) -> pd.DataFrame | None:
+    """Where the four definitions differ, aspect by aspect (None when nothing was imported)."""
+    peers, _, _, problem = _peers(run_dir)
+    if problem or peers.empty:
+        return None
+    return definition_notes()

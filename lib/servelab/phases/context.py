@@ -1,21 +1,22 @@
 """The one call a phase notebook makes after its parameters cell, and the one it makes at the end.
 
-    ctx = open_phase("phase0_manifest", globals())
+    ctx = open_phase(phase0.Params, globals())
     result = phase0.run(ctx)          # every phase module's one entry: run(ctx: PhaseContext) -> PhaseResult
     ...
     finish_phase(ctx, headline=result.headline(), findings=result.findings())
 
-``open_phase`` reads the parameter names from the notebook's own ``parameters`` cell, takes their
-values from the namespace (papermill has injected its overrides there), layers ``params/<phase>.yaml``,
-validates everything, resolves the target, and opens ``outputs/<run_id>/<phase>/``. The same call
-serves the CLI, plain papermill and JupyterLab.
+``open_phase`` takes the values of the phase's parameters (its ``Params`` definition, which the notebook's
+``parameters`` cell writes out) from the namespace (papermill has injected its overrides there), layers
+``params/<phase>.yaml``, validates everything, resolves the target, and opens ``outputs/<run_id>/<phase>/``. The
+same call serves the CLI, plain papermill and JupyterLab; :func:`phase_context` builds one from keywords (tests,
+scripts).
 """
 from __future__ import annotations
 
 import json
 import os
 import signal
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -24,11 +25,11 @@ import pandas as pd
 from servelab.core import run as runlib
 from servelab.core import signals
 from servelab.core.notebooks import notebook_path
-from servelab.core.params import notebook_param_specs, resolve_phase_params, run_phase_checks
-from servelab.phases import param_checks  # noqa: F401  (registers the phase checks)
+from servelab.core.params import PhaseParams, run_phase_checks
+from servelab.core.scope import RunScope
+from servelab.measure import param_checks  # noqa: F401  (registers the phase checks)
 from servelab.report.findings import format_value
 from servelab.report.tables import register_table_display
-from servelab.deploy.spec import Target
 from servelab.deploy.targets import load_target
 from servelab.deploy.attach import check_phase
 from servelab.deploy.engines import engine_for
@@ -46,40 +47,17 @@ class PhaseResult(Protocol):
     def findings(self) -> list[str]: ...
 
 
-@dataclass
-class PhaseContext:
-    """Everything a phase notebook needs: resolved params, target, and where to write."""
-    phase: str
-    run_id: str
-    run_dir: Path
-    phase_dir: Path
-    params: dict[str, Any]
-    target: Target
-    started: str
-    from_samples: bool = False
-    notes: list[str] = field(default_factory=list)
-    # where the page's numbers come from (report.run_summary.SOURCE_KINDS): live / samples / model, each with what
-    sources: list[dict[str, str]] = field(default_factory=list)
-
-    def add_source(self, kind: str, what: str) -> None:
-        """Say where (part of) this phase's numbers come from: ``live`` (measured on the target), ``samples``
-        (recorded sample data: which) or ``model`` (a model: which). The run summary and the top of the page show
-        it; a phase that says nothing is ``live`` (or ``samples`` when ``from_samples`` is set)."""
-        if kind not in ("live", "samples", "model"):
-            raise ValueError(f"source kind must be live, samples or model, got {kind!r}")
-        entry = {"kind": kind, "what": what}
-        if entry not in self.sources:
-            self.sources.append(entry)
+@dataclass(kw_only=True)
+class PhaseContext(RunScope):
+    """A run scope (:class:`servelab.core.scope.RunScope`) with the phase's typed, validated parameters and the
+    moment it opened."""
+    params: PhaseParams
+    started: str = ""
 
     def params_table(self) -> pd.DataFrame:
         """The resolved parameters as a two-column table (for the page; no Python reprs)."""
         return pd.DataFrame([{"parameter": k, "value": format_value(v) if v not in ("", [], {}) else "(default)"}
-                             for k, v in self.params.items()])
-
-    def case_dir(self, case_id: str) -> Path:
-        d = self.run_dir / "cases" / case_id
-        d.mkdir(parents=True, exist_ok=True)
-        return d
+                             for k, v in self.params.as_dict().items()])
 
 
 def papermill_output(pid: int | None = None) -> Path | None:
@@ -129,49 +107,49 @@ def stop_on_sigterm() -> None:
     signals.stop_on((signal.SIGTERM,), only_default=False)
 
 
-def open_phase(notebook_name: str, namespace: dict[str, Any]) -> PhaseContext:
-    """Validate parameters, resolve the target and open the run directory (no other side effect besides the
-    SIGTERM handler of :func:`stop_on_sigterm`)."""
+def open_phase(definition: type[PhaseParams], namespace: dict[str, Any]) -> PhaseContext:
+    """Validate the parameters of ``definition`` (the phase's ``Params``; values from ``namespace``, the notebook's
+    globals), resolve the target and open the run directory (no other side effect besides the SIGTERM handler of
+    :func:`stop_on_sigterm`)."""
     stop_on_sigterm()
     import plotly.io as pio
     # papermill + nbconvert can only render this mimetype pair offline (plotly.js inlined once)
     pio.renderers.default = "plotly_mimetype+notebook"
-    import pandas as pd
     pd.set_option("display.max_colwidth", 160)
     pd.set_option("display.max_rows", 200)
-    phase = notebook_name.split("_")[0]
+    given = {k: namespace[k] for k in definition.specs() if k in namespace}
+    ctx = phase_context(definition.resolve(given=given))
+    executed = papermill_output() or jupyter_notebook()
+    if executed is not None:       # plain papermill, JupyterLab: `servelab render RUN_ID` takes the notebook from here
+        runlib.update_manifest(ctx.run_dir, phases={ctx.phase: {**runlib.read_manifest(ctx.run_dir)["phases"][ctx.phase],
+                                                                "executed_notebook": str(executed)}})
+    return ctx
+
+
+def phase_context(params: PhaseParams) -> PhaseContext:
+    """The context of one phase run with these (resolved) parameters: the target resolved and checked for the
+    phase (an attached target refuses a phase that needs a restart), the parameters' own checks run, then the run
+    folder and the phase folder opened and the phase recorded as running."""
+    phase = params.phase
     nb = notebook_path(phase)
-    specs = notebook_param_specs(nb)
-    given = {k: namespace[k] for k in specs if k in namespace}
-    params = resolve_phase_params(nb, phase, given=given)
-    given_target = params.get("target") or "local"          # a name or a target file's path, as servelab run had it
+    given_target = params.target or "local"          # a name or a target file's path, as servelab run had it
     target = load_target(given_target)
-    check_phase(target, phase, params, engine_for(target.engine))     # attached: a restart is refused here
-    run_phase_checks(phase, {**params, "target": given_target})     # before the run folder is made
-    run_id = params.get("run_id") or os.environ.get("SERVELAB_RUN_ID") or runlib.new_run_id(target.name)
+    values = params.as_dict()
+    check_phase(target, phase, values, engine_for(target.engine))     # attached: a restart is refused here
+    run_phase_checks(phase, {**values, "target": given_target})     # before the run folder is made
+    run_id = params.run_id or os.environ.get("SERVELAB_RUN_ID") or runlib.new_run_id(target.name)
     rdir = runlib.init_run(run_id, target.name)
     pdir = rdir / phase
     pdir.mkdir(parents=True, exist_ok=True)
     # every table on the page: units in headers, counts as integers, no index, split to fit, long ones as files
     register_table_display(pdir / "tables")
     started = runlib.now_iso()
-    params = {**params, "run_id": run_id}
-    entry = {"status": "running", "started": started, "params": params, "notebook": nb.name}
-    executed = papermill_output() or jupyter_notebook()
-    if executed is not None:       # plain papermill, JupyterLab: `servelab render RUN_ID` takes the notebook from here
-        entry["executed_notebook"] = str(executed)
+    params = params.replace(run_id=run_id)
+    entry = {"status": "running", "started": started, "params": params.as_dict(), "notebook": nb.name}
     runlib.update_manifest(rdir, phases={phase: entry})
-    runlib.write_json_atomic(pdir / "params.json", runlib.redact(params))
+    runlib.write_json_atomic(pdir / "params.json", runlib.redact(params.as_dict()))
     return PhaseContext(phase=phase, run_id=run_id, run_dir=rdir, phase_dir=pdir, params=params,
                         target=target, started=started)
-
-
-def log_command(ctx: PhaseContext, label: str, argv: list[str], title: str = "", unique: bool = False,
-                **kw: Any) -> runlib.CommandRecord:
-    """Record a command of this phase (``executed`` / ``reproduce`` / ``planned``); ``unique``: not again when the
-    same label and argv are already recorded for the phase."""
-    return runlib.record_command(ctx.run_dir, runlib.CommandRecord(label=label, argv=list(argv), phase=ctx.phase,
-                                                                   title=title, **kw), unique=unique)
 
 
 def finish_phase(ctx: PhaseContext, status: str = "success", headline: dict[str, Any] | None = None,

@@ -1,29 +1,45 @@
 """Phase 0 — freeze the environment: what exactly is running, on every node, before and after.
 
-``run_phase0`` does the whole phase inside one ``ProcessTracker`` (the engine is always stopped, even
-on failure or Ctrl-C) and returns the tables the notebook shows. Raw probe outputs are written under
-``<run>/phase0/raw/<node>/`` and the facts into ``manifest.json`` (hosts, engine, model).
+``run(ctx)`` is the phase: the preflight, the facts and the freeze before, the engine started inside one
+``ProcessTracker`` (always stopped, even on failure or Ctrl-C), the facts and the freeze after; it returns the
+tables the notebook shows. Raw probe outputs are written under ``<run>/phase0/raw/<node>/`` and the facts into
+``manifest.json`` (hosts, engine, model).
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pandas as pd
 
+from servelab.core.params import PhaseParams, param
 from servelab.deploy import hosts as hostlib
 from servelab.deploy.engines import engine_for
-from servelab.deploy.facts import (NodeFreeze, freeze_summary, collect_facts, engine_env, freeze_node, gguf_facts,
+from servelab.deploy.facts import (NodeFreeze, collect_facts, engine_env, freeze_node, gguf_facts,
                                    nccl_env, port_snapshot, process_snapshot, snapshot_diff, weights_fingerprint)
-from servelab.phases.context import PhaseContext, log_command
+from servelab.phases.context import PhaseContext
 from servelab.core.run import read_manifest, redact, update_manifest, write_json_atomic
 from servelab.deploy.preflight import PreflightFailed, PreflightReport, ensure_preflight, fingerprint
 from servelab.deploy.attach import ATTACH_NOTE, endpoint_facts
 from servelab.deploy.server import (connect_nodes, engine_info, http_json, http_text, is_healthy, plan_launch,
                                     rank_environments, start_server, stop_server, version_argv)
 from servelab.report.banner import banner
+from servelab.deploy.freeze_tables import (changes_table, freeze_notes, freeze_table, frozen_manifest, packages_table,
+                                           state_table, weights_table)
+
+
+@dataclass(frozen=True)
+class Params(PhaseParams):
+    """Phase 0's parameters, defined once: the notebook's ``parameters`` cell is this definition
+    written out (``servelab params phase0 --cell``); ``-p`` and ``params/phase0.yaml`` are checked against it."""
+    phase: ClassVar[str] = "phase0"
+    start_engine: bool = param(True, "start the engine to record its live settings; False: the launch command is only planned")
+    health_timeout_s: float = param(900.0, "how long to wait for the engine's health probe [above 0]")
+    rehash_after: bool = param(False,
+        "after the run, hash every model file again (default: only files whose size, mtime, ctime or inode "
+        "changed)")
 
 
 @dataclass
@@ -169,8 +185,8 @@ def descendants(procs: pd.DataFrame, roots: dict[str, int]) -> pd.DataFrame:
 def preflight(ctx: PhaseContext) -> PreflightReport:
     """The preflight on every node (``docs/method.md#preflight``), run afresh — Phase 0 freezes the environment —
     and recorded in ``manifest["preflight"]`` (the later phases of this run reuse it) and ``preflight.csv``.
-    Returns the report even when a required check failed: the page shows the table, then :func:`run_phase0`
-    refuses to go on."""
+    Returns the report even when a required check failed: the page shows the table, then :func:`run` refuses
+    to go on."""
     if ctx.target.attached and not ctx.target.nodes_given:      # no node of its own to check
         return PreflightReport(ctx.target.name, fingerprint(ctx.target), [])
     hosts = connect_nodes(ctx.target)
@@ -193,7 +209,7 @@ def _record_freeze_commands(ctx: PhaseContext, frozen: NodeFreeze) -> None:
                 any("metadata.distributions" in str(a) for a in r.argv) else
                 f"model files ({'list' if 'list' in r.argv else 'sha256'})" if any("hashlib" in str(a) for a in r.argv)
                 else "executable sha256" if "servelab-sha256" in r.argv else "engine version")
-        log_command(ctx, "executed", r.argv, title=f"freeze {frozen.moment}: {what} on {frozen.node}", host=frozen.node,
+        ctx.log_command("executed", r.argv, title=f"freeze {frozen.moment}: {what} on {frozen.node}", host=frozen.node,
                     exit_code=r.exit_code, start=r.start, end=r.end)
 
 
@@ -213,129 +229,176 @@ def freeze_nodes(ctx: PhaseContext, nodes: dict[str, Any], plans: list[Any], mod
 
 
 def run(ctx: PhaseContext) -> Phase0Result:
-    """Phase 0's entry (the phase contract): the preflight this run recorded for the target (the notebook's
-    :func:`preflight` step; run here when it has not run), then :func:`run_phase0` with the ``start_engine`` and
-    ``health_timeout_s`` and ``rehash_after`` parameters."""
+    """Phase 0's entry (the phase contract), from the notebook's parameters (``ctx.params``): the preflight this run
+    recorded for the target (the notebook's :func:`preflight` step; run here when it has not run) — a failed required
+    check stops here, before anything starts; on an attached server :func:`attached_phase0`; else every node's facts
+    and freeze before (:func:`_take_before`), the engine started, recorded and stopped — only planned without
+    ``start_engine`` (:func:`_run_engine`), the facts, the freeze and the processes left after (:func:`_take_after`),
+    then the tables and the manifest (:func:`_write`)."""
+    p = ctx.params
     rec = read_manifest(ctx.run_dir).get("preflight") or {}
     pre = (PreflightReport.from_manifest(rec) if rec.get("fingerprint") == fingerprint(ctx.target) and rec.get("checks")
            else preflight(ctx))
-    return run_phase0(ctx, start_engine=ctx.params["start_engine"], health_timeout_s=ctx.params["health_timeout_s"],
-                      preflight=pre, rehash_after=ctx.params["rehash_after"])
-
-
-def run_phase0(ctx: PhaseContext, start_engine: bool = True, health_timeout_s: float = 900.0,
-               preflight: PreflightReport | None = None, rehash_after: bool = False) -> Phase0Result:
-    """Collect the Phase 0 facts on every node; freeze the engine's image, packages, commit and the model's
-    checksums; start the engine, record how it runs, stop it, verify cleanup; take the facts and the freeze again
-    after (``rehash_after``: hash every model file again, not only those whose size, mtime, ctime or inode changed).
-    A ``preflight`` report with a failed required check stops here, before anything is started."""
-    if preflight is not None and not preflight.passed:
-        raise PreflightFailed(preflight)
+    if not pre.passed:
+        raise PreflightFailed(pre)
     if ctx.target.attached:
-        return attached_phase0(ctx, preflight)
-    target = ctx.target
+        return attached_phase0(ctx, pre)
+    before = _take_before(ctx)
+    engine = _run_engine(ctx, p, before)
+    result = _take_after(ctx, p, pre, before, engine)
+    _write(ctx, result, before, engine)
+    return result
+
+
+@dataclass
+class _Before:
+    """The nodes (connected; :func:`_take_after` closes them) and what Phase 0 took on them before the engine."""
+    nodes: dict[str, Any]
+    security: list[dict[str, Any]]
+    host_keys: list[dict[str, Any]]
+    facts: pd.DataFrame
+    plans: list[Any]                 # the resolved launch: interpreter, image, model path per node
+    model_path: str
+    frozen: dict[str, NodeFreeze]
+    processes: pd.DataFrame
+    ports: pd.DataFrame
+
+
+@dataclass
+class _Engine:
+    """What the engine step recorded: the engine started, asked and stopped — or only its launch planned."""
+    model_path: str
+    processes_started: pd.DataFrame
+    ports_opened: pd.DataFrame
+    info: dict[str, Any] = field(default_factory=dict)
+    server: dict[str, Any] = field(default_factory=lambda: {"started": False})
+    launch_rows: list[dict[str, Any]] = field(default_factory=list)
+    rank_env: pd.DataFrame = field(default_factory=pd.DataFrame)
+
+
+def _take_before(ctx: PhaseContext) -> _Before:
+    """Connect every node: its facts, the launch plan, the freeze, the process and port tables."""
     raw = ctx.phase_dir / "raw"
-    nodes = {n.name: hostlib.connect(n) for n in target.nodes}
+    nodes = {n.name: hostlib.connect(n) for n in ctx.target.nodes}
     security = [{"node": h.name, "accepted_new_host_key": k} for h in nodes.values()
                 for k in getattr(h, "accepted_keys", [])]
     host_keys = [dict(h.host_key, phase=ctx.phase) for h in nodes.values() if getattr(h, "host_key", None)]
     facts = pd.concat([collect_facts(h, raw_dir=raw / name) for name, h in nodes.items()], ignore_index=True)
-    plans, model_path = plan_launch(target)        # the resolved launch: interpreter, image, model path per node
-    frozen_before = freeze_nodes(ctx, nodes, plans, model_path, "before")
-    procs_before = pd.concat([process_snapshot(h) for h in nodes.values()], ignore_index=True)
-    ports_before = pd.concat([port_snapshot(h) for h in nodes.values()], ignore_index=True)
-    launch_rows, info, server_info = [], {}, {"started": False}
-    rank_env = pd.DataFrame()
-    procs_started = pd.DataFrame(columns=procs_before.columns)
-    ports_opened = pd.DataFrame(columns=ports_before.columns)
+    plans, model_path = plan_launch(ctx.target)
+    frozen = freeze_nodes(ctx, nodes, plans, model_path, "before")
+    procs = pd.concat([process_snapshot(h) for h in nodes.values()], ignore_index=True)
+    ports = pd.concat([port_snapshot(h) for h in nodes.values()], ignore_index=True)
+    return _Before(nodes, security, host_keys, facts, plans, model_path, frozen, procs, ports)
+
+
+def _run_engine(ctx: PhaseContext, p: Params, before: _Before) -> _Engine:
+    """``start_engine``: the engine started inside a ``ProcessTracker`` (stopped even on failure or Ctrl-C), its
+    version, endpoints, rank environments, processes and ports recorded, stopped; else its launch only planned."""
+    target, nodes = ctx.target, before.nodes
+    out = _Engine(before.model_path, pd.DataFrame(columns=before.processes.columns),
+                  pd.DataFrame(columns=before.ports.columns))
     with hostlib.ProcessTracker() as tracker:
-        if start_engine:
+        if p.start_engine:
             srv = start_server(target, ctx.phase_dir / "logs", tracker, run_dir=ctx.run_dir, phase=ctx.phase,
-                               health_timeout_s=health_timeout_s, hosts=nodes)
-            model_path = srv.model_path
-            info = engine_info(srv)
+                               health_timeout_s=p.health_timeout_s, hosts=nodes)
+            out.model_path = srv.model_path
+            out.info = engine_info(srv)
             version_cmd = version_argv(srv)
             if version_cmd:
                 v = nodes[target.head.name].run(version_cmd, timeout=30)
-                info["version"] = (v.stdout + v.stderr).strip()
-                log_command(ctx, "executed", version_cmd, title="engine version",
+                out.info["version"] = (v.stdout + v.stderr).strip()
+                ctx.log_command("executed", version_cmd, title="engine version",
                             exit_code=v.exit_code, start=v.start, end=v.end)
-            rank_env = rank_environments(srv)
+            out.rank_env = rank_environments(srv)
             procs_during = pd.concat([process_snapshot(h) for h in nodes.values()], ignore_index=True)
             ports_during = pd.concat([port_snapshot(h) for h in nodes.values()], ignore_index=True)
-            procs_started = descendants(procs_during, {n: h.pid for n, h in srv.handles.items()})
-            ports_opened = snapshot_diff(ports_before, ports_during, ["node", "port"])
-            server_info = {"started": True, "base_url": srv.base_url, "ready_s": round(srv.ready_s, 3),
-                           "healthy_before_stop": is_healthy(srv), "logs": srv.log_paths}
-            launch_rows = [{"node": p.node, "command": p.shell(), "port": p.port, "log": srv.log_paths[p.node]}
-                           for p in srv.plans]
-            server_info.update(stop_server(srv, tracker, run_dir=ctx.run_dir, phase=ctx.phase))
+            out.processes_started = descendants(procs_during, {n: h.pid for n, h in srv.handles.items()})
+            out.ports_opened = snapshot_diff(before.ports, ports_during, ["node", "port"])
+            out.server = {"started": True, "base_url": srv.base_url, "ready_s": round(srv.ready_s, 3),
+                          "healthy_before_stop": is_healthy(srv), "logs": srv.log_paths}
+            out.launch_rows = [{"node": pl.node, "command": pl.shell(), "port": pl.port, "log": srv.log_paths[pl.node]}
+                               for pl in srv.plans]
+            out.server.update(stop_server(srv, tracker, run_dir=ctx.run_dir, phase=ctx.phase))
         else:
-            for p in plans:
-                log_command(ctx, "planned", p.argv, title=f"start {target.engine} on {p.node}", host=p.node,
-                            env=p.env)
-                launch_rows.append({"node": p.node, "command": p.shell(), "port": p.port, "log": "-"})
+            for pl in before.plans:
+                ctx.log_command("planned", pl.argv, title=f"start {target.engine} on {pl.node}", host=pl.node,
+                            env=pl.env)
+                out.launch_rows.append({"node": pl.node, "command": pl.shell(), "port": pl.port, "log": "-"})
+    return out
+
+
+def _take_after(ctx: PhaseContext, p: Params, pre: PreflightReport, before: _Before, engine: _Engine) -> Phase0Result:
+    """The processes the engine started that outlived its stop, the facts and the freeze again (``rehash_after``:
+    every model file hashed again, not only those whose size, mtime, ctime or inode changed); the nodes closed;
+    the tables the notebook shows."""
+    target, nodes = ctx.target, before.nodes
     procs_after = pd.concat([process_snapshot(h) for h in nodes.values()], ignore_index=True)
-    leftovers = snapshot_diff(procs_before, procs_after, ["node", "pid"])
-    started_pids = set(zip(procs_started["node"], procs_started["pid"]))
-    leftovers = leftovers[[(n, p) in started_pids for n, p in zip(leftovers["node"], leftovers["pid"])]]
+    leftovers = snapshot_diff(before.processes, procs_after, ["node", "pid"])
+    started_pids = set(zip(engine.processes_started["node"], engine.processes_started["pid"]))
+    leftovers = leftovers[[(n, pid) in started_pids for n, pid in zip(leftovers["node"], leftovers["pid"])]]
     # a zombie has exited (its parent, the stopped engine, is gone and this machine's init has not reaped it yet):
     # it holds no memory, port or device, so it is not a process left running
     leftovers = leftovers[~leftovers["state"].astype(str).str.startswith("Z")]
-    facts_after = pd.concat([collect_facts(h, raw_dir=raw / name / "after") for name, h in nodes.items()],
-                            ignore_index=True)
-    frozen_after = freeze_nodes(ctx, nodes, plans, model_path, "after", before=frozen_before, rehash=rehash_after)
+    facts_after = pd.concat([collect_facts(h, raw_dir=ctx.phase_dir / "raw" / name / "after")
+                             for name, h in nodes.items()], ignore_index=True)
+    frozen_after = freeze_nodes(ctx, nodes, before.plans, engine.model_path, "after", before=before.frozen,
+                                rehash=p.rehash_after)
     for h in nodes.values():
         h.close()
+    return Phase0Result(
+        facts=before.facts, launch=pd.DataFrame(engine.launch_rows, columns=["node", "command", "port", "log"]),
+        engine=_kv(_engine_rows(target.engine, engine.info), "field"),
+        model=model_facts(engine.model_path, target.is_local, before.frozen.get(target.head.name)),
+        settings=engine_settings(target.launch, target.engine, engine.info), comm_env=nccl_env(target.env),
+        processes_before=before.processes, ports_before=before.ports, processes_started=engine.processes_started,
+        ports_opened=engine.ports_opened, leftovers_after=leftovers, rank_env=engine.rank_env, server=engine.server,
+        preflight=pre, start_engine=p.start_engine, exposure=exposure_warnings(target),
+        exposure_notes=engine_for(target.engine).exposure_notes(target, bool(target.api_key_env)),
+        host_keys=pd.DataFrame(before.host_keys + [{"node": h.name, "host": "this machine", "key_type": "—", "sha256": "—",
+                                                     "check": "no SSH: the node is the machine servelab runs on"}
+                                                    for h in nodes.values() if getattr(h, "kind", "") == "local"],
+                               columns=["node", "host", "key_type", "sha256", "check"]),
+        facts_after=facts_after, frozen_before=before.frozen, frozen_after=frozen_after)
 
-    engine_rows = {"engine": target.engine}
+
+def _engine_rows(engine: str, info: dict[str, Any]) -> dict[str, Any]:
+    """The engine as it reports itself: its version, ``/props`` and ``/server_info`` fields."""
+    rows: dict[str, Any] = {"engine": engine}
     if "version" in info:
-        engine_rows["version"] = info["version"].splitlines()[0] if info["version"] else "-"
+        rows["version"] = info["version"].splitlines()[0] if info["version"] else "-"
     props = info.get("/props") if isinstance(info.get("/props"), dict) else {}
     for k in ("build_info", "model_alias", "model_ftype", "total_slots", "bos_token", "eos_token"):
         if props.get(k) is not None:
-            engine_rows[k] = props[k]
+            rows[k] = props[k]
     if props.get("chat_template") is not None:
-        engine_rows["chat_template"] = "present" if props["chat_template"] else "none (ChatML fallback)"
+        rows["chat_template"] = "present" if props["chat_template"] else "none (ChatML fallback)"
     sinfo = info.get("/server_info") if isinstance(info.get("/server_info"), dict) else {}
     for k in ("version", "model_path", "tp_size", "pp_size", "dp_size", "ep_size"):
         if sinfo.get(k) is not None:
-            engine_rows[f"server_info.{k}"] = sinfo[k]
+            rows[f"server_info.{k}"] = sinfo[k]
+    return rows
 
-    result = Phase0Result(
-        facts=facts, launch=pd.DataFrame(launch_rows, columns=["node", "command", "port", "log"]),
-        engine=_kv(engine_rows, "field"),
-        model=model_facts(model_path, target.is_local, frozen_before.get(target.head.name)),
-        settings=engine_settings(target.launch, target.engine, info), comm_env=nccl_env(target.env),
-        processes_before=procs_before, ports_before=ports_before, processes_started=procs_started,
-        ports_opened=ports_opened, leftovers_after=leftovers, rank_env=rank_env, server=server_info,
-        preflight=preflight, start_engine=start_engine,
-        exposure=exposure_warnings(target),
-        exposure_notes=engine_for(target.engine).exposure_notes(target, bool(target.api_key_env)),
-        host_keys=pd.DataFrame(host_keys + [{"node": h.name, "host": "this machine", "key_type": "—", "sha256": "—",
-                                              "check": "no SSH: the node is the machine servelab runs on"}
-                                             for h in nodes.values() if getattr(h, "kind", "") == "local"],
-                               columns=["node", "host", "key_type", "sha256", "check"]),
-        facts_after=facts_after, frozen_before=frozen_before, frozen_after=frozen_after)
-    write_json_atomic(ctx.phase_dir / "engine_info.json", redact(info))
+
+def _write(ctx: PhaseContext, result: Phase0Result, before: _Before, engine: _Engine) -> None:
+    """``engine_info.json``, the facts, settings, model, freeze and change tables; the manifest's sections."""
+    target, facts = ctx.target, result.facts
+    write_json_atomic(ctx.phase_dir / "engine_info.json", redact(engine.info))
     facts.to_csv(ctx.phase_dir / "facts.csv", index=False)
     result.settings.to_csv(ctx.phase_dir / "settings.csv", index=False)
     result.model.to_csv(ctx.phase_dir / "model.csv", index=False)
-    facts_after.to_csv(ctx.phase_dir / "facts_after.csv", index=False)
+    result.facts_after.to_csv(ctx.phase_dir / "facts_after.csv", index=False)
     for name, table in (("frozen", freeze_table), ("packages", packages_table), ("weights", weights_table),
                         ("state_before_after", state_table), ("changes", changes_table)):
         table(result).to_csv(ctx.phase_dir / f"{name}.csv", index=False)
     changes = changes_table(result)
-    hosts_section = {n: {r["fact"]: r["value"] for _, r in facts[facts["node"] == n].iterrows()} for n in nodes}
-    update_manifest(ctx.run_dir, hosts=hosts_section, security=security, host_keys=host_keys,
-                    exposure=result.exposure,
-                    engine={"name": target.engine, **{k: v for k, v in engine_rows.items()}},
+    hosts_section = {n: {r["fact"]: r["value"] for _, r in facts[facts["node"] == n].iterrows()} for n in before.nodes}
+    update_manifest(ctx.run_dir, hosts=hosts_section, security=before.security, host_keys=before.host_keys,
+                    exposure=result.exposure, engine={"name": target.engine, **_engine_rows(target.engine, engine.info)},
                     model={r["field"]: r["value"] for _, r in result.model.iterrows()},
-                    launch={"plans": launch_rows, "env": target.env, "settings": target.launch},
-                    rank_env=rank_env.to_dict(orient="records"), frozen=frozen_manifest(result.frozen_before),
+                    launch={"plans": engine.launch_rows, "env": target.env, "settings": target.launch},
+                    rank_env=engine.rank_env.to_dict(orient="records"), frozen=frozen_manifest(result.frozen_before),
                     frozen_changes=[f"{r.node}: {r.what} {r.before} -> {r.after}"
                                     for r in changes[changes["kind"] == "frozen"].itertuples()])
-    return result
 
 
 def attached_phase0(ctx: PhaseContext, preflight: PreflightReport | None) -> Phase0Result:
@@ -384,159 +447,6 @@ def attached_phase0(ctx: PhaseContext, preflight: PreflightReport | None) -> Pha
                     not_known=unknown, hosts={n: {r["fact"]: r["value"] for _, r in before[before["node"] == n].iterrows()}
                                               for n in nodes})
     return result
-
-
-# ---------------------------------------------------------------- the freeze, before and after
-
-STATE_FACTS = ("gpu_query", "gpu_list", "gpu_driver", "gpu_topology", "nccl_library", "containers", "docker",
-               "rdma_devices", "netdevs", "addresses")
-
-
-def _changed(a: Any, b: Any) -> str:
-    return "same" if str(a) == str(b) else "CHANGED"
-
-
-def _freeze_items(f: NodeFreeze) -> dict[str, str]:
-    e, w = f.engine, f.weights
-    eng = " ".join(x for x in (e.get("distribution") or e.get("name", ""), e.get("version", "")) if x)
-    items = {}
-    if f.image is not None:
-        items["image"] = str(f.image.get("name") or "-")
-        items["image id"] = str(f.image.get("id") or "not on the node")
-        items["image digest"] = ", ".join(f.image.get("digests") or []) or "-"
-    items.update({
-        "engine": eng or "-",
-        "engine commit": e.get("commit") or "-",
-        "commit from": e.get("commit_source") or "-",
-        "runs as": f"Python {e['python']} {e.get('executable', '')}" if e.get("python") else
-                   (e.get("executable") or "-"),
-        **({"executable sha256": e["executable_sha256"]} if e.get("executable_sha256") else {}),
-        "packages": f"{len(f.packages)} distributions" if len(f.packages) else "-",
-        "model files": f"{len(w)} files, {f.weights_bytes / 2**20:,.1f} MiB" if len(w) else "-",
-        "weights sha256": weights_fingerprint(w) or "-",
-    })
-    return items
-
-
-def freeze_table(result: Phase0Result) -> pd.DataFrame:
-    """Per node: image, image id, engine, its commit (and where it comes from), interpreter, package count, model
-    files and one sha256 over every model file — before the engine started and after it stopped."""
-    rows = []
-    for node, before in result.frozen_before.items():
-        after = result.frozen_after.get(node)
-        b, a = _freeze_items(before), _freeze_items(after) if after is not None else {}
-        for item, v in b.items():
-            rows.append({"node": node, "item": item, "before": v, "after": a.get(item, "not taken"),
-                         "changed": _changed(v, a.get(item, "not taken")) if after is not None else "-"})
-    return pd.DataFrame(rows, columns=["node", "item", "before", "after", "changed"])
-
-
-def packages_table(result: Phase0Result) -> pd.DataFrame:
-    """Every Python distribution the engine's interpreter sees, one row per package, a version column per node
-    before and after, where it was installed from; changed rows first."""
-    frames = []
-    for node, before in result.frozen_before.items():
-        for moment, f in (("before", before), ("after", result.frozen_after.get(node))):
-            if f is None or f.packages.empty:
-                continue
-            frames.append(f.packages.assign(col=f"{node} {moment}"))
-    if not frames:
-        return pd.DataFrame({"note": ["no Python packages read: a compiled engine, or its interpreter could not be "
-                                      "run (see the notes under the freeze table)"]})
-    allp = pd.concat(frames, ignore_index=True)
-    wide = allp.pivot_table(index="package", columns="col", values="version", aggfunc="first").reset_index()
-    cols = [c for c in dict.fromkeys(allp["col"]) if c in wide.columns]
-    src = allp.drop_duplicates("package").set_index("package")
-    wide["installed from"] = wide["package"].map(src["installed_from"])
-    wide["commit"] = wide["package"].map(src["commit"]).replace("", "-")
-    wide["changed"] = wide[cols].astype(str).nunique(axis=1).map(lambda n: "same" if n <= 1 else "CHANGED")
-    wide = wide[["package", *cols, "installed from", "commit", "changed"]].fillna("absent")
-    wide.columns.name = None
-    wide = wide.assign(_same=wide["changed"].eq("same"), _name=wide["package"].str.lower())
-    out = wide.sort_values(["_same", "_name"]).drop(columns=["_same", "_name"]).reset_index(drop=True)
-    out.attrs["max_rows"] = len(out)          # the page lists every package (the method asks for all of them)
-    return out
-
-
-def weights_table(result: Phase0Result) -> pd.DataFrame:
-    """Every model file per node: size, sha256 before and after, how long hashing it took and how the after value
-    was obtained (hashed again, or unchanged size/mtime/ctime/inode since it was hashed)."""
-    rows = []
-    for node, before in result.frozen_before.items():
-        after = result.frozen_after.get(node)
-        amap = {r.file: r for r in after.weights.itertuples()} if after is not None and len(after.weights) else {}
-        for r in before.weights.itertuples():
-            a = amap.get(r.file)
-            rows.append({"node": node, "file": r.file, "size (MiB)": r.bytes / 2**20, "sha256 before": r.sha256,
-                         "hashed in (s)": r.seconds, "sha256 after": a.sha256 if a is not None else "absent",
-                         "after": a.how if a is not None else "file gone",
-                         "changed": _changed(r.sha256, a.sha256) if a is not None else "CHANGED"})
-        for f, a in amap.items():
-            if f not in set(before.weights["file"]):
-                rows.append({"node": node, "file": f, "size (MiB)": a.bytes / 2**20, "sha256 before": "absent",
-                             "hashed in (s)": None, "sha256 after": a.sha256, "after": "new file",
-                             "changed": "CHANGED"})
-    if not rows:
-        notes = [n for f in result.frozen_before.values() for n in (f.notes or []) if "checksum" in n]
-        return pd.DataFrame({"note": notes or ["no model file was hashed"]})
-    out = pd.DataFrame(rows)
-    out.attrs["max_rows"] = len(out)          # every model file's checksum on the page
-    return out
-
-
-def state_table(result: Phase0Result) -> pd.DataFrame:
-    """GPU, container and network state per node (the facts of :data:`STATE_FACTS`) before the engine started and
-    after it stopped."""
-    if result.facts_after.empty:
-        return pd.DataFrame(columns=["node", "fact", "before", "after", "changed"])
-    key = ["node", "fact"]
-    b = result.facts[result.facts["fact"].isin(STATE_FACTS)].set_index(key)
-    a = result.facts_after[result.facts_after["fact"].isin(STATE_FACTS)].set_index(key)
-    rows = []
-    for k in b.index:
-        bv = b.loc[k, "value"] if b.loc[k, "status"] == "ok" else b.loc[k, "status"]
-        av = (a.loc[k, "value"] if a.loc[k, "status"] == "ok" else a.loc[k, "status"]) if k in a.index else "not taken"
-        rows.append({"node": k[0], "group": b.loc[k, "group"], "fact": k[1], "before": bv, "after": av,
-                     "changed": _changed(bv, av)})
-    return pd.DataFrame(rows, columns=["node", "group", "fact", "before", "after", "changed"])
-
-
-def changes_table(result: Phase0Result) -> pd.DataFrame:
-    """Everything that differs between before and after: frozen items, packages and model files (``frozen``: each
-    is a failure of the freeze) and GPU, container and network state (``state``: shown, judged by the reader)."""
-    rows = []
-    ft = freeze_table(result)
-    for r in ft[ft["changed"] == "CHANGED"].itertuples():
-        rows.append({"kind": "frozen", "node": r.node, "what": r.item, "before": r.before, "after": r.after})
-    pt = packages_table(result)
-    if "changed" in pt.columns:
-        for _, r in pt[pt["changed"] == "CHANGED"].iterrows():
-            for node in result.frozen_before:
-                if f"{node} before" in r and str(r[f"{node} before"]) != str(r.get(f"{node} after")):
-                    rows.append({"kind": "frozen", "node": node, "what": f"package {r['package']}",
-                                 "before": r[f"{node} before"], "after": r.get(f"{node} after", "absent")})
-    wt = weights_table(result)
-    if "changed" in wt.columns:
-        for _, r in wt[wt["changed"] == "CHANGED"].iterrows():
-            rows.append({"kind": "frozen", "node": r["node"], "what": f"model file {r['file']}",
-                         "before": r["sha256 before"], "after": r["sha256 after"]})
-    st = state_table(result)
-    for r in st[st["changed"] == "CHANGED"].itertuples():
-        rows.append({"kind": "state", "node": r.node, "what": r.fact, "before": r.before, "after": r.after})
-    return pd.DataFrame(rows, columns=["kind", "node", "what", "before", "after"])
-
-
-def frozen_manifest(frozen: dict[str, NodeFreeze]) -> dict[str, Any]:
-    """What the manifest keeps of the freeze (taken before the engine started), per node: image and image id,
-    engine, commit, interpreter, every package's version and every model file's sha256 — the keys the A/B guard
-    (:func:`servelab.measure.abtest.diff_manifests`) compares between runs."""
-    return {node: freeze_summary(f) for node, f in frozen.items()}
-
-
-def freeze_notes(result: Phase0Result) -> list[str]:
-    """What the freeze could not read, per node and moment, in sentences."""
-    return [f"{f.node} ({f.moment}): {n}" for fr in (result.frozen_before, result.frozen_after)
-            for f in fr.values() for n in (f.notes or [])]
 
 
 def headline(result: Phase0Result) -> dict[str, Any]:

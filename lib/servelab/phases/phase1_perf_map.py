@@ -1,25 +1,25 @@
 """Phase 1 end to end: start the engine, run the quick matrix (+ M1 A/B, + optional concurrency search), stop.
 
-``run_phase1(ctx)`` is the one call of the notebook: the server is started inside a ``ProcessTracker`` and
+``run(ctx)`` is the phase, the one call of the notebook: the server is started inside a ``ProcessTracker`` and
 stopped in ``finally`` — whatever fails, nothing is left running. An OOM restarts the engine before anything
 else is measured (``docs/method.md#oom-restart``) and the restart is recorded; ENGINE_CRASH stops the run and lists the cases not
 executed. Everything goes to ``<run>/cases/<case_id>/`` (raw records, summaries, server metrics),
 ``<run>/summary.csv`` and ``<run>/phase1/`` (matrix, search, frontier, M1 tables).
 
 Every case, once written, gets its ``reproduce`` command on the page: ``servelab case <run_id> <case_id>`` re-runs
-that one case from its recorded ``meta.json`` as a new attempt (:mod:`servelab.phases.case_rerun`).
+that one case from its recorded ``meta.json`` as a new attempt (:mod:`servelab.measure.case_rerun`).
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import pandas as pd
 
 from servelab.analyse.serverside import (m1_stall_sentence, log_join, case_serverside, records_window,
                                          client_vs_server, read_metrics, server_percentiles, side_summary)
-from servelab.measure import request_metrics as mx, peer_compare as pc
+from servelab.measure import request_metrics as mx
 from servelab.measure.case import (SCALES, SUMMARY_KEYS, SUCCESS, CaseEnv, CaseResult, CaseSpec, MatrixResult,
                                    long_decode_sentence, long_decode_table, c1_requests, case_is_done,
                                    load_case_result, make_env, quick_matrix, run_matrix)
@@ -29,19 +29,47 @@ from servelab.core.run import merge_table, write_json_atomic
 from servelab.measure.search import SearchConfig, SearchResult, concurrency_search
 from servelab.analyse import memory as memory_layer
 from servelab.analyse.prefix_cache import memory_breakdown
-from servelab.core.params import ParamError
+from servelab.core.params import param, ParamError, PhaseParams
 from servelab.deploy.engines import engine_for
 from servelab.deploy.hosts import ProcessTracker
 from servelab.deploy.attach import ATTACH_NOTE
 from servelab.deploy.server import engine_info, start_server, stop_server
-from servelab.measure.peer_results import ImportFormatError
 from servelab.measure.records import read_records
-from servelab.phases.case_rerun import case_command
-from servelab.phases.context import PhaseContext, log_command
-from servelab.report import perf_figures as pf
+from servelab.measure.case_rerun import case_command
+from servelab.phases.context import PhaseContext
 from servelab.report.ledger import evidence_frame, record_evidence
 from servelab.report import answers, crosscheck
 from servelab.core.facts import VALID, Fact
+
+
+@dataclass(frozen=True)
+class Params(PhaseParams):
+    """Phase 1's parameters, defined once: the notebook's ``parameters`` cell is this definition
+    written out (``servelab params phase1 --cell``); ``-p`` and ``params/phase1.yaml`` are checked against it."""
+    phase: ClassVar[str] = "phase1"
+    matrix: str = param("quick", "the fixed quick matrix P1-P4, D1, D2, M1 (the only matrix so far) [one of quick]")
+    cases: list = param([], "case ids or scenarios to run, e.g. [\"P1\", \"D2\"]; empty: all")
+    repeats: int = param(1, "1 for quick runs; 3 for milestones, whose CV of output TPS must stay within 3 % [min 1]")
+    min_duration_s: float = param(0.0,
+        "sizing: every case keeps sending until this long AND min_requests were sent (MLPerf LoadGen rule); "
+        "0: 0.5 s local, 5 s cluster")
+    min_requests: int = param(0,
+        "sizing: requests of P1; longer concurrency-1 prompts get fewer by cost (at least 8), concurrent "
+        "cases 2 waves; 0: 100 local, 200 cluster")
+    slo_ttft_ms: float = param(3000.0, "TTFT SLO in ms, compared with P95 in the search; 0: none")
+    slo_tpot_ms: float = param(150.0, "TPOT SLO in ms, compared with P95 in the search; 0: none")
+    search: bool = param(True, "run the concurrency search after the matrix")
+    search_max_concurrency: int = param(32, "the search stops at this concurrency (MAX_CONCURRENCY_REACHED) [min 1]")
+    search_step: int = param(0, "concurrency step after C 1; 0: 16 on a cluster target, 4 on a local one")
+    resume: bool = param(False, "skip cases whose meta.json says success and whose requests.jsonl re-parses")
+    definition: str = param(mx.VLLM_BENCH,
+        "metric definition of the tables and plots: vllm | sglang (both are always computed) [one of vllm, "
+        "sglang]")
+    seed: int = param(0, "workload seed (prompts are unique random token ids)")
+    clients: int = param(1,
+        "client processes each wave is sent from: one schedule split over them, one start instant, raw "
+        "records merged (exact percentiles), each process judged on its own; raise it when one process cannot"
+        " keep up (docs/scaling.md#many-clients) [min 1]")
 
 
 @dataclass
@@ -133,18 +161,18 @@ def percentile_table(result: CaseResult) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def search_config(target: Any, params: dict[str, Any], cases: list[CaseSpec]) -> SearchConfig:
+def search_config(target: Any, params: Params, cases: list[CaseSpec]) -> SearchConfig:
     """The search on the decode shape of D1/D2, its points sized like the matrix's cases (``docs/case.md#sizing``):
     C = 1 sends as many requests as D1, a concurrent point at least two waves, each for ``min_duration_s``."""
     scale = SCALES[getattr(target, "scale", "local")]
-    step = int(params.get("search_step") or (16 if target.scale == "cluster" else 4))
-    nmin = int(params.get("min_requests") or scale["min_requests"])
+    step = int(params.search_step or (16 if target.scale == "cluster" else 4))
+    nmin = int(params.min_requests or scale["min_requests"])
     wt = scale["decode_weight"]
     n1 = c1_requests(scale["D_in"], scale["D_out"], scale["P1"] + wt * 1, nmin, wt)
     return SearchConfig(input_tokens=scale["D_in"], output_tokens=scale["D_out"], step=step,
-                        max_concurrency=int(params.get("search_max_concurrency") or 64),
-                        definition=params.get("definition", mx.VLLM_BENCH), c1_requests=n1,
-                        min_window_s=float(params.get("min_duration_s") or scale["min_window_s"]))
+                        max_concurrency=int(params.search_max_concurrency or 64),
+                        definition=params.definition, c1_requests=n1,
+                        min_window_s=float(params.min_duration_s or scale["min_window_s"]))
 
 
 def resumable(runner: Callable[[CaseEnv, CaseSpec], CaseResult], skipped: list[str]
@@ -163,29 +191,40 @@ def resumable(runner: Callable[[CaseEnv, CaseSpec], CaseResult], skipped: list[s
     return run
 
 
+HEALTH_TIMEOUT_S = 900.0        # how long the engine may take to answer its health probe (not a notebook parameter)
+
+
 def run(ctx: PhaseContext) -> Phase1Result:
-    """Phase 1's entry (the phase contract): :func:`run_phase1` with the notebook's parameters (``ctx.params``)."""
-    return run_phase1(ctx)
-
-
-def run_phase1(ctx: PhaseContext, health_timeout_s: float = 900.0) -> Phase1Result:
-    """Start the engine, run the matrix (and the search), stop the engine; write the phase tables."""
+    """Phase 1's entry (the phase contract), from the notebook's parameters (``ctx.params``): the parameters
+    checked, the quick matrix's cases sized, the engine started, the matrix (and the concurrency search) measured
+    and the engine stopped (:func:`_measure`), M1's A/B, then the phase tables and the recorded answers."""
     p = ctx.params
-    definition = p.get("definition", mx.VLLM_BENCH)
-    if definition not in mx.DEFINITIONS:
-        raise ParamError(f"definition must be one of {mx.DEFINITIONS}, got {definition!r}")
-    if p.get("matrix", "quick") != "quick":
-        raise ParamError(f"matrix: only 'quick' exists (got {p.get('matrix')!r})")
-    cases = quick_matrix(ctx.target, list(p.get("cases") or []), min_duration_s=float(p.get("min_duration_s") or 0),
-                         min_requests=int(p.get("min_requests") or 0))
-    slo = mx.SLO(ttft_ms=p.get("slo_ttft_ms") or None, tpot_ms=p.get("slo_tpot_ms") or None)
-    env_kw = dict(repeats=int(p.get("repeats", 1)), seed=int(p.get("seed", 0)), slo=slo,
-                  progress=bool(p.get("progress", False)), phase=ctx.phase, clients=int(p.get("clients", 1) or 1))
+    if p.definition not in mx.DEFINITIONS:
+        raise ParamError(f"definition must be one of {mx.DEFINITIONS}, got {p.definition!r}")
+    if p.matrix != "quick":
+        raise ParamError(f"matrix: only 'quick' exists (got {p.matrix!r})")
+    cases = quick_matrix(ctx.target, list(p.cases or []), min_duration_s=float(p.min_duration_s or 0),
+                         min_requests=int(p.min_requests or 0))
+    matrix, search, restarts, server = _measure(ctx, p, cases)
+    res = Phase1Result(matrix, p.definition, search, _m1(matrix, p.definition), restarts + matrix.restarts, server)
+    write_phase_tables(ctx.phase_dir, res)
+    res.facts = answers.record_phase1(ctx.run_dir)          # from the tables just written; phase1.json again:
+    write_phase_tables(ctx.phase_dir, res)                  # its headline states the recorded answers
+    return res
+
+
+def _measure(ctx: PhaseContext, p: Params, cases: list[CaseSpec]
+             ) -> tuple[MatrixResult, SearchResult | None, list[dict[str, Any]], dict[str, Any]]:
+    """(matrix, search or None, the OOM restarts, the server as started): the engine started inside a
+    ``ProcessTracker``, the matrix run (an OOM restarts the engine before anything else is measured; an attached
+    server is never restarted) and, with ``search``, the concurrency search; the engine stopped in ``finally``."""
+    slo = mx.SLO(ttft_ms=p.slo_ttft_ms or None, tpot_ms=p.slo_tpot_ms or None)
+    env_kw = dict(repeats=int(p.repeats), seed=int(p.seed), slo=slo, phase=ctx.phase, clients=int(p.clients or 1))
     log_dir = ctx.phase_dir / "server"
     restarts: list[dict[str, Any]] = []
     with ProcessTracker() as tracker:
         holder: dict[str, Any] = {"srv": start_server(ctx.target, log_dir, tracker, run_dir=ctx.run_dir,
-                                                      phase=ctx.phase, health_timeout_s=health_timeout_s)}
+                                                      phase=ctx.phase, health_timeout_s=HEALTH_TIMEOUT_S)}
         try:
             server = {"base_url": holder["srv"].base_url, "engine": ctx.target.engine, "info": engine_info(holder["srv"]),
                       "model_path": holder["srv"].model_path, "ready_s": holder["srv"].ready_s,
@@ -196,34 +235,34 @@ def run_phase1(ctx: PhaseContext, health_timeout_s: float = 900.0) -> Phase1Resu
             def on_oom(old: CaseEnv, res: CaseResult) -> CaseEnv:
                 stop_server(old.srv, tracker, ctx.run_dir, ctx.phase)
                 holder["srv"] = start_server(ctx.target, log_dir, tracker, run_dir=ctx.run_dir, phase=ctx.phase,
-                                             health_timeout_s=health_timeout_s)
+                                             health_timeout_s=HEALTH_TIMEOUT_S)
                 restarts.append({"after": res.case.case_id, "reason": "OOM"})
                 ctx.notes.append(f"engine restarted after OOM in {res.case.case_id} (never measure on after an OOM)")
                 return make_env(holder["srv"], ctx.run_dir, **env_kw)
 
-            log_command(ctx, "reproduce", ["servelab", "run", "phase1", "--target", ctx.target.name, "--run-id",
+            ctx.log_command("reproduce", ["servelab", "run", "phase1", "--target", ctx.target.name, "--run-id",
                                            ctx.run_id, "-p", f"repeats={env.repeats}", "-p", "resume=true"],
                         title="re-run / resume this phase")
             runner = recorded_runner(ctx, dispatch_case)
             # an attached server is never restarted: an OOM there stops the matrix with its reason
-            matrix = run_matrix(env, cases, resume=bool(p.get("resume", False)), case_runner=runner,
+            matrix = run_matrix(env, cases, resume=bool(p.resume), case_runner=runner,
                                 on_oom=None if holder["srv"].attached else on_oom)
             env = env if not restarts else make_env(holder["srv"], ctx.run_dir, **env_kw)
             search = None
-            if p.get("search") and not matrix.aborted:
-                search_runner = resumable(runner, matrix.skipped) if p.get("resume") else runner
+            if p.search and not matrix.aborted:
+                search_runner = resumable(runner, matrix.skipped) if p.resume else runner
                 search = concurrency_search(env, search_config(ctx.target, p, cases), runner=search_runner)
         finally:
             stop_server(holder["srv"], tracker, ctx.run_dir, ctx.phase)
-    m1 = None
+    return matrix, search, restarts, server
+
+
+def _m1(matrix: MatrixResult, definition: str) -> dict[str, Any] | None:
+    """M1's A/B (control against treatment) when both ran and the treatment has a result."""
     by_id = {r.case.case_id: r for r in matrix.results}
     if "M1_control" in by_id and "M1_treatment" in by_id and by_id["M1_treatment"].summaries:
-        m1 = m1_analysis(by_id["M1_control"], by_id["M1_treatment"], definition)
-    res = Phase1Result(matrix, definition, search, m1, restarts + matrix.restarts, server)
-    write_phase_tables(ctx.phase_dir, res)
-    res.facts = answers.record_phase1(ctx.run_dir)          # from the tables just written; phase1.json again:
-    write_phase_tables(ctx.phase_dir, res)                  # its headline states the recorded answers
-    return res
+        return m1_analysis(by_id["M1_control"], by_id["M1_treatment"], definition)
+    return None
 
 
 def recorded_runner(ctx: PhaseContext, runner: Callable[[CaseEnv, CaseSpec], CaseResult]
@@ -235,7 +274,7 @@ def recorded_runner(ctx: PhaseContext, runner: Callable[[CaseEnv, CaseSpec], Cas
             return runner(env, case)
         finally:
             if (Path(env.run_dir) / "cases" / case.case_id / "meta.json").is_file():
-                log_command(ctx, "reproduce", case_command(ctx.run_id, case.case_id),
+                ctx.log_command("reproduce", case_command(ctx.run_id, case.case_id),
                             title=f"re-run case {case.case_id}", unique=True)
     return run
 
@@ -285,12 +324,6 @@ def search_table(res: Phase1Result) -> pd.DataFrame:
         why = "aborted run" if res.aborted else "search=False"
         return pd.DataFrame({"answer": ["search not run"], "detail": [why]})
     return res.search.answers()
-
-
-def frontier_figure(res: Phase1Result) -> Any:
-    if res.search is None:
-        return pf.slo_frontier(pd.DataFrame(), None, res.definition)
-    return pf.slo_frontier(res.search.frontier(), res.search.slo, res.definition)
 
 
 def m1_tables(res: Phase1Result) -> pd.DataFrame:
@@ -354,13 +387,6 @@ def memory_cases(res: Phase1Result, phase_dir: Path) -> tuple[pd.DataFrame, pd.D
     return memory_layer.page_view(table), sources
 
 
-def m1_figure(res: Phase1Result) -> Any:
-    import plotly.graph_objects as go
-    if res.m1 is None:
-        return go.Figure().update_layout(title="M1 did not run: no ITL timeline")
-    return pf.itl_timeline(res.m1)
-
-
 # ---------------------------------------------------------------- the server-side layer (docs/metrics.md#server-side)
 
 def _adapter(case_dir: Path) -> Any:
@@ -385,14 +411,6 @@ def m1_serverside(res: Phase1Result) -> dict[str, Any]:
         except (OSError, ValueError, KeyError):   # a case without its raw files: the page shows the others
             continue
     return out
-
-
-def serverside_figure(res: Phase1Result, sides: dict[str, Any] | None = None) -> Any:
-    """The M1 ITL timeline over the engine's running / queued / KV series and its scheduler lines."""
-    import plotly.graph_objects as go
-    if res.m1 is None:
-        return go.Figure().update_layout(title="M1 did not run: no server-side timeline")
-    return pf.serverside_timeline(res.m1, sides if sides is not None else m1_serverside(res))
 
 
 def serverside_percentiles(res: Phase1Result) -> pd.DataFrame:
@@ -433,84 +451,6 @@ def run_status(res: Phase1Result) -> pd.DataFrame:
     rows += [{"case_id": c, "status": "NOT EXECUTED", "validity": "-", "reasons": res.aborted or "",
               "notes": "", "resumed": False} for c in res.not_executed]
     return pd.DataFrame(rows)
-
-
-# ---------------------------------------------------------------- peers side by side (read when the notebook runs)
-
-def _import_hint(run_dir: Path) -> str:
-    return (f"`servelab import FILE... --run-id {Path(run_dir).name}` brings SGLang bench_serving, `vllm bench serve`, "
-            "AIPerf or guidellm result files into this run; then re-run this phase with `--resume`")
-
-
-def _peers(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, str]:
-    """(peer table, our cases, matches, problem): a ``peers/`` folder that cannot be read is a note on the page,
-    never a failed phase."""
-    try:
-        peers = pc.load_peer_table(run_dir)
-        cases = pc.phase1_cases(run_dir)
-        return peers, cases, pc.match(peers, cases), ""
-    except (ImportFormatError, OSError, ValueError, KeyError) as exc:
-        empty = pd.DataFrame()
-        return empty, empty, empty, f"{pc.PEERS_DIR}/ of this run could not be read: {' '.join(str(exc).split())}"
-
-
-def _whole(df: pd.DataFrame, cols: tuple[str, ...]) -> pd.DataFrame:
-    """Counts and lengths that are whole numbers shown as integers."""
-    out = df.copy()
-    for c in cols:
-        out[c] = pd.Series([int(v) if isinstance(v, float) and v == v and v == int(v) else v for v in out[c]],
-                           index=out.index, dtype=object)
-    return out
-
-
-def peer_files(run_dir: Path) -> pd.DataFrame:
-    """The peer result files imported into this run, one row per benchmark they hold: tool, shape, requests, the
-    case of ours it matches (or the closest one and why not). One line saying how to import when there is none."""
-    peers, _, matches, problem = _peers(run_dir)
-    if problem:
-        return pd.DataFrame({"peers": [problem]})
-    if peers.empty:
-        return pd.DataFrame({"peers": [f"no peer result imported into this run: {_import_hint(run_dir)}"]})
-    return _whole(matches.drop(columns=["peer_row"]),
-                  ("input_len", "output_len", "concurrency", "num_prompts", "completed"))
-
-
-def peer_side_by_side(run_dir: Path) -> pd.DataFrame | None:
-    """For each imported peer result matched to one of our cases: the peer's numbers, ours re-computed from our
-    raw records under the peer's own definition, and the difference (None when nothing was imported)."""
-    peers, cases, matches, problem = _peers(run_dir)
-    if problem or peers.empty:
-        return None
-    if matches["case_id"].isna().all():
-        return pd.DataFrame({"note": ["no imported peer result has the shape of a Phase 1 case of this run "
-                                      "(the table above says why, file by file)"]})
-    try:
-        return pc.side_by_side(peers, matches, cases)
-    except (OSError, ValueError, KeyError) as exc:
-        return pd.DataFrame({"note": [f"our records could not be read: {' '.join(str(exc).split())}"]})
-
-
-def ours_in_peer_definitions(run_dir: Path) -> pd.DataFrame | None:
-    """The matched cases' records in every peer's definition (sglang, vllm, aiperf, guidellm) — or, when no peer
-    matched, the first case that ran; None when nothing was imported."""
-    peers, cases, matches, problem = _peers(run_dir)
-    if problem or peers.empty:
-        return None
-    if cases.empty:
-        return pd.DataFrame({"note": ["no Phase 1 case ran in this run"]})
-    ids = list(dict.fromkeys(matches["case_id"].dropna())) or [cases["case_id"].iloc[0]]
-    try:
-        return pc.ours_in_every_definition(cases, ids)
-    except (OSError, ValueError, KeyError) as exc:
-        return pd.DataFrame({"note": [f"our records could not be read: {' '.join(str(exc).split())}"]})
-
-
-def peer_definition_notes(run_dir: Path) -> pd.DataFrame | None:
-    """Where the four definitions differ, aspect by aspect (None when nothing was imported)."""
-    peers, _, _, problem = _peers(run_dir)
-    if problem or peers.empty:
-        return None
-    return pc.definition_notes()
 
 
 def _num(v: Any, digits: int = 1) -> str:

@@ -17,10 +17,11 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pandas as pd
 
+from servelab.core.params import PhaseParams, param
 from servelab.deploy.hosts import connect, ProcessTracker
 from servelab.measure import request_metrics as mx
 from servelab.core.paths import samples_root
@@ -40,7 +41,7 @@ from servelab.deploy.engines import engine_for
 from servelab.deploy.server import start_server, stop_server
 from servelab.measure.case import EngineCrash, make_env, quick_matrix
 from servelab.measure.matrix import dispatch_case
-from servelab.phases.context import PhaseContext, log_command
+from servelab.phases.context import PhaseContext
 from servelab.report.ledger import evidence_frame, record_evidence
 from servelab.report.findings import format_value
 from servelab.measure.request_metrics import min_samples
@@ -64,6 +65,22 @@ WORKLOAD = (
 )
 LOCAL_CASES = [("idle", 0), ("one_hot_core", 1), ("all_cores", 0)]   # all_cores → os.cpu_count() threads
 FIGURE_METRICS = ["cpu_busy_pct", "hottest_core_busy_pct", "proc_cpu_pct", "util_gpu_pct", "rdma_tx_gbps"]
+
+
+@dataclass(frozen=True)
+class Params(PhaseParams):
+    """Phase 2's parameters, defined once: the notebook's ``parameters`` cell is this definition
+    written out (``servelab params phase2 --cell``); ``-p`` and ``params/phase2.yaml`` are checked against it."""
+    phase: ClassVar[str] = "phase2"
+    run_id: str = param("", "empty : new run")
+    workload: str = param("engine",
+        "engine: Phase 1 cases on the real engine; cpu: synthetic CPU workloads only [one of engine, cpu]")
+    cases: list = param([],
+        "Phase 1 case ids to replay; empty: P3, the highest-concurrency P4 and the middle D2 point of the "
+        "target's scale, D3, D4, M1_control, M1_treatment")
+    case_seconds: float = param(4.0, "length of each local CPU workload window (s) [above 0]")
+    interval_s: float = param(1.0, "sampling interval of the 1 s collectors (whole seconds for sysstat) [above 0]")
+    show_h200_sample: bool = param(True, "also show the recorded 2 x H200 nvidia-smi capture from data/samples")
 
 
 @dataclass
@@ -101,10 +118,10 @@ def run(ctx: PhaseContext) -> Phase2Result:
     the engine (``workload`` engine) or the local CPU workloads under the collectors, their summary, and the
     recorded 2 x H200 capture with its summary when ``show_h200_sample``."""
     p = ctx.params
-    measured = (run_engine_cases(ctx, p["cases"] or None, p["interval_s"]) if p["workload"] == "engine"
-                else run_local_cases(ctx, p["case_seconds"], p["interval_s"]))
+    measured = (run_engine_cases(ctx, p.cases or None, p.interval_s) if p.workload == "engine"
+                else run_local_cases(ctx, p.case_seconds, p.interval_s))
     table = summary(ctx, measured)
-    h200 = h200_sample_cases() if p["show_h200_sample"] else None
+    h200 = h200_sample_cases() if p.show_h200_sample else None
     return Phase2Result(measured, table, h200, sample_summary(ctx, h200) if h200 else None)
 
 
@@ -121,7 +138,7 @@ def collector_plan(ctx: PhaseContext, interval_s: float | None = None) -> pd.Dat
     commands — with the engine's pid, known once it started — are in the commands section as executed.
     ``interval_s`` None: the phase's ``interval_s`` parameter (1 s without one)."""
     if interval_s is None:
-        interval_s = float(ctx.params.get("interval_s", 1.0))
+        interval_s = float(ctx.params.interval_s)
     rows = []
     for node in ctx.target.nodes:
         for s in node_specs(node, 999999, interval_s):
@@ -133,7 +150,7 @@ def collector_plan(ctx: PhaseContext, interval_s: float | None = None) -> pd.Dat
 
 
 def _log(ctx: PhaseContext, label: str, argv: list[str], title: str, **kw: Any) -> None:
-    log_command(ctx, label, display_argv(argv), title=title, **kw)
+    ctx.log_command(label, display_argv(argv), title=title, **kw)
 
 
 def run_local_cases(ctx: PhaseContext, case_seconds: float = 4.0, interval_s: float = 1.0) -> Phase2Run:
@@ -141,8 +158,7 @@ def run_local_cases(ctx: PhaseContext, case_seconds: float = 4.0, interval_s: fl
     cores). Each workload stamps its own busy window (the client's clock); telemetry starts before and
     stops after it. Collectors that fail closed are reported in ``failures`` (the case is kept, marked)."""
     plan = collector_plan(ctx, interval_s)
-    if hasattr(ctx, "add_source"):
-        ctx.add_source("live", "collectors around synthetic CPU workloads on this machine")
+    ctx.add_source("live", "collectors around synthetic CPU workloads on this machine")
     if not ctx.target.is_local:
         for r in plan.itertuples():
             _log(ctx, "planned", r.command.split(), f"telemetry {r.node} {r.collector}",
@@ -227,8 +243,7 @@ def run_engine_cases(ctx: PhaseContext, case_ids: list[str] | None = None, inter
 
 
     plan = collector_plan(ctx, interval_s)
-    if hasattr(ctx, "add_source"):
-        ctx.add_source("live", f"collectors around Phase 1 cases on {ctx.target.name}")
+    ctx.add_source("live", f"collectors around Phase 1 cases on {ctx.target.name}")
     specs_cases = [dataclasses.replace(c, case_id=f"hw-{c.case_id}")
                    for c in quick_matrix(ctx.target, list(case_ids or engine_case_ids(ctx.target)))]
     cases: list[CaseTelemetry] = []
@@ -393,16 +408,9 @@ def sample_summary(ctx: PhaseContext, cases: list[CaseTelemetry]) -> pd.DataFram
     table = compare_cases(pd.concat([summarize_case(c, catalog=cat) for c in cases], ignore_index=True))
     table = table.drop(columns=[c for c in table.columns if c.startswith("worker_")])
     table.to_csv(Path(ctx.phase_dir) / "h200x2_smi_summary.csv", index=False)
-    if hasattr(ctx, "add_source"):
-        ctx.add_source("samples", "a recorded 2 × H200 nvidia-smi capture (data/samples/h200x2-device), shown "
-                                  "beside this target's telemetry")
+    ctx.add_source("samples", "a recorded 2 × H200 nvidia-smi capture (data/samples/h200x2-device), shown "
+                              "beside this target's telemetry")
     return nan_to_dash(table)
-
-
-def sample_figure(cases: list[CaseTelemetry]):
-    return timeseries_figure(cases[0].samples, [c.window for c in cases],
-                             ["util_gpu_pct", "util_mem_pct", "power_w", "sm_clock_mhz", "mem_used_mib"],
-                             title="Recorded 2 x H200 nvidia-smi capture (200 ms samples, workload windows shaded)")
 
 
 def headline(run: Phase2Run, table: pd.DataFrame) -> dict[str, Any]:
@@ -427,7 +435,7 @@ def headline(run: Phase2Run, table: pd.DataFrame) -> dict[str, Any]:
 
 
 __all__ = ["Phase2Run", "collector_plan", "run_local_cases", "summary", "headline_metrics", "questions", "figure",
-           "h200_sample_cases", "read_windows_txt", "sample_summary", "sample_figure", "headline", "NOT_CONFIGURED"]
+           "h200_sample_cases", "read_windows_txt", "sample_summary", "headline", "NOT_CONFIGURED"]
 
 
 # the resources a reader asks "did it rise?" about, with their words and units (findings box)

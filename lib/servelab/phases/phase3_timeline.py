@@ -4,39 +4,76 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Sequence
 
 import pandas as pd
 import polars as pl
 
+from servelab.core.params import PhaseParams, param
 from servelab.core.paths import cache_root, samples_root
 from servelab.analyse.trace.actions import evidence_actions
 from servelab.analyse.topology.placement import with_group_placement, with_placement
 from servelab.analyse.ceiling import ceiling_finding
-from servelab.phases.evidence_section import ceiling_table, placement_finding, rank_placement  # the evidence chain
+from servelab.report.evidence_section import ceiling_table, placement_finding, rank_placement  # the evidence chain
 from servelab.analyse.trace.analysis import CaptureAnalysis, analyse, write_tables
 from servelab.analyse.trace.metrics import dominant_steps
 from servelab.analyse.trace.scenarios import (ScenarioView, analyse_scenarios, answer_capture, case_clock,  # noqa: F401
                                               compare_findings, compare_table, split_q1)
 from servelab.analyse.trace.stalls import OneClock, mixed_window_problem, stall_summary
-from servelab.measure.nsys_capture import plan_target_captures
 from servelab.measure.capture import DEFAULT_STEPS
-from servelab.measure.capture_point import resolve_capture_point
-from servelab.measure.live_capture import attached_capture_refusal, can_capture, capture_live, captured_table
+from servelab.measure.capture_point import CapturePoint
+from servelab.measure.live_capture import ScenarioCapture, live_captures
 from servelab.report.ledger import evidence_frame, record_evidence
 from servelab.analyse.trace.cluster import analyse_on_cluster
 from servelab.deploy.cluster import parse_cluster, require_dask, open_cluster
 from servelab.deploy.hosts import ProcessTracker
 from servelab.core.paths import project_root
 from servelab.phases.context import PhaseContext
-from servelab.phases.nsys_section import NsysImport, nsys_howto, nsys_import, nsys_view  # noqa: F401 (the page's)
-from servelab.phases.scenario_section import (capture_point_note, scenario_sections, scenarios_table,  # noqa: F401
+from servelab.report.nsys_section import NsysImport, nsys_howto, nsys_import, nsys_view  # noqa: F401 (the page's)
+from servelab.report.scenario_section import (capture_point_note, scenario_sections, scenarios_table,  # noqa: F401
                                               subset_findings, subset_table)
 
 SAMPLE_DIR = ("h200x2", "traces")
 SAMPLE_TEXT = ("2 x NVIDIA H200 (NVLink), TP=2 torch-profiler traces of a random-weight 8-layer transformer, recorded "
                "2026-11-29: prefill_step_i (4096 tokens), decode_eager_step_i, decode_graph_step_i (CUDA graph), "
                "mixed_decode_step_i with one mixed_prefill_chunk_8192 injected; files data/samples/h200x2/traces/")
+
+
+@dataclass(frozen=True)
+class Params(PhaseParams):
+    """Phase 3's parameters, defined once: the notebook's ``parameters`` cell is this definition
+    written out (``servelab params phase3 --cell``); ``-p`` and ``params/phase3.yaml`` are checked against it."""
+    phase: ClassVar[str] = "phase3"
+    trace_dir: str = param("", "analyse an existing capture; empty: the bundled sample (data/samples/h200x2/traces)")
+    capture: bool = param(True, "capture live when the target engine writes traces (vLLM, SGLang) and trace_dir is empty")
+    capture_steps: int = param(10,
+        "live capture: engine steps per capture (the method's first pass takes 5-10); the mixed one holds 22 "
+        "more, at most 32 [min 5] [max 32]")
+    scenarios: list = param([],
+        "live capture: only these of the four scenarios; empty: all four [items one of decode_control, "
+        "mixed_treatment, long_prefill, prefix_hit]")
+    capture_at: str = param("",
+        "live capture at a Phase 1 point: a case id of this run (or <run_id>:<case_id>), max_tps, slo_max or "
+        "a search point by its concurrency (docs/method.md#capture-at); the decode and mixed captures take "
+        "its lengths and concurrency; empty: the scale's own")
+    profile_id: str = param("", "when the folder holds several SGLang captures, the profile id to analyse")
+    window_regex: str = param("",
+        "step annotations that define windows; empty: SGLang step[...], *_step_N, *prefill_chunk*, "
+        "ProfilerStep N")
+    top_n: int = param(10, "top kernels listed per window kind [min 1]")
+    min_gap_us: float = param(0.0, "GPU idle gaps shorter than this (µs) are left out of the gap tables")
+    timeline_bins: int = param(600, "time bins per row of the timeline figure (rows with fewer ops draw every op) [min 1]")
+    cluster: str = param("",
+        "parse each rank on the node that holds it: local[:N] (workers here), nodes[:N] (N workers on every "
+        "node of the target) or tcp://HOST:PORT (an existing Dask scheduler); trace_dir is the folder as each"
+        " node sees it; empty: parse in this process")
+    max_capture_gb: float = param(0.0,
+        "over this many GB of rank files, analyse only the first and last TP rank of each node and stage and "
+        "every rank with cross-node collectives or send/recv (the page lists the ranks left out and why); 0: "
+        "every rank [min 0]")
+    nsys_dir: str = param("",
+        "folder of nsys stats CSVs (nsys stats --report cuda_gpu_kern_sum --format csv --output DIR/report "
+        "...) to import; empty: the section says how to make them")
 
 
 def sample_dir() -> Path:
@@ -53,6 +90,8 @@ class Phase3:
     clock: OneClock | None = None
     # what :func:`run` adds (the phase contract): the live capture's table, the nsys import, the page's settings
     captured: pd.DataFrame = field(default_factory=pd.DataFrame)
+    captures: list[ScenarioCapture] = field(default_factory=list)    # every scenario the live capture wrote
+    capture_point: CapturePoint | None = None      # the Phase 1 point the capture ran at (``capture_at``)
     nsys: NsysImport | None = None
     timeline_bins: int = 600
     from_samples: bool = False
@@ -79,27 +118,29 @@ def check_cluster(cluster: str) -> str:
 
 def run(ctx: PhaseContext) -> Phase3:
     """Phase 3's entry (the phase contract), from the notebook's parameters (``ctx.params``): the ``cluster`` checked,
-    the live capture (:func:`live_capture`), the analysis of the captured (or given, or sample) traces
+    the live capture (``measure.live_capture.live_captures``), the analysis of the captured (or given, or sample) traces
     (:func:`run_analysis`) and the nsys import (:func:`nsys_import`)."""
     p = ctx.params
-    cluster = check_cluster(p["cluster"])
-    trace_dir, captured = live_capture(ctx, p["capture"], p["trace_dir"], p["capture_at"])
-    res = run_analysis(ctx, trace_dir, p["window_regex"], p["top_n"], p["min_gap_us"], p["profile_id"], cluster=cluster,
-                       max_capture_gb=float(p["max_capture_gb"]))
-    res.captured = captured
-    run_scenarios(ctx, res, window_regex=p["window_regex"] or None, top_n=int(p["top_n"]),
-                  min_gap_us=float(p["min_gap_us"]), profile_id=p["profile_id"] or None,
-                  max_capture_gb=float(p["max_capture_gb"]))
-    res.timeline_bins = int(p["timeline_bins"])
+    cluster = check_cluster(p.cluster)
+    live = live_captures(ctx, p.capture, p.trace_dir, p.capture_at, scenarios=tuple(p.scenarios) or None,
+                         steps=p.capture_steps or DEFAULT_STEPS, check=mixed_window_check)
+    res = run_analysis(ctx, live.folder, p.window_regex, p.top_n, p.min_gap_us, p.profile_id, cluster=cluster,
+                       max_capture_gb=float(p.max_capture_gb), captures=live.captures)
+    res.captured, res.captures, res.capture_point = live.table, live.captures, live.point
+    run_scenarios(ctx, res, window_regex=p.window_regex or None, top_n=int(p.top_n),
+                  min_gap_us=float(p.min_gap_us), profile_id=p.profile_id or None,
+                  max_capture_gb=float(p.max_capture_gb))
+    res.timeline_bins = int(p.timeline_bins)
     res.from_samples = ctx.from_samples
-    res.nsys = nsys_import(ctx, res, p["nsys_dir"], p["top_n"])
+    res.nsys = nsys_import(ctx, res, p.nsys_dir, p.top_n)
     res.rank_placement = rank_placement(res.analysis, ctx.run_dir)
     res.ceiling, res.ceiling_source = ceiling_table(res.analysis, ctx.run_dir, ctx.phase_dir)
     return res
 
 
 def run_analysis(ctx: PhaseContext, trace_dir: str = "", window_regex: str = "", top_n: int = 10, min_gap_us: float = 0.0,
-                 profile_id: str = "", cluster: str = "", max_capture_gb: float = 0.0) -> Phase3:
+                 profile_id: str = "", cluster: str = "", max_capture_gb: float = 0.0,
+                 captures: Sequence[ScenarioCapture] = ()) -> Phase3:
     """Analyse ``trace_dir`` (empty: the recorded H200 sample, and ``ctx.from_samples`` is set), answer the
     ten questions, apply the evidence → action table and write every table into ``ctx.phase_dir``.
 
@@ -117,22 +158,21 @@ def run_analysis(ctx: PhaseContext, trace_dir: str = "", window_regex: str = "",
         a = _analyse_on_cluster(ctx, cluster, folder, cache_dir, kw)
     else:      # over max_capture_gb: a representative rank subset, every left-out rank said (analyse.trace.subset)
         a = analyse(folder, cache_dir=cache_dir, max_capture_gb=0.0 if ctx.from_samples else max_capture_gb, **kw)
-    q, clock, extra = answer_capture(a, folder, _capture_label(ctx, folder))   # Q10 also from the one clock
-    act = evidence_actions(a, run_dir=getattr(ctx, "run_dir", None))
+    q, clock, extra = answer_capture(a, folder, _capture_label(ctx, folder, captures))   # Q10 also from the one clock
+    act = evidence_actions(a, run_dir=ctx.run_dir)
     extra["actions"] = act
     files = write_tables(a, ctx.phase_dir, extra)
-    if hasattr(ctx, "add_source"):
-        if ctx.from_samples:
-            ctx.add_source("samples", f"2 × H200 torch-profiler traces ({_rel(folder)}), not this run's engine")
-        else:
-            ctx.add_source("live", f"the capture in {folder}")
+    if ctx.from_samples:
+        ctx.add_source("samples", f"2 × H200 torch-profiler traces ({_rel(folder)}), not this run's engine")
+    else:
+        ctx.add_source("live", f"the capture in {folder}")
     return Phase3(a, q, act, files, clock)
 
 
-def _capture_label(ctx: PhaseContext, folder: Path) -> str:
+def _capture_label(ctx: PhaseContext, folder: Path, captures: Sequence[ScenarioCapture] = ()) -> str:
     """How an answer names the capture it comes from: the scenario and its case for a live capture, the sample, or
     the folder given."""
-    for c in getattr(ctx, "captures", None) or []:
+    for c in captures:
         if Path(c.profiles).resolve() == Path(folder).resolve():
             return f"{c.scenario.name} ({Path(c.case_dir).name})"
     return f"recorded sample ({_rel(folder)})" if ctx.from_samples else str(folder)
@@ -144,7 +184,7 @@ def run_scenarios(ctx: PhaseContext, res: Phase3, **kw: Any) -> None:
     ``scenarios/trace_scenario_compare.csv``; the page's Q1 then answers prefill from the long-prefill capture and
     decode from the decode control. Nothing without a live capture (``trace_dir``, the sample)."""
     caps = [{"scenario": c.scenario.name, "case_id": Path(c.case_dir).name, "bound_case_id": c.scenario.case_id,
-             "folder": c.profiles} for c in getattr(ctx, "captures", None) or [] if c.result is not None]
+             "folder": c.profiles} for c in res.captures if c.result is not None]
     if not caps:
         return
     out = ctx.phase_dir / "scenarios"
@@ -407,45 +447,6 @@ def headline(p: Phase3) -> dict[str, Any]:
     out["questions_answered"] = int(p.questions["answerable"].sum())
     out["actions_triggered"] = int((p.actions["status"] == "triggered").sum())
     return out
-
-
-def live_capture(ctx: PhaseContext, capture: bool, trace_dir: str, capture_at: str = "") -> tuple[str, pd.DataFrame]:
-    """Capture on the target's engine when it can write traces (vLLM, SGLang) and no ``trace_dir`` was given: the
-    four scenarios, one engine start (``measure.live_capture.capture_live``). The capture analysed by the rest of
-    the page is the mixed scenario's (it answers Q10); ``ctx.captures`` keeps all of them for the one-clock view.
-
-    ``capture_at`` (checked by the CLI before the run was made): the Phase 1 case whose lengths and concurrency the
-    decode and mixed captures run (``measure.capture_point``); ``ctx.capture_point`` keeps it for the page's link.
-
-    Returns the folder to analyse ("" = the recorded sample) and one row per scenario: what was captured, or why
-    not.
-    """
-    ctx.captures, ctx.capture_point = [], None
-    at = resolve_capture_point(capture_at, ctx.run_id)
-    unused = f"; capture_at={capture_at} not used: nothing was captured" if at is not None else ""
-    if trace_dir:
-        return trace_dir, pd.DataFrame([{"capture": "not run", "reason": f"analysing the given trace_dir {trace_dir}{unused}"}])
-    if not capture:
-        return "", pd.DataFrame([{"capture": "not run", "reason": f"capture=False{unused}"}])
-    if not can_capture(ctx.target):
-        return "", pd.DataFrame([{"capture": "not run",
-                                  "reason": f"the {ctx.target.engine} engine has no torch profiler endpoint; "
-                                            f"use a vLLM or SGLang target (e.g. local-vllm) for a live capture{unused}"}])
-    if attached_capture_refusal(ctx.target):
-        return "", pd.DataFrame([{"capture": "not run", "reason": attached_capture_refusal(ctx.target)}])
-    chosen = tuple(ctx.params.get("scenarios") or ()) or None
-    steps = ctx.params.get("capture_steps") or DEFAULT_STEPS
-    ctx.capture_point = at
-    caps = capture_live(ctx, scenarios=chosen, check=mixed_window_check, steps=steps, at=at)
-    ctx.captures = caps
-    table = captured_table(caps, ctx.run_dir)
-    table.to_csv(ctx.phase_dir / "captures.csv", index=False)
-    mixed = [c for c in caps if c.scenario.name == "mixed_treatment" and c.result is not None]
-    ok = [c for c in caps if c.result is not None]
-    if not ok:
-        raise RuntimeError("no scenario was captured: " + "; ".join(f"{c.scenario.name}: {c.error}" for c in caps))
-    plan_target_captures(ctx.run_dir, ctx.phase, [Path(c.case_dir).name for c in ok], ctx.target)
-    return str((mixed or ok)[0].profiles), table
 
 
 def mixed_window_check(cap: Any) -> str:

@@ -9,24 +9,48 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, ClassVar, Sequence
 
 import pandas as pd
 
 from servelab.analyse.topology import (Cluster, CommInputs, MemoryInputs, ModelConfig, cluster_from_target, comm_summary,
                                        comm_table, feasibility, launch_commands, layout_problems, load_model_config,
                                        measured_comparison, memory_table, param_summary, parse_layout, reference_layouts)
-from servelab.core.params import ParamError
+from servelab.core.params import param, ParamError, PhaseParams
 from servelab.core.paths import path_slug
 from servelab.core.run import read_manifest
 from servelab.deploy.engines import engine_for
 from servelab.deploy.targets import load_target
 from servelab.measure.case import make_env, quick_matrix, run_case
 from servelab.measure.launch_variants import serving, with_launch, write_run_record
-from servelab.phases.context import PhaseContext, log_command
+from servelab.phases.context import PhaseContext
 from servelab.report.banner import banner
 from servelab.report.ledger import evidence_frame, record_evidence
 from servelab.measure.case import SCALES
+
+
+@dataclass(frozen=True)
+class Params(PhaseParams):
+    """Phase 4's parameters, defined once: the notebook's ``parameters`` cell is this definition
+    written out (``servelab params phase4 --cell``); ``-p`` and ``params/phase4.yaml`` are checked against it."""
+    phase: ClassVar[str] = "phase4"
+    target: str = param("local", "params/targets/<name>.yaml where this notebook runs (nothing is launched)")
+    model_config: str = param("deepseek-v3", "params/models/<name>.yaml or a path to an HF config.json")
+    cluster_target: str = param("example-2node", "the cluster whose layouts are modelled (its YAML is only read)")
+    layouts: list = param([], "e.g. TP16, TP8+PP2, TP16+DP2+EP16; empty: the three reference layouts for the cluster")
+    gpu_memory_gib: float = param(95.6, "memory per GPU in GiB (RTX PRO 6000 Blackwell Server 96 GB; H200 141 GB) [above 0]")
+    mem_fraction: float = param(0.0, "share of GPU memory for weights and KV; 0: the cluster target's mem_fraction [max 1]")
+    context_length: int = param(0, "context per request for the KV demand; 0: the cluster target's context_length")
+    concurrency: int = param(16, "requests at full context (KV demand) and tokens per decode step (communication) [min 1]")
+    internode_gbps: float = param(800.0, "rail bandwidth per node in Gbit/s (reference cluster: 2 x 400G RoCE) [above 0]")
+    runs: list = param([], "run ids or folders measured with each layout, the TP16 baseline first")
+    measure_layouts: list = param([],
+        "measure these layouts live on `target` (e.g. TP1, TP2, PP2 on local-sglang), the first is the "
+        "baseline; empty: runs or the model only")
+    measure_cases: list = param([],
+        "quick-matrix cases measured per layout; empty: D1, then D2 at the scale's concurrencies (16, 32, 64 "
+        "on a cluster; 4, 8, 16 locally), the method's test order")
+    measure_repeats: int = param(3, "repeats of each measured case per layout (the noise band needs at least 2) [min 2]")
 
 
 @dataclass
@@ -57,63 +81,77 @@ class Phase4Result:
 
 def run(ctx: PhaseContext) -> Phase4Result:
     """Phase 4's entry (the phase contract), from the notebook's parameters (``ctx.params``): the layouts measured
-    live first when ``measure_layouts`` names some (else the given ``runs``), then :func:`run_phase4` models the
-    layouts on the cluster and compares those runs."""
-    p = ctx.params
-    runs = p["runs"] or (measure_layouts(ctx, p["measure_layouts"], p["measure_cases"], repeats=p["measure_repeats"])
-                         if p["measure_layouts"] else [])
-    return run_phase4(ctx, p["model_config"], p["cluster_target"], layouts=p["layouts"],
-                      gpu_memory_gib=p["gpu_memory_gib"], mem_fraction=p["mem_fraction"] or None,
-                      context_tokens=p["context_length"], concurrency=p["concurrency"], runs=runs,
-                      internode_gbps_per_node=p["internode_gbps"])
+    live first when ``measure_layouts`` names some (else the given ``runs``); the model and the cluster's target
+    YAML read (never connected to); every layout's memory per GPU and feasibility, and its communication per decode
+    step; each valid layout's launch commands recorded as ``planned`` (never executed here); the measured runs
+    compared when there are some; the phase tables written.
 
-
-def run_phase4(ctx: PhaseContext, model_config: str, cluster_target: str, layouts: Sequence[str] = (),
-               gpu_memory_gib: float = 96.0, mem_fraction: float | None = None, context_tokens: int = 0,
-               concurrency: int = 16, decode_tokens: int = 0, runs: Sequence[str] = (),
-               internode_gbps_per_node: float = 800.0) -> Phase4Result:
-    """Phase 4 in one call. Reads the cluster's target YAML (never connects), models every layout, records each
-    layout's launch commands as ``planned`` (never executed here) and compares measured runs when given.
-
-    Defaults from the cluster target: ``mem_fraction`` and ``context_tokens`` from its launch settings;
-    ``decode_tokens`` = ``concurrency``. Writes ``feasibility.csv``, ``memory.csv``, ``comm.csv`` and
-    ``launch_commands.csv`` in the phase folder.
+    ``mem_fraction`` and ``context_length`` left at 0 take the cluster target's launch settings; the tokens per
+    decode step are ``concurrency``. Writes ``feasibility.csv``, ``memory.csv``, ``comm.csv``,
+    ``comm_summary.csv`` and ``launch_commands.csv`` (and ``measured.csv``, ``verdicts.csv``) in the phase folder.
     """
-    cfg = load_model_config(model_config)
-    base = load_target(cluster_target)
+    p = ctx.params
+    runs = p.runs or (measure_layouts(ctx, p.measure_layouts, p.measure_cases, repeats=p.measure_repeats)
+                      if p.measure_layouts else [])
+    cfg = load_model_config(p.model_config)
+    base = load_target(p.cluster_target)
     cluster = cluster_from_target(base)
-    lays = [parse_layout(x) for x in layouts] if layouts else reference_layouts(cluster)
-    mem = MemoryInputs(gpu_memory_gib=gpu_memory_gib,
-                       mem_fraction=mem_fraction if mem_fraction is not None else float(base.launch.get("mem_fraction", 0.88)),
-                       context_tokens=context_tokens or int(base.launch.get("context_length", 32768)),
-                       concurrency=concurrency, kv_cache_dtype=str(base.launch.get("kv_cache_dtype", "auto")))
-    memory = memory_table(cfg, lays, cluster, mem)
+    lays = [parse_layout(x) for x in p.layouts] if p.layouts else reference_layouts(cluster)
+    memory = memory_table(cfg, lays, cluster, _memory_inputs(p, base))
     feas = feasibility(memory)
-    comm_in = CommInputs(tokens=decode_tokens or concurrency, internode_gbps_per_node=internode_gbps_per_node)
+    comm_in = CommInputs(tokens=p.concurrency, internode_gbps_per_node=p.internode_gbps)     # one decode step
     comms = [comm_table(cfg, lay, cluster, comm_in) for lay in lays]
     summary = comm_summary(comms, comm_in)
-    valid = [lay for lay in lays if not layout_problems(cfg, lay, cluster)]
-    launch = launch_commands(base, valid)
-    for _, r in launch.iterrows():
-        log_command(ctx, "planned", r["argv"], title=f"launch {r['layout']} on {r['node']}", host=r["node"],
-                    env=r["env"], note="Phase 4 layout candidate; not executed by this notebook")
+    launch = _plan_launches(ctx, base, [lay for lay in lays if not layout_problems(cfg, lay, cluster)])
     res = Phase4Result(cfg, cluster, param_summary(cfg), memory, feas, comms, summary, launch)
     res.model_note = model_label(cfg, base, ctx.target)
     res.runs = [str(r) for r in runs]
-    if hasattr(ctx, "add_source"):
-        ctx.add_source("model", res.model_note)
-        if runs:
-            ctx.add_source("live", "the measured runs " + ", ".join(map(str, runs)))
+    _record_sources(ctx, res.model_note, runs)
     if runs:
-        res.measured, res.verdicts = measured_comparison(runs, feas, summary)
-        res.measured.to_csv(ctx.phase_dir / "measured.csv", index=False)
-        res.verdicts.to_csv(ctx.phase_dir / "verdicts.csv", index=False)
-    feas.to_csv(ctx.phase_dir / "feasibility.csv", index=False)
-    memory.to_csv(ctx.phase_dir / "memory.csv", index=False)
-    res.comm_all.to_csv(ctx.phase_dir / "comm.csv", index=False)
-    summary.to_csv(ctx.phase_dir / "comm_summary.csv", index=False)
-    launch.drop(columns=["argv", "env"]).to_csv(ctx.phase_dir / "launch_commands.csv", index=False)
+        _compare(ctx, res, runs)
+    _write_tables(ctx, res)
     return res
+
+
+def _memory_inputs(p: Params, base: Any) -> MemoryInputs:
+    """The memory model's inputs: the parameters, ``mem_fraction`` and ``context_length`` left at 0 taking the
+    cluster target's launch settings (``base``)."""
+    return MemoryInputs(gpu_memory_gib=p.gpu_memory_gib,
+                        mem_fraction=p.mem_fraction or float(base.launch.get("mem_fraction", 0.88)),
+                        context_tokens=p.context_length or int(base.launch.get("context_length", 32768)),
+                        concurrency=p.concurrency, kv_cache_dtype=str(base.launch.get("kv_cache_dtype", "auto")))
+
+
+def _plan_launches(ctx: PhaseContext, base: Any, layouts: list[Any]) -> pd.DataFrame:
+    """The launch commands of each valid layout on the cluster target, recorded as ``planned`` (never executed)."""
+    launch = launch_commands(base, layouts)
+    for _, r in launch.iterrows():
+        ctx.log_command("planned", r["argv"], title=f"launch {r['layout']} on {r['node']}", host=r["node"],
+                    env=r["env"], note="Phase 4 layout candidate; not executed by this notebook")
+    return launch
+
+
+def _record_sources(ctx: PhaseContext, model_note: str, runs: Sequence[str]) -> None:
+    """Where the page's numbers come from: the model, and the measured runs when given."""
+    ctx.add_source("model", model_note)
+    if runs:
+        ctx.add_source("live", "the measured runs " + ", ".join(map(str, runs)))
+
+
+def _compare(ctx: PhaseContext, res: Phase4Result, runs: Sequence[str]) -> None:
+    """The measured comparison of ``runs`` against the model (``measured.csv``) and the verdicts (``verdicts.csv``)."""
+    res.measured, res.verdicts = measured_comparison(runs, res.feasibility, res.comm_summary)
+    res.measured.to_csv(ctx.phase_dir / "measured.csv", index=False)
+    res.verdicts.to_csv(ctx.phase_dir / "verdicts.csv", index=False)
+
+
+def _write_tables(ctx: PhaseContext, res: Phase4Result) -> None:
+    """``feasibility.csv``, ``memory.csv``, ``comm.csv``, ``comm_summary.csv`` and ``launch_commands.csv``."""
+    res.feasibility.to_csv(ctx.phase_dir / "feasibility.csv", index=False)
+    res.memory.to_csv(ctx.phase_dir / "memory.csv", index=False)
+    res.comm_all.to_csv(ctx.phase_dir / "comm.csv", index=False)
+    res.comm_summary.to_csv(ctx.phase_dir / "comm_summary.csv", index=False)
+    res.launch.drop(columns=["argv", "env"]).to_csv(ctx.phase_dir / "launch_commands.csv", index=False)
 
 
 def model_label(cfg: ModelConfig, target: Any, run_target: Any = None) -> str:

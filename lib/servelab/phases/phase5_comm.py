@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pandas as pd
 
@@ -18,14 +18,14 @@ from servelab.analyse.nccl import sweep as sw
 from servelab.analyse.nccl.msgsize import model_message_sizes, place_on_curves, from_trace
 from servelab.analyse.ceiling import ceiling_finding, with_ceiling
 from servelab.analyse.nccl.perf_log import NcclTestRun, parse_file, runs_frame, runs_table
-from servelab.core.params import ParamError, did_you_mean
+from servelab.core.params import did_you_mean, param, ParamError, PhaseParams
 from servelab.core.paths import samples_root
 from servelab.measure import gloo_sweep as gs
 from servelab.measure import nccl_tests as nt
 from servelab.core.run import emit_progress, now_iso, read_manifest
 from servelab.deploy.engines import engine_for
 from servelab.deploy.hosts import HostError, ProcessTracker, connect
-from servelab.phases.context import PhaseContext, log_command
+from servelab.phases.context import PhaseContext
 from servelab.report.ledger import evidence_frame, record_evidence
 
 TWO_RAIL_GATE = {"required_hcas": ["mlx5_0", "mlx5_3"], "require": ["NET/IB", "GDRDMA"]}
@@ -37,6 +37,56 @@ SWEEP_SAMPLE_LABEL = ("1 x NVIDIA H200 (NCCL 2.28.9, nccl-tests 2.19.6), recorde
 
 
 # ---------------------------------------------------------------- running nccl-tests on the target
+
+@dataclass(frozen=True)
+class Params(PhaseParams):
+    """Phase 5's parameters, defined once: the notebook's ``parameters`` cell is this definition
+    written out (``servelab params phase5 --cell``); ``-p`` and ``params/phase5.yaml`` are checked against it."""
+    phase: ClassVar[str] = "phase5"
+    run_id: str = param("", "empty : new run")
+    nccl_tests_logs: list = param([], "nccl-tests output files to read; empty means the recorded 2 x H200 sample")
+    nccl_info_logs: list = param([], "NCCL_DEBUG INFO logs of every rank; empty means the recorded sample when showing it")
+    hidden_size: int = param(4096, "model hidden size; 4096 is the toy TP 2 model of the recorded traces [min 1]")
+    dtype_bytes: int = param(2, "bytes per activation element, 2 for bf16 [min 1]")
+    tp: int = param(2, "tensor-parallel degree [min 1]")
+    num_layers: int = param(8, "transformer layers, 2 TP all-reduces each [min 1]")
+    vocab_size: int = param(0, "vocabulary size for the logits all-gather, 0 means not gathered")
+    decode_batch: int = param(32, "running requests per decode step [min 1]")
+    prefill_chunk: int = param(4096, "prompt positions per prefill step, the chunk size [min 1]")
+    nccl_tests_bin: str = param("",
+        "folder holding all_reduce_perf and co on every node; empty means nothing runs here, the run plan is "
+        "recorded as planned and the recorded 1 x H200 sweep is shown")
+    collectives: list = param(["all_reduce", "all_gather", "reduce_scatter", "alltoall", "sendrecv"],
+        "baseline runs per node and across nodes")
+    sweep: dict = param({"NCCL_ALGO": ["Ring", "Tree"], "NCCL_PROTO": ["Simple", "LL128"], "NCCL_CROSS_NIC": ["0", "1", "2"]},
+        "one-variable A/Bs against the baseline; NCCL_CROSS_NIC only across nodes")
+    sweep_collectives: list = param(["all_reduce"], "collectives every sweep setting runs")
+    repeats: int = param(2, "runs of every setting, the baseline too; 2 or more gives the noise verdict [min 1]")
+    min_bytes: str = param("8K", "smallest nccl-tests size (-b)")
+    max_bytes: str = param("64M", "largest nccl-tests size (-e)")
+    step_factor: int = param(2, "size multiplier between sizes (-f) [min 2]")
+    gpus: int = param(0, "GPUs per node; 0 means each node's gpus in the target")
+    nodes: list = param([], "target nodes to run on; empty means all")
+    launcher: list = param([],
+        "cross-node launcher template, e.g. [\"mpirun\", \"-np\", \"{nranks}\", \"-H\", \"{hosts}\", \"{env:-x}\", "
+        "\"{cmd}\"]; empty means no cross-node runs")
+    ppn: int = param(0, "ranks per node across nodes; 0 means the smallest node's GPU count")
+    p2p_matrix: bool = param(True, "sendrecv_perf on every GPU pair of each node")
+    cross_node: bool = param(True, "the runs across nodes through the launcher")
+    env_check: bool = param(True, "one short NCCL_DEBUG INFO run per setting, proving the variable reached NCCL")
+    run_timeout_s: int = param(300, "one nccl-tests run is stopped after this many seconds [min 1]")
+    gloo_sweep: bool = param(True,
+        "on an SGLang target on this machine's CPU: gloo all-reduce and all-gather from 64 B to max_bytes "
+        "with the engine's interpreter, its communication ceiling")
+
+    def plan_settings(self) -> nt.PlanSettings:
+        """The nccl-tests plan these parameters ask for (the same names in ``measure.nccl_tests``)."""
+        return nt.PlanSettings(collectives=self.collectives, sweep=self.sweep, sweep_collectives=self.sweep_collectives,
+                               repeats=self.repeats, min_bytes=self.min_bytes, max_bytes=self.max_bytes,
+                               step_factor=self.step_factor, gpus=self.gpus, launcher=list(self.launcher), ppn=self.ppn,
+                               cross_node=self.cross_node, p2p_matrix=self.p2p_matrix, env_check=self.env_check,
+                               run_timeout_s=self.run_timeout_s)
+
 
 @dataclass
 class CommRuns:
@@ -59,23 +109,18 @@ def _pick_nodes(target: Any, names: list[str]) -> list[Any]:
     return [n for n in target.nodes if not names or n.name in names]
 
 
-def plan_runs(ctx: PhaseContext, nccl_tests_bin: str = "", collectives: list[str] | None = None,
-              sweep: list[str] | dict[str, Any] | None = None,
-              sweep_collectives: list[str] | None = None, repeats: int = 2, min_bytes: str = "8K",
-              max_bytes: str = "64M", step_factor: int = 2, gpus: int = 0, nodes: list[str] | None = None,
-              launcher: list[str] | None = None, ppn: int = 0, p2p_matrix: bool = True, cross_node: bool = True,
-              env_check: bool = True, run_timeout_s: int = 300) -> CommRuns:
-    """The whole nccl-tests plan on the target's nodes, checked before anything starts (a bad collective, sweep
-    entry, size, launcher placeholder or node name is one line). Without ``nccl_tests_bin`` nothing will run: each
-    command is recorded as ``planned`` (binaries under ``nccl-tests/build``), a node that declares no GPUs planned
-    with one. Written to ``nccl_plan.csv``."""
-    picked = _pick_nodes(ctx.target, list(nodes or []))
-    execute = bool(str(nccl_tests_bin).strip())
+def plan_runs(ctx: PhaseContext) -> CommRuns:
+    """The whole nccl-tests plan of the parameters (:meth:`Params.plan_settings`) on the target's nodes (``nodes``:
+    which; empty: all), checked before anything starts (a bad collective, sweep entry, size, launcher placeholder or
+    node name is one line). Without ``nccl_tests_bin`` nothing will run: each command is recorded as ``planned``
+    (binaries under ``nccl-tests/build``), a node that declares no GPUs planned with one. Written to
+    ``nccl_plan.csv``."""
+    p = ctx.params
+    picked = _pick_nodes(ctx.target, list(p.nodes or []))
+    execute = bool(str(p.nccl_tests_bin).strip())
     try:
-        plan = nt.plan_runs(picked, nccl_tests_bin if execute else PLANNED_BIN, collectives, sweep, sweep_collectives,
-                            repeats, min_bytes, max_bytes, step_factor, gpus, list(launcher or []), ppn,
-                            per_node=True, cross_node=cross_node, p2p=p2p_matrix, env_check=env_check,
-                            env=ctx.target.env, timeout_s=run_timeout_s, gpus_default=0 if execute else 1)
+        plan = nt.plan_runs(picked, p.nccl_tests_bin if execute else PLANNED_BIN, p.plan_settings(),
+                            env=ctx.target.env, gpus_default=0 if execute else 1)
     except nt.NcclPlanError as exc:
         raise ParamError(str(exc)) from None
     why = ""
@@ -99,7 +144,7 @@ def run_tests(ctx: PhaseContext, runs: CommRuns, launcher: list[str] | None = No
     its log kept under ``nccl_runs/logs/``."""
     if not runs.execute:
         for r in runs.plan.runs:
-            log_command(ctx, "planned", r.argv, title=f"nccl-tests {r.run_id}", host=r.node, env=r.env,
+            ctx.log_command("planned", r.argv, title=f"nccl-tests {r.run_id}", host=r.node, env=r.env,
                         note="not executed: " + runs.why_not_run)
         runs.folder, runs.from_samples = samples_root() / SWEEP_SAMPLE, True
         ctx.sweep_from_samples = True
@@ -118,7 +163,7 @@ def run_tests(ctx: PhaseContext, runs: CommRuns, launcher: list[str] | None = No
         total = len(runs.plan.runs)
 
         def done(res: nt.RunResult) -> None:
-            log_command(ctx, "executed", res.run.argv, title=f"nccl-tests {res.run.run_id}", host=res.run.node,
+            ctx.log_command("executed", res.run.argv, title=f"nccl-tests {res.run.run_id}", host=res.run.node,
                         env=res.run.env, start=res.start, end=res.end, exit_code=res.exit_code,
                         log=str(out / res.log), note=res.note)
 
@@ -248,10 +293,9 @@ def load_logs(ctx: PhaseContext, tests_logs: list[str] | None = None, info_logs:
     transports = transport_table(info) if info else pd.DataFrame()
     tuning = info.tuning if info else pd.DataFrame()
     out = Path(ctx.phase_dir)
-    if hasattr(ctx, "add_source"):
-        ctx.add_source("samples", "2 × H200 nccl-tests and NCCL INFO logs (data/samples/h200x2), not this target"
-                       if ctx.from_samples else "nccl-tests / INFO logs given to this phase: "
-                       + ", ".join(Path(p).name for p in [*tests_logs, *info_logs]))
+    ctx.add_source("samples", "2 × H200 nccl-tests and NCCL INFO logs (data/samples/h200x2), not this target"
+                   if ctx.from_samples else "nccl-tests / INFO logs given to this phase: "
+                   + ", ".join(Path(p).name for p in [*tests_logs, *info_logs]))
     curves.to_csv(out / "nccl_tests.csv", index=False)
     table.to_csv(out / "nccl_runs.csv", index=False)
     transports.to_csv(out / "nccl_transports.csv", index=False)
@@ -288,8 +332,7 @@ def messages(ctx: PhaseContext, data: Phase5Data, hidden_size: int, dtype_bytes:
         sizes = pd.concat([sizes, from_trace(trace_collectives)], ignore_index=True)
     placed = place_on_curves(sizes, data.curves) if not data.curves.empty else sizes
     placed.to_csv(Path(ctx.phase_dir) / "model_messages.csv", index=False)
-    if hasattr(ctx, "add_source"):
-        ctx.add_source("model", message_model_label(hidden_size, dtype_bytes, tp, num_layers, ctx.target))
+    ctx.add_source("model", message_model_label(hidden_size, dtype_bytes, tp, num_layers, ctx.target))
     return placed
 
 
@@ -457,16 +500,14 @@ def run(ctx: PhaseContext) -> Phase5Result:
     runs, run them (or point at the recorded sweep), parse the logs, place the model's messages on the curves, read
     the sweep, and judge the target's gate."""
     p = ctx.params
-    comm = plan_runs(ctx, p["nccl_tests_bin"], p["collectives"], p["sweep"], p["sweep_collectives"], p["repeats"],
-                     p["min_bytes"], p["max_bytes"], p["step_factor"], p["gpus"], p["nodes"], p["launcher"], p["ppn"],
-                     p["p2p_matrix"], p["cross_node"], p["env_check"], p["run_timeout_s"])
-    comm = run_tests(ctx, comm, p["launcher"])
-    data = load_logs(ctx, p["nccl_tests_logs"], p["nccl_info_logs"], runs=comm)
-    msgs = messages(ctx, data, p["hidden_size"], p["dtype_bytes"], p["tp"], p["num_layers"], p["decode_batch"],
-                    p["prefill_chunk"], p["vocab_size"])
+    comm = plan_runs(ctx)
+    comm = run_tests(ctx, comm, p.launcher)
+    data = load_logs(ctx, p.nccl_tests_logs, p.nccl_info_logs, runs=comm)
+    msgs = messages(ctx, data, p.hidden_size, p.dtype_bytes, p.tp, p.num_layers, p.decode_batch,
+                    p.prefill_chunk, p.vocab_size)
     sweep = sweep_tables(ctx, comm, msgs)
     verdict = gate_for_target(ctx, data)
-    gloo = gloo_ceiling(ctx, p["gloo_sweep"], p["max_bytes"], p["step_factor"], p["run_timeout_s"])
+    gloo = gloo_ceiling(ctx, p.gloo_sweep, p.max_bytes, p.step_factor, p.run_timeout_s)
     return Phase5Result(comm, data, msgs, sweep, verdict, engine_gate_record(ctx), ctx.from_samples,
                         engine_collectives(ctx, data, gloo), gloo)
 
@@ -498,7 +539,7 @@ def gloo_ceiling(ctx: PhaseContext, run_it: bool = True, max_bytes: str = "64M",
         raise RuntimeError(str(exc)) from None
     finally:
         for r, argv in enumerate(plan.argv):
-            log_command(ctx, "executed", argv, title=f"gloo sweep rank {r}", host="local", env=plan.env,
+            ctx.log_command("executed", argv, title=f"gloo sweep rank {r}", host="local", env=plan.env,
                         start=start, end=now_iso(), log=str(plan.logs[r]),
                         exit_code=plan.exit_codes[r] if r < len(plan.exit_codes) else None)
     rows = plan.rows

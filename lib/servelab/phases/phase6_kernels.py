@@ -9,19 +9,35 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, ClassVar, Sequence
 
 import pandas as pd
 
+from servelab.core.params import PhaseParams, param
 from servelab.analyse.kernels import (KernelTableError, default_repro_argv, derived_metrics, load_kernel_table,
                                       peaks_table, planned_ncu_commands, rank_kernels, read_ncu_csv, roofline,
                                       stall_reasons, top_kernels)
 from servelab.core.paths import samples_root
-from servelab.phases.context import PhaseContext, log_command
+from servelab.phases.context import PhaseContext
 from servelab.report.banner import banner, sample_banner
 from servelab.report.ledger import evidence_frame, record_evidence, target_has_gpu
 from servelab.core.paths import project_root
 from servelab.core.run import read_manifest
+
+
+@dataclass(frozen=True)
+class Params(PhaseParams):
+    """Phase 6's parameters, defined once: the notebook's ``parameters`` cell is this definition
+    written out (``servelab params phase6 --cell``); ``-p`` and ``params/phase6.yaml`` are checked against it."""
+    phase: ClassVar[str] = "phase6"
+    target: str = param("local", "params/targets/<name>.yaml: the engine whose one-batch benchmark ncu wraps")
+    kernel_source: str = param("", "Phase 3 kernel table (.csv or .parquet) or a Kineto trace; empty: the shipped H200 trace")
+    ncu_csv: list = param([], "ncu --csv outputs to import; empty: the shipped H200 captures in data/samples/ncu")
+    top_n: int = param(3, "kernels per window to deep-dive (the method: 1 to 3) [min 1]")
+    repro: list = param([], "argv of the small reproduction ncu wraps; empty: the engine's one-batch benchmark")
+    launch_skip: int = param(20, "matching launches skipped before profiling (warm-up, graph capture)")
+    launch_count: int = param(3, "matching launches profiled per kernel [min 1]")
+    gpu: str = param("H200", "roofline ceilings (spec sheet and measured here)")
 
 
 @dataclass
@@ -55,72 +71,95 @@ SAMPLE_NCU = ("ncu/h200_toy_layer_raw.csv", "ncu/ncu_raw.csv")
 
 
 def run(ctx: PhaseContext) -> Phase6Result:
-    """Phase 6's entry (the phase contract): :func:`run_phase6` with the notebook's parameters (``ctx.params``)."""
-    p = ctx.params
-    return run_phase6(ctx, kernel_source=p["kernel_source"], ncu_csv=p["ncu_csv"], top_n=p["top_n"], repro=p["repro"],
-                      launch_skip=p["launch_skip"], launch_count=p["launch_count"], gpu=p["gpu"])
-
-
-def run_phase6(ctx: PhaseContext, kernel_source: str = "", ncu_csv: Sequence[str] = (), top_n: int = 3,
-               repro: Sequence[str] = (), launch_skip: int = 20, launch_count: int = 3, gpu: str = "H200") -> Phase6Result:
-    """Phase 6 in one call: rank kernels, plan ``ncu`` commands (recorded as ``planned``), import ``ncu`` CSVs.
+    """Phase 6's entry (the phase contract), from the notebook's parameters (``ctx.params``): the kernel table
+    (:func:`_kernel_source`) ranked and its top ``top_n`` per window picked; ``ncu`` on a small reproduction of each
+    planned (:func:`_plan_ncu`, recorded as ``planned``); the ``ncu`` CSVs (:func:`_ncu_files`) imported and placed on
+    the roofline (:func:`_import_ncu`); the phase tables written.
 
     ``kernel_source``: a Phase 3 table or trace; empty = the shipped sample (``data/samples/``), and the
     phase is marked ``from_samples``. ``ncu_csv``: ``ncu --csv`` outputs to import; empty = the shipped
     ``data/samples/ncu/*.csv`` when present (also ``from_samples``).
     """
-    if kernel_source:
-        source = str(kernel_source)
-    else:
-        cands = [samples_root() / p for p in SAMPLE_TRACES if (samples_root() / p).is_file()]
-        if not cands:
-            raise KernelTableError(f"no kernel_source given and none of the sample traces {SAMPLE_TRACES} exists "
-                                   f"under {samples_root()}")
-        source = str(cands[0])
-        ctx.from_samples = True
+    p = ctx.params
+    source = _kernel_source(ctx, p.kernel_source)
     table = load_kernel_table(source)
     ranked = rank_kernels(table)
-    top = top_kernels(table, n=top_n)
+    top = top_kernels(table, n=p.top_n)
     if set(top["window"]) - {"unannotated"}:     # step windows exist: kernels outside them are not the target
         top = top[top["window"] != "unannotated"].reset_index(drop=True)
+    cmds = _plan_ncu(ctx, p, top)
+    files = _ncu_files(ctx, p.ncu_csv)
+    res = Phase6Result(source=source, ranked=ranked, top=top, commands=cmds, ncu_files=files, peaks=peaks_table(p.gpu),
+                       gpu=p.gpu, run_dir=ctx.run_dir)
+    _import_ncu(ctx, res)
+    _record_sources(ctx, res)
+    ranked.to_csv(ctx.phase_dir / "kernels_ranked.csv", index=False)
+    top.to_csv(ctx.phase_dir / "top_kernels.csv", index=False)
+    res.from_samples = ctx.from_samples
+    return res
+
+
+def _kernel_source(ctx: PhaseContext, kernel_source: str) -> str:
+    """``kernel_source`` when given, else the first shipped sample trace (``ctx.from_samples`` set)."""
+    if kernel_source:
+        return str(kernel_source)
+    cands = [samples_root() / p for p in SAMPLE_TRACES if (samples_root() / p).is_file()]
+    if not cands:
+        raise KernelTableError(f"no kernel_source given and none of the sample traces {SAMPLE_TRACES} exists "
+                               f"under {samples_root()}")
+    ctx.from_samples = True
+    return str(cands[0])
+
+
+def _plan_ncu(ctx: PhaseContext, p: Params, top: pd.DataFrame) -> pd.DataFrame:
+    """``ncu`` on the reproduction (``repro``) for each top kernel, recorded as ``planned`` (never run here)."""
     # kernels recorded elsewhere (the samples) ran on another engine and GPU: their filters never wrap this target's
     # engine — the reproduction is a fill-in value (core.run.FILL_IN) unless the user gives one (repro)
-    app = list(repro) or (["REPRO_COMMAND"] if ctx.from_samples else default_repro_argv(ctx.target))
-    cmds = planned_ncu_commands(top, app, launch_skip=launch_skip, launch_count=launch_count,
+    app = list(p.repro) or (["REPRO_COMMAND"] if ctx.from_samples else default_repro_argv(ctx.target))
+    cmds = planned_ncu_commands(top, app, launch_skip=p.launch_skip, launch_count=p.launch_count,
                                 export_dir=str(ctx.phase_dir / "ncu"))
     for _, c in cmds.iterrows():
-        log_command(ctx, "planned", c["argv"], title=f"ncu {c['window']} #{c['rank']} {c['function']}",
+        ctx.log_command("planned", c["argv"], title=f"ncu {c['window']} #{c['rank']} {c['function']}",
                     note="small reproduction under Nsight Compute; not executed by servelab")
+    return cmds
+
+
+def _ncu_files(ctx: PhaseContext, ncu_csv: Sequence[str]) -> list[str]:
+    """The ``ncu`` CSVs given, else the shipped ones that exist (``ctx.from_samples`` set when there are some)."""
     files = [str(f) for f in ncu_csv]
     if not files:
         files = [str(samples_root() / p) for p in SAMPLE_NCU if (samples_root() / p).is_file()]
         if files:
             ctx.from_samples = True
-    res = Phase6Result(source=source, ranked=ranked, top=top, commands=cmds, ncu_files=files, peaks=peaks_table(gpu),
-                       gpu=gpu, run_dir=ctx.run_dir)
-    reports = [read_ncu_csv(f) for f in files]
-    if reports:
-        res.ncu_metrics = pd.concat([r.metrics.assign(file=Path(r.path).name) for r in reports], ignore_index=True)
-        res.derived = pd.concat([derived_metrics(r).assign(file=Path(r.path).name) for r in reports], ignore_index=True)
-        res.stalls = pd.concat([stall_reasons(r).assign(file=Path(r.path).name) for r in reports], ignore_index=True)
-        rules = [r.rules.assign(file=Path(r.path).name) for r in reports if not r.rules.empty]
-        res.rules = pd.concat(rules, ignore_index=True) if rules else pd.DataFrame()
-        res.roof = roofline(res.derived, gpu=gpu)
-        res.roof.insert(0, "file", res.derived["file"].to_numpy())
-        res.ncu_metrics.to_csv(ctx.phase_dir / "ncu_metrics.csv", index=False)
-        res.derived.to_csv(ctx.phase_dir / "ncu_derived.csv", index=False)
-        res.roof.to_csv(ctx.phase_dir / "roofline.csv", index=False)
-    if hasattr(ctx, "add_source"):
-        if ctx.from_samples:
-            ctx.add_source("samples", f"kernels of {Path(source).name} and ncu CSVs "
-                           f"({', '.join(Path(f).name for f in files) or 'none'}): 2 × H200 random-weight toy models "
-                           "(data/samples/h200x2-pp2, data/samples/ncu), not this run's engine")
-        else:
-            ctx.add_source("live", f"kernels of {source}")
-    ranked.to_csv(ctx.phase_dir / "kernels_ranked.csv", index=False)
-    top.to_csv(ctx.phase_dir / "top_kernels.csv", index=False)
-    res.from_samples = ctx.from_samples
-    return res
+    return files
+
+
+def _import_ncu(ctx: PhaseContext, res: Phase6Result) -> None:
+    """Every ``ncu`` CSV of ``res`` read: metrics, derived metrics, stall reasons, rules and the roofline on
+    ``res.gpu``'s ceilings (``ncu_metrics.csv``, ``ncu_derived.csv``, ``roofline.csv``)."""
+    reports = [read_ncu_csv(f) for f in res.ncu_files]
+    if not reports:
+        return
+    res.ncu_metrics = pd.concat([r.metrics.assign(file=Path(r.path).name) for r in reports], ignore_index=True)
+    res.derived = pd.concat([derived_metrics(r).assign(file=Path(r.path).name) for r in reports], ignore_index=True)
+    res.stalls = pd.concat([stall_reasons(r).assign(file=Path(r.path).name) for r in reports], ignore_index=True)
+    rules = [r.rules.assign(file=Path(r.path).name) for r in reports if not r.rules.empty]
+    res.rules = pd.concat(rules, ignore_index=True) if rules else pd.DataFrame()
+    res.roof = roofline(res.derived, gpu=res.gpu)
+    res.roof.insert(0, "file", res.derived["file"].to_numpy())
+    res.ncu_metrics.to_csv(ctx.phase_dir / "ncu_metrics.csv", index=False)
+    res.derived.to_csv(ctx.phase_dir / "ncu_derived.csv", index=False)
+    res.roof.to_csv(ctx.phase_dir / "roofline.csv", index=False)
+
+
+def _record_sources(ctx: PhaseContext, res: Phase6Result) -> None:
+    """Where the page's kernels and counters come from: the shipped samples, or the given source."""
+    if ctx.from_samples:
+        ctx.add_source("samples", f"kernels of {Path(res.source).name} and ncu CSVs "
+                       f"({', '.join(Path(f).name for f in res.ncu_files) or 'none'}): 2 × H200 random-weight toy "
+                       "models (data/samples/h200x2-pp2, data/samples/ncu), not this run's engine")
+    else:
+        ctx.add_source("live", f"kernels of {res.source}")
 
 
 def derived_view(derived: pd.DataFrame) -> pd.DataFrame:

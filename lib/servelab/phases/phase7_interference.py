@@ -32,14 +32,15 @@ import json
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pandas as pd
 
 from servelab.analyse.interference import (InterferenceResult, InterferenceSpec, Marks, Schedule, SweepPoint,
                                            background_gaps, h4_evidence, injection_spans, injection_table,
                                            mean_clean_gap_ms, plan_schedule, prefill_chunks, steady_from_records,
-                                           sweep_table, sweep_verdict, timeline_figure, token_chunk_ns, window_table)
+                                           sweep_table, sweep_verdict, token_chunk_ns, window_table)
+from servelab.analyse.interference_figures import timeline_figure
 from servelab.measure import request_metrics as mx
 from servelab.measure.case import case_seed, max_request_tokens
 from servelab.measure.case_record import client_integrity, CaseSummary, request_counts, verdict_of
@@ -55,7 +56,7 @@ from servelab.deploy.server import RunningServer
 from servelab.measure.workload import RequestSpec, build_workload, engine_tokenizer, token_pool
 from servelab.deploy.engines import engine_for
 from servelab.analyse.serverside import case_serverside
-from servelab.core.params import ParamError, did_you_mean
+from servelab.core.params import did_you_mean, param, ParamError, PhaseParams
 from servelab.core.paths import path_slug
 from servelab.measure.abtest import ab_compare
 from servelab.report import ab_figures
@@ -83,6 +84,30 @@ MODEL_SCALES: dict[str, dict[str, Any]] = {
 }
 # the A/B metrics of the sweep records (True = higher is better)
 AB_METRICS = {"p95_tpot_ms": False, "output_tps": True, "p95_ttft_ms": False}
+
+
+@dataclass(frozen=True)
+class Params(PhaseParams):
+    """Phase 7's parameters, defined once: the notebook's ``parameters`` cell is this definition
+    written out (``servelab params phase7 --cell``); ``-p`` and ``params/phase7.yaml`` are checked against it."""
+    phase: ClassVar[str] = "phase7"
+    knob: str = param("", "the ONE launch setting swept; empty: batch_size on llama.cpp, chunked_prefill_size on SGLang")
+    values: list = param([], "its values, the baseline first; empty: the engine's default sweep (llama.cpp: 2048, 32)")
+    n_injections: int = param(0, "long prefills per value; 0: the scale's (2 locally, 3 on a cluster)")
+    inject_input_tokens: int = param(0, "length of the long prefill; 0: the scale's (192 locally, 131072 on a cluster)")
+    concurrency: int = param(0, "decode background concurrency; 0: the scale's (4 locally, 32 on a cluster)")
+    background_input_tokens: int = param(0, "per background request; 0: the scale's (32 locally, 1024 on a cluster)")
+    background_output_tokens: int = param(0, "per background request; 0: the scale's (32 locally, 1024 on a cluster)")
+    window_steps: int = param(0, "before and after windows hold this many token gaps per stream; 0: the scale's")
+    confound_demo: bool = param(True, "one extra run that changes the knob AND a second setting, to show the confound flag")
+    confound_setting: dict = param({}, "that second setting; empty: ubatch_size 8 on llama.cpp")
+    slo_tpot_ms: float = param(0.0, "decode TPOT SLO checked against P95 during injection; 0: none")
+    definition: str = param(mx.VLLM_BENCH, "metric definition of the background summary: vllm or sglang [one of vllm, sglang]")
+    seed: int = param(0, "workload seed (unique random token-id prompts)")
+    ab_why: str = param("", "A/B question 2: why should this knob touch the current bottleneck")
+    ab_profile_change: str = param("", "A/B question 5: how did the profile evidence change")
+    ab_risk: str = param("", "A/B question 6: accuracy, stability or memory risk")
+    ab_keep: str = param("", "A/B question 7: keep it")
 
 
 def default_spec(target: Any, case_id: str = "I7", **over: Any) -> InterferenceSpec:
@@ -404,63 +429,70 @@ class Phase7Result:
         return out
 
 
-def default_confound_setting(target: Any) -> dict[str, Any]:
-    """The second setting the confounded-A/B demonstration changes on ``target``'s engine (from its adapter)."""
-    return dict(engine_for(target.engine).confound_setting)
-
-
 def run(ctx: PhaseContext) -> Phase7Result:
-    """Phase 7's entry (the phase contract): the notebook's parameters (``ctx.params``) into :func:`run_phase7` —
-    the knob and its values, the case sizes (0: the scale's), the confound demonstration (its setting, else the
-    engine's), the SLO, seed, definition and the A/B answers."""
+    """Phase 7's entry (the phase contract), from the notebook's parameters (``ctx.params``): the case under each value
+    of one knob (baseline first), the A/B over them, the confounded demonstration, the ranking by least damage."""
     p = ctx.params
-    spec_over = {k: p[k] for k in ("n_injections", "inject_input_tokens", "concurrency", "background_input_tokens",
-                                   "background_output_tokens", "window_steps")}
-    confound = (p["confound_setting"] or default_confound_setting(ctx.target)) if p["confound_demo"] else {}
-    return run_phase7(ctx, knob=p["knob"], values=p["values"], spec_over=spec_over, confound_setting=confound,
-                      slo_tpot_ms=p["slo_tpot_ms"], seed=p["seed"], definition=p["definition"],
-                      answers=answers_from_params(p))
-
-
-def run_phase7(ctx: PhaseContext, knob: str = "", values: list[Any] | None = None, spec_over: dict[str, Any] | None = None,
-               confound_setting: dict[str, Any] | None = None, slo_tpot_ms: float = 0.0, seed: int = 0,
-               definition: str = mx.VLLM_BENCH, answers: dict[str, str] | None = None) -> Phase7Result:
-    """The interference case under each value of one knob (first value = baseline), the A/B over the values,
-    and — with ``confound_setting`` — one deliberately confounded variant (the knob's second value plus that
-    setting) compared with the baseline so the page shows how a two-variable A/B is flagged."""
-    target = ctx.target
-    d_knob, d_values = engine_for(target.engine).interference_sweep
-    knob = knob or d_knob
-    values = list(values) if values else ([] if knob != d_knob else list(d_values))
-    if not knob or len(values) < 2:
-        raise ParamError(f"phase 7 needs a knob and at least two values (got knob={knob!r}, values={values!r})")
-    spec = default_spec(target, "I7", **(spec_over or {}))
+    plan = plan_sweep(ctx, p)
     log_reproduce(ctx, "phase7")
-    record_root = ctx.phase_dir / "ab"
-    log_dir = ctx.phase_dir / "server"
-    parent = read_manifest(ctx.run_dir)
-    sweep = knob_sweep(target, knob, values, spec, ctx.run_dir, record_root, log_dir, ctx.phase, seed, definition,
-                       parent)
-    notes = list(spec.notes)
-    ab = None
-    recs = [p.record_dir for p in sweep]
-    try:
-        ab = ab_compare(recs, knob, answers=answers, metrics=AB_METRICS)
-    except Exception as exc:
-        notes.append(f"A/B over the sweep failed: {exc}")
-    confound = confound_ab = None
-    if confound_setting:
-        changes = {knob: values[1], **confound_setting}
-        label = f"{knob}={values[1]}+" + ",".join(f"{k}={v}" for k, v in confound_setting.items())
-        res, rec, err = run_variant(target, changes, spec, ctx.run_dir, record_root, label, log_dir, ctx.phase,
-                                    seed, definition, parent)
-        confound = SweepPoint(knob, values[1], res, rec, err, dict(confound_setting))
-        confound_ab = ab_compare([sweep[0].record_dir, rec], knob, metrics=AB_METRICS)
-    table = sweep_table(sweep, slo_tpot_ms or None)
+    sweep = knob_sweep(ctx.target, plan.knob, plan.values, plan.spec, ctx.run_dir, plan.record_root, plan.log_dir,
+                       phase=ctx.phase, seed=p.seed, definition=p.definition, parent_manifest=plan.parent)
+    notes = list(plan.spec.notes)
+    ab = _ab_over_sweep(plan, sweep, answers_from_params(p.as_dict()), notes)
+    confound, confound_ab = _confound_demo(ctx, p, plan, sweep[0])
+    table = sweep_table(sweep, p.slo_tpot_ms or None)
     verdict = sweep_verdict(table, ab.comparison if ab is not None else None, sweep[0].label)
-    res = Phase7Result(knob, values, sweep, table, ab, confound, confound_ab, verdict, notes)
+    res = Phase7Result(plan.knob, plan.values, sweep, table, ab, confound, confound_ab, verdict, notes)
     write_phase7_tables(ctx.phase_dir, res)
     return res
+
+
+@dataclass(frozen=True)
+class SweepPlan:
+    """What every run of the sweep shares: knob, values (baseline first), case, record and log folders, run manifest."""
+    knob: str
+    values: list[Any]
+    spec: InterferenceSpec
+    record_root: Path
+    log_dir: Path
+    parent: dict[str, Any]
+
+
+def plan_sweep(ctx: PhaseContext, p: Params) -> SweepPlan:
+    """The knob (empty: the engine's default) and its values (empty: the engine's default sweep, for the default
+    knob; fewer than two are refused) and the case scaled to the target (a size parameter 0 keeps the scale's)."""
+    d_knob, d_values = engine_for(ctx.target.engine).interference_sweep
+    knob = p.knob or d_knob
+    values = list(p.values) if p.values else ([] if knob != d_knob else list(d_values))
+    if not knob or len(values) < 2:
+        raise ParamError(f"phase 7 needs a knob and at least two values (got knob={knob!r}, values={values!r})")
+    sizes = ("n_injections", "inject_input_tokens", "concurrency", "background_input_tokens", "background_output_tokens",
+             "window_steps")                   # the parameters that size the case, as InterferenceSpec names them
+    spec = default_spec(ctx.target, "I7", **{k: getattr(p, k) for k in sizes})
+    return SweepPlan(knob, values, spec, ctx.phase_dir / "ab", ctx.phase_dir / "server", read_manifest(ctx.run_dir))
+
+
+def _ab_over_sweep(plan: SweepPlan, sweep: list[SweepPoint], answers: dict[str, str], notes: list[str]) -> Any:
+    """The A/B over the sweep's records with the knob as the declared variable; None (and a note) when it fails."""
+    try:
+        return ab_compare([pt.record_dir for pt in sweep], plan.knob, answers=answers, metrics=AB_METRICS)
+    except Exception as exc:
+        notes.append(f"A/B over the sweep failed: {exc}")
+        return None
+
+
+def _confound_demo(ctx: PhaseContext, p: Params, plan: SweepPlan, baseline: SweepPoint) -> tuple[SweepPoint | None, Any]:
+    """With ``confound_demo``: the knob's second value plus ``confound_setting`` (empty: the engine's) as one more
+    variant, compared with the baseline — an A/B that must be flagged as confounded. ``(None, None)`` without it."""
+    setting = dict(p.confound_setting or engine_for(ctx.target.engine).confound_setting) if p.confound_demo else {}
+    if not setting:
+        return None, None
+    knob, second = plan.knob, plan.values[1]
+    label = f"{knob}={second}+" + ",".join(f"{k}={v}" for k, v in setting.items())
+    res, rec, err = run_variant(ctx.target, {knob: second, **setting}, plan.spec, ctx.run_dir, plan.record_root, label,
+                                plan.log_dir, phase=ctx.phase, seed=p.seed, definition=p.definition, parent_manifest=plan.parent)
+    return SweepPoint(knob, second, res, rec, err, dict(setting)), ab_compare([baseline.record_dir, rec], knob,
+                                                                             metrics=AB_METRICS)
 
 
 def write_phase7_tables(phase_dir: Path, res: Phase7Result) -> None:
@@ -609,13 +641,6 @@ def ab_correctness(res: Phase7Result) -> pd.DataFrame:
 def ab_correctness_prompts(res: Phase7Result) -> pd.DataFrame:
     """The same comparison prompt by prompt (every row in ``phase7/ab_correctness.csv``)."""
     return prompts_view(res.ab.correctness if res.ab is not None else None)
-
-
-def ab_delta_figure(res: Phase7Result):
-    import plotly.graph_objects as go
-    if res.ab is None or res.ab.comparison.empty:
-        return go.Figure().update_layout(title="no A/B comparison")
-    return ab_figures.delta_figure(res.ab.comparison)
 
 
 def record_h4(ctx: PhaseContext, res: Phase7Result) -> pd.DataFrame:

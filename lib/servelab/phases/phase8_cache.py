@@ -21,7 +21,7 @@ import asyncio
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pandas as pd
 
@@ -39,7 +39,7 @@ from servelab.core.run import write_json_atomic
 from servelab.deploy.engines import engine_for
 from servelab.deploy.server import RunningServer
 from servelab.measure.workload import RequestSpec, build_workload, engine_tokenizer, token_pool
-from servelab.core.params import ParamError
+from servelab.core.params import param, ParamError, PhaseParams
 from servelab.measure.launch_variants import serving, with_launch, log_reproduce
 from servelab.report.ledger import record_evidence
 from servelab.phases.context import PhaseContext
@@ -48,6 +48,22 @@ SCALES: dict[str, dict[str, Any]] = {
     "cluster": {"input_tokens": 8192, "output_tokens": 64, "groups": 16, "requests_per_group": 4},
     "local": {"input_tokens": 128, "output_tokens": 4, "groups": 4, "requests_per_group": 2},
 }
+
+
+@dataclass(frozen=True)
+class Params(PhaseParams):
+    """Phase 8's parameters, defined once: the notebook's ``parameters`` cell is this definition
+    written out (``servelab params phase8 --cell``); ``-p`` and ``params/phase8.yaml`` are checked against it."""
+    phase: ClassVar[str] = "phase8"
+    rates: list = param([0.0, 0.2, 0.5, 0.8], "target prefix-cache hit rates, one point each [items min 0] [items max 1]")
+    input_tokens: int = param(0, "prompt length; 0: the scale's (128 locally, 8192 on a cluster)")
+    output_tokens: int = param(0, "output length; 0: the scale's (4 locally, 64 on a cluster)")
+    groups: int = param(0, "concurrent streams, one shared prefix each; 0: the scale's (4 locally, 16 on a cluster)")
+    requests_per_group: int = param(0, "requests per stream, sent one after another; 0: the scale's (2 locally)")
+    bad_point: bool = param(True, "add the 50 % workload sent with cache_prompt false: it must be REJECTED")
+    swa_full: bool = param(True, "llama.cpp --swa-full so a sliding-window model can reuse a prefix token by token")
+    definition: str = param(mx.VLLM_BENCH, "metric definition of TTFT and throughput: vllm or sglang [one of vllm, sglang]")
+    seed: int = param(0, "workload seed")
 
 
 def run_streams(streams: list[list[RequestSpec]], cfg: ClientConfig) -> ClientRun:
@@ -176,96 +192,124 @@ class Phase8Result:
 
 
 def run(ctx: PhaseContext) -> Phase8Result:
-    """Phase 8's entry (the phase contract): :func:`run_phase8` with the notebook's parameters (``ctx.params``);
-    the run's notes (a clamped input, a skipped bad point) go to the phase's notes."""
+    """Phase 8's entry (the phase contract), from the notebook's parameters (``ctx.params``): the hit-rate matrix on
+    ``ctx.target`` — a fresh engine (or a flush) per point, plus an optional deliberately bad point (the 50 %
+    workload sent with ``cache_prompt: false`` on llama.cpp — the engine reuses nothing, so the achieved rate misses
+    and the point must be REJECTED) —, the KV usage over time and the memory breakdown. The run's notes (a clamped
+    input, a skipped bad point, the study's launch settings) go to the phase's notes."""
     p = ctx.params
-    result = run_phase8(ctx, rates=p["rates"], input_tokens=p["input_tokens"], output_tokens=p["output_tokens"],
-                        groups=p["groups"], requests_per_group=p["requests_per_group"], bad_point=p["bad_point"],
-                        seed=p["seed"], definition=p["definition"], swa_full=p["swa_full"])
-    ctx.notes.extend(result.notes)
-    return result
+    points, notes = hit_points(ctx, p)
+    served, launch_notes = cache_study_target(ctx, p)
+    notes += launch_notes
+    log_reproduce(ctx, "phase8")
+    measured = _measure_points(ctx, p, served, points)
+    res = Phase8Result(matrix_frame(measured.results), kv_timeline(measured.kv_parts), measured.memory,
+                       measured.results, ctx.target.engine, notes)
+    write_phase8_tables(ctx.phase_dir, res)
+    ctx.notes.extend(res.notes)
+    return res
 
 
-def run_phase8(ctx: PhaseContext, rates: list[float] | None = None, input_tokens: int = 0, output_tokens: int = 0,
-               groups: int = 0, requests_per_group: int = 0, bad_point: bool = True, seed: int = 0,
-               definition: str = mx.VLLM_BENCH, swa_full: bool = True, health_timeout_s: float = 300.0) -> Phase8Result:
-    """The hit-rate matrix on ``ctx.target``: a fresh engine (or a flush) per point, plus an optional
-    deliberately bad point (the 50 % workload sent with ``cache_prompt: false`` on llama.cpp — the engine
-    reuses nothing, so the achieved rate misses and the point must be REJECTED)."""
+# how long a freshly started engine (one per point where it has no flush endpoint) may take to answer its health check
+HEALTH_TIMEOUT_S = 300.0
+
+
+@dataclass
+class MeasuredPoints:
+    """What the points measured: each point's result, its KV usage series, and the memory breakdown from the first
+    engine's log."""
+    results: list[PointResult] = field(default_factory=list)
+    kv_parts: list[pd.DataFrame] = field(default_factory=list)
+    memory: pd.DataFrame = field(default_factory=pd.DataFrame)
+
+
+def hit_points(ctx: PhaseContext, p: Params) -> tuple[list[HitPoint], list[str]]:
+    """One point per target rate at the parameters' shape (the scale's where they leave 0), the input clamped to
+    what a request may hold on the target, and the deliberately bad point where the engine has a per-request cache
+    switch; with the notes saying what was clamped or skipped. A rate outside [0, 1) is refused."""
     target = ctx.target
     scale = SCALES[getattr(target, "scale", "local")]
-    rates = list(rates) if rates else list(TARGET_RATES)
+    rates = list(p.rates) if p.rates else list(TARGET_RATES)
     for r in rates:
         if not 0.0 <= float(r) < 1.0:
             raise ParamError(f"hit rates must be in [0, 1): got {r}")
-    isl = int(input_tokens or scale["input_tokens"])
-    osl = int(output_tokens or scale["output_tokens"])
-    g = int(groups or scale["groups"])
-    rpg = int(requests_per_group or scale["requests_per_group"])
+    isl = int(p.input_tokens or scale["input_tokens"])
+    osl = int(p.output_tokens or scale["output_tokens"])
+    g = int(p.groups or scale["groups"])
+    rpg = int(p.requests_per_group or scale["requests_per_group"])
     limit = max_request_tokens(target)
     notes: list[str] = []
     if limit is not None and isl + osl > limit:
         notes.append(f"input clamped from {isl} to {limit - osl}: a request may hold {limit} tokens on this target")
         isl = limit - osl
     points = [HitPoint(float(r), isl, osl, g, rpg) for r in rates]
-    adapter = engine_for(target.engine)
-    if bad_point:
-        if adapter.request_cache_switch is None:
+    if p.bad_point:
+        if engine_for(target.engine).request_cache_switch is None:
             notes.append("deliberately bad point skipped: only llama.cpp has a per-request cache switch")
         else:
             # one request per group is enough to show the rule at work (and costs half a point)
             points.append(HitPoint(0.5, isl, osl, g, 1, cache_prompt=False, label="H8_hit50_bad"))
-    served = target
-    changes, change_notes = adapter.cache_study_launch_changes(target.launch, swa_full)
-    if changes and target.attached:
-        notes.append(f"attached server: the study's launch settings ({', '.join(f'{k}={v}' for k, v in changes.items())})"
-                     f" are not servelab's to set; measured as the server runs")
-    elif changes:
-        notes.extend(change_notes)
-        served = with_launch(target, changes, ", ".join(f"{k}={v}" for k, v in changes.items()))
-    log_dir = ctx.phase_dir / "server"
-    log_reproduce(ctx, "phase8")
-    results: list[PointResult] = []
-    kv_parts: list[pd.DataFrame] = []
-    memory = pd.DataFrame()
-    restart_each = engine_for(served.engine).flush_cache_path is None
+    return points, notes
 
-    def one(srv: RunningServer, pt: HitPoint, flush: dict[str, Any]) -> None:
-        pool = token_pool(engine_tokenizer(srv.base_url, srv.target.engine, srv.engine.tokenize_path,
-                                               headers=srv.auth_headers), seed=seed)
-        res = run_hit_point(srv, ctx.run_dir, pt, pool, seed, definition, flush)
-        results.append(res)
-        kv_parts.append(kv_usage_series(res.slots, res.scrape, srv.target.engine, srv.engine.metric_names,
+
+def cache_study_target(ctx: PhaseContext, p: Params) -> tuple[Any, list[str]]:
+    """The target as this phase serves it: with the launch changes the engine's adapter asks for the cache study
+    (``swa_full``), or as it runs when attached (not servelab's to set); with the notes saying which."""
+    target = ctx.target
+    changes, change_notes = engine_for(target.engine).cache_study_launch_changes(target.launch, p.swa_full)
+    if changes and target.attached:
+        return target, [f"attached server: the study's launch settings "
+                        f"({', '.join(f'{k}={v}' for k, v in changes.items())}) are not servelab's to set; measured as "
+                        f"the server runs"]
+    if changes:
+        return with_launch(target, changes, ", ".join(f"{k}={v}" for k, v in changes.items())), list(change_notes)
+    return target, []
+
+
+def _measure_points(ctx: PhaseContext, p: Params, served: Any, points: list[HitPoint]) -> MeasuredPoints:
+    """Every point on a cache that holds nothing of the previous one: the engine restarted before each point where
+    it has no flush endpoint (llama.cpp), else one engine flushed before each point."""
+    out = MeasuredPoints()
+    log_dir = ctx.phase_dir / "server"
+    if engine_for(served.engine).flush_cache_path is None:
+        for i, pt in enumerate(points):
+            with serving(served, log_dir, ctx.run_dir, ctx.phase, HEALTH_TIMEOUT_S) as srv:
+                if i == 0:
+                    out.memory = memory_breakdown(_read_log(srv), srv.target.engine, srv.engine.log_markers)
+                _measure_point(ctx, p, srv, pt, out, {"method": "engine restarted before the point", "flushed": True,
+                                                      "reason": f"{srv.target.engine} has no cache flush endpoint"})
+    else:
+        with serving(served, log_dir, ctx.run_dir, ctx.phase, HEALTH_TIMEOUT_S) as srv:
+            out.memory = memory_breakdown(_read_log(srv), srv.target.engine, srv.engine.log_markers)
+            for pt in points:
+                _measure_point(ctx, p, srv, pt, out, flush_cache(srv))
+    return out
+
+
+def _measure_point(ctx: PhaseContext, p: Params, srv: RunningServer, pt: HitPoint, out: MeasuredPoints,
+                   flush: dict[str, Any]) -> None:
+    """One point on ``srv`` (``flush``: how its cache was emptied), its result and KV usage series added to ``out``."""
+    pool = token_pool(engine_tokenizer(srv.base_url, srv.target.engine, srv.engine.tokenize_path,
+                                       headers=srv.auth_headers), seed=p.seed)
+    res = run_hit_point(srv, ctx.run_dir, pt, pool, p.seed, p.definition, flush)
+    out.results.append(res)
+    out.kv_parts.append(kv_usage_series(res.slots, res.scrape, srv.target.engine, srv.engine.metric_names,
                                         res.t0_ns, pt.case_id))
 
-    if restart_each:
-        for i, pt in enumerate(points):
-            with serving(served, log_dir, ctx.run_dir, ctx.phase, health_timeout_s) as srv:
-                if i == 0:
-                    memory = memory_breakdown(_read_log(srv), srv.target.engine, srv.engine.log_markers)
-                one(srv, pt, {"method": "engine restarted before the point", "flushed": True,
-                              "reason": f"{srv.target.engine} has no cache flush endpoint"})
-    else:
-        with serving(served, log_dir, ctx.run_dir, ctx.phase, health_timeout_s) as srv:
-            memory = memory_breakdown(_read_log(srv), srv.target.engine, srv.engine.log_markers)
-            for pt in points:
-                one(srv, pt, flush_cache(srv))
-    # one timeline: each point's samples from its own start, laid end to end
+
+def kv_timeline(parts: list[pd.DataFrame]) -> pd.DataFrame:
+    """One KV usage timeline: each point's samples from its own start, laid end to end (half a second apart)."""
     offset = 0.0
     timeline = []
-    for part in kv_parts:
+    for part in parts:
         if part.empty:
             continue
         part = part.copy()
         part["t_s"] = part["t_s"] - part["t_s"].min() + offset
         offset = float(part["t_s"].max()) + 0.5
         timeline.append(part)
-    kv = pd.concat(timeline, ignore_index=True) if timeline else pd.DataFrame(
+    return pd.concat(timeline, ignore_index=True) if timeline else pd.DataFrame(
         columns=["t_s", "metric", "value", "source", "point"])
-    matrix = matrix_frame(results)
-    res = Phase8Result(matrix, kv, memory, results, target.engine, notes)
-    write_phase8_tables(ctx.phase_dir, res)
-    return res
 
 
 def _read_log(srv: RunningServer) -> str:

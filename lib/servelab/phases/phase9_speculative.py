@@ -23,7 +23,7 @@ from servelab.core.paths import path_slug
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pandas as pd
 
@@ -39,7 +39,7 @@ from servelab.core.run import write_json_atomic, PhaseUnsupported, read_manifest
 from servelab.deploy.engines import engine_for
 from servelab.deploy.server import RunningServer
 from servelab.measure.workload import build_workload, engine_tokenizer, token_pool
-from servelab.core.params import ParamError
+from servelab.core.params import param, ParamError, PhaseParams
 from servelab.measure.abtest import ab_compare
 from servelab.report.findings import ab_findings
 from servelab.measure.abtest import answers_from_params, write_ab_tables
@@ -58,6 +58,30 @@ SCALES: dict[str, dict[str, Any]] = {
     "local": {"input_tokens": 64, "output_tokens": 64, "concurrencies": [1, 4]},
 }
 MODEL_SCALES: dict[str, dict[str, Any]] = {"tiny": {"output_tokens": 256}}
+
+
+@dataclass(frozen=True)
+class Params(PhaseParams):
+    """Phase 9's parameters, defined once: the notebook's ``parameters`` cell is this definition
+    written out (``servelab params phase9 --cell``); ``-p`` and ``params/phase9.yaml`` are checked against it."""
+    phase: ClassVar[str] = "phase9"
+    drafts: list = param([],
+        "draft models: self, random:SEED (tiny only) or a GGUF path; empty: self (tiny: self and random:1)")
+    num_draft_tokens: int = param(3, "tokens drafted per step (llama.cpp --spec-draft-n-max) [min 1]")
+    concurrencies: list = param([],
+        "decode concurrencies; empty: the scale's (1 and 4 locally; 1, 16, 32 on a cluster) [items min 1]")
+    input_tokens: int = param(0, "prompt length; 0: the scale's (32 locally)")
+    output_tokens: int = param(0, "output length; 0: the scale's (32 locally, 256 for the tiny model)")
+    repeats: int = param(1, "repeats per point (2 or more give a spread for the net gain) [min 1]")
+    synth_rates: list = param([],
+        "llama.cpp synthetic per-position acceptance for one extra config (benchmarking only) [items min 0] "
+        "[items max 1]")
+    definition: str = param(mx.VLLM_BENCH, "metric definition: vllm or sglang [one of vllm, sglang]")
+    seed: int = param(0, "workload seed; the same prompts with speculation on and off")
+    ab_why: str = param("", "A/B question 2: why should speculation touch the current bottleneck")
+    ab_profile_change: str = param("", "A/B question 5: how did the profile evidence change")
+    ab_risk: str = param("", "A/B question 6: accuracy, stability or memory risk")
+    ab_keep: str = param("", "A/B question 7: keep it")
 
 
 def parse_configs(drafts: list[str], num_draft_tokens: int, synth_rates: list[float] | None = None,
@@ -191,86 +215,136 @@ def _rounded(v: Any, digits: int) -> float | None:
 
 
 def run(ctx: PhaseContext) -> Phase9Result:
-    """Phase 9's entry (the phase contract): :func:`run_phase9` with the notebook's parameters (``ctx.params``),
-    the A/B answers among them."""
+    """Phase 9's entry (the phase contract), from the notebook's parameters (``ctx.params``): speculation off, then
+    each draft config, each served once; every concurrency measured on each; the net gain per concurrency, the
+    per-position acceptance and the A/B over the configs (the A/B answers from the parameters). A target whose
+    engine cannot speculate raises :class:`PhaseUnsupported` with the reason, before anything starts."""
     p = ctx.params
-    return run_phase9(ctx, drafts=p["drafts"], num_draft_tokens=p["num_draft_tokens"], concurrencies=p["concurrencies"],
-                      input_tokens=p["input_tokens"], output_tokens=p["output_tokens"], repeats=p["repeats"],
-                      synth_rates=p["synth_rates"], seed=p["seed"], definition=p["definition"],
-                      answers=answers_from_params(p))
+    require_speculation(ctx)
+    shape = point_shape(ctx, p)
+    configs = parse_configs(list(p.drafts), p.num_draft_tokens, p.synth_rates, str(ctx.target.model))
+    log_reproduce(ctx, "phase9")
+    measured = _measure_configs(ctx, p, configs, shape)
+    points = _points_frame(measured.rows)
+    ab = _ab_over_configs(ctx, measured.records, answers_from_params(p.as_dict()))
+    res = Phase9Result(configs, points, net_gain(points), per_position_frame(points), ab, measured.errors, [],
+                       run_dir=ctx.run_dir)
+    write_phase9_tables(ctx.phase_dir, res)
+    record_correctness(ctx.run_dir, ctx.phase)        # each config's greedy-output verdict, for M4 and the index
+    return res
 
 
-def run_phase9(ctx: PhaseContext, drafts: list[str] | None = None, num_draft_tokens: int = 3,
-               concurrencies: list[int] | None = None, input_tokens: int = 0, output_tokens: int = 0,
-               repeats: int = 1, synth_rates: list[float] | None = None, seed: int = 0, definition: str = mx.VLLM_BENCH,
-               health_timeout_s: float = 300.0, answers: dict[str, str] | None = None) -> Phase9Result:
-    """Speculation off, then each draft config, each served once; every concurrency measured on each. A target
-    whose engine cannot speculate raises :class:`PhaseUnsupported` with the reason, before anything starts."""
+# how long a freshly started engine (one per config) may take to answer its health check
+HEALTH_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class PointShape:
+    """The shape of every point: the concurrencies, prompt and output lengths and repeats (the scale's where the
+    parameters leave 0 / empty)."""
+    concurrencies: list[int]
+    input_tokens: int
+    output_tokens: int
+    repeats: int
+
+
+@dataclass
+class ConfigRuns:
+    """What the configs measured: every point's row, the configs that did not run (label → reason), and each
+    served config's run-like record for the A/B."""
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    errors: dict[str, str] = field(default_factory=dict)
+    records: list[Path] = field(default_factory=list)
+
+
+def require_speculation(ctx: PhaseContext) -> None:
+    """Raise :class:`PhaseUnsupported` with the engine adapter's reason when the target cannot speculate."""
     why = engine_for(ctx.target.engine).speculation_unsupported(ctx.target)
     if why:
         raise PhaseUnsupported(why)
+
+
+def point_shape(ctx: PhaseContext, p: Params) -> PointShape:
+    """The points' shape from the parameters and the target's scale; a single concurrency is noted (the net gain
+    must be measured at several), a request longer than the target may hold is refused."""
     target = ctx.target
     scale = dict(SCALES[getattr(target, "scale", "local")])
     if getattr(target, "scale", "local") == "local":
         scale.update(MODEL_SCALES.get(str(target.model), {}))
-    cs = [int(c) for c in (concurrencies or scale["concurrencies"])]
+    cs = [int(c) for c in (p.concurrencies or scale["concurrencies"])]
     if len(cs) < 2:
         ctx.notes.append("only one concurrency: the net gain must be measured at several (never only C=1)")
-    isl = int(input_tokens or scale["input_tokens"])
-    osl = int(output_tokens or scale["output_tokens"])
+    isl = int(p.input_tokens or scale["input_tokens"])
+    osl = int(p.output_tokens or scale["output_tokens"])
     limit = max_request_tokens(target)
     if limit is not None and isl + osl > limit:
         raise ParamError(f"input {isl} + output {osl} tokens exceed the {limit} a request may hold on this target")
-    configs = parse_configs(list(drafts or []), num_draft_tokens, synth_rates, str(target.model))
-    log_reproduce(ctx, "phase9")
-    log_dir = ctx.phase_dir / "server"
+    return PointShape(cs, isl, osl, max(1, int(p.repeats)))
+
+
+def _measure_configs(ctx: PhaseContext, p: Params, configs: list[SpecConfig], shape: PointShape) -> ConfigRuns:
+    """Each config served once with its launch changes, its points measured, its run-like record written; a config
+    whose launch cannot be built or that cannot serve is recorded with its reason, the others go on."""
+    out = ConfigRuns()
     parent = read_manifest(ctx.run_dir)
-    rows: list[dict[str, Any]] = []
-    errors: dict[str, str] = {}
-    records: list[Path] = []
     for cfg in configs:
         try:
-            t = with_launch(target, launch_changes(cfg, target), cfg.label)
+            served = with_launch(ctx.target, launch_changes(cfg, ctx.target), cfg.label)
         except ParamError as exc:
-            errors[cfg.label] = str(exc)
+            out.errors[cfg.label] = str(exc)
             continue
-        srv_ref = None
-        cfg_rows: list[dict[str, Any]] = []
-        try:
-            with serving(t, log_dir, ctx.run_dir, ctx.phase, health_timeout_s) as srv:
-                srv_ref = srv
-                pool = token_pool(engine_tokenizer(srv.base_url, srv.target.engine, srv.engine.tokenize_path,
-                                               headers=srv.auth_headers),
-                                  seed=seed)
-                for c in cs:
-                    for rep in range(max(1, int(repeats))):
-                        p = run_spec_point(srv, ctx.run_dir, cfg, c, isl, osl, pool, seed, rep, definition,
-                                           phase=getattr(ctx, "phase", "phase9"))
-                        cfg_rows.append(p.row)
-        except Exception as exc:  # a config that cannot serve is recorded; the others go on
-            errors[cfg.label] = f"{type(exc).__name__}: {exc}"
-        rows += cfg_rows
+        rows, srv, error = _measure_config(ctx, p, cfg, served, shape)
+        if error:
+            out.errors[cfg.label] = error
+        out.rows += rows
         # every point enters the A/B as S9_c<C> (the same case on every side), its repeats from its summaries
-        cases = [(f"S9_c{r['concurrency']}", ctx.run_dir / "cases" / r["case_id"], "") for r in cfg_rows]
-        rec = write_run_record(ctx.phase_dir / "ab" / _slug(cfg.label),
-                               f"{parent.get('run_id', 'run')}-{_slug(cfg.label)}", t, srv_ref,
-                               cases or [("S9", None, errors.get(cfg.label, "no point ran"))], parent)
-        records.append(rec)
+        cases = [(f"S9_c{r['concurrency']}", ctx.run_dir / "cases" / r["case_id"], "") for r in rows]
+        out.records.append(write_run_record(ctx.phase_dir / "ab" / _slug(cfg.label),
+                                            f"{parent.get('run_id', 'run')}-{_slug(cfg.label)}", served, srv,
+                                            cases or [("S9", None, out.errors.get(cfg.label, "no point ran"))],
+                                            parent))
+    return out
+
+
+def _measure_config(ctx: PhaseContext, p: Params, cfg: SpecConfig, served: Any, shape: PointShape
+                    ) -> tuple[list[dict[str, Any]], RunningServer | None, str]:
+    """One config served: every concurrency and repeat of ``shape`` measured on it. Returns the rows measured (those
+    before a failure too), the server (None when it never came up) and the error ("" when none)."""
+    rows: list[dict[str, Any]] = []
+    srv_ref = None
+    try:
+        with serving(served, ctx.phase_dir / "server", ctx.run_dir, ctx.phase, HEALTH_TIMEOUT_S) as srv:
+            srv_ref = srv
+            pool = token_pool(engine_tokenizer(srv.base_url, srv.target.engine, srv.engine.tokenize_path,
+                                               headers=srv.auth_headers), seed=p.seed)
+            for c in shape.concurrencies:
+                for rep in range(shape.repeats):
+                    point = run_spec_point(srv, ctx.run_dir, cfg, c, shape.input_tokens, shape.output_tokens, pool,
+                                           seed=p.seed, repeat=rep, definition=p.definition, phase=ctx.phase)
+                    rows.append(point.row)
+    except Exception as exc:  # a config that cannot serve is recorded; the others go on
+        return rows, srv_ref, f"{type(exc).__name__}: {exc}"
+    return rows, srv_ref, ""
+
+
+def _points_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
+    """Every point's row; the columns the views and the net gain read even when no point ran."""
     points = pd.DataFrame(rows)
     if points.empty:
         points = pd.DataFrame(columns=["config", "speculative", "concurrency", "repeat", "validity", "per_position"])
-    gain = net_gain(points)
-    ab = None
-    if len(records) >= 2:
-        try:
-            ab = ab_compare(records, "extra_args", answers=answers,
-                            metrics={"output_tps": True, "p95_tpot_ms": False})
-        except Exception as exc:
-            ctx.notes.append(f"A/B over the configs failed: {exc}")
-    res = Phase9Result(configs, points, gain, per_position_frame(points), ab, errors, [], run_dir=ctx.run_dir)
-    write_phase9_tables(ctx.phase_dir, res)
-    record_correctness(ctx.run_dir, ctx.phase)        # each config's greedy-output verdict, for M4 and the index
-    return res
+    return points
+
+
+def _ab_over_configs(ctx: PhaseContext, records: list[Path], answers: dict[str, str]) -> Any:
+    """The A/B over the configs' records (the launch's extra arguments the declared variable), None with fewer than
+    two; a failure goes to the phase's notes."""
+    if len(records) < 2:
+        return None
+    try:
+        return ab_compare(records, "extra_args", answers=answers, metrics={"output_tps": True, "p95_tpot_ms": False})
+    except Exception as exc:
+        ctx.notes.append(f"A/B over the configs failed: {exc}")
+        return None
 
 
 def write_phase9_tables(phase_dir: Path, res: Phase9Result) -> None:

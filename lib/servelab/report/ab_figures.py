@@ -64,3 +64,11 @@ def ab_banner(ab: Any) -> Any:
     :meth:`servelab.measure.abtest.ABResult.verdict_notice`."""
     kind, title, text = ab.verdict_notice()
     return banner(text, kind, title)
+
+
+def ab_delta_figure(ab: Any) -> go.Figure:
+    """An A/B's Δ% per case and metric (:func:`delta_figure` of ``ab.comparison``), or a titled empty figure when
+    there was no A/B (``ab`` None) or nothing to compare."""
+    if ab is None or ab.comparison.empty:
+        return go.Figure().update_layout(title="no A/B comparison")
+    return delta_figure(ab.comparison)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pandas as pd
 from IPython.display import HTML
 
+from servelab.core.scope import RunScope
 from servelab.core.run import FILL_IN, LABELS, CommandRecord, read_commands
 
 LABEL_TEXT = {"executed": "EXECUTED", "reproduce": "REPRODUCE", "planned": "PLANNED — NOT EXECUTED"}
@@ -70,6 +71,6 @@ def commands_html(run_dir: Path, phase: str | None = None) -> str:
     return style + "".join(parts)
 
 
-def show_commands(ctx) -> HTML:
+def show_commands(ctx: RunScope) -> HTML:
     """The commands section for a phase notebook."""
     return HTML(commands_html(ctx.run_dir, ctx.phase))

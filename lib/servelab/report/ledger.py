@@ -30,6 +30,7 @@ import yaml
 from servelab.core.paths import project_root
 from servelab.core.run import now_iso, read_manifest
 from servelab.core.params import ParamError, did_you_mean
+from servelab.core.scope import RunScope
 
 VERDICTS = ("supported", "refuted", "inconclusive")
 
@@ -59,7 +60,7 @@ def hypotheses() -> dict[str, dict[str, Any]]:
     return {**builtin, **(user or {})}
 
 
-def record_evidence(ctx: Any, hypothesis: str, verdict: str, summary: str, anchor: str = "",
+def record_evidence(ctx: RunScope, hypothesis: str, verdict: str, summary: str, anchor: str = "",
                     numbers: dict[str, Any] | None = None, table: str | Sequence[str] = (),
                     from_samples: bool | None = None) -> Evidence:
     """Append one piece of evidence from this phase about ``hypothesis``.
@@ -75,9 +76,9 @@ def record_evidence(ctx: Any, hypothesis: str, verdict: str, summary: str, ancho
     if verdict not in VERDICTS:
         raise ValueError(f"verdict must be one of {VERDICTS}, not '{verdict}'")
     link = f"{ctx.phase}/report.html" + (f"#{anchor}" if anchor else "")
-    tables = [_run_relative(ctx, t) for t in ([table] if isinstance(table, (str, Path)) else table) if str(t)]
+    tables = [ctx.run_relative(t) for t in ([table] if isinstance(table, (str, Path)) else table) if str(t)]
     numbers = dict(numbers or {})
-    sample = bool(getattr(ctx, "from_samples", False) if from_samples is None else from_samples)
+    sample = bool(ctx.from_samples if from_samples is None else from_samples)
     if sample:
         numbers["rule_verdict"] = verdict
         said = f"the rule says {verdict}: " if verdict != "inconclusive" else ""
@@ -89,14 +90,6 @@ def record_evidence(ctx: Any, hypothesis: str, verdict: str, summary: str, ancho
     return ev
 
 
-def _run_relative(ctx: Any, table: str | Path) -> str:
-    """A table path as the run index links it: relative to the run folder, ``/``-separated."""
-    p = Path(table)
-    if p.is_absolute():
-        return p.resolve().relative_to(Path(ctx.run_dir).resolve()).as_posix()
-    if len(p.parts) > 1 and (p.parts[0].startswith("phase") or p.parts[0] == "cases"):
-        return p.as_posix()                       # already relative to the run folder
-    return (Path(ctx.phase) / p).as_posix()       # a file of this phase's folder
 
 
 def evidence_frame(evs: Sequence[Evidence]) -> pd.DataFrame:

@@ -194,3 +194,27 @@ def client_over_server(timeline: pd.DataFrame, sides: dict[str, Any], bands: lis
         fig.add_annotation(text=html.escape(clock.split(";")[0])[:200], xref="paper", yref="paper", x=0, y=-0.08,
                            showarrow=False, font=dict(size=10, color="#555"), xanchor="left")
     return fig
+
+
+# ---------------------------------------------------------------- Phase 1's page (a part that did not run says so)
+
+def search_frontier_figure(search: Any, definition: str = mx.VLLM_BENCH) -> go.Figure:
+    """The concurrency search's SLO frontier (:func:`slo_frontier`); an empty one when the search did not run."""
+    if search is None:
+        return slo_frontier(pd.DataFrame(), None, definition)
+    return slo_frontier(search.frontier(), search.slo, definition)
+
+
+def m1_itl_figure(m1: dict[str, Any] | None) -> go.Figure:
+    """M1's ITL timeline (:func:`itl_timeline`), or a titled empty figure when M1 did not run."""
+    if m1 is None:
+        return go.Figure().update_layout(title="M1 did not run: no ITL timeline")
+    return itl_timeline(m1)
+
+
+def m1_serverside_figure(m1: dict[str, Any] | None, sides: dict[str, Any]) -> go.Figure:
+    """The M1 ITL timeline over the engine's running / queued / KV series and its scheduler lines
+    (:func:`serverside_timeline`), or a titled empty figure when M1 did not run."""
+    if m1 is None:
+        return go.Figure().update_layout(title="M1 did not run: no server-side timeline")
+    return serverside_timeline(m1, sides)

@@ -7,6 +7,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from servelab.analyse.telemetry.load import CaseTelemetry
 from servelab.analyse.telemetry.windows import CaseWindow
 
 PALETTE = ["rgba(46,109,164,0.12)", "rgba(181,137,0,0.14)", "rgba(192,57,43,0.12)", "rgba(39,174,96,0.12)"]
@@ -44,3 +45,11 @@ def timeseries_figure(samples: pd.DataFrame, windows: list[CaseWindow], metrics:
     fig.update_xaxes(showticklabels=True)
     fig.update_xaxes(title_text="UTC", row=len(metrics), col=1)
     return fig
+
+
+def sample_figure(cases: list[CaseTelemetry]) -> go.Figure:
+    """The recorded 2 × H200 nvidia-smi capture Phase 2 shows beside this target's telemetry: GPU and memory
+    utilisation, power, SM clock and memory used, each case's window shaded."""
+    return timeseries_figure(cases[0].samples, [c.window for c in cases],
+                             ["util_gpu_pct", "util_mem_pct", "power_w", "sm_clock_mhz", "mem_used_mib"],
+                             title="Recorded 2 x H200 nvidia-smi capture (200 ms samples, workload windows shaded)")

@@ -15,7 +15,7 @@ from servelab.analyse.kernels import function_base
 from servelab.core.run import FILL_IN
 from servelab.analyse.trace.nsys import compare_kernels, method_reports, read_nsys_folder
 from servelab.measure.nsys_capture import display, nsys_profile_argv, nsys_stats_argv
-from servelab.phases.context import PhaseContext
+from servelab.core.scope import RunScope
 from servelab.report.banner import banner, banner_html
 from servelab.report.tables import table_html
 
@@ -47,7 +47,7 @@ def nsys_howto(trace_dir: str = "") -> str:
             f"{FILL_IN['ENGINE_COMMAND']}.")
 
 
-def nsys_import(ctx: PhaseContext, p: Any, nsys_dir: str = "", top_n: int = 10) -> NsysImport | None:
+def nsys_import(ctx: RunScope, p: Any, nsys_dir: str = "", top_n: int = 10) -> NsysImport | None:
     """Import the ``nsys stats`` CSVs of ``nsys_dir`` (``<base>_cuda_gpu_kern_sum.csv`` and the other reports
     :mod:`servelab.analyse.trace.nsys` knows) and put the ``top_n`` kernels of the Nsight Systems summary next to
     the same kernels in the trace of the Phase 3 analysis ``p`` (matched on the function name,

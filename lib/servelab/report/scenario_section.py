@@ -71,13 +71,12 @@ def _block(v: Any) -> str:
     return "".join(parts)
 
 
-def capture_point_note(ctx: Any) -> Any:
-    """Where the live capture was taken: the Phase 1 case ``capture_at`` named, linked to that run's Phase 1 page
-    (None without ``capture_at``)."""
-    at = getattr(ctx, "capture_point", None)
+def capture_point_note(at: Any, run_id: str) -> Any:
+    """Where the live capture of run ``run_id`` was taken: the Phase 1 case ``capture_at`` named (``at``, a
+    ``CapturePoint``), linked to that run's Phase 1 page (None without ``capture_at``)."""
     if at is None:
         return None
-    href = ("../phase1/report.html" if at.run_id == ctx.run_id else f"../../{at.run_id}/phase1/report.html")
+    href = ("../phase1/report.html" if at.run_id == run_id else f"../../{at.run_id}/phase1/report.html")
     return HTML('<div class="servelab-banner servelab-banner-info" style="background:#e8f1fb;border-left:6px solid '
                 '#2e6da4;padding:10px 14px;margin:8px 0;font-family:sans-serif"><b style="color:#2e6da4">Captured at '
                 f'a Phase 1 point</b><br>{html.escape(at.describe())} — the decode control and the mixed treatment '
