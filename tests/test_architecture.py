@@ -167,6 +167,81 @@ def test_servelab_imports_sit_at_the_top_of_their_module() -> None:
     assert sorted(found) == []
 
 
+# in-function imports of other packages (standard library or third party) that stay on purpose, each with its reason:
+# {module: {top-level package: why}}; every other import sits at the top of its module. ~N ms: the import's cost, on
+# top of what `servelab phases` loads already (2 shared cores)
+LAZY_PACKAGES_KEPT = {
+    "cli.py": {"papermill": "only executing a notebook (run, demo, case) needs it; ~2.5 s with nbconvert, which "
+                            "`servelab phases|targets|params` never load"},
+    "core/notebooks.py": {"jupyter_client": "the kernel manager, only when a notebook is executed; ~50 ms (zmq) at "
+                                            "the start of every command (cli imports this module)"},
+    "core/redact.py": {"plotly": "the plotly.js bundle the rules skip, read once for a text long enough to hold it; "
+                                 "the CLI's start-up loads no plotly and smi_probe's bare GPU machine has none"},
+    "core/run.py": {"pandas": "merge_table only: trace-parsing and Dask worker processes and smi_probe (a bare GPU "
+                              "machine) import core.run without pandas (~0.7 s each)"},
+    "data/sglang_cpu/servelab_sglang_cpu_hook.py": {
+        "torch": "the .pth runs the hook at every interpreter start in the sglang-cpu venv; torch is imported only "
+                 "when torchvision or SGLang's expert recorder is"},
+    "deploy/cluster.py": {"distributed": "the optional extra servelab[cluster] (~0.5 s), in require_dask() with the "
+                                         "install hint when it is missing"},
+    "deploy/cluster_tls.py": {"distributed": "the optional extra: TLSFiles.security() (require_dask lives in "
+                                             "cluster.py, which imports this module)",
+                              "cryptography": "certificates at a cluster's start only; ~45 ms at every command's "
+                                              "start-up and Dask worker (it comes with paramiko: not ours to declare)"},
+    "deploy/hosts.py": {"paramiko": "SSH targets only: ~60 ms at every command's start-up; smi_probe's bare GPU "
+                                    "machine has no paramiko"},
+    "measure/client.py": {"aiohttp": "import_aiohttp(): ~0.2 s at every command's start-up (cli imports the "
+                                     "client); a caller imports it before a measurement window opens"},
+    "phases/context.py": {"papermill": "papermill_output(), in a kernel plain papermill started: ~2.5 s for every "
+                                       "phase module and `servelab params` otherwise",
+                          "plotly": "open_phase() sets the notebook renderer: `servelab params phase0|1|5|8|9` "
+                                    "load no plotly"},
+}
+MAX_LAZY_PACKAGE_IMPORTS = 15
+
+
+def lazy_package_imports(tree: ast.Module) -> list[tuple[int, str]]:
+    """(line, top-level package) of each import inside a function or lambda of ``tree`` that is neither servelab's
+    nor relative (one per imported module of an ``import a, b``)."""
+    found = []
+    stack = [(node, False) for node in tree.body]
+    while stack:
+        node, in_function = stack.pop()
+        if in_function and isinstance(node, ast.ImportFrom) and node.level == 0:
+            found.append((node.lineno, (node.module or "").split(".")[0]))
+        elif in_function and isinstance(node, ast.Import):
+            found += [(node.lineno, a.name.split(".")[0]) for a in node.names]
+        inner = in_function or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+        stack.extend((child, inner) for child in ast.iter_child_nodes(node))
+    return sorted((line, pkg) for line, pkg in found if pkg != "servelab")
+
+
+def test_other_packages_are_imported_at_the_top_of_their_module() -> None:
+    """An in-function import of another package is in LAZY_PACKAGES_KEPT with its reason, every entry there still
+    occurs (an import moved to the top leaves the list with it), and there are at most MAX_LAZY_PACKAGE_IMPORTS."""
+    lib = ROOT / "lib" / "servelab"
+    found: dict[tuple[str, str], list[int]] = {}
+    for p in sorted(lib.rglob("*.py")):
+        for line, pkg in lazy_package_imports(ast.parse(p.read_text())):
+            found.setdefault((p.relative_to(lib).as_posix(), pkg), []).append(line)
+    kept = {(rel, pkg) for rel, pkgs in LAZY_PACKAGES_KEPT.items() for pkg in pkgs}
+    assert sorted(f"{rel}:{line} {pkg}" for (rel, pkg), lines in found.items() if (rel, pkg) not in kept
+                  for line in lines) == []
+    assert sorted(f"{rel} {pkg}" for rel, pkg in kept - set(found)) == []
+    assert sum(map(len, found.values())) <= MAX_LAZY_PACKAGE_IMPORTS
+
+
+def test_the_lazy_import_check_fails_on_counter_examples() -> None:
+    src = ("import json\ntry:\n    import uvloop\nexcept ImportError:\n    uvloop = None\n\n"
+           "def f():\n    from servelab.core import run\n    from . import sibling\n    return run, sibling\n\n"
+           "class C:\n    import re\n")
+    assert lazy_package_imports(ast.parse(src)) == []          # module level, class level, servelab, relative
+    src = ("def f():\n    import json, os.path\n\n"
+           "class C:\n    async def g(self):\n        def h():\n            from plotly.subplots import make_subplots\n"
+           "key = lambda: __import__('x')\n")
+    assert lazy_package_imports(ast.parse(src)) == [(2, "json"), (2, "os"), (7, "plotly")]
+
+
 # ---------------------------------------------------------------- the phase contract
 # every phase module exposes run(ctx: PhaseContext) -> a result that knows its headline and findings; a notebook calls
 # it once, reads its parameters only through it, and never reaches for a private name of the library

@@ -15,15 +15,20 @@ from __future__ import annotations
 
 import argparse
 import errno
+import gc
 import json
+import logging
 import os
 import shutil
 import signal
 import sys
 import threading
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from servelab.core.params import ParamError, coerce, parse_overrides, run_phase_checks, did_you_mean
 
@@ -130,7 +135,6 @@ def split_overrides(phase: str, target: str, overrides: dict[str, str]) -> tuple
         if k in phase_keys:
             phase_over[k] = v
         elif k in launch_keys:
-            import yaml
             launch_over[k] = yaml.safe_load(v)
         else:
             raise ParamError(f"unknown parameter '{k}'{did_you_mean(k, phase_keys | launch_keys)}; "
@@ -431,7 +435,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def report_check(rdir: Path) -> int:
     """The run's consistency check (``report.check``): each finding one line on stderr, the count last; written to
     ``<run>/check.json``. Returns the number of findings."""
-    from dataclasses import asdict
     from servelab.report.check import check_run
     found = check_run(rdir)
     runlib.write_json_atomic(rdir / "check.json", {"checked": runlib.now_iso(), "findings": [asdict(f) for f in found]})
@@ -683,8 +686,6 @@ def main(argv: list[str] | None = None) -> int:
         # nbclient may leave a task that later fails with DeadKernelError (the kernel got the same SIGINT); asyncio
         # would log it with a traceback when the task is collected, after our one line. The kernel's own account
         # is in the phase's kernel.log; the terminal gets one line.
-        import gc
-        import logging
         logging.getLogger("asyncio").disabled = True
         gc.collect()
         got = signals.received()

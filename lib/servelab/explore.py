@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import html
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import ipywidgets as widgets
 import pandas as pd
+import plotly.graph_objects as go
 
 from servelab.measure import request_metrics as mx
 from servelab.core.paths import cache_root, outputs_root, samples_root
@@ -98,8 +101,6 @@ def first_valid_case(choices: pd.DataFrame) -> tuple[str | None, str]:
 
 def case_view(run_dir: Path, case_id: str, definition: str = mx.VLLM_BENCH) -> tuple[pd.DataFrame, Any]:
     """One case: its percentile table (both definitions) and the per-request TTFT/E2E scatter over time."""
-    import plotly.graph_objects as go
-
     cdir = run_dir / "cases" / case_id
     pooled = read_summary(cdir / "summary.json")["metrics"]
     rows = []
@@ -194,13 +195,11 @@ def timeline_view(a: Any, rank: int | None = None, window_pct: tuple[float, floa
     """The Phase 3 per-rank timeline of analysed capture ``a`` — all ranks or one, zoomed to ``window_pct``
     (from, to: percent of the shown ranks' span) — and its readout (``"24.5 – 52.0 % of 3.10 ms: 0.76 – 1.61
     ms"``). A rank the capture lacks or an empty window raises ``ValueError`` saying what to pick instead."""
-    import dataclasses
-
     if rank is not None:
         ranks = sorted(r.rank for r in a.rops)
         if rank not in ranks:
             raise ValueError(f"rank {rank} is not in this capture: pick one of {', '.join(map(str, ranks))} or all")
-        a = dataclasses.replace(a, rops=[r for r in a.rops if r.rank == rank])
+        a = replace(a, rops=[r for r in a.rops if r.rank == rank])
     lo, hi = (float(v) for v in window_pct)
     if not 0.0 <= lo <= hi <= 100.0:
         raise ValueError(f"window {lo:g} – {hi:g} %: it must lie within 0 – 100 %, from ≤ to")
@@ -220,11 +219,9 @@ def timeline_view(a: Any, rank: int | None = None, window_pct: tuple[float, floa
 
 def trace_view(folder: Path, rank: int | None = None, t0_ms: float | None = None, t1_ms: float | None = None) -> Any:
     """The Phase 3 per-rank timeline of a capture, optionally one rank and a zoomed time range (ms)."""
-    import dataclasses
-
     a = capture_analysis(folder)
     if rank is not None:
-        a = dataclasses.replace(a, rops=[r for r in a.rops if r.rank == rank])
+        a = replace(a, rops=[r for r in a.rops if r.rank == rank])
     return figures.timeline(a, t0_ms=t0_ms, t1_ms=t1_ms)
 
 
@@ -273,22 +270,20 @@ def explorer(root: Path | None = None, run_id: str | None = None) -> Any:
 
     Opens drawn on the run's first VALID case and first capture that analyses. Each control redraws what it
     governs; the note under each half says what is shown or, in one line, why it cannot be (errors too)."""
-    import ipywidgets as w
-
     root = Path(root) if root else outputs_root()
     run_ids = list(list_runs(root)["run_id"])
-    wide, long_, short = {"description_width": "80px"}, w.Layout(width="560px"), w.Layout(width="220px")
-    run_dd = w.Dropdown(options=run_ids, description="run", style=wide, layout=long_,
+    wide, long_, short = {"description_width": "80px"}, widgets.Layout(width="560px"), widgets.Layout(width="220px")
+    run_dd = widgets.Dropdown(options=run_ids, description="run", style=wide, layout=long_,
                         value=run_id if run_id in run_ids else (run_ids[0] if run_ids else None))
-    case_dd = w.Dropdown(options=[], description="case", style=wide, layout=long_)
-    def_dd = w.Dropdown(options=[mx.VLLM_BENCH.value, mx.SGLANG_BENCH.value], value=mx.VLLM_BENCH.value,
+    case_dd = widgets.Dropdown(options=[], description="case", style=wide, layout=long_)
+    def_dd = widgets.Dropdown(options=[mx.VLLM_BENCH.value, mx.SGLANG_BENCH.value], value=mx.VLLM_BENCH.value,
                         description="definition", style=wide, layout=short)
-    trace_dd = w.Dropdown(options=[], description="capture", style=wide, layout=long_)
-    rank_dd = w.Dropdown(options=[("all ranks", -1)], value=-1, description="rank", style=wide, layout=short)
-    window = w.FloatRangeSlider(value=(0.0, 100.0), min=0.0, max=100.0, step=0.5, description="window %",
+    trace_dd = widgets.Dropdown(options=[], description="capture", style=wide, layout=long_)
+    rank_dd = widgets.Dropdown(options=[("all ranks", -1)], value=-1, description="rank", style=wide, layout=short)
+    window = widgets.FloatRangeSlider(value=(0.0, 100.0), min=0.0, max=100.0, step=0.5, description="window %",
                                 readout=False, continuous_update=False, style=wide, layout=long_)
-    run_note, case_note, trace_note, readout = w.HTML(), w.HTML(), w.HTML(), w.HTML()
-    out_case, out_trace = w.Output(), w.Output()
+    run_note, case_note, trace_note, readout = widgets.HTML(), widgets.HTML(), widgets.HTML(), widgets.HTML()
+    out_case, out_trace = widgets.Output(), widgets.Output()
     # class names: what a person sees is found by them in the browser (tests/test_explore_live.py)
     for name, widget in (("run", run_dd), ("case", case_dd), ("definition", def_dd), ("capture", trace_dd),
                          ("rank", rank_dd), ("window", window), ("readout", readout), ("run-note", run_note),
@@ -435,9 +430,9 @@ def explorer(root: Path | None = None, run_id: str | None = None) -> Any:
     rank_dd.observe(draw_trace, "value")
     window.observe(draw_trace, "value")
     pick_run()
-    return w.VBox([w.HTML("<b>servelab explorer</b>"), run_dd, run_note,
-                   w.HBox([case_dd, def_dd]), case_note, out_case,
-                   w.HBox([trace_dd, rank_dd]), w.HBox([window, readout]), trace_note, out_trace])
+    return widgets.VBox([widgets.HTML("<b>servelab explorer</b>"), run_dd, run_note,
+                   widgets.HBox([case_dd, def_dd]), case_note, out_case,
+                   widgets.HBox([trace_dd, rank_dd]), widgets.HBox([window, readout]), trace_note, out_trace])
 
 
 # ---------------------------------------------------------------- static views of one run (notebooks/explore_run.ipynb)

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import polars as pl
 
 from servelab.measure.engine_metrics import gauge_series, histogram_buckets, histogram_mean, histogram_quantile
 from servelab.analyse.trace import stalls as S
@@ -349,8 +350,6 @@ def log_join(records: list[Any], side: ServerSide, adapter: Any, stream_roles: t
     log lines' placement error is the tolerance). The steady state is the decode streams' gaps outside every
     injected request's [send, first chunk]; a stall is a gap above its P99, attributed to the logged prefills it
     overlapped; an injected request's TTFT splits at its logged prefill."""
-    import polars as pl
-
     empty = pl.DataFrame(schema=S.STEP_SCHEMA)
     pre = adapter.log_prefills(side.lines)
     if pre is None:

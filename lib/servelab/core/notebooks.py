@@ -8,6 +8,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from traitlets import default
+
 from servelab.core.params import ParamError, did_you_mean
 from servelab.core import signals
 from servelab.core.paths import project_root
@@ -48,7 +50,6 @@ def kernel_manager_class(log_path: Path | None = None, env: dict[str, str] | Non
     being shut down after Ctrl-C — goes to ``log_path`` (the phase folder's ``kernel.log``), not the terminal.
     ``env`` is added to the kernel's environment (the secrets a derived target names; never on disk or argv)."""
     from jupyter_client.manager import AsyncKernelManager
-    from traitlets import default
 
     class IPCKernelManager(AsyncKernelManager):
         @default("transport")

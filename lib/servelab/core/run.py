@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import fcntl
 import json
 import os
 import platform
@@ -18,6 +19,8 @@ import re
 import shlex
 import subprocess
 import sys
+import threading
+import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -118,8 +121,6 @@ def write_json_atomic(path: Path, obj: Any, known: Any = None) -> None:
 def unique_temp(path: Path) -> Path:
     """A temp file name beside ``path`` that no other writer uses (process, thread, random part); created with
     the usual permissions (``open(..., "x")``), unlike ``mkstemp``'s 0600."""
-    import threading
-    import uuid
     return path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.{uuid.uuid4().hex[:8]}.tmp")
 
 
@@ -139,7 +140,6 @@ def _fsync_dir(d: Path) -> None:
 @contextlib.contextmanager
 def file_lock(lock_path: Path) -> Iterator[None]:
     """An exclusive ``fcntl.flock`` on ``lock_path`` (created if missing) for one read-modify-write."""
-    import fcntl
     lock_path = Path(lock_path)
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     with open(lock_path, "a") as f:

@@ -23,6 +23,9 @@ import argparse
 import json
 import time
 
+import torch
+import torch.distributed as dist
+
 
 def main() -> int:
     ap = argparse.ArgumentParser()
@@ -35,9 +38,6 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-
-    import torch
-    import torch.distributed as dist
 
     torch.set_num_threads(a.threads)
     dist.init_process_group("gloo", init_method="env://", rank=a.rank, world_size=a.world)

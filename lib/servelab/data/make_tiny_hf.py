@@ -24,6 +24,12 @@ import json
 import random
 from pathlib import Path
 
+import tokenizers
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
 VOCAB_SIZE = 384
 HIDDEN, LAYERS, HEADS, FF = 128, 2, 2, 256
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -40,8 +46,6 @@ def corpus(seed: int) -> list[str]:
 
 
 def build_tokenizer(seed: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -57,8 +61,6 @@ def build_tokenizer(seed: int):
 def save_tokenizer(tok, out: Path) -> tuple[int, int, int, int, list[int]]:
     """Save ``tok`` as a fast HF tokenizer with the chat template into ``out``; return ``(vocab, unk, bos, eos,
     allowed)``: ``allowed`` the ids that decode to printable ASCII, the only ones the output layer lets through."""
-    from transformers import PreTrainedTokenizerFast
-
     vocab = tok.get_vocab_size()
     unk, bos, eos = (tok.token_to_id(t) for t in ("<unk>", "<s>", "</s>"))
     specials = {unk, bos, eos}
@@ -77,8 +79,6 @@ def save_tokenizer(tok, out: Path) -> tuple[int, int, int, int, list[int]]:
 def random_weights(model, g) -> None:
     """Our own init, independent of the transformers version's initialiser (under ``torch.no_grad``): norms 1,
     biases 0, every other parameter N(0, 0.02) from ``g``, in parameter-name order."""
-    import torch
-
     for name, p in sorted(model.named_parameters()):
         if name.endswith("norm.weight"):
             p.fill_(1.0)
@@ -91,8 +91,6 @@ def random_weights(model, g) -> None:
 def output_layers(model, g, allowed: list[int], eos: int) -> None:
     """Embeddings with a constant 1 in dimension 0, and an output layer that reads it: the ``allowed`` ids get a
     +5 logit bias, every other id -50, and EOS 0 (``logit_bias {eos: 100}`` makes it near certain)."""
-    import torch
-
     vocab, hidden = model.lm_head.weight.shape
     mask = torch.zeros(vocab, dtype=torch.bool)
     mask[allowed] = True
@@ -121,9 +119,6 @@ def main() -> None:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     tok = build_tokenizer(args.seed)
     vocab, unk, bos, eos, allowed = save_tokenizer(tok, out)
 
@@ -144,8 +139,8 @@ def main() -> None:
             "head_dim": HIDDEN // HEADS, "parameters": sum(p.numel() for p in model.parameters()),
             "allowed_ids": allowed, "weights_sha256": digest,
             "generator_sha256": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
-            "torch": torch.__version__, "transformers": __import__("transformers").__version__,
-            "tokenizers": __import__("tokenizers").__version__}
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "tokenizers": tokenizers.__version__}
     (out / "servelab.json").write_text(json.dumps(info, indent=1) + "\n")
 
 

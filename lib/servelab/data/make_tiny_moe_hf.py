@@ -28,6 +28,15 @@ import json
 import sys
 from pathlib import Path
 
+import tokenizers
+import torch
+import transformers
+from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))       # make_tiny_hf.py beside this file, also under python -P / -I
+from make_tiny_hf import build_tokenizer, output_layers, random_weights, save_tokenizer, weights_sha256  # noqa: E402
+
 HIDDEN, LAYERS, HEADS = 128, 2, 2
 EXPERTS, TOP_K, MOE_FF, SHARED_FF = 8, 2, 64, 0
 ROUTER_BIAS_STD = 0.5
@@ -40,13 +49,6 @@ def main() -> None:
     args = ap.parse_args()
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-
-    import torch
-    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
-
-    here = Path(__file__).resolve().parent
-    sys.path.insert(0, str(here))
-    from make_tiny_hf import build_tokenizer, output_layers, random_weights, save_tokenizer, weights_sha256
 
     tok = build_tokenizer(args.seed)
     vocab, unk, bos, eos, allowed = save_tokenizer(tok, out)
@@ -68,14 +70,14 @@ def main() -> None:
         output_layers(model, g, allowed, eos)
     model.save_pretrained(out, safe_serialization=True)
     digest = weights_sha256(out)
-    gen = hashlib.sha256(Path(__file__).read_bytes() + (here / "make_tiny_hf.py").read_bytes()).hexdigest()
+    gen = hashlib.sha256(Path(__file__).read_bytes() + (HERE / "make_tiny_hf.py").read_bytes()).hexdigest()
     info = {"name": "servelab-tiny-random-qwen2-moe-hf", "seed": args.seed, "vocab_size": vocab, "bos_id": bos,
             "eos_id": eos, "unk_id": unk, "hidden_size": HIDDEN, "num_layers": LAYERS, "num_heads": HEADS,
             "head_dim": HIDDEN // HEADS, "num_experts": EXPERTS, "top_k": TOP_K, "moe_intermediate_size": MOE_FF,
             "router_bias_std": ROUTER_BIAS_STD,
             "parameters": sum(p.numel() for p in model.parameters()), "allowed_ids": allowed,
             "weights_sha256": digest, "generator_sha256": gen, "torch": torch.__version__,
-            "transformers": __import__("transformers").__version__, "tokenizers": __import__("tokenizers").__version__}
+            "transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
     (out / "servelab.json").write_text(json.dumps(info, indent=1) + "\n")
 
 

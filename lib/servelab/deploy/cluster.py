@@ -80,13 +80,16 @@ def parse_cluster(text: str) -> ClusterSpec | None:
     raise ClusterError(f"cluster={text!r} is not {FORMS}")
 
 
-def require_dask() -> None:
-    """One line saying how to install the optional extra when Dask distributed is missing."""
+def require_dask() -> Any:
+    """The ``distributed`` module, or one line saying how to install the optional extra when it is missing. Every
+    use of Dask here goes through this import (about 0.5 s): only a cluster run pays it, never the start-up of a
+    command or a phase without one."""
     try:
-        import distributed  # noqa: F401
+        import distributed
     except ImportError:
         raise ClusterError("Dask distributed is not installed: pip install 'servelab[cluster]' "
                            "(on this machine and on every node that runs workers)") from None
+    return distributed
 
 
 @dataclass
@@ -124,10 +127,9 @@ def _host_of(addr: str) -> str:
 
 
 def _client(address: str, timeout_s: float, security: Any = None):
-    from distributed import Client
     try:
-        return Client(address, timeout=timeout_s, set_as_default=False,
-                      **({"security": security} if security is not None else {}))
+        return require_dask().Client(address, timeout=timeout_s, set_as_default=False,
+                                     **({"security": security} if security is not None else {}))
     except (OSError, TimeoutError) as exc:
         raise ClusterError(f"cannot reach the Dask scheduler at {address}: {exc}; check the address and that "
                            f"this machine can reach it") from None
@@ -135,11 +137,11 @@ def _client(address: str, timeout_s: float, security: Any = None):
 
 def connect_cluster(address: str, timeout_s: float = 30.0) -> Cluster:
     """Join an existing cluster (nothing started or stopped there); its workers must run the same Dask as here."""
-    require_dask()
+    distributed = require_dask()
     if address.startswith("tls://"):
-        import dask
-        need = {"ca-file": "distributed.comm.tls.ca-file", "client cert": "distributed.comm.tls.client.cert"}
-        missing = [k for k, key in need.items() if not dask.config.get(key, None)]
+        own = distributed.Security()          # what the client will present: the TLS files of the Dask config
+        need = {"ca-file": own.tls_ca_file, "client cert": own.tls_client_cert}
+        missing = [k for k, path in need.items() if not path]
         if missing:
             raise ClusterError(f"joining {address} needs your TLS files: set DASK_DISTRIBUTED__COMM__TLS__CA_FILE, "
                                f"DASK_DISTRIBUTED__COMM__TLS__CLIENT__CERT (and __KEY when the key is separate), or "
@@ -195,12 +197,11 @@ def start_cluster(nodes: list[tuple[str, Any, str]], tracker: ProcessTracker, lo
 
     Checks every node first (the interpreter imports Dask distributed and servelab), then sweeps what killed
     earlier runs left there, then starts. Every process joins ``tracker``; their logs end in ``log_dir``."""
-    require_dask()
+    distributed = require_dask()
     python = python or sys.executable
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     probe = [python, "-c", "import distributed, servelab.analyse.trace.load; print(distributed.__version__)"]
-    import distributed
     for name, host, _ in nodes:
         r = host.run(probe, timeout=120)
         if r.exit_code != 0:
@@ -327,9 +328,8 @@ def open_cluster(spec: ClusterSpec | str, tracker: ProcessTracker, log_dir: str 
 
 def worker_placement() -> dict[str, str]:
     """On a worker: where this task runs (host name, worker address, pid) — what the page reports per rank."""
-    from distributed import get_worker
     try:
-        w = get_worker()
+        w = require_dask().get_worker()
         addr, name = w.address, str(w.name)
     except ValueError:           # not on a worker (called directly)
         addr, name = "", ""

@@ -11,6 +11,7 @@ stops (a tracker exit step), and the next start on that node removes every folde
 from __future__ import annotations
 
 import datetime as dt
+import ipaddress
 import json
 import secrets
 from dataclasses import dataclass
@@ -46,15 +47,12 @@ class TLSFiles:
 def make_certificates(names: list[str]) -> dict[str, bytes]:
     """A new CA and one certificate it signs (for the scheduler, the workers and the client alike; ``names``: the
     addresses it is valid for): ``{"ca.pem", "cert.pem", "key.pem"}`` as PEM bytes. The CA's key is not kept."""
-    import ipaddress
-
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
     now = dt.datetime.now(dt.timezone.utc)
     ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"servelab cluster CA {secrets.token_hex(4)}")])
+    ca_name = x509.Name([x509.NameAttribute(x509.NameOID.COMMON_NAME, f"servelab cluster CA {secrets.token_hex(4)}")])
     ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
           .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(minutes=5))
           .not_valid_after(now + dt.timedelta(days=VALID_DAYS))
@@ -68,11 +66,11 @@ def make_certificates(names: list[str]) -> dict[str, bytes]:
         except ValueError:
             alt.append(x509.DNSName(n))
     cert = (x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "servelab cluster member")]))
+            .subject_name(x509.Name([x509.NameAttribute(x509.NameOID.COMMON_NAME, "servelab cluster member")]))
             .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=VALID_DAYS))
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+            .add_extension(x509.ExtendedKeyUsage([x509.ExtendedKeyUsageOID.SERVER_AUTH, x509.ExtendedKeyUsageOID.CLIENT_AUTH]),
                            critical=False)
             .add_extension(x509.SubjectAlternativeName(alt or [x509.DNSName("localhost")]), critical=False)
             .sign(ca_key, hashes.SHA256()))

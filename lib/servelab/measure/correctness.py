@@ -24,6 +24,7 @@ an accuracy evaluation must accept it before it is kept.
 """
 from __future__ import annotations
 
+import json
 import math
 import time
 from pathlib import Path
@@ -114,7 +115,6 @@ def greedy_probe(srv: Any, prompts: Sequence[str] = PROMPTS, max_tokens: int = M
            "request_example": eng.greedy_body(model, prompts[0], int(max_tokens)) if prompts else {},
            "outputs": outputs}
     if run_dir is not None and prompts:
-        import json
         argv = ["curl", "-sS", "-X", "POST", url, "-H", "Content-Type: application/json", "-d",
                 json.dumps(out["request_example"], separators=(",", ":"))]
         bad = sum(1 for o in outputs if o["error"])
@@ -136,7 +136,6 @@ def write_greedy(folder: Path, outputs: dict[str, Any]) -> Path:
 
 def read_greedy(folder: Path) -> dict[str, Any] | None:
     """The greedy outputs a run or record holds (None when it holds none)."""
-    import json
     path = Path(folder) / OUTPUTS_FILE
     if not path.is_file():
         return None

@@ -24,7 +24,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from servelab.measure.client import MONITOR_INTERVAL_S, watch_loop
+import numpy as np
+
+from servelab.measure.client import MONITOR_INTERVAL_S, import_aiohttp, watch_loop
 from servelab.measure.records import ClientRun
 
 
@@ -52,9 +54,9 @@ class LoopMonitor:
         self.sample_ns.append(now)
 
     async def __aenter__(self) -> "LoopMonitor":
-        # the client imports aiohttp inside its first run: ~0.1 s that would block the loop inside the window (the
+        # the client imports aiohttp on its first run: ~0.1 s that would block the loop inside the window (the
         # client's own monitor starts after it)
-        import aiohttp  # noqa: F401
+        import_aiohttp()
         self._done = asyncio.Event()
         self._gc_was_enabled = gc.isenabled()
         gc.disable()
@@ -79,7 +81,6 @@ class LoopMonitor:
 
     def client_run(self, records: Sequence[Any], concurrency: int | None = None, wall_offset_ns: int = 0) -> ClientRun:
         """The loop's records as one closed-loop ``ClientRun`` over the monitor's window, with its samples."""
-        import numpy as np
         sent = np.sort(np.array([r.send_ns for r in records if r.send_ns], dtype=np.int64))
         ended = np.sort(np.array([r.end_ns for r in records if r.send_ns], dtype=np.int64))
         t = np.array(self.sample_ns, dtype=np.int64)

@@ -24,6 +24,7 @@ Child processes are started with ``spawn`` (no state inherited from a Jupyter ke
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import math
 import multiprocessing as mp
 import os
@@ -32,7 +33,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from servelab.measure.client import DEFAULT_LOOP, ClientConfig, arrival_offsets_s, run_async, run_sync
+from servelab.measure.client import DEFAULT_LOOP, ClientConfig, arrival_offsets_s, import_aiohttp, run_async, run_sync
 from servelab.measure.records import ClientRun
 from servelab.measure.workload import RequestSpec, build_workload, spec_source
 
@@ -91,7 +92,6 @@ class _Strided:
 
 def _pdeathsig() -> None:
     try:
-        import ctypes
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)      # PR_SET_PDEATHSIG
     except OSError:
         pass
@@ -104,7 +104,7 @@ def _child(conn: Any, job: dict[str, Any]) -> None:
     try:
         if job.get("cpu") is not None:
             os.sched_setaffinity(0, {int(job["cpu"])})
-        import aiohttp  # noqa: F401  (imported before the window, not inside it)
+        import_aiohttp()                  # imported before the window, not inside it
         kw = dict(job["kw"])
         if job.get("source") is not None:
             kw["make_spec"] = _Strided(job["source"], job["process"], job["processes"])

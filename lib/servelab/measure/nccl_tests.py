@@ -36,9 +36,11 @@ Shell entry for a GPU machine (the one-node plan on this host)::
 """
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import string
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -432,9 +434,6 @@ def execute(plan: NcclPlan, hosts: dict[str, Any], out_dir: Path, tracker: Any, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-    import sys
-
     ap = argparse.ArgumentParser(prog="python -m servelab.measure.nccl_tests", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bin-dir", required=True)

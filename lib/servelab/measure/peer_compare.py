@@ -36,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import shlex
 import shutil
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -442,7 +443,6 @@ def _fmt(x: Any) -> str:
 def rerun_phase1(run_dir: str | Path) -> str:
     """The ``servelab run phase1 ... --resume`` line that re-runs Phase 1 into this run with the overrides it last
     ran with: its recorded ``reproduce`` command (the CLI's, which holds every ``-p``, before the notebook's)."""
-    import shlex
     rdir = Path(run_dir)
     recs = [r for r in read_commands(rdir, "phase1")
             if r.label == "reproduce" and r.argv[:3] == ["servelab", "run", "phase1"]][::-1]

@@ -33,12 +33,13 @@ All durations in ms unless the name says otherwise.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from enum import StrEnum
-from typing import Any, Iterable
-
+import json
 import math
 import re
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, Iterable
 
 import numpy as np
 import pandas as pd
@@ -416,8 +417,6 @@ def measured_client_ceiling(path: Any = None) -> dict[str, Any] | None:
     the machine). ``path`` None: ``client_ceiling.json`` in the servelab cache (``SERVELAB_CACHE``) — a ceiling
     belongs to the machine the client runs on, so none ships with servelab; ``None`` back when none was measured.
     A file that is there but holds no positive ``chunks_per_s`` raises ``ValueError`` naming it."""
-    import json
-    from pathlib import Path
     if path is None:
         path = cache_root() / CEILING_FILE
     if not Path(path).is_file():

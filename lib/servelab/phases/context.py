@@ -13,6 +13,7 @@ scripts).
 """
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import signal
@@ -177,7 +178,6 @@ def scrub_phase_files(ctx: PhaseContext) -> None:
     """Every text file the phase wrote (its folder, and the run's files written since it opened: cases, manifest,
     commands) through the one redaction routine with the target's known secrets — the same however the notebook
     runs (``servelab run``, plain papermill, JupyterLab)."""
-    import datetime as dt
     known = ctx.target.secret_values()
     try:
         since = dt.datetime.fromisoformat(ctx.started).timestamp() - 2.0

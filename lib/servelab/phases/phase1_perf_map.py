@@ -11,6 +11,7 @@ that one case from its recorded ``meta.json`` as a new attempt (:mod:`servelab.m
 """
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar
@@ -390,8 +391,6 @@ def memory_cases(res: Phase1Result, phase_dir: Path) -> tuple[pd.DataFrame, pd.D
 # ---------------------------------------------------------------- the server-side layer (docs/metrics.md#server-side)
 
 def _adapter(case_dir: Path) -> Any:
-    import json
-
     return engine_for(json.loads((case_dir / "meta.json").read_text())["engine"])
 
 

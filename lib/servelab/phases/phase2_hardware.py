@@ -11,11 +11,13 @@ session gets its collector plan recorded as ``planned`` commands.
 from __future__ import annotations
 
 import json
+import math
+import numbers
 import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -239,12 +241,9 @@ def run_engine_cases(ctx: PhaseContext, case_ids: list[str] | None = None, inter
                      health_timeout_s: float = 900.0) -> Phase2Run:
     """Start the engine, and around each Phase 1 case run every collector on every node; slice to the case's
     exact measurement window. Cases are stored as ``hw-<case>`` so they never overwrite Phase 1's."""
-    import dataclasses
-
-
     plan = collector_plan(ctx, interval_s)
     ctx.add_source("live", f"collectors around Phase 1 cases on {ctx.target.name}")
-    specs_cases = [dataclasses.replace(c, case_id=f"hw-{c.case_id}")
+    specs_cases = [replace(c, case_id=f"hw-{c.case_id}")
                    for c in quick_matrix(ctx.target, list(case_ids or engine_case_ids(ctx.target)))]
     cases: list[CaseTelemetry] = []
     failures: list[str] = []
@@ -323,8 +322,6 @@ def engine_view(ctx: PhaseContext, run: Phase2Run) -> pd.DataFrame:
 
 
 def _finite(v: Any) -> bool:
-    import math
-    import numbers
     return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(float(v))
 
 

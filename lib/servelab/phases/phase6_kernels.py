@@ -7,6 +7,7 @@ tables and holds the page's views.
 """
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Sequence
@@ -257,7 +258,6 @@ def findings(res: Phase6Result, from_samples: bool = False, run_dir: Path | None
         traces = sorted(x for x in Path(p3).glob("*.json*") if x.is_file())
         redo = ""
         if traces and run_dir is not None:
-            import shlex
             target = read_manifest(Path(run_dir)).get("target") or "local"
             redo = (" To rank Phase 3's capture: " + shlex.join(["servelab", "run", "phase6", "--target", str(target),
                                                                  "--run-id", Path(run_dir).name, "-p",

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pandas as pd
+import plotly.graph_objects as go
 
 from servelab.analyse.interference import (InterferenceResult, InterferenceSpec, Marks, Schedule, SweepPoint,
                                            background_gaps, h4_evidence, injection_spans, injection_table,
@@ -574,7 +575,6 @@ def schedule_view(res: Phase7Result) -> pd.DataFrame:
 
 def baseline_timeline(res: Phase7Result):
     """The baseline value's timeline (or an empty figure saying why there is none)."""
-    import plotly.graph_objects as go
     if res.baseline is None:
         return go.Figure().update_layout(title=f"the baseline {res.sweep[0].label} produced no result: "
                                                f"{res.sweep[0].error}")
@@ -585,8 +585,6 @@ def baseline_timeline(res: Phase7Result):
 def baseline_serverside(res: Phase7Result):
     """The baseline's background token gaps over the engine's own series (running/queued gauges, slots or batch
     lines from its log) and its scheduler lines, each injection shaded (docs/metrics.md#server-side)."""
-    import plotly.graph_objects as go
-
     b = res.baseline
     if b is None:
         return go.Figure().update_layout(title="no baseline result: no server-side timeline")

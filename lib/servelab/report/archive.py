@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import html
 import json
+import zipfile
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -267,7 +268,6 @@ def zip_run(run_dir: Path, out: Path | None = None, known: Iterable[str] | None 
     Every text member enters the zip through :func:`servelab.core.redact.redact_file_bytes` — the last line of
     defence: ``known`` secret values (default: the process environment's) and anything that looks like a secret
     are replaced, whatever wrote the file."""
-    import zipfile
     known = tuple(known_secrets() if known is None else known)
     write_run_index(run_dir)
     out = out or run_dir.parent / f"{run_dir.name}.zip"

@@ -10,6 +10,9 @@ from __future__ import annotations
 import html
 import math
 from typing import Any
+
+import pandas as pd
+
 from servelab.report.run_summary import phase_sources
 
 # key suffix → unit shown (longest suffixes first)
@@ -133,7 +136,6 @@ def findings_html(phase_entry: dict[str, Any]) -> str:
 
 def headline_table(headline: dict[str, Any]) -> Any:
     """The headline as a two-column table for a notebook cell (what the findings box shows)."""
-    import pandas as pd
     return pd.DataFrame(headline_rows(headline), columns=["headline", "value"])
 
 

@@ -16,7 +16,9 @@ import shutil
 from pathlib import Path
 from typing import Any, Iterable
 
+import mistune
 import nbformat
+from nbconvert import HTMLExporter
 
 from servelab.core.paths import project_root
 from servelab.core.redact import known_secrets, redact, redact_html, scrub_notebook_node
@@ -54,8 +56,6 @@ def docs_html_links(markdown: str) -> str:
 def publish_docs(run_dir: Path, docs_dir: Path | None = None) -> list[Path]:
     """Write every ``docs/*.md`` of the project into ``<run_dir>/docs/`` as the Markdown itself and as an offline
     HTML page (links between documents rewritten to the HTML). Returns the HTML files; none without a docs folder."""
-    import mistune
-
     src = Path(docs_dir) if docs_dir is not None else project_root() / "docs"
     if not src.is_dir():
         return []
@@ -77,8 +77,6 @@ def render_notebook(executed: Path, out_html: Path, meta: dict[str, Any], known:
     to the page header. Secrets are redacted (:mod:`servelab.core.redact`: ``known`` values — default the process
     environment's — and anything that looks like one) in every cell and output, and once more on the finished
     page; nbconvert escapes the rest."""
-    from nbconvert import HTMLExporter
-
     known = tuple(known_secrets() if known is None else known)
     nb = scrub_notebook_node(nbformat.read(str(executed), as_version=4), known)
     meta = redact(meta, known)

@@ -10,6 +10,7 @@ from typing import Any
 
 import pandas as pd
 import polars as pl
+from IPython.display import HTML
 
 from servelab.analyse.kernels import function_base
 from servelab.core.run import FILL_IN
@@ -71,8 +72,6 @@ def nsys_import(ctx: RunScope, p: Any, nsys_dir: str = "", top_n: int = 10) -> N
 def nsys_view(imp: NsysImport | None) -> Any:
     """The Nsight Systems section: the imported kernels next to the trace's and the class shares — or, without
     ``nsys_dir``, how to produce the CSVs."""
-    from IPython.display import HTML
-
     if imp is None:
         return banner(nsys_howto(), "info", "No Nsight Systems reports imported (nsys_dir is empty)")
     found = ", ".join(f"{name} ({df.height} rows)" for name, df in sorted(imp.reports.items()))

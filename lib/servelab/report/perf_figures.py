@@ -11,6 +11,7 @@ from typing import Any
 
 import pandas as pd
 import plotly.graph_objects as go
+from plotly.subplots import make_subplots
 
 from servelab.measure import request_metrics as mx
 
@@ -151,7 +152,6 @@ def client_over_server(timeline: pd.DataFrame, sides: dict[str, Any], bands: lis
                        ) -> go.Figure:
     """A client latency timeline (``t_s``, ``itl_ms``, ``run``) over each run's ``ServerSide`` (same ``t_s`` origin),
     the shaded ``bands`` (injected prefills) on every row. Rows as in :func:`serverside_timeline`."""
-    from plotly.subplots import make_subplots
     fig = make_subplots(rows=4, cols=1, shared_xaxes=True, vertical_spacing=0.04, row_heights=[0.4, 0.22, 0.18, 0.2],
                         subplot_titles=(y_title, "engine: requests running / queued",
                                         "engine: KV usage, prefill tokens per batch, other gauges",

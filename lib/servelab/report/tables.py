@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+from IPython import get_ipython
 
 from servelab.report.findings import format_value, is_fraction_key, split_unit
 
@@ -258,10 +259,6 @@ def table_html(df: pd.DataFrame, max_rows: int | None = None, files_dir: Path | 
 def register_table_display(files_dir: Path | None = None) -> None:
     """Make :func:`table_html` the HTML display of DataFrames in the running notebook (no-op outside one);
     ``files_dir``: where the whole tables are written as CSV (a phase's ``<phase>/tables``)."""
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return
     ip = get_ipython()
     if ip is None:
         return

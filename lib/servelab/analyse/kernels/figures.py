@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
+from plotly.subplots import make_subplots
 
 from servelab.analyse.kernels.roofline import GPU_PEAKS, _peak
 
@@ -50,7 +51,6 @@ def roofline_figure(roof: pd.DataFrame, gpu: str = "H200", kind: str = "spec") -
 def top_kernels_figure(ranked: pd.DataFrame, n: int = 10) -> go.Figure:
     """One panel per window: its ``n`` largest kernels by critical-path ms, largest on top, coloured by their
     suspect. The ``unannotated`` window (kernels outside every step) is left out when step windows exist."""
-    from plotly.subplots import make_subplots
     df = ranked
     if set(df["window"]) - {"unannotated"}:
         df = df[df["window"] != "unannotated"]

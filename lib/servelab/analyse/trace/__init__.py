@@ -11,6 +11,8 @@ windows (step windows), ops (per-rank GPU op table), metrics, ranks (alignment, 
 nsys (Nsight Systems), questions, actions, figures, analysis (compose). The Phase 3 notebook calls
 ``servelab.phases.phase3_timeline``.
 """
+from importlib import import_module
+
 # names resolved on first use (PEP 562): a trace-parsing worker process imports ``chunked`` (and ``decode``) alone,
 # without the analysis modules (0.2 s less to start each worker)
 _EXPORTS = {"evidence_actions": "actions", "CaptureAnalysis": "analysis", "analyse": "analysis",
@@ -24,7 +26,6 @@ def __getattr__(name: str):
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from importlib import import_module
     return getattr(import_module(f"{__name__}.{module}"), name)
 
 

@@ -19,10 +19,12 @@ to run.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 import polars as pl
 
 from servelab.analyse.trace.analysis import CaptureAnalysis
@@ -177,7 +179,6 @@ def evidence_actions(a: CaptureAnalysis, thresholds: dict[str, float] | None = N
 
 def _phase_table(run_dir: str | Path | None, rel: str, phase: str, what: str) -> tuple[Any, str]:
     """``(frame, "")`` of a phase's table in the run folder, or ``(None, why not and what to run)``."""
-    import pandas as pd
     if run_dir is None:
         return None, f"not evaluable from a trace alone: run Phase {phase[-1]} on the target: {what}"
     manifest = read_manifest(Path(run_dir))
@@ -309,7 +310,6 @@ def _attention_growth(a: CaptureAnalysis, th: dict) -> Action:
         return Action(*base, "-", f"slope ≥ {th['prefill_attention_growth']:g}",
                       "not evaluable (needs prefill steps of ≥ 2 token counts, e.g. an ISL sweep)",
                       "Prefill Kernel 或 Chunking 问题", "Prefill backend; chunk size")
-    import math
     xs = [math.log(t) for t, _ in pts]
     ys = [math.log(ns) for _, ns in pts]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)

@@ -7,10 +7,12 @@ workers spill their slices as Arrow files. The frame is the same either way (tes
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import os
 import re
 import shutil
 import tempfile
+from concurrent.futures import ProcessPoolExecutor
 from operator import attrgetter
 from pathlib import Path
 from typing import Any
@@ -79,8 +81,6 @@ def spawn_pool(workers: int):
     Spawned workers re-import ``__main__``; a script without an ``if __name__ == "__main__":`` guard makes
     that child try to spawn again, which Python refuses with RuntimeError. We re-raise it there so the
     child stops at once, and the parent — seeing its worker die — parses serially."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
     ex = None
     try:
         ex = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))

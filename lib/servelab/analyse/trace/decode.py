@@ -249,7 +249,7 @@ def _events_to_frame(events: list[_Event], base_ns: int, categorical: bool = Tru
     Only the fields present on most events are extracted for every event (one C-level ``map`` each);
     collective args, bytes and graph ids are gathered for the few rows that carry them.
     """
-    from operator import attrgetter as ag
+    ag = attrgetter
     n = len(events)
     cols: dict[str, pl.Series] = {
         "ph": _str_column(list(map(ag("ph"), events)), "ph"),

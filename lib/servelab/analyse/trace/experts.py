@@ -21,6 +21,7 @@ storages, ``OrderedDict``) and refuses any other, and each tensor is rebuilt wit
 from __future__ import annotations
 
 import io
+import json
 import pickle
 import re
 import zipfile
@@ -224,7 +225,6 @@ def expert_imbalance(ec: ExpertCounts) -> pl.DataFrame:
 def capture_expert_counts(trace_dir: str | Path) -> ExpertCounts | None:
     """The expert counts recorded with a capture: the newest dump under ``trace_dir`` or under the case folder's
     ``expert-distribution/`` beside it (``measure.expert_record``); None when there is none."""
-    import json
     folder = Path(trace_dir)
     for where in (folder, folder.parent / "expert-distribution"):
         if where.is_dir():

@@ -28,9 +28,16 @@ SCHEMAS = ("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
 _libraries = []          # torch.library.Library objects must stay alive for their definitions to stay
 
 
+def _torch():
+    """torch, imported when a hook below first fires: this file runs at every interpreter start in the venv (the
+    ``.pth``), and an interpreter that never imports torchvision or the expert recorder never pays for torch."""
+    import torch
+    return torch
+
+
 def declare_torchvision_schemas():
     """Declare ``torchvision::nms`` / ``::qnms`` where nothing defined them yet; return the names declared."""
-    import torch
+    torch = _torch()
     declared = []
     for schema in SCHEMAS:
         name = schema.split("(", 1)[0]
@@ -61,7 +68,7 @@ EXPERT_RECORDER_MODULE = "sglang.srt.eplb.expert_distribution"
 def give_torch_cpu_recorder_functions():
     """``torch.cpu.is_current_stream_capturing`` (False) and ``torch.cpu.empty_cache`` (no-op) where torch lacks
     them; return the names added."""
-    import torch
+    torch = _torch()
     added = []
     if not hasattr(torch.cpu, "is_current_stream_capturing"):
         torch.cpu.is_current_stream_capturing = lambda: False

@@ -8,6 +8,7 @@ engine's name.
 """
 from __future__ import annotations
 
+import datetime as dt
 import json
 import re
 import shlex
@@ -455,7 +456,6 @@ class EngineAdapter:
             parts = [int(p) for p in re.split(r"[.:]", ts)]
             minutes, sec, ms, us = ([0] * (4 - len(parts)) + parts)[-4:]
             return "elapsed", minutes * 60 + sec + ms / 1e3 + us / 1e6
-        import datetime as dt
         return "wall", dt.datetime.strptime(ts, fmt)
 
     # --- request bodies

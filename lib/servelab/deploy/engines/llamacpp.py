@@ -7,6 +7,7 @@ Endpoints (verified on llama.cpp 0.5.0 / llama-cpp-python 0.3.36): ``/health``, 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from servelab.deploy.engines.base import EngineAdapter, LaunchPlan, docker_plan
@@ -188,8 +189,6 @@ class LlamaCppAdapter(EngineAdapter):
 
     def check_model(self, target: Target) -> None:
         """A local llama.cpp target's model is a known key (built on first use) or an existing GGUF file."""
-        from pathlib import Path
-
         from servelab.deploy.models import MODELS
         if not target.is_local or target.model in MODELS:
             return
@@ -326,8 +325,6 @@ class LlamaCppAdapter(EngineAdapter):
 def draft_model_path(draft: str, target: Any) -> str:
     """The GGUF of a draft key: ``self`` = the target's model, ``random:<seed>`` = a tiny random model with the
     tiny model's vocabulary (generated once into the model cache), else a path."""
-    from pathlib import Path
-
     from servelab.deploy.models import models_dir, resolve_model, write_tiny_gguf
     if draft == "self":
         return str(resolve_model(target.model))

@@ -18,6 +18,7 @@ The field lists and commands (``docs/method.md#telemetry``):
 """
 from __future__ import annotations
 
+import json
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,7 +106,6 @@ def sampler_source() -> str:
 
 
 def sampler_argv(config: dict[str, Any], python: str = "python3") -> list[str]:
-    import json
     return [python, "-c", sampler_source(), json.dumps(config, separators=(",", ":"))]
 
 
