@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from servelab.core.params import ParamError, notebook_param_specs, parse_overrides, resolve_phase_params
+from servelab.core.params import ParamError, notebook_param_specs, parse_overrides
 
 from servelab.deploy.targets import load_target, target_from_dict
 from servelab.core.notebooks import NOTEBOOKS, notebook_path
@@ -46,11 +46,12 @@ def test_phase_params_typo_and_type_errors():
     nb = notebook_path("phase0")
     specs = notebook_param_specs(nb)
     assert specs["run_id"].type_name == "str" and specs["start_engine"].default is True
+    phase0 = definition("phase0")
     with pytest.raises(ParamError, match="did you mean 'start_engine'"):
-        resolve_phase_params(nb, "phase0", overrides={"start_engin": "false"})
+        phase0.resolve(overrides={"start_engin": "false"})
     with pytest.raises(ParamError, match="must be float"):
-        resolve_phase_params(nb, "phase0", overrides={"health_timeout_s": "soon"})
-    out = resolve_phase_params(nb, "phase0", overrides={"start_engine": "false", "health_timeout_s": "12"})
+        phase0.resolve(overrides={"health_timeout_s": "soon"})
+    out = phase0.resolve(overrides={"start_engine": "false", "health_timeout_s": "12"}).as_dict()
     assert out["start_engine"] is False and out["health_timeout_s"] == 12.0
 
 

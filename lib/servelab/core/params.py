@@ -227,13 +227,6 @@ def phase_file(phase: str) -> Path:
     return project_root() / "params" / f"{phase}.yaml"
 
 
-def resolve_phase_params(notebook: Path, phase: str, overrides: dict[str, Any] | None = None,
-                         given: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A notebook's own parameters cell, layered like :meth:`PhaseParams.resolve` (for a notebook that is not a
-    phase's: the run explorer)."""
-    return resolve_values(notebook_param_specs(notebook), phase, given, overrides)
-
-
 # ---------------------------------------------------------------- the one definition of a phase's parameters
 
 TYPE_NAMES = ("str", "int", "float", "bool", "list", "dict")
