@@ -404,6 +404,21 @@ def test_no_phase_module_keeps_a_run_phase_shell() -> None:
     assert found == []
 
 
+MEASURING = {"CaseRun", "run_async", "run_sync", "run_requests", "run_requests_multi", "build_workload", "LoopMonitor"}
+
+
+def test_phase_modules_hold_no_measurement_loop() -> None:
+    """A phase module composes: it calls a measurement in ``measure`` and judges it with ``analyse``; it never
+    opens a case (``CaseRun``), builds a workload or drives the client itself."""
+    found = []
+    for f in sorted(PHASES.glob("phase[0-9]_*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+            if name in MEASURING:
+                found.append(f"{f.name}:{node.lineno} {name}")
+    assert found == []
+
+
 def test_figures_are_drawn_only_in_figure_modules() -> None:
     """A function named ``*_figure`` lives in a figure module (``figures.py`` or ``*_figures.py``), never in a
     compute or phase module."""

@@ -195,7 +195,8 @@ def test_an_invalid_p1_is_never_put_forward(run_dir, tmp_path):
     from servelab.core.run import edit_manifest
     from servelab.deploy.targets import load_target
     from servelab.measure import request_metrics as mx
-    from servelab.measure.case import MatrixResult, load_case_result, quick_matrix
+    from servelab.measure.case import load_case_result
+    from servelab.measure.matrix import MatrixResult, quick_matrix
     from servelab.phases.phase1_perf_map import Phase1Result, findings
     from servelab.report.archive import write_run_index
     from servelab.report.findings import format_value

@@ -10,7 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from servelab.analyse.prefix_cache import HitPoint, judge_point, kv_usage_series, memory_breakdown, tolerance
+from servelab.analyse.memory import memory_breakdown
+from servelab.analyse.prefix_cache import judge_point, kv_usage_series, tolerance
+from servelab.deploy.engines import engine_for
+from servelab.measure.hit_points import HitPoint
 from servelab.phases.phase8_cache import run_hit_point
 from servelab.measure.launch_variants import serving, with_launch
 from servelab.deploy.targets import load_target
@@ -134,12 +137,12 @@ def test_kv_usage_comes_from_slots_token_counts(matrix):
 @pytest.mark.slow
 def test_kv_cache_size_in_the_log_equals_the_model_arithmetic(matrix):
     _, _, logs = matrix
-    mem = memory_breakdown(logs[0], "llamacpp")
+    mem = memory_breakdown(logs[0], engine_for("llamacpp"))
     kv = mem[mem["component"] == "KV cache"].iloc[0]
     # tiny model: 2 layers, 4 KV heads x 16 dims = 64 per token per layer, f16, context 65536, K and V
     expected_mib = 2 * 65536 * 64 * 2 * 2 / 2**20
     assert kv["mib"] == pytest.approx(expected_mib) and "2 layers" in kv["detail"]
-    assert "not exposed" in memory_breakdown("no such lines", "llamacpp")["detail"].iloc[0]
+    assert "not exposed" in memory_breakdown("no such lines", engine_for("llamacpp"))["detail"].iloc[0]
 
 
 @pytest.mark.slow
@@ -151,8 +154,8 @@ def test_a_point_whose_client_loop_stalled_is_rejected_with_the_integrity_reason
 
     from servelab.analyse.prefix_cache import matrix_frame
     from servelab.measure.case_record import validate_summary
-    from servelab.phases import phase8_cache
-    real = phase8_cache.run_async
+    from servelab.measure import hit_points
+    real = hit_points.run_async
     blocked: list[bool] = []
 
     async def slowed(*a, **kw):
@@ -162,7 +165,7 @@ def test_a_point_whose_client_loop_stalled_is_rejected_with_the_integrity_reason
         assert kw.get("monitor_interval_s", 0) is None     # no per-request monitor: the loop's one does the work
         return await real(*a, **kw)
 
-    monkeypatch.setattr(phase8_cache, "run_async", slowed)
+    monkeypatch.setattr(hit_points, "run_async", slowed)
     pool = token_pool(engine_tokenizer(tiny_server.base_url, "llamacpp", "/tokenize"))
     pt = HitPoint(0.0, ISL, 4, 4, 2, label="H8_stalled")
     res = run_hit_point(tiny_server, tmp_path / "run", pt, pool, seed=5, flush={"method": "none"})

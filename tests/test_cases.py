@@ -11,6 +11,7 @@ import pandas as pd
 import pytest
 
 from servelab.measure import case as cs
+from servelab.measure import matrix as mt
 from servelab.measure.case_record import SCHEMA_VERSION, validate_summary
 from servelab.measure.records import read_records
 from servelab.measure.mixed import m1_analysis, run_m1_case
@@ -22,7 +23,7 @@ from servelab.measure.engine_metrics import named_deltas
 
 def test_cluster_matrix_is_the_method_table():
     t = load_target("example-2node")                     # SGLang, context 131072
-    m = {c.case_id: c for c in cs.quick_matrix(t)}
+    m = {c.case_id: c for c in mt.quick_matrix(t)}
     assert list(m) == ["P1", "P2", "P3", "P4_c4", "P4_c16", "D1", "D2_c16", "D2_c32", "D2_c64", "D3_c16", "D4_c16",
                        "M1_control", "M1_treatment"]
     # long-output and long-context decode at D2's lowest concurrency: one length differs from D2_c16
@@ -48,30 +49,30 @@ def test_cluster_matrix_is_the_method_table():
 
 
 def test_local_matrix_is_sized_by_prompt_cost():
-    m = {c.case_id: c for c in cs.quick_matrix(load_target("local"))}
+    m = {c.case_id: c for c in mt.quick_matrix(load_target("local"))}
     # many requests for the cheapest concurrency-1 prompt, fewer for the costlier ones, never fewer than 8
     assert [m[c].num_prompts for c in ("P1", "P2", "P3", "D1")] == [100, 28, 10, 11]
     assert [m[f"P4_c{c}"].num_prompts for c in (2, 4)] == [4, 8]
     assert all(c.min_duration_s == 0.5 for c in m.values() if c.scenario != "M1")
     # the phase parameters override both minimums; P1 keeps the count asked for
-    m2 = {c.case_id: c for c in cs.quick_matrix(load_target("local"), min_duration_s=2.0, min_requests=300)}
+    m2 = {c.case_id: c for c in mt.quick_matrix(load_target("local"), min_duration_s=2.0, min_requests=300)}
     assert m2["P1"].num_prompts == 300 and m2["P3"].num_prompts == 29 and m2["D2_c4"].min_duration_s == 2.0
-    assert cs.c1_requests(10**6, 1, 65, 100, 10) == cs.C1_MIN_REQUESTS
-    assert cs.c1_requests(64, 1, 74, 5, 10) == 5                       # a minimum below the floor is kept
+    assert mt.c1_requests(10**6, 1, 65, 100, 10) == mt.C1_MIN_REQUESTS
+    assert mt.c1_requests(64, 1, 74, 5, 10) == 5                       # a minimum below the floor is kept
     with pytest.raises(ParamError, match="must be >= 0"):
-        cs.quick_matrix(load_target("local"), min_duration_s=-1)
+        mt.quick_matrix(load_target("local"), min_duration_s=-1)
 
 
 def test_local_matrix_fits_the_slots_and_filters():
     t = load_target("local")                             # 32768 context over 32 slots = 1024 per request
-    ms = cs.quick_matrix(t)
+    ms = mt.quick_matrix(t)
     assert all(c.input_tokens + c.output_tokens <= 1024 for c in ms)
     assert all(c.inject_input_tokens + 1 <= 1024 for c in ms)
-    assert [c.case_id for c in cs.quick_matrix(t, ["D2", "P1"])] == ["P1", "D2_c4", "D2_c8", "D2_c16"]
-    long = {c.case_id: c for c in cs.quick_matrix(t, ["D3", "D4"])}
+    assert [c.case_id for c in mt.quick_matrix(t, ["D2", "P1"])] == ["P1", "D2_c4", "D2_c8", "D2_c16"]
+    long = {c.case_id: c for c in mt.quick_matrix(t, ["D3", "D4"])}
     assert [(c.input_tokens, c.output_tokens, c.concurrency) for c in long.values()] == [(64, 256, 4), (512, 64, 4)]
     with pytest.raises(ParamError, match="did you mean 'D1'"):
-        cs.quick_matrix(t, ["D11"])
+        mt.quick_matrix(t, ["D11"])
 
 
 @pytest.fixture
@@ -87,7 +88,7 @@ def small_cases() -> list[cs.CaseSpec]:
 
 @pytest.mark.slow
 def test_matrix_files_policy_and_resume(env, tiny_server):
-    mr = cs.run_matrix(env, small_cases(), case_runner=dispatch_case)
+    mr = mt.run_matrix(env, small_cases(), case_runner=dispatch_case)
     assert [r.status for r in mr.results] == ["success"] * 3 and not mr.aborted and not mr.not_executed
     for r in mr.results:
         d = r.case_dir
@@ -118,11 +119,11 @@ def test_matrix_files_policy_and_resume(env, tiny_server):
     assert len(csv) == 6 and set(csv["definition"]) == {"sglang", "vllm"}
     # resume: nothing re-runs (the server sees no new prompt tokens) ...
     before = _prompt_tokens(tiny_server)
-    again = cs.run_matrix(env, small_cases(), resume=True, case_runner=dispatch_case)
+    again = mt.run_matrix(env, small_cases(), resume=True, case_runner=dispatch_case)
     assert again.skipped == ["P1", "P2", "D2_c4"] and _prompt_tokens(tiny_server) == before
     # ... unless a raw file no longer re-parses
     (env.run_dir / "cases" / "P2" / "requests.jsonl").write_text("{broken\n")
-    third = cs.run_matrix(env, small_cases(), resume=True, case_runner=dispatch_case)
+    third = mt.run_matrix(env, small_cases(), resume=True, case_runner=dispatch_case)
     assert third.skipped == ["P1", "D2_c4"] and _prompt_tokens(tiny_server) == before + 512
 
 
@@ -199,7 +200,7 @@ def test_engine_crash_stops_the_run_and_resume_continues(tmp_path):
             if case.case_id == "D1":
                 threading.Thread(target=kill_when_streaming, daemon=True).start()
             return dispatch_case(e, case)
-        mr = cs.run_matrix(env, cases, case_runner=runner)
+        mr = mt.run_matrix(env, cases, case_runner=runner)
         assert mr.aborted.startswith("ENGINE_CRASH") and mr.not_executed == ["D2_c2"]
         meta = json.loads((run_dir / "cases" / "D1" / "meta.json").read_text())
         assert meta["status"] == "ENGINE_CRASH" and meta["healthy_after"] is False
@@ -210,7 +211,7 @@ def test_engine_crash_stops_the_run_and_resume_continues(tmp_path):
         stop_server(srv, tracker)
         srv2 = start_server(target, tmp_path / "log2", tracker, health_timeout_s=60)
         env2 = cs.make_env(srv2, run_dir)
-        mr2 = cs.run_matrix(env2, cases, resume=True, case_runner=dispatch_case)
+        mr2 = mt.run_matrix(env2, cases, resume=True, case_runner=dispatch_case)
         assert mr2.skipped == ["P1"] and not mr2.aborted
         assert [r.status for r in mr2.results] == ["success"] * 3
         stop_server(srv2, tracker)
@@ -222,13 +223,13 @@ def test_long_decode_compares_with_d2_at_the_same_concurrency():
                 "validity": valid, "p50_tpot_ms": tpot, "output_throughput": 100.0 / tpot}
     frame = pd.DataFrame([row("D2_c4", "D2", 64, 64, 4, 10.0), row("D3_c4", "D3", 64, 256, 4, 12.5),
                           row("D4_c4", "D4", 512, 64, 4, 15.0, "INVALID")])
-    t = cs.long_decode_table(frame).set_index("case")
+    t = mt.long_decode_table(frame).set_index("case")
     assert t.loc["D3_c4", "TPOT change (%)"] == pytest.approx(25.0) and t.loc["D3_c4", "D2 case"] == "D2_c4"
     assert pd.isna(t.loc["D4_c4", "TPOT change (%)"]) and t.loc["D4_c4", "note"] == "D4_c4 INVALID: not compared"
-    text = cs.long_decode_sentence(cs.long_decode_table(frame))
+    text = mt.long_decode_sentence(mt.long_decode_table(frame))
     assert "D3_c4 (long output, 64 → 256) P50 TPOT 12.50 ms vs D2_c4 10.00 ms (+25 %)" in text
     assert "D4_c4 (long context) D4_c4 INVALID: not compared" in text
-    assert cs.long_decode_sentence(cs.long_decode_table(frame.iloc[:1])) is None
+    assert mt.long_decode_sentence(mt.long_decode_table(frame.iloc[:1])) is None
 
 
 def test_phase2_replays_points_of_the_targets_own_scale():
@@ -238,4 +239,4 @@ def test_phase2_replays_points_of_the_targets_own_scale():
                                                      "M1_treatment"]
     cluster = engine_case_ids(load_target("example-2node"))
     assert cluster == ["P3", "P4_c16", "D2_c32", "D3_c16", "D4_c16", "M1_control", "M1_treatment"]
-    assert {c.case_id for c in cs.quick_matrix(load_target("example-2node"), cluster)} == set(cluster)
+    assert {c.case_id for c in mt.quick_matrix(load_target("example-2node"), cluster)} == set(cluster)

@@ -8,6 +8,7 @@ import pandas as pd
 import pytest
 
 from servelab.measure import case as cs
+from servelab.measure import matrix as mt
 from servelab.measure import request_metrics as mx
 
 
@@ -20,10 +21,10 @@ def _result(tmp: Path, case_id: str, tput: float, valid: bool = True) -> cs.Case
 
 def test_summary_csv_merges_by_case(tmp_path):
     """A second invocation that runs only D1 replaces D1's rows and keeps P1's (before: P1 was dropped)."""
-    first = cs.MatrixResult([_result(tmp_path, "P1", 10.0), _result(tmp_path, "D1", 20.0)], [], [])
-    cs.write_summary_csv(tmp_path, first)
-    second = cs.MatrixResult([_result(tmp_path, "D1", 25.0, valid=False), _result(tmp_path, "P2", 5.0)], [], [])
-    cs.write_summary_csv(tmp_path, second)
+    first = mt.MatrixResult([_result(tmp_path, "P1", 10.0), _result(tmp_path, "D1", 20.0)], [], [])
+    mt.write_summary_csv(tmp_path, first)
+    second = mt.MatrixResult([_result(tmp_path, "D1", 25.0, valid=False), _result(tmp_path, "P2", 5.0)], [], [])
+    mt.write_summary_csv(tmp_path, second)
     csv = pd.read_csv(tmp_path / "summary.csv")
     assert sorted(zip(csv["case_id"], csv["definition"])) == sorted(
         (c, d) for c in ("P1", "D1", "P2") for d in ("vllm", "sglang"))
@@ -125,7 +126,7 @@ def test_ctrl_c_mid_case_keeps_the_received_records(tiny_server, tmp_path, sigin
     cases = [cs.CaseSpec("D1", "D1", "decode", 32, 200, 1, 4, False)]
     path = env.run_dir / "cases" / "D1" / "requests.jsonl"
     fired = _sigint_when_records_land(path, 1)
-    mr = cs.run_matrix(env, cases, case_runner=dispatch_case)
+    mr = mt.run_matrix(env, cases, case_runner=dispatch_case)
     assert fired.is_set(), "no record reached the disk while the case ran"
     assert mr.aborted == "STOPPED_BY_USER during D1" and mr.not_executed == ["D1"]
     recs = read_records(path)
@@ -134,7 +135,7 @@ def test_ctrl_c_mid_case_keeps_the_received_records(tiny_server, tmp_path, sigin
     assert s["verdict"]["status"] == "INTERRUPTED" and s["counts"]["measured"] == len(recs)
     csv = pd.read_csv(env.run_dir / "summary.csv")
     assert set(csv["status"]) == {"INTERRUPTED"} and set(csv["validity"]) == {"INTERRUPTED"}
-    again = cs.run_matrix(env, cases, resume=True, case_runner=dispatch_case)
+    again = mt.run_matrix(env, cases, resume=True, case_runner=dispatch_case)
     assert again.skipped == [] and [r.status for r in again.results] == ["success"]
     assert len([r for r in read_records(path) if r.role == "measure"]) == 12
 
@@ -287,7 +288,7 @@ def _sigint_when_records_land(path: Path, min_lines: int = 1):
 @pytest.mark.flaky(reruns=2, reruns_delay=5)   # timing under CPU contention (2 shared cores): see pyproject
 def test_ctrl_c_mid_phase8_point_keeps_its_records(tiny_server, tmp_path, sigint_raises):
     """The same for a Phase 8 hit-rate point (its own client loop: streams of requests)."""
-    from servelab.analyse.prefix_cache import HitPoint
+    from servelab.measure.hit_points import HitPoint
     from servelab.measure.case_record import read_summary
     from servelab.measure.records import read_records
     from servelab.measure.workload import engine_tokenizer, token_pool

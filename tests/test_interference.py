@@ -15,8 +15,9 @@ import pandas as pd
 import pytest
 
 from servelab.measure.abtest import ab_compare
-from servelab.analyse.interference import InterferenceSpec, h4_evidence, rank_values, sweep_table, sweep_verdict
-from servelab.phases.phase7_interference import default_spec, knob_sweep, run_interference, run_variant
+from servelab.analyse.interference import h4_evidence, rank_values, sweep_table, sweep_verdict
+from servelab.measure.interference_case import InterferenceSpec, knob_sweep, measure_interference, run_variant
+from servelab.phases.phase7_interference import default_spec, finish_case
 from servelab.measure.case_record import SCHEMA_VERSION, validate_summary
 from servelab.measure.launch_variants import check_knob_changes_command
 from servelab.core.params import ParamError
@@ -45,8 +46,12 @@ def token_times(r: dict) -> list[int]:
 @pytest.mark.slow
 def test_injection_windows_match_a_hand_computation(tiny_server, tmp_path):
     pool = token_pool(engine_tokenizer(tiny_server.base_url, "llamacpp", "/tokenize"))
-    res = run_interference(tiny_server, tmp_path, small_spec(), pool, seed=3)
+    raw = measure_interference(tiny_server, tmp_path, small_spec(), pool, seed=3)
     cdir = tmp_path / "cases" / "I7"
+    # the measurement writes the raw data only; the analysis adds the tables, the summary comes last
+    assert (cdir / "requests.jsonl").is_file() and (cdir / "server" / "marks.json").is_file()
+    assert not (cdir / "windows.csv").exists() and not (cdir / "summary.json").exists()
+    res = finish_case(raw)
     # raw data is on disk, summaries beside it
     for f in ("requests.jsonl", "server/metrics_before.prom", "server/metrics_after.prom", "windows.csv",
               "injections.csv", "summary.json", "meta.json"):
@@ -126,7 +131,7 @@ def test_sweep_records_are_one_variable_and_a_confounded_pair_is_flagged(llama_s
     spec = small_spec(n=1)
     spec.background_output_tokens = 128
     root, logs = tmp_path / "ab", tmp_path / "logs"
-    points = knob_sweep(target, "batch_size", [2048, 64], spec, tmp_path, root, logs, seed=1)
+    points = knob_sweep(target, "batch_size", [2048, 64], spec, tmp_path, root, logs, finish_case, seed=1)
     assert [p.label for p in points] == ["batch_size=2048", "batch_size=64"]
     assert all(p.result is not None for p in points), [p.error for p in points]
     for p in points:
@@ -145,7 +150,7 @@ def test_sweep_records_are_one_variable_and_a_confounded_pair_is_flagged(llama_s
     assert "launch.settings.batch_size" in set(ab.differences[ab.differences["status"] == "declared"]["key"])
     # the same knob change plus a second setting: the tool must refuse a conclusion
     _, conf_dir, err = run_variant(target, {"batch_size": 64, "ubatch_size": 8}, spec, tmp_path, root,
-                                   "batch_size=64+ubatch_size=8", logs, seed=1)
+                                   "batch_size=64+ubatch_size=8", logs, finish_case, seed=1)
     assert not err
     cab = ab_compare([points[0].record_dir, conf_dir], "batch_size")
     assert cab.confounded

@@ -12,8 +12,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from servelab.analyse.memory import (case_memory, log_memory, memory_events, memory_table, metric_memory,
-                                     scheduler_memory, trace_memory)
+from servelab.analyse.memory import (case_memory, log_memory, memory_breakdown, memory_events, memory_table,
+                                     metric_memory, scheduler_memory, trace_memory)
 from servelab.deploy.engines import engine_for
 from servelab.measure.engine_metrics import label_key, parse_text
 
@@ -66,8 +66,7 @@ def test_sglang_start_up_lines_and_scheduler_lines():
     sched = scheduler_memory(excerpt, sg)
     assert by_hand and sched["kv_used_peak_tokens"][0] == max(by_hand)
     # the memory breakdown of Phase 1/8 now reads the 0.5.23 KV line too (it carries the dtype before #tokens)
-    from servelab.analyse.prefix_cache import memory_breakdown
-    mb = memory_breakdown(startup, "sglang", sg.log_markers).set_index("component")
+    mb = memory_breakdown(startup, sg).set_index("component")
     assert mb.loc["KV cache", "detail"] == "tokens=32768" and mb.loc["weights", "mib"] == 0.0
 
 
@@ -96,6 +95,55 @@ def test_llamacpp_buffers_at_lv4_and_nothing_at_the_default_level():
     assert got["kv_pool_tokens"][0] == 1024 * 4                           # 1024 cells, 4/4 seqs (= -c 4096)
     assert got["workspace_peak_gib"][0] == pytest.approx(2.01 / 1024)     # CPU compute buffer size = 2.01 MiB
     assert log_memory((DATA / "serverside" / "llamacpp_server.log").read_text(), lc) == {}
+
+
+# the memory breakdown (Phase 1's and Phase 8's table) on each fixture, as the page shows it: component, device, MiB,
+# detail (pinned from the breakdown as it was before it shared log_memory's reader)
+BREAKDOWNS = {
+    ("llamacpp", MEM / "llamacpp_lv4_startup.log"): [
+        ("model (breakdown)", "Host", 0.0, "total 4 MiB"), ("context (breakdown)", "Host", 2.0, "total 4 MiB"),
+        ("compute (breakdown)", "Host", 2.0, "total 4 MiB"), ("model buffer", "CPU_Mapped", 0.49, ""),
+        ("KV cache", "-", 2.0, "1024 cells per sequence, 2 layers, 4/4 seqs, K f16 1.00 MiB, V f16 1.00 MiB"),
+        ("output buffer", "CPU", 0.01, ""), ("compute buffer", "CPU", 2.01, "")],
+    ("sglang", MEM / "sglang_cpu_startup.log"): [("weights", "-", 0.0, "mem_gb=0.00"),
+                                                 ("KV cache", "-", None, "tokens=32768")],
+    ("sglang", MEM / "sglang_cpu_startup_earlier.log"): [("weights", "-", -0.03 * 1024, "mem_gb=-0.03"),
+                                                         ("KV cache", "-", None, "tokens=32768")],
+    ("vllm", DATA / "serverside" / "vllm_cpu_server.log"): [("KV cache", "-", None, "tokens=524,288")],
+    ("llamacpp", DATA / "serverside" / "llamacpp_server.log"): [
+        ("all", "-", None, "not exposed in the engine log (llama.cpp prints it at -lv 4)")],
+}
+
+
+@pytest.mark.parametrize("engine,log", list(BREAKDOWNS), ids=[f"{e}-{p.stem}" for e, p in BREAKDOWNS])
+def test_the_breakdown_and_the_quantities_read_the_same_start_up_lines(engine, log):
+    """One reader of the start-up lines (``startup_lines``): the breakdown table is what it was, and where it and
+    the memory layer's quantities name the same figure they give the same number."""
+    adapter = engine_for(engine)
+    text = log.read_text()
+    mb = memory_breakdown(text, adapter)
+    assert mb.columns.tolist() == ["component", "device", "mib", "detail", "line"]
+    got = [(r.component, r.device, None if r.mib is None or pd.isna(r.mib) else r.mib, r.detail)
+           for r in mb.itertuples()]
+    assert got == [(c, d, pytest.approx(m) if m is not None else None, x) for c, d, m, x in BREAKDOWNS[(engine, log)]]
+    assert all(line in text for line in mb["line"])
+    q = log_memory(text, adapter)
+    rows = mb.set_index("component")
+    if "weights" in rows.index:                                          # SGLang: "mem usage=X GB"
+        assert rows.loc["weights", "mib"] == pytest.approx(q["weights_gib"][0] * 1024)
+    if "model buffer" in rows.index:                                     # llama.cpp: per device buffers, summed
+        assert rows.loc[["model buffer"], "mib"].sum() == pytest.approx(q["weights_gib"][0] * 1024)
+        assert rows.loc[["compute buffer"], "mib"].sum() == pytest.approx(q["workspace_peak_gib"][0] * 1024)
+    if "KV cache" in rows.index:
+        kv = rows.loc["KV cache"]
+        if engine == "llamacpp":
+            assert kv["mib"] == pytest.approx(q["kv_pool_gib"][0] * 1024)
+            cells, seqs = re.match(r"(\d+) cells per sequence, .*?(\d+)/\d+ seqs", kv["detail"]).groups()
+            assert int(cells) * int(seqs) == q["kv_pool_tokens"][0]
+        else:
+            assert float(kv["detail"].removeprefix("tokens=").replace(",", "")) == q["kv_pool_tokens"][0]
+    if engine == "llamacpp" and "all" in rows.index:
+        assert q == {}
 
 
 def test_allocated_and_reserved_from_a_real_cuda_capture():

@@ -11,6 +11,7 @@ import pytest
 from servelab.cli import ProgressTail
 from servelab.core import run as runlib
 from servelab.measure import case as cs
+from servelab.measure import matrix as mt
 from servelab.measure import request_metrics as mx
 from servelab.measure.search import SearchConfig, concurrency_search
 
@@ -62,7 +63,7 @@ def test_the_matrix_and_the_search_emit_case_i_of_n(tmp_path: Path) -> None:
     def runner(e: cs.CaseEnv, case: cs.CaseSpec) -> cs.CaseResult:
         time.sleep(0.05)
         return _fake_result(e, case)
-    cs.run_matrix(env, cases, case_runner=runner)
+    mt.run_matrix(env, cases, case_runner=runner)
     tps = {1: 100.0, 4: 300.0, 8: 301.0}
     concurrency_search(env, SearchConfig(8, 8, step=4, max_concurrency=8),
                        runner=lambda e, c: _fake_result(e, c, tps[c.concurrency]))

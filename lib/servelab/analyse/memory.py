@@ -13,7 +13,9 @@ series and lines: ``memory_series``, ``memory_info``, ``memory_log_lines``):
   bound: the engine updates it at its own interval and the scraper samples it at its own;
 - **its log**: the start-up lines (SGLang ``Load weight end ... mem usage=X GB``, ``KV Cache is allocated ...
   #tokens: N, K size: X GB, V size: Y GB``; vLLM ``KV cache size: N tokens``; llama.cpp at ``-lv 4`` its model,
-  KV and compute buffers) and, for the KV in use, the scheduler lines of the case's log excerpt;
+  KV and compute buffers) and, for the KV in use, the scheduler lines of the case's log excerpt. The start-up lines
+  have one reader (:func:`startup_lines`): these quantities and the memory breakdown table Phases 1 and 8 show
+  (:func:`memory_breakdown`, one row per line the engine printed) are both built from it;
 - **a capture's memory events**: torch's profiler with ``profile_memory`` writes ``[memory]`` events whose
   ``Total Allocated`` / ``Total Reserved`` are the caching allocator's totals on that device — the allocated and
   reserved peaks and the share of reserved memory not allocated at the allocated peak (fragmentation). Only a
@@ -119,7 +121,30 @@ def metric_memory(frame: pd.DataFrame | None, adapter: Any) -> dict[str, tuple[f
     return out
 
 
-# ---------------------------------------------------------------- the engine's log
+# ---------------------------------------------------------------- the engine's start-up log
+
+@dataclass(frozen=True)
+class StartupLine:
+    """One start-up line a pattern matched: the pattern's key, its named groups as the engine printed them, the line
+    from the match on (a restart prints the same text behind a new time stamp) and the whole line."""
+    key: str
+    groups: dict[str, str | None]
+    text: str
+    line: str
+
+    def numbers(self) -> list[float]:
+        """The groups that matched, as numbers (``524,288`` → 524288)."""
+        return [float(v.replace(",", "")) for v in self.groups.values() if v is not None]
+
+
+def startup_lines(log_text: str, patterns: Iterable[tuple[str, str]]) -> list[list[StartupLine]]:
+    """The one reader of the engine's start-up memory lines: per ``(key, regex)`` pattern, every line of
+    ``log_text`` it matches, in the log's order. The memory layer's quantities (:func:`log_memory`) and the
+    breakdown table (:func:`memory_breakdown`) are both built from it."""
+    lines = log_text.splitlines()
+    return [[StartupLine(key, m.groupdict(), line[m.start():].strip(), line) for line in lines
+             if (m := re.search(rx, line))] for key, rx in patterns]
+
 
 def log_memory(log_text: str, adapter: Any) -> dict[str, tuple[float, str]]:
     """``{quantity: (value, source)}`` from the engine's start-up lines (the adapter's ``memory_log_lines``: each
@@ -128,18 +153,15 @@ def log_memory(log_text: str, adapter: Any) -> dict[str, tuple[float, str]]:
     out: dict[str, tuple[float, str]] = {}
     if not log_text:
         return out
-    lines = log_text.splitlines()
-    for key, rx, scale, how, agg in adapter.memory_log_lines:
+    found = startup_lines(log_text, [(key, rx) for key, rx, *_ in adapter.memory_log_lines])
+    for (key, _rx, scale, how, agg), matched in zip(adapter.memory_log_lines, found):
         seen: dict[str, float] = {}
-        for line in lines:
-            m = re.search(rx, line)
-            if not m:
-                continue
-            nums = [float(v.replace(",", "")) for v in m.groupdict().values() if v is not None]
+        for s in matched:
+            nums = s.numbers()
             if not nums:
                 continue
             val = math.prod(nums) if how == "product" else sum(nums)
-            seen[line[m.start():].strip()] = val * scale          # the same line of a restart counts once
+            seen[s.text] = val * scale                            # the same line of a restart counts once
         if seen:
             vals = list(seen.values())
             first = next(iter(seen))
@@ -148,6 +170,55 @@ def log_memory(log_text: str, adapter: Any) -> dict[str, tuple[float, str]]:
                         + (f" ({len(vals)} such lines, {'largest' if agg == 'max' else 'summed'})" if len(vals) > 1
                            else ""))
     return out
+
+
+# the breakdown of an engine that prints no buffer lines (its adapter has no ``memory_log_patterns``): its start-up
+# quantities (``memory_log_lines``) as printed — quantity → (component, the printed value's name, MiB per unit)
+PRINTED_QUANTITIES: dict[str, tuple[str, str, float | None]] = {
+    "weights_gib": ("weights", "mem_gb", 1024.0), "kv_pool_tokens": ("KV cache", "tokens", None),
+    "graphs_gib": ("CUDA graphs", "mem_gb", 1024.0)}
+
+
+def memory_breakdown(log_text: str, adapter: Any) -> pd.DataFrame:
+    """The memory components the engine printed at start-up, one row per line (Phase 1's and Phase 8's table):
+    ``component, device, mib, detail, line``.
+
+    Where the adapter names the engine's own memory lines (``memory_log_patterns``: llama.cpp at ``-lv 4``, its
+    breakdown, model / output / compute buffers and KV cache) those, else the start-up quantities it prints (SGLang's
+    weights, KV tokens and CUDA graphs, vLLM's KV tokens: :data:`PRINTED_QUANTITIES`), read from the same lines as
+    :func:`log_memory`. Nothing found: one row ``not exposed`` (llama.cpp needs ``-lv 4`` for these lines).
+    """
+    rows: list[dict[str, Any]] = []
+    if adapter.memory_log_patterns:
+        for (comp, _rx), matched in zip(adapter.memory_log_patterns, startup_lines(log_text,
+                                                                                   adapter.memory_log_patterns)):
+            for s in matched:
+                d, line = s.groups, s.line.strip()[-200:]
+                if comp.startswith("breakdown"):
+                    for part in ("model", "context", "compute"):
+                        rows.append({"component": f"{part} (breakdown)", "device": d["dev"], "mib": float(d[part]),
+                                     "detail": f"total {d['total']} MiB", "line": line})
+                    continue
+                detail = ""
+                if comp == "KV cache":
+                    detail = (f"{d['cells']} cells per sequence, {d['layers']} layers, {d['seqs']} seqs, "
+                              f"K {d['kdt']} {d['k']} MiB, V {d['vdt']} {d['v']} MiB")
+                rows.append({"component": comp, "device": d.get("dev", "-"), "mib": float(d["mib"]),
+                             "detail": detail, "line": line})
+    else:
+        printed = [(key, rx) for key, rx, *_ in adapter.memory_log_lines if key in PRINTED_QUANTITIES]
+        for (key, _rx), matched in zip(printed, startup_lines(log_text, printed)):
+            comp, unit, mib_per = PRINTED_QUANTITIES[key]
+            for s in matched:
+                v = next(iter(s.groups.values()), None)
+                rows.append({"component": comp, "device": "-", "mib": float(v) * mib_per if mib_per and v else None,
+                             "detail": f"{unit}={v}", "line": s.line.strip()[-200:]})
+    if not rows:
+        return pd.DataFrame([{"component": "all", "device": "-", "mib": None,
+                              "detail": "not exposed in the engine log" +
+                                        (f" ({adapter.memory_log_note})" if adapter.memory_log_note else ""),
+                              "line": ""}])
+    return pd.DataFrame(rows).drop_duplicates(subset=["component", "device", "mib", "detail"]).reset_index(drop=True)
 
 
 def scheduler_memory(excerpt: str, adapter: Any, pool_tokens: float | None = None) -> dict[str, tuple[float, str]]:

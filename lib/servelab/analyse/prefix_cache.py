@@ -1,5 +1,7 @@
 """Prefix cache and KV memory, computed from what a case recorded: the achieved hit rate from two sources and the
-accept / reject rule, KV usage over time, the memory breakdown of the startup log, and their figures.
+accept / reject rule, a measured point judged (its matrix row and case summary), KV usage over time. The memory
+breakdown of the start-up log is :func:`servelab.analyse.memory.memory_breakdown`; the figures are
+:mod:`servelab.analyse.prefix_cache_figures`.
 
 **KV usage over time.** vLLM (``vllm:kv_cache_usage_perc``) and SGLang (``sglang:token_usage``) expose a KV
 gauge, scraped from ``/metrics`` during every point. llama.cpp has no KV gauge: its ``/slots`` endpoint gives,
@@ -8,12 +10,6 @@ for an idle slot that keeps its last prompt for reuse). :class:`servelab.measure
 *active* usage counts
 the processing slots, *held* usage every slot (idle slots keep their cached prompt). Both are token counts over
 the slots' capacity, not allocator bytes — the page says so.
-
-**Memory breakdown.** From the engine's startup log: llama.cpp at ``-lv 4`` prints its memory breakdown
-(model / context / compute MiB), the model buffers, the KV cache size per layer group and K/V dtype, the output
-and compute buffers; SGLang and vLLM through the adapter's ``weights_loaded`` / ``kv_allocated`` /
-``cuda_graph`` markers (the patterns are the adapter's ``memory_log_patterns`` / ``log_markers``). Nothing
-found is shown as not exposed.
 
 **Achieved hit rate**, measured twice over the exact measurement window of a point (each engine's counter
 formula is its adapter's ``prefix_cache_counts``):
@@ -27,27 +23,27 @@ formula is its adapter's ``prefix_cache_counts``):
 A point whose achieved rate (either source) misses the target by more than ``max(0.5 pp, page_size / ISL)`` is
 **REJECTED**: shown with its reason, never used as a result (no TTFT/throughput comparison uses it).
 
-The points themselves are run by Phase 8 (``phase8_cache``).
+The points themselves are measured by :mod:`servelab.measure.hit_points`; Phase 8 (``phase8_cache``) judges each
+with :func:`hit_point_row` and closes its case with :func:`hit_point_summary`.
 """
 from __future__ import annotations
 
 import math
-import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
 from servelab.measure import request_metrics as mx
+from servelab.measure.case_record import CaseSummary, client_integrity, judged_row, request_counts
+from servelab.measure.hit_points import HitPoint, RawHitPoint
 from servelab.measure.records import ClientRun, RequestRecord
 from servelab.measure.launch_variants import Snapshot, delta_of, snapshot_deltas
 from servelab.deploy.engines import ADAPTERS, engine_for
 from servelab.deploy.server import RunningServer
 
 TARGET_RATES = (0.0, 0.2, 0.5, 0.8)
-PURPOSES = {0.0: "pure compute baseline", 0.2: "low-reuse traffic", 0.5: "medium shared prefix",
-            0.8: "agent / coding, high reuse"}
 MIN_TOLERANCE = 0.005                  # 0.5 percentage points (docs/metrics.md#hit-rate)
 
 
@@ -84,81 +80,7 @@ def kv_usage_series(slots: pd.DataFrame | None, scrape: pd.DataFrame | None, eng
     return out
 
 
-# ---------------------------------------------------------------- memory breakdown from the startup log
-
-def memory_breakdown(log_text: str, engine: str, log_markers: dict[str, str] | None = None) -> pd.DataFrame:
-    """Memory components the engine printed at startup: ``component, device, mib, detail, line``.
-
-    Empty components are listed as ``not exposed`` (llama.cpp needs ``-lv 4`` for these lines). The engine's own
-    memory lines (its adapter's ``memory_log_patterns``) are read where it has them, else its log markers.
-    """
-    rows: list[dict[str, Any]] = []
-    adapter = engine_for(engine)
-    if adapter.memory_log_patterns:
-        for comp, rx in adapter.memory_log_patterns:
-            for line in log_text.splitlines():
-                m = re.search(rx, line)
-                if not m:
-                    continue
-                d = m.groupdict()
-                if comp.startswith("breakdown"):
-                    for part in ("model", "context", "compute"):
-                        rows.append({"component": f"{part} (breakdown)", "device": d["dev"], "mib": float(d[part]),
-                                     "detail": f"total {d['total']} MiB", "line": line.strip()[-200:]})
-                    continue
-                detail = ""
-                if comp == "KV cache":
-                    detail = (f"{d['cells']} cells per sequence, {d['layers']} layers, {d['seqs']} seqs, "
-                              f"K {d['kdt']} {d['k']} MiB, V {d['vdt']} {d['v']} MiB")
-                rows.append({"component": comp, "device": d.get("dev", "-"), "mib": float(d["mib"]),
-                             "detail": detail, "line": line.strip()[-200:]})
-    else:
-        for key, comp, unit in (("weights_loaded", "weights", "mem_gb"), ("kv_allocated", "KV cache", "tokens"),
-                                ("cuda_graph", "CUDA graphs", "mem_gb")):
-            rx = (log_markers or {}).get(key)
-            if not rx:
-                continue
-            for line in log_text.splitlines():
-                m = re.search(rx, line)
-                if m:
-                    v = m.groupdict().get(unit)
-                    rows.append({"component": comp, "device": "-",
-                                 "mib": float(v) * 1024 if unit == "mem_gb" and v else None,
-                                 "detail": f"{unit}={v}", "line": line.strip()[-200:]})
-    if not rows:
-        return pd.DataFrame([{"component": "all", "device": "-", "mib": None,
-                              "detail": "not exposed in the engine log" +
-                                        (f" ({adapter.memory_log_note})" if adapter.memory_log_note else ""),
-                              "line": ""}])
-    return pd.DataFrame(rows).drop_duplicates(subset=["component", "device", "mib", "detail"]).reset_index(drop=True)
-
-
 # ---------------------------------------------------------------- hit-rate points
-
-@dataclass
-class HitPoint:
-    """One point of the matrix: target hit rate, lengths, and the stream layout."""
-    target_rate: float
-    input_tokens: int
-    output_tokens: int
-    groups: int                        # concurrent streams; one shared prefix per stream (when rate > 0)
-    requests_per_group: int
-    cache_prompt: bool = True          # llama.cpp request flag; False = a deliberately bad point (no reuse)
-    prewarm: bool = True
-    label: str = ""
-
-    @property
-    def case_id(self) -> str:
-        return self.label or f"H8_hit{round(self.target_rate * 100):02d}"
-
-    @property
-    def prefix_tokens(self) -> int:
-        return int(round(self.target_rate * self.input_tokens)) if self.target_rate > 0 else 0
-
-    @property
-    def purpose(self) -> str:
-        return PURPOSES.get(round(self.target_rate, 2), "")
-
 
 def tolerance(page_tokens: int, input_tokens: int) -> float:
     """The rejection bound of ``docs/metrics.md#hit-rate``: ``max(0.5 pp, page_size / ISL)`` as a fraction."""
@@ -277,6 +199,40 @@ def point_row(point: HitPoint, srv: RunningServer, records: list[RequestRecord],
     row["verdict"], row["reasons"] = verdict, "; ".join(reasons)
     row["definition"] = definition
     return row
+
+
+def integrity_row(rec: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
+    """The client's integrity in the matrix row: worst dispatch lag and event-loop stall (ms), and — when the client
+    fell behind — the row REJECTED with the reason (its numbers measured the client, not the cache)."""
+    out: dict[str, Any] = {"dispatch_lag_max_ms": (rec.get("dispatch_lag") or {}).get("max_ms") if rec else None,
+                           "loop_lag_max_ms": (rec.get("loop_lag") or {}).get("max_ms") if rec else None,
+                           "client_kept_up": ("yes" if rec.get("ok") else "no") if rec else "not measured"}
+    behind = list(rec.get("reasons") or [])
+    if behind:
+        out["verdict"] = "REJECTED"
+        out["reasons"] = "; ".join([x for x in str(row.get("reasons") or "").split("; ") if x] + behind)
+    return out
+
+
+def hit_point_row(raw: RawHitPoint) -> dict[str, Any]:
+    """A measured point's matrix row (:func:`point_row`) with the client's integrity in it (:func:`integrity_row`):
+    a client that fell behind makes the point REJECTED in its row too, so the table and ``summary.json`` agree."""
+    row = point_row(raw.point, raw.case.srv, raw.records, raw.run, raw.before, raw.after, raw.definition, raw.error)
+    row.update(integrity_row(client_integrity(raw.run) if raw.run is not None else {}, row))
+    return row
+
+
+def hit_point_summary(point: HitPoint, row: dict[str, Any], records: list[RequestRecord], run: ClientRun | None,
+                      status: str, definition: str) -> CaseSummary:
+    """The case summary of a hit-rate point: the verdict (ACCEPTED → VALID, REJECTED → INVALID, with the
+    row's reasons), the measured requests' metrics as the one repeat, the matrix row in ``details``."""
+    pooled, judged = judged_row(records, run, definition, row.get("verdict") == "ACCEPTED", row.get("reasons"), status)
+    return CaseSummary(
+        case_id=point.case_id, phase="", kind="prefix_cache", status=status,
+        verdict=judged, definition=definition, metrics=pooled,
+        repeats=[{"repeat": 0, "metrics": pooled}] if pooled else [], counts=request_counts(records),
+        integrity=client_integrity(run) if run is not None else {},
+        details={"point": asdict(point), "row": {k: v for k, v in row.items() if k not in ("verdict", "reasons")}})
 
 
 def matrix_frame(points: list[PointResult]) -> pd.DataFrame:

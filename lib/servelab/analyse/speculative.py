@@ -20,36 +20,26 @@ the tokens each target forward yields; the draft overhead per target step = step
 time without; the engine's CPU utilisation over the window (``/proc``: an engine waiting on its own threads or
 on the client is idle CPU — the local stand-in for the GPU-timeline bubbles of Phase 3).
 
-The points themselves are run by Phase 9 (``phase9_speculative``).
+The points themselves are measured by :mod:`servelab.measure.spec_points`; a point's row and its case summary
+are judged here (:func:`spec_point_row`, :func:`spec_point_summary`), the phase composes them
+(``phase9_speculative``).
 """
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict
 from typing import Any
 
 import pandas as pd
 
 from servelab.core.facts import MIN_SAMPLES, enough, indicative
 from servelab.measure import request_metrics as mx
+from servelab.measure.case_record import CaseSummary, client_integrity, judged_row, request_counts
 from servelab.measure.records import RequestRecord
 from servelab.measure.launch_variants import Snapshot, delta_of, snapshot_deltas
+from servelab.measure.spec_points import RawSpecPoint, SpecConfig
 from servelab.deploy.engines import engine_for
 from servelab.deploy.server import RunningServer
-
-
-@dataclass
-class SpecConfig:
-    """One speculative setting. ``draft`` None = speculation off (the baseline)."""
-    label: str
-    draft: str | None = None            # "self" | "random:<seed>" (tiny only) | a GGUF path
-    num_draft_tokens: int = 3
-    draft_min: int = 0
-    synth_rates: list[float] = field(default_factory=list)   # llama.cpp --spec-synth-rates (benchmarking only)
-
-    @property
-    def enabled(self) -> bool:
-        return self.draft is not None
 
 
 # ---------------------------------------------------------------- acceptance from counter deltas
@@ -154,6 +144,38 @@ def spec_row(srv: RunningServer, cfg: SpecConfig, concurrency: int, repeat: int,
     row["reasons"] = "; ".join(reasons)
     row["definition"] = definition
     return row
+
+
+def spec_point_row(raw: RawSpecPoint) -> dict[str, Any]:
+    """A measured point's row (:func:`spec_row`) with its case id; a client that fell behind makes the point
+    INVALID in its row too, so the table and ``summary.json`` agree."""
+    cpu0, cpu1 = raw.cpu
+    row = spec_row(raw.case.srv, raw.config, raw.concurrency, raw.repeat, raw.records, raw.run, raw.before, raw.after,
+                   cpu0, cpu1, raw.log_text, raw.definition, raw.error)
+    row["case_id"] = raw.case_id
+    behind = client_integrity(raw.run).get("reasons") or []
+    if behind:
+        row["validity"] = "INVALID"
+        row["reasons"] = "; ".join([x for x in [row.get("reasons") or ""] if x] + list(behind))
+    return row
+
+
+ACCEPTANCE_KEYS = ("acceptance_rate", "mean_accept_length", "tokens_per_target_forward", "step_ms",
+                   "server_cpu_idle_pct")
+
+
+def spec_point_summary(cfg: SpecConfig, row: dict[str, Any], records: list[RequestRecord], run: Any, status: str,
+                       definition: str, repeat: int, repeat_of: str) -> CaseSummary:
+    """The case summary of a speculative point: the row's verdict, the measured requests' metrics (with the
+    acceptance numbers beside them) as repeat ``repeat`` of ``repeat_of``, the row in ``details``."""
+    pooled, judged = judged_row(records, run, definition, row.get("validity") == "VALID", row.get("reasons"), status)
+    rep = {definition: {**pooled[definition], **{k: row.get(k) for k in ACCEPTANCE_KEYS}}} if pooled else {}
+    return CaseSummary(
+        case_id=row["case_id"], phase="", kind="speculative", status=status,
+        verdict=judged, definition=definition, metrics=pooled,
+        repeats=[{"repeat": repeat, "metrics": rep}] if rep else [], counts=request_counts(records),
+        repeat_of=repeat_of, integrity=client_integrity(run), details={"config": asdict(cfg),
+                                      "row": {k: v for k, v in row.items() if k not in ("validity", "reasons")}})
 
 
 # ---------------------------------------------------------------- net gain vs the baseline

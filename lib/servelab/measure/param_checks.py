@@ -18,7 +18,7 @@ from servelab.core.run import read_manifest, run_dir
 from servelab.deploy.cluster import ClusterError, parse_cluster
 from servelab.deploy.targets import load_target
 from servelab.measure.capture_point import resolve_capture_point
-from servelab.measure.case import quick_matrix
+from servelab.measure.matrix import quick_matrix
 
 
 def _dir(params: dict[str, Any], name: str, what: str) -> None:

@@ -34,8 +34,8 @@ import pandas as pd
 
 from servelab.core.run import emit_progress, human_duration
 from servelab.measure import request_metrics as mx
-from servelab.measure.case import (ENGINE_CRASH, MIN_WAVES, OOM, SUCCESS, CaseEnv, CaseResult, CaseSpec, EngineCrash,
-                                   run_case)
+from servelab.measure.case import ENGINE_CRASH, OOM, SUCCESS, CaseEnv, CaseResult, CaseSpec, EngineCrash, run_case
+from servelab.measure.matrix import MIN_WAVES
 
 STOP_REASONS = ("OOM", "ENGINE_CRASH", "TTFT_SLO_EXCEEDED", "TPOT_SLO_EXCEEDED", "TPS_SATURATED", "TPS_REGRESSION",
                 "MAX_CONCURRENCY_REACHED")

@@ -21,15 +21,13 @@ import pandas as pd
 from servelab.analyse.serverside import (m1_stall_sentence, log_join, case_serverside, records_window,
                                          client_vs_server, read_metrics, server_percentiles, side_summary)
 from servelab.measure import request_metrics as mx
-from servelab.measure.case import (SCALES, SUMMARY_KEYS, SUCCESS, CaseEnv, CaseResult, CaseSpec, MatrixResult,
-                                   long_decode_sentence, long_decode_table, c1_requests, case_is_done,
-                                   load_case_result, make_env, quick_matrix, run_matrix)
-from servelab.measure.matrix import dispatch_case
+from servelab.measure.case import SUCCESS, CaseEnv, CaseResult, CaseSpec, case_is_done, load_case_result, make_env
+from servelab.measure.matrix import (SCALES, SUMMARY_KEYS, MatrixResult, c1_requests, dispatch_case, long_decode_sentence,
+                                     long_decode_table, quick_matrix, run_matrix)
 from servelab.measure.mixed import m1_analysis
 from servelab.core.run import merge_table, write_json_atomic
 from servelab.measure.search import SearchConfig, SearchResult, concurrency_search
 from servelab.analyse import memory as memory_layer
-from servelab.analyse.prefix_cache import memory_breakdown
 from servelab.core.params import param, ParamError, PhaseParams
 from servelab.deploy.engines import engine_for
 from servelab.deploy.hosts import ProcessTracker
@@ -365,7 +363,7 @@ def memory_table(res: Phase1Result, phase_dir: Path) -> pd.DataFrame:
     logs = sorted(Path(phase_dir, "server").glob("*.log"))
     if not logs or not engine:
         return pd.DataFrame({"note": ["no server log in this phase: memory not read"]})
-    mem = memory_breakdown(logs[0].read_text(errors="replace"), engine, engine_for(engine).log_markers)
+    mem = memory_layer.memory_breakdown(logs[0].read_text(errors="replace"), engine_for(engine))
     out = mem.drop(columns=[c for c in ("line",) if c in mem.columns]).rename(columns={"mib": "MiB"})
     return out.assign(log=logs[0].name)
 

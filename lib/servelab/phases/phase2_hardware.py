@@ -41,8 +41,8 @@ from servelab.analyse.telemetry.windows import CaseWindow
 from servelab.analyse.serverside import case_serverside, side_summary
 from servelab.deploy.engines import engine_for
 from servelab.deploy.server import start_server, stop_server
-from servelab.measure.case import EngineCrash, make_env, quick_matrix
-from servelab.measure.matrix import dispatch_case
+from servelab.measure.case import EngineCrash, make_env
+from servelab.measure.matrix import dispatch_case, quick_matrix
 from servelab.phases.context import PhaseContext
 from servelab.report.ledger import evidence_frame, record_evidence
 from servelab.report.findings import format_value

@@ -21,12 +21,13 @@ from servelab.core.paths import path_slug
 from servelab.core.run import read_manifest
 from servelab.deploy.engines import engine_for
 from servelab.deploy.targets import load_target
-from servelab.measure.case import make_env, quick_matrix, run_case
+from servelab.measure.case import make_env, run_case
+from servelab.measure.matrix import quick_matrix
 from servelab.measure.launch_variants import serving, with_launch, write_run_record
 from servelab.phases.context import PhaseContext
 from servelab.report.banner import banner
 from servelab.report.ledger import evidence_frame, record_evidence
-from servelab.measure.case import SCALES
+from servelab.measure.matrix import SCALES
 
 
 @dataclass(frozen=True)

@@ -21,44 +21,34 @@ least damage to the decode SLO (mean P95 TPOT increase during injection, in ms),
 engine's default sweep and confounding setting come from its adapter (``interference_sweep``,
 ``confound_setting``).
 
-The windows around each injection, the damage, the ranking of a sweep and the figures are computed in
-:mod:`servelab.analyse.interference` from the raw records this module writes; this module runs the case, the
-sweep and the A/B, writes the phase tables and holds the page's views and the H4 ledger entry.
+The case and the sweep are measured in :mod:`servelab.measure.interference_case` (the wave, the raw files, each
+value's engine and run-like record); the windows around each injection, the damage, the case summary, the ranking of
+a sweep and the figures are computed in :mod:`servelab.analyse.interference` from those raw records. This module
+composes them (:func:`finish_case`: analyse a raw case, then close it with its summary), runs the A/B, writes the
+phase tables and holds the page's views and the H4 ledger entry.
 """
 from __future__ import annotations
 
-import asyncio
 import json
-import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
 import pandas as pd
 import plotly.graph_objects as go
 
-from servelab.analyse.interference import (InterferenceResult, InterferenceSpec, Marks, Schedule, SweepPoint,
-                                           background_gaps, h4_evidence, injection_spans, injection_table,
-                                           mean_clean_gap_ms, plan_schedule, prefill_chunks, steady_from_records,
-                                           sweep_table, sweep_verdict, token_chunk_ns, window_table)
+from servelab.analyse.interference import (InterferenceResult, analyse_case, h4_evidence, interference_summary,
+                                           sweep_table, sweep_verdict)
 from servelab.analyse.interference_figures import timeline_figure
 from servelab.measure import request_metrics as mx
-from servelab.measure.case import case_seed, max_request_tokens
-from servelab.measure.case_record import client_integrity, CaseSummary, request_counts, verdict_of
-from servelab.measure.case_runner import CaseRun, Warmup
-from servelab.measure.client import ClientConfig, run_async, run_sync
-from servelab.measure.records import ClientRun, RequestRecord, read_records
-from servelab.measure.loop_monitor import LoopMonitor
-from servelab.measure.engine_metrics import gauge_series
-from servelab.measure.launch_variants import (delta_of, snapshot_deltas, write_run_record, serving, with_launch,
-                                              check_knob_changes_command, log_reproduce, env_changes)
-from servelab.core.run import write_json_atomic, read_manifest, write_json_atomic as wj
-from servelab.deploy.server import RunningServer
-from servelab.measure.workload import RequestSpec, build_workload, engine_tokenizer, token_pool
+from servelab.measure.case import max_request_tokens
+from servelab.measure.interference_case import InterferenceSpec, RawInterference, SweepPoint, knob_sweep, run_variant
+from servelab.measure.records import read_records
+from servelab.measure.launch_variants import log_reproduce
+from servelab.core.run import read_manifest, write_json_atomic as wj
 from servelab.deploy.engines import engine_for
 from servelab.analyse.serverside import case_serverside
 from servelab.core.params import did_you_mean, param, ParamError, PhaseParams
-from servelab.core.paths import path_slug
 from servelab.measure.abtest import ab_compare
 from servelab.report import ab_figures
 from servelab.report.banner import banner
@@ -135,254 +125,14 @@ def default_spec(target: Any, case_id: str = "I7", **over: Any) -> InterferenceS
     return spec
 
 
-# ---------------------------------------------------------------- the wave: background streams and injections
+# ---------------------------------------------------------------- one case: measured, analysed, closed
 
-async def _wave(bg: list[RequestSpec], inj: list[RequestSpec], cfg: ClientConfig, spec: InterferenceSpec,
-                sched: Schedule) -> tuple[list[RequestRecord], list[RequestRecord], list[dict[str, Any]], Marks,
-                                          ClientRun]:
-    """C closed-loop background streams + the injector, in one event loop, watched by one loop-lag monitor.
-
-    The first injection is due two warm-up TTFTs (every stream past its prefill) plus the settle time after the
-    start; ``Marks.steady_ns`` is then measured from the records (see :func:`steady_from_records`). An injection's
-    record keeps when it was due (``scheduled_ns``) and when its timer woke (``ready_ns``): its lateness is dispatch
-    lag. Returns the records, the schedule, the marks and the loop's ``ClientRun`` (every request, the monitor's
-    samples) for the integrity record.
-    """
-    async with LoopMonitor() as mon:
-        out = await _wave_body(bg, inj, cfg, spec, sched)
-    bg_records, inj_records = out[0], out[1]
-    return (*out, mon.client_run(bg_records + inj_records, concurrency=spec.concurrency))
-
-
-async def _wave_body(bg: list[RequestSpec], inj: list[RequestSpec], cfg: ClientConfig, spec: InterferenceSpec,
-                     sched: Schedule) -> tuple[list[RequestRecord], list[RequestRecord], list[dict[str, Any]], Marks]:
-    marks = Marks(t0_ns=time.perf_counter_ns())
-    stop = asyncio.Event()
-    bg_records: list[RequestRecord] = []
-    queue = list(bg)
-    cap = spec.max_background_requests or 200
-
-    async def stream() -> None:
-        n = 0
-        while not stop.is_set() and queue and n < cap:
-            s = queue.pop(0)
-            run = await run_async([s], cfg, concurrency=1, monitor_interval_s=None)
-            bg_records.extend(run.records)
-            n += 1
-
-    streams = [asyncio.create_task(stream()) for _ in range(spec.concurrency)]
-    inj_records: list[RequestRecord] = []
-    schedule: list[dict[str, Any]] = []
-    settle_ns = int(sched.first_inject_s * 1e9)
-    gap_ns = int(sched.quiet_gap_s * 1e9)
-    marks.settle_ns = settle_ns
-    try:
-        prev_end: int | None = None
-        start = marks.t0_ns + int(2 * sched.warmup_ttft_s * 1e9) + settle_ns
-        for k, s in enumerate(inj):
-            planned = start + int(k * spec.period_s * 1e9)
-            due = planned if prev_end is None else max(planned, prev_end + gap_ns)
-            await asyncio.sleep(max(0.0, (due - time.perf_counter_ns()) / 1e9))
-            if all(t.done() for t in streams):
-                schedule.append({"injection": k, "planned_s": (planned - marks.t0_ns) / 1e9, "sent": False,
-                                 "reason": "the background had ended (request cap or prompts exhausted)"})
-                continue
-            woke = time.perf_counter_ns()
-            run = await run_async([s], cfg, concurrency=1, monitor_interval_s=None)
-            rec = run.records[0]
-            rec.scheduled_ns, rec.ready_ns = due, woke          # the injection timer's lateness is dispatch lag
-            inj_records.append(rec)
-            prev_end = max(rec.chunk_ns) if rec.chunk_ns else rec.end_ns
-            schedule.append({"injection": k, "planned_s": (planned - marks.t0_ns) / 1e9,
-                             "due_s": (due - marks.t0_ns) / 1e9, "sent": True,
-                             "sent_s": (rec.send_ns - marks.t0_ns) / 1e9, "reason": ""})
-        await asyncio.sleep(gap_ns / 1e9)               # room for the last injection's after window
-    finally:
-        marks.stop_ns = time.perf_counter_ns()
-        stop.set()
-        await asyncio.gather(*streams)
-        marks.end_ns = time.perf_counter_ns()
-    marks.steady_ns = steady_from_records(bg_records, spec.concurrency)
-    return bg_records, inj_records, schedule, marks
-
-
-# ---------------------------------------------------------------- one case on a running server
-
-
-def run_interference(srv: RunningServer, run_dir: Path, spec: InterferenceSpec, pool: list[int], seed: int = 0,
-                     definition: str = mx.VLLM_BENCH, poll_interval_s: float = 0.0, phase: str = "phase7",
-                     repeat_of: str = "") -> InterferenceResult:
-    """Warm up, plan, run the background streams with their injections; raw data first, then the tables.
-
-    Files: ``cases/<case_id>/{meta.json, requests.jsonl, server/{metrics.parquet, slots.parquet,
-    metrics_{before,after}.prom, engine_log_excerpt.txt}, windows.csv, injections.csv, summary.json}``, written
-    through the case runner (:class:`servelab.measure.case_runner.CaseRun`): one repeat per injection.
-    ``repeat_of``: the case this one is a variant of (a sweep value runs ``I7`` as ``I7_<label>``).
-    """
-    case = CaseRun(srv, run_dir, spec.case_id, phase, "interference", {
-        "spec": asdict(spec), "engine": srv.target.engine, "base_url": srv.base_url, "launch": srv.target.launch,
-        "definition": definition}, definition=definition, measured_roles=("background",))
-    cdir, meta = case.dir, case.meta
-    plan = Schedule(0.0, 0.0, 0.0, 0.0, 0.0)
-    bg_recs: list[RequestRecord] = []
-    inj_recs: list[RequestRecord] = []
-    schedule: list[dict[str, Any]] = []
-    marks = Marks()
-    wave_run: ClientRun | None = None
-    plan_error = ""
-    with case:
-        cfg = case.client_config()
-        # decode warm-up at the background's shape (docs/method.md#warmup: decode points yes, the long prefill no)
-        wrecs = case.warm_up(case.client_warmup(cfg, pool, Warmup(
-            spec.concurrency, spec.background_input_tokens, 8, case_seed(seed, spec.case_id + "/warmup", 0),
-            spec.concurrency)))
-        try:
-            plan = plan_schedule(spec, wrecs)
-        except RuntimeError as exc:
-            plan_error = str(exc)
-        meta["schedule_plan"] = asdict(plan)
-        case.flush()
-        n_bg = spec.concurrency * (spec.max_background_requests or 200)
-        bg = build_workload(spec.case_id, n_bg, spec.background_input_tokens, spec.background_output_tokens, pool,
-                            seed=case_seed(seed, spec.case_id, 0), role="background").requests
-        # stagger the streams: equal lengths would keep them in lockstep, all between two requests at the same
-        # moment — an injection landing there would hide behind their new prefills instead of stalling tokens
-        step = spec.background_output_tokens // spec.concurrency
-        for i in range(1, min(spec.concurrency, len(bg))):
-            bg[i] = replace(bg[i], output_tokens=max(2, spec.background_output_tokens - i * step))
-        inj = build_workload(spec.case_id + "-inject", spec.n_injections, spec.inject_input_tokens, 1, pool,
-                             seed=case_seed(seed, spec.case_id + "/inject", 0), role="inject",
-                             start_index=2 * 10**6).requests
-        interval = poll_interval_s or float(min(0.25, max(0.02, plan.window_estimate_s / 4)))
-        case.open_window(server_cpu=True)
-        case.watch(scrape_interval_s=max(interval, 0.05), poll_interval_s=interval)
-        if not plan_error:
-            bg_recs, inj_recs, schedule, marks, wave_run = run_sync(lambda: _wave(bg, inj, cfg, spec, plan))
-        case.add(bg_recs + inj_recs)
-    error = plan_error or case.error
-    records, scrape, slots, before, after = case.records, case.scrape, case.slots, case.before, case.after
-    write_json_atomic(cdir / "server" / "marks.json", asdict(marks))
-    t0 = marks.t0_ns or (records[0].send_ns if records else 0)
-    names = srv.engine.metric_names
-    gaps = background_gaps(records)
-    clean_gap = mean_clean_gap_ms(gaps, injection_spans(records))
-    window_s = spec.window_steps * clean_gap / 1e3 if clean_gap else 0.0
-    windows = window_table(records, spec.window_steps, spec.concurrency, t0, marks.steady_ns, marks.stop_ns, scrape,
-                           names.get("waiting", ""))
-    chunks = prefill_chunks(slots, records)
-    injections = injection_table(windows, chunks, records, schedule, scrape, names.get("decode_calls_total", ""), t0)
-    timeline = pd.DataFrame({"t_s": (gaps["b_ns"] - t0) / 1e9, "gap_ms": gaps["gap_ms"],
-                             "request_id": gaps["request_id"]})
-    queue = pd.DataFrame(columns=["t_s", "metric", "value"])
-    if not scrape.empty:
-        q = gauge_series(scrape, names, ("running", "waiting"))
-        queue = pd.DataFrame({"t_s": (q["ts_ns"] - t0) / 1e9, "metric": q["metric"], "value": q["value"]})
-    span_s = max((marks.end_ns - marks.t0_ns) / 1e9, 1e-9) if marks.end_ns else 1.0
-    background = mx.summarize(bg_recs, span_s, definition, roles=("background",)) if bg_recs else {}
-    reasons = []
-    if error:
-        reasons.append(f"error: {error}")
-    if background:
-        if background["failed"]:
-            reasons.append(f"{background['failed']} background request(s) failed")
-        if background["token_check"]["mismatches"]:
-            reasons.append(f"background tokens off target in {background['token_check']['mismatches']} request(s)")
-    if not all(len(token_chunk_ns(r)) == (r.completion_tokens or -1) for r in bg_recs if r.ok):
-        reasons.append("a background chunk carried more than one token: token gaps are chunk gaps")
-    not_sent = [s for s in schedule if not s.get("sent")]
-    if not_sent:
-        reasons.append(f"{len(not_sent)} injection(s) not sent: {not_sent[0]['reason']}")
-    if injections.empty or not injections["valid"].any():
-        reasons.append("no valid injection window")
-    integrity = client_integrity(wave_run)          # the wave loop's one monitor: did the client keep up?
-    reasons += integrity.get("reasons") or []
-    verdict = mx.Verdict("INVALID" if reasons else "VALID", reasons)
-    server: dict[str, Any] = {"error": "the case stopped before its counter window opened"}
-    try:
-        if before is not None and after is not None:
-            deltas = snapshot_deltas(before, after)
-            server = {k: delta_of(deltas, v) for k, v in names.items() if k.endswith("_total")}
-    except ValueError as exc:
-        server = {"error": str(exc)}
-    wall_s = (after.ts_ns - before.ts_ns) / 1e9 if before is not None and after is not None else 0.0
-    cpu0, cpu1 = case.cpu
-    if cpu0 is not None and cpu1 is not None:
-        server["server_cpu_s"] = cpu1 - cpu0
-        server["server_cpu_util_cores"] = (cpu1 - cpu0) / max(wall_s, 1e-9)
-    server["window_s"] = wall_s
-    res = InterferenceResult(spec, cdir, plan, window_s, windows, injections, chunks, timeline, queue, schedule,
-                             marks, verdict, background, server, dict(srv.target.launch), integrity)
-    windows.to_csv(cdir / "windows.csv", index=False)
-    injections.to_csv(cdir / "injections.csv", index=False)
-    if not chunks.empty:
-        chunks.to_csv(cdir / "prefill_chunks.csv", index=False)
-    status = "success" if not error else "failed"
-    if status != "success" and verdict.verdict == "VALID":
-        res.verdict = mx.Verdict("INVALID", [f"case status {status}"])
-    case.close(interference_summary(res, status, definition, records, repeat_of), status, error)
+def finish_case(raw: RawInterference) -> InterferenceResult:
+    """Analyse a raw case (its tables after its raw data) and close it with its summary (last): what the sweep
+    makes of each value's case (:func:`servelab.measure.interference_case.knob_sweep`)."""
+    res = analyse_case(raw)
+    raw.close(interference_summary(res, raw.status, raw.definition, raw.records, raw.repeat_of))
     return res
-
-
-def interference_summary(res: InterferenceResult, status: str, definition: str, records: list[RequestRecord],
-                         repeat_of: str = "") -> Any:
-    """The case summary of an interference case: the background's metrics pooled, one repeat per injection
-    (the during-window numbers the A/B compares), the schedule, windows and damage in ``details``."""
-    repeats = [{"repeat": r["repeat"], "valid": bool(r["valid"]),
-                "metrics": {definition: {k: v for k, v in r.items() if k not in ("case_id", "repeat", "valid")}}}
-               for r in res.summary_rows()]
-    return CaseSummary(
-        case_id=res.spec.case_id, phase="", kind="interference", status=status, verdict=verdict_of(res.verdict),
-        definition=definition, metrics={definition: res.background} if res.background else {}, repeats=repeats,
-        counts=request_counts(records, ("background",)), repeat_of=repeat_of, integrity=res.integrity,
-        details={"spec": asdict(res.spec), "schedule_plan": asdict(res.schedule_plan), "window_s": res.window_s,
-                 "schedule": res.schedule, "marks": asdict(res.marks),
-                 "injections": res.injections.to_dict(orient="records"), "server_deltas": res.server})
-
-
-# ---------------------------------------------------------------- the knob sweep
-
-
-def run_variant(target: Any, changes: dict[str, Any], spec: InterferenceSpec, run_dir: Path, record_root: Path,
-                label: str, log_dir: Path, phase: str = "", seed: int = 0, definition: str = mx.VLLM_BENCH,
-                parent_manifest: dict[str, Any] | None = None, health_timeout_s: float = 300.0
-                ) -> tuple[InterferenceResult | None, Path, str]:
-    """Serve ``target`` with ``changes``, run the case as ``<case_id>_<label>``, write the run-like record."""
-    t = with_launch(target, changes, label)
-    slug = path_slug(label)                  # a knob value such as ../../x never leaves record_root
-    case = replace(spec, case_id=f"{spec.case_id}_{slug}", notes=list(spec.notes))
-    rec_dir = Path(record_root) / slug
-    res, error = None, ""
-    srv_ref = None
-    try:
-        with serving(t, log_dir, run_dir, phase, health_timeout_s, check_env=env_changes(changes)) as srv:
-            srv_ref = srv
-            pool = token_pool(engine_tokenizer(srv.base_url, srv.target.engine, srv.engine.tokenize_path,
-                                               headers=srv.auth_headers), seed=seed)
-            res = run_interference(srv, run_dir, case, pool, seed, definition, phase=phase or "phase7",
-                                   repeat_of=spec.case_id)
-    except Exception as exc:  # a value that cannot serve is recorded, the sweep goes on
-        error = f"{type(exc).__name__}: {exc}"
-    # the same case id on every side of the A/B; a value that did not run is listed with its reason
-    cases = [(spec.case_id, res.case_dir if res is not None else None, error)]
-    write_run_record(rec_dir, f"{(parent_manifest or {}).get('run_id', 'run')}-{slug}", t, srv_ref, cases,
-                     parent_manifest)
-    write_json_atomic(rec_dir / "variant.json", {"label": label, "changes": changes, "error": error,
-                                                 "case_dir": str(res.case_dir) if res is not None else None})
-    return res, rec_dir, error
-
-
-def knob_sweep(target: Any, knob: str, values: list[Any], spec: InterferenceSpec, run_dir: Path, record_root: Path,
-               log_dir: Path, phase: str = "", seed: int = 0, definition: str = mx.VLLM_BENCH,
-               parent_manifest: dict[str, Any] | None = None) -> list[SweepPoint]:
-    """The same case for each value of ONE launch setting, the engine restarted per value (first = baseline)."""
-    check_knob_changes_command(target, knob, values)
-    out = []
-    for v in values:
-        label = f"{knob}={v}"
-        res, rec, err = run_variant(target, {knob: v}, spec, run_dir, record_root, label, log_dir, phase, seed,
-                                    definition, parent_manifest)
-        out.append(SweepPoint(knob, v, res, rec, err))
-    return out
 
 
 # ---------------------------------------------------------------- Phase 7 end to end
@@ -391,10 +141,10 @@ def knob_sweep(target: Any, knob: str, values: list[Any], spec: InterferenceSpec
 class Phase7Result:
     knob: str
     values: list[Any]
-    sweep: list[SweepPoint]
+    sweep: list[SweepPoint[InterferenceResult]]
     table: pd.DataFrame
     ab: Any                                  # abtest.ABResult over the sweep records (or None)
-    confound: SweepPoint | None
+    confound: SweepPoint[InterferenceResult] | None
     confound_ab: Any
     verdict: str
     notes: list[str] = field(default_factory=list)
@@ -437,7 +187,7 @@ def run(ctx: PhaseContext) -> Phase7Result:
     plan = plan_sweep(ctx, p)
     log_reproduce(ctx, "phase7")
     sweep = knob_sweep(ctx.target, plan.knob, plan.values, plan.spec, ctx.run_dir, plan.record_root, plan.log_dir,
-                       phase=ctx.phase, seed=p.seed, definition=p.definition, parent_manifest=plan.parent)
+                       finish_case, phase=ctx.phase, seed=p.seed, definition=p.definition, parent_manifest=plan.parent)
     notes = list(plan.spec.notes)
     ab = _ab_over_sweep(plan, sweep, answers_from_params(p.as_dict()), notes)
     confound, confound_ab = _confound_demo(ctx, p, plan, sweep[0])
@@ -491,7 +241,8 @@ def _confound_demo(ctx: PhaseContext, p: Params, plan: SweepPlan, baseline: Swee
     knob, second = plan.knob, plan.values[1]
     label = f"{knob}={second}+" + ",".join(f"{k}={v}" for k, v in setting.items())
     res, rec, err = run_variant(ctx.target, {knob: second, **setting}, plan.spec, ctx.run_dir, plan.record_root, label,
-                                plan.log_dir, phase=ctx.phase, seed=p.seed, definition=p.definition, parent_manifest=plan.parent)
+                                plan.log_dir, finish_case, phase=ctx.phase, seed=p.seed, definition=p.definition,
+                                parent_manifest=plan.parent)
     return SweepPoint(knob, second, res, rec, err, dict(setting)), ab_compare([baseline.record_dir, rec], knob,
                                                                              metrics=AB_METRICS)
 

@@ -10,37 +10,33 @@ group's next request finds its prefix in the slot its previous one used — llam
 The achieved hit rate is measured twice over the exact measurement window — server counters and per-request
 usage — and a point that misses its target is REJECTED, never a result.
 
-The rates, the rule, KV usage, the memory breakdown and the figures are computed in
-:mod:`servelab.analyse.prefix_cache`; this module runs the points (an engine restart or a flush before each),
-writes the phase tables and holds the page's views and the H6 ledger entry. What differs per engine (the cache
-switch of a request, the launch changes this phase needs) comes from its adapter.
+The points are measured by :mod:`servelab.measure.hit_points` (an engine restart or a flush before each, the
+case left open); the rates, the rule, each point's row and case summary and KV usage are computed in
+:mod:`servelab.analyse.prefix_cache`, the memory breakdown in :mod:`servelab.analyse.memory`, the figures in
+:mod:`servelab.analyse.prefix_cache_figures`. This module composes them — each point measured, judged
+(:func:`judge_hit_point`: row, case closed with its summary) —, writes the phase tables and holds the page's views
+and the H6 ledger entry. What differs per engine (the cache switch of a request, the launch changes this phase
+needs) comes from its adapter.
 """
 from __future__ import annotations
 
-import asyncio
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
 import pandas as pd
 
 from servelab.analyse import memory as memory_layer
-from servelab.analyse.prefix_cache import (TARGET_RATES, HitPoint, PointResult, h6_evidence, kv_usage_series,
-                                           matrix_frame, memory_breakdown, point_row, accepted_results)
+from servelab.analyse.prefix_cache import (TARGET_RATES, PointResult, accepted_results, h6_evidence, hit_point_row,
+                                           hit_point_summary, kv_usage_series, matrix_frame)
 from servelab.measure import request_metrics as mx
-from servelab.measure.case import case_seed, max_request_tokens
-from servelab.measure.case_record import client_integrity, CaseSummary, judged_row, request_counts
-from servelab.measure.case_runner import CaseRun, flush_cache
-from servelab.measure.client import ClientConfig, run_async, run_sync
-from servelab.measure.records import ClientRun, RequestRecord
-from servelab.measure.loop_monitor import LoopMonitor
+from servelab.measure.case import max_request_tokens
+from servelab.measure.hit_points import HitPoint, RawHitPoint, measure_hit_point, measure_points
 from servelab.core.run import write_json_atomic
 from servelab.deploy.engines import engine_for
 from servelab.deploy.server import RunningServer
-from servelab.measure.workload import RequestSpec, build_workload, engine_tokenizer, token_pool
 from servelab.core.params import param, ParamError, PhaseParams
-from servelab.measure.launch_variants import serving, with_launch, log_reproduce
+from servelab.measure.launch_variants import with_launch, log_reproduce
 from servelab.report.ledger import record_evidence
 from servelab.phases.context import PhaseContext
 
@@ -66,95 +62,22 @@ class Params(PhaseParams):
     seed: int = param(0, "workload seed")
 
 
-def run_streams(streams: list[list[RequestSpec]], cfg: ClientConfig) -> ClientRun:
-    """Every stream's requests one after another, the streams concurrently; one ClientRun over all of them, with
-    the samples of the loop's one loop-lag monitor (``measure.loop_monitor``; not one per request in flight:
-    docs/metrics.md#integrity) — what the point's integrity record judges."""
-    async def stream(specs: list[RequestSpec]) -> list[RequestRecord]:
-        out: list[RequestRecord] = []
-        for spec in specs:
-            out += (await run_async([spec], cfg, concurrency=1, monitor_interval_s=None)).records
-        return out
-
-    async def go() -> tuple[list[RequestRecord], LoopMonitor]:
-        async with LoopMonitor() as mon:
-            recs = await asyncio.gather(*(stream(s) for s in streams))
-        return [r for rs in recs for r in rs], mon
-
-    records, mon = run_sync(go)
-    return mon.client_run(records, concurrency=len(streams),
-                          wall_offset_ns=records[0].wall_offset_ns if records else 0)
+def judge_hit_point(raw: RawHitPoint) -> PointResult:
+    """A measured point (:func:`servelab.measure.hit_points.measure_hit_point`) judged: its matrix row, the case
+    closed with its summary (``success``, or ``failed`` where the block recorded an error; ACCEPTED is the summary's
+    VALID, REJECTED its INVALID), the point's result."""
+    row = hit_point_row(raw)
+    raw.case.close(hit_point_summary(raw.point, row, raw.records, raw.run, raw.status, raw.definition), raw.status)
+    return PointResult(raw.point, raw.case.dir, row, raw.records, raw.slots, raw.scrape, raw.t0_ns, raw.flush)
 
 
 def run_hit_point(srv: RunningServer, run_dir: Path, point: HitPoint, pool: list[int], seed: int = 0,
                   definition: str = mx.VLLM_BENCH, flush: dict[str, Any] | None = None,
                   poll_interval_s: float = 0.1, phase: str = "phase8") -> PointResult:
-    """Run one hit-rate point on a freshly flushed engine: pre-warm, measure, judge; raw data written first.
-
-    Files: ``cases/<case_id>/{meta.json, requests.jsonl, server/metrics_{before,after}.prom, server/slots.parquet,
-    server/metrics.parquet, summary.json}``, written through the case contract
-    (:class:`servelab.measure.case_runner.CaseRun`); ACCEPTED is the summary's VALID, REJECTED its INVALID.
-    """
-    engine = srv.target.engine
-    n = point.groups * point.requests_per_group
-    groups = point.groups if point.prefix_tokens else 0
-    wl = build_workload(point.case_id, n, point.input_tokens, point.output_tokens, pool,
-                        seed=case_seed(seed, point.case_id, 0), prefix_groups=groups,
-                        target_prefix_hit_rate=point.target_rate if groups else 0.0)
-    case = CaseRun(srv, run_dir, point.case_id, phase, "prefix_cache", {
-        "point": asdict(point), "engine": engine, "base_url": srv.base_url, "prefix_tokens": point.prefix_tokens,
-        "workload_notes": wl.notes, "flush": flush or {}, "definition": definition}, definition=definition)
-    # group g's requests in order (request i belongs to group i % G)
-    streams = [[r for r in wl.requests if (r.index % point.groups) == g] for g in range(point.groups)]
-    extra: dict[str, Any] = {}
-    if srv.engine.request_cache_switch:        # the per-request prefix-reuse flag, where the engine has one
-        extra[srv.engine.request_cache_switch] = bool(point.cache_prompt)
-    run: ClientRun | None = None
-    t0 = time.perf_counter_ns()
-    with case:
-        cfg = case.client_config(extra_body=extra)
-        case.watch(scrape_interval_s=max(poll_interval_s, 0.25), poll_interval_s=poll_interval_s)
-        if point.prewarm and groups:       # each group's prefix once: the cache holds it before the window
-            warm = [RequestSpec(index=10**6 + g, input_tokens=point.prefix_tokens, output_tokens=1,
-                                prompt_ids=list(streams[g][0].prompt_ids[:point.prefix_tokens]), group=g,
-                                shared_prefix_tokens=point.prefix_tokens, role="prewarm")
-                    for g in range(point.groups)]
-            case.add(run_streams([[w] for w in warm], cfg).records)
-        case.open_window()
-        run = run_streams(streams, cfg)
-        case.add(run.records)
-    records, error = case.records, case.error
-    row = point_row(point, srv, records, run, case.before, case.after, definition, error)
-    row.update(integrity_row(client_integrity(run) if run is not None else {}, row))
-    status = "success" if not error else "failed"
-    case.close(hit_point_summary(point, row, records, run, status, definition), status)
-    return PointResult(point, case.dir, row, records, case.slots, case.scrape, t0, flush or {})
-
-
-def integrity_row(rec: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
-    """The client's integrity in the matrix row: worst dispatch lag and event-loop stall (ms), and — when the client
-    fell behind — the row REJECTED with the reason (its numbers measured the client, not the cache)."""
-    out: dict[str, Any] = {"dispatch_lag_max_ms": (rec.get("dispatch_lag") or {}).get("max_ms") if rec else None,
-                           "loop_lag_max_ms": (rec.get("loop_lag") or {}).get("max_ms") if rec else None,
-                           "client_kept_up": ("yes" if rec.get("ok") else "no") if rec else "not measured"}
-    behind = list(rec.get("reasons") or [])
-    if behind:
-        out["verdict"] = "REJECTED"
-        out["reasons"] = "; ".join([x for x in str(row.get("reasons") or "").split("; ") if x] + behind)
-    return out
-
-
-def hit_point_summary(point: HitPoint, row: dict[str, Any], records: list[RequestRecord], run: ClientRun | None,
-                      status: str, definition: str) -> Any:
-    """The case summary of a hit-rate point: the verdict (ACCEPTED → VALID, REJECTED → INVALID, with the
-    row's reasons), the measured requests' metrics as the one repeat, the matrix row in ``details``."""
-    pooled, judged = judged_row(records, run, definition, row.get("verdict") == "ACCEPTED", row.get("reasons"), status)
-    return CaseSummary(
-        case_id=point.case_id, phase="", kind="prefix_cache", status=status,
-        verdict=judged, definition=definition, metrics=pooled,
-        repeats=[{"repeat": 0, "metrics": pooled}] if pooled else [], counts=request_counts(records),
-        integrity=client_integrity(run) if run is not None else {},
-        details={"point": asdict(point), "row": {k: v for k, v in row.items() if k not in ("verdict", "reasons")}})
+    """One hit-rate point on a freshly flushed engine: pre-warm, measure (``measure.hit_points``), judge
+    (:func:`judge_hit_point`); raw data written first, ``cases/<case_id>/summary.json`` last."""
+    return judge_hit_point(measure_hit_point(srv, run_dir, point, pool, seed, definition, flush, poll_interval_s,
+                                             phase))
 
 
 # ---------------------------------------------------------------- Phase 8 end to end
@@ -202,25 +125,13 @@ def run(ctx: PhaseContext) -> Phase8Result:
     served, launch_notes = cache_study_target(ctx, p)
     notes += launch_notes
     log_reproduce(ctx, "phase8")
-    measured = _measure_points(ctx, p, served, points)
-    res = Phase8Result(matrix_frame(measured.results), kv_timeline(measured.kv_parts), measured.memory,
-                       measured.results, ctx.target.engine, notes)
+    # every point on an emptied cache (an engine restart or a flush before each), judged as it is measured
+    measured = measure_points(ctx, served, points, judge_hit_point, seed=p.seed, definition=p.definition)
+    res = Phase8Result(matrix_frame(measured.results), kv_timeline(kv_parts(measured.results, served.engine)),
+                       startup_memory(measured.startup_log, served.engine), measured.results, ctx.target.engine, notes)
     write_phase8_tables(ctx.phase_dir, res)
     ctx.notes.extend(res.notes)
     return res
-
-
-# how long a freshly started engine (one per point where it has no flush endpoint) may take to answer its health check
-HEALTH_TIMEOUT_S = 300.0
-
-
-@dataclass
-class MeasuredPoints:
-    """What the points measured: each point's result, its KV usage series, and the memory breakdown from the first
-    engine's log."""
-    results: list[PointResult] = field(default_factory=list)
-    kv_parts: list[pd.DataFrame] = field(default_factory=list)
-    memory: pd.DataFrame = field(default_factory=pd.DataFrame)
 
 
 def hit_points(ctx: PhaseContext, p: Params) -> tuple[list[HitPoint], list[str]]:
@@ -266,35 +177,16 @@ def cache_study_target(ctx: PhaseContext, p: Params) -> tuple[Any, list[str]]:
     return target, []
 
 
-def _measure_points(ctx: PhaseContext, p: Params, served: Any, points: list[HitPoint]) -> MeasuredPoints:
-    """Every point on a cache that holds nothing of the previous one: the engine restarted before each point where
-    it has no flush endpoint (llama.cpp), else one engine flushed before each point."""
-    out = MeasuredPoints()
-    log_dir = ctx.phase_dir / "server"
-    if engine_for(served.engine).flush_cache_path is None:
-        for i, pt in enumerate(points):
-            with serving(served, log_dir, ctx.run_dir, ctx.phase, HEALTH_TIMEOUT_S) as srv:
-                if i == 0:
-                    out.memory = memory_breakdown(_read_log(srv), srv.target.engine, srv.engine.log_markers)
-                _measure_point(ctx, p, srv, pt, out, {"method": "engine restarted before the point", "flushed": True,
-                                                      "reason": f"{srv.target.engine} has no cache flush endpoint"})
-    else:
-        with serving(served, log_dir, ctx.run_dir, ctx.phase, HEALTH_TIMEOUT_S) as srv:
-            out.memory = memory_breakdown(_read_log(srv), srv.target.engine, srv.engine.log_markers)
-            for pt in points:
-                _measure_point(ctx, p, srv, pt, out, flush_cache(srv))
-    return out
+def kv_parts(results: list[PointResult], engine: str) -> list[pd.DataFrame]:
+    """Each point's KV usage series (``analyse.prefix_cache.kv_usage_series``), from its own start."""
+    names = engine_for(engine).metric_names
+    return [kv_usage_series(r.slots, r.scrape, engine, names, r.t0_ns, r.point.case_id) for r in results]
 
 
-def _measure_point(ctx: PhaseContext, p: Params, srv: RunningServer, pt: HitPoint, out: MeasuredPoints,
-                   flush: dict[str, Any]) -> None:
-    """One point on ``srv`` (``flush``: how its cache was emptied), its result and KV usage series added to ``out``."""
-    pool = token_pool(engine_tokenizer(srv.base_url, srv.target.engine, srv.engine.tokenize_path,
-                                       headers=srv.auth_headers), seed=p.seed)
-    res = run_hit_point(srv, ctx.run_dir, pt, pool, p.seed, p.definition, flush)
-    out.results.append(res)
-    out.kv_parts.append(kv_usage_series(res.slots, res.scrape, srv.target.engine, srv.engine.metric_names,
-                                        res.t0_ns, pt.case_id))
+def startup_memory(log_text: str | None, engine: str) -> pd.DataFrame:
+    """The memory breakdown of the first engine's start-up lines (``analyse.memory.memory_breakdown``); an empty
+    table when no engine started."""
+    return memory_layer.memory_breakdown(log_text, engine_for(engine)) if log_text is not None else pd.DataFrame()
 
 
 def kv_timeline(parts: list[pd.DataFrame]) -> pd.DataFrame:
@@ -310,14 +202,6 @@ def kv_timeline(parts: list[pd.DataFrame]) -> pd.DataFrame:
         timeline.append(part)
     return pd.concat(timeline, ignore_index=True) if timeline else pd.DataFrame(
         columns=["t_s", "metric", "value", "source", "point"])
-
-
-def _read_log(srv: RunningServer) -> str:
-    path = srv.log_paths.get(srv.target.head.name, "")
-    try:
-        return Path(path).read_text(errors="replace") if path else ""
-    except OSError:
-        return ""
 
 
 def write_phase8_tables(phase_dir: Path, res: Phase8Result) -> None:

@@ -6,9 +6,10 @@ bubbles and the net gain at several concurrencies — never only the accept leng
 **Acceptance** comes from the engine's counters over the exact measurement window (a ``/metrics`` snapshot
 taken at idle right before the measured requests and one right after they all finished), as ``vllm bench
 serve`` does it (``docs/metrics.md#acceptance``) — never from a running average such as SGLang's
-``avg_spec_accept_length``. The formulas, the window checks, the net gain and the figures are in
-:mod:`servelab.analyse.speculative`; this module runs the configs and points, writes the phase tables and holds
-the page's views.
+``avg_spec_accept_length``. The configs are served and their points measured by
+:mod:`servelab.measure.spec_points`; the formulas, the window checks, a point's row and case summary, the net gain
+and the figures are in :mod:`servelab.analyse.speculative`; this module judges each measured point with them
+(:func:`judge_spec_point`: row, case closed with its summary), writes the phase tables and holds the page's views.
 
 **llama.cpp locally**: real draft-model speculative decoding, ``-md <draft.gguf> --spec-type draft-simple
 --spec-draft-n-max N`` (the draft must share the target's vocabulary). With the model as its own draft
@@ -19,31 +20,23 @@ benchmarking-only synthetic acceptance; the generated text is not valid) gives k
 """
 from __future__ import annotations
 
-from servelab.core.paths import path_slug
-
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
 import pandas as pd
 
-from servelab.analyse.speculative import SpecConfig, net_gain, per_position_frame, spec_row
+from servelab.analyse.speculative import net_gain, per_position_frame, spec_point_row, spec_point_summary
 from servelab.measure import request_metrics as mx
-from servelab.measure.case import case_seed, max_request_tokens
-from servelab.measure.case_record import CaseSummary, client_integrity, judged_row, request_counts
-from servelab.measure.case_runner import CaseRun, Warmup
-from servelab.measure.client import run_requests
-from servelab.measure.records import RequestRecord
-from servelab.measure.launch_variants import Snapshot, write_run_record, serving, with_launch, log_reproduce
-from servelab.core.run import write_json_atomic, PhaseUnsupported, read_manifest
+from servelab.measure.case import max_request_tokens
+from servelab.measure.launch_variants import log_reproduce
+from servelab.measure.spec_points import PointShape, RawSpecPoint, SpecConfig, SpecPoint, measure_configs
+from servelab.core.run import write_json_atomic, PhaseUnsupported
 from servelab.deploy.engines import engine_for
-from servelab.deploy.server import RunningServer
-from servelab.measure.workload import build_workload, engine_tokenizer, token_pool
 from servelab.core.params import param, ParamError, PhaseParams
 from servelab.measure.abtest import ab_compare
 from servelab.report.findings import ab_findings
 from servelab.measure.abtest import answers_from_params, write_ab_tables
-from servelab.core.facts import MIN_SAMPLES
 from servelab.report.answers import record_correctness
 from servelab.measure.correctness import greedy_summary
 from servelab.measure.correctness import prompts_view
@@ -53,7 +46,7 @@ from servelab.phases.context import PhaseContext
 
 SCALES: dict[str, dict[str, Any]] = {
     "cluster": {"input_tokens": 1024, "output_tokens": 1024, "concurrencies": [1, 16, 32]},
-    # local: Phase 1's decode shape (64 → 64, scale "local" of measure.case.SCALES), so the baseline with speculation
+    # local: Phase 1's decode shape (64 → 64, scale "local" of measure.matrix.SCALES), so the baseline with speculation
     # off at C=4 answers the same question as D2_c4 and the run cross-checks the two (report.crosscheck)
     "local": {"input_tokens": 64, "output_tokens": 64, "concurrencies": [1, 4]},
 }
@@ -98,90 +91,16 @@ def parse_configs(drafts: list[str], num_draft_tokens: int, synth_rates: list[fl
     return out
 
 
-def launch_changes(cfg: SpecConfig, target: Any) -> dict[str, Any]:
-    """Launch settings for ``cfg`` on ``target``, built by its engine adapter (llama.cpp: extra argv items, see
-    ``LlamaCppAdapter.spec_launch_changes``; the other engines refuse: set ``launch.spec`` on two targets and
-    A/B their runs)."""
-    return engine_for(target.engine).spec_launch_changes(target, cfg.draft, cfg.num_draft_tokens, cfg.draft_min,
-                                                         cfg.synth_rates)
+# ---------------------------------------------------------------- one point judged
 
-
-# ---------------------------------------------------------------- one point: a config at one concurrency
-
-@dataclass
-class SpecPoint:
-    config: SpecConfig
-    concurrency: int
-    repeat: int
-    case_dir: Path
-    row: dict[str, Any]
-    records: list[RequestRecord]
-    before: Snapshot | None
-    after: Snapshot | None
-
-
-def run_spec_point(srv: RunningServer, run_dir: Path, cfg: SpecConfig, concurrency: int, input_tokens: int,
-                   output_tokens: int, pool: list[int], seed: int = 0, repeat: int = 0, definition: str = mx.VLLM_BENCH,
-                   case_id: str = "", phase: str = "phase9") -> SpecPoint:
-    """Warm-up, flush, snapshot, ``concurrency`` decode requests, snapshot; raw data first, then the row.
-
-    The measured requests use the same seed in every config, so speculation on and off decode the same prompts.
-    Written through the case runner (:class:`servelab.measure.case_runner.CaseRun`): one folder per
-    repeat, ``repeat_of`` = the config at this concurrency (``S9_<config>_c<C>``).
-    """
-    cid = case_id or f"S9_{_slug(cfg.label)}_c{concurrency}_r{repeat}"
-    case = CaseRun(srv, run_dir, cid, phase, "speculative", {
-        "config": asdict(cfg), "concurrency": concurrency, "repeat": repeat, "engine": srv.target.engine,
-        "launch": srv.target.launch, "definition": definition}, definition=definition, settle_log=True)
-    run = None
-    with case:
-        ccfg = case.client_config()
-        case.warm_up(case.client_warmup(ccfg, pool, Warmup(1, input_tokens, min(output_tokens, 8),
-                                                           case_seed(seed, f"S9-warmup-c{concurrency}", repeat))))
-        case.flush()
-        # the same prompts for every config (seed independent of the config)
-        # at least the sample-size rule's requests (core.facts.MIN_SAMPLES): one request is no throughput point
-        wl = build_workload(cid, max(concurrency, MIN_SAMPLES["throughput"]), input_tokens, output_tokens, pool,
-                            seed=case_seed(seed, f"S9-c{concurrency}", repeat))
-        case.mark_log()                   # the excerpt holds the measured requests' lines only (spec_row reads them)
-        case.open_window(server_cpu=True)
-        run = run_requests(wl.requests, ccfg, concurrency=concurrency, repeat=repeat)
-        case.add(run.records)
-    records, error, (cpu0, cpu1) = case.records, case.error, case.cpu
-    row = spec_row(srv, cfg, concurrency, repeat, records, run, case.before, case.after, cpu0, cpu1, case.log_text,
-                   definition, error)
-    row["case_id"] = cid
-    # a client that fell behind makes the point INVALID in its row too, so the table and summary.json agree
-    behind = client_integrity(run).get("reasons") or []
-    if behind:
-        row["validity"] = "INVALID"
-        row["reasons"] = "; ".join([x for x in [row.get("reasons") or ""] if x] + list(behind))
-    status = "success" if not error else "failed"
-    repeat_of = case_id or f"S9_{_slug(cfg.label)}_c{concurrency}"
-    case.close(spec_point_summary(cfg, row, records, run, status, definition, repeat, repeat_of), status)
-    return SpecPoint(cfg, concurrency, repeat, case.dir, row, records, case.before, case.after)
-
-
-def spec_point_summary(cfg: SpecConfig, row: dict[str, Any], records: list[RequestRecord], run: Any, status: str,
-                       definition: str, repeat: int, repeat_of: str) -> Any:
-    """The case summary of a speculative point: the row's verdict, the measured requests' metrics (with the
-    acceptance numbers beside them) as repeat ``repeat`` of ``repeat_of``, the row in ``details``."""
-    pooled, judged = judged_row(records, run, definition, row.get("validity") == "VALID", row.get("reasons"), status)
-    rep = {definition: {**pooled[definition], **{k: row.get(k) for k in ACCEPTANCE_KEYS}}} if pooled else {}
-    return CaseSummary(
-        case_id=row["case_id"], phase="", kind="speculative", status=status,
-        verdict=judged, definition=definition, metrics=pooled,
-        repeats=[{"repeat": repeat, "metrics": rep}] if rep else [], counts=request_counts(records),
-        repeat_of=repeat_of, integrity=client_integrity(run), details={"config": asdict(cfg),
-                                      "row": {k: v for k, v in row.items() if k not in ("validity", "reasons")}})
-
-
-ACCEPTANCE_KEYS = ("acceptance_rate", "mean_accept_length", "tokens_per_target_forward", "step_ms",
-                   "server_cpu_idle_pct")
-
-
-def _slug(text: str) -> str:
-    return path_slug(text)
+def judge_spec_point(raw: RawSpecPoint) -> SpecPoint:
+    """A measured point (:func:`servelab.measure.spec_points.measure_spec_point`) judged: its row, the case closed
+    with its summary (``success``, or ``failed`` where the block recorded an error), the point."""
+    row = spec_point_row(raw)
+    status = "success" if not raw.error else "failed"
+    raw.case.close(spec_point_summary(raw.config, row, raw.records, raw.run, status, raw.definition, raw.repeat,
+                                      raw.repeat_of), status)
+    return SpecPoint(raw.config, raw.concurrency, raw.repeat, raw.case.dir, row, raw.records, raw.before, raw.after)
 
 
 # ---------------------------------------------------------------- Phase 9 end to end
@@ -224,7 +143,7 @@ def run(ctx: PhaseContext) -> Phase9Result:
     shape = point_shape(ctx, p)
     configs = parse_configs(list(p.drafts), p.num_draft_tokens, p.synth_rates, str(ctx.target.model))
     log_reproduce(ctx, "phase9")
-    measured = _measure_configs(ctx, p, configs, shape)
+    measured = measure_configs(ctx, configs, shape, judge_spec_point, seed=p.seed, definition=p.definition)
     points = _points_frame(measured.rows)
     ab = _ab_over_configs(ctx, measured.records, answers_from_params(p.as_dict()))
     res = Phase9Result(configs, points, net_gain(points), per_position_frame(points), ab, measured.errors, [],
@@ -232,29 +151,6 @@ def run(ctx: PhaseContext) -> Phase9Result:
     write_phase9_tables(ctx.phase_dir, res)
     record_correctness(ctx.run_dir, ctx.phase)        # each config's greedy-output verdict, for M4 and the index
     return res
-
-
-# how long a freshly started engine (one per config) may take to answer its health check
-HEALTH_TIMEOUT_S = 300.0
-
-
-@dataclass(frozen=True)
-class PointShape:
-    """The shape of every point: the concurrencies, prompt and output lengths and repeats (the scale's where the
-    parameters leave 0 / empty)."""
-    concurrencies: list[int]
-    input_tokens: int
-    output_tokens: int
-    repeats: int
-
-
-@dataclass
-class ConfigRuns:
-    """What the configs measured: every point's row, the configs that did not run (label → reason), and each
-    served config's run-like record for the A/B."""
-    rows: list[dict[str, Any]] = field(default_factory=list)
-    errors: dict[str, str] = field(default_factory=dict)
-    records: list[Path] = field(default_factory=list)
 
 
 def require_speculation(ctx: PhaseContext) -> None:
@@ -280,51 +176,6 @@ def point_shape(ctx: PhaseContext, p: Params) -> PointShape:
     if limit is not None and isl + osl > limit:
         raise ParamError(f"input {isl} + output {osl} tokens exceed the {limit} a request may hold on this target")
     return PointShape(cs, isl, osl, max(1, int(p.repeats)))
-
-
-def _measure_configs(ctx: PhaseContext, p: Params, configs: list[SpecConfig], shape: PointShape) -> ConfigRuns:
-    """Each config served once with its launch changes, its points measured, its run-like record written; a config
-    whose launch cannot be built or that cannot serve is recorded with its reason, the others go on."""
-    out = ConfigRuns()
-    parent = read_manifest(ctx.run_dir)
-    for cfg in configs:
-        try:
-            served = with_launch(ctx.target, launch_changes(cfg, ctx.target), cfg.label)
-        except ParamError as exc:
-            out.errors[cfg.label] = str(exc)
-            continue
-        rows, srv, error = _measure_config(ctx, p, cfg, served, shape)
-        if error:
-            out.errors[cfg.label] = error
-        out.rows += rows
-        # every point enters the A/B as S9_c<C> (the same case on every side), its repeats from its summaries
-        cases = [(f"S9_c{r['concurrency']}", ctx.run_dir / "cases" / r["case_id"], "") for r in rows]
-        out.records.append(write_run_record(ctx.phase_dir / "ab" / _slug(cfg.label),
-                                            f"{parent.get('run_id', 'run')}-{_slug(cfg.label)}", served, srv,
-                                            cases or [("S9", None, out.errors.get(cfg.label, "no point ran"))],
-                                            parent))
-    return out
-
-
-def _measure_config(ctx: PhaseContext, p: Params, cfg: SpecConfig, served: Any, shape: PointShape
-                    ) -> tuple[list[dict[str, Any]], RunningServer | None, str]:
-    """One config served: every concurrency and repeat of ``shape`` measured on it. Returns the rows measured (those
-    before a failure too), the server (None when it never came up) and the error ("" when none)."""
-    rows: list[dict[str, Any]] = []
-    srv_ref = None
-    try:
-        with serving(served, ctx.phase_dir / "server", ctx.run_dir, ctx.phase, HEALTH_TIMEOUT_S) as srv:
-            srv_ref = srv
-            pool = token_pool(engine_tokenizer(srv.base_url, srv.target.engine, srv.engine.tokenize_path,
-                                               headers=srv.auth_headers), seed=p.seed)
-            for c in shape.concurrencies:
-                for rep in range(shape.repeats):
-                    point = run_spec_point(srv, ctx.run_dir, cfg, c, shape.input_tokens, shape.output_tokens, pool,
-                                           seed=p.seed, repeat=rep, definition=p.definition, phase=ctx.phase)
-                    rows.append(point.row)
-    except Exception as exc:  # a config that cannot serve is recorded; the others go on
-        return rows, srv_ref, f"{type(exc).__name__}: {exc}"
-    return rows, srv_ref, ""
 
 
 def _points_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:

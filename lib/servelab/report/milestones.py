@@ -19,10 +19,10 @@ import pandas as pd
 
 from servelab.core.run import read_manifest
 from servelab.deploy.targets import load_target
-from servelab.measure.case import quick_matrix
+from servelab.measure.matrix import quick_matrix
 from servelab.measure.case_record import read_summaries
 from servelab.report.ledger import current_evidence
-from servelab.measure.case import SCALES
+from servelab.measure.matrix import SCALES
 from servelab.measure.abtest import load_run
 from servelab.measure.case_record import summary_paths
 from servelab.measure.correctness import correctness_verdict

@@ -7,8 +7,9 @@ NCCL forensics, the ten timeline questions and the evidence → action table (``
 
 Modules: decode (one file's events → frame), chunked (parse a file, big ones in parallel worker processes),
 identity (which rank a file is), load (Parquet cache, a capture folder's ranks), taxonomy (kernel classes),
-windows (step windows), ops (per-rank GPU op table), metrics, ranks (alignment, skew, PP), nccl (forensics),
-nsys (Nsight Systems), questions, actions, figures, analysis (compose). The Phase 3 notebook calls
+windows (step windows), ops (per-rank GPU op table), metrics, exposed_comm (exposed communication per step
+window), ranks (alignment, skew, PP), nccl (forensics), nsys (Nsight Systems), questions, actions, figures,
+analysis (compose). The Phase 3 notebook calls
 ``servelab.phases.phase3_timeline``.
 """
 from importlib import import_module

@@ -9,6 +9,7 @@ from typing import Iterable, Sequence
 
 import polars as pl
 
+from servelab.analyse.trace import exposed_comm as E
 from servelab.analyse.trace import metrics as M
 from servelab.analyse.trace import nccl as N
 from servelab.analyse.trace import prepared as P
@@ -187,7 +188,7 @@ def rank_timeline(r: RankOps) -> dict[str, pl.DataFrame]:
     """One rank's timeline tables — idle gaps (unfiltered), per-window metrics, device busy, decode
     interference: each needs that rank alone, so a cluster worker makes them beside the rank's op tables."""
     g = M.gap_intervals(r)
-    return {"gaps": g, "window_metrics": M.window_metrics(r, g), "device_busy": M.device_busy(r),
+    return {"gaps": g, "window_metrics": E.window_metrics(r, g), "device_busy": M.device_busy(r),
             "interference": M.decode_interference(r)}
 
 
