@@ -240,3 +240,16 @@ def test_a_small_value_is_written_out_not_in_exponent_notation():
     from servelab.report.findings import format_value
     assert [format_value(v) for v in (6.51e-05, 0.203, 0.0123, -0.00042, 0.5)] == \
         ["0.0000651", "0.203", "0.0123", "-0.00042", "0.5"]
+
+
+def test_a_prefill_case_is_never_cross_checked_on_its_output_tps():
+    """768→1 measured twice (Phase 1 and Phase 2's replay) is no output-TPS question; 64→256 twice is one."""
+    from servelab.report import crosscheck as cc
+    prefill = [cc.Measurement(cid, ph, src, 768, 1, 1, "{}", tps, 0.05, 8, "VALID", [])
+               for cid, ph, src, tps in (("P1", "phase1", "Phase 1 matrix", 0.188),
+                                         ("hw-P1", "phase2", "Phase 2 (collectors on)", 0.5))]
+    decode = [cc.Measurement(cid, ph, src, 64, 256, 4, "{}", tps, 0.01, 8, "VALID", [])
+              for cid, ph, src, tps in (("D2_c4", "phase1", "Phase 1 matrix", 56.8),
+                                        ("hw-D2_c4", "phase2", "Phase 2 (collectors on)", 80.0))]
+    pairs = cc.same_question(Path("."), prefill + decode)
+    assert list(pairs["a_case"]) == ["D2_c4"] and list(pairs["verdict"]) == ["disagree"]

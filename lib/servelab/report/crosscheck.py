@@ -195,7 +195,8 @@ PRIORITY = {"Phase 1 matrix": 0, "Phase 1 search": 1, "Phase 9 baseline (specula
 
 def same_question(run_dir: str | Path, ms: list[Measurement] | None = None) -> pd.DataFrame:
     """Every pair of measurements that answer the same question, each against the group's reference (the Phase 1
-    matrix case where there is one): values with their noise, Δ, band and the verdict."""
+    matrix case where there is one): values with their noise, Δ, band and the verdict. A prefill case (one output
+    token) is never paired: the output TPS of one token per request measures no decode and answers no question."""
     ms = measurements(run_dir) if ms is None else ms
     groups: dict[tuple, list[Measurement]] = {}
     for m in ms:
@@ -204,7 +205,7 @@ def same_question(run_dir: str | Path, ms: list[Measurement] | None = None) -> p
         groups.setdefault((m.input_tokens, m.output_tokens, m.concurrency, m.launch), []).append(m)
     rows = []
     for g in groups.values():
-        if len({m.source for m in g}) < 2:
+        if len({m.source for m in g}) < 2 or g[0].output_tokens <= 1:      # a 1-token output's TPS asks nothing
             continue
         g = sorted(g, key=lambda m: (PRIORITY.get(m.source, 9), m.case_id))
         ref = g[0]
