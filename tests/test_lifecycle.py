@@ -325,3 +325,101 @@ def test_api_key_head_refuses_without_it_and_measures_with_it(nodes, tmp_path, m
             assert key not in f.read_text(errors="replace"), f
     assert srv.notes == ["The head listens on 127.0.0.2 only; it mounts /slots (the prompts being served) behind the "
                          "API key, reachable by every user of that machine."]
+
+
+# ---------------------------------------------------------------- (e) an SSH node lost mid-phase
+
+def _descendants(root: int) -> set[int]:
+    kids: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            kids.setdefault(_ppid(int(d.name)), []).append(int(d.name))
+    out, todo = set(), [root]
+    while todo:
+        for k in kids.get(todo.pop(), []):
+            if k not in out:
+                out.add(k)
+                todo.append(k)
+    return out
+
+
+def test_an_ssh_node_lost_mid_phase_stops_in_one_line_and_its_leftovers_are_swept(nodes, tmp_path, llama_server_binary):
+    """The worker node's sshd and every session it serves are killed while Phase 1 measures (the node is
+    unreachable; what it runs keeps running, as behind a lost link): ``servelab run`` ends in bounded time with a
+    one-line reason naming the node, no traceback, the head stopped, the run folder kept with what was measured;
+    once the node is back, the next start stops what the lost node still ran and says so in its manifest."""
+    a, _, known = nodes
+    lost = start_sshd(tmp_path / "sshd-lost", host="127.0.0.4")
+    known2 = tmp_path / "known_hosts"
+    known2.write_text(known.read_text() + lost.known_hosts.read_text())
+    work = tmp_path / "work"
+    raw = two_node_raw(a, lost, known2, work)
+    raw["nodes"][1].update(host="127.0.0.4")
+    raw["launch"]["rpc_port"] = _free_port("127.0.0.4")
+    tfile = tmp_path / "two-node-lost.yaml"
+    tfile.write_text(yaml.safe_dump(raw))
+    outputs = tmp_path / "outputs"
+    recs: list[dict] = []
+    try:
+        proc, kernel, recs = run_phase1_until_engine_is_up(tfile, outputs, "lost", work)
+        worker = [r for r in recs if r["node"] == "worker"]
+        assert worker and all(alive(r["pid"]) for r in worker)
+        first = outputs / "lost" / "cases" / "P1" / "requests.jsonl"
+        deadline = time.monotonic() + 300
+        while not (first.exists() and first.stat().st_size):                  # lost once the first case measured
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        # the node's sshd and its sessions go (TERM: a login shell on this machine may hold a lock, e.g. pyenv's
+        # rehash lock, that its exit trap must release), then whatever is left of them is killed
+        doomed = sorted(_descendants(lost.proc.pid)) + [lost.proc.pid]
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in doomed:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            time.sleep(1.0)
+        lost.proc.wait(10)
+        t_lost = time.monotonic()
+        try:
+            out, err = proc.communicate(timeout=420)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail("servelab run did not end after its worker node was lost")
+        assert proc.returncode not in (0, None), (out, err)
+        assert "Traceback" not in err, err
+        last = [ln for ln in err.strip().splitlines() if ln.strip()][-1]
+        assert "node worker: unreachable" in last, err
+        ended_s = time.monotonic() - t_lost
+        assert ended_s < 240, f"servelab run took {ended_s:.0f} s to end after its node was lost"
+        manifest = json.loads((outputs / "lost" / "manifest.json").read_text())
+        ph = manifest["phases"]["phase1"]
+        assert ph["status"] == "failed" and "node worker: unreachable" in ph["error"] and "\n" not in ph["error"], ph
+        assert ph["not_executed"] and "P1" not in ph["not_executed"], ph
+        assert first.stat().st_size, "what was measured is kept"
+        head = [r for r in recs if r["node"] == "head"]
+        assert not any(alive(r["pid"]) for r in head), "the head on the reachable node is stopped"
+        # the node comes back (same address, port and host key): the next start stops what it still ran
+        lost.proc = subprocess.Popen(["/usr/sbin/sshd", "-D", "-e", "-f", str(lost.dir / "sshd_config")],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + 10
+        while subprocess.run(["ssh-keyscan", "-p", str(lost.port), "127.0.0.4"], capture_output=True).returncode:
+            assert time.monotonic() < deadline, "sshd did not come back"
+            time.sleep(0.1)
+        run2 = outputs / "next"
+        run2.mkdir(parents=True)
+        (run2 / "manifest.json").write_text("{}")
+        target = load_target(str(tfile))
+        with ProcessTracker() as tracker:
+            srv = start_server(target, run2 / "logs", tracker, run_dir=run2, phase="phase0", health_timeout_s=120)
+            stop_server(srv, tracker)
+        assert not any(alive(r["pid"]) for r in recs), "nothing the lost run started is left on any node"
+        swept = json.loads((run2 / "manifest.json").read_text()).get("swept", [])
+        stopped = {(s["node"], s["pid"]) for s in swept if s.get("action", "").startswith("stopped")}
+        assert {("worker", r["pid"]) for r in worker} <= stopped, swept
+        assert records(work) == []
+    finally:
+        lost.stop()
+        for r in recs:                           # a failed assertion above leaves nothing running either
+            if alive(r["pid"]):
+                os.kill(r["pid"], signal.SIGKILL)

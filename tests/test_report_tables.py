@@ -7,6 +7,7 @@ import re
 import numpy as np
 import pandas as pd
 
+from servelab.report.perf_figures import latency_throughput
 from servelab.report.findings import findings_html, format_value, headline_rows, split_unit
 from servelab.report.tables import header, table_html
 
@@ -159,3 +160,9 @@ def test_two_results_of_one_question_agree_only_within_their_noise() -> None:
     assert far["verdict"] == "disagree" and round(far["delta_pct"]) == -91
     bad = compare(m("D2_c8", 63.6, 0.05), m("hw-D2_c8", 44.5, 0.05, "INVALID"))
     assert bad["verdict"] == "not compared" and "hw-D2_c8 is INVALID" in bad["why"] and bad["delta_pct"] is None
+
+
+def test_the_matrix_figure_of_a_run_that_measured_no_case_says_so() -> None:
+    """A matrix stopped before its first case (the engine or a node lost) has an empty frame: its figure says
+    so instead of failing the phase on a missing column."""
+    assert "no case measured" in latency_throughput(pd.DataFrame()).layout.title.text

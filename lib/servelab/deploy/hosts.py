@@ -289,7 +289,11 @@ class SSHHost(PidRecords):
         chan_in.close()
         stdout = out.read().decode(errors="replace")
         stderr = err.read().decode(errors="replace")
-        return out.channel.recv_exit_status(), stdout, stderr
+        code = out.channel.recv_exit_status()
+        transport = self.client.get_transport()
+        if code == -1 and (transport is None or not transport.is_active()):   # no status: the link itself went
+            raise HostError(f"{self.name}: the SSH connection was lost while a command ran on it")
+        return code, stdout, stderr
 
     @staticmethod
     def _command(argv: list[str], env: dict[str, str] | None, cwd: str | None, exec_: bool = False) -> str:

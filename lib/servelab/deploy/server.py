@@ -76,12 +76,20 @@ class RunningServer:
 
     def node_status(self) -> dict[str, bool]:
         """Is each node's engine process alive?"""
+        problems = self.node_problems()
+        return {n: n not in problems for n in self.handles}
+
+    def node_problems(self) -> dict[str, str]:
+        """The nodes whose engine is not running, each with why: its process is gone, or the node cannot be
+        reached (its SSH connection failed: the node, its sshd or the link is lost)."""
         out = {}
         for n, h in self.handles.items():
             try:
-                out[n] = bool(self.hosts[n].is_running(h))
-            except Exception:   # the node itself is gone
-                out[n] = False
+                if not self.hosts[n].is_running(h):
+                    out[n] = "its engine process is gone"
+            except Exception as exc:   # the node itself is gone
+                first = (str(exc).strip().splitlines() or [""])[0]
+                out[n] = f"unreachable ({type(exc).__name__}{': ' + first if first else ''})"
         return out
 
 
@@ -447,8 +455,17 @@ def _private_log_dirs(target: Target, hosts: dict[str, Any], tracker: hostlib.Pr
 
 def is_healthy(srv: RunningServer, timeout: float = 5.0) -> bool:
     """Head answers its health probe AND every node's engine process is alive."""
+    return not health_problem(srv, timeout)
+
+
+def health_problem(srv: RunningServer, timeout: float = 5.0) -> str:
+    """What keeps the server from being healthy, in one line naming the part ("" when healthy): the head's health
+    probe's answer, and each node whose engine process is gone or that cannot be reached."""
     status, _ = http_json(srv.base_url + srv.engine.health_path, timeout=timeout, headers=srv.auth_headers)
-    return status == 200 and all(srv.node_status().values())
+    parts = [] if status == 200 else [f"the health probe {srv.engine.health_path} answered "
+                                      f"{status if status else 'nothing (no connection)'}"]
+    parts += [f"node {n}: {why}" for n, why in srv.node_problems().items()]
+    return "; ".join(parts)
 
 
 def stop_server(srv: RunningServer, tracker: hostlib.ProcessTracker, run_dir: Path | None = None,

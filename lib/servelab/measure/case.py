@@ -32,7 +32,7 @@ from servelab.measure.case_runner import (ENGINE_CRASH, CaseRun, EngineCrash, Wa
 from servelab.measure.client import ClientConfig, run_requests
 from servelab.measure.records import ClientRun, RequestRecord, read_records
 from servelab.measure.engine_metrics import named_deltas
-from servelab.deploy.server import RunningServer, is_healthy
+from servelab.deploy.server import RunningServer, health_problem
 from servelab.measure.workload import build_workload, engine_tokenizer, spec_source, token_pool
 from servelab.deploy.engines import engine_for
 from servelab.measure.peer_results import to_vllm_keys
@@ -236,7 +236,8 @@ def run_case(env: CaseEnv, case: CaseSpec, run_fn: Callable[[CaseEnv, CaseSpec, 
                 flush_cache(env.srv)
     records, error, frame = run.records, run.error, run.scrape
     events = log_events(run.log_text, env.engine.log_markers)
-    healthy = is_healthy(env.srv)
+    problem = health_problem(env.srv)                     # "" when healthy; else which part, in one line
+    healthy = not problem
     result = CaseResult(case, SUCCESS, run.dir, error=error, log_events=events)
     result.server_deltas = named_deltas(frame, env.engine.metric_names) if not frame.empty else {}
     if runs:
@@ -272,7 +273,7 @@ def run_case(env: CaseEnv, case: CaseSpec, run_fn: Callable[[CaseEnv, CaseSpec, 
     run.close(case_summary(result, run.folder, records, attempt=env.attempt), result.status, result.error,
               windows_wall_ns=windows, log_events=events, healthy_after=healthy, engine_log=head_log(env.srv)[1])
     if result.status == ENGINE_CRASH:
-        raise EngineCrash(f"{case.case_id}: engine lost health ({result.error or 'health probe failed'})")
+        raise EngineCrash(f"{case.case_id}: engine lost health ({problem or result.error or 'health probe failed'})")
     return result
 
 

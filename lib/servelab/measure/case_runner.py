@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 
 import pandas as pd
 
-from servelab.deploy.server import RunningServer, http_json, is_healthy, log_clock
+from servelab.deploy.server import RunningServer, health_problem, http_json, log_clock
 from servelab.measure.case_record import CaseFolder, CaseSummary
 from servelab.measure.client import ClientConfig, run_requests
 from servelab.measure.records import RequestRecord
@@ -171,9 +171,10 @@ class CaseRun:
         self.log_text = ""
         self._window = False
         self._server_cpu = False
-        if not is_healthy(srv):
-            self.folder.finish(ENGINE_CRASH, UNHEALTHY)
-            raise EngineCrash(f"{case_id}: {UNHEALTHY}")
+        problem = health_problem(srv)
+        if problem:
+            self.folder.finish(ENGINE_CRASH, f"{UNHEALTHY}: {problem}")
+            raise EngineCrash(f"{case_id}: {UNHEALTHY}: {problem}")
         self._log_off = read_log_since(srv, 0)[1]
 
     @property

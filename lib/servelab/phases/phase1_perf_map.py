@@ -22,6 +22,7 @@ from servelab.analyse.serverside import (m1_stall_sentence, log_join, case_serve
                                          client_vs_server, read_metrics, server_percentiles, side_summary)
 from servelab.measure import request_metrics as mx
 from servelab.measure.case import SUCCESS, CaseEnv, CaseResult, CaseSpec, case_is_done, load_case_result, make_env
+from servelab.measure.case_runner import EngineCrash
 from servelab.measure.matrix import (SCALES, SUMMARY_KEYS, MatrixResult, c1_requests, dispatch_case, long_decode_sentence,
                                      long_decode_table, quick_matrix, run_matrix)
 from servelab.measure.mixed import m1_analysis
@@ -205,6 +206,8 @@ def run(ctx: PhaseContext) -> Phase1Result:
     cases = quick_matrix(ctx.target, list(p.cases or []), min_duration_s=float(p.min_duration_s or 0),
                          min_requests=int(p.min_requests or 0))
     matrix, search, restarts, server = _measure(ctx, p, cases)
+    if matrix.aborted and not matrix.results:        # nothing measured: the phase fails with why (resume re-runs it)
+        raise EngineCrash(f"the matrix stopped before its first case: {matrix.aborted}")
     res = Phase1Result(matrix, p.definition, search, _m1(matrix, p.definition), restarts + matrix.restarts, server)
     write_phase_tables(ctx.phase_dir, res)
     res.facts = answers.record_phase1(ctx.run_dir)          # from the tables just written; phase1.json again:

@@ -28,8 +28,11 @@ def _hover(df: pd.DataFrame, cols: list[str]) -> list[str]:
 
 def latency_throughput(frame: pd.DataFrame, latency: str = "p95_tpot_ms", definition: str = mx.VLLM_BENCH) -> go.Figure:
     """Output TPS (x) vs a latency percentile (y) per scenario, points labelled by concurrency."""
-    df = frame[frame["definition"] == definition] if "definition" in frame else frame
     fig = go.Figure()
+    if frame.empty or "scenario" not in frame:         # e.g. the engine crashed before the first case
+        fig.update_layout(title="Latency vs throughput (no case measured)", template="plotly_white")
+        return fig
+    df = frame[frame["definition"] == definition] if "definition" in frame else frame
     for scen, g in df.groupby("scenario", sort=False):
         g = g.sort_values("concurrency")
         ok = g[g["validity"] == "VALID"]
