@@ -253,3 +253,21 @@ def test_a_prefill_case_is_never_cross_checked_on_its_output_tps():
                                         ("hw-D2_c4", "phase2", "Phase 2 (collectors on)", 80.0))]
     pairs = cc.same_question(Path("."), prefill + decode)
     assert list(pairs["a_case"]) == ["D2_c4"] and list(pairs["verdict"]) == ["disagree"]
+
+
+@pytest.mark.parametrize("agree", [True, False])
+def test_the_max_tps_answer_is_said_once_in_phase1s_findings(agree, monkeypatch):
+    """Unsettled, the maximum names both sides with their concurrencies once; settled, the value and its C."""
+    from servelab.phases.phase1_perf_map import answers_sentence
+    from servelab.report import crosscheck as cc
+    s = cc.Measurement("search_c8", "phase1", "Phase 1 search", 128, 128, 8, "{}", 56.8, 0.01, 32, "VALID", [])
+    m = cc.Measurement("D2_c16", "phase1", "Phase 1 matrix", 128, 128, 16, "{}", 71.35 if not agree else 57.0, 0.01,
+                       48, "VALID", [])
+    monkeypatch.setattr(cc, "max_tps_question", lambda run_dir, ms=None: {
+        "search": s, "matrix": m, "verdict": "agree" if agree else "disagree", "why": "test", "question": "q",
+        "stop": "", "stop_detail": ""})
+    text = answers_sentence(answers.max_tps_facts(Path("."), [s, m]), 8, "no SLO")
+    if agree:
+        assert "max output TPS 57.0" in text and "at concurrency 16" in text, text
+    else:
+        assert text.count("unsettled") == 1 and "max output TPS and its concurrency unsettled: search 56.8" in text, text

@@ -461,6 +461,17 @@ def _num(v: Any, digits: int = 1) -> str:
     return f"{v:.3g}" if 0 < abs(v) < 1 else f"{v:,.{digits}f}"
 
 
+def answers_sentence(facts: list[Fact], max_successful: int | None, slo: str) -> str:
+    """The run's three concurrency answers in one sentence, each as its recorded fact shows it; an unsettled
+    maximum (both sides with their concurrencies) is said once, not again for its concurrency."""
+    got = {f.name: f.shown() for f in facts}
+    tps, at = got.get(answers.MAX_TPS, "—"), got.get(answers.MAX_TPS_C, "—")
+    max_tps = f"max output TPS and its concurrency {tps}" if tps == at else f"max output TPS {tps}, at concurrency {at}"
+    return (f"Concurrency search: max successful concurrency {max_successful or '—'}; the run's answers (search and "
+            f"matrix together) — {max_tps}, max concurrency under the SLO ({slo}) "
+            f"{got.get(answers.MAX_UNDER_SLO_C, '—')}.")
+
+
 def findings(res: Phase1Result, run_dir: Path | None = None) -> list[str]:
     """What Phase 1 found, in sentences for the page's findings box: the three concurrency answers and the stop
     reason, M1's effect on P95 TPOT and output TPS with its validity, the matrix's validity and key numbers — each
@@ -471,11 +482,7 @@ def findings(res: Phase1Result, run_dir: Path | None = None) -> list[str]:
     s = res.search
     if s is not None:
         slo = ", ".join(f"P95 {k.split('_')[0].upper()} ≤ {v:g} ms" for k, v in (s.slo or {}).items() if v) or "no SLO"
-        got = {f.name: f.shown() for f in res.facts}
-        out.append(f"Concurrency search: max successful concurrency {s.max_successful_concurrency or '—'}; the "
-                   f"run's answers (search and matrix together) — max output TPS {got.get(answers.MAX_TPS, '—')}, "
-                   f"at concurrency {got.get(answers.MAX_TPS_C, '—')}, max concurrency under the SLO ({slo}) "
-                   f"{got.get(answers.MAX_UNDER_SLO_C, '—')}.")
+        out.append(answers_sentence(res.facts, s.max_successful_concurrency, slo))
         bad = [p for p in s.points if p.verdict != "VALID"]
         out.append(f"The search stopped with {s.stop_reason}" + (f": {s.stop_detail}" if s.stop_detail else "")
                    + (f"; {len(bad)} of its {len(s.points)} points INVALID, decided nothing ("
