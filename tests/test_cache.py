@@ -13,8 +13,8 @@ import pytest
 from servelab.analyse.memory import memory_breakdown
 from servelab.analyse.prefix_cache import judge_point, kv_usage_series, tolerance
 from servelab.deploy.engines import engine_for
-from servelab.measure.hit_points import HitPoint
-from servelab.phases.phase8_cache import run_hit_point
+from servelab.measure.hit_points import HitPoint, measure_hit_point
+from servelab.phases.phase8_cache import judge_hit_point
 from servelab.measure.launch_variants import serving, with_launch
 from servelab.deploy.targets import load_target
 from servelab.measure.workload import engine_tokenizer, token_pool
@@ -41,7 +41,7 @@ def matrix(llama_server_binary, tmp_path_factory):
     for pt in points:
         with serving(target, run_dir / "logs" / pt.case_id) as srv:
             pool = token_pool(engine_tokenizer(srv.base_url, "llamacpp", "/tokenize"))
-            out.append(run_hit_point(srv, run_dir, pt, pool, seed=5, flush={"method": "restart"}))
+            out.append(judge_hit_point(measure_hit_point(srv, run_dir, pt, pool, seed=5, flush={"method": "restart"})))
             logs.append(Path(srv.log_paths["local"]).read_text())
     return run_dir, out, logs
 
@@ -168,7 +168,7 @@ def test_a_point_whose_client_loop_stalled_is_rejected_with_the_integrity_reason
     monkeypatch.setattr(hit_points, "run_async", slowed)
     pool = token_pool(engine_tokenizer(tiny_server.base_url, "llamacpp", "/tokenize"))
     pt = HitPoint(0.0, ISL, 4, 4, 2, label="H8_stalled")
-    res = run_hit_point(tiny_server, tmp_path / "run", pt, pool, seed=5, flush={"method": "none"})
+    res = judge_hit_point(measure_hit_point(tiny_server, tmp_path / "run", pt, pool, seed=5, flush={"method": "none"}))
     assert blocked
     row = res.row
     assert row["verdict"] == "REJECTED" and row["client_kept_up"] == "no" and row["loop_lag_max_ms"] >= 280

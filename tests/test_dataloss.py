@@ -288,17 +288,17 @@ def _sigint_when_records_land(path: Path, min_lines: int = 1):
 @pytest.mark.flaky(reruns=2, reruns_delay=5)   # timing under CPU contention (2 shared cores): see pyproject
 def test_ctrl_c_mid_phase8_point_keeps_its_records(tiny_server, tmp_path, sigint_raises):
     """The same for a Phase 8 hit-rate point (its own client loop: streams of requests)."""
-    from servelab.measure.hit_points import HitPoint
+    from servelab.measure.hit_points import HitPoint, measure_hit_point
     from servelab.measure.case_record import read_summary
     from servelab.measure.records import read_records
     from servelab.measure.workload import engine_tokenizer, token_pool
-    from servelab.phases.phase8_cache import run_hit_point
+    from servelab.phases.phase8_cache import judge_hit_point
     pool = token_pool(engine_tokenizer(tiny_server.base_url, "llamacpp", "/tokenize"))
     point = HitPoint(0.5, 128, 64, 2, 16, label="H8_cc")
     path = tmp_path / "run" / "cases" / "H8_cc" / "requests.jsonl"
     fired = _sigint_when_records_land(path, 3)             # past the 2 pre-warm requests
     with pytest.raises(KeyboardInterrupt):
-        run_hit_point(tiny_server, tmp_path / "run", point, pool, seed=1)
+        judge_hit_point(measure_hit_point(tiny_server, tmp_path / "run", point, pool, seed=1))
     assert fired.is_set()
     recs = read_records(path)
     assert len(recs) >= 1 and sum(r.role == "measure" for r in recs) < 32

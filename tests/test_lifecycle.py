@@ -23,6 +23,7 @@ from servelab.deploy.targets import load_target, target_from_dict
 
 sys.path.insert(0, str(Path(__file__).parent))
 from sshd import sshd_pair, start_sshd  # noqa: E402
+from test_attach import _descendants, _procs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow            # every test here starts sshd and/or a real engine
@@ -329,20 +330,6 @@ def test_api_key_head_refuses_without_it_and_measures_with_it(nodes, tmp_path, m
 
 # ---------------------------------------------------------------- (e) an SSH node lost mid-phase
 
-def _descendants(root: int) -> set[int]:
-    kids: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            kids.setdefault(_ppid(int(d.name)), []).append(int(d.name))
-    out, todo = set(), [root]
-    while todo:
-        for k in kids.get(todo.pop(), []):
-            if k not in out:
-                out.add(k)
-                todo.append(k)
-    return out
-
-
 def test_an_ssh_node_lost_mid_phase_stops_in_one_line_and_its_leftovers_are_swept(nodes, tmp_path, llama_server_binary):
     """The worker node's sshd and every session it serves are killed while Phase 1 measures (the node is
     unreachable; what it runs keeps running, as behind a lost link): ``servelab run`` ends in bounded time with a
@@ -371,7 +358,7 @@ def test_an_ssh_node_lost_mid_phase_stops_in_one_line_and_its_leftovers_are_swep
             time.sleep(0.1)
         # the node's sshd and its sessions go (TERM: a login shell on this machine may hold a lock, e.g. pyenv's
         # rehash lock, that its exit trap must release), then whatever is left of them is killed
-        doomed = sorted(_descendants(lost.proc.pid)) + [lost.proc.pid]
+        doomed = sorted(_descendants(lost.proc.pid, _procs())) + [lost.proc.pid]
         for sig in (signal.SIGTERM, signal.SIGKILL):
             for pid in doomed:
                 try:

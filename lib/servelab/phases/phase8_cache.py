@@ -31,10 +31,9 @@ from servelab.analyse.prefix_cache import (TARGET_RATES, PointResult, accepted_r
                                            hit_point_summary, kv_usage_series, matrix_frame)
 from servelab.measure import request_metrics as mx
 from servelab.measure.case import max_request_tokens
-from servelab.measure.hit_points import HitPoint, RawHitPoint, measure_hit_point, measure_points
+from servelab.measure.hit_points import HitPoint, RawHitPoint, measure_points
 from servelab.core.run import write_json_atomic
 from servelab.deploy.engines import engine_for
-from servelab.deploy.server import RunningServer
 from servelab.core.params import param, ParamError, PhaseParams
 from servelab.measure.launch_variants import with_launch, log_reproduce
 from servelab.report.ledger import record_evidence
@@ -69,15 +68,6 @@ def judge_hit_point(raw: RawHitPoint) -> PointResult:
     row = hit_point_row(raw)
     raw.case.close(hit_point_summary(raw.point, row, raw.records, raw.run, raw.status, raw.definition), raw.status)
     return PointResult(raw.point, raw.case.dir, row, raw.records, raw.slots, raw.scrape, raw.t0_ns, raw.flush)
-
-
-def run_hit_point(srv: RunningServer, run_dir: Path, point: HitPoint, pool: list[int], seed: int = 0,
-                  definition: str = mx.VLLM_BENCH, flush: dict[str, Any] | None = None,
-                  poll_interval_s: float = 0.1, phase: str = "phase8") -> PointResult:
-    """One hit-rate point on a freshly flushed engine: pre-warm, measure (``measure.hit_points``), judge
-    (:func:`judge_hit_point`); raw data written first, ``cases/<case_id>/summary.json`` last."""
-    return judge_hit_point(measure_hit_point(srv, run_dir, point, pool, seed, definition, flush, poll_interval_s,
-                                             phase))
 
 
 # ---------------------------------------------------------------- Phase 8 end to end
