@@ -5,6 +5,7 @@ The live tests start a real llama-server themselves, outside servelab (``subproc
 key read from a mode-0600 file), and point an attached target at it."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ import threading
 import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import yaml
 
@@ -64,7 +66,7 @@ def test_the_shipped_attach_target_reads_as_attached_without_nodes() -> None:
 @pytest.mark.parametrize("phase, params, says", [
     ("phase7", [], "its knob sweep restarts the engine once per value"),
     ("phase8", [], "llamacpp has no cache-flush endpoint"),
-    ("phase9", [], "each speculative configuration"),
+    ("phase9", ["-p", 'drafts=["self"]'], "each draft or synthetic-rate config is a restart"),
     ("phase4", ["-p", 'measure_layouts=["TP1"]'], "measure_layouts restarts the engine once per layout"),
     ("phase1", ["-p", "parallel=4"], "its launch settings are not servelab's to change"),
 ])
@@ -136,18 +138,19 @@ def _watch(run: subprocess.Popen, binary: Path) -> tuple[list[int], threading.Ev
     return seen, done
 
 
-@pytest.fixture
-def outside_server(llama_server_binary: Path, tmp_path: Path):
-    """A llama-server with the tiny model, started here (not by servelab), with an API key from a 0600 file."""
+@contextlib.contextmanager
+def _outside(binary: Path, tmp_path: Path, *extra: str):
+    """A llama-server with the tiny model, started here (not by servelab), with an API key from a 0600 file and
+    ``extra`` arguments; stopped (its process group) when the block ends."""
     from servelab.deploy.models import tiny_model
     keyfile = tmp_path / "key"
     keyfile.write_text(KEY)
     keyfile.chmod(0o600)
     port = free_port()
     log = open(tmp_path / "outside-server.log", "wb")
-    proc = subprocess.Popen([str(llama_server_binary), "-m", str(tiny_model()), "--host", "127.0.0.1", "--port",
+    proc = subprocess.Popen([str(binary), "-m", str(tiny_model()), "--host", "127.0.0.1", "--port",
                              str(port), "-np", "8", "-c", "16384", "-t", "1", "--metrics", "--api-key-file",
-                             str(keyfile)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                             str(keyfile), *extra], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -160,6 +163,22 @@ def outside_server(llama_server_binary: Path, tmp_path: Path):
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(30)
         log.close()
+
+
+@pytest.fixture
+def outside_server(llama_server_binary: Path, tmp_path: Path):
+    with _outside(llama_server_binary, tmp_path) as server:
+        yield server
+
+
+@pytest.fixture
+def outside_drafting_server(llama_server_binary: Path, tmp_path: Path):
+    """The same server launched by its owner with speculative decoding: the model as its own draft (greedy decoding
+    then accepts every drafted token), 3 tokens drafted per step."""
+    from servelab.deploy.models import tiny_model
+    with _outside(llama_server_binary, tmp_path, "-md", str(tiny_model()), "--spec-type", "draft-simple",
+                  "--spec-draft-n-max", "3") as server:
+        yield server
 
 
 def _cli(tmp_path: Path, *args: str, key: str = KEY) -> subprocess.Popen:
@@ -264,3 +283,31 @@ def test_phase0_on_an_attached_server_says_what_it_read_and_what_it_could_not_kn
     unknown = {u["fact"] for u in manifest["not_known"]}
     assert {"launch command and its settings", "node facts (CPU, GPU, driver, network, clock)"} <= unknown
     assert manifest["engine"]["attached"] == url
+
+
+@pytest.mark.slow
+def test_phase9_on_an_attached_server_measures_it_as_served(outside_drafting_server, tmp_path: Path,
+                                                            llama_server_binary: Path) -> None:
+    """A server its owner launched with a draft model: Phase 9 measures it as served (one config, no restart), reads
+    that it speculates and its acceptance from the counters, and says why there is no net gain."""
+    proc, url = outside_drafting_server
+    before = _procs()[proc.pid]
+    t = attach_yaml(tmp_path, url, api_key_env="ATTACH_TEST_KEY")
+    run = _cli(tmp_path, "phase9", "--target", str(t), "--run-id", "p9", "-p", "concurrencies=[1,4]",
+               "-p", "input_tokens=32", "-p", "output_tokens=64")
+    started, done = _watch(run, llama_server_binary)
+    out, err = run.communicate(timeout=900)
+    done.set()
+    assert run.returncode == 0, out + err[-3000:]
+    assert started == [] and _procs().get(proc.pid) == before      # nothing started, the server never restarted
+    rdir = tmp_path / "outputs" / "p9"
+    points = pd.read_csv(rdir / "phase9" / "points.csv")
+    assert set(points["config"]) == {"as served"} and sorted(points["concurrency"]) == [1, 4]
+    assert (points["validity"] == "VALID").all(), points[["concurrency", "reasons"]].to_dict("records")
+    assert points["speculative"].all() and (points["d_drafts"] > 0).all()
+    assert (points["acceptance_rate"] >= 0.95).all(), points["acceptance_rate"].tolist()   # its own draft: all
+    gain = pd.read_csv(rdir / "phase9" / "net_gain.csv")
+    assert set(gain["verdict"]) == {"no baseline"} and gain["net_gain_pct"].isna().all()
+    page = (rdir / "phase9" / "report.html").read_text()
+    assert "As served, the server speculates: acceptance" in page and "No net gain: a server servelab did not" in page
+    assert json.loads((rdir / "manifest.json").read_text())["phases"]["phase9"]["status"] == "success"

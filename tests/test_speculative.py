@@ -178,3 +178,42 @@ def test_findings_name_a_point_that_could_not_be_compared():
                        "C=1, none at C=4 (d at C=4: no VALID repeat).")
     # no A/B, so no noise band: the best pair is said as a measurement, never as a verdict
     assert text[1].startswith("Measured, not yet a verdict: the best config is d at C=1 (+20.0 % output TPS")
+
+
+def test_an_attached_server_as_served_has_its_own_side_and_no_gain():
+    """No off point in the run (an attached server measured as served): a speculating config keeps its acceptance
+    and throughput with verdict "no baseline"; a config whose drafts never moved has no row."""
+    pts = pd.DataFrame([
+        {"config": "as served", "speculative": True, "concurrency": 1, "repeat": 0, "validity": "VALID",
+         "output_throughput": 40.0, "acceptance_rate": 0.75, "mean_accept_length": 3.25, "d_drafts": 10.0},
+        {"config": "as served", "speculative": True, "concurrency": 4, "repeat": 0, "validity": "INVALID",
+         "output_throughput": 1.0, "reasons": "2 request(s) failed", "d_drafts": 3.0},
+    ])
+    g = net_gain(pts)
+    assert list(g["verdict"]) == ["no baseline", "no baseline"] and g["net_gain_pct"].isna().all()
+    assert g.iloc[0]["acceptance_rate"] == 0.75 and g.iloc[0]["output_tps_spec"] == 40.0
+    assert g.iloc[0]["reasons"] == "no speculation-off point in this run"
+    assert g.iloc[1]["reasons"] == ("no speculation-off point in this run; as served at C=4: no VALID repeat "
+                                    "(2 request(s) failed)")
+    assert net_gain(pts.assign(speculative=False)).empty
+
+
+@pytest.mark.parametrize("drafts, says", [
+    ([12.0, 30.0], "As served, the server speculates: acceptance 75.0 % (mean acceptance length 3.25) at C=1, "
+                   "75.0 % (mean acceptance length 3.25) at C=4 from its counters"),
+    ([0.0, 0.0], "The server does not speculate: its draft counters did not move over 40 measured requests."),
+    ([None, None], "it exposes no draft counter at its metrics endpoint, so no acceptance is measured."),
+])
+def test_an_attached_server_as_served_is_described_from_its_counters(drafts, says):
+    from servelab.measure.spec_points import SpecConfig
+    from servelab.phases.phase9_speculative import Phase9Result, findings
+    pts = pd.DataFrame([
+        {"config": "as served", "speculative": bool(d), "concurrency": c, "repeat": 0, "validity": "VALID",
+         "completed": 20, "output_throughput": tps, "d_drafts": d, "acceptance_rate": 0.75 if d else None,
+         "mean_accept_length": 3.25 if d else None}
+        for d, c, tps in zip(drafts, (1, 4), (41.25, 120.0))])
+    res = Phase9Result([SpecConfig(SpecConfig.AS_SERVED, as_served=True)], pts, net_gain(pts), pd.DataFrame())
+    text = findings(res)
+    assert says in text[0] and "output 41.2 tok/s at C=1, 120.0 tok/s at C=4" in text[0], text
+    assert text[1].startswith("No net gain: a server servelab did not start is not restarted with speculation off")
+    assert len(text) == 2                    # no "no A/B" or "no VALID pair" sentence beside it

@@ -97,6 +97,13 @@ def spec_row(srv: RunningServer, cfg: SpecConfig, concurrency: int, repeat: int,
         reasons.append(str(exc))
     acc = acceptance(deltas, names, srv.target.engine) if not deltas.empty else {}
     row.update({k: v for k, v in acc.items() if k != "per_position"})
+    if cfg.as_served:
+        # an attached server as served: it speculates if its draft counters moved over the window (None: it
+        # exposes no such counter, so whether it speculates cannot be read from outside)
+        drafts = acc.get("d_drafts")
+        row["speculative"] = bool(drafts)
+        row["draft"] = "as served" if drafts else ("none (no draft counted)" if drafts is not None
+                                                    else "unknown (no draft counter)")
     row["per_position"] = acc.get("per_position", [])
     gen = delta_of(deltas, names.get("generation_tokens_total", "")) if not deltas.empty else None
     fwd = delta_of(deltas, names.get("decode_calls_total", "")) if not deltas.empty else None
@@ -107,7 +114,7 @@ def spec_row(srv: RunningServer, cfg: SpecConfig, concurrency: int, repeat: int,
         reasons.append(f"counter window holds {gen:.0f} generated tokens, the measured requests {want}: "
                        "the window is not exact")
     accept_re = srv.engine.log_markers.get("draft_acceptance")
-    if accept_re and cfg.enabled:
+    if accept_re and cfg.enabled:        # as served: an attached server's log is not servelab's to read
         la = log_acceptance(log_text, accept_re)
         row.update(la)
         row["log_matches_counters"] = (acc.get("d_accepted") is not None and la["log_requests"] > 0
@@ -186,7 +193,9 @@ def net_gain(points: pd.DataFrame) -> pd.DataFrame:
 
     Every speculative (config, concurrency) that ran has a row: where either side has no VALID repeat the row's
     verdict is ``invalid``, its gain empty and ``reasons`` says which side failed and why (a point does not vanish
-    from the table because it could not be compared)."""
+    from the table because it could not be compared). A run with no ``off`` point at all (an attached server
+    measured as served) gives each speculating config's own acceptance and throughput, verdict ``no baseline``;
+    a config whose drafts never moved has no row."""
     if points.empty:
         return pd.DataFrame()
     ok = points[points["validity"] == "VALID"]
@@ -194,8 +203,20 @@ def net_gain(points: pd.DataFrame) -> pd.DataFrame:
             "acceptance_rate", "mean_accept_length", "server_cpu_idle_pct"]
     mean = ok.groupby(["config", "concurrency"], sort=False)[[k for k in keys if k in ok.columns]].mean()
     rows = []
+    drafted = points["speculative"].fillna(False).astype(bool) if "speculative" in points.columns \
+        else points["config"] != "off"
+    speculating = set(points.loc[drafted, "config"])
+    no_off = "off" not in set(points["config"])
     for (config, c) in points[["config", "concurrency"]].drop_duplicates().itertuples(index=False):
-        if config == "off":
+        if config == "off" or config not in speculating:      # nothing drafted (an attached server as served)
+            continue
+        if no_off:       # no baseline in the run at all (an attached server as served): its own side, no gain
+            own = mean.loc[(config, c)] if (config, c) in mean.index else pd.Series(dtype=float)
+            rows.append({"config": config, "concurrency": c, "acceptance_rate": own.get("acceptance_rate"),
+                         "mean_accept_length": own.get("mean_accept_length"),
+                         "output_tps_spec": own.get("output_throughput"), "net_gain_pct": None,
+                         "verdict": "no baseline", "reasons": "no speculation-off point in this run"
+                         + ("" if (config, c) in mean.index else "; " + _why_not_valid(points, config, c))})
             continue
         missing = [_why_not_valid(points, side, c) for side in (config, "off") if (side, c) not in mean.index]
         if missing:

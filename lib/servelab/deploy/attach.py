@@ -87,9 +87,9 @@ def phase_refusal(target: Any, phase: str, params: Mapping[str, Any], engine: An
     if key == "phase8" and not engine.flush_cache_path:
         return lead + (f"{target.engine} has no cache-flush endpoint, so every hit-rate point restarts the engine"
                        + tail)
-    if key == "phase9":
-        return lead + "each speculative configuration (off, then every draft) is a restart with other launch " \
-                      "settings" + tail + " (Phase 1 and Phase 8 read an attached server's /metrics counters)"
+    if key == "phase9" and (params.get("drafts") or params.get("synth_rates")):
+        return lead + "each draft or synthetic-rate config is a restart with other launch settings" + tail + \
+            " (or leave drafts and synth_rates empty: Phase 9 measures an attached server as served)"
     return ""
 
 

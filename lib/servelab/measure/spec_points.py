@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 from servelab.core.facts import MIN_SAMPLES
 from servelab.core.params import ParamError
@@ -35,12 +35,17 @@ HEALTH_TIMEOUT_S = 300.0
 
 @dataclass
 class SpecConfig:
-    """One speculative setting. ``draft`` None = speculation off (the baseline)."""
+    """One speculative setting. ``draft`` None = speculation off (the baseline). ``as_served``: an attached server
+    measured with whatever it was launched with (servelab changes nothing there); whether it speculates is read
+    from its counters, not declared."""
     label: str
     draft: str | None = None            # "self" | "random:<seed>" (tiny only) | a GGUF path
     num_draft_tokens: int = 3
     draft_min: int = 0
     synth_rates: list[float] = field(default_factory=list)   # llama.cpp --spec-synth-rates (benchmarking only)
+    as_served: bool = False
+
+    AS_SERVED: ClassVar[str] = "as served"
 
     @property
     def enabled(self) -> bool:
@@ -150,12 +155,14 @@ def measure_configs(scope: RunScope, configs: list[SpecConfig], shape: PointShap
                     definition: str = mx.VLLM_BENCH) -> ConfigRuns:
     """Each config served once with its launch changes, its points measured and judged (``judge``), its run-like
     record written; a config whose launch cannot be built or that cannot serve is recorded with its reason, the
-    others go on."""
+    others go on. An ``as_served`` config is the target itself, unchanged (an attached server: ``serving``
+    attaches to it and stops nothing)."""
     out = ConfigRuns()
     parent = read_manifest(scope.run_dir)
     for cfg in configs:
         try:
-            served = with_launch(scope.target, launch_changes(cfg, scope.target), cfg.label)
+            served = scope.target if cfg.as_served else with_launch(scope.target, launch_changes(cfg, scope.target),
+                                                                    cfg.label)
         except ParamError as exc:
             out.errors[cfg.label] = str(exc)
             continue

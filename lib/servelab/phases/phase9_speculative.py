@@ -133,15 +133,28 @@ def _rounded(v: Any, digits: int) -> float | None:
     return None if v is None or pd.isna(v) else round(float(v), digits)
 
 
+AS_SERVED_NOTE = ("attached target: the server is measured as served, one config — servelab restarts nothing "
+                  "there, so there is no speculation-off baseline and no net gain; whether it speculates and its "
+                  "acceptance come from its /metrics counters over each point's window")
+
+
 def run(ctx: PhaseContext) -> Phase9Result:
     """Phase 9's entry (the phase contract), from the notebook's parameters (``ctx.params``): speculation off, then
     each draft config, each served once; every concurrency measured on each; the net gain per concurrency, the
     per-position acceptance and the A/B over the configs (the A/B answers from the parameters). A target whose
-    engine cannot speculate raises :class:`PhaseUnsupported` with the reason, before anything starts."""
+    engine cannot speculate raises :class:`PhaseUnsupported` with the reason, before anything starts. An attached
+    target (a server servelab did not start) is measured as served: one config (``SpecConfig.AS_SERVED``), its
+    acceptance from its counters, no baseline (``drafts`` and ``synth_rates`` are refused there before anything
+    starts, ``deploy.attach.phase_refusal``)."""
     p = ctx.params
-    require_speculation(ctx)
     shape = point_shape(ctx, p)
-    configs = parse_configs(list(p.drafts), p.num_draft_tokens, p.synth_rates, str(ctx.target.model))
+    if getattr(ctx.target, "attached", False):
+        # a server servelab did not start: measured as served (no restart, so no off baseline and no drafts)
+        configs = [SpecConfig(SpecConfig.AS_SERVED, as_served=True)]
+        ctx.notes.append(AS_SERVED_NOTE)
+    else:
+        require_speculation(ctx)
+        configs = parse_configs(list(p.drafts), p.num_draft_tokens, p.synth_rates, str(ctx.target.model))
     log_reproduce(ctx, "phase9")
     measured = measure_configs(ctx, configs, shape, judge_spec_point, seed=p.seed, definition=p.definition)
     points = _points_frame(measured.rows)
@@ -251,9 +264,12 @@ def findings(res: Phase9Result, run_dir: Path | None = None) -> list[str]:
     cross-check of the baseline against Phase 1 (``report.crosscheck``)."""
     out = []
     g = res.gain
-    if g.empty or (g["verdict"] == "invalid").all():
+    as_served = [c for c in res.configs if c.as_served]
+    if as_served:
+        out += as_served_findings(res.points, g)
+    elif g.empty or (g["verdict"] == "invalid").all():
         out.append("No speculative config has a VALID point next to a VALID speculation-off point: no net gain.")
-    if not g.empty:
+    if not g.empty and not as_served:
         for config, rows in g.groupby("config", sort=False):
             acc = rows["acceptance_rate"].astype(float).dropna()
             ln = rows["mean_accept_length"].astype(float).dropna()
@@ -289,10 +305,41 @@ def findings(res: Phase9Result, run_dir: Path | None = None) -> list[str]:
     if res.ab is not None:
         out += ab_findings(res.ab, {"output_tps": "output TPS", "p95_tpot_ms": "P95 TPOT"})
         out += verdict_sentences(res.ab.correctness, res.ab.runs[0].label)
-    else:
+    elif not as_served:
         out.append("No A/B: fewer than two configs ran.")
     if res.errors:
         out.append("Not executed: " + "; ".join(f"{k} ({v})" for k, v in res.errors.items()) + ".")
     if run_dir is not None and Path(run_dir, "cases").is_dir():
         out += crosscheck.findings(run_dir, phases=("phase9",))
+    return out
+
+
+def as_served_findings(points: pd.DataFrame, gain: pd.DataFrame) -> list[str]:
+    """An attached server measured as served: whether it speculates (its draft counters moved, did not move, or
+    do not exist), its acceptance and output TPS per concurrency from the VALID points, and how to get the net
+    gain (a second server with speculation off, the two runs compared with ``abtest.ab_compare``)."""
+    out = []
+    valid = points[points["validity"] == "VALID"] if not points.empty else points
+    if valid.empty:
+        return ["The attached server as served has no VALID point: " + "; ".join(
+            sorted({str(r) for r in points.get("reasons", pd.Series(dtype=str)).dropna() if str(r)})) + "."]
+    tps = ", ".join(f"{r.output_throughput:,.1f} tok/s at C={r.concurrency}"
+                    for r in valid.groupby("concurrency", as_index=False)["output_throughput"].mean().itertuples())
+    drafts = valid["d_drafts"] if "d_drafts" in valid.columns else pd.Series(dtype=float)
+    if drafts.isna().all():
+        out.append(f"As served, output {tps}. Whether the server speculates cannot be read from outside: it exposes "
+                   "no draft counter at its metrics endpoint, so no acceptance is measured.")
+    elif not (drafts.fillna(0) > 0).any():
+        out.append(f"As served, output {tps}. The server does not speculate: its draft counters did not move over "
+                   f"{int(valid['completed'].sum())} measured requests.")
+    else:
+        g = gain[gain["verdict"] == "no baseline"] if not gain.empty else gain
+        acc = ", ".join(f"{100 * r.acceptance_rate:.1f} % (mean acceptance length {r.mean_accept_length:.2f}) at "
+                        f"C={r.concurrency}" for r in g.itertuples()
+                        if not pd.isna(r.acceptance_rate) and not pd.isna(r.mean_accept_length))
+        out.append(f"As served, the server speculates: acceptance {acc or 'not computed'} from its counters over "
+                   f"each point's window; output {tps}.")
+    out.append("No net gain: a server servelab did not start is not restarted with speculation off. To measure "
+               "it, serve the same model with speculation off as a second attached target, run Phase 9 on each "
+               "and compare the two runs (servelab.measure.abtest.ab_compare([off_run, spec_run])).")
     return out

@@ -61,7 +61,10 @@ def repeats_figure(repeats: pd.DataFrame, metric: str = "output_tps") -> go.Figu
 
 def ab_banner(ab: Any) -> Any:
     """The notice an A/B page opens with (red when confounded, green when only the variable changed), from
-    :meth:`servelab.measure.abtest.ABResult.verdict_notice`."""
+    :meth:`servelab.measure.abtest.ABResult.verdict_notice`; ``ab`` None (fewer than two runs ran): a notice that
+    says so."""
+    if ab is None:
+        return banner("Fewer than two configs ran, so nothing is compared.", "info", "No A/B")
     kind, title, text = ab.verdict_notice()
     return banner(text, kind, title)
 

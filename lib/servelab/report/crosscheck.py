@@ -149,7 +149,7 @@ def measurements(run_dir: str | Path) -> list[Measurement]:
                 continue
             shape, conc = got, int(meta["concurrency"])
             launch = json.dumps(meta.get("launch") or {}, sort_keys=True)
-            source = SOURCE[phase]
+            source = AS_SERVED if s["details"]["config"].get("as_served") else SOURCE[phase]
         else:
             continue
         m = _metrics(s)
@@ -189,7 +189,8 @@ def compare(a: Measurement, b: Measurement, z: float = Z) -> dict[str, Any]:
     return row
 
 
-PRIORITY = {"Phase 1 matrix": 0, "Phase 1 search": 1, "Phase 9 baseline (speculation off)": 2,
+AS_SERVED = "Phase 9 (attached server as served)"
+PRIORITY = {"Phase 1 matrix": 0, "Phase 1 search": 1, "Phase 9 baseline (speculation off)": 2, AS_SERVED: 2,
             "Phase 2 (collectors on)": 3}
 
 
@@ -300,7 +301,8 @@ def findings(run_dir: str | Path, phases: tuple[str, ...] | None = None) -> list
     paired = set(pairs["a_case"]) | set(pairs["b_case"])
     alone = [m for m in ms if m.phase == "phase9" and m.case_id not in paired and involve("phase9")]
     if alone:
-        out.append("Not cross-checked: Phase 9's baseline (" + "; ".join(f"{m.case_id}: {m.question}" for m in alone)
+        what = "points of the attached server as served" if alone[0].source == AS_SERVED else "baseline"
+        out.append(f"Not cross-checked: Phase 9's {what} (" + "; ".join(f"{m.case_id}: {m.question}" for m in alone)
                    + ") has no measurement of the same shape, concurrency and launch elsewhere in this run.")
     return out
 
