@@ -311,3 +311,28 @@ def test_phase9_on_an_attached_server_measures_it_as_served(outside_drafting_ser
     page = (rdir / "phase9" / "report.html").read_text()
     assert "As served, the server speculates: acceptance" in page and "No net gain: a server servelab did not" in page
     assert json.loads((rdir / "manifest.json").read_text())["phases"]["phase9"]["status"] == "success"
+
+
+@pytest.mark.slow
+def test_phase2_on_an_attached_server_samples_the_node_and_says_what_it_cannot_follow(outside_server,
+                                                                                      tmp_path: Path) -> None:
+    """The declared node's machine-wide collectors run around the replayed case; the per-process ones cannot (the
+    engine's pid is not servelab's to know) and the plan says so instead of listing them as required."""
+    proc, url = outside_server
+    t = attach_yaml(tmp_path, url, api_key_env="ATTACH_TEST_KEY",
+                    nodes=[{"name": "local", "kind": "local", "role": "head"}])
+    run = _cli(tmp_path, "phase2", "--target", str(t), "--run-id", "p2", "-p", 'cases=["D1"]',
+               "-p", "show_h200_sample=false")
+    out, err = run.communicate(timeout=600)
+    assert run.returncode == 0, out + err[-3000:]
+    assert proc.poll() is None
+    rdir = tmp_path / "outputs" / "p2"
+    summary = json.loads((rdir / "cases" / "hw-D1" / "summary.json").read_text())
+    assert summary["verdict"]["status"] == "VALID", summary["verdict"]
+    assert summary["details"]["server_deltas"]["generation_tokens_total"] > 0        # its /metrics, read
+    status = {p.name.split(".")[0]: json.loads(p.read_text())["status"]
+              for p in (rdir / "cases" / "hw-D1" / "telemetry" / "local").glob("*.status.json")}
+    assert status["mpstat"] == "ok" and status["sar-net"] == "ok", status
+    assert "pidstat" not in status
+    page = (rdir / "phase2" / "report.html").read_text()
+    assert "attached target: servelab did not start the engine, so it has no pid to follow" in page

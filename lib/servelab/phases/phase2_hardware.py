@@ -142,12 +142,19 @@ def collector_plan(ctx: PhaseContext, interval_s: float | None = None) -> pd.Dat
     if interval_s is None:
         interval_s = float(ctx.params.interval_s)
     rows = []
+    attached = getattr(ctx.target, "attached", False)
     for node in ctx.target.nodes:
-        for s in node_specs(node, 999999, interval_s):
+        # an attached server's pid is not known (servelab did not start it): its per-process collectors do not run
+        for s in node_specs(node, None if attached else 999999, interval_s):
             progs = [Path(p).name for p in s.requires] or [Path(display_argv(s.argv)[0]).name]
             rows.append({"node": node.name, "role": node.role, "collector": s.name,
                          "required": "required" if s.required else "optional", "what": s.description,
                          "programs": ", ".join(dict.fromkeys(progs)), "every (s)": s.interval_s})
+        if attached:
+            rows += [{"node": node.name, "role": node.role, "collector": name, "required": "not run",
+                      "what": "attached target: servelab did not start the engine, so it has no pid to follow",
+                      "programs": prog, "every (s)": None} for name, prog in (("pidstat", "pidstat"),
+                                                                             ("numastat", "numastat"))]
     return pd.DataFrame(rows)
 
 
