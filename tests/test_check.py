@@ -271,3 +271,28 @@ def test_the_max_tps_answer_is_said_once_in_phase1s_findings(agree, monkeypatch)
         assert "max output TPS 57.0" in text and "at concurrency 16" in text, text
     else:
         assert text.count("unsettled") == 1 and "max output TPS and its concurrency unsettled: search 56.8" in text, text
+
+
+def test_an_invalid_case_unmarked_and_one_number_shown_twice_are_found(outputs):
+    """A row of an INVALID case in a table with no validity column, and the same P95 of one case in two tables with
+    values their shown precision cannot both round from (issue 32: "the same P95 shown as 2,036 and 2,039.69")."""
+    rdir = init_run("tables", "local-tiny")
+    (rdir / "cases" / "D2_c8").mkdir(parents=True)
+    (rdir / "cases" / "D2_c8" / "summary.json").write_text(json.dumps({"case_id": "D2_c8",
+                                                                       "verdict": {"status": "INVALID"}}))
+    page(rdir, "phase1", CLEAN_PAGE)
+    assert rules(check_run(rdir)) == {"INVALID case without a mark"}
+    marked = CLEAN_PAGE.replace("<th>case</th>", "<th>case</th><th>validity</th>").replace(
+        "<td>D2_c8</td>", "<td>D2_c8</td><td>INVALID</td>")
+    page(rdir, "phase1", marked)
+    assert check_run(rdir) == []
+    second = ('<table><tr><th>case</th><th>validity</th><th>TTFT P50 (ms)</th></tr>'
+              '<tr><td>D2_c8</td><td>INVALID</td><td>{}</td></tr><tr><td>D2_c8</td><td>INVALID</td><td>1</td></tr>'
+              '</table>')
+    one_row = second.replace("<tr><td>D2_c8</td><td>INVALID</td><td>1</td></tr>", "")
+    for shown, found in (("12.54", False), ("13", False), ("12.6", True), ("14", True)):
+        page(rdir, "phase1", marked.replace("</body>", one_row.format(shown) + "</body>"))
+        assert ("one number, two values" in rules(check_run(rdir))) == found, shown
+    # a key that names two rows of one table (per-request rows, say) compares nothing
+    page(rdir, "phase1", marked.replace("</body>", second.format("99") + "</body>"))
+    assert check_run(rdir) == []

@@ -174,7 +174,9 @@ def test_table_beside_throughput_with_sources_and_not_exposed(tmp_path):
     table, sources = memory_table([cases / "D1", cases / "D2", tmp_path / "nope"], "vllm",
                                   startup_log=(MEM / "sglang_cpu_startup.log").read_text())
     t = table.set_index("case")
-    assert list(t.index) == ["D1", "D2"] and list(table.columns[:2]) == ["case", "output TPS (tok/s)"]
+    assert list(t.index) == ["D1", "D2"] and list(table.columns[:3]) == ["case", "output TPS (tok/s)", "validity"]
+    # the recorded verdict beside the TPS (this real case's client fell behind): never an unmarked INVALID row
+    assert (t["validity"] == "INVALID").all()
     assert t.loc["D1", "KV pool (tokens)"] == 32768 and t.loc["D1", "allocated peak (GiB)"] == "—"
     assert t.loc["D2", "reserved peak (GiB)"] == round(111149056 / GIB, 4)
     assert (t["workspace peak (GiB)"] == "not exposed").all()

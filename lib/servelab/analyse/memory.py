@@ -312,6 +312,15 @@ def _output_tps(case_dir: Path, definition: str) -> float | None:
     return float(v) if isinstance(v, (int, float)) else None
 
 
+def _validity(case_dir: Path) -> str:
+    """The case's recorded verdict (VALID / INVALID), "—" where it has none: an INVALID case's TPS is never shown
+    unmarked beside the others."""
+    try:
+        return str((json.loads((case_dir / "summary.json").read_text()).get("verdict") or {}).get("status") or "—")
+    except (OSError, ValueError):
+        return "—"
+
+
 def case_memory(case_dir: Path, adapter: Any | None = None, startup_log: str | None = None,
                 definition: str = mx.VLLM_BENCH) -> dict[str, Any]:
     """One case's memory quantities: ``{"case", "output_tps", <quantity>: value, "sources": {quantity: source}}``.
@@ -346,7 +355,8 @@ def case_memory(case_dir: Path, adapter: Any | None = None, startup_log: str | N
                                         "KV usage peak × KV pool (tokens)")
     for k, v in trace_memory(case_traces(case_dir)).items():
         found.setdefault(k, v)
-    row: dict[str, Any] = {"case": case_dir.name, "output_tps": _output_tps(case_dir, definition)}
+    row: dict[str, Any] = {"case": case_dir.name, "output_tps": _output_tps(case_dir, definition),
+                           "validity": _validity(case_dir)}
     row.update({q.key: float(found[q.key][0]) if q.key in found else None for q in QUANTITIES})
     row["sources"] = {q.key: found[q.key][1] for q in QUANTITIES if q.key in found}
     return row
@@ -361,7 +371,7 @@ def memory_table(case_dirs: Iterable[Path], definition: str = mx.VLLM_BENCH, sta
     if not rows:
         return (pd.DataFrame({"note": ["no case folder with a meta.json: nothing to read"]}),
                 pd.DataFrame(columns=["quantity", "meaning", "source"]))
-    table = pd.DataFrame([{"case": r["case"], "output TPS (tok/s)": r["output_tps"],
+    table = pd.DataFrame([{"case": r["case"], "output TPS (tok/s)": r["output_tps"], "validity": r["validity"],
                            **{COLUMNS[q.key]: r[q.key] for q in QUANTITIES}} for r in rows])
     for q in QUANTITIES:                        # a column no case has: said in words, never a zero
         col = COLUMNS[q.key]
@@ -383,10 +393,10 @@ def page_view(table: pd.DataFrame) -> pd.DataFrame:
     note saying the engine exposed none of it."""
     if "case" not in table.columns:
         return table
-    gone = [c for c in table.columns if c not in ("case", "output TPS (tok/s)")
-            and table[c].astype(str).eq("not exposed").all()]
+    rows_of = ("case", "output TPS (tok/s)", "validity")
+    gone = [c for c in table.columns if c not in rows_of and table[c].astype(str).eq("not exposed").all()]
     view = table.drop(columns=gone)
-    if len(view.columns) <= 2 and gone:
+    if gone and not [c for c in view.columns if c not in rows_of]:
         return pd.DataFrame({"note": [f"the engine exposed none of the memory quantities for these {len(table)} "
                                       f"cases at this log level ({', '.join(gone)}); the sources table says why"]})
     if gone:

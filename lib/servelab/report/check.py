@@ -13,8 +13,10 @@ From the facts (:mod:`servelab.core.facts`):
 
 From the pages (``<phase>/report.html``, ``index.html``): a Python repr (``np.float64(``, ``{'``, ``: None``, a
 ``True``/``nan`` cell), ``nan`` in a sentence, a ``<placeholder>`` in a command, a number in exponent notation, a
-latency or throughput header without its unit, and a stale cross-reference (a page saying another phase "has not
-written" a file the run holds: it was rendered before that phase ran).
+latency or throughput header without its unit, a stale cross-reference (a page saying another phase "has not
+written" a file the run holds: it was rendered before that phase ran), a row of an INVALID case in a table that
+marks it nowhere, and one number shown twice with two values (same column, same case and identifying columns, in
+two tables of one page, further apart than their shown precision allows).
 """
 from __future__ import annotations
 
@@ -134,8 +136,103 @@ UNIT_HEADER_RE = re.compile(r"^(?:p\d+ |mean |median |max |min )?(?:ttft|tpot|it
 STALE_RE = re.compile(r"has not (?:yet )?written ((?:phase\d+|cases)/[\w./\-]+\w)")
 
 
-def page_findings(run_dir: Path, path: Path) -> list[Finding]:
-    """What a reader would trip on in one page."""
+def invalid_cases(run_dir: Path) -> set[str]:
+    """The ids of the run's cases whose recorded verdict is INVALID (``cases/<id>/summary.json``)."""
+    out = set()
+    for p in Path(run_dir).glob("cases/*/summary.json"):
+        try:
+            s = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+        if (s.get("verdict") or {}).get("status") == INVALID:
+            out.add(str(s.get("case_id") or p.parent.name))
+    return out
+
+
+# the columns that say which thing a row is about (never a measured value): two tables that share them and a case
+# column state the same numbers for the same thing
+ID_HEADS = {"case", "case id", "case_id", "repeat", "config", "definition", "node", "concurrency", "rank", "run",
+            "side", "scenario", "metric", "window", "point", "source", "question", "role", "stage"}
+CASE_HEADS = {"case", "case id", "case_id"}
+MARK_HEADS = ("validity", "verdict", "status", "valid", "reason")
+NUMBER_RE = re.compile(r"^[−-]?\d[\d,]*(?:\.(\d+))?(?![\d.eE])")
+
+
+def _number(cell: str) -> tuple[float, int] | None:
+    """The number a cell states first and how many decimals it shows; None for text or a labelled other quantity
+    ("0.42 · max of 4" is a maximum shown where a percentile needs more values)."""
+    c = cell.strip()
+    if "max of" in c:
+        return None
+    m = NUMBER_RE.match(c)
+    if not m:
+        return None
+    return float(m.group(0).replace(",", "").replace("−", "-")), len(m.group(1) or "")
+
+
+def _parts(tables: list[dict[str, Any]]) -> list[list[int]]:
+    """For each table, the indexes of the parts of the one table it belongs to: consecutive tables with the same
+    first header and the same first-column cells (a wide table split to fit the page repeats its first column)."""
+    def first(t: dict[str, Any]) -> tuple:
+        return (t["heads"][:1], [r[0] for r in t["rows"] if r])
+    groups: list[list[int]] = []
+    for i, t in enumerate(tables):
+        if groups and t["heads"] and first(tables[groups[-1][-1]]) == first(t):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return [g for g in groups for _ in g]
+
+
+def table_findings(where: str, tables: list[dict[str, Any]], invalid: set[str]) -> list[Finding]:
+    """Across one page's tables: a row of an INVALID case in a table with no validity/verdict/status column whose
+    row does not say so either; the same number (same column, same case and identifying columns) shown with two
+    values that their shown precision cannot both round from."""
+    out: list[Finding] = []
+    seen: dict[tuple, tuple[float, int, str]] = {}      # from the tables before this one
+    parts = _parts(tables)
+    for i, t in enumerate(tables):
+        here: dict[tuple, tuple[float, int, str] | None] = {}   # None: the key names several rows of this table
+        heads = [h.strip().lower() for h in t["heads"]]
+        name = " | ".join(t["heads"][:4])[:80] or f"table {i + 1}"
+        cases = [j for j, h in enumerate(heads) if h in CASE_HEADS]
+        if not cases:
+            continue
+        ids = [j for j, h in enumerate(heads) if h in ID_HEADS]
+        # a wide table is split into parts that repeat its first column: a mark in any part marks the row
+        group = [tables[k] for k in parts[i]]
+        marked = any(m in h.lower() for g in group for h in g["heads"] for m in MARK_HEADS)
+        for r, row in enumerate(t["rows"]):
+            if len(row) != len(heads):
+                continue
+            case = row[cases[0]]
+            said = " ".join(c for g in group if r < len(g["rows"]) for c in g["rows"][r])
+            if not marked and case in invalid and not re.search(r"invalid|indicative", said, re.I):
+                out.append(Finding(where, "INVALID case without a mark",
+                                   f"{name}: {case} is INVALID, and neither the row nor a column says so"))
+            key_id = tuple((heads[j], row[j]) for j in ids)
+            for j, h in enumerate(heads):
+                if j in ids:
+                    continue
+                got = _number(row[j])
+                if got is None:
+                    continue
+                key = (key_id, h, case)
+                here[key] = None if key in here else (got[0], got[1], row[j])
+        for key, got in here.items():
+            if got is None:
+                continue
+            if key in seen:
+                v0, d0, c0 = seen[key]
+                if abs(got[0] - v0) > 0.5 * 10 ** -min(d0, got[1]) + 1e-9 * max(1.0, abs(v0)):
+                    out.append(Finding(where, "one number, two values", f"{key[1]} of {key[2]}: {c0} and {got[2]}"))
+            else:
+                seen[key] = got
+    return out
+
+
+def page_findings(run_dir: Path, path: Path, invalid: set[str] | None = None) -> list[Finding]:
+    """What a reader would trip on in one page (``invalid``: the run's INVALID case ids, read when None)."""
     where = str(path.relative_to(run_dir))
     page = read_page(path)
     out: list[Finding] = []
@@ -171,6 +268,7 @@ def page_findings(run_dir: Path, path: Path) -> list[Finding]:
             for j in cmd_cols:
                 if j < len(row) and PLACEHOLDER_RE.search(row[j]):
                     out.append(Finding(where, "placeholder in a command", f"{name}: {row[j][:160]!r}"))
+    out += table_findings(where, page.tables, invalid_cases(run_dir) if invalid is None else invalid)
     text = " ".join("".join(page.text).split())
     for m in STALE_RE.finditer(text):
         if (run_dir / m.group(1)).exists():
@@ -244,7 +342,8 @@ def check_run(run_dir: str | Path) -> list[Finding]:
     """Every finding of the run: the facts first, then each page (phases in order, then the index)."""
     run_dir = Path(run_dir)
     out = fact_findings(run_dir)
+    invalid = invalid_cases(run_dir)
     for page in sorted(run_dir.glob("phase*/report.html")) + [run_dir / "index.html"]:
         if page.is_file():
-            out += page_findings(run_dir, page)
+            out += page_findings(run_dir, page, invalid)
     return out
