@@ -166,3 +166,12 @@ def test_the_matrix_figure_of_a_run_that_measured_no_case_says_so() -> None:
     """A matrix stopped before its first case (the engine or a node lost) has an empty frame: its figure says
     so instead of failing the phase on a missing column."""
     assert "no case measured" in latency_throughput(pd.DataFrame()).layout.title.text
+
+
+def test_a_statistic_after_the_unit_goes_before_it():
+    """A ledger number such as ``p95_tpot_increase_ms_mean`` reads with its unit in the header: a whole value in it
+    (976.0 ms, seen under load) is a time, not a count printed with decimals."""
+    from servelab.report.tables import header
+    assert header("p95_tpot_increase_ms_mean") == "P95 TPOT increase mean (ms)"
+    assert header("ttft_ms_p95") == "TTFT P95 (ms)"
+    assert header("p95_tpot_ms") == "P95 TPOT (ms)" and header("tokens_total") == "tokens total"

@@ -38,8 +38,17 @@ def is_fraction_key(name: Any) -> bool:
     return (n.endswith(FRACTION_SUFFIXES) or n in FRACTION_KEYS) and "pct" not in n and "%" not in str(name)
 
 
+STAT_SUFFIXES = frozenset({"mean", "max", "min", "median", "p50", "p90", "p95", "p99", "std", "sum", "total"})
+
+
 def split_unit(key: str) -> tuple[str, str]:
-    """``P1_p50_ttft_ms`` → (``P1 P50 TTFT``, ``ms``)."""
+    """``P1_p50_ttft_ms`` → (``P1 P50 TTFT``, ``ms``); a statistic after the unit moves before it:
+    ``p95_tpot_increase_ms_mean`` → (``P95 TPOT increase mean``, ``ms``)."""
+    head, _, stat = key.rpartition("_")
+    if head and stat.lower() in STAT_SUFFIXES:
+        label, unit = split_unit(head)
+        if unit:
+            return f"{label} {WORDS.get(stat.lower(), stat)}", unit
     unit = ""
     base = key
     for suffix, u in UNITS:
