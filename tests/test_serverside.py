@@ -287,7 +287,12 @@ def test_phase1_page_shows_m1_serverside(tmp_path, monkeypatch, llama_server_bin
                for f in found), found
     assert "engine: scheduler log lines" in page and "slots in use (log)" in page
     # M1's stalls joined with the prefills llama.cpp's log times, the injected request's TTFT split, memory at start
-    assert "Which requests paid, and for what" in page and "overlapped a logged prefill" in page
+    # whether a stall overlapped the logged prefill depends on the host (one busy core raised the steady P99 above
+    # every prefill-length gap once): the attribution itself is pinned on a recorded case below (test_m1_log_join_*); here, that the
+    # section says one of its three outcomes
+    assert "Which requests paid, and for what" in page
+    assert any(x in page for x in ("overlapped a logged prefill", "overlapped no logged prefill",
+                                   "no decode-stream gap above the steady-state P99")), "no stall summary"
     assert "queueing (ms)" in page and "delivery (ms)" in page and "Memory at start" in page
     assert any(f.startswith("Stalls in M1's treatment") and "TTFT" in f and "queueing" in f for f in found), found
     nb = json.loads((run / "phase1" / "notebook.ipynb").read_text())
