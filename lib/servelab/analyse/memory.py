@@ -302,23 +302,15 @@ def case_traces(case_dir: Path) -> list[Path]:
 
 # ---------------------------------------------------------------- a case, a set of cases
 
-def _output_tps(case_dir: Path, definition: str) -> float | None:
+def _tps_and_validity(case_dir: Path, definition: str) -> tuple[float | None, str]:
+    """From the case's summary, read once: its output TPS in ``definition`` (None where absent) and its recorded
+    verdict (VALID / INVALID; "—" where it has none), so an INVALID case's TPS is never shown unmarked."""
     try:
         s = json.loads((case_dir / "summary.json").read_text())
     except (OSError, ValueError):
-        return None
-    m = (s.get("metrics") or {}).get(definition) or {}
-    v = m.get("output_throughput")
-    return float(v) if isinstance(v, (int, float)) else None
-
-
-def _validity(case_dir: Path) -> str:
-    """The case's recorded verdict (VALID / INVALID), "—" where it has none: an INVALID case's TPS is never shown
-    unmarked beside the others."""
-    try:
-        return str((json.loads((case_dir / "summary.json").read_text()).get("verdict") or {}).get("status") or "—")
-    except (OSError, ValueError):
-        return "—"
+        return None, "—"
+    v = ((s.get("metrics") or {}).get(definition) or {}).get("output_throughput")
+    return (float(v) if isinstance(v, (int, float)) else None), str((s.get("verdict") or {}).get("status") or "—")
 
 
 def case_memory(case_dir: Path, adapter: Any | None = None, startup_log: str | None = None,
@@ -355,8 +347,8 @@ def case_memory(case_dir: Path, adapter: Any | None = None, startup_log: str | N
                                         "KV usage peak × KV pool (tokens)")
     for k, v in trace_memory(case_traces(case_dir)).items():
         found.setdefault(k, v)
-    row: dict[str, Any] = {"case": case_dir.name, "output_tps": _output_tps(case_dir, definition),
-                           "validity": _validity(case_dir)}
+    tps, validity = _tps_and_validity(case_dir, definition)
+    row: dict[str, Any] = {"case": case_dir.name, "output_tps": tps, "validity": validity}
     row.update({q.key: float(found[q.key][0]) if q.key in found else None for q in QUANTITIES})
     row["sources"] = {q.key: found[q.key][1] for q in QUANTITIES if q.key in found}
     return row

@@ -145,16 +145,15 @@ def collector_plan(ctx: PhaseContext, interval_s: float | None = None) -> pd.Dat
     attached = getattr(ctx.target, "attached", False)
     for node in ctx.target.nodes:
         # an attached server's pid is not known (servelab did not start it): its per-process collectors do not run
-        for s in node_specs(node, None if attached else 999999, interval_s):
+        runs = {s.name for s in node_specs(node, None, interval_s)} if attached else None
+        for s in node_specs(node, 999999, interval_s):
             progs = [Path(p).name for p in s.requires] or [Path(display_argv(s.argv)[0]).name]
+            gone = runs is not None and s.name not in runs
             rows.append({"node": node.name, "role": node.role, "collector": s.name,
-                         "required": "required" if s.required else "optional", "what": s.description,
-                         "programs": ", ".join(dict.fromkeys(progs)), "every (s)": s.interval_s})
-        if attached:
-            rows += [{"node": node.name, "role": node.role, "collector": name, "required": "not run",
-                      "what": "attached target: servelab did not start the engine, so it has no pid to follow",
-                      "programs": prog, "every (s)": None} for name, prog in (("pidstat", "pidstat"),
-                                                                             ("numastat", "numastat"))]
+                         "required": "not run" if gone else "required" if s.required else "optional",
+                         "what": "attached target: servelab did not start the engine, so it has no pid to follow"
+                         if gone else s.description,
+                         "programs": ", ".join(dict.fromkeys(progs)), "every (s)": None if gone else s.interval_s})
     return pd.DataFrame(rows)
 
 

@@ -28,6 +28,7 @@ from servelab.measure.case_record import read_summaries
 
 Z = 2.0                      # combined standard errors within which two values agree (about 95 %)
 SOURCE = {"phase1": "Phase 1 matrix", "phase2": "Phase 2 (collectors on)", "phase9": "Phase 9 baseline (speculation off)"}
+AS_SERVED = "Phase 9 (attached server as served)"      # Phase 9's one config on an attached target
 
 
 @dataclass
@@ -142,14 +143,14 @@ def measurements(run_dir: str | Path) -> list[Measurement]:
             shape = (int(case["input_tokens"]), int(case["output_tokens"]))
             conc, launch = int(case["concurrency"]), target_launch
             source = "Phase 1 search" if kind == "search" else SOURCE[phase]
-        elif phase == "phase9" and kind == "speculative" and ((s.get("details") or {}).get("config") or {}).get(
-                "draft") is None and meta.get("concurrency"):
+        elif phase == "phase9" and kind == "speculative" and (config := (s.get("details") or {}).get("config")
+                                                               or {}).get("draft") is None and meta.get("concurrency"):
             got = _records_shape(cdir)
             if got is None:
                 continue
             shape, conc = got, int(meta["concurrency"])
             launch = json.dumps(meta.get("launch") or {}, sort_keys=True)
-            source = AS_SERVED if s["details"]["config"].get("as_served") else SOURCE[phase]
+            source = AS_SERVED if config.get("as_served") else SOURCE[phase]
         else:
             continue
         m = _metrics(s)
@@ -189,7 +190,6 @@ def compare(a: Measurement, b: Measurement, z: float = Z) -> dict[str, Any]:
     return row
 
 
-AS_SERVED = "Phase 9 (attached server as served)"
 PRIORITY = {"Phase 1 matrix": 0, "Phase 1 search": 1, "Phase 9 baseline (speculation off)": 2, AS_SERVED: 2,
             "Phase 2 (collectors on)": 3}
 
