@@ -296,3 +296,17 @@ def test_an_invalid_case_unmarked_and_one_number_shown_twice_are_found(outputs):
     # a key that names two rows of one table (per-request rows, say) compares nothing
     page(rdir, "phase1", marked.replace("</body>", second.format("99") + "</body>"))
     assert check_run(rdir) == []
+
+
+@pytest.mark.parametrize("source, says", [("as served", "points of the attached server as served (S9_c1: "),
+                                          ("baseline", "baseline (S9_c1: ")])
+def test_phase9_points_without_a_twin_are_said_so_in_a_grammatical_sentence(source, says, monkeypatch):
+    """Phase 9's points alone in the run: 'the points … have no measurement', 'the baseline … has none'."""
+    from servelab.report import crosscheck as cc
+    src = cc.AS_SERVED if source == "as served" else cc.SOURCE["phase9"]
+    ms = [cc.Measurement(f"S9_c{c}", "phase9", src, 32, 64, c, "{}", 40.0, 0.01, 8, "VALID", []) for c in (1, 4)]
+    monkeypatch.setattr(cc, "measurements", lambda run_dir: ms)
+    monkeypatch.setattr(cc, "max_tps_question", lambda run_dir, ms=None: None)
+    text, = cc.findings(Path("."))
+    verb = "have" if source == "as served" else "has"
+    assert says in text and f") {verb} no measurement of the same shape" in text, text

@@ -301,9 +301,10 @@ def findings(run_dir: str | Path, phases: tuple[str, ...] | None = None) -> list
     paired = set(pairs["a_case"]) | set(pairs["b_case"])
     alone = [m for m in ms if m.phase == "phase9" and m.case_id not in paired and involve("phase9")]
     if alone:
-        what = "points of the attached server as served" if alone[0].source == AS_SERVED else "baseline"
+        what, has = (("points of the attached server as served", "have") if alone[0].source == AS_SERVED
+                     else ("baseline", "has"))
         out.append(f"Not cross-checked: Phase 9's {what} (" + "; ".join(f"{m.case_id}: {m.question}" for m in alone)
-                   + ") has no measurement of the same shape, concurrency and launch elsewhere in this run.")
+                   + f") {has} no measurement of the same shape, concurrency and launch elsewhere in this run.")
     return out
 
 
