@@ -12,7 +12,6 @@ from servelab.analyse.ceiling import collectives_vs_ceiling
 from servelab.analyse.nccl.perf_log import parse_file, runs_frame
 from servelab.analyse.topology.placement import cpu_placement_from, gpu_placement, parse_topo_m, shared_placement
 from servelab.analyse.trace.analysis import CaptureAnalysis
-from servelab.analyse.trace.metrics import comm_by_collective
 from servelab.analyse.trace.nccl import comm_ops
 from servelab.core.run import read_manifest
 from servelab.measure.rank_processes import FILE as RANK_PROCESSES
@@ -101,7 +100,7 @@ def ceiling_table(a: CaptureAnalysis, run_dir: Path | None = None, phase_dir: Pa
         curves, source = pd.read_csv(p5), "this run's Phase 5"
     elif log.is_file():
         curves, source = runs_frame(parse_file(log)), f"the nccl-tests log beside the traces ({log.name})"
-    t = collectives_vs_ceiling(comm_ops(a.rops), curves, comm_by_collective(a.rops))
+    t = collectives_vs_ceiling(comm_ops(a.rops), curves, a.comm_by_collective)
     if phase_dir is not None and not t.empty:
         t.to_csv(Path(phase_dir) / "collectives_vs_ceiling.csv", index=False)
     return t, source

@@ -176,7 +176,8 @@ def analyse(capture: Capture | str | Path, *, window_regex: str | None = None, t
         pp=R.pp_overlap(rops, al), pp_compute=R.pp_overlap(rops, al, compute_only=True),
         nccl=N.forensics(rops), interference=_concat(tl["interference"] for tl in tls))
     result.census = census(cap, {k: v[1] for k, v in per_rank.items()})
-    result.comm_by_collective = M.comm_by_collective(rops)
+    cbc = _concat(tl["comm_by_collective"] for tl in tls)       # per rank, made with its timeline
+    result.comm_by_collective = cbc if cbc.height else M.comm_by_collective([])
     result.stage_steps, result.stages = st_steps, st_table
     result.rank_subset = subset
     t["tables"] = time.perf_counter() - t0
@@ -186,10 +187,11 @@ def analyse(capture: Capture | str | Path, *, window_regex: str | None = None, t
 
 def rank_timeline(r: RankOps) -> dict[str, pl.DataFrame]:
     """One rank's timeline tables — idle gaps (unfiltered), per-window metrics, device busy, decode
-    interference: each needs that rank alone, so a cluster worker makes them beside the rank's op tables."""
+    interference, communication per collective: each needs that rank alone, so a cluster worker makes them beside
+    the rank's op tables (in parallel, not in the controller one rank after another)."""
     g = M.gap_intervals(r)
     return {"gaps": g, "window_metrics": E.window_metrics(r, g), "device_busy": M.device_busy(r),
-            "interference": M.decode_interference(r)}
+            "interference": M.decode_interference(r), "comm_by_collective": M.comm_by_collective([r])}
 
 
 def census(cap: Capture, done: dict[int, pl.DataFrame] | None = None) -> pl.DataFrame:

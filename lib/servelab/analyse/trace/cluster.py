@@ -7,8 +7,9 @@
 A worker on each node lists the node's trace folder; every rank file is then parsed into its Parquet cache
 (beside the file, on that node), prepared (GPU op table, step windows, runtime calls, CPU thread busy, census) by a
 worker pinned to that node, which also makes the rank's own timeline tables (gaps, per-window metrics, device
-busy, decode interference: :func:`~servelab.analyse.trace.analysis.rank_timeline`); only those per-rank tables
-travel back (fetched together as workers finish them). A worker uses its share of its node's cores
+busy, decode interference, communication per collective: :func:`~servelab.analyse.trace.analysis.rank_timeline`);
+only those per-rank tables travel back (fetched together as workers finish them) — the rank's runtime API calls,
+read only by its gaps, stay on its node. A worker uses its share of its node's cores
 (:func:`servelab.deploy.cluster.worker_env`): its libraries' thread pools and, with more than one, its own parse
 processes. The cross-rank steps (alignment, skew, PP, NCCL forensics, every table) run here on them, through
 the same :func:`~servelab.analyse.trace.analysis.analyse` as a local capture, so the tables are the local
@@ -94,7 +95,8 @@ def reduce_rank(path: str, node: str, fallback_rank: int, extra_rules: Sequence[
     tl = rank_timeline(r)          # per-rank: made here, in parallel, not in the controller one rank at a time
     return {"identity": asdict(tr.identity), "meta": tr.meta, "load_s": tr.load_s, "from_cache": tr.from_cache,
             "cache_path": str(tr.cache_path) if tr.cache_path else "", "n_events": n_events, "n_kernels": n_kernels,
-            "ops": r.ops, "windows": r.windows, "runtime": r.runtime, "window_regex": r.window_regex,
+            # the runtime calls serve only the rank's gaps (made here, in its timeline): their schema travels, not rows
+            "ops": r.ops, "windows": r.windows, "runtime": r.runtime.clear(), "window_regex": r.window_regex,
             "windows_found": r.windows_found, "cpu_threads": hit.cpu_threads, "census": hit.census, "timeline": tl,
             "reduce_s": time.perf_counter() - t0, "threads": pl.thread_pool_size(), **worker_placement()}
 
@@ -114,7 +116,8 @@ def _parse_pool(n: int):
 # ------------------------------------------------------------------------------------------ here
 
 class RemoteRankTrace(RankTrace):
-    """A rank parsed on another node: its per-rank tables are here, its events stay in the Parquet cache there."""
+    """A rank parsed on another node: its per-rank tables are here (its runtime calls empty: they served its
+    timeline there), its events stay in the Parquet cache there."""
 
     parsed_on: str = ""
 
