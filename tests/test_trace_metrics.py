@@ -278,3 +278,26 @@ def test_comm_classification_is_broader_than_nccl():
     got = classify_names(names)
     assert set(got["cls"].to_list()) == {"communication"}
     assert re.search("custom", got["subclass"][0])
+
+
+def test_comm_per_collective_is_the_per_window_union_summed(h200_rank0):
+    """comm_by_collective (one grouped pass) against plain Python over the op table: per (window kind, collective)
+    the union of its kernels in each step window, summed over the windows, and the part not under compute."""
+    _, _, r = h200_rank0
+    rows = r.ops.with_columns(pl.col("name").cast(pl.String)).to_dicts()
+    compute = _union([(o["ts_ns"], o["end_ns"]) for o in rows
+                      if o["cat"] == "kernel" and o["cls"] != "communication"])
+    per: dict[tuple, dict] = {}
+    for o in rows:
+        if o["cls"] == "communication":
+            key = (o["kind"] or "outside steps", N.parse_comm_name(o["name"])["collective"] or "other")
+            per.setdefault(key, {}).setdefault(o["window"], []).append((o["ts_ns"], o["end_ns"]))
+    want = {}
+    for key, windows in per.items():
+        unions = [_union(iv) for iv in windows.values()]
+        total = sum(_length(u) for u in unions)
+        want[key] = (sum(len(iv) for iv in windows.values()), total,
+                     total - sum(_intersect(u, compute) for u in unions))
+    got = {(x["kind"], x["collective"]): (x["ops"], round(x["comm_ms"] * 1e6), round(x["exposed_ms"] * 1e6))
+           for x in M.comm_by_collective([r]).to_dicts()}
+    assert got == want and len(want) >= 2, (got, want)

@@ -321,14 +321,22 @@ def comm_by_collective(rops: list[RankOps]) -> pl.DataFrame:
             dev_ops = ops.filter((pl.col("device") == dev[0]) & pl.col("cat").is_in(list(KERNEL_CATS))
                                    & (pl.col("cls") != "communication"))
             cs, ce = iv.union(dev_ops["ts_ns"].to_numpy(), dev_ops["end_ns"].to_numpy())
-            for (kind, c), g in d.group_by("kind", "collective", maintain_order=True):
-                total = exposed = 0
-                for _, gw in g.group_by("window"):       # per step window, as trace_summary's comm / exposed
-                    s, e = iv.union(gw["ts_ns"].to_numpy(), gw["end_ns"].to_numpy())
-                    total += iv.total(s, e)
-                    exposed += iv.total(s, e) - int(iv.covered_in(cs, ce, s, e).sum())
-                rows.append({"rank": r.rank, "kind": kind, "collective": c, "ops": g.height, "comm_ms": total / 1e6,
-                             "exposed_ms": exposed / 1e6})
+            keys = (d.group_by("kind", "collective", maintain_order=True).agg(pl.len().alias("ops"))
+                    .with_row_index("_k"))
+            d = d.join(keys.select("kind", "collective", "_k"), on=["kind", "collective"], how="left")
+            # one union per (kind, collective, step window) as trace_summary's comm / exposed, all in one pass:
+            # the group id folds the window in (no window: its own group)
+            w = d["window"].fill_null(-1).to_numpy().astype(np.int64) + 1
+            span = int(w.max()) + 1
+            g, s, e = iv.union_grouped(d["_k"].to_numpy().astype(np.int64) * span + w, d["ts_ns"].to_numpy(),
+                                       d["end_ns"].to_numpy())
+            total = np.zeros(keys.height, dtype=np.int64)
+            covered = np.zeros(keys.height, dtype=np.int64)
+            np.add.at(total, g // span, e - s)
+            np.add.at(covered, g // span, iv.covered_in(cs, ce, s, e))
+            for k, (kind, c, n) in enumerate(keys.select("kind", "collective", "ops").iter_rows()):
+                rows.append({"rank": r.rank, "kind": kind, "collective": c, "ops": n, "comm_ms": int(total[k]) / 1e6,
+                             "exposed_ms": int(total[k] - covered[k]) / 1e6})
     return pl.DataFrame(rows) if rows else pl.DataFrame(schema={"rank": pl.Int64, "kind": pl.String,
                                                                 "collective": pl.String, "ops": pl.Int64,
                                                                 "comm_ms": pl.Float64, "exposed_ms": pl.Float64})
