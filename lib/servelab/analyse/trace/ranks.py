@@ -55,37 +55,25 @@ def _comm_seq(r: RankOps) -> pl.DataFrame:
                     .alias("collective"), "ts_ns", "end_ns", "seq")
 
 
-def _row_median(x: np.ndarray, n: np.ndarray) -> np.ndarray:
-    """The median of each row's first ``n[k]`` values (the rest NaN padding), as ``np.median`` gives it: the middle
-    value, or the mean of the two middle ones."""
-    x = np.sort(x, axis=1)                                 # the NaN padding sorts last
-    k = np.arange(x.shape[0])
-    lo, hi = x[k, (n - 1) // 2], x[k, n // 2]
-    return np.where(n % 2 == 1, hi, (lo + hi) / 2)
-
-
 def _best_shift(a_end: np.ndarray, b_end: np.ndarray, max_shift: int = MAX_SHIFT) -> tuple[int, float, float, int]:
-    """Shift s so that b[i+s] matches a[i]; returns (shift, median diff, MAD, matches). Every candidate shift's
-    differences are one row of a matrix, so the medians of all shifts take two sorts (not two per shift)."""
-    need = max(3, min(a_end.size, b_end.size) // 2)
-    rows = []
+    """Shift s so that b[i+s] matches a[i]; returns (shift, median diff, MAD, matches)."""
+    cands = []
     for s in range(-min(max_shift, a_end.size - 1), min(max_shift, b_end.size - 1) + 1):
         ia0, ib0 = (0, s) if s >= 0 else (-s, 0)
         n = min(a_end.size - ia0, b_end.size - ib0)
-        if n >= need:
-            rows.append((s, ia0, ib0, n))
-    if not rows:
+        if n < max(3, min(a_end.size, b_end.size) // 2):
+            continue
+        d = b_end[ib0:ib0 + n] - a_end[ia0:ia0 + n]
+        med = float(np.median(d))
+        mad = float(np.median(np.abs(d - med)))
+        cands.append((s, med, mad, n))
+    if not cands:
         return 0, float("nan"), float("nan"), 0
-    ns = np.array([r[3] for r in rows])
-    d = np.full((len(rows), int(ns.max())), np.nan)
-    for k, (_s, ia0, ib0, n) in enumerate(rows):
-        d[k, :n] = b_end[ib0:ib0 + n] - a_end[ia0:ia0 + n]
-    med = _row_median(d, ns)
-    mad = _row_median(np.abs(d - med[:, None]), ns)
-    min_mad = float(mad.min())
+    min_mad = min(c[2] for c in cands)
     tol = max(1.5 * min_mad, min_mad + 2_000)  # within 1.5× or 2 µs of the best spread
-    near = [(r[0], float(med[k]), float(mad[k]), r[3]) for k, r in enumerate(rows) if mad[k] <= tol]
-    return min(near, key=lambda c: (abs(c[1]), abs(c[0])))
+    near = [c for c in cands if c[2] <= tol]
+    best = min(near, key=lambda c: (abs(c[1]), abs(c[0])))
+    return best
 
 
 def _groups(rops: list[RankOps], sendrecv: bool) -> list[list[RankOps]]:
