@@ -151,8 +151,9 @@ def analyse(capture: Capture | str | Path, *, window_regex: str | None = None, t
     gaps = _concat(tl["gaps"].filter(pl.col("gap_ns") > int(min_gap_us * 1e3)) for tl in tls)
     t["timeline"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    al = R.align_ranks(rops)
-    cskew = R.collective_skew(rops, al) if len(rops) > 1 else pl.DataFrame()
+    seqs = {r.rank: tl["comm_seq"] for r, tl in zip(rops, tls)}     # made with each rank's timeline
+    al = R.align_ranks(rops, seqs=seqs)
+    cskew = R.collective_skew(rops, al, seqs) if len(rops) > 1 else pl.DataFrame()
     sskew = R.step_skew(rops, al) if len(rops) > 1 else pl.DataFrame()
     slow = R.slow_rank(cskew, sskew, len(rops)) if len(rops) > 1 else {"slow_rank": None,
                                                                         "evidence": "one rank only"}
@@ -187,11 +188,13 @@ def analyse(capture: Capture | str | Path, *, window_regex: str | None = None, t
 
 def rank_timeline(r: RankOps) -> dict[str, pl.DataFrame]:
     """One rank's timeline tables — idle gaps (unfiltered), per-window metrics, device busy, decode
-    interference, communication per collective: each needs that rank alone, so a cluster worker makes them beside
-    the rank's op tables (in parallel, not in the controller one rank after another)."""
+    interference, communication per collective, its collective kernels in order (what the cross-rank matching
+    reads): each needs that rank alone, so a cluster worker makes them beside the rank's op tables (in parallel,
+    not in the controller one rank after another)."""
     g = M.gap_intervals(r)
     return {"gaps": g, "window_metrics": E.window_metrics(r, g), "device_busy": M.device_busy(r),
-            "interference": M.decode_interference(r), "comm_by_collective": M.comm_by_collective([r])}
+            "interference": M.decode_interference(r), "comm_by_collective": M.comm_by_collective([r]),
+            "comm_seq": R.comm_seq(r)}
 
 
 def census(cap: Capture, done: dict[int, pl.DataFrame] | None = None) -> pl.DataFrame:

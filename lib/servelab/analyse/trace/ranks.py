@@ -44,7 +44,9 @@ def _family(name: str) -> str:
     return (p["collective"] or "") + "|" + name.split("(")[0]
 
 
-def _comm_seq(r: RankOps) -> pl.DataFrame:
+def comm_seq(r: RankOps) -> pl.DataFrame:
+    """The rank's collective kernels in start order: family (collective and kernel name), collective, ts_ns, end_ns,
+    seq — what the cross-rank matching reads of a rank (made with its timeline, on the worker that holds it)."""
     c = r.ops.filter((pl.col("cls") == "communication") & pl.col("cat").is_in(list(KERNEL_CATS))).sort("ts_ns")
     if c.height == 0:
         return pl.DataFrame(schema={"family": pl.String, "collective": pl.String, "ts_ns": pl.Int64,
@@ -87,10 +89,11 @@ def _groups(rops: list[RankOps], sendrecv: bool) -> list[list[RankOps]]:
     return [g for g in out.values() if len(g) > 1]
 
 
-def match_collectives(rops: list[RankOps]) -> pl.DataFrame:
+def match_collectives(rops: list[RankOps], seqs: dict[int, pl.DataFrame] | None = None) -> pl.DataFrame:
     """Pairwise matches (reference rank = lowest rank of each group): family, ref_rank, rank, shift,
-    matches, offset_us (median end difference), mad_us, plus the per-match arrays for stragglers."""
-    seqs = {r.rank: _comm_seq(r) for r in rops}
+    matches, offset_us (median end difference), mad_us, plus the per-match arrays for stragglers. ``seqs``: each
+    rank's :func:`comm_seq` where already made."""
+    seqs = seqs if seqs is not None else {r.rank: comm_seq(r) for r in rops}
     rows = []
     for is_sr in (False, True):
         for grp in _groups(rops, is_sr):
@@ -119,7 +122,8 @@ def match_collectives(rops: list[RankOps]) -> pl.DataFrame:
                                       "offset_us": pl.Float64, "mad_us": pl.Float64})
 
 
-def align_ranks(rops: list[RankOps], max_residual_us: float = 50.0) -> Alignment:
+def align_ranks(rops: list[RankOps], max_residual_us: float = 50.0,
+                seqs: dict[int, pl.DataFrame] | None = None) -> Alignment:
     """Estimate per-rank and per-node clock offsets from matched collectives (see module docstring).
 
     Collectives (all-reduce, all-gather, ...) are used first; SendRecv pairs only link ranks that share no
@@ -127,7 +131,7 @@ def align_ranks(rops: list[RankOps], max_residual_us: float = 50.0) -> Alignment
     On a single node nothing is shifted: the estimates are reported as a check of the matching."""
     nodes = {r.rank: r.trace.identity.node for r in rops}
     multi_node = len(set(nodes.values())) > 1
-    m = match_collectives(rops)
+    m = match_collectives(rops, seqs)
     notes: list[str] = []
     if m.height == 0:
         tbl = pl.DataFrame({"rank": [r.rank for r in rops], "node": [nodes[r.rank] for r in rops]})
@@ -195,47 +199,62 @@ def align_ranks(rops: list[RankOps], max_residual_us: float = 50.0) -> Alignment
     return Alignment(offsets, tbl, m, resid, ok, notes)
 
 
-def collective_skew(rops: list[RankOps], alignment: Alignment | None = None) -> pl.DataFrame:
+def collective_skew(rops: list[RankOps], alignment: Alignment | None = None,
+                    seqs: dict[int, pl.DataFrame] | None = None) -> pl.DataFrame:
     """For matched collectives (order-matched within TP groups, after alignment): per rank, how late it
     arrives (kernel start − earliest start among the group) — the rank arriving last makes the others wait.
 
     Columns: rank, collectives, late_p50_us, late_mean_us, last_arrival_pct (share of collectives where this
-    rank started last), wait_caused_ms (sum over collectives where it was last of (its start − earliest))."""
+    rank started last), wait_caused_ms (sum over collectives where it was last of (its start − earliest)).
+    ``seqs``: each rank's :func:`comm_seq` where already made.
+
+    One collective is the k-th kernel of a family on the group's reference rank and the kernels its matched ranks
+    ran for it (their order shift applied): a row of a matrix with one column per rank (the reference first, then
+    the matched ranks in the matches' order — the order that breaks a tie for the last to arrive)."""
     off = alignment.offsets_ns if alignment else {r.rank: 0 for r in rops}
-    m = alignment.matches if alignment is not None else match_collectives(rops)
+    m = alignment.matches if alignment is not None else match_collectives(rops, seqs)
     if m.height == 0:
         return pl.DataFrame()
-    seqs = {r.rank: _comm_seq(r) for r in rops}
-    starts: dict[tuple[str, int, int], dict[int, int]] = {}
-    for row in m.filter(~pl.col("sendrecv")).iter_rows(named=True):
-        fam, ref, rk, s = row["family"], row["ref_rank"], row["rank"], row["shift"]
-        a = seqs[ref].filter(pl.col("family") == fam)["ts_ns"].to_numpy() - off.get(ref, 0)
-        b = seqs[rk].filter(pl.col("family") == fam)["ts_ns"].to_numpy() - off.get(rk, 0)
-        ia0, ib0 = (0, s) if s >= 0 else (-s, 0)
-        n = min(a.size - ia0, b.size - ib0)
-        for i in range(n):
-            d = starts.setdefault((fam, ref, ia0 + i), {ref: int(a[ia0 + i])})
-            d[rk] = int(b[ib0 + i])
-    late: dict[int, list[float]] = {r.rank: [] for r in rops}
+    seqs = seqs if seqs is not None else {r.rank: comm_seq(r) for r in rops}
+    late: dict[int, list[np.ndarray]] = {r.rank: [] for r in rops}
     last: dict[int, int] = {r.rank: 0 for r in rops}
     caused: dict[int, float] = {r.rank: 0.0 for r in rops}
     total = 0
-    for d in starts.values():
-        if len(d) < 2:
+    mm = m.filter(~pl.col("sendrecv"))
+    for (fam, ref), grp in mm.group_by("family", "ref_rank", maintain_order=True):
+        a = seqs[ref].filter(pl.col("family") == fam)["ts_ns"].to_numpy() - off.get(ref, 0)
+        cols, have, ranks = [a], [np.ones(a.size, bool)], [ref]
+        for rk, s in zip(grp["rank"].to_list(), grp["shift"].to_list()):
+            b = seqs[rk].filter(pl.col("family") == fam)["ts_ns"].to_numpy() - off.get(rk, 0)
+            ia0, ib0 = (0, s) if s >= 0 else (-s, 0)
+            n = max(0, min(a.size - ia0, b.size - ib0))
+            c, h = np.zeros(a.size, np.int64), np.zeros(a.size, bool)
+            c[ia0:ia0 + n], h[ia0:ia0 + n] = b[ib0:ib0 + n], True
+            cols.append(c)
+            have.append(h)
+            ranks.append(rk)
+        t, ok = np.column_stack(cols), np.column_stack(have)     # integer ns: epoch times lose digits as floats
+        keep = ok.sum(axis=1) >= 2                               # a collective needs two ranks
+        t, ok = t[keep], ok[keep]
+        if not t.shape[0]:
             continue
-        total += 1
-        t0 = min(d.values())
-        lr = max(d, key=d.get)
-        last[lr] += 1
-        caused[lr] += (d[lr] - t0) / 1e6
-        for rk, t in d.items():
-            late[rk].append((t - t0) / 1e3)
+        total += t.shape[0]
+        t0 = np.where(ok, t, np.iinfo(np.int64).max).min(axis=1)
+        lr = np.where(ok, t, np.iinfo(np.int64).min).argmax(axis=1)   # the first of equal starts, in column order
+        gap = t - t0[:, None]
+        for j, rk in enumerate(ranks):
+            late[rk].append(gap[ok[:, j], j] / 1e3)
+            hit = lr == j
+            last[rk] += int(hit.sum())
+            caused[rk] += float((gap[hit, j] / 1e6).sum())
     if total == 0:
         return pl.DataFrame()
-    rows = [{"rank": rk, "collectives": len(v), "late_p50_us": float(np.median(v)) if v else None,
-             "late_mean_us": float(np.mean(v)) if v else None,
-             "last_arrival_pct": 100 * last[rk] / total if total else None, "wait_caused_ms": caused[rk]}
-            for rk, v in late.items()]
+    rows = []
+    for rk, parts in late.items():
+        v = np.concatenate(parts) if parts else np.empty(0)
+        rows.append({"rank": rk, "collectives": int(v.size), "late_p50_us": float(np.median(v)) if v.size else None,
+                     "late_mean_us": float(np.mean(v)) if v.size else None,
+                     "last_arrival_pct": 100 * last[rk] / total, "wait_caused_ms": caused[rk]})
     return pl.DataFrame(rows).sort("rank")
 
 
