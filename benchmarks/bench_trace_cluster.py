@@ -69,6 +69,7 @@ def run_local(folder: str, cache: str) -> dict:
     q = ten_questions(a)
     wall = time.perf_counter() - t0
     return {"wall_s": round(wall, 2), "timings_s": {k: round(v, 2) for k, v in a.timings_s.items()},
+            "controller_cpu_s": {k: round(v, 2) for k, v in a.cpu_s.items()},
             "ranks": len(a.rops), "events": int(a.ranks["events"].sum()), "answered": int(q["answerable"].sum()),
             "peak_controller_mb": _mb(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss),
             "peak_largest_child_mb": _mb(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)}
@@ -96,6 +97,7 @@ def run_cluster(folder: str, cache: str, workers: int, logs: str) -> dict:
     return {"start_s": round(start, 2), "wall_s": round(wall, 2), "wall_with_start_s": round(start + wall, 2),
             "worker_threads": pools[0] if all(p == pools[0] for p in pools) else pools,
             "timings_s": {k: round(v, 2) for k, v in a.timings_s.items()}, "ranks": len(a.rops),
+            "controller_cpu_s": {k: round(v, 2) for k, v in a.cpu_s.items()},
             "missing": int((a.placement["status"] == "missing").sum()), "events": int(a.ranks["events"].sum()),
             "answered": int(q["answerable"].sum()), "reduce_s_per_rank": {"median": round(float(per.median()), 2),
                                                                            "max": round(float(per.max()), 2)},

@@ -147,6 +147,11 @@ def test_tables_equal_the_local_path(local_cluster, capture, tmp_path):
     assert all(w.startswith("tls://127.0.0.1:") for w in pl_["worker"])      # the locked cluster
     # each rank's Parquet cache is beside its file (where the worker ran)
     assert len(list((folder / ".servelab_cache").glob("*.parquet"))) == len(want.rops)
+    # each step's wall and controller CPU time, the cluster's reduce and fetch before the cross-rank steps
+    steps = ["load", "prepare", "timeline", "ranks", "tables"]
+    assert list(want.timings_s) == list(want.cpu_s) == steps
+    assert list(got.cpu_s) == list(got.timings_s) == ["cluster_reduce", "cluster_fetch", *steps]
+    assert all(v >= 0 for v in got.cpu_s.values()) and got.cpu_s["cluster_fetch"] <= got.cpu_s["cluster_reduce"]
 
 
 @pytest.mark.slow

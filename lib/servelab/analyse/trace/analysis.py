@@ -53,6 +53,8 @@ class CaptureAnalysis:
     stages: pl.DataFrame = field(default_factory=pl.DataFrame)
     comm_by_collective: pl.DataFrame = field(default_factory=pl.DataFrame)
     timings_s: dict[str, float] = field(default_factory=dict)
+    # the controller process' CPU time per step (all its threads): beside timings_s, work told apart from waiting
+    cpu_s: dict[str, float] = field(default_factory=dict)
     # analysed on a cluster (analyse.trace.cluster): where each rank file was parsed, and what the listing found
     placement: pl.DataFrame = field(default_factory=pl.DataFrame)
     cluster_notes: list[str] = field(default_factory=list)
@@ -105,7 +107,7 @@ def analyse(capture: Capture | str | Path, *, window_regex: str | None = None, t
     ``max_capture_gb`` (> 0, a capture folder): over this many GB of rank files only a representative subset is
     loaded (:func:`~servelab.analyse.trace.subset.plan_subset`); ``rank_subset`` says which rank was left out and why.
     """
-    t = {}
+    clock = _Clock()
     rules = load_rules(extra_rules)
     prepared: dict[int, RankOps] = {}
     given = {id(p.rops.trace): p for p in prepared_tables or ()}
@@ -133,24 +135,20 @@ def analyse(capture: Capture | str | Path, *, window_regex: str | None = None, t
         prepared[id(tr)] = prepare(tr, release=True)
 
     stream = not keep_events and not isinstance(capture, Capture)
-    t0 = time.perf_counter()
     only, subset = (plan_subset(capture, max_capture_gb, profile_id, nodes)
                     if max_capture_gb > 0 and not isinstance(capture, Capture) else (None, pl.DataFrame()))
     cap = capture if isinstance(capture, Capture) else load_capture(capture, cache=cache, cache_dir=cache_dir,
                                                                     profile_id=profile_id, nodes=nodes,
                                                                     workers=workers, events=not cache,
                                                                     on_rank=on_rank if stream else None, only=only)
-    t["load"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    clock.lap("load")
     rops = [prepared.pop(id(tr)) if id(tr) in prepared else prepare(tr, release=False) for tr in cap.ranks]
-    t["prepare"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    clock.lap("prepare")
     tls = [timelines.get(id(r.trace)) or rank_timeline(r) for r in rops]
     wm = _concat(tl["window_metrics"] for tl in tls)
     summary = M.summarise_windows(wm) if wm.height else pl.DataFrame()
     gaps = _concat(tl["gaps"].filter(pl.col("gap_ns") > int(min_gap_us * 1e3)) for tl in tls)
-    t["timeline"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    clock.lap("timeline")
     seqs = {r.rank: tl["comm_seq"] for r, tl in zip(rops, tls)}     # made with each rank's timeline
     al = R.align_ranks(rops, seqs=seqs)
     cskew = R.collective_skew(rops, al, seqs) if len(rops) > 1 else pl.DataFrame()
@@ -163,8 +161,7 @@ def analyse(capture: Capture | str | Path, *, window_regex: str | None = None, t
     # pipeline stages share no collective and no step end: the stage view names a stage that holds them back
     slow = {**slow, "slow_stage": stage["slow_stage"], "stage_evidence": stage["evidence"],
             "stage": {k: v for k, v in stage.items() if k not in ("slow_stage", "evidence")}}
-    t["ranks"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    clock.lap("ranks")
     result = CaptureAnalysis(
         capture=cap, rops=rops, window_regex=window_regex, top_n=top_n, ranks=cap.identities(),
         windows=_concat(r.windows for r in rops), window_metrics=wm, summary=summary,
@@ -181,9 +178,23 @@ def analyse(capture: Capture | str | Path, *, window_regex: str | None = None, t
     result.comm_by_collective = cbc if cbc.height else M.comm_by_collective([])
     result.stage_steps, result.stages = st_steps, st_table
     result.rank_subset = subset
-    t["tables"] = time.perf_counter() - t0
-    result.timings_s = t
+    clock.lap("tables")
+    result.timings_s, result.cpu_s = clock.wall, clock.cpu
     return result
+
+
+class _Clock:
+    """Wall and process CPU time of each step since the previous one (or since made)."""
+
+    def __init__(self) -> None:
+        self.wall: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
+        self._t, self._c = time.perf_counter(), time.process_time()
+
+    def lap(self, name: str) -> None:
+        t, c = time.perf_counter(), time.process_time()
+        self.wall[name], self.cpu[name] = t - self._t, c - self._c
+        self._t, self._c = t, c
 
 
 def rank_timeline(r: RankOps) -> dict[str, pl.DataFrame]:
@@ -250,7 +261,7 @@ def write_tables(a: CaptureAnalysis, out_dir: str | Path, extra: dict[str, pl.Da
                       for r in a.rops if r.trace.meta.get("truncated")},
         "alignment": {"ok": a.alignment.alignment_ok, "residual_us": a.alignment.residual_us,
                       "notes": a.alignment.notes},
-        "timings_s": a.timings_s,
+        "timings_s": a.timings_s, "cpu_s": a.cpu_s,
     }
     (out / "trace_analysis.json").write_text(json.dumps(summary, default=str, indent=1))
     paths["analysis"] = str(out / "trace_analysis.json")

@@ -201,7 +201,7 @@ def analyse_on_cluster(cluster: Cluster, trace_dir: str, *, window_regex: str | 
     parsed, attempts, status (parsed / missing) and the reason of a missing one. ``{node}`` in ``trace_dir``
     stands for each node's name (``/data/{node}/capture``), for nodes that keep their traces at other paths."""
     client = cluster.client
-    t_start = time.perf_counter()
+    t_start, c_start = time.perf_counter(), time.process_time()
     hosts = cluster.nodes()
     if not hosts:
         raise TraceFormatError(f"the cluster at {cluster.address} has no workers")
@@ -222,15 +222,15 @@ def analyse_on_cluster(cluster: Cluster, trace_dir: str, *, window_regex: str | 
     failures: dict[int, list[str]] = {}
     gone_since: dict[str, float] = {}
     checked = time.monotonic()
-    fetch_s = 0.0
+    fetch_s = fetch_cpu = 0.0
     while pending:
         done = [f for f in pending if f.done()]
         if not done:
             time.sleep(0.05)
         fin = [f for f in done if f.status == "finished"]
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         got = dict(zip(fin, client.gather(fin))) if fin else {}    # fetched together, from all their workers
-        fetch_s += time.perf_counter() - t0
+        fetch_s, fetch_cpu = fetch_s + time.perf_counter() - t0, fetch_cpu + time.process_time() - c0
         for fut in done:
             i, attempt = pending.pop(fut)
             if fut in got:
@@ -254,7 +254,7 @@ def analyse_on_cluster(cluster: Cluster, trace_dir: str, *, window_regex: str | 
                     pending.pop(fut)
                     failures.setdefault(i, []).append(f"no live worker on node {cluster.node_name(h)} for "
                                                       f"{NODE_GONE_S:.0f} s")
-    t_reduce = time.perf_counter() - t_start
+    t_reduce, c_reduce = time.perf_counter() - t_start, time.process_time() - c_start
     rows, traces, tables = [], [], []
     for i, t in enumerate(todo):
         r = results.get(i)
@@ -297,4 +297,5 @@ def analyse_on_cluster(cluster: Cluster, trace_dir: str, *, window_regex: str | 
     a.cluster_notes = notes
     # cluster_fetch: of cluster_reduce, the time the controller spent fetching the ranks' tables from the workers
     a.timings_s = {"cluster_reduce": t_reduce, "cluster_fetch": fetch_s, **a.timings_s}
+    a.cpu_s = {"cluster_reduce": c_reduce, "cluster_fetch": fetch_cpu, **a.cpu_s}
     return a
