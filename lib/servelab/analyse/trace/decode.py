@@ -289,7 +289,7 @@ def _events_to_frame(events: list[_Event], base_ns: int, categorical: bool = Tru
             vals = [_ranks_text(v) for v in vals]
         else:
             full = _nulls(f, n, pl.Int64)
-            vals = [v if v.__class__ is int and v != _MISSING_INT else None for v in vals]
+            vals = [_int64_or_none(v) for v in vals]
         extra[f] = full.scatter(rows, vals)
     cat = cols["cat"]
     mem_rows = (cat.is_in(["gpu_memcpy", "gpu_memset"])).arg_true().to_list()
@@ -327,6 +327,12 @@ def _finish_frame(frame: pl.DataFrame) -> pl.DataFrame:
     ).select(COLUMNS)
 
 
+def _int64_or_none(v: Any) -> int | None:
+    """An int field's value, or None where absent, not an int, or beyond int64 (as the scanner reads it; polars
+    refuses to put such a value into an Int64 column)."""
+    return v if v.__class__ is int and v != _MISSING_INT and _INT64_MIN <= v <= _INT64_MAX else None
+
+
 def _nulls(name: str, n: int, dtype: pl.DataType) -> pl.Series:
     return pl.repeat(None, n, dtype=dtype, eager=True).alias(name)
 
@@ -336,7 +342,7 @@ def _sparse_int(events: list[_Event], rows: list[int], field: str, n: int) -> pl
     if not rows:
         return None
     vals = list(map(attrgetter(f"args.{field}"), map(events.__getitem__, rows)))
-    vals = [v if v.__class__ is int and v != _MISSING_INT else None for v in vals]
+    vals = [_int64_or_none(v) for v in vals]
     if vals.count(None) == len(vals):
         return None
     return _nulls(field, n, pl.Int64).scatter(rows, vals)
