@@ -216,8 +216,7 @@ def _int_column(values: list, name: str) -> pl.Series:
     try:
         s = pl.Series(name, values, dtype=pl.Int64)
     except (TypeError, OverflowError, pl.exceptions.PolarsError):
-        s = pl.Series(name, [v if v.__class__ is int and _INT64_MIN <= v <= _INT64_MAX else None for v in values],
-                      dtype=pl.Int64)
+        s = pl.Series(name, [_int64_or_none(v) for v in values], dtype=pl.Int64)
     missing = s == _MISSING_INT
     return s.set(missing, None) if missing.any() else s
 

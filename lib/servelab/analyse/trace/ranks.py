@@ -212,10 +212,10 @@ def collective_skew(rops: list[RankOps], alignment: Alignment | None = None,
     ran for it (their order shift applied): a row of a matrix with one column per rank (the reference first, then
     the matched ranks in the matches' order — the order that breaks a tie for the last to arrive)."""
     off = alignment.offsets_ns if alignment else {r.rank: 0 for r in rops}
+    seqs = seqs if seqs is not None else {r.rank: comm_seq(r) for r in rops}
     m = alignment.matches if alignment is not None else match_collectives(rops, seqs)
     if m.height == 0:
         return pl.DataFrame()
-    seqs = seqs if seqs is not None else {r.rank: comm_seq(r) for r in rops}
     late: dict[int, list[np.ndarray]] = {r.rank: [] for r in rops}
     last: dict[int, int] = {r.rank: 0 for r in rops}
     caused: dict[int, float] = {r.rank: 0.0 for r in rops}
