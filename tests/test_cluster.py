@@ -48,6 +48,48 @@ def test_bad_cluster_is_one_line(text):
     assert "\n" not in str(e.value) and ("local[:N]" in str(e.value) or "1..256" in str(e.value))
 
 
+def test_the_code_fingerprint_is_the_packages_code():
+    """An installed copy of the same files has the same fingerprint; one changed byte, or one more module, another."""
+    import tempfile
+
+    from servelab.core.code import code_fingerprint
+    here = code_fingerprint()
+    assert len(here) == 12 and int(here, 16) >= 0
+    with tempfile.TemporaryDirectory() as d:
+        copy = Path(d) / "servelab"
+        shutil.copytree(ROOT / "lib" / "servelab", copy, ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.c"))
+        assert code_fingerprint(copy) == here
+        (copy / "core" / "code.py").write_text((copy / "core" / "code.py").read_text() + "\n")
+        edited = code_fingerprint(copy)
+        (copy / "core" / "code.py").write_text((ROOT / "lib" / "servelab" / "core" / "code.py").read_text())
+        (copy / "core" / "extra.py").write_text("")
+        assert len({here, edited, code_fingerprint(copy)}) == 3
+
+
+def test_a_node_with_another_servelab_is_refused_before_anything_starts(tmp_path):
+    """The node's interpreter imports a copy of servelab with one file edited (another commit, as far as the code
+    goes): the start stops in one line naming the node and both fingerprints; nothing started, no TLS file made."""
+    pytest.importorskip("distributed")
+    from servelab.core.code import code_fingerprint
+    from servelab.deploy.cluster import start_cluster
+    from servelab.deploy.hosts import LocalHost, ProcessTracker
+    lib = tmp_path / "lib"
+    shutil.copytree(ROOT / "lib" / "servelab", lib / "servelab", ignore=shutil.ignore_patterns("__pycache__"))
+    (lib / "servelab" / "analyse" / "trace" / "ranks.py").write_text(
+        (lib / "servelab" / "analyse" / "trace" / "ranks.py").read_text() + "\n# another commit\n")
+    python = tmp_path / "node-python"
+    python.write_text(f"#!/bin/sh\nPYTHONPATH={lib} exec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    host = LocalHost("node1")
+    tracker = ProcessTracker()
+    with pytest.raises(ClusterError) as e:
+        start_cluster([("node1", host, "127.0.0.1")], tracker, tmp_path / "logs", workers=1, python=str(python))
+    msg = str(e.value)
+    assert "\n" not in msg and "node node1: another servelab there" in msg
+    assert code_fingerprint(lib / "servelab") in msg and code_fingerprint() in msg
+    assert not tracker.entries and not (tmp_path / "logs" / "scheduler.json").exists()
+
+
 # ------------------------------------------------------------------------------------------------ helpers
 
 def tables(a, out: Path) -> dict[str, pl.DataFrame]:
@@ -152,6 +194,25 @@ def test_tables_equal_the_local_path(local_cluster, capture, tmp_path):
     assert list(want.timings_s) == list(want.cpu_s) == steps
     assert list(got.cpu_s) == list(got.timings_s) == ["cluster_reduce", "cluster_fetch", *steps]
     assert all(v >= 0 for v in got.cpu_s.values()) and got.cpu_s["cluster_fetch"] <= got.cpu_s["cluster_reduce"]
+
+
+@pytest.mark.slow
+def test_joining_a_cluster_checks_every_workers_servelab(local_cluster):
+    """``tls://`` join with the user's certificates (Dask's configuration): the workers run this servelab, so the join
+    holds; their fingerprints are asked over the cluster (``client.run``), not assumed."""
+    import dask
+
+    from servelab.core.code import code_fingerprint
+    from servelab.deploy.cluster import connect_cluster
+    t = local_cluster.tls
+    with dask.config.set({"distributed.comm.tls.ca-file": t.ca, "distributed.comm.tls.client.cert": t.cert,
+                          "distributed.comm.tls.client.key": t.key}):
+        joined = connect_cluster(local_cluster.address)
+    try:
+        assert not joined.started
+        assert set(joined.client.run(code_fingerprint).values()) == {code_fingerprint()}
+    finally:
+        joined.close()
 
 
 @pytest.mark.slow

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from servelab.core import threads
+from servelab.core.code import code_fingerprint
 from servelab.deploy import cluster_tls
 from servelab.deploy.hosts import HostError, LocalHost, ProcessTracker, connect
 
@@ -136,7 +137,8 @@ def _client(address: str, timeout_s: float, security: Any = None):
 
 
 def connect_cluster(address: str, timeout_s: float = 30.0) -> Cluster:
-    """Join an existing cluster (nothing started or stopped there); its workers must run the same Dask as here."""
+    """Join an existing cluster (nothing started or stopped there); its workers must run the same Dask and the same
+    servelab code (:func:`~servelab.core.code.code_fingerprint`) as here."""
     distributed = require_dask()
     if address.startswith("tls://"):
         own = distributed.Security()          # what the client will present: the TLS files of the Dask config
@@ -156,6 +158,19 @@ def connect_cluster(address: str, timeout_s: float = 30.0) -> Cluster:
     if not client.scheduler_info()["workers"]:
         client.close()
         raise ClusterError(f"the cluster at {address} has no workers")
+    try:
+        codes = client.run(code_fingerprint)
+    except Exception as exc:  # noqa: BLE001  (whatever a worker raised: servelab missing there, most often)
+        client.close()
+        raise ClusterError(f"the workers of {address} cannot run servelab ({type(exc).__name__}: "
+                           f"{str(exc).splitlines()[0] if str(exc) else ''}); install servelab[cluster] where they "
+                           f"run") from None
+    here = code_fingerprint()
+    other = sorted((w, c) for w, c in codes.items() if c != here)
+    if other:
+        client.close()
+        raise ClusterError(f"{len(other)} of {len(codes)} workers of {address} run another servelab (code "
+                           f"{other[0][1]} at {other[0][0]}, here {here}); install this servelab where they run")
     return Cluster(address=address, client=client, started=False, spec=ClusterSpec("address", address=address))
 
 
@@ -195,22 +210,29 @@ def start_cluster(nodes: list[tuple[str, Any, str]], tracker: ProcessTracker, lo
     node. ``nodes``: (name, host object, bind address) per node. ``python``: the interpreter with
     ``servelab[cluster]`` on every node (default: this one's path — the same virtual environment path on each).
 
-    Checks every node first (the interpreter imports Dask distributed and servelab), then sweeps what killed
-    earlier runs left there, then starts. Every process joins ``tracker``; their logs end in ``log_dir``."""
+    Checks every node first (the interpreter imports Dask distributed and servelab, the same Dask version and the
+    same servelab code as here), then sweeps what killed earlier runs left there, then starts. Every process joins
+    ``tracker``; their logs end in ``log_dir``."""
     distributed = require_dask()
     python = python or sys.executable
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    probe = [python, "-c", "import distributed, servelab.analyse.trace.load; print(distributed.__version__)"]
+    probe = [python, "-c", "import distributed, servelab.analyse.trace.load; from servelab.core.code import "
+                           "code_fingerprint; print(distributed.__version__, code_fingerprint())"]
+    here = code_fingerprint()
     for name, host, _ in nodes:
         r = host.run(probe, timeout=120)
         if r.exit_code != 0:
             raise ClusterError(f"node {name}: {python} cannot import Dask distributed and servelab "
                                f"({(r.stderr or r.stdout).strip().splitlines()[-1:] or r.exit_code}); install "
                                f"servelab[cluster] at that path on the node")
-        if r.stdout.strip() != distributed.__version__:
-            raise ClusterError(f"node {name}: Dask distributed {r.stdout.strip()} there, {distributed.__version__} "
-                               f"here; install the same version on every node")
+        version, _, code = r.stdout.strip().rpartition(" ")
+        if version != distributed.__version__:
+            raise ClusterError(f"node {name}: Dask distributed {version or r.stdout.strip()} there, "
+                               f"{distributed.__version__} here; install the same version on every node")
+        if code != here:
+            raise ClusterError(f"node {name}: another servelab there (code {code}, here {here}); install this "
+                               f"checkout's servelab at {python} on every node")
     local = LocalHost("controller")
     local.run_id = run_id
     swept = [row for _, host, _ in nodes for row in host.sweep() + cluster_tls.sweep(host)] + local.sweep() \
