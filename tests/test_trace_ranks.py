@@ -161,6 +161,38 @@ def test_collective_skew_is_the_per_collective_definition(h200):
         assert ((got[c] - want[c]).abs() <= 1e-12 * want[c].abs()).all(), c
 
 
+def _numbered(r, drop: int = 0):
+    """The rank with sequence numbers on its collective kernels (0, 1, 2 … in start order, as PyTorch numbers a
+    group's collectives), the first ``drop`` of them removed (a profiler that started late on this rank)."""
+    comm = (pl.col("cls") == "communication") & pl.col("cat").is_in(list(R.KERNEL_CATS))
+    ops = r.ops.sort("ts_ns").with_columns(
+        pl.when(comm).then(comm.cast(pl.Int64).cum_sum() - 1).otherwise(None).alias("seq"))
+    return dataclasses.replace(r, ops=ops.filter(~(comm & (pl.col("seq") < drop))))
+
+
+def test_a_rank_that_lost_its_first_collectives_is_paired_by_sequence_number(h200):
+    """Rank 1 of the real pair lost its first three all-reduces; with sequence numbers both the matching and the
+    skew pair collective k of rank 0 with collective k of rank 1 — the skew is that of the 653 collectives both
+    have, computed here from their starts (paired by position, every collective would be three off)."""
+    full = [prepare_rank(t) for t in h200.ranks]
+    lost = [_numbered(full[0]), _numbered(full[1], drop=3)]
+    al = R.align_ranks(lost)
+    assert al.matches["matches"].to_list() == [653]
+    got = R.collective_skew(lost, al)
+    seq = [R.comm_seq(r) for r in lost]
+    t = np.column_stack([seq[0]["ts_ns"].to_numpy()[3:] - al.offsets_ns[0], seq[1]["ts_ns"].to_numpy() -
+                         al.offsets_ns[1]])
+    assert (seq[1]["seq"].to_numpy() == np.arange(3, 656)).all()
+    gap = (t - t.min(axis=1, keepdims=True)) / 1e3
+    last = t.argmax(axis=1)
+    assert got["collectives"].to_list() == [653, 653]
+    for j in (0, 1):
+        row = got.row(j, named=True)
+        assert row["late_p50_us"] == pytest.approx(float(np.median(gap[:, j])), rel=1e-12)
+        assert row["late_mean_us"] == pytest.approx(float(np.mean(gap[:, j])), rel=1e-12)
+        assert row["last_arrival_pct"] == pytest.approx(100 * float((last == j).mean()), rel=1e-12)
+
+
 def test_pp_both_stages_busy_matches_interval_arithmetic(h200x2: Path, h200):
     """Label the two ranks as PP stages 0 and 1 and check both-busy / bubble against a plain-Python
     computation over the common wall window."""

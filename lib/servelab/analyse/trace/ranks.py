@@ -98,7 +98,8 @@ def match_collectives(rops: list[RankOps], seqs: dict[int, pl.DataFrame] | None 
     for is_sr in (False, True):
         for grp in _groups(rops, is_sr):
             ref = min(grp, key=lambda r: r.rank)
-            fams = seqs[ref.rank].filter((pl.col("collective") == "SendRecv") == is_sr)["family"].unique().to_list()
+            fams = seqs[ref.rank].filter((pl.col("collective") == "SendRecv") == is_sr)["family"].unique(
+                maintain_order=True).to_list()
             for fam in fams:
                 a = seqs[ref.rank].filter(pl.col("family") == fam)
                 for r in grp:
@@ -209,8 +210,10 @@ def collective_skew(rops: list[RankOps], alignment: Alignment | None = None,
     ``seqs``: each rank's :func:`comm_seq` where already made.
 
     One collective is the k-th kernel of a family on the group's reference rank and the kernels its matched ranks
-    ran for it (their order shift applied): a row of a matrix with one column per rank (the reference first, then
-    the matched ranks in the matches' order — the order that breaks a tie for the last to arrive)."""
+    ran for it — the ones of the same sequence number where both ranks' kernels carry one (as the matching pairs
+    them: a rank that lost its first kernels is paired by number, not by position), else the order shift applied:
+    a row of a matrix with one column per rank (the reference first, then the matched ranks in the matches' order —
+    the order that breaks a tie for the last to arrive)."""
     off = alignment.offsets_ns if alignment else {r.rank: 0 for r in rops}
     seqs = seqs if seqs is not None else {r.rank: comm_seq(r) for r in rops}
     m = alignment.matches if alignment is not None else match_collectives(rops, seqs)
@@ -222,14 +225,19 @@ def collective_skew(rops: list[RankOps], alignment: Alignment | None = None,
     total = 0
     mm = m.filter(~pl.col("sendrecv"))
     for (fam, ref), grp in mm.group_by("family", "ref_rank", maintain_order=True):
-        a = seqs[ref].filter(pl.col("family") == fam)["ts_ns"].to_numpy() - off.get(ref, 0)
+        fa = seqs[ref].filter(pl.col("family") == fam)
+        a = fa["ts_ns"].to_numpy() - off.get(ref, 0)
         cols, have, ranks = [a], [np.ones(a.size, bool)], [ref]
         for rk, s in zip(grp["rank"].to_list(), grp["shift"].to_list()):
-            b = seqs[rk].filter(pl.col("family") == fam)["ts_ns"].to_numpy() - off.get(rk, 0)
-            ia0, ib0 = (0, s) if s >= 0 else (-s, 0)
-            n = max(0, min(a.size - ia0, b.size - ib0))
+            fb = seqs[rk].filter(pl.col("family") == fam)
+            b = fb["ts_ns"].to_numpy() - off.get(rk, 0)
             c, h = np.zeros(a.size, np.int64), np.zeros(a.size, bool)
-            c[ia0:ia0 + n], h[ia0:ia0 + n] = b[ib0:ib0 + n], True
+            if b.size and fa["seq"].null_count() == 0 and fb["seq"].null_count() == 0:
+                c, h = _by_seq(fa["seq"].to_numpy(), fb["seq"].to_numpy(), b)
+            else:
+                ia0, ib0 = (0, s) if s >= 0 else (-s, 0)
+                n = max(0, min(a.size - ia0, b.size - ib0))
+                c[ia0:ia0 + n], h[ia0:ia0 + n] = b[ib0:ib0 + n], True
             cols.append(c)
             have.append(h)
             ranks.append(rk)
@@ -256,6 +264,18 @@ def collective_skew(rops: list[RankOps], alignment: Alignment | None = None,
                      "late_mean_us": float(np.mean(v)) if v.size else None,
                      "last_arrival_pct": 100 * last[rk] / total, "wait_caused_ms": caused[rk]})
     return pl.DataFrame(rows).sort("rank")
+
+
+def _by_seq(a_seq: np.ndarray, b_seq: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For each of the reference's sequence numbers, the matched rank's value of the same number (its first kernel
+    of that number) and whether it has one."""
+    order = np.argsort(b_seq, kind="stable")
+    sb = b_seq[order]
+    pos = np.minimum(np.searchsorted(sb, a_seq), sb.size - 1)
+    hit = sb[pos] == a_seq
+    c = np.zeros(a_seq.size, np.int64)
+    c[hit] = b[order[pos[hit]]]
+    return c, hit
 
 
 def step_skew(rops: list[RankOps], alignment: Alignment | None = None) -> pl.DataFrame:
