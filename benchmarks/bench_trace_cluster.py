@@ -1,6 +1,7 @@
 """Phase 3 of a many-rank capture on a Dask cluster against the single-process streaming path, same run, one JSON:
 
     .venv/bin/python benchmarks/bench_trace_cluster.py [--ranks 64] [--rank-mb 4] [--workers 1,4,8]
+                                                      [--one-core-per-worker] [--no-local]
                                                       [--out benchmarks/results/trace_cluster_DATE.json]
 
 The capture is synthesised in a temporary folder (deleted afterwards) from our real 2 × H200 TP=2 ranks
@@ -18,6 +19,10 @@ and prepared tables written), and computes every table of Phase 3 plus the ten q
   what the workers' pools really had), then ``analyse_on_cluster``: each rank parsed and reduced by one worker,
   the cross-rank steps in the controller. ``start_s`` is the cluster's start (scheduler + workers ready),
   ``wall_s`` the analysis alone, ``wall_with_start_s`` both.
+
+``--one-core-per-worker`` measures scale-out instead: the N workers pinned to N cores of their own (the machine's
+second to N+1-th; every core at N = cores), so each sees one core (one library thread, parsing single-threaded) and
+1 worker is one core; the controller moves to the first core once they started. ``--no-local`` skips ``local``.
 
 Figures: ``speedup_vs_local``, ``fraction_of_linear_vs_1_worker`` (wall of 1 worker / wall of N / N; the aim is
 ≥ 0.8 at 8 workers, ≥ 0.6 at 16), ``cluster_1_over_local`` (aim ≤ 1.15) and ``wall_with_start_over_local``.
@@ -75,15 +80,20 @@ def run_local(folder: str, cache: str) -> dict:
             "peak_largest_child_mb": _mb(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)}
 
 
-def run_cluster(folder: str, cache: str, workers: int, logs: str) -> dict:
+def run_cluster(folder: str, cache: str, workers: int, logs: str, pinned: bool = False) -> dict:
     from servelab.analyse.trace import ten_questions
     from servelab.analyse.trace.cluster import analyse_on_cluster
     from servelab.deploy.cluster import open_cluster
     from servelab.deploy.hosts import ProcessTracker
+    cores = sorted(os.sched_getaffinity(0))
+    if pinned:      # N workers on N cores of their own (each one core: nproc there is N), the controller on another
+        os.sched_setaffinity(0, set(cores[1:workers + 1] if workers < len(cores) else cores))
     with ProcessTracker() as tracker:
         t0 = time.perf_counter()
         c = open_cluster(f"local:{workers}", tracker, logs)
         start = time.perf_counter() - t0
+        if pinned and workers < len(cores):
+            os.sched_setaffinity(0, {cores[0]})
         try:
             t0 = time.perf_counter()
             a = analyse_on_cluster(c, folder, cache_dir=cache)
@@ -124,13 +134,19 @@ def main() -> int:
     ap.add_argument("--ranks", type=int, default=64)
     ap.add_argument("--rank-mb", type=float, default=4.0, help="gzip MB of each synthetic rank")
     ap.add_argument("--workers", default="16,8,4,2,1", help="cluster sizes, run in this order (the slowest last)")
+    ap.add_argument("--one-core-per-worker", action="store_true",
+                    help="scale-out: N workers pinned to N cores of their own (one core each: their thread pools "
+                         "and parsing single-threaded), the controller on the first core; default: N workers share "
+                         "every core (cores // N each)")
+    ap.add_argument("--no-local", action="store_true", help="skip the single-process run")
     ap.add_argument("--label", default="", help="where it ran")
     ap.add_argument("--work-dir", default="")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / f"trace_cluster_{time.strftime('%Y%m%d')}.json"))
     a = ap.parse_args()
     if a.run:
         kind, *rest = a.run
-        res = run_local(*rest) if kind == "local" else run_cluster(rest[0], rest[1], int(rest[2]), rest[3])
+        res = run_local(*rest) if kind == "local" else run_cluster(rest[0], rest[1], int(rest[2]), rest[3],
+                                                                   rest[4:] == ["pinned"])
         print(json.dumps(res))
         return 0
     work = Path(tempfile.mkdtemp(prefix="bench-trace-cluster-", dir=a.work_dir or None))
@@ -165,13 +181,17 @@ def main() -> int:
                           "synth_s": round(time.perf_counter() - t0, 1)}
         print("capture", doc["capture"], flush=True)
         save()
-        doc["runs"]["local"] = measure("local", str(cap), str(work / "cache-local"))
-        save()
+        doc["workers_cores"] = ("one core each, pinned; the controller on its own core" if a.one_core_per_worker
+                                else "every core shared, cores // N each")
+        if not a.no_local:
+            doc["runs"]["local"] = measure("local", str(cap), str(work / "cache-local"))
+            save()
         for w in [int(x) for x in a.workers.split(",") if x]:
             doc["runs"][f"cluster_{w}"] = measure("cluster", str(cap), str(work / f"cache-{w}"), str(w),
-                                                  str(work / f"logs-{w}"))
+                                                  str(work / f"logs-{w}"), *(["pinned"] if a.one_core_per_worker
+                                                                             else []))
             save()
-        base = doc["runs"]["local"].get("wall_s")
+        base = doc["runs"].get("local", {}).get("wall_s")
         doc["speedup_vs_local"] = {k: round(base / r["wall_s"], 2) for k, r in doc["runs"].items()
                                    if base and r.get("wall_s")}
         one = doc["runs"].get("cluster_1", {}).get("wall_s")

@@ -47,8 +47,7 @@ import msgspec
 from bench_trace_vs_hta import shifted_event  # the same copy rule (run from benchmarks/ or with it on sys.path)
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("SERVELAB_SHARED", ROOT.parent / "shared")) / "data"
-H200 = SHARED / "h200x2-20261129" / "traces"
+H200 = ROOT / "data" / "samples" / "h200x2" / "traces"       # our real 2 × H200 TP=2 capture, in the repo
 
 
 def _peak() -> dict:

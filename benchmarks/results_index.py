@@ -114,7 +114,11 @@ def _cluster_engines(d: dict) -> str:
 
 def _trace_cluster(d: dict) -> str:
     cap, runs = d.get("capture") or {}, d.get("runs") or {}
-    out = f"{cap.get('ranks')} ranks ({_f(cap.get('gz_mb'), '.0f')} MB gz): local {_f((runs.get('local') or {}).get('wall_s'), '.3g')} s"
+    out = f"{cap.get('ranks')} ranks ({_f(cap.get('gz_mb'), '.0f')} MB gz)"
+    if str(d.get("workers_cores", "")).startswith("one core"):
+        out += ", one core per worker"
+    if "local" in runs:
+        out += f": local {_f(runs['local'].get('wall_s'), '.3g')} s"
     for k, v in sorted(((k, v) for k, v in runs.items() if k.startswith("cluster_")),
                        key=lambda kv: int(kv[0].removeprefix("cluster_"))):
         out += f", Dask cluster of {k.removeprefix('cluster_')} {_f(v.get('wall_s'), '.3g')} s"
