@@ -90,6 +90,24 @@ def test_a_node_with_another_servelab_is_refused_before_anything_starts(tmp_path
     assert not tracker.entries and not (tmp_path / "logs" / "scheduler.json").exists()
 
 
+def test_a_node_that_cannot_import_servelab_is_one_plain_line(tmp_path):
+    """A node interpreter without the packages (here: the same Python without its site-packages) is named with the
+    import error's own last line — no Python list around it — and nothing starts."""
+    pytest.importorskip("distributed")
+    from servelab.deploy.cluster import start_cluster
+    from servelab.deploy.hosts import LocalHost, ProcessTracker
+    python = tmp_path / "bare-python"
+    python.write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")
+    python.chmod(0o755)
+    tracker = ProcessTracker()
+    with pytest.raises(ClusterError) as e:
+        start_cluster([("node1", LocalHost("node1"), "127.0.0.1")], tracker, tmp_path / "logs", workers=1,
+                      python=str(python))
+    msg = str(e.value)
+    assert "\n" not in msg and "cannot import Dask distributed and servelab (ModuleNotFoundError: No module named" in msg
+    assert "['" not in msg and not tracker.entries
+
+
 # ------------------------------------------------------------------------------------------------ helpers
 
 def tables(a, out: Path) -> dict[str, pl.DataFrame]:

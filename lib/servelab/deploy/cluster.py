@@ -223,9 +223,9 @@ def start_cluster(nodes: list[tuple[str, Any, str]], tracker: ProcessTracker, lo
     for name, host, _ in nodes:
         r = host.run(probe, timeout=120)
         if r.exit_code != 0:
-            raise ClusterError(f"node {name}: {python} cannot import Dask distributed and servelab "
-                               f"({(r.stderr or r.stdout).strip().splitlines()[-1:] or r.exit_code}); install "
-                               f"servelab[cluster] at that path on the node")
+            last = ((r.stderr or r.stdout).strip().splitlines() or [f"exit status {r.exit_code}"])[-1]
+            raise ClusterError(f"node {name}: {python} cannot import Dask distributed and servelab ({last}); install "
+                               f"servelab[cluster] (this servelab) at that path on the node")
         version, _, code = r.stdout.strip().rpartition(" ")
         if version != distributed.__version__:
             raise ClusterError(f"node {name}: Dask distributed {version or r.stdout.strip()} there, "
