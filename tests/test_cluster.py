@@ -48,22 +48,19 @@ def test_bad_cluster_is_one_line(text):
     assert "\n" not in str(e.value) and ("local[:N]" in str(e.value) or "1..256" in str(e.value))
 
 
-def test_the_code_fingerprint_is_the_packages_code():
+def test_the_code_fingerprint_is_the_packages_code(tmp_path):
     """An installed copy of the same files has the same fingerprint; one changed byte, or one more module, another."""
-    import tempfile
-
     from servelab.core.code import code_fingerprint
     here = code_fingerprint()
     assert len(here) == 12 and int(here, 16) >= 0
-    with tempfile.TemporaryDirectory() as d:
-        copy = Path(d) / "servelab"
-        shutil.copytree(ROOT / "lib" / "servelab", copy, ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.c"))
-        assert code_fingerprint(copy) == here
-        (copy / "core" / "code.py").write_text((copy / "core" / "code.py").read_text() + "\n")
-        edited = code_fingerprint(copy)
-        (copy / "core" / "code.py").write_text((ROOT / "lib" / "servelab" / "core" / "code.py").read_text())
-        (copy / "core" / "extra.py").write_text("")
-        assert len({here, edited, code_fingerprint(copy)}) == 3
+    copy = tmp_path / "servelab"
+    shutil.copytree(ROOT / "lib" / "servelab", copy, ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.c"))
+    assert code_fingerprint(copy) == here
+    (copy / "core" / "code.py").write_text((copy / "core" / "code.py").read_text() + "\n")
+    edited = code_fingerprint(copy)
+    (copy / "core" / "code.py").write_text((ROOT / "lib" / "servelab" / "core" / "code.py").read_text())
+    (copy / "core" / "extra.py").write_text("")
+    assert len({here, edited, code_fingerprint(copy)}) == 3
 
 
 def test_a_node_with_another_servelab_is_refused_before_anything_starts(tmp_path):

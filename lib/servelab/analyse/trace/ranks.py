@@ -108,9 +108,10 @@ def match_collectives(rops: list[RankOps], seqs: dict[int, pl.DataFrame] | None 
                     b = seqs[r.rank].filter(pl.col("family") == fam)
                     if a.height < 3 or b.height < 3:
                         continue
-                    if a["seq"].null_count() == 0 and b["seq"].null_count() == 0:
-                        j = a.join(b, on="seq", suffix="_b")
-                        d = (j["end_ns_b"] - j["end_ns"]).to_numpy()
+                    paired = _by_seq(a, b, "end_ns")
+                    if paired is not None:
+                        end_b, hit = paired
+                        d = end_b[hit] - a["end_ns"].to_numpy()[hit]
                         shift, n = 0, d.size
                         med = float(np.median(d)) if n else float("nan")
                         mad = float(np.median(np.abs(d - med))) if n else float("nan")
@@ -230,11 +231,13 @@ def collective_skew(rops: list[RankOps], alignment: Alignment | None = None,
         cols, have, ranks = [a], [np.ones(a.size, bool)], [ref]
         for rk, s in zip(grp["rank"].to_list(), grp["shift"].to_list()):
             fb = seqs[rk].filter(pl.col("family") == fam)
-            b = fb["ts_ns"].to_numpy() - off.get(rk, 0)
-            c, h = np.zeros(a.size, np.int64), np.zeros(a.size, bool)
-            if b.size and fa["seq"].null_count() == 0 and fb["seq"].null_count() == 0:
-                c, h = _by_seq(fa["seq"].to_numpy(), fb["seq"].to_numpy(), b)
+            paired = _by_seq(fa, fb, "ts_ns")
+            if paired is not None:
+                c, h = paired
+                c[h] -= off.get(rk, 0)
             else:
+                b = fb["ts_ns"].to_numpy() - off.get(rk, 0)
+                c, h = np.zeros(a.size, np.int64), np.zeros(a.size, bool)
                 ia0, ib0 = (0, s) if s >= 0 else (-s, 0)
                 n = max(0, min(a.size - ia0, b.size - ib0))
                 c[ia0:ia0 + n], h[ia0:ia0 + n] = b[ib0:ib0 + n], True
@@ -266,15 +269,19 @@ def collective_skew(rops: list[RankOps], alignment: Alignment | None = None,
     return pl.DataFrame(rows).sort("rank")
 
 
-def _by_seq(a_seq: np.ndarray, b_seq: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For each of the reference's sequence numbers, the matched rank's value of the same number (its first kernel
-    of that number) and whether it has one."""
+def _by_seq(a: pl.DataFrame, b: pl.DataFrame, col: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """The one pairing by sequence number (the matching's and the skew's): for each of ``a``'s kernels (the
+    reference's, of one family), ``b``'s ``col`` of the same number — its first kernel of that number — and whether
+    ``b`` has one. None where either side has a kernel without a number (then they are paired by order)."""
+    if not b.height or a["seq"].null_count() or b["seq"].null_count():
+        return None
+    a_seq, b_seq = a["seq"].to_numpy(), b["seq"].to_numpy()
     order = np.argsort(b_seq, kind="stable")
     sb = b_seq[order]
     pos = np.minimum(np.searchsorted(sb, a_seq), sb.size - 1)
     hit = sb[pos] == a_seq
     c = np.zeros(a_seq.size, np.int64)
-    c[hit] = b[order[pos[hit]]]
+    c[hit] = b[col].to_numpy()[order[pos[hit]]]
     return c, hit
 
 
