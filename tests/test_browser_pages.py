@@ -183,6 +183,11 @@ def test_the_consistency_check_reports_nothing(run_dir, monkeypatch):
     names = [f.name for f in read_facts(run_dir)]
     assert len(names) == len(set(names))
     assert {"max_output_tps", "max_tps_concurrency", "max_under_slo_concurrency"} <= set(names)
+    # every number a phase's headline states is one of those facts (the check would report one that is not)
+    for phase, e in json.loads((run_dir / "manifest.json").read_text())["phases"].items():
+        if e.get("status") == "success":
+            assert set(e.get("headline_facts") or {}) == set(e.get("headline") or {}), phase
+            assert set(e["headline_facts"].values()) <= set(names), phase
     monkeypatch.setenv("SERVELAB_OUTPUTS", str(run_dir.parent))
     assert main(["check", run_dir.name]) == 0
 
@@ -192,6 +197,7 @@ def test_an_invalid_p1_is_never_put_forward(run_dir, tmp_path):
     """The issue's run: P1 INVALID because the client fell behind (the reason a Gemma run on this 2-core host gave).
     Phase 1's headline and findings built from this run's real case folders, with P1's verdict INVALID, name P1 as
     not a result and show none of its numbers; nor does the run index built from them."""
+    from servelab.core.facts import plain
     from servelab.core.run import edit_manifest
     from servelab.deploy.targets import load_target
     from servelab.measure import request_metrics as mx
@@ -216,7 +222,7 @@ def test_an_invalid_p1_is_never_put_forward(run_dir, tmp_path):
     said = " ".join(found)
     assert "P1 P50 TTFT" not in said and "INVALID (never shown as results): P1" in said
     assert not any(v in said for v in shown), (shown, said)
-    edit_manifest(copy, lambda m: m["phases"]["phase1"].update(headline=head, findings=found))
+    edit_manifest(copy, lambda m: m["phases"]["phase1"].update(headline=plain(head), findings=found))
     index = write_run_index(copy).read_text()
     row = index.split('<tr><td><a href="phase1/report.html">phase1</a>', 1)[1].split("</tr>", 1)[0]
     assert "not a result: P1 INVALID" in row and not any(v in row.replace("<b>", "").replace("</b>", "")

@@ -310,3 +310,47 @@ def test_phase9_points_without_a_twin_are_said_so_in_a_grammatical_sentence(sour
     text, = cc.findings(Path("."))
     verb = "have" if source == "as served" else "has"
     assert says in text and f") {verb} no measurement of the same shape" in text, text
+
+
+def test_every_headline_number_is_a_recorded_fact_and_the_pages_show_the_fact(outputs):
+    """A phase closes with its headline: every number becomes a fact (a plain value ``<phase>/<key>`` with the unit
+    its key names; a value given as a fact keeps its source, samples and validity), the manifest says which fact each
+    key is, and the index shows the fact. A headline number with no fact behind it, or a manifest number that is not
+    its fact's, is a finding; a re-run replaces the phase's earlier facts."""
+    from servelab.phases import phase4_topology as phase4
+    from servelab.phases.context import finish_phase, phase_context
+    ctx = phase_context(phase4.Params(target="local-tiny", run_id="heads"))
+    accept = fx.make("phase4/acceptance_rate", 0.9, samples=3, kind="acceptance_rate", source="S9_x")
+    entry = finish_phase(ctx, headline={"layouts": 3, "p95_tpot_ms": 12.5, "acceptance_rate": accept})
+    got = {f.name: f for f in fx.read_facts(ctx.run_dir)}
+    assert got["phase4/p95_tpot_ms"].unit == "ms" and got["phase4/p95_tpot_ms"].value == 12.5
+    assert got["phase4/layouts"].value == 3 and "local-tiny" in got["phase4/layouts"].source
+    assert got["phase4/acceptance_rate"].validity == fx.INDICATIVE         # 3 proposals: below the rule of 20
+    assert entry["headline"]["acceptance_rate"] == "0.9 (S9_x, n=3), indicative (n=3)"
+    assert entry["headline_facts"] == {"layouts": "phase4/layouts", "p95_tpot_ms": "phase4/p95_tpot_ms",
+                                       "acceptance_rate": "phase4/acceptance_rate"}
+    assert check_run(ctx.run_dir) == []
+    write_run_index(ctx.run_dir)
+    assert "indicative (n=3)" in (ctx.run_dir / "index.html").read_text()
+
+    # the fact is what the pages show: the index follows facts.jsonl, and the check sees the manifest disagree
+    lines = (ctx.run_dir / fx.FACTS_FILE).read_text().replace('"value": 12.5', '"value": 99.5')
+    (ctx.run_dir / fx.FACTS_FILE).write_text(lines)
+    write_run_index(ctx.run_dir)
+    assert "99.50 ms" in (ctx.run_dir / "index.html").read_text()
+    found = check_run(ctx.run_dir)
+    assert [(f.rule, f.detail) for f in found] == [
+        ("headline against its fact", "p95_tpot_ms = 12.5, the recorded fact: 99.5")]
+
+    # a headline number nobody recorded
+    update_manifest(ctx.run_dir, phases={"phase4": {**entry, "headline": {**entry["headline"], "p95_tpot_ms": 99.5,
+                                                                           "cases": 7}}})
+    found = check_run(ctx.run_dir)
+    assert [(f.where, f.rule) for f in found] == [("phase4 headline", "a headline number without a recorded fact")]
+    assert "cases = 7" in found[0].detail
+
+    # a re-run states its own headline: the key it no longer has is gone from the facts
+    ctx2 = phase_context(phase4.Params(target="local-tiny", run_id="heads"))
+    finish_phase(ctx2, headline={"layouts": 2})
+    assert {f.name: f.value for f in fx.read_facts(ctx.run_dir)} == {"phase4/layouts": 2}
+    assert check_run(ctx.run_dir) == []

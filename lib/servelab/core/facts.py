@@ -71,6 +71,11 @@ class Fact:
     def settled(self) -> bool:
         return not (isinstance(self.value, str) and self.value.startswith("unsettled"))
 
+    def stated(self) -> Any:
+        """What a headline shows: the value where VALID and settled, else the fact as shown (``unsettled: …``,
+        ``…, indicative (n=1)``, ``…, INVALID: not a result``)."""
+        return self.value if self.settled and self.validity == VALID else self.shown()
+
     def shown(self, digits: int = 1) -> str:
         """``71.4 tok/s (D2_c8, n=32)``, ``indicative (n=1)`` added below the rule, ``unsettled: …`` as it is."""
         v = self.value
@@ -95,6 +100,11 @@ def make(name: str, value: Any, *, unit: str = "", source: str = "", samples: in
     validity = INVALID if not source_valid else (VALID if enough(kind, samples if samples is not None else 1)
                                                  else INDICATIVE)
     return Fact(name, value, unit, source, samples, validity, definition, kind, phase, note)
+
+
+def plain(headline: dict[str, Any]) -> dict[str, Any]:
+    """A headline whose values may be facts, as JSON holds it: each fact stated (:meth:`Fact.stated`)."""
+    return {k: v.stated() if isinstance(v, Fact) else v for k, v in headline.items()}
 
 
 def facts_path(run_dir: Path) -> Path:

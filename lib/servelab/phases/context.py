@@ -29,6 +29,7 @@ from servelab.core.notebooks import notebook_path
 from servelab.core.params import PhaseParams, run_phase_checks
 from servelab.core.scope import RunScope
 from servelab.measure import param_checks  # noqa: F401  (registers the phase checks)
+from servelab.report import answers
 from servelab.report.findings import format_value
 from servelab.report.tables import register_table_display
 from servelab.deploy.targets import load_target
@@ -159,7 +160,14 @@ def finish_phase(ctx: PhaseContext, status: str = "success", headline: dict[str,
     """Close the phase in the manifest: status, end time, headline numbers, the findings in sentences (they
     open the page), what was not executed; a phase that did not succeed says why in one line (``error``: the
     terminal, the manifest and the top of the page show it)."""
-    entry = {"status": status, "ended": runlib.now_iso(), "headline": headline or {}, "findings": findings or [],
+    names: dict[str, str] = {}
+    if status == "success" and headline:      # every headline number a recorded fact (a failed attempt keeps the last)
+        origin = "; ".join(str(s.get("what") or "") for s in ctx.sources) or (
+            "recorded sample data" if ctx.from_samples else f"measured on {ctx.target.name}")
+        headline, names = answers.record_headline(ctx.run_dir, ctx.phase, headline, since=ctx.started,
+                                                  origin=f"{ctx.phase}: {origin}")
+    entry = {"status": status, "ended": runlib.now_iso(), "headline": headline or {}, "headline_facts": names,
+             "findings": findings or [],
              "from_samples": ctx.from_samples, "not_executed": not_executed or [], "notes": ctx.notes,
              "sources": list(ctx.sources) or [
                  {"kind": "samples", "what": "recorded sample data (data/samples)"} if ctx.from_samples else

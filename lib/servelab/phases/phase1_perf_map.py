@@ -39,7 +39,7 @@ from servelab.measure.case_rerun import case_command
 from servelab.phases.context import PhaseContext
 from servelab.report.ledger import evidence_frame, record_evidence
 from servelab.report import answers, crosscheck
-from servelab.core.facts import VALID, Fact
+from servelab.core.facts import Fact, make, plain
 
 
 @dataclass(frozen=True)
@@ -115,9 +115,12 @@ class Phase1Result:
             if isinstance(got, str):
                 out[f"{cid}_p50_{metric}"] = got
                 continue
-            out[f"{cid}_p50_{metric}_ms"], out[f"{cid}_{metric}_samples"] = got
+            v, n = got                 # a fact with its case and sample count (core.facts: a P50 needs two)
+            out[f"{cid}_p50_{metric}_ms"] = make(f"phase1/{cid}_p50_{metric}_ms", round(v, 3), unit="ms", source=cid,
+                                                 samples=n, kind="percentile", definition=self.definition)
+            out[f"{cid}_{metric}_samples"] = n
         for f in self.facts:           # one answer per question, as recorded (report.answers)
-            out[f.name] = f.value if f.settled and f.validity == VALID else f.shown()
+            out[f.name] = f
         if self.search is not None:
             out.update(search_stop=self.search.stop_reason, max_successful_c=self.search.max_successful_concurrency)
         if self.m1 is not None:
@@ -297,7 +300,7 @@ def write_phase_tables(phase_dir: Path, res: Phase1Result) -> None:
     if res.m1 is not None:
         res.m1["ab"].to_csv(phase_dir / "m1_ab.csv", index=False)
         res.m1["windows"].to_csv(phase_dir / "m1_windows.csv", index=False)
-    write_json_atomic(phase_dir / "phase1.json", {"headline": res.headline(), "aborted": res.aborted,
+    write_json_atomic(phase_dir / "phase1.json", {"headline": plain(res.headline()), "aborted": res.aborted,
                                                   "not_executed": res.not_executed, "restarts": res.restarts,
                                                   "skipped_on_resume": res.matrix.skipped, "server": res.server})
 

@@ -48,6 +48,7 @@ from servelab.measure.launch_variants import log_reproduce
 from servelab.core.run import read_manifest, write_json_atomic as wj
 from servelab.deploy.engines import engine_for
 from servelab.analyse.serverside import case_serverside
+from servelab.core.facts import plain
 from servelab.core.params import did_you_mean, param, ParamError, PhaseParams
 from servelab.measure.abtest import ab_compare
 from servelab.report import ab_figures
@@ -264,7 +265,7 @@ def write_phase7_tables(phase_dir: Path, res: Phase7Result) -> None:
     record_correctness(phase_dir.parent, phase_dir.name)      # the A/B's greedy-output verdicts as facts (M4)
     if res.confound_ab is not None:
         res.confound_ab.differences.to_csv(phase_dir / "ab_confounded_differences.csv", index=False)
-    wj(phase_dir / "phase7.json", {"headline": res.headline(), "notes": res.notes})
+    wj(phase_dir / "phase7.json", {"headline": plain(res.headline()), "notes": res.notes})
 
 
 # ---------------------------------------------------------------- what the notebook shows

@@ -34,6 +34,7 @@ from servelab.measure.case import max_request_tokens
 from servelab.measure.hit_points import HitPoint, RawHitPoint, measure_points
 from servelab.core.run import write_json_atomic
 from servelab.deploy.engines import engine_for
+from servelab.core.facts import plain
 from servelab.core.params import param, ParamError, PhaseParams
 from servelab.measure.launch_variants import with_launch, log_reproduce
 from servelab.report.ledger import record_evidence
@@ -200,7 +201,7 @@ def write_phase8_tables(phase_dir: Path, res: Phase8Result) -> None:
     res.matrix.to_csv(phase_dir / "hit_rate_matrix.csv", index=False)
     res.kv.to_csv(phase_dir / "kv_usage.csv", index=False)
     res.memory.to_csv(phase_dir / "memory.csv", index=False)
-    write_json_atomic(phase_dir / "phase8.json", {"headline": res.headline(), "notes": res.notes,
+    write_json_atomic(phase_dir / "phase8.json", {"headline": plain(res.headline()), "notes": res.notes,
                                                   "engine": res.engine})
 
 

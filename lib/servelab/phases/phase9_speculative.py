@@ -31,6 +31,7 @@ from servelab.measure import request_metrics as mx
 from servelab.measure.case import max_request_tokens
 from servelab.measure.launch_variants import log_reproduce
 from servelab.measure.spec_points import PointShape, RawSpecPoint, SpecConfig, SpecPoint, measure_configs
+from servelab.core.facts import make, plain
 from servelab.core.run import write_json_atomic, PhaseUnsupported
 from servelab.deploy.engines import engine_for
 from servelab.core.params import param, ParamError, PhaseParams
@@ -120,13 +121,34 @@ class Phase9Result:
         return findings(self, self.run_dir)
 
     def headline(self) -> dict[str, Any]:
+        """Per speculative config and concurrency: acceptance (its sample, the draft tokens proposed over the VALID
+        points), mean accept length, and the net gain (its sample, the fewer completed requests of the two sides) —
+        each a fact with its points, below its sample rule marked indicative (``core.facts``)."""
         out: dict[str, Any] = {"configs": [c.label for c in self.configs], "errors": len(self.errors)}
         for _, r in self.gain.iterrows():
             key = f"{r['config']} C={r['concurrency']}"     # flat keys: one labelled number each on the page
-            out[f"{key} acceptance_rate"] = _rounded(r["acceptance_rate"], 3)
+            spec, off = self._valid(r["config"], r["concurrency"]), self._valid("off", r["concurrency"])
+            src = ", ".join(spec.get("case_id", pd.Series(dtype=str)).astype(str))
+            proposed = int(spec["d_draft_tokens"].sum()) if "d_draft_tokens" in spec.columns else None
+            out[f"{key} acceptance_rate"] = make(f"phase9/{key} acceptance_rate", _rounded(r["acceptance_rate"], 3),
+                                                 source=src, samples=proposed, kind="acceptance_rate")
             out[f"{key} mean_accept_length"] = _rounded(r["mean_accept_length"], 2)
-            out[f"{key} net_gain_pct"] = _rounded(r["net_gain_pct"], 1)
+            gain = _rounded(r["net_gain_pct"], 1)
+            if gain is None:
+                out[f"{key} net_gain_pct"] = None
+                continue
+            done = [int(x["completed"].sum()) for x in (spec, off) if "completed" in x.columns]
+            out[f"{key} net_gain_pct"] = make(f"phase9/{key} net_gain_pct", gain, unit="%", kind="throughput",
+                                              source=f"{src} vs speculation off",
+                                              samples=min(done) if len(done) == 2 else None)
         return out
+
+    def _valid(self, config: str, c: Any) -> pd.DataFrame:
+        """The VALID points of ``config`` at concurrency ``c``."""
+        p = self.points
+        if p.empty or "validity" not in p.columns:
+            return pd.DataFrame()
+        return p[(p["validity"] == "VALID") & (p["config"] == config) & (p["concurrency"] == c)]
 
 
 def _rounded(v: Any, digits: int) -> float | None:
@@ -220,7 +242,7 @@ def write_phase9_tables(phase_dir: Path, res: Phase9Result) -> None:
     res.per_position.to_csv(phase_dir / "per_position.csv", index=False)
     if res.ab is not None:
         write_ab_tables(res.ab, phase_dir)
-    write_json_atomic(phase_dir / "phase9.json", {"headline": res.headline(), "errors": res.errors,
+    write_json_atomic(phase_dir / "phase9.json", {"headline": plain(res.headline()), "errors": res.errors,
                                                   "configs": [asdict(c) for c in res.configs]})
 
 

@@ -6,20 +6,28 @@
   agree the fact names its source; where they do not, its value is ``unsettled: A vs B`` with both.
 - **Correctness of each A/B** (``<phase>/ab_correctness.csv``, greedy outputs of B against A): one fact per B,
   which the milestones read (M4 cannot pass beside a regression).
+- **Every headline number** a phase closes with (:func:`record_headline`, called by ``finish_phase``): a value the
+  phase gave as a :class:`~servelab.core.facts.Fact` (with its source, sample count and kind) is recorded as it is;
+  a key the phase already recorded in this attempt (Phase 1's answers) is that fact; any other value becomes the
+  fact ``<phase>/<key>`` with the unit its key names. The manifest keeps which fact each headline key is, and the
+  findings box and the run index show the fact (:func:`stated_headline`); ``servelab check`` reports a headline
+  number with no fact behind it.
 """
 from __future__ import annotations
 
+import datetime as dt
 import json
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from servelab.core.facts import Fact, make, write_facts
+from servelab.core.facts import Fact, make, read_facts, write_facts
 from servelab.measure import request_metrics as mx
 from servelab.measure.case_record import read_summaries
 from servelab.measure.correctness import correctness_verdict
 from servelab.report import crosscheck
+from servelab.report.findings import split_unit
 
 MAX_TPS, MAX_TPS_C, MAX_UNDER_SLO_C = "max_output_tps", "max_tps_concurrency", "max_under_slo_concurrency"
 
@@ -128,3 +136,51 @@ def correctness_facts(run_dir: Path, phase: str) -> list[Fact]:
 def record_correctness(run_dir: Path, phase: str, extra: list[Fact] | None = None) -> list[Fact]:
     """Write the phase's A/B correctness facts (with ``extra`` facts of the same phase)."""
     return write_facts(run_dir, phase, correctness_facts(run_dir, phase) + list(extra or []))
+
+
+def _plain(v: Any) -> Any:
+    """A headline value as JSON holds it (numpy scalars as Python numbers)."""
+    return v.item() if hasattr(v, "item") and not isinstance(v, (str, bytes)) else v
+
+
+def _not_before(when: str, since: str) -> bool:
+    try:
+        return not since or dt.datetime.fromisoformat(when) >= dt.datetime.fromisoformat(since)
+    except (TypeError, ValueError):
+        return False
+
+
+def record_headline(run_dir: Path, phase: str, headline: dict[str, Any], since: str = "",
+                    origin: str = "") -> tuple[dict[str, Any], dict[str, str]]:
+    """Record every number of ``phase``'s headline as a fact, with the facts the phase wrote in this attempt (at or
+    after ``since``); facts of an earlier attempt of the phase are replaced. Returns the headline as pages show it
+    (each key's fact stated) and each key's fact name. ``origin`` says where the phase's numbers come from (the source
+    of a plain value's fact)."""
+    mine = [f for f in read_facts(run_dir) if f.phase == phase and _not_before(f.recorded, since)]
+    by_name = {f.name: f for f in mine}
+    new: list[Fact] = []
+    shown: dict[str, Any] = {}
+    names: dict[str, str] = {}
+    for key, value in headline.items():
+        if isinstance(value, Fact):
+            f = value
+        elif key in by_name:
+            f = by_name[key]
+        else:
+            f = make(f"{phase}/{key}", _plain(value), unit=split_unit(str(key))[1], source=origin or phase,
+                     phase=phase)
+        if f.name not in by_name or isinstance(value, Fact):
+            new.append(f)
+            by_name[f.name] = f
+        shown[key], names[key] = f.stated(), f.name
+    keep = [f for f in mine if f.name not in {x.name for x in new}]
+    write_facts(run_dir, phase, keep + new)
+    return shown, names
+
+
+def stated_headline(run_dir: Path, entry: dict[str, Any]) -> dict[str, Any]:
+    """A phase's headline read from its facts (the manifest entry names each key's fact); a key without one keeps
+    the manifest's value (a run of an older servelab, which the check reports)."""
+    names = entry.get("headline_facts") or {}
+    got = {f.name: f for f in read_facts(run_dir)} if names else {}
+    return {k: got[names[k]].stated() if names.get(k) in got else v for k, v in (entry.get("headline") or {}).items()}

@@ -13,6 +13,7 @@ from typing import Any, Iterable
 from servelab.core.paths import outputs_root
 from servelab.core.notebooks import NOTEBOOKS
 from servelab.core.run import now_iso, read_manifest
+from servelab.report.answers import stated_headline
 from servelab.report.findings import headline_rows
 from servelab.core.redact import MAX_SCRUB_BYTES, is_text_file, known_secrets, redact_file_bytes
 from servelab.measure.case_record import read_summaries
@@ -104,7 +105,7 @@ def write_run_index(run_dir: Path) -> Path:
         not_exec = e.get("not_executed") or []
         why = (f"<br><small class='why'>{html.escape(str(e['error']))}</small>"
                if status != "success" and e.get("error") else "")
-        headline = e.get("headline", {})
+        headline = stated_headline(run_dir, e)          # each number as its recorded fact states it
         kept = e.get("kept_page") if isinstance(e.get("kept_page"), dict) else None
         if kept and report.exists():
             # a later attempt failed: the page linked is the last good one; the failed attempt's page beside it

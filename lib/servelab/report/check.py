@@ -9,6 +9,8 @@ From the facts (:mod:`servelab.core.facts`):
   of its kind; a Phase 9 point VALID on fewer completed requests than a throughput needs;
 - **headline against its fact** — a phase's headline number for a fact that is not what the fact states (a bare
   number where the fact is unsettled, INDICATIVE or INVALID: an invalid source behind a finding);
+- **a headline number without a recorded fact** — every number a successful phase's headline states is a fact
+  (``report.answers.record_headline``, called when the phase finishes);
 - **milestone against a recorded verdict** — M4's correctness check passing beside a recorded regression.
 
 From the pages (``<phase>/report.html``, ``index.html``): a Python repr (``np.float64(``, ``{'``, ``: None``, a
@@ -279,11 +281,6 @@ def page_findings(run_dir: Path, path: Path, invalid: set[str] | None = None) ->
 
 # ---------------------------------------------------------------- facts
 
-def _stated(f: Any) -> Any:
-    """What a headline may state for fact ``f``: the value where VALID and settled, else the fact as shown."""
-    return f.value if f.settled and f.validity == VALID else f.shown()
-
-
 def fact_findings(run_dir: Path) -> list[Finding]:
     """Contradictions among the facts, and between the facts and what the phases' headlines and the milestones
     state."""
@@ -305,11 +302,16 @@ def fact_findings(run_dir: Path) -> list[Finding]:
     phases = read_manifest(run_dir).get("phases") or {}
     latest = {name: fs[-1] for name, fs in by_name.items()}
     for phase, entry in phases.items():
+        names = entry.get("headline_facts") or {}
         for key, v in (entry.get("headline") or {}).items():
-            f = latest.get(key)
+            f = latest.get(names.get(key) or key)
             if f is None:
+                if entry.get("status") == "success":
+                    out.append(Finding(f"{phase} headline", "a headline number without a recorded fact",
+                                       f"{key} = {v!s}: no fact {names.get(key) or phase + '/' + key} in facts.jsonl "
+                                       "(the phase records its headline when it finishes: run it again)"))
                 continue
-            want = _stated(f)
+            want = f.stated()
             if v != want and not (isinstance(v, (int, float)) and isinstance(want, (int, float))
                                   and abs(float(v) - float(want)) <= 1e-9 * max(1.0, abs(float(want)))):
                 why = ("an INVALID source behind a headline" if f.validity in (INVALID, INDICATIVE)

@@ -13,6 +13,7 @@ from typing import Any
 
 import pandas as pd
 
+from servelab.core.facts import Fact
 from servelab.report.run_summary import phase_sources
 
 # key suffix → unit shown (longest suffixes first)
@@ -94,6 +95,8 @@ def format_value(value: Any) -> str:
 def headline_rows(headline: dict[str, Any]) -> list[tuple[str, str]]:
     rows = []
     for key, value in headline.items():
+        if isinstance(value, Fact):                # a number the phase gave with its source and samples
+            value = value.stated()
         label, unit = split_unit(str(key))
         if is_fraction_key(key) and isinstance(value, (int, float)) and not isinstance(value, bool) \
                 and 0 <= value <= 1:

@@ -24,6 +24,7 @@ from servelab.core.paths import project_root
 from servelab.core.redact import known_secrets, redact, redact_html, scrub_notebook_node
 from servelab.core.run import now_iso
 from servelab.report.commands import commands_html
+from servelab.report.answers import stated_headline
 from servelab.report.findings import findings_html
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "templates"
@@ -95,7 +96,8 @@ def render_notebook(executed: Path, out_html: Path, meta: dict[str, Any], known:
     nb.metadata["servelab"] = {**meta, "rendered": now_iso(),
                                # built here, escaped by their builders: the findings open the page, the commands
                                # section closes it — on every page, whatever the notebook holds
-                               "findings_html": findings_html(entry),
+                               "findings_html": findings_html({**entry, "headline": stated_headline(phase_dir.parent,
+                                                                                                     entry)}),
                                "commands_html": commands_html(phase_dir.parent, phase)}
     exporter = HTMLExporter(template_name="servelab", extra_template_basedirs=[str(TEMPLATES)])
     body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": meta.get("title", executed.stem)}})
