@@ -354,3 +354,20 @@ def test_every_headline_number_is_a_recorded_fact_and_the_pages_show_the_fact(ou
     finish_phase(ctx2, headline={"layouts": 2})
     assert {f.name: f.value for f in fx.read_facts(ctx.run_dir)} == {"phase4/layouts": 2}
     assert check_run(ctx.run_dir) == []
+
+
+def test_a_finding_that_states_another_number_than_its_fact(outputs):
+    """Phase 1's findings name the P50 TTFT of P1 with the number its fact records (as the demo's page words it); a
+    sentence that names the same label with another number — a second answer to one question — is a finding."""
+    rdir = init_run("said", "local-tiny")
+    fx.write_facts(rdir, "phase1", [fx.make("phase1/P1_p50_ttft_ms", 145.583, unit="ms", samples=100,
+                                            kind="percentile"),
+                                    fx.make("phase1/cases", 13)])
+    said = ("13 of 13 cases VALID. P1 P50 TTFT (prefill floor) 145.58 ms, P50 (n=100), D1 P50 TPOT (single stream) "
+            "16.89 ms, P50 (n=11).")
+    box = '<section class="servelab-findings"><ul><li>{}</li></ul></section>'
+    page(rdir, "phase1", box.format(said))
+    assert check_run(rdir) == []
+    page(rdir, "phase1", box.format(said + " Later: P1 P50 TTFT 139.2 ms."))
+    found = [f for f in check_run(rdir) if f.rule == "a finding against its fact"]
+    assert len(found) == 1 and "139.2" in found[0].detail and "phase1/P1_p50_ttft_ms = 145.583" in found[0].detail

@@ -11,7 +11,9 @@ From the facts (:mod:`servelab.core.facts`):
   number where the fact is unsettled, INDICATIVE or INVALID: an invalid source behind a finding);
 - **a headline number without a recorded fact** — every number a successful phase's headline states is a fact
   (``report.answers.record_headline``, called when the phase finishes);
-- **milestone against a recorded verdict** — M4's correctness check passing beside a recorded regression.
+- **milestone against a recorded verdict** — M4's correctness check passing beside a recorded regression;
+- **a finding against its fact** — a page's findings naming one of its phase's facts by its label
+  (``P1 P50 TTFT``) and stating another number beside it.
 
 From the pages (``<phase>/report.html``, ``index.html``): a Python repr (``np.float64(``, ``{'``, ``: None``, a
 ``True``/``nan`` cell), ``nan`` in a sentence, a ``<placeholder>`` in a command, a number in exponent notation, a
@@ -340,12 +342,45 @@ def fact_findings(run_dir: Path) -> list[Finding]:
     return out
 
 
+# a sentence naming a fact's label, then (past words and a parenthesis, never another number or clause) a number
+SAID_GAP = r"(?:\s*\([^()0-9;]{0,40}\))?[^0-9;→:]{0,12}?(?<![\w.])([−-]?\d[\d,]*(?:\.\d+)?)(?![\d.])"
+
+
+def said_against_facts(where: str, said: str, facts: list[Any]) -> list[Finding]:
+    """A number a page's findings state right after a fact's label (``P1 P50 TTFT (prefill floor) 145.58 ms`` for
+    the fact ``phase1/P1_p50_ttft_ms``) that is not the fact's value within the precision shown. Labels of one
+    word (``cases``) and percentages shown from a fraction are not looked for."""
+    from servelab.report.findings import is_fraction_key, split_unit
+    out: list[Finding] = []
+    for f in facts:
+        if isinstance(f.value, bool) or not isinstance(f.value, (int, float)):
+            continue
+        key = f.name.split("/", 1)[-1]
+        label = split_unit(key)[0]
+        if len(label.split()) < 2 or is_fraction_key(key):
+            continue
+        for m in re.finditer(re.escape(label) + SAID_GAP, said):
+            text = m.group(1).replace(",", "").replace("−", "-")
+            digits = len(text.split(".")[1]) if "." in text else 0
+            if abs(float(text) - float(f.value)) > 0.5 * 10 ** -digits + 1e-9 * max(1.0, abs(float(f.value))):
+                out.append(Finding(where, "a finding against its fact",
+                                   f"says {said[m.start():m.end()]!r}; the recorded fact {f.name} = {f.value}"))
+    return out
+
+
 def check_run(run_dir: str | Path) -> list[Finding]:
-    """Every finding of the run: the facts first, then each page (phases in order, then the index)."""
+    """Every finding of the run: the facts first, then each page (phases in order, then the index) — and a page's
+    findings against its phase's facts."""
     run_dir = Path(run_dir)
     out = fact_findings(run_dir)
     invalid = invalid_cases(run_dir)
+    facts = read_facts(run_dir)
     for page in sorted(run_dir.glob("phase*/report.html")) + [run_dir / "index.html"]:
         if page.is_file():
             out += page_findings(run_dir, page, invalid)
+            phase = page.parent.name if page.parent != run_dir else None
+            if phase:
+                said = " ".join("".join(read_page(page).findings).split())
+                out += said_against_facts(str(page.relative_to(run_dir)), said,
+                                          [f for f in facts if f.phase == phase])
     return out
