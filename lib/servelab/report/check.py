@@ -75,6 +75,8 @@ class _Page(HTMLParser):
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         cls = dict(attrs).get("class") or ""
         self.text.append(" ")                 # a tag separates words (<br>, a new cell, a list item)
+        if self._in("servelab-findings"):
+            self.findings.append(" ")
         if tag in self.VOID:
             if tag == "br" and self._cell is not None:
                 self._cell.append("\n")
@@ -342,8 +344,9 @@ def fact_findings(run_dir: Path) -> list[Finding]:
     return out
 
 
-# a sentence naming a fact's label, then (past words and a parenthesis, never another number or clause) a number
-SAID_GAP = r"(?:\s*\([^()0-9;]{0,40}\))?[^0-9;→:]{0,12}?(?<![\w.])([−-]?\d[\d,]*(?:\.\d+)?)(?![\d.])"
+# a sentence naming a fact's label, then (past a parenthesis, a colon or "of"/"is"/"at") a number
+SAID_GAP = (r"(?![\w/])(?:\s*\([^()0-9;]{0,40}\))?[\s:=]{0,3}(?:(?:of|is|was|were|at)\s+)?"
+            r"(?<![\w.])([−-]?\d[\d,]*(?:\.\d+)?)(?![\d.])")
 
 
 def said_against_facts(where: str, said: str, facts: list[Any]) -> list[Finding]:
