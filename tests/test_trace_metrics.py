@@ -301,3 +301,53 @@ def test_comm_per_collective_is_the_per_window_union_summed(h200_rank0):
     got = {(x["kind"], x["collective"]): (x["ops"], round(x["comm_ms"] * 1e6), round(x["exposed_ms"] * 1e6))
            for x in M.comm_by_collective([r]).to_dicts()}
     assert got == want and len(want) >= 2, (got, want)
+
+
+def test_cross_rank_tables_merged_from_each_ranks_share_equal_the_pooled_tables(h200x2: Path):
+    """Each rank makes its share of the cross-rank tables (where it is: a cluster worker) and the controller merges
+    them: the merged kernel breakdown, top kernels, launch delays and NCCL forensics equal one pooled group-by over
+    every rank's rows — sums, counts, means, ranks per kernel and nearest-rank quantiles alike. Four ranks: the
+    real pair and the pair again as ranks 2 and 3, their rows reversed (a share may not depend on row order), a third
+    of their ops left out, the rest three times as long and launched 5 µs earlier (a mean of means or a median of
+    medians would differ)."""
+    from polars.testing import assert_frame_equal
+
+    from servelab.analyse.trace.ops import RankOps
+    a = analyse(h200x2 / "traces", cache=False)
+    rops = list(a.rops)
+    for r in a.rops:
+        tr = type(r.trace)(path=r.trace.path, identity=type(r.trace.identity)(**{**vars(r.trace.identity),
+                                                                                 "rank": r.rank + 2}),
+                           frame=r.trace.frame, meta=r.trace.meta)
+        ops = (r.ops.reverse().filter(pl.int_range(pl.len()) % 3 != 0)
+               .with_columns(pl.lit(r.rank + 2).alias("rank"), pl.col("dur_ns") * 3, pl.col("launch_ts_ns") - 5000))
+        rops.append(RankOps(trace=tr, ops=ops,
+                            windows=r.windows, runtime=r.runtime, window_regex=r.window_regex,
+                            windows_found=r.windows_found))
+    pooled = pl.concat([r.ops for r in rops], how="vertical_relaxed").with_columns(
+        pl.col("kind").fill_null("outside steps"))
+
+    def same(x: pl.DataFrame, y: pl.DataFrame, keys: list[str]) -> None:
+        assert x.height == y.height > 0
+        assert_frame_equal(x.sort(keys).select(y.columns), y.sort(keys), check_dtypes=False, check_exact=False,
+                           rel_tol=1e-12, abs_tol=1e-9)
+
+    want = pooled.group_by("kind", "cls").agg((pl.col("dur_ns").sum() / 1e6).alias("total_ms"), pl.len().alias("ops"))
+    same(M.kernel_breakdown(rops).drop("share_pct"), want, ["kind", "cls"])
+    want = pooled.group_by("kind", "name").agg(pl.len().alias("count"), (pl.col("dur_ns").sum() / 1e6).alias("total_ms"),
+                                               (pl.col("dur_ns").mean() / 1e3).alias("avg_us"),
+                                               pl.col("rank").n_unique().alias("ranks"))
+    got = M.top_kernels(rops, top_n=10**6).select("kind", pl.col("name").cast(pl.String), "count", "total_ms", "avg_us",
+                                                   "ranks")
+    same(got, want.with_columns(pl.col("name").cast(pl.String)), ["kind", "name"])
+    assert set(got["ranks"].to_list()) >= {4}
+    d = pooled.filter(pl.col("launch_ts_ns").is_not_null()).with_columns(
+        pl.when(pl.col("graph")).then(pl.lit("graph")).otherwise(pl.lit("direct")).alias("launch"),
+        (pl.col("ts_ns") - pl.col("launch_ts_ns")).alias("delay_ns"))
+    want = d.group_by("kind", "launch").agg(pl.len().alias("ops"),
+                                            (pl.col("delay_ns").quantile(0.5, "nearest") / 1e3).alias("p50_us"),
+                                            (pl.col("delay_ns").quantile(0.95, "nearest") / 1e3).alias("p95_us"),
+                                            (pl.col("delay_ns").max() / 1e3).alias("max_us"))
+    same(M.launch_stats(rops), want, ["kind", "launch"])
+    same(N.forensics(rops), N.forensics_from([N.comm_ops(rops)]), ["collective", "name", "msg_bytes", "group_size"])
+    assert N.forensics(rops)["ranks"].max() == 4

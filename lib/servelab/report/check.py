@@ -35,6 +35,7 @@ import pandas as pd
 
 from servelab.core.facts import INDICATIVE, INVALID, MIN_SAMPLES, VALID, enough, indicative, read_facts
 from servelab.core.run import read_manifest
+from servelab.report.findings import is_fraction_key, split_unit
 
 
 @dataclass
@@ -353,7 +354,6 @@ def said_against_facts(where: str, said: str, facts: list[Any]) -> list[Finding]
     """A number a page's findings state right after a fact's label (``P1 P50 TTFT (prefill floor) 145.58 ms`` for
     the fact ``phase1/P1_p50_ttft_ms``) that is not the fact's value within the precision shown. Labels of one
     word (``cases``) and percentages shown from a fraction are not looked for."""
-    from servelab.report.findings import is_fraction_key, split_unit
     out: list[Finding] = []
     for f in facts:
         if isinstance(f.value, bool) or not isinstance(f.value, (int, float)):

@@ -162,17 +162,20 @@ def analyse(capture: Capture | str | Path, *, window_regex: str | None = None, t
     slow = {**slow, "slow_stage": stage["slow_stage"], "stage_evidence": stage["evidence"],
             "stage": {k: v for k, v in stage.items() if k not in ("slow_stage", "evidence")}}
     clock.lap("ranks")
+
+    def part(name: str) -> list[pl.DataFrame]:      # each rank's share of a cross-rank table, made with its timeline
+        return [tl[name] for tl in tls]
     result = CaptureAnalysis(
         capture=cap, rops=rops, window_regex=window_regex, top_n=top_n, ranks=cap.identities(),
         windows=_concat(r.windows for r in rops), window_metrics=wm, summary=summary,
-        breakdown=M.kernel_breakdown(rops), top_kernels=M.top_kernels(rops, top_n), gaps=gaps,
-        gap_summary=M.gap_summary(gaps), graph=M.graph_coverage(rops), launch=M.launch_stats(rops),
+        breakdown=M.breakdown_from(part("breakdown")), top_kernels=M.top_from(part("top"), top_n), gaps=gaps,
+        gap_summary=M.gap_summary(gaps), graph=M.graph_from(part("graph")), launch=M.launch_from(part("launch")),
         device_busy=_concat(tl["device_busy"] for tl in tls),
         cpu_threads=_concat(per_rank[id(r.trace)][0] if id(r.trace) in per_rank
                                                    else M.cpu_thread_busy(r) for r in rops),
         alignment=al, collective_skew=cskew, step_skew=sskew, slow_rank=slow,
         pp=R.pp_overlap(rops, al), pp_compute=R.pp_overlap(rops, al, compute_only=True),
-        nccl=N.forensics(rops), interference=_concat(tl["interference"] for tl in tls))
+        nccl=N.forensics_from(part("comm")), interference=_concat(tl["interference"] for tl in tls))
     result.census = census(cap, {k: v[1] for k, v in per_rank.items()})
     cbc = _concat(tl["comm_by_collective"] for tl in tls)       # per rank, made with its timeline
     result.comm_by_collective = cbc if cbc.height else M.comm_by_collective([])
@@ -200,12 +203,16 @@ class _Clock:
 def rank_timeline(r: RankOps) -> dict[str, pl.DataFrame]:
     """One rank's timeline tables — idle gaps (unfiltered), per-window metrics, device busy, decode
     interference, communication per collective, its collective kernels in order (what the cross-rank matching
-    reads): each needs that rank alone, so a cluster worker makes them beside the rank's op tables (in parallel,
-    not in the controller one rank after another)."""
+    reads) — and its shares of the cross-rank tables (kernel breakdown, top kernels, graph coverage, launch delays,
+    communication ops), which the controller merges exactly: each needs that rank alone, so a cluster worker makes
+    them beside the rank's op tables (in parallel, not in the controller one rank after another)."""
     g = M.gap_intervals(r)
     return {"gaps": g, "window_metrics": E.window_metrics(r, g), "device_busy": M.device_busy(r),
             "interference": M.decode_interference(r), "comm_by_collective": M.comm_by_collective([r]),
-            "comm_seq": R.comm_seq(r)}
+            "comm_seq": R.comm_seq(r),
+            # its shares of the cross-rank tables, merged exactly over ranks by the controller (metrics.*_from)
+            "breakdown": M.breakdown_part(r), "top": M.top_part(r), "graph": M.graph_part(r),
+            "launch": M.launch_part(r), "comm": N.comm_ops([r])}
 
 
 def census(cap: Capture, done: dict[int, pl.DataFrame] | None = None) -> pl.DataFrame:

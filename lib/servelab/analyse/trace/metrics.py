@@ -119,33 +119,50 @@ def summarise_windows(wm: pl.DataFrame) -> pl.DataFrame:
         .sort("rank", "_o").drop("_o"))
 
 
-def kernel_breakdown(rops: list[RankOps]) -> pl.DataFrame:
-    """GPU op time per (window kind, class), summed over ranks: total_ms, ops, share_pct of the kind's op time."""
-    ops = pl.concat([r.ops.select("rank", "kind", "cls", "dur_ns") for r in rops], how="vertical_relaxed")
-    ops = ops.with_columns(pl.col("kind").fill_null("outside steps"))
-    g = ops.group_by("kind", "cls").agg((pl.col("dur_ns").sum() / 1e6).alias("total_ms"), pl.len().alias("ops"))
+def breakdown_part(r: RankOps) -> pl.DataFrame:
+    """One rank's share of :func:`kernel_breakdown`: GPU op ns and ops per (kind, class) — made where the rank is
+    (a cluster worker), summed over ranks exactly by :func:`breakdown_from`."""
+    return (r.ops.select(pl.col("kind").fill_null("outside steps"), "cls", "dur_ns")
+            .group_by("kind", "cls").agg(pl.col("dur_ns").sum().alias("ns"), pl.len().alias("ops")))
+
+
+def breakdown_from(parts: list[pl.DataFrame]) -> pl.DataFrame:
+    """:func:`kernel_breakdown` from the ranks' :func:`breakdown_part` tables."""
+    g = (pl.concat(parts, how="vertical_relaxed").group_by("kind", "cls")
+         .agg((pl.col("ns").sum() / 1e6).alias("total_ms"), pl.col("ops").sum().cast(pl.UInt32)))
     return (g.with_columns((100 * pl.col("total_ms") / pl.col("total_ms").sum().over("kind")).alias("share_pct"))
             .with_columns(pl.col("kind").replace_strict({k: i for i, k in enumerate(KIND_ORDER)}, default=99)
                           .alias("_o"))
             .sort("_o", "total_ms", descending=[False, True]).drop("_o"))
 
 
-def top_kernels(rops: list[RankOps], top_n: int = 10, by_kind: bool = True) -> pl.DataFrame:
-    """The ``top_n`` GPU ops by total time (summed over ranks) per window kind.
+def kernel_breakdown(rops: list[RankOps]) -> pl.DataFrame:
+    """GPU op time per (window kind, class), summed over ranks: total_ms, ops, share_pct of the kind's op time."""
+    return breakdown_from([breakdown_part(r) for r in rops])
 
-    Columns: kind, rank_in_kind, kernel (short name), cls, subclass, count, total_ms, avg_us, share_pct
-    (of the kind's GPU op time), ranks (how many ranks ran it), name (full)."""
-    ops = pl.concat([r.ops.select("rank", "kind", "name", "cls", "subclass", "dur_ns") for r in rops],
-                    how="vertical_relaxed").with_columns(pl.col("kind").fill_null("outside steps"))
+
+def top_part(r: RankOps) -> pl.DataFrame:
+    """One rank's share of :func:`top_kernels`: per (kind, name) its class and subclass (the first op's), ops and
+    ns, and the rank — merged exactly by :func:`top_from` (the mean is the summed ns over the summed count)."""
+    return (r.ops.select(pl.col("kind").fill_null("outside steps"), "name", "cls", "subclass", "dur_ns")
+            .group_by("kind", "name", maintain_order=True)
+            .agg(pl.col("cls").first(), pl.col("subclass").first(), pl.len().alias("count"),
+                 pl.col("dur_ns").sum().alias("ns"))
+            .with_columns(pl.lit(r.rank).alias("rank")))
+
+
+def top_from(parts: list[pl.DataFrame], top_n: int = 10, by_kind: bool = True) -> pl.DataFrame:
+    """:func:`top_kernels` from the ranks' :func:`top_part` tables, in rank order (a kernel's class is its first
+    rank's)."""
     keys = ["kind", "name"] if by_kind else ["name"]
-    g = (ops.group_by(*keys).agg(pl.col("cls").first(), pl.col("subclass").first(), pl.len().alias("count"),
-                                 (pl.col("dur_ns").sum() / 1e6).alias("total_ms"),
-                                 (pl.col("dur_ns").mean() / 1e3).alias("avg_us"),
-                                 pl.col("rank").n_unique().alias("ranks")))
-    part = "kind" if by_kind else None
-    if part:
-        g = g.with_columns((100 * pl.col("total_ms") / pl.col("total_ms").sum().over(part)).alias("share_pct"),
-                           pl.col("total_ms").rank("ordinal", descending=True).over(part).alias("rank_in_kind"))
+    g = (pl.concat(parts, how="vertical_relaxed").group_by(*keys, maintain_order=True)
+         .agg(pl.col("cls").first(), pl.col("subclass").first(), pl.col("count").sum().cast(pl.UInt32),
+              (pl.col("ns").sum() / 1e6).alias("total_ms"),
+              (pl.col("ns").sum() / pl.col("count").sum() / 1e3).alias("avg_us"),
+              pl.col("rank").n_unique().alias("ranks")))
+    if by_kind:
+        g = g.with_columns((100 * pl.col("total_ms") / pl.col("total_ms").sum().over("kind")).alias("share_pct"),
+                           pl.col("total_ms").rank("ordinal", descending=True).over("kind").alias("rank_in_kind"))
     else:
         g = g.with_columns((100 * pl.col("total_ms") / pl.col("total_ms").sum()).alias("share_pct"),
                            pl.col("total_ms").rank("ordinal", descending=True).alias("rank_in_kind"),
@@ -157,6 +174,14 @@ def top_kernels(rops: list[RankOps], top_n: int = 10, by_kind: bool = True) -> p
             .sort("_o", "rank_in_kind").drop("_o")
             .select("kind", "rank_in_kind", "kernel", "cls", "subclass", "count", "total_ms", "avg_us", "share_pct",
                     "ranks", pl.col("name").cast(pl.String)))
+
+
+def top_kernels(rops: list[RankOps], top_n: int = 10, by_kind: bool = True) -> pl.DataFrame:
+    """The ``top_n`` GPU ops by total time (summed over ranks) per window kind.
+
+    Columns: kind, rank_in_kind, kernel (short name), cls, subclass, count, total_ms, avg_us, share_pct
+    (of the kind's GPU op time), ranks (how many ranks ran it), name (full)."""
+    return top_from([top_part(r) for r in rops], top_n, by_kind)
 
 
 def device_busy(rops: RankOps, cats: tuple[str, ...] = (*KERNEL_CATS, "gpu_memcpy", "gpu_memset")) -> pl.DataFrame:
@@ -188,20 +213,21 @@ def gap_summary(gaps: pl.DataFrame) -> pl.DataFrame:
             .sort("rank", "position", "kind", "total_ms", descending=[False, False, False, True]))
 
 
-def graph_coverage(rops: list[RankOps]) -> pl.DataFrame:
-    """CUDA-graph coverage per (kind, bs): windows, windows_graphed (≥ 90 % of their ops from a graph
-    launch), ops, graph_op_pct, graph_time_pct (of op time), launchers seen."""
-    parts = []
-    for r in rops:
-        o = r.ops.filter(pl.col("window").is_not_null())
-        per_w = o.group_by("window").agg(pl.len().alias("ops"), pl.col("graph").sum().alias("graph_ops"),
-                                         pl.col("dur_ns").sum().alias("ns"),
-                                         pl.col("dur_ns").filter(pl.col("graph")).sum().alias("graph_ns"),
-                                         pl.col("launcher").drop_nulls().unique().cast(pl.String).sort()
-                                         .str.join(", ")
-                                         .alias("launchers"))
-        parts.append(per_w.join(r.windows.select("window", "kind", "bs"), on="window", how="left")
-                     .with_columns(pl.lit(r.rank).alias("rank")))
+def graph_part(r: RankOps) -> pl.DataFrame:
+    """One rank's share of :func:`graph_coverage`: per step window its ops, graph-launched ops, their ns and the
+    launchers seen, with the window's kind and batch size."""
+    o = r.ops.filter(pl.col("window").is_not_null())
+    per_w = o.group_by("window").agg(pl.len().alias("ops"), pl.col("graph").sum().alias("graph_ops"),
+                                     pl.col("dur_ns").sum().alias("ns"),
+                                     pl.col("dur_ns").filter(pl.col("graph")).sum().alias("graph_ns"),
+                                     pl.col("launcher").drop_nulls().unique().cast(pl.String).sort()
+                                     .str.join(", ").alias("launchers"))
+    return (per_w.join(r.windows.select("window", "kind", "bs"), on="window", how="left")
+            .with_columns(pl.lit(r.rank).alias("rank")))
+
+
+def graph_from(parts: list[pl.DataFrame]) -> pl.DataFrame:
+    """:func:`graph_coverage` from the ranks' :func:`graph_part` tables."""
     if not parts:
         return pl.DataFrame()
     w = pl.concat(parts, how="vertical_relaxed")
@@ -219,22 +245,37 @@ def graph_coverage(rops: list[RankOps]) -> pl.DataFrame:
             .sort("_o", "bs").drop("_o"))
 
 
-def launch_stats(rops: list[RankOps]) -> pl.DataFrame:
-    """Launch → start delay (GPU op start − launch call start, µs) per (kind, launch type), for direct
-    launches and graph launches separately; nearest-rank quantiles."""
-    ops = pl.concat([r.ops.filter(pl.col("launch_ts_ns").is_not_null())
-                     .select("kind", "graph", (pl.col("ts_ns") - pl.col("launch_ts_ns")).alias("delay_ns"))
-                     for r in rops], how="vertical_relaxed")
+def graph_coverage(rops: list[RankOps]) -> pl.DataFrame:
+    """CUDA-graph coverage per (kind, bs): windows, windows_graphed (≥ 90 % of their ops from a graph
+    launch), ops, graph_op_pct, graph_time_pct (of op time), launchers seen."""
+    return graph_from([graph_part(r) for r in rops])
+
+
+def launch_part(r: RankOps) -> pl.DataFrame:
+    """One rank's launch → start delays (ns) with their window kind and launch type: :func:`launch_stats`'
+    quantiles need every value, so a rank's share is its values in three narrow columns, not its op table."""
+    return (r.ops.filter(pl.col("launch_ts_ns").is_not_null())
+            .select(pl.col("kind").fill_null("outside steps"),
+                    pl.when(pl.col("graph")).then(pl.lit("graph")).otherwise(pl.lit("direct")).alias("launch"),
+                    (pl.col("ts_ns") - pl.col("launch_ts_ns")).alias("delay_ns")))
+
+
+def launch_from(parts: list[pl.DataFrame]) -> pl.DataFrame:
+    """:func:`launch_stats` from the ranks' :func:`launch_part` tables."""
+    ops = pl.concat(parts, how="vertical_relaxed") if parts else pl.DataFrame()
     if ops.height == 0:
         return pl.DataFrame()
-    return (ops.with_columns(pl.col("kind").fill_null("outside steps"),
-                             pl.when(pl.col("graph")).then(pl.lit("graph")).otherwise(pl.lit("direct"))
-                             .alias("launch"))
-            .group_by("kind", "launch")
+    return (ops.group_by("kind", "launch")
             .agg(pl.len().alias("ops"), (pl.col("delay_ns").quantile(0.5, "nearest") / 1e3).alias("p50_us"),
                  (pl.col("delay_ns").quantile(0.95, "nearest") / 1e3).alias("p95_us"),
                  (pl.col("delay_ns").max() / 1e3).alias("max_us"))
             .sort("kind", "launch"))
+
+
+def launch_stats(rops: list[RankOps]) -> pl.DataFrame:
+    """Launch → start delay (GPU op start − launch call start, µs) per (kind, launch type), for direct
+    launches and graph launches separately; nearest-rank quantiles."""
+    return launch_from([launch_part(r) for r in rops])
 
 
 def cpu_thread_busy(rops: RankOps) -> pl.DataFrame:
