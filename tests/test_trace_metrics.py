@@ -305,7 +305,7 @@ def test_comm_per_collective_is_the_per_window_union_summed(h200_rank0):
 
 def test_cross_rank_tables_merged_from_each_ranks_share_equal_the_pooled_tables(h200x2: Path):
     """Each rank makes its share of the cross-rank tables (where it is: a cluster worker) and the controller merges
-    them: the merged kernel breakdown, top kernels, launch delays and NCCL forensics equal one pooled group-by over
+    them: the merged kernel breakdown, top kernels and launch delays equal one pooled group-by over
     every rank's rows — sums, counts, means, ranks per kernel and nearest-rank quantiles alike. Four ranks: the
     real pair and the pair again as ranks 2 and 3, their rows reversed (a share may not depend on row order), a third
     of their ops left out, the rest three times as long and launched 5 µs earlier (a mean of means or a median of
@@ -349,5 +349,3 @@ def test_cross_rank_tables_merged_from_each_ranks_share_equal_the_pooled_tables(
                                             (pl.col("delay_ns").quantile(0.95, "nearest") / 1e3).alias("p95_us"),
                                             (pl.col("delay_ns").max() / 1e3).alias("max_us"))
     same(M.launch_stats(rops), want, ["kind", "launch"])
-    same(N.forensics(rops), N.forensics_from([N.comm_ops(rops)]), ["collective", "name", "msg_bytes", "group_size"])
-    assert N.forensics(rops)["ranks"].max() == 4

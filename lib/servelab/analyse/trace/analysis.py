@@ -175,7 +175,7 @@ def analyse(capture: Capture | str | Path, *, window_regex: str | None = None, t
                                                    else M.cpu_thread_busy(r) for r in rops),
         alignment=al, collective_skew=cskew, step_skew=sskew, slow_rank=slow,
         pp=R.pp_overlap(rops, al), pp_compute=R.pp_overlap(rops, al, compute_only=True),
-        nccl=N.forensics_from(part("comm")), interference=_concat(tl["interference"] for tl in tls))
+        nccl=N.forensics(rops), interference=_concat(tl["interference"] for tl in tls))
     result.census = census(cap, {k: v[1] for k, v in per_rank.items()})
     cbc = _concat(tl["comm_by_collective"] for tl in tls)       # per rank, made with its timeline
     result.comm_by_collective = cbc if cbc.height else M.comm_by_collective([])
@@ -203,8 +203,8 @@ class _Clock:
 def rank_timeline(r: RankOps) -> dict[str, pl.DataFrame]:
     """One rank's timeline tables — idle gaps (unfiltered), per-window metrics, device busy, decode
     interference, communication per collective, its collective kernels in order (what the cross-rank matching
-    reads) — and its shares of the cross-rank tables (kernel breakdown, top kernels, graph coverage, launch delays,
-    communication ops), which the controller merges exactly: each needs that rank alone, so a cluster worker makes
+    reads) — and its shares of the cross-rank tables (kernel breakdown, top kernels, graph coverage, launch delays),
+    which the controller merges exactly: each needs that rank alone, so a cluster worker makes
     them beside the rank's op tables (in parallel, not in the controller one rank after another)."""
     g = M.gap_intervals(r)
     return {"gaps": g, "window_metrics": E.window_metrics(r, g), "device_busy": M.device_busy(r),
@@ -212,7 +212,7 @@ def rank_timeline(r: RankOps) -> dict[str, pl.DataFrame]:
             "comm_seq": R.comm_seq(r),
             # its shares of the cross-rank tables, merged exactly over ranks by the controller (metrics.*_from)
             "breakdown": M.breakdown_part(r), "top": M.top_part(r), "graph": M.graph_part(r),
-            "launch": M.launch_part(r), "comm": N.comm_ops([r])}
+            "launch": M.launch_part(r)}
 
 
 def census(cap: Capture, done: dict[int, pl.DataFrame] | None = None) -> pl.DataFrame:

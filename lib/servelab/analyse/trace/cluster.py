@@ -8,7 +8,7 @@ A worker on each node lists the node's trace folder; every rank file is then par
 (beside the file, on that node), prepared (GPU op table, step windows, runtime calls, CPU thread busy, census) by a
 worker pinned to that node, which also makes the rank's own timeline tables (gaps, per-window metrics, device
 busy, decode interference, communication per collective, and its shares of the cross-rank tables — kernel
-breakdown, top kernels, graph coverage, launch delays, communication ops, merged exactly here:
+breakdown, top kernels, graph coverage, launch delays, merged exactly here:
 :func:`~servelab.analyse.trace.analysis.rank_timeline`);
 only those per-rank tables travel back (fetched together as workers finish them) — the rank's runtime API calls,
 read only by its gaps, stay on its node. A worker uses its share of its node's cores

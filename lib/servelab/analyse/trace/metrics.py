@@ -252,11 +252,11 @@ def graph_coverage(rops: list[RankOps]) -> pl.DataFrame:
 
 
 def launch_part(r: RankOps) -> pl.DataFrame:
-    """One rank's launch → start delays (ns) with their window kind and launch type: :func:`launch_stats`'
-    quantiles need every value, so a rank's share is its values in three narrow columns, not its op table."""
+    """One rank's launch → start delays (ns) with their window kind and whether a graph launched them:
+    :func:`launch_stats`' quantiles need every value, so a rank's share is its values in three narrow columns
+    (the kind a categorical code, the graph flag a bit), not its op table."""
     return (r.ops.filter(pl.col("launch_ts_ns").is_not_null())
-            .select(pl.col("kind").fill_null("outside steps"),
-                    pl.when(pl.col("graph")).then(pl.lit("graph")).otherwise(pl.lit("direct")).alias("launch"),
+            .select(pl.col("kind").fill_null("outside steps").cast(pl.Categorical), "graph",
                     (pl.col("ts_ns") - pl.col("launch_ts_ns")).alias("delay_ns")))
 
 
@@ -265,10 +265,13 @@ def launch_from(parts: list[pl.DataFrame]) -> pl.DataFrame:
     ops = pl.concat(parts, how="vertical_relaxed") if parts else pl.DataFrame()
     if ops.height == 0:
         return pl.DataFrame()
-    return (ops.group_by("kind", "launch")
+    return (ops.group_by("kind", "graph")
             .agg(pl.len().alias("ops"), (pl.col("delay_ns").quantile(0.5, "nearest") / 1e3).alias("p50_us"),
                  (pl.col("delay_ns").quantile(0.95, "nearest") / 1e3).alias("p95_us"),
                  (pl.col("delay_ns").max() / 1e3).alias("max_us"))
+            .select(pl.col("kind").cast(pl.String),
+                    pl.when(pl.col("graph")).then(pl.lit("graph")).otherwise(pl.lit("direct")).alias("launch"),
+                    "ops", "p50_us", "p95_us", "max_us")
             .sort("kind", "launch"))
 
 

@@ -162,13 +162,7 @@ def forensics(rops: list[RankOps]) -> pl.DataFrame:
     statistics (µs; nearest-rank quantiles) and bandwidth in GB/s (1e9 B/s) at the median and at the
     fastest instance: algbw = bytes / time, busbw = algbw × nccl-tests factor(n). Kernel time includes
     waiting for late peers, so these are lower bounds of the link's bandwidth."""
-    return forensics_from([comm_ops([r]) for r in rops])
-
-
-def forensics_from(parts: list[pl.DataFrame]) -> pl.DataFrame:
-    """:func:`forensics` from the ranks' own :func:`comm_ops` tables (each made where its rank is), in rank order."""
-    parts = [p for p in parts if p.height]
-    ops = pl.concat(parts, how="vertical_relaxed") if parts else pl.DataFrame()
+    ops = comm_ops(rops)
     if ops.height == 0:
         return pl.DataFrame()
     keys = ["collective", "subclass", "name", "dtype", "msg_bytes", "group_size"]
