@@ -436,3 +436,19 @@ def test_measure_and_report_type_the_run_scope_and_never_probe_it() -> None:
              if rel.startswith(("measure/", "report/"))
              for m in probe.finditer((ROOT / "lib" / "servelab" / rel).read_text())]
     assert found == []
+
+
+@pytest.mark.parametrize("nb", sorted(NOTEBOOKS.glob("*.ipynb")), ids=lambda p: p.stem)
+def test_each_committed_notebook_is_valid_and_has_no_outputs(nb: Path) -> None:
+    """nbformat validates it with no warning (a cell without an id warns on every run, and will be an error) and
+    its code cells carry no outputs or execution counts (executed copies live under outputs/<run_id>/ only)."""
+    import warnings
+
+    import nbformat
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        doc = nbformat.read(nb, as_version=4)
+        nbformat.validate(doc)
+    ids = [c.get("id") for c in doc.cells]
+    assert None not in ids and len(set(ids)) == len(ids)
+    assert all(c.get("outputs", []) == [] and c.get("execution_count") is None for c in doc.cells if c.cell_type == "code")
