@@ -128,12 +128,6 @@ class Packed:
         df.write_ipc(buf, compression="zstd")
         self.data = buf.getvalue()
 
-    def __getstate__(self) -> bytes:
-        return self.data
-
-    def __setstate__(self, data: bytes) -> None:
-        self.data = data
-
     def frame(self) -> pl.DataFrame:
         return pl.read_ipc(io.BytesIO(self.data))
 

@@ -145,7 +145,7 @@ def top_part(r: RankOps) -> pl.DataFrame:
     """One rank's share of :func:`top_kernels`: per (kind, name) its class and subclass (the first op's), ops and
     ns, and the rank — merged exactly by :func:`top_from` (the mean is the summed ns over the summed count)."""
     return (r.ops.select(pl.col("kind").fill_null("outside steps"), "name", "cls", "subclass", "dur_ns")
-            .group_by("kind", "name", maintain_order=True)
+            .group_by("kind", "name")
             .agg(pl.col("cls").first(), pl.col("subclass").first(), pl.len().alias("count"),
                  pl.col("dur_ns").sum().alias("ns"))
             .with_columns(pl.lit(r.rank).alias("rank")))
